@@ -1,0 +1,222 @@
+"""`AcceleratorPlatform`: a platform over a vendor's torch device module.
+
+`torch.cuda` and `torch.npu` (registered by torch_npu) share one API for devices, RNG,
+streams, events and memory, so one class serves both. What differs between vendors
+lives in a `Vendor` record built by `hal/cuda.py` or `hal/npu.py`: how to load the
+module, communication env defaults, profiling ranges and dtype support.
+
+Memory calls go to the vendor module, never to `torch.accelerator`: torch_npu's caching
+allocator is not registered as a torch.accelerator allocator, so the generic calls would
+report nothing on NPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from tidal.hal import rng
+from tidal.hal.offload import OffloadHandle
+from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, describe
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Vendor:
+    """What one accelerator vendor contributes to `AcceleratorPlatform`."""
+
+    kind: str
+    """`cuda` or `npu`."""
+    module: ModuleType
+    """The loaded torch device module (`torch.cuda` or `torch.npu`)."""
+    comm_env: Mapping[str, str]
+    """Environment defaults for the collective library; a value the user set wins."""
+    range_start: Callable[[str], Any]
+    """Open a named profiler range (NVTX / mstx); returns a token for `range_end`."""
+    range_end: Callable[[Any], None]
+    dtype_support: Callable[[], dict[str, bool]]
+    """Support flags keyed `bf16`, `fp16`, `fp64`, `fp8` for the current device."""
+    initialized: Callable[[], bool]
+    """True once changing the visible-devices variable can no longer take effect."""
+
+
+class AcceleratorPlatform:
+    """CUDA or NPU devices as seen by this process."""
+
+    def __init__(self, vendor: Vendor) -> None:
+        self._vendor = vendor
+        self._mod = vendor.module
+        self.descriptor: PlatformDescriptor = describe(vendor.kind, device_count=self._mod.device_count())
+
+    @property
+    def kind(self) -> str:
+        return self._vendor.kind
+
+    def __repr__(self) -> str:
+        return f"AcceleratorPlatform({self.kind}, {self.descriptor.device_count})"
+
+    def _require(self) -> None:
+        if self.device_count() == 0:
+            var = self.descriptor.visible_devices_var
+            raise NoDeviceError(
+                f"this process sees 0 {self.kind} devices ({var}={os.environ.get(var, '<unset>')!r}) "
+                "and cannot compute; check the devices Ray or the launcher assigned to it"
+            )
+
+    # Devices -------------------------------------------------------------------------
+    def device(self, index: int | None = None) -> torch.device:
+        self._require()
+        if index is None:
+            return torch.device(self.kind, self._mod.current_device())
+        count = self.device_count()
+        if not 0 <= index < count:
+            raise IndexError(f"device index {index} out of range: this process sees {count} {self.kind} devices")
+        return torch.device(self.kind, index)
+
+    def set_device(self, device: torch.device | str) -> None:
+        self._require()
+        self._mod.set_device(as_device(device, device_type=self.kind))
+
+    def current_device(self) -> torch.device:
+        return self.device()
+
+    def device_count(self) -> int:
+        return self._mod.device_count()
+
+    def synchronize(self, device: torch.device | str | None = None) -> None:
+        self._require()
+        self._mod.synchronize(None if device is None else as_device(device, device_type=self.kind))
+
+    # RNG -----------------------------------------------------------------------------
+    def seed_all(self, seed: int) -> None:
+        rng.seed_all(seed, self._mod)
+
+    def get_rng_state(self) -> dict[str, Any]:
+        return rng.get_state(self._mod)
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        rng.set_state(state, self._mod)
+
+    def fork_rng(self) -> AbstractContextManager[None]:
+        return rng.fork(self._mod)
+
+    # Streams and events ----------------------------------------------------------------
+    def new_stream(self) -> Any:
+        self._require()
+        return self._mod.Stream()
+
+    def new_event(self, *, enable_timing: bool = False) -> Any:
+        self._require()
+        return self._mod.Event(enable_timing=enable_timing)
+
+    def current_stream(self) -> Any:
+        self._require()
+        return self._mod.current_stream()
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return self._mod.stream(stream)
+
+    # Memory --------------------------------------------------------------------------
+    def memory_allocated(self) -> int:
+        self._require()
+        return self._mod.memory_allocated()
+
+    def memory_reserved(self) -> int:
+        self._require()
+        return self._mod.memory_reserved()
+
+    def max_memory_allocated(self) -> int:
+        self._require()
+        return self._mod.max_memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        self._require()
+        self._mod.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        if self.device_count():
+            self._mod.empty_cache()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        self._require()
+        free, total = self._mod.mem_get_info()
+        return int(free), int(total)
+
+    @property
+    def pin_memory(self) -> bool:
+        return True
+
+    def offload(
+        self, *, module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> OffloadHandle:
+        """Move parameters, gradients and optimizer state to pinned host memory."""
+        handle = OffloadHandle(
+            module=module,
+            optimizer=optimizer,
+            device=self.current_device(),
+            new_event=self.new_event,
+            pin=True,
+            copy=True,
+        )
+        self.empty_cache()
+        return handle
+
+    # Dtypes --------------------------------------------------------------------------
+    def dtype_support(self) -> dict[str, bool]:
+        self._require()
+        return self._vendor.dtype_support()
+
+    # Environment and collectives -------------------------------------------------------
+    def set_visible_devices(self, ids: Sequence[int]) -> None:
+        """Restrict the devices this process sees; only possible before the vendor starts."""
+        var = self.descriptor.visible_devices_var
+        assert var is not None
+        if self._vendor.initialized():
+            raise RuntimeError(
+                f"{var} must be set before {self.kind} is initialised in this process; set it in "
+                "the launcher or the Ray actor's runtime_env instead"
+            )
+        os.environ[var] = ",".join(str(i) for i in ids)
+
+    def comm_env_defaults(self) -> dict[str, str]:
+        return dict(self._vendor.comm_env)
+
+    def apply_comm_env(self) -> dict[str, str]:
+        """Set every communication default the user has not set; return what was set."""
+        applied = {k: v for k, v in self._vendor.comm_env.items() if k not in os.environ}
+        os.environ.update(applied)
+        return applied
+
+    @property
+    def process_group_backend(self) -> str:
+        # Host tensors (metadata, barriers) over gloo, device tensors over nccl / hccl.
+        return f"cpu:gloo,{self.kind}:{self.descriptor.dist_backend}"
+
+    def init_process_group(
+        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        self._require()
+        self.apply_comm_env()
+        torch.distributed.init_process_group(
+            backend=self.process_group_backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+        )
+
+    # Profiling -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def profile_range(self, name: str) -> Iterator[None]:
+        token = self._vendor.range_start(name)
+        try:
+            yield
+        finally:
+            self._vendor.range_end(token)

@@ -1,0 +1,196 @@
+"""The CPU platform, and the `fake:<kind>:<n>` platforms built on it.
+
+A fake platform computes on CPU tensors and uses gloo, but its descriptor reports the
+kind and device count it imitates (`fake:npu:8` says: 8 NPUs, dist backend hccl, Ray
+resource NPU). Placement, transport selection and mixed NPU+GPU logic read only the
+descriptor, so they run in CI exactly as they would on the real cluster. Unlike the
+plain CPU platform, a fake one really copies on `offload`/`onload`, so the offload path
+is exercised without an accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import torch
+
+from tidal.hal import rng
+from tidal.hal.offload import OffloadHandle
+from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, describe
+
+_CPU = torch.device("cpu")
+
+
+def _proc_status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class CpuPlatform:
+    """Host-only platform. Memory figures are this process's resident set size."""
+
+    def __init__(self, descriptor: PlatformDescriptor | None = None) -> None:
+        self.descriptor = descriptor or describe("cpu", device_count=1)
+        self._peak_fallback = 0
+
+    @property
+    def kind(self) -> str:
+        return self.descriptor.kind
+
+    def __repr__(self) -> str:
+        d = self.descriptor
+        return f"FakePlatform({d.kind}, {d.device_count})" if d.fake else "CpuPlatform()"
+
+    # Devices -------------------------------------------------------------------------
+    def device(self, index: int | None = None) -> torch.device:
+        count = self.descriptor.device_count
+        if count == 0:
+            raise NoDeviceError(
+                f"this process was given 0 {self.kind} devices (fake platform) and cannot compute; "
+                f"give it at least one with TIDAL_DEVICE=fake:{self.kind}:<n>"
+            )
+        if index is not None and not 0 <= index < count:
+            raise IndexError(f"device index {index} out of range: this process sees {count} {self.kind} devices")
+        return _CPU
+
+    def set_device(self, device: torch.device | str) -> None:
+        as_device(device, device_type="cpu")
+
+    def current_device(self) -> torch.device:
+        return self.device()
+
+    def device_count(self) -> int:
+        return self.descriptor.device_count
+
+    def synchronize(self, device: torch.device | str | None = None) -> None:
+        return None
+
+    # RNG -----------------------------------------------------------------------------
+    def seed_all(self, seed: int) -> None:
+        rng.seed_all(seed)
+
+    def get_rng_state(self) -> dict[str, Any]:
+        return rng.get_state()
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        rng.set_state(state)
+
+    def fork_rng(self) -> AbstractContextManager[None]:
+        return rng.fork()
+
+    # Streams and events ----------------------------------------------------------------
+    def new_stream(self) -> NoopStream:
+        return NoopStream()
+
+    def new_event(self, *, enable_timing: bool = False) -> NoopEvent:
+        return NoopEvent(enable_timing=enable_timing)
+
+    def current_stream(self) -> NoopStream:
+        return NoopStream()
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext(stream)
+
+    # Memory --------------------------------------------------------------------------
+    def memory_allocated(self) -> int:
+        return psutil.Process().memory_info().rss
+
+    def memory_reserved(self) -> int:
+        return psutil.Process().memory_info().rss
+
+    def max_memory_allocated(self) -> int:
+        """Peak resident set size since start or the last `reset_peak_memory_stats`."""
+        hwm_kb = _proc_status_kb("VmHWM")
+        if hwm_kb is not None:
+            return hwm_kb * 1024
+        self._peak_fallback = max(self._peak_fallback, self.memory_allocated())
+        return self._peak_fallback
+
+    def reset_peak_memory_stats(self) -> None:
+        # Linux resets VmHWM to the current RSS when 5 is written to clear_refs.
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self._peak_fallback = self.memory_allocated()
+
+    def empty_cache(self) -> None:
+        return None
+
+    def mem_get_info(self) -> tuple[int, int]:
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
+    @property
+    def pin_memory(self) -> bool:
+        return False
+
+    def offload(
+        self, *, module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> OffloadHandle:
+        """On the real CPU platform this moves nothing; a fake platform copies for real."""
+        return OffloadHandle(
+            module=module,
+            optimizer=optimizer,
+            device=self.device(),
+            new_event=self.new_event,
+            pin=False,
+            copy=self.descriptor.fake,
+        )
+
+    # Dtypes --------------------------------------------------------------------------
+    def dtype_support(self) -> dict[str, bool]:
+        # float8 tensors exist on CPU but have no arithmetic kernels.
+        return {"bf16": True, "fp16": True, "fp64": True, "fp8": False}
+
+    # Environment and collectives -------------------------------------------------------
+    def set_visible_devices(self, ids: Sequence[int]) -> None:
+        var = self.descriptor.visible_devices_var
+        if var is None:
+            raise ValueError("the cpu platform has no visible-devices variable")
+        os.environ[var] = ",".join(str(i) for i in ids)
+
+    def comm_env_defaults(self) -> dict[str, str]:
+        return {}
+
+    def apply_comm_env(self) -> dict[str, str]:
+        return {}
+
+    @property
+    def process_group_backend(self) -> str:
+        return "gloo"
+
+    def init_process_group(
+        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        torch.distributed.init_process_group(
+            backend=self.process_group_backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+        )
+
+    # Profiling -----------------------------------------------------------------------
+    def profile_range(self, name: str) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def fake_platform(kind: str, num_devices: int) -> CpuPlatform:
+    """A platform that computes on CPU but reports `num_devices` devices of `kind`."""
+    if num_devices < 0:
+        raise ValueError(f"a fake platform needs num_devices >= 0, got {num_devices}")
+    return CpuPlatform(describe(kind, device_count=num_devices, fake=True))
+

@@ -1,0 +1,100 @@
+"""Move a module's parameters, gradients and an optimizer's state to host memory and back.
+
+Colocated layouts time-share devices between rollout and training: while the rollout
+engine runs, the trainer's weights, gradients and AdamW moments wait in (pinned) host
+memory. `offload` copies every tensor to a host buffer, waits for the copies with an
+event (never reading a host buffer an asynchronous copy may still be writing), and
+points the module and optimizer at the host buffers so the device memory is freed.
+`OffloadHandle.onload` copies them back and drops the host buffers, so the host memory
+is released as soon as the onload returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_Setter = Callable[[torch.Tensor], None]
+
+
+def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, _Setter]]:
+    """Every tensor to move, each with a function that points its owner at a new tensor."""
+    slots: list[tuple[torch.Tensor, _Setter]] = []
+    if module is not None:
+        for p in module.parameters():
+            slots.append((p.data, lambda t, p=p: setattr(p, "data", t)))
+            if p.grad is not None:
+                slots.append((p.grad, lambda t, p=p: setattr(p, "grad", t)))
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    slots.append((value, lambda t, s=state, k=key: s.__setitem__(k, t)))
+    return slots
+
+
+class OffloadHandle:
+    """What `Platform.offload` returns; call `onload()` once to move everything back."""
+
+    def __init__(
+        self,
+        *,
+        module: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        new_event: Callable[[], Any],
+        pin: bool,
+        copy: bool,
+    ) -> None:
+        self._module, self._optimizer = module, optimizer
+        self._device, self._new_event = device, new_event
+        self._live = True
+        self._host: list[torch.Tensor] = []
+        self.num_bytes = 0
+        if not copy:
+            return  # The device is host memory already; there is nothing to move.
+        slots = _slots(module, optimizer)
+        for tensor, set_tensor in slots:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            host.copy_(tensor, non_blocking=pin)
+            self._host.append(host)
+            self.num_bytes += host.numel() * host.element_size()
+        self._wait()
+        for (_, set_tensor), host in zip(slots, self._host):
+            set_tensor(host)
+
+    @property
+    def offloaded(self) -> bool:
+        return self._live
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host buffers now holding the data (empty once onloaded)."""
+        return list(self._host)
+
+    def onload(self) -> None:
+        """Copy everything back to the device and release the host buffers."""
+        if not self._live:
+            raise RuntimeError("onload() called twice for the same offload")
+        self._live = False
+        if not self._host:
+            return
+        slots = _slots(self._module, self._optimizer)
+        assert len(slots) == len(self._host), "module or optimizer changed while offloaded"
+        moved = []
+        for host in self._host:
+            # An explicit allocation, not `.to()`: on a fake platform the device is the
+            # CPU and `.to()` would keep the host buffer alive as the "device" tensor.
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=self._device)
+            tensor.copy_(host, non_blocking=True)
+            moved.append(tensor)
+        self._wait()
+        for (_, set_tensor), tensor in zip(slots, moved):
+            set_tensor(tensor)
+        self._host.clear()
+
+    def _wait(self) -> None:
+        event = self._new_event()
+        event.record()
+        event.synchronize()

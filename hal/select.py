@@ -1,0 +1,130 @@
+"""Choosing this process's platform.
+
+Order: the `TIDAL_DEVICE` variable, then the recipe's `device:` key, then detection
+(NPU, then CUDA, then CPU). Detection imports nothing vendor-specific and creates no
+device context. A platform that was asked for but cannot load is an error saying what is
+missing; tidal never falls back from an accelerator to CPU on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+
+import torch
+
+from tidal.hal import cuda, npu
+from tidal.hal.cpu import CpuPlatform, fake_platform
+from tidal.hal.platform import KINDS, Platform
+
+ENV_VAR = "TIDAL_DEVICE"
+VALID_SPECS = "auto, cpu, cuda, npu, fake:<kind>:<n> (kind one of cuda, npu, cpu; n >= 0), e.g. fake:npu:8"
+_FAKE = re.compile(r"^fake:(?P<kind>[a-z]+):(?P<n>\d+)$")
+
+_LOADERS: dict[str, Callable[[], Platform]] = {"cpu": CpuPlatform, "cuda": cuda.load, "npu": npu.load}
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The chosen platform and how it was chosen (what `tidal doctor` prints)."""
+
+    platform: Platform
+    spec: str
+    """The resolved spec, e.g. `cpu` or `fake:npu:8`."""
+    chosen_by: str
+    """`TIDAL_DEVICE`, `recipe device key` or `detection`."""
+    reason: str
+
+
+def check_spec(spec: str, *, source: str = ENV_VAR) -> str:
+    """Return `spec` normalised, or raise ValueError naming `source` and the valid values."""
+    text = spec.strip().lower()
+    if text in ("auto", *KINDS):
+        return text
+    m = _FAKE.match(text)
+    if m and m["kind"] in KINDS:
+        return text
+    raise ValueError(f"{source}={spec!r} is not a platform; valid values: {VALID_SPECS}")
+
+
+def detect() -> tuple[str, str]:
+    """Pick a kind without importing torch_npu or creating a CUDA context; return (kind, why)."""
+    if npu.installed():
+        return "npu", "torch_npu is installed"
+    if cuda.available():
+        return "cuda", f"torch {torch.__version__} sees {torch.cuda.device_count()} CUDA device(s)"
+    why = "torch_npu is not installed"
+    if not torch.backends.cuda.is_built():
+        why += f"; torch {torch.__version__} was built without CUDA"
+    else:
+        why += "; no CUDA device is visible"
+    return "cpu", why
+
+
+def availability() -> dict[str, tuple[bool, str]]:
+    """For each kind, whether it looks loadable here and why, importing no vendor module."""
+    if npu.installed():
+        npu_state = (True, "torch_npu is installed (CANN is checked when it loads)")
+    else:
+        npu_state = (False, "needs torch_npu and the CANN toolkit")
+    if cuda.available():
+        cuda_state = (True, f"{torch.cuda.device_count()} CUDA device(s) visible")
+    elif not torch.backends.cuda.is_built():
+        cuda_state = (False, f"needs a CUDA build of torch (this is {torch.__version__})")
+    else:
+        cuda_state = (False, "no CUDA device is visible")
+    return {"cpu": (True, "cpu is always available"), "cuda": cuda_state, "npu": npu_state}
+
+
+def load(spec: str) -> Platform:
+    """Load the platform for a checked, non-auto spec."""
+    m = _FAKE.match(spec)
+    if m:
+        return fake_platform(m["kind"], int(m["n"]))
+    return _LOADERS[spec]()
+
+
+def select_platform(recipe_device: str | None = None) -> Selection:
+    """Choose and load a platform (not cached; see `init_platform`)."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and check_spec(env) != "auto":
+        spec, chosen_by, reason = check_spec(env), ENV_VAR, f"{ENV_VAR}={env}"
+    elif recipe_device and check_spec(recipe_device, source="device") != "auto":
+        spec = check_spec(recipe_device, source="device")
+        chosen_by, reason = "recipe device key", f"recipe device: {recipe_device}"
+    else:
+        spec, reason = detect()
+        chosen_by = "detection"
+    return Selection(platform=load(spec), spec=spec, chosen_by=chosen_by, reason=reason)
+
+
+_current: Selection | None = None
+
+
+def init_platform(recipe_device: str | None = None) -> Selection:
+    """Select this process's platform once; later calls return the same selection.
+
+    Raises:
+        RuntimeError: a later call names a different platform than the one selected.
+    """
+    global _current
+    if _current is None:
+        _current = select_platform(recipe_device)
+        return _current
+    wanted = check_spec(recipe_device, source="device") if recipe_device else "auto"
+    if wanted not in ("auto", _current.spec) and _current.chosen_by != ENV_VAR:
+        raise RuntimeError(f"this process already runs on platform {_current.spec!r}; it cannot switch to {wanted!r}")
+    return _current
+
+
+def current_platform() -> Platform:
+    """The process's platform, selected on first use."""
+    return init_platform().platform
+
+
+def reset_platform() -> None:
+    """Forget the selected platform (tests and tools that switch platforms)."""
+    global _current
+    _current = None

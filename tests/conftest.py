@@ -1,0 +1,54 @@
+"""Test-session settings shared by every folder.
+
+Hardware markers: `gpu` tests run only where CUDA is usable, `npu` tests only where
+torch_npu is installed; elsewhere they are skipped with the reason. CPU is the default.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tidal.hal import cuda, npu
+
+    have = {"gpu": cuda.available(), "npu": npu.installed()}
+    for item in items:
+        for marker, ok in have.items():
+            if item.get_closest_marker(marker) and not ok:
+                item.add_marker(pytest.mark.skip(reason=f"needs a real {marker.upper()}"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test selects its platform from a clean slate."""
+    from tidal.hal import reset_platform
+
+    monkeypatch.delenv("TIDAL_DEVICE", raising=False)
+    reset_platform()
+    yield
+    reset_platform()
+
+
+def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real `tidal` command (the console script beside this interpreter)."""
+    full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
+    full_env.update(env or {})
+    exe = Path(sys.executable).with_name("tidal")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tidal.tools.cli"]
+    return subprocess.run([*cmd, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def tidal_cli():
+    return run_tidal

@@ -1,0 +1,222 @@
+"""Selection, descriptors, and every platform concern on the cpu and fake platforms."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from tidal import hal
+from tidal.hal.cpu import CpuPlatform, fake_platform
+from tidal.hal.platform import NoopEvent, NoopStream
+
+
+# Selection ------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["cpu", "cuda", "npu", "auto", "fake:npu:8", "fake:cuda:0", " CPU "])
+def test_check_spec_accepts_valid_values(spec):
+    assert hal.check_spec(spec) == spec.strip().lower()
+
+
+@pytest.mark.parametrize("spec", ["bogus", "gpu", "fake:npu", "fake:tpu:2", "fake:npu:-1", "fake:npu:x", ""])
+def test_check_spec_rejects_and_lists_valid_values(spec):
+    with pytest.raises(ValueError) as e:
+        hal.check_spec(spec)
+    assert "TIDAL_DEVICE" in str(e.value)
+    assert "fake:<kind>:<n>" in str(e.value) and "cuda" in str(e.value) and "npu" in str(e.value)
+
+
+def test_detection_picks_cpu_here_and_says_why():
+    kind, why = hal.detect()
+    assert kind == "cpu"
+    assert "torch_npu is not installed" in why
+
+
+def test_env_var_wins_over_recipe(monkeypatch):
+    monkeypatch.setenv("TIDAL_DEVICE", "fake:cuda:4")
+    sel = hal.select_platform("fake:npu:2")
+    assert sel.spec == "fake:cuda:4" and sel.chosen_by == "TIDAL_DEVICE"
+    assert sel.platform.descriptor.kind == "cuda" and sel.platform.device_count() == 4
+
+
+def test_recipe_device_used_without_env():
+    sel = hal.select_platform("fake:npu:2")
+    assert (sel.spec, sel.chosen_by) == ("fake:npu:2", "recipe device key")
+    sel = hal.select_platform("auto")
+    assert sel.chosen_by == "detection" and sel.spec == "cpu"
+
+
+def test_requested_cuda_without_cuda_build_is_an_error_not_a_fallback(monkeypatch):
+    monkeypatch.setenv("TIDAL_DEVICE", "cuda")
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA")
+    with pytest.raises(hal.PlatformUnavailable, match="CUDA build of torch"):
+        hal.select_platform()
+
+
+def test_requested_npu_without_torch_npu_says_what_is_missing(monkeypatch):
+    monkeypatch.setenv("TIDAL_DEVICE", "npu")
+    with pytest.raises(hal.PlatformUnavailable) as e:
+        hal.select_platform()
+    assert "torch_npu" in str(e.value) and "CANN" in str(e.value)
+
+
+def test_init_platform_is_once_per_process():
+    first = hal.init_platform("fake:npu:2")
+    assert hal.init_platform() is first and hal.current_platform() is first.platform
+    assert hal.init_platform("fake:npu:2") is first
+    with pytest.raises(RuntimeError, match="cannot switch"):
+        hal.init_platform("cpu")
+
+
+def test_import_touches_no_vendor_and_no_cuda_context():
+    code = textwrap.dedent(
+        """
+        import sys, json
+        import tidal.hal as hal
+        hal.detect(); hal.availability()
+        import torch
+        print(json.dumps({"torch_npu": "torch_npu" in sys.modules, "cuda_init": torch.cuda.is_initialized()}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert json.loads(out.stdout) == {"torch_npu": False, "cuda_init": False}
+
+
+# Descriptors ----------------------------------------------------------------------------
+def test_descriptor_round_trips_through_json():
+    d = fake_platform("npu", 8).descriptor
+    again = hal.PlatformDescriptor.from_dict(json.loads(json.dumps(d.to_dict())))
+    assert again == d
+    assert (d.kind, d.device_type, d.dist_backend, d.ray_resource) == ("npu", "npu", "hccl", "NPU")
+    assert d.visible_devices_var == "ASCEND_RT_VISIBLE_DEVICES"
+    assert d.ray_noset_var == "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
+    assert d.device_count == 8 and d.fake
+    with pytest.raises(ValueError, match="bogus"):
+        hal.PlatformDescriptor.from_dict({**d.to_dict(), "bogus": 1})
+
+
+def test_cuda_descriptor_identity():
+    d = hal.describe("cuda", device_count=2)
+    assert (d.dist_backend, d.ray_resource, d.visible_devices_var) == ("nccl", "GPU", "CUDA_VISIBLE_DEVICES")
+    assert d.ray_noset_var == "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+# Every concern on cpu and fake ------------------------------------------------------------
+@pytest.fixture(params=["cpu", "fake:npu:8", "fake:cuda:2"])
+def platform(request):
+    return hal.select_platform(request.param).platform
+
+
+def test_satisfies_protocol(platform):
+    assert isinstance(platform, hal.Platform)
+
+
+def test_devices_are_torch_devices(platform):
+    assert platform.device() == torch.device("cpu")
+    assert isinstance(platform.device(0), torch.device)
+    assert platform.current_device() == torch.device("cpu")
+    platform.set_device(torch.device("cpu"))
+    platform.set_device("cpu")
+    with pytest.raises(TypeError, match="bare ints"):
+        platform.set_device(0)
+    with pytest.raises(IndexError, match="sees"):
+        platform.device(platform.device_count())
+    platform.synchronize()
+
+
+def test_rng_seed_state_and_fork(platform):
+    platform.seed_all(123)
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    platform.seed_all(123)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+    state = platform.get_rng_state()
+    b = (random.random(), np.random.rand(), torch.rand(1).item())
+    platform.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == b
+
+    platform.set_rng_state(state)
+    with platform.fork_rng():
+        torch.rand(5), random.random(), np.random.rand()
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == b
+    with pytest.raises(ValueError, match="missing"):
+        platform.set_rng_state({"python": state["python"]})
+
+
+def test_streams_and_events_have_the_accelerator_api(platform):
+    stream = platform.new_stream()
+    assert isinstance(stream, NoopStream)
+    start, end = platform.new_event(enable_timing=True), platform.new_event(enable_timing=True)
+    with platform.use_stream(stream):
+        start.record()
+        torch.ones(100).sum()
+        end.record(stream)
+    end.synchronize()
+    stream.wait_event(end)
+    stream.wait_stream(platform.current_stream())
+    assert start.query() and end.query()
+    assert start.elapsed_time(end) >= 0.0
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        NoopEvent().elapsed_time(NoopEvent())
+    assert isinstance(stream.record_event(), NoopEvent)
+
+
+def test_memory_figures_come_from_the_process(platform):
+    allocated = platform.memory_allocated()
+    assert allocated > 10 * 2**20  # torch alone is more than 10 MB resident
+    assert platform.memory_reserved() >= allocated // 2
+    free, total = platform.mem_get_info()
+    assert 0 < free <= total
+    platform.reset_peak_memory_stats()
+    peak0 = platform.max_memory_allocated()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+    assert platform.max_memory_allocated() >= peak0 + 32 * 2**20
+    del block
+    platform.empty_cache()
+    assert platform.pin_memory is False
+
+
+def test_dtype_flags(platform):
+    flags = platform.dtype_support()
+    assert set(flags) == {"bf16", "fp16", "fp64", "fp8"}
+    assert flags["bf16"] and flags["fp64"] and not flags["fp8"]
+
+
+def test_visible_devices_and_comm_env(platform, monkeypatch):
+    assert platform.comm_env_defaults() == {} and platform.apply_comm_env() == {}
+    assert platform.process_group_backend == "gloo"
+    var = platform.descriptor.visible_devices_var
+    if var is None:
+        with pytest.raises(ValueError, match="no visible-devices variable"):
+            platform.set_visible_devices([0])
+    else:
+        monkeypatch.delenv(var, raising=False)
+        platform.set_visible_devices([2, 3])
+        assert os.environ[var] == "2,3"
+
+
+def test_profile_range_is_a_noop_context(platform):
+    with platform.profile_range("generate"):
+        pass
+
+
+def test_zero_devices_report_and_refuse_to_compute():
+    p = hal.select_platform("fake:cuda:0").platform
+    assert p.device_count() == 0 and p.descriptor.device_count == 0
+    with pytest.raises(hal.NoDeviceError, match="0 cuda devices"):
+        p.device()
+    with pytest.raises(hal.NoDeviceError):
+        p.offload(module=torch.nn.Linear(2, 2))
+
+
+def test_cpu_platform_repr_names_fakes():
+    assert repr(CpuPlatform()) == "CpuPlatform()"
+    assert repr(fake_platform("npu", 8)) == "FakePlatform(npu, 8)"

@@ -1,0 +1,1 @@
+"""tidal.tools: the `tidal` command line, recipe configuration, benchmarks and the simulator."""

@@ -1,0 +1,180 @@
+"""The `tidal` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Sequence
+
+DESCRIPTION = """\
+tidal: asynchronous, streaming RL post-training of LLMs on Ascend NPUs, NVIDIA GPUs,
+mixed NPU+GPU clusters and CPUs.
+
+A run is described by a recipe, a YAML file checked against tidal's typed schema; any
+key can be overridden on the command line as key=value. The platform (cpu, cuda, npu,
+or fake:<kind>:<n> for CI) comes from the TIDAL_DEVICE variable, else the recipe's
+`device` key, else detection (NPU, then CUDA, then CPU).
+"""
+
+EPILOG = """\
+examples:
+  tidal doctor                                  what tidal sees on this machine
+  TIDAL_DEVICE=fake:npu:8 tidal doctor          pretend to be a node with 8 NPUs
+  tidal config --keys                           every recipe key, its type and meaning
+  tidal run recipes/quickstart_cpu.yaml seed=1 --check
+
+exit codes: 0 success, 1 runtime failure (such as a platform that cannot load),
+2 a mistake in the command, recipe or overrides (the message names the key).
+"""
+
+RUN_HELP = """\
+Run a recipe. RECIPE is a YAML file or the name of a shipped recipe (see `tidal doctor`).
+Overrides are key=value pairs merged over the recipe, nested keys with dots
+(`tidal config --keys` lists them). An unknown key or a value of the wrong type stops the
+run before anything starts, naming the key.
+
+Every run gets a run directory (run_dir=..., or <output_dir>/<name>-<timestamp>) that
+receives config.yaml, the fully resolved config, and platform.json, the platform and
+how it was chosen. tidal never writes into a run directory that already holds files.
+"""
+
+DOCTOR_HELP = """\
+Show the platform tidal would choose here and how it was chosen (TIDAL_DEVICE, the
+recipe, or detection), its device count, collective backend and visible-devices
+variable; the installed versions of torch, ray, transformers, vllm, torch_npu and
+deepspeed; and which shipped recipes can run on this machine. Nothing vendor-specific is
+imported unless that platform is selected. Exits with 1 if the selected platform cannot
+load (the message says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
+"""
+
+CONFIG_HELP = """\
+Print the resolved config of a recipe with overrides applied (every default filled in),
+or with --keys, every key of the recipe schema with its type, default and meaning.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="tidal", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
+    parser.add_argument("--version", action="store_true", help="print tidal's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a recipe", description=RUN_HELP, formatter_class=fmt)
+    run.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. seed=1")
+    run.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the recipe, select the platform and write the run directory's config, then stop",
+    )
+
+    doctor = sub.add_parser("doctor", help="show platform, versions and runnable recipes", description=DOCTOR_HELP, formatter_class=fmt)
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+
+    config = sub.add_parser("config", help="print a resolved recipe or every config key", description=CONFIG_HELP, formatter_class=fmt)
+    config.add_argument("recipe", nargs="?", help="recipe YAML file or shipped recipe name (default: schema defaults)")
+    config.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. seed=1")
+    config.add_argument("--keys", action="store_true", help="list every key with its type, default and documentation")
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.run import prepare_run  # noqa: PLC0415
+
+    cfg, run_dir = prepare_run(resolve_recipe(args.recipe), args.overrides)
+    print(f"tidal: resolved config written to {run_dir / 'config.yaml'}")
+    if args.check:
+        return 0
+    print(
+        "tidal: this version has no training workflow to run the recipe with yet "
+        "(the async GRPO workflow is still being built); `--check` validates a recipe",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401, PLC0415
+    except Exception as e:  # noqa: BLE001 - report any failure of the torch import itself
+        print(_torch_import_failure(e), file=sys.stderr)
+        return 1
+    from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415
+    from tidal.tools.doctor import render, report  # noqa: PLC0415
+
+    import os  # noqa: PLC0415
+
+    if os.environ.get(ENV_VAR):
+        check_spec(os.environ[ENV_VAR])  # a bad value is a usage error (exit 2)
+    data, code = report()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        render(data)
+    return code
+
+
+def _torch_import_failure(e: Exception) -> str:
+    import importlib.util  # noqa: PLC0415
+
+    msg = f"tidal: `import torch` fails: {type(e).__name__}: {e}"
+    if importlib.util.find_spec("torch_npu") is not None:
+        msg += (
+            "\ntorch_npu is installed, and torch loads it on import; without the Ascend CANN "
+            "toolkit that import fails. Load CANN (source /usr/local/Ascend/ascend-toolkit/set_env.sh), "
+            "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0, or uninstall torch_npu on machines without NPUs."
+        )
+    return msg
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from tidal.tools.config import RecipeConfig, iter_keys, load_config, to_yaml  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+
+    if args.keys:
+        for k in iter_keys(RecipeConfig):
+            print(f"{k.key}  ({k.type}, default {k.default!r})")
+            print(textwrap.indent(textwrap.fill(k.doc, 84), "    "))
+        return 0
+    path = resolve_recipe(args.recipe) if args.recipe else None
+    print(to_yaml(load_config(path, args.overrides)), end="")
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from tidal import __version__  # noqa: PLC0415
+
+        print(f"tidal {__version__}")
+        return 0
+    if not args.command:
+        parser.print_help()
+        return 2
+    from tidal.tools.config import ConfigError  # noqa: PLC0415
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, ValueError) as e:
+        print(f"tidal {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tidal {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        # PlatformError and friends: an actionable message, no traceback.
+        if type(e).__module__.startswith("tidal."):
+            print(f"tidal {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

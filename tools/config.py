@@ -1,0 +1,217 @@
+"""Typed recipe configuration: OmegaConf structured configs built from dataclasses.
+
+The dataclasses are the source of truth; a recipe YAML is only data. Every field has a
+docstring (the string literal under it), which `tidal config --keys` prints and a test
+checks. Loading merges schema defaults <- recipe file <- `key=value` overrides, and turns
+OmegaConf's errors into `ConfigError`s that name the key: an unknown key comes with close
+matches, a wrong type with the expected type and the value given.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import enum
+import inspect
+import textwrap
+import typing
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A user mistake in a recipe or an override; the CLI prints it and exits with code 2."""
+
+
+class Runtime(enum.Enum):
+    local = "local"
+    ray = "ray"
+
+
+@dataclasses.dataclass
+class RecipeConfig:
+    """A tidal recipe: what to run, on which platform, and where its files go."""
+
+    name: str = "run"
+    """Short name of the run; the default run directory is `<output_dir>/<name>-<timestamp>`."""
+    description: str = ""
+    """One line saying what this recipe trains; `tidal doctor` lists it."""
+    device: str = "auto"
+    """Platform: auto | cpu | cuda | npu | fake:<kind>:<n>. The TIDAL_DEVICE variable overrides it."""
+    runtime: Runtime = Runtime.local
+    """Where roles run: `local` (one process) or `ray` (actors on a Ray cluster)."""
+    seed: int = 0
+    """Seed for Python, NumPy, torch and every device generator."""
+    output_dir: str = "runs"
+    """Folder under which run directories are created."""
+    run_dir: Optional[str] = None
+    """Directory for this run's files (resolved config, metrics, checkpoints); must be new or empty."""
+
+
+# ---------------------------------------------------------------------------------------
+# Field documentation.
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of dataclass `cls` to the docstring written under it."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    key: str
+    type: str
+    default: Any
+    doc: str
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_name(inner[0])} or null" if len(inner) == 1 else " | ".join(map(_type_name, args))
+    if origin in (list, Sequence):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}" if args else "mapping"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + " | ".join(m.name for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def iter_keys(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
+    """Every leaf key of schema `cls` (nested dataclasses flattened to `a.b`) with its doc."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            yield from iter_keys(tp, key + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "???"
+        if isinstance(default, enum.Enum):
+            default = default.name
+        yield KeyDoc(key=key, type=_type_name(tp), default=default, doc=docs.get(f.name, ""))
+
+
+def _key_type(cls: type, key: str) -> str | None:
+    for entry in iter_keys(cls):
+        if entry.key == key:
+            return entry.type
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Loading.
+
+
+def _explain(err: OmegaConfBaseException, schema: type, origin: str) -> ConfigError:
+    key = str(getattr(err, "full_key", "") or getattr(err, "key", "") or "")
+    if isinstance(err, ConfigKeyError) or "not in" in str(err):
+        known = [k.key for k in iter_keys(schema)]
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        if not close:  # A typo in the last part only: compare leaf names too.
+            leaf = key.rsplit(".", 1)[-1]
+            close = [k for k in known if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.7)]
+        hint = f"; did you mean {' or '.join(repr(c) for c in close[:3])}?" if close else ""
+        return ConfigError(f"unknown key {key!r} in {origin}{hint} (`tidal config --keys` lists every key)")
+    if isinstance(err, ValidationError):
+        expected = _key_type(schema, key) or "another type"
+        return ConfigError(f"key {key!r} in {origin} expects {expected}, got {_given_value(err)}")
+    return ConfigError(f"{origin}: {err}")
+
+
+def _given_value(err: ValidationError) -> str:
+    msg = str(err).splitlines()[0]
+    # OmegaConf messages look like "Value 'abc' of type 'str' could not be converted to Integer".
+    if msg.startswith("Value '"):
+        end = msg.find("' of type '")
+        if end > 0:
+            value_type = msg[end + len("' of type '") :].split("'", 1)[0]
+            return f"{msg[len('Value ') : end + 1]} of type {value_type}"
+    if msg.startswith("Invalid value '"):
+        return msg[len("Invalid value ") :].split(",", 1)[0]
+    return f"a value it cannot hold ({msg})"
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value (for example seed=1)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot parse overrides {list(overrides)}: {e}") from e
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schema: type = RecipeConfig) -> Any:
+    """Merge schema defaults, the recipe file and overrides; validate; return the config.
+
+    Raises:
+        ConfigError: naming the file or override, the key, and what is wrong with it.
+    """
+    cfg = OmegaConf.structured(schema)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe file {str(path)!r} does not exist")
+        try:
+            data = OmegaConf.load(path)
+        except Exception as e:  # noqa: BLE001 - YAML errors come in many types
+            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from e
+        if not isinstance(data, DictConfig):
+            raise ConfigError(f"recipe {str(path)!r} must be a mapping of keys to values")
+        try:
+            cfg = OmegaConf.merge(cfg, data)
+        except OmegaConfBaseException as e:
+            raise _explain(e, schema, f"recipe {str(path)!r}") from None
+    if overrides:
+        try:
+            cfg = OmegaConf.merge(cfg, parse_overrides(overrides))
+        except OmegaConfBaseException as e:
+            raise _explain(e, schema, "the command-line overrides") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"required keys have no value: {missing}")
+    _check_values(cfg)
+    return cfg
+
+
+def _check_values(cfg: Any) -> None:
+    """Checks a type cannot express, each naming its key."""
+    from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
+
+    if "device" in cfg:
+        try:
+            check_spec(cfg.device, source="device")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,122 @@
+"""`tidal doctor`: what this machine is, as tidal sees it.
+
+Prints the platform tidal would choose and why, its device count and identity, the
+versions of the libraries tidal builds on (read from package metadata: nothing vendor-
+specific is imported), and which shipped recipes can run here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform as pyplatform
+from typing import Any
+
+PACKAGES = ("torch", "ray", "transformers", "vllm", "torch_npu", "deepspeed")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": pyplatform.python_version()}
+    for name in ("tidal-rl", *PACKAGES):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
+    from tidal.hal import ENV_VAR  # noqa: PLC0415
+
+    if cfg.runtime.name == "ray" and importlib.util.find_spec("ray") is None:
+        return False, "runtime ray needs the ray package"
+    if os.environ.get(ENV_VAR) and selected:
+        return True, f"{ENV_VAR} overrides its device; runs on {selected}"
+    device = cfg.device
+    if device == "auto":
+        return (True, f"device auto: runs on {selected}") if selected else (False, "no platform could load")
+    if device.startswith("fake:"):
+        return True, "fake platforms compute on CPU"
+    ok, why = kind_ok[device]
+    return ok, why
+
+
+def report() -> tuple[dict[str, Any], int]:
+    """Everything doctor shows, as plain data, and the exit code (0, or 1 if no platform)."""
+    from tidal.hal import PlatformError, select  # noqa: PLC0415
+    from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
+    from tidal.tools.recipes import shipped_recipes  # noqa: PLC0415
+
+    data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": []}
+    code = 0
+    try:
+        sel = select.select_platform()
+        data["platform"] = {
+            "spec": sel.spec,
+            "chosen_by": sel.chosen_by,
+            "reason": sel.reason,
+            **sel.platform.descriptor.to_dict(),
+        }
+        var = sel.platform.descriptor.visible_devices_var
+        data["platform"]["visible_devices"] = os.environ.get(var, "<unset>") if var else "-"
+    except PlatformError as e:
+        data["error"] = str(e)
+        code = 1
+    selected = data["platform"]["spec"] if data["platform"] else None
+    kind_ok = select.availability()
+    for path in shipped_recipes():
+        entry = {"recipe": path.stem, "path": str(path)}
+        try:
+            cfg = load_config(path)
+            ok, why = _can_run(cfg, kind_ok, selected)
+            entry.update(description=cfg.description, device=cfg.device, runtime=cfg.runtime.name, runs_here=ok, why=why)
+        except ConfigError as e:
+            entry.update(description="", device="?", runtime="?", runs_here=False, why=f"invalid recipe: {e}")
+        data["recipes"].append(entry)
+    return data, code
+
+
+def render(data: dict[str, Any]) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(highlight=False)
+    if data["platform"]:
+        p = data["platform"]
+        table = Table(title="platform", show_header=False)
+        table.add_column("", style="bold")
+        table.add_column("")
+        kind = f"{p['kind']} (fake: computes on CPU)" if p["fake"] else p["kind"]
+        rows = [
+            ("platform", p["spec"]),
+            ("chosen by", p["reason"] if p["chosen_by"] != "detection" else f"detection: {p['reason']}"),
+            ("kind", kind),
+            ("device type", p["device_type"]),
+            ("device count", str(p["device_count"])),
+            ("dist backend", p["dist_backend"]),
+            ("ray resource", p["ray_resource"]),
+            ("visible devices", f"{p['visible_devices_var'] or '-'} = {p['visible_devices']}"),
+        ]
+        for key, value in rows:
+            table.add_row(key, escape(value))
+        console.print(table)
+    else:
+        console.print(f"[bold red]platform error:[/] {escape(data['error'])}", soft_wrap=True)
+
+    versions = Table(title="versions")
+    versions.add_column("package")
+    versions.add_column("version")
+    for name, version in data["versions"].items():
+        versions.add_row(name, version)
+    console.print(versions)
+
+    recipes = Table(title="shipped recipes")
+    recipes.add_column("recipe", no_wrap=True)
+    for col in ("device", "runtime", "runs here", "why"):
+        recipes.add_column(col)
+    for r in data["recipes"]:
+        ok = "[green]yes[/]" if r["runs_here"] else "[red]no[/]"
+        recipes.add_row(escape(r["recipe"]), escape(r["device"]), r["runtime"], ok, escape(r["why"]))
+    console.print(recipes)
