@@ -157,10 +157,10 @@ class AcceleratorPlatform:
         self, *, module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
     ) -> OffloadHandle:
         """Move parameters, gradients and optimizer state to pinned host memory."""
+        self._require()
         handle = OffloadHandle(
             module=module,
             optimizer=optimizer,
-            device=self.current_device(),
             new_event=self.new_event,
             pin=True,
             copy=True,

@@ -141,10 +141,10 @@ class CpuPlatform:
         self, *, module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
     ) -> OffloadHandle:
         """On the real CPU platform this moves nothing; a fake platform copies for real."""
+        self.device()  # A fake platform given zero devices refuses to compute.
         return OffloadHandle(
             module=module,
             optimizer=optimizer,
-            device=self.device(),
             new_event=self.new_event,
             pin=False,
             copy=self.descriptor.fake,

@@ -5,7 +5,8 @@ engine runs, the trainer's weights, gradients and AdamW moments wait in (pinned)
 memory. `offload` copies every tensor to a host buffer, waits for the copies with an
 event (never reading a host buffer an asynchronous copy may still be writing), and
 points the module and optimizer at the host buffers so the device memory is freed.
-`OffloadHandle.onload` copies them back and drops the host buffers, so the host memory
+`OffloadHandle.onload` copies each back to the device it came from (AdamW keeps its
+`step` counters on CPU) and drops the host buffers, so the host memory
 is released as soon as the onload returns.
 """
 
@@ -43,15 +44,15 @@ class OffloadHandle:
         *,
         module: torch.nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
-        device: torch.device,
         new_event: Callable[[], Any],
         pin: bool,
         copy: bool,
     ) -> None:
         self._module, self._optimizer = module, optimizer
-        self._device, self._new_event = device, new_event
+        self._new_event = new_event
         self._live = True
         self._host: list[torch.Tensor] = []
+        self._devices: list[torch.device] = []  # Where each tensor goes back to.
         self.num_bytes = 0
         if not copy:
             return  # The device is host memory already; there is nothing to move.
@@ -60,6 +61,7 @@ class OffloadHandle:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             host.copy_(tensor, non_blocking=pin)
             self._host.append(host)
+            self._devices.append(tensor.device)
             self.num_bytes += host.numel() * host.element_size()
         self._wait()
         for (_, set_tensor), host in zip(slots, self._host):
@@ -83,16 +85,17 @@ class OffloadHandle:
         slots = _slots(self._module, self._optimizer)
         assert len(slots) == len(self._host), "module or optimizer changed while offloaded"
         moved = []
-        for host in self._host:
+        for host, device in zip(self._host, self._devices):
             # An explicit allocation, not `.to()`: on a fake platform the device is the
             # CPU and `.to()` would keep the host buffer alive as the "device" tensor.
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=self._device)
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
             tensor.copy_(host, non_blocking=True)
             moved.append(tensor)
         self._wait()
         for (_, set_tensor), tensor in zip(slots, moved):
             set_tensor(tensor)
         self._host.clear()
+        self._devices.clear()
 
     def _wait(self) -> None:
         event = self._new_event()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -121,6 +121,12 @@ class FakeNpu(types.ModuleType):
     def synchronize(self, device=None) -> None:
         self._log("synchronize")
 
+    def is_available(self) -> bool:
+        return self.num_devices > 0
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
     def is_initialized(self) -> bool:
         return self._initialized
 
@@ -188,6 +194,10 @@ def install_fake_torch_npu(monkeypatch: pytest.MonkeyPatch, num_devices: int, **
     torch_npu.__version__ = "2.13.0.fake"
     torch_npu.npu = npu
     torch.utils.rename_privateuse1_backend("npu")  # What torch_npu does on import.
+    if not hasattr(torch, "npu"):
+        # The rename cannot be undone, and torch's accelerator probe then looks up
+        # `torch.npu`: leave an inert one (no devices) for the rest of the session.
+        torch.npu = FakeNpu(0)
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", npu)
     monkeypatch.setattr(torch, "npu", npu, raising=False)
@@ -195,11 +205,17 @@ def install_fake_torch_npu(monkeypatch: pytest.MonkeyPatch, num_devices: int, **
 
 
 @pytest.fixture
-def fake_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNpu]:
-    """torch_npu with 2 NPUs, for the duration of one test."""
+def install_fake_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeNpu]]:
+    """Install a fake torch_npu with a chosen number of NPUs for one test."""
     for var in ("ASCEND_RT_VISIBLE_DEVICES", "TIDAL_DEVICE", *FAKE_COMM_VARS):
         monkeypatch.delenv(var, raising=False)
-    yield install_fake_torch_npu(monkeypatch, 2)
+    yield lambda num_devices, **kwargs: install_fake_torch_npu(monkeypatch, num_devices, **kwargs)
+
+
+@pytest.fixture
+def fake_npu(install_fake_npu: Callable[..., FakeNpu]) -> FakeNpu:
+    """torch_npu with 2 NPUs, for the duration of one test."""
+    return install_fake_npu(2)
 
 
 FAKE_COMM_VARS = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE", "HCCL_CONNECT_TIMEOUT")
