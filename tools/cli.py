@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
+
+from tidal.hal.versions import PACKAGES
 
 DESCRIPTION = """\
 tidal: asynchronous, streaming RL post-training of LLMs on Ascend NPUs, NVIDIA GPUs,
@@ -40,14 +43,14 @@ receives config.yaml, the fully resolved config, and platform.json, the platform
 how it was chosen. tidal never writes into a run directory that already holds files.
 """
 
-DOCTOR_HELP = """\
+DOCTOR_HELP = textwrap.fill(f"""\
 Show the platform tidal would choose here and how it was chosen (TIDAL_DEVICE, the
 recipe, or detection), its device count, collective backend and visible-devices
-variable; the installed versions of torch, ray, transformers, vllm, torch_npu and
-deepspeed; and which shipped recipes can run on this machine. Nothing vendor-specific is
-imported unless that platform is selected. Exits with 1 if the selected platform cannot
-load (the message says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
-"""
+variable; the installed versions of {", ".join(PACKAGES)}; and which shipped
+recipes can run on this machine. Nothing vendor-specific is imported unless that
+platform is selected. Exits with 1 if the selected platform cannot load (the message
+says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
+""", width=88)
 
 CONFIG_HELP = """\
 Print the resolved config of a recipe with overrides applied (every default filled in),
@@ -97,15 +100,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    from tidal.hal.versions import explain_torch_import_failure  # noqa: PLC0415 - imports no torch
+
     try:
         import torch  # noqa: F401, PLC0415
     except Exception as e:  # noqa: BLE001 - report any failure of the torch import itself
-        print(_torch_import_failure(e), file=sys.stderr)
+        print(f"tidal doctor: {explain_torch_import_failure(e)}", file=sys.stderr)
         return 1
     from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415
     from tidal.tools.doctor import render, report  # noqa: PLC0415
-
-    import os  # noqa: PLC0415
 
     if os.environ.get(ENV_VAR):
         check_spec(os.environ[ENV_VAR])  # a bad value is a usage error (exit 2)
@@ -115,19 +118,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     else:
         render(data)
     return code
-
-
-def _torch_import_failure(e: Exception) -> str:
-    import importlib.util  # noqa: PLC0415
-
-    msg = f"tidal: `import torch` fails: {type(e).__name__}: {e}"
-    if importlib.util.find_spec("torch_npu") is not None:
-        msg += (
-            "\ntorch_npu is installed, and torch loads it on import; without the Ascend CANN "
-            "toolkit that import fails. Load CANN (source /usr/local/Ascend/ascend-toolkit/set_env.sh), "
-            "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0, or uninstall torch_npu on machines without NPUs."
-        )
-    return msg
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

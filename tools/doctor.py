@@ -1,30 +1,15 @@
 """`tidal doctor`: what this machine is, as tidal sees it.
 
 Prints the platform tidal would choose and why, its device count and identity, the
-versions of the libraries tidal builds on (read from package metadata: nothing vendor-
-specific is imported), and which shipped recipes can run here.
+versions of the stacks tidal builds on (from `tidal.hal.versions`, which reads package
+metadata and imports nothing), and which shipped recipes can run here.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
-import platform as pyplatform
 from typing import Any
-
-PACKAGES = ("torch", "ray", "transformers", "vllm", "torch_npu", "deepspeed")
-
-
-def package_versions() -> dict[str, str]:
-    versions = {"python": pyplatform.python_version()}
-    for name in ("tidal-rl", *PACKAGES):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
 
 def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
     from tidal.hal import ENV_VAR  # noqa: PLC0415
@@ -47,6 +32,8 @@ def report() -> tuple[dict[str, Any], int]:
     from tidal.hal import PlatformError, select  # noqa: PLC0415
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
     from tidal.tools.recipes import shipped_recipes  # noqa: PLC0415
+
+    from tidal.hal.versions import package_versions  # noqa: PLC0415
 
     data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": []}
     code = 0

@@ -1,0 +1,145 @@
+"""The real `tidal` command: help, doctor, run, config, exit codes, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+
+def test_help_documents_every_command(tidal_cli):
+    top = tidal_cli("--help")
+    assert top.returncode == 0
+    for word in ("run", "doctor", "config", "TIDAL_DEVICE", "fake:<kind>:<n>", "exit codes"):
+        assert word in top.stdout
+    for cmd, words in {
+        "run": ("run directory", "config.yaml", "--check", "key=value"),
+        "doctor": ("torch_npu", "deepspeed", "shipped recipes", "Exits with 1"),
+        "config": ("--keys", "resolved config"),
+    }.items():
+        out = tidal_cli(cmd, "--help")
+        assert out.returncode == 0
+        for word in words:
+            assert word in out.stdout, (cmd, word)
+    assert tidal_cli().returncode == 2
+
+
+def test_doctor_detects_cpu_here(tidal_cli):
+    out = tidal_cli("doctor")
+    assert out.returncode == 0, out.stderr
+    for word in ("platform", "detection", "device count", "gloo", "versions", "torch", "not installed", "quickstart_cpu"):
+        assert word in out.stdout
+    data = json.loads(tidal_cli("doctor", "--json").stdout)
+    assert data["platform"]["kind"] == "cpu" and data["platform"]["chosen_by"] == "detection"
+    assert data["versions"]["torch_npu"] == "not installed" and data["versions"]["vllm"] == "not installed"
+    assert data["versions"]["torch"].startswith("2.")
+    quick = next(r for r in data["recipes"] if r["recipe"] == "quickstart_cpu")
+    assert quick["runs_here"] is True
+
+
+def test_doctor_fake_npu_reports_eight_devices_with_hccl(tidal_cli):
+    out = tidal_cli("doctor", env={"TIDAL_DEVICE": "fake:npu:8"})
+    assert out.returncode == 0, out.stderr
+    assert "fake:npu:8" in out.stdout and "hccl" in out.stdout and "NPU" in out.stdout
+    data = json.loads(tidal_cli("doctor", "--json", env={"TIDAL_DEVICE": "fake:npu:8"}).stdout)
+    p = data["platform"]
+    assert (p["kind"], p["device_count"], p["dist_backend"], p["fake"], p["chosen_by"]) == ("npu", 8, "hccl", True, "TIDAL_DEVICE")
+
+
+def test_doctor_npu_here_fails_saying_what_is_missing_and_torch_still_imports(tidal_cli):
+    out = tidal_cli("doctor", env={"TIDAL_DEVICE": "npu"})
+    assert out.returncode == 1
+    assert "torch_npu" in out.stdout and "CANN" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+    check = subprocess.run([sys.executable, "-c", "import torch; print(torch.ones(2).sum().item())"], capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.strip() == "2.0"
+
+
+def test_doctor_bogus_device_lists_valid_values(tidal_cli):
+    out = tidal_cli("doctor", env={"TIDAL_DEVICE": "bogus"})
+    assert out.returncode == 2
+    assert "TIDAL_DEVICE='bogus'" in out.stderr
+    for value in ("auto", "cpu", "cuda", "npu", "fake:<kind>:<n>"):
+        assert value in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_doctor_explains_torch_broken_by_torch_npu_without_cann(tidal_cli, tmp_path):
+    # An installed torch_npu registers a torch device-backend entry point; without CANN
+    # its import fails, and then so does `import torch`.
+    site = tmp_path / "site"
+    (site / "torch_npu").mkdir(parents=True)
+    (site / "torch_npu" / "__init__.py").write_text('raise ImportError("libascendcl.so: cannot open shared object file")\n')
+    dist = site / "torch_npu-2.13.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.13.0\n")
+    (dist / "entry_points.txt").write_text("[torch.backends]\ndevice_backend = torch_npu:_autoload\n")
+    out = tidal_cli("doctor", env={"PYTHONPATH": str(site)})
+    assert out.returncode == 1
+    assert "import torch` fails" in out.stderr and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_run_check_writes_resolved_config(tidal_cli, tmp_path):
+    run_dir = tmp_path / "run1"
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", "seed=7", "--check", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["seed"] == 7 and saved["name"] == "quickstart_cpu" and saved["run_dir"] == str(run_dir)
+    assert saved["device"] == "cpu" and saved["runtime"] == "local"
+    platform = json.loads((run_dir / "platform.json").read_text())
+    assert platform["descriptor"]["kind"] == "cpu" and platform["chosen_by"] == "recipe device key"
+
+    again = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", "--check", cwd=tmp_path)
+    assert again.returncode == 2 and "already holds files" in again.stderr
+
+
+def test_run_default_run_dir_is_timestamped_under_output_dir(tidal_cli, tmp_path):
+    out = tidal_cli("run", "quickstart_cpu", "output_dir=out", "--check", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert run_dir.name.startswith("quickstart_cpu-") and (run_dir / "config.yaml").is_file()
+
+
+def test_run_without_check_says_the_workflow_is_not_there_yet(tidal_cli, tmp_path):
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert out.returncode == 1 and "no training workflow" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sed=1"], "unknown key 'sed'"),
+        (["seed=abc"], "key 'seed' in the command-line overrides expects int, got 'abc'"),
+        (["device=tpu"], "valid values"),
+        (["bogus"], "is not key=value"),
+    ],
+)
+def test_run_user_errors_exit_2_without_traceback(tidal_cli, tmp_path, args, message):
+    out = tidal_cli("run", "quickstart_cpu", *args, "--check", cwd=tmp_path)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists(), "nothing is written for an invalid config"
+
+
+def test_run_missing_recipe(tidal_cli, tmp_path):
+    out = tidal_cli("run", "no_such_recipe", cwd=tmp_path)
+    assert out.returncode == 2 and "shipped recipes" in out.stderr
+
+
+def test_run_platform_that_cannot_load_exits_1(tidal_cli, tmp_path):
+    out = tidal_cli("run", "quickstart_cpu", "device=npu", "--check", cwd=tmp_path)
+    assert out.returncode == 1 and "torch_npu" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_config_prints_resolved_and_keys(tidal_cli):
+    out = tidal_cli("config", "quickstart_cpu", "seed=5")
+    assert out.returncode == 0 and yaml.safe_load(out.stdout)["seed"] == 5
+    keys = tidal_cli("config", "--keys")
+    assert keys.returncode == 0
+    for word in ("seed", "device", "runtime", "one of local | ray", "TIDAL_DEVICE"):
+        assert word in keys.stdout
+    assert tidal_cli("--version").stdout.startswith("tidal ")

@@ -1,0 +1,117 @@
+"""Typed recipe config: docs on every field, errors that name the key, shipped recipes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import pytest
+from omegaconf import OmegaConf
+
+from tidal.tools.config import ConfigError, RecipeConfig, field_docs, iter_keys, load_config
+from tidal.tools.recipes import resolve_recipe, shipped_recipes
+
+
+@dataclasses.dataclass
+class _Optim:
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: list = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+
+
+@dataclasses.dataclass
+class _Schema:
+    """A nested schema, to exercise what the recipe schema will grow into."""
+
+    name: str = "x"
+    """Name."""
+    optim: _Optim = dataclasses.field(default_factory=_Optim)
+    """Optimizer settings."""
+    max_staleness: int = 1
+    """Versions a sample may lag."""
+    note: Optional[str] = None
+    """Free text."""
+
+
+def test_every_schema_field_has_a_docstring():
+    for key in iter_keys(RecipeConfig):
+        assert key.doc, f"config key {key.key!r} has no docstring"
+    assert set(field_docs(RecipeConfig)) == {f.name for f in dataclasses.fields(RecipeConfig)}
+
+
+def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: from_file\nseed: 3\n")
+    cfg = load_config(recipe, ["seed=4"])
+    assert (cfg.name, cfg.seed, cfg.device, cfg.runtime.name) == ("from_file", 4, "auto", "local")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("sed=1", "unknown key 'sed' in the command-line overrides; did you mean 'seed'?"),
+        ("runtim=ray", "did you mean 'runtime'"),
+        ("seed=abc", "key 'seed' in the command-line overrides expects int, got 'abc' of type str"),
+        ("seed=1.5", "expects int, got '1.5' of type float"),
+        ("runtime=rey", "key 'runtime' in the command-line overrides expects one of local | ray, got 'rey'"),
+        ("device=gpu", "device='gpu' is not a platform; valid values: auto, cpu, cuda, npu, fake:<kind>:<n>"),
+        ("seed", "override 'seed' is not key=value"),
+        ("=3", "is not key=value"),
+    ],
+)
+def test_override_errors_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert expected in str(e.value)
+
+
+def test_unknown_key_in_recipe_file_names_the_file(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("name: x\nruntiem: ray\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'runtiem' in recipe '.*bad.yaml'; did you mean 'runtime'"):
+        load_config(recipe)
+
+
+def test_nested_keys_errors_and_suggestions():
+    cfg = load_config(None, ["optim.lr=0.5", "optim.betas=[0.8,0.9]"], schema=_Schema)
+    assert cfg.optim.lr == 0.5 and list(cfg.optim.betas) == [0.8, 0.9]
+    with pytest.raises(ConfigError, match="unknown key 'optim.lrr'.*did you mean 'optim.lr'"):
+        load_config(None, ["optim.lrr=1"], schema=_Schema)
+    with pytest.raises(ConfigError, match="did you mean 'max_staleness'"):
+        load_config(None, ["max_stalenes=2"], schema=_Schema)
+    with pytest.raises(ConfigError, match="key 'optim.lr' .* expects float, got 'fast'"):
+        load_config(None, ["optim.lr=fast"], schema=_Schema)
+    keys = {k.key: k for k in iter_keys(_Schema)}
+    assert keys["optim.lr"].doc == "Learning rate." and keys["note"].type == "str or null"
+
+
+def test_bad_recipe_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+
+
+def test_every_shipped_recipe_validates():
+    recipes = shipped_recipes()
+    assert recipes, "no shipped recipes found"
+    for path in recipes:
+        cfg = load_config(path)
+        assert cfg.name and cfg.description, f"{path.name} needs a name and a description"
+        assert OmegaConf.to_container(cfg)  # resolvable
+
+
+def test_resolve_recipe_by_name_or_path(tmp_path):
+    assert resolve_recipe("quickstart_cpu").name == "quickstart_cpu.yaml"
+    assert resolve_recipe("recipes/quickstart_cpu.yaml").name == "quickstart_cpu.yaml"
+    own = tmp_path / "mine.yaml"
+    own.write_text("name: mine\n")
+    assert resolve_recipe(str(own)) == own
+    with pytest.raises(ConfigError, match="shipped recipes: .*quickstart_cpu"):
+        resolve_recipe("nope")
