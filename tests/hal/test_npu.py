@@ -162,3 +162,14 @@ def test_zero_visible_npus_report_and_fail_loudly(install_fake_npu, monkeypatch)
     with pytest.raises(hal.NoDeviceError):
         p.memory_allocated()
 
+
+
+def test_init_process_group_uses_gloo_for_host_and_hccl_for_npu(fake_npu, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: seen.update(kw))
+    p = hal.select_platform("npu").platform
+    p.init_process_group(rank=1, world_size=4, init_method="tcp://127.0.0.1:29500", timeout_s=30)
+    assert seen["backend"] == "cpu:gloo,npu:hccl"
+    assert (seen["rank"], seen["world_size"], seen["init_method"]) == (1, 4, "tcp://127.0.0.1:29500")
+    assert seen["timeout"].total_seconds() == 30
+    assert os.environ["HCCL_NPU_SOCKET_PORT_RANGE"] == "auto"  # comm defaults applied first
