@@ -1,0 +1,134 @@
+"""Samplers choose which ready rows a `get` hands out.
+
+A sampler sees the rows that are ready for the calling consumer (all requested columns
+present, not yet consumed, not leased), in readiness order, and returns a `Selection`:
+the rows to hand out now, and the rows to drop for this consumer (never handed to it,
+counted). Returning no rows means "not enough yet": the `get` keeps waiting, woken by the
+next put, ack, lease expiry or version change. Samplers are plain objects with one
+method; write your own by implementing `select`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowMeta:
+    """What a sampler knows about one row."""
+
+    index: int
+    group: int | str | None
+    version: int | None
+    tags: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleContext:
+    version: int
+    """The store's current policy version (`Store.set_version`)."""
+    value: Callable[[int, str], Any]
+    """`value(index, column)` reads one cell, e.g. to measure a sequence length."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Selection:
+    take: list[int]
+    drop: list[int] = dataclasses.field(default_factory=list)
+
+
+class Sampler(Protocol):
+    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        """Rows to hand out (exactly `batch_size`, or 1..batch_size if `partial`) and to drop."""
+        ...
+
+
+class Sequential:
+    """Rows in the order they became ready."""
+
+    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        if len(rows) >= batch_size or (partial and rows):
+            return Selection([r.index for r in rows[:batch_size]])
+        return Selection([])
+
+
+@dataclasses.dataclass
+class Grouped:
+    """Complete groups only (GRPO): a batch holds every row of each group it touches."""
+
+    group_size: int
+
+    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        if batch_size % self.group_size:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {self.group_size}")
+        groups: dict[Any, list[int]] = {}
+        for r in rows:
+            if r.group is None:
+                raise ValueError(f"row {r.index} has no group; Grouped needs put(..., groups=...)")
+            groups.setdefault(r.group, []).append(r.index)
+        take: list[int] = []
+        for members in groups.values():
+            if len(members) >= self.group_size and len(take) + self.group_size <= batch_size:
+                take.extend(members[: self.group_size])
+        if len(take) == batch_size or (partial and take):
+            return Selection(take)
+        return Selection([])
+
+
+@dataclasses.dataclass
+class StalenessFilter:
+    """Never hand out a row older than `max_staleness` versions.
+
+    A row produced by version v may be consumed while the store's version is at most
+    v + max_staleness. Older rows are dropped for this consumer (`hold=False`, counted as
+    dropped) or left in place (`hold=True`). Rows without a version are never stale.
+    """
+
+    max_staleness: int
+    inner: Any = dataclasses.field(default_factory=Sequential)
+    hold: bool = False
+
+    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        oldest = ctx.version - self.max_staleness
+        fresh = [r for r in rows if r.version is None or r.version >= oldest]
+        stale = [] if self.hold else [r.index for r in rows if r.version is not None and r.version < oldest]
+        inner = self.inner.select(fresh, batch_size, partial, ctx)
+        return Selection(inner.take, stale + inner.drop)
+
+
+@dataclasses.dataclass
+class SeqlenBalanced:
+    """Order a batch so that `num_ranks` equal contiguous slices have balanced token counts.
+
+    Rank r takes rows [r * batch_size / num_ranks, (r + 1) * batch_size / num_ranks). Rows
+    are assigned longest first to the rank with the fewest tokens that still has room.
+    """
+
+    num_ranks: int
+    length_column: str
+    inner: Any = dataclasses.field(default_factory=Sequential)
+
+    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        if batch_size % self.num_ranks:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of num_ranks {self.num_ranks}")
+        chosen = self.inner.select(rows, batch_size, False, ctx)
+        if not chosen.take:
+            return chosen
+        per_rank = len(chosen.take) // self.num_ranks
+        lengths = {i: _length(ctx.value(i, self.length_column)) for i in chosen.take}
+        ranks: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        totals = [0] * self.num_ranks
+        for i in sorted(chosen.take, key=lambda i: -lengths[i]):
+            r = min((r for r in range(self.num_ranks) if len(ranks[r]) < per_rank), key=lambda r: totals[r])
+            ranks[r].append(i)
+            totals[r] += lengths[i]
+        return Selection([i for rank in ranks for i in rank], chosen.drop)
+
+
+def _length(value: Any) -> int:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else 1
+    return len(value)

@@ -1,0 +1,244 @@
+"""The in-process store: readiness, leases, acks, samplers, capacity, metrics, persistence."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout
+from tidal.flow.store.codec import CodecError, decode, encode
+from tidal.flow.store.persist import load, save
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(consumers=("reward", "train"), **kw) -> Store:
+    store = Store()
+    store.create_partition("p", consumers=list(consumers), **kw)
+    return store
+
+
+def test_rows_are_ready_when_all_requested_columns_are_present():
+    store = make()
+    idx = store.put("p", {"response": torch.arange(6).reshape(3, 2)})
+    with pytest.raises(StoreTimeout, match="0 of 1 rows were ready"):
+        store.get("train", "p", ["response", "reward"], 1, timeout=0)
+    store.put("p", {"reward": [1.0, 2.0]}, indexes=idx[:2])
+    batch = store.get("train", "p", ["response", "reward"], 2, timeout=0)
+    assert batch.indexes == [0, 1] and batch.columns["reward"] == [1.0, 2.0]
+    assert torch.equal(batch.stack("response"), torch.tensor([[0, 1], [2, 3]]))
+
+
+def test_get_hands_back_views_not_copies():
+    store = make(consumers=["c"])
+    data = torch.arange(8.0).reshape(4, 2)
+    store.put("p", {"x": data})
+    batch = store.get("c", "p", ["x"], 4)
+    assert all(cell.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() for cell in batch.columns["x"])
+
+
+def test_consumers_are_independent_and_each_sees_each_row_once():
+    store = make(consumers=["a", "b"])
+    store.put("p", {"x": list(range(4))})
+    a = store.get("a", "p", ["x"], 4)
+    b = store.get("b", "p", ["x"], 4)
+    assert a.indexes == b.indexes == [0, 1, 2, 3]
+    store.ack("a", "p", a.indexes)
+    with pytest.raises(StoreTimeout):
+        store.get("a", "p", ["x"], 1, timeout=0)
+    assert store.metrics()["partitions"]["p"]["rows"] == 4  # b has not acked yet
+    store.ack("b", "p", b.indexes)
+    assert store.metrics()["partitions"]["p"]["rows"] == 0  # evicted once everyone acked
+
+
+def test_get_wakes_on_put_without_polling():
+    store = make(consumers=["c"])
+    got = {}
+
+    def consumer():
+        got["batch"] = store.get("c", "p", ["x"], 2, timeout=10)
+        got["t"] = time.monotonic()
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    time.sleep(0.05)
+    assert thread.is_alive()
+    t_put = time.monotonic()
+    store.put("p", {"x": [1, 2]})
+    thread.join(5)
+    assert got["batch"].columns["x"] == [1, 2]
+    assert got["t"] - t_put < 0.5
+
+
+def test_lease_expiry_redelivers_and_acks_are_idempotent():
+    clock = Clock()
+    store = Store(clock=clock)
+    store.create_partition("p", consumers=["c"], lease_s=10)
+    store.put("p", {"x": [1, 2]})
+    first = store.get("c", "p", ["x"], 2, timeout=0)
+    with pytest.raises(StoreTimeout):
+        store.get("c", "p", ["x"], 1, timeout=0)
+    clock.now = 11
+    again = store.get("c", "p", ["x"], 2, timeout=0)
+    assert again.indexes == first.indexes
+    assert store.ack("c", "p", again.indexes) == 2
+    assert store.ack("c", "p", first.indexes) == 0  # the late ack of the first lease
+    m = store.metrics()["partitions"]["p"]["consumers"]["c"]
+    assert m["redelivered"] == 2 and m["acked"] == 2 and m["leased"] == 0
+
+
+def test_release_returns_a_dead_consumers_rows():
+    store = make(consumers=["c"])
+    store.put("p", {"x": [1, 2, 3]})
+    store.get("c", "p", ["x"], 3)
+    assert store.release("c") == 3
+    assert store.get("c", "p", ["x"], 3, timeout=0).indexes == [0, 1, 2]
+
+
+def test_partial_get_returns_what_is_ready():
+    store = make(consumers=["c"])
+    store.put("p", {"x": [1, 2]})
+    assert len(store.get("c", "p", ["x"], 8, partial=True, timeout=0)) == 2
+
+
+def test_grouped_sampler_returns_complete_groups_only():
+    store = make(consumers=["c"])
+    store.put("p", {"x": [0, 1, 2]}, groups=["g0", "g1", "g0"])
+    with pytest.raises(StoreTimeout):
+        store.get("c", "p", ["x"], 4, sampler=Grouped(2), timeout=0)
+    batch = store.get("c", "p", ["x"], 2, sampler=Grouped(2), timeout=0)
+    assert batch.indexes == [0, 2] and batch.groups == ["g0", "g0"]
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        store.get("c", "p", ["x"], 3, sampler=Grouped(2), timeout=0)
+
+
+def test_staleness_filter():
+    store = make(consumers=["drop", "hold"])
+    store.put("p", {"x": [0, 1, 2, 3]}, versions=[0, 1, 2, 3])
+    store.set_version(3)
+    batch = store.get("drop", "p", ["x"], 2, sampler=StalenessFilter(max_staleness=1), timeout=0)
+    assert batch.versions == [2, 3]
+    m = store.metrics()["partitions"]["p"]["consumers"]
+    assert m["drop"]["dropped"] == 2
+    held = store.get("hold", "p", ["x"], 2, sampler=StalenessFilter(max_staleness=1, hold=True), timeout=0)
+    assert held.versions == [2, 3] and store.metrics()["partitions"]["p"]["consumers"]["hold"]["dropped"] == 0
+    with pytest.raises(StoreTimeout, match="2 of 1"):  # two old rows remain, held
+        store.get("hold", "p", ["x"], 1, sampler=StalenessFilter(max_staleness=1, hold=True), timeout=0)
+
+
+def test_seqlen_balanced_sampler_balances_tokens_across_ranks():
+    store = make(consumers=["c"])
+    lengths = [100, 1, 90, 2, 80, 3, 70, 4]
+    store.put("p", {"tokens": [torch.zeros(n) for n in lengths]})
+    batch = store.get("c", "p", ["tokens"], 8, sampler=SeqlenBalanced(num_ranks=2, length_column="tokens"), timeout=0)
+    halves = [sum(len(t) for t in batch.columns["tokens"][r * 4 : (r + 1) * 4]) for r in range(2)]
+    assert sorted(batch.indexes) == list(range(8))
+    assert abs(halves[0] - halves[1]) <= 20, halves  # sequential halves would be 193 vs 157
+
+
+def test_capacity_blocks_put_until_rows_are_consumed():
+    store = make(consumers=["c"], capacity_rows=4)
+    store.put("p", {"x": [1, 2, 3, 4]})
+    with pytest.raises(StoreTimeout, match="is full"):
+        store.put("p", {"x": [5]}, timeout=0.05)
+    with pytest.raises(StoreError, match="can never fit"):
+        store.put("p", {"x": list(range(5))})
+    done = threading.Event()
+
+    def producer():
+        store.put("p", {"x": [5, 6]}, timeout=10)
+        done.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    time.sleep(0.05)
+    assert not done.is_set()  # blocked: back-pressure
+    batch = store.get("c", "p", ["x"], 2)
+    store.ack("c", "p", batch.indexes)
+    thread.join(5)
+    assert done.is_set()
+    assert store.metrics()["partitions"]["p"]["rows"] == 4
+
+
+def test_capacity_in_bytes():
+    store = make(consumers=["c"], capacity_bytes=1000)
+    store.put("p", {"x": torch.zeros(2, 100)})  # 800 bytes
+    with pytest.raises(StoreTimeout):
+        store.put("p", {"x": torch.zeros(1, 100)}, timeout=0)
+
+
+def test_errors_name_the_bad_input():
+    store = make(consumers=["c"])
+    with pytest.raises(ValueError, match="no partition 'q'"):
+        store.put("q", {"x": [1]})
+    with pytest.raises(ValueError, match="'nobody' is not a consumer"):
+        store.get("nobody", "p", ["x"], 1)
+    with pytest.raises(ValueError, match="column 'y' has 1 values for 2 rows"):
+        store.put("p", {"x": [1, 2], "y": [1]})
+    with pytest.raises(StoreError, match="never had row 7"):
+        store.ack("c", "p", [7])
+    with pytest.raises(StoreError, match="no rows"):
+        store.put("p", {"y": [1]}, indexes=[42])
+
+
+def test_close_wakes_waiters():
+    store = make(consumers=["c"])
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(StoreError, store.get, "c", "p", ["x"], 1)))
+    thread.start()
+    time.sleep(0.05)
+    store.close()
+    thread.join(5)
+    assert not thread.is_alive() and errors
+
+
+def test_metrics_counts():
+    store = make(consumers=["a", "b"])
+    store.put("p", {"x": [1, 2, 3]})
+    store.put("p", {"y": [1]}, indexes=[0])
+    store.get("a", "p", ["x"], 2)
+    m = store.metrics()["partitions"]["p"]
+    assert m["ready_by_column"] == {"x": 3, "y": 1}
+    assert m["consumers"]["a"]["leased"] == 2 and m["consumers"]["a"]["ready"] == {"x": 1}
+    assert m["consumers"]["a"]["wait_s"]["count"] == 1
+
+
+def test_save_and_load_resume_in_flight_rows(tmp_path):
+    store = make(consumers=["a", "b"])
+    store.put("p", {"x": torch.arange(6).reshape(3, 2), "s": ["u", "v", "w"], "n": np.ones((3, 2))}, groups=[0, 0, 1], versions=[1, 1, 2])
+    store.set_version(2)
+    leased = store.get("a", "p", ["x"], 2)
+    store.ack("a", "p", [leased.indexes[0]])
+    save(store, tmp_path / "store.bin")
+    again = load(tmp_path / "store.bin")
+    assert again.version == 2
+    batch = again.get("a", "p", ["x", "s", "n"], 2, timeout=0)  # the un-acked lease comes back
+    assert batch.indexes == [1, 2] and batch.columns["s"] == ["v", "w"] and batch.groups == [0, 1]
+    assert torch.equal(batch.stack("x"), torch.tensor([[2, 3], [4, 5]]))
+    assert again.get("b", "p", ["x"], 3, timeout=0).versions == [1, 1, 2]
+    (tmp_path / "bad.bin").write_bytes(b"TIDALST1" + b"\xff" * 20)
+    with pytest.raises(StoreError, match="cannot load"):
+        load(tmp_path / "bad.bin")
+
+
+def test_codec_round_trip_and_rejects_bad_frames():
+    value = {"t": torch.randn(3, 2).to(torch.bfloat16), "a": np.arange(4, dtype=np.int32), "l": [1, "x", None, b"y"]}
+    header, buffers = encode(value)
+    out = decode(header, [bytes(b) for b in buffers])
+    assert torch.equal(out["t"], value["t"]) and np.array_equal(out["a"], value["a"]) and out["l"] == value["l"]
+    with pytest.raises(CodecError, match="expected"):
+        decode(header, [bytes(b)[:-1] for b in buffers])
+    with pytest.raises(CodecError):
+        decode(b"\xc1", [])
+    with pytest.raises(CodecError, match="cannot be stored"):
+        encode({"f": object()})
