@@ -6,10 +6,12 @@ pick batches (sequential, complete groups, staleness-bounded, length-balanced), 
 applies back-pressure, and `save`/`load` carry in-flight data across a restart.
 """
 
+from tidal.flow.store.aio import AsyncStore
 from tidal.flow.store.samplers import Grouped, RowMeta, SampleContext, Sampler, Selection, SeqlenBalanced, Sequential, StalenessFilter
 from tidal.flow.store.table import Batch, Store, StoreError, StoreTimeout
 
 __all__ = [
+    "AsyncStore",
     "Batch",
     "Grouped",
     "RowMeta",

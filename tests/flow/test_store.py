@@ -242,3 +242,29 @@ def test_codec_round_trip_and_rejects_bad_frames():
         decode(b"\xc1", [])
     with pytest.raises(CodecError, match="cannot be stored"):
         encode({"f": object()})
+
+
+def test_async_form_streams_between_coroutines():
+    import asyncio
+
+    from tidal.flow.store import AsyncStore
+
+    async def main():
+        store = AsyncStore(make(consumers=["c"], capacity_rows=4))
+
+        async def produce():
+            for k in range(5):
+                await store.put("p", {"x": [2 * k, 2 * k + 1]}, timeout=10)
+
+        async def consume():
+            seen = []
+            while len(seen) < 10:
+                batch = await store.get("c", "p", ["x"], 2, timeout=10)
+                seen.extend(batch.columns["x"])
+                assert await store.ack("c", "p", batch.indexes) == 2
+            return seen
+
+        _, seen = await asyncio.gather(produce(), consume())
+        return seen
+
+    assert asyncio.run(main()) == list(range(10))  # capacity 4 < 10 rows: back-pressure held
