@@ -110,8 +110,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415
     from tidal.tools.doctor import render, report  # noqa: PLC0415
 
+    from tidal.tools.config import ConfigError  # noqa: PLC0415
+
     if os.environ.get(ENV_VAR):
-        check_spec(os.environ[ENV_VAR])  # a bad value is a usage error (exit 2)
+        try:
+            check_spec(os.environ[ENV_VAR])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None  # a usage error: exit 2
     data, code = report()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -152,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
         print(f"tidal {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
