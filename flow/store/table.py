@@ -233,9 +233,8 @@ class Store:
                     row.columns.add(name)
             for k, i in enumerate(indexes):
                 row = part.rows[i]
-                added = sum(_nbytes(cells[c][k]) for c in cells)
-                row.nbytes += added
-                part.nbytes += added
+                row.nbytes += sizes[k]
+                part.nbytes += sizes[k]
                 for consumer in part.consumers.values():
                     self._maybe_ready(consumer, row)
             self._cond.notify_all()
@@ -243,9 +242,9 @@ class Store:
 
     def _wait_for_room(self, part: _Partition, num_rows: int, nbytes: int, deadline: float | None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
-            raise StoreError(f"a put of {num_rows} rows can never fit partition {part.name!r} (capacity_rows={part.capacity_rows})")
+            raise StoreError(f"a put of {num_rows} rows can never fit partition {part.name!r} (capacity_rows={part.capacity_rows}); raise capacity_rows or put fewer rows at a time")
         if part.capacity_bytes is not None and nbytes > part.capacity_bytes:
-            raise StoreError(f"a put of {nbytes} bytes can never fit partition {part.name!r} (capacity_bytes={part.capacity_bytes})")
+            raise StoreError(f"a put of {nbytes} bytes can never fit partition {part.name!r} (capacity_bytes={part.capacity_bytes}); raise capacity_bytes or put fewer rows at a time")
 
         def full() -> bool:
             return (part.capacity_rows is not None and len(part.rows) + num_rows > part.capacity_rows) or (
@@ -259,8 +258,8 @@ class Store:
                     f"partition {part.name!r} is full ({len(part.rows)} rows, {part.nbytes} bytes); "
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
-            self._cond.wait(self._wait_time(part, deadline))
-            self._expire_leases(part)
+            # Only evictions (acks) free room, and they notify: wait for them or the deadline.
+            self._cond.wait(None if deadline is None else max(deadline - self._clock(), 0.0))
 
     # Get / ack --------------------------------------------------------------------------
     def get(
@@ -292,11 +291,10 @@ class Store:
             if state is None:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}; consumers: {sorted(part.consumers)}")
             ready = self._subscription(part, state, key)
-            ctx = SampleContext(version=self._version, value=lambda i, c: part.data[c][i])
             while True:
                 self._check_open()
                 self._expire_leases(part)
-                ctx = dataclasses.replace(ctx, version=self._version)
+                ctx = SampleContext(version=self._version, value=lambda i, c: part.data[c][i])
                 choice = sampler.select([part.rows[i].meta for i in ready], batch_size, partial, ctx)
                 for i in choice.drop:
                     state.num_dropped += 1
