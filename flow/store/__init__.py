@@ -4,16 +4,24 @@ Rows are samples, columns are fields. Producers `put`, consumers `get` rows as s
 they are ready (event-driven, no polling), leases make delivery at-least-once, samplers
 pick batches (sequential, complete groups, staleness-bounded, length-balanced), capacity
 applies back-pressure, and `save`/`load` carry in-flight data across a restart.
+
+Between processes, a `StoreServer` serves a store (and/or a `StorageUnit`) over ZeroMQ
+and a `RemoteStore` client offers the same API as the in-process `Store`.
 """
 
 from tidal.flow.store.aio import AsyncStore
+from tidal.flow.store.client import RemoteStore
 from tidal.flow.store.samplers import Grouped, RowMeta, SampleContext, Sampler, Selection, SeqlenBalanced, Sequential, StalenessFilter
+from tidal.flow.store.server import StoreServer
 from tidal.flow.store.table import Batch, Store, StoreError, StoreTimeout
+from tidal.flow.store.units import Ref, StorageUnit
 
 __all__ = [
     "AsyncStore",
     "Batch",
     "Grouped",
+    "Ref",
+    "RemoteStore",
     "RowMeta",
     "SampleContext",
     "Sampler",
@@ -21,7 +29,9 @@ __all__ = [
     "SeqlenBalanced",
     "Sequential",
     "StalenessFilter",
+    "StorageUnit",
     "Store",
     "StoreError",
+    "StoreServer",
     "StoreTimeout",
 ]

@@ -132,3 +132,45 @@ def _length(value: Any) -> int:
     if shape is not None:
         return int(shape[0]) if len(shape) else 1
     return len(value)
+
+
+def to_spec(sampler: Sampler) -> dict[str, Any]:
+    """A built-in sampler as plain data, to send to a store server (nothing is pickled)."""
+    if isinstance(sampler, Sequential):
+        return {"kind": "sequential"}
+    if isinstance(sampler, Grouped):
+        return {"kind": "grouped", "group_size": sampler.group_size}
+    if isinstance(sampler, StalenessFilter):
+        return {"kind": "staleness", "max_staleness": sampler.max_staleness, "hold": sampler.hold, "inner": to_spec(sampler.inner)}
+    if isinstance(sampler, SeqlenBalanced):
+        return {"kind": "seqlen", "num_ranks": sampler.num_ranks, "length_column": sampler.length_column, "inner": to_spec(sampler.inner)}
+    raise ValueError(
+        f"sampler {type(sampler).__name__} cannot be sent to a store server; remote gets take "
+        "Sequential, Grouped, StalenessFilter or SeqlenBalanced (custom samplers run with an in-process Store)"
+    )
+
+
+def from_spec(spec: Any) -> Sampler:
+    """Inverse of `to_spec`; raises ValueError naming what is wrong."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"sampler spec must be a map, got {spec!r}")
+    kind = spec.get("kind")
+
+    def integer(key: str, minimum: int) -> int:
+        value = spec.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"sampler {kind!r} needs integer {key} >= {minimum}, got {value!r}")
+        return value
+
+    if kind == "sequential":
+        return Sequential()
+    if kind == "grouped":
+        return Grouped(integer("group_size", 1))
+    if kind == "staleness":
+        return StalenessFilter(integer("max_staleness", 0), from_spec(spec.get("inner")), bool(spec.get("hold", False)))
+    if kind == "seqlen":
+        column = spec.get("length_column")
+        if not isinstance(column, str):
+            raise ValueError(f"sampler 'seqlen' needs a length_column name, got {column!r}")
+        return SeqlenBalanced(integer("num_ranks", 1), column, from_spec(spec.get("inner")))
+    raise ValueError(f"unknown sampler kind {kind!r}; kinds: grouped, seqlen, sequential, staleness")

@@ -59,17 +59,17 @@ class Batch:
         return torch.stack([torch.as_tensor(v) for v in self.columns[column]])
 
 
-def _nbytes(value: Any) -> int:
+def nbytes_of(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, np.ndarray):
         return value.nbytes
     if isinstance(value, (str, bytes)):
         return len(value)
-    return 8
+    return int(getattr(value, "nbytes", 8))  # e.g. a reference to data held elsewhere
 
 
-def _num_rows(item: tuple[str, Any]) -> int:
+def num_rows_of(item: tuple[str, Any]) -> int:
     name, value = item
     if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim:
         return int(value.shape[0])
@@ -78,7 +78,13 @@ def _num_rows(item: tuple[str, Any]) -> int:
     raise ValueError(f"column {name!r} must be a batched tensor, array or list, got {type(value).__name__}")
 
 
-def _split(name: str, value: Any, num_rows: int) -> list[Any]:
+def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
+    for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
+        if per_row is not None and len(per_row) != num_rows:
+            raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+
+
+def split_rows(name: str, value: Any, num_rows: int) -> list[Any]:
     """One cell per row: a batched tensor/array splits along dim 0 into views."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim == 0 or value.shape[0] != num_rows:
@@ -133,9 +139,20 @@ class _Partition:
 class Store:
     """A thread-safe in-process store. `runtime: local` uses it directly (zero copy)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times leases and timeouts; tests pass a fake one to expire leases at will."""
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[str, int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        """`clock` times leases and timeouts; tests pass a fake one to expire leases at will.
+
+        `on_evict(partition, index, cells)` is called (with the store's lock held, so it
+        must not call back into the store) for every evicted row; a controller whose cells
+        are references uses it to free the data on the storage units.
+        """
         self._clock = clock
+        self._evict_listeners = [on_evict] if on_evict is not None else []
         self._cond = threading.Condition()
         self._parts: dict[str, _Partition] = {}
         self._version = 0
@@ -194,28 +211,15 @@ class Store:
         """
         if not columns:
             raise ValueError("put needs at least one column")
-        num_rows = len(indexes) if indexes is not None else _num_rows(next(iter(columns.items())))
-        cells = {name: _split(name, value, num_rows) for name, value in columns.items()}
-        sizes = [sum(_nbytes(cells[c][i]) for c in cells) for i in range(num_rows)]
-        for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
-            if per_row is not None and len(per_row) != num_rows:
-                raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+        num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
+        cells = {name: split_rows(name, value, num_rows) for name, value in columns.items()}
+        sizes = [sum(nbytes_of(cells[c][i]) for c in cells) for i in range(num_rows)]
+        _check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             part = self._part(partition)
             if indexes is None:
-                self._wait_for_room(part, num_rows, sum(sizes), deadline)
-                indexes = list(range(part.next_index, part.next_index + num_rows))
-                part.next_index += num_rows
-                for k, i in enumerate(indexes):
-                    part.rows[i] = _Row(
-                        RowMeta(
-                            index=i,
-                            group=groups[k] if groups is not None else None,
-                            version=versions[k] if versions is not None else None,
-                            tags=dict(tags[k]) if tags is not None else {},
-                        )
-                    )
+                indexes = self._create_rows(part, num_rows, sum(sizes), groups, versions, tags, deadline)
             else:
                 if groups is not None or versions is not None or tags is not None:
                     raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
@@ -227,8 +231,8 @@ class Store:
                 for i, value in zip(indexes, per_row):
                     row = part.rows[i]
                     if name in row.columns:
-                        part.nbytes -= _nbytes(column[i])
-                        row.nbytes -= _nbytes(column[i])
+                        part.nbytes -= nbytes_of(column[i])
+                        row.nbytes -= nbytes_of(column[i])
                     column[i] = value
                     row.columns.add(name)
             for k, i in enumerate(indexes):
@@ -239,6 +243,54 @@ class Store:
                     self._maybe_ready(consumer, row)
             self._cond.notify_all()
             return list(indexes)
+
+    def reserve(
+        self,
+        partition: str,
+        num_rows: int,
+        *,
+        nbytes: int = 0,
+        groups: Sequence[Any] | None = None,
+        versions: Sequence[int | None] | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Create `num_rows` rows with no columns yet (never ready) and return their indexes.
+
+        Waits for room for `num_rows` rows and `nbytes` bytes like `put`. A producer whose
+        data lives on a storage unit reserves rows, writes the cells there, then `put`s
+        references to them at these indexes.
+        """
+        if num_rows < 1:
+            raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+        _check_row_meta(num_rows, groups, versions, tags)
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            return self._create_rows(self._part(partition), num_rows, nbytes, groups, versions, tags, deadline)
+
+    def _create_rows(
+        self,
+        part: _Partition,
+        num_rows: int,
+        nbytes: int,
+        groups: Sequence[Any] | None,
+        versions: Sequence[int | None] | None,
+        tags: Sequence[Mapping[str, Any]] | None,
+        deadline: float | None,
+    ) -> list[int]:
+        self._wait_for_room(part, num_rows, nbytes, deadline)
+        indexes = list(range(part.next_index, part.next_index + num_rows))
+        part.next_index += num_rows
+        for k, i in enumerate(indexes):
+            part.rows[i] = _Row(
+                RowMeta(
+                    index=i,
+                    group=groups[k] if groups is not None else None,
+                    version=versions[k] if versions is not None else None,
+                    tags=dict(tags[k]) if tags is not None else {},
+                )
+            )
+        return indexes
 
     def _wait_for_room(self, part: _Partition, num_rows: int, nbytes: int, deadline: float | None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
@@ -272,12 +324,14 @@ class Store:
         sampler: Sampler | None = None,
         timeout: float | None = None,
         partial: bool = False,
+        cancel: threading.Event | None = None,
     ) -> Batch:
         """Wait until `batch_size` rows are ready for `consumer` and lease them to it.
 
         With `partial=True`, return as soon as at least one row is ready (up to
         `batch_size`). Raises `StoreTimeout` after `timeout` seconds, saying how many rows
-        were ready.
+        were ready. Setting `cancel` (then calling `wake`) ends the wait with `StoreError`;
+        a server does this when the waiting client disconnects.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -293,6 +347,8 @@ class Store:
             ready = self._subscription(part, state, key)
             while True:
                 self._check_open()
+                if cancel is not None and cancel.is_set():
+                    raise StoreError(f"get({consumer!r}, {partition!r}) was cancelled")
                 self._expire_leases(part)
                 ctx = SampleContext(version=self._version, value=lambda i, c: part.data[c][i])
                 choice = sampler.select([part.rows[i].meta for i in ready], batch_size, partial, ctx)
@@ -338,16 +394,21 @@ class Store:
             self._cond.notify_all()
             return newly
 
-    def release(self, consumer: str, partition: str | None = None) -> int:
-        """Return every row leased to `consumer` (it died or disconnected) to its ready set."""
+    def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
+        """Return rows leased to `consumer` (it died or disconnected) to its ready set.
+
+        By default every row it holds in every partition; `partition` and `indexes` narrow
+        it. Rows already acked or no longer leased are skipped. Returns how many came back.
+        """
         with self._cond:
             parts = [self._part(partition)] if partition else list(self._parts.values())
+            wanted = None if indexes is None else set(indexes)
             released = 0
             for part in parts:
                 state = part.consumers.get(consumer)
                 if state is None:
                     continue
-                for i in list(state.leased):
+                for i in [i for i in state.leased if wanted is None or i in wanted]:
                     del state.leased[i]
                     state.num_redelivered += 1
                     self._maybe_ready(state, part.rows[i])
@@ -402,8 +463,9 @@ class Store:
 
     def _evict(self, part: _Partition, i: int) -> None:
         row = part.rows.pop(i)
-        for name in row.columns:
-            del part.data[name][i]
+        cells = {name: part.data[name].pop(i) for name in row.columns}
+        for listener in self._evict_listeners:
+            listener(part.name, i, cells)
         part.nbytes -= row.nbytes
         part.num_evicted += 1
         for state in part.consumers.values():
@@ -507,14 +569,24 @@ class Store:
                 for i, value in cells:
                     data[i] = value
                     part.rows[i].columns.add(column)
-                    part.rows[i].nbytes += _nbytes(value)
-                    part.nbytes += _nbytes(value)
+                    part.rows[i].nbytes += nbytes_of(value)
+                    part.nbytes += nbytes_of(value)
             for consumer, acked in p["consumers"].items():
                 state_c = part.consumers[consumer]
                 state_c.acked = set(acked)
                 for i in acked:
                     part.rows[i].num_acked += 1
         return store
+
+    def add_evict_listener(self, listener: Callable[[str, int, dict[str, Any]], None]) -> None:
+        """Also call `listener(partition, index, cells)` on every eviction (see `__init__`)."""
+        with self._cond:
+            self._evict_listeners.append(listener)
+
+    def wake(self) -> None:
+        """Wake every waiter so it rechecks its `cancel` event."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Wake every waiter with `StoreError`; later calls fail."""

@@ -1,0 +1,257 @@
+"""`RemoteStore`: the `Store` API, served by a `StoreServer` in another process.
+
+The same calls, arguments, return values and errors as the in-process `Store`, so a
+stage does not know which one it holds. Each thread gets its own socket (a blocking
+`get` in one thread never holds up another's `ack`), and its own connection: leases are
+tied to the connection that took them, so a thread or process that dies has its rows
+redelivered.
+
+Split deployment: give `unit=` a `StoreServer` that serves a local `StorageUnit` (or the
+address of one). Then `put` writes the data into that unit - in process, zero copy - and
+sends the controller only references; `get` asks the controller which rows to take and
+reads their cells straight from the units that hold them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import zmq
+
+from tidal.flow.store.samplers import Sampler, Sequential, to_spec
+from tidal.flow.store.server import StoreServer
+from tidal.flow.store.table import Batch, StoreError, StoreTimeout, nbytes_of, num_rows_of, split_rows
+from tidal.flow.store.units import Ref, cell_ref
+from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
+
+TOKEN_ENV = "TIDAL_STORE_TOKEN"
+_ERRORS: dict[str, type[Exception]] = {
+    "StoreTimeout": StoreTimeout,
+    "StoreError": StoreError,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+}
+
+
+class RemoteStore:
+    """A client of the store server at `address` (e.g. ``tcp://127.0.0.1:5555``).
+
+    `token` defaults to the `TIDAL_STORE_TOKEN` environment variable. Calls that do not
+    wait for data fail with `StoreError` when the server has not replied within
+    `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        unit: StoreServer | str | None = None,
+        rpc_timeout_s: float = 60.0,
+    ) -> None:
+        self.address = address
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.rpc_timeout_s = rpc_timeout_s
+        self._local_unit = unit if isinstance(unit, StoreServer) else None
+        if self._local_unit is not None and self._local_unit.unit is None:
+            raise ValueError("unit= must be a StoreServer that serves a StorageUnit")
+        self.unit_address = unit.address if isinstance(unit, StoreServer) else unit
+        self._ctx = zmq.Context()
+        self._tls = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._sockets_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # Plumbing ---------------------------------------------------------------------------
+    def _socket(self, address: str) -> zmq.Socket:
+        sockets = getattr(self._tls, "sockets", None)
+        if sockets is None:
+            sockets = self._tls.sockets = {}
+        sock = sockets.get(address)
+        if sock is None:
+            if self._closed:
+                raise StoreError("the store client is closed")
+            sock = sockets[address] = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            with self._sockets_lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _send(self, address: str, op: str, args: dict[str, Any]) -> tuple[zmq.Socket, int]:
+        sock = self._socket(address)
+        request_id = next(self._ids)
+        sock.send_multipart(pack({"op": op, "id": request_id, "token": self.token, "args": args}), copy=False)
+        return sock, request_id
+
+    def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
+        while True:  # one blocking wait per reply; skips late replies to abandoned requests
+            if not sock.poll(None if wait_s is None else int(wait_s * 1000) + 1):
+                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:.0f}s; is it running?")
+            try:
+                reply = unpack(sock.recv_multipart(copy=False))
+            except WireError as e:
+                raise StoreError(f"malformed reply from store server {address}: {e}") from e
+            if reply.get("id") != request_id and reply.get("id") is not None:
+                continue
+            if reply.get("ok"):
+                return reply.get("result")
+            kind, message = reply.get("error"), reply.get("message")
+            raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
+
+    def _call(self, op: str, args: dict[str, Any], *, wait: float | None = 0.0, address: str | None = None) -> Any:
+        """`wait`: how long the server may legitimately wait (None: without bound)."""
+        address = address or self.address
+        sock, request_id = self._send(address, op, args)
+        return self._receive(sock, request_id, address, op, None if wait is None else wait + self.rpc_timeout_s)
+
+    # Store API --------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return self._call("ping", {})
+
+    def create_partition(
+        self,
+        name: str,
+        *,
+        consumers: Sequence[str],
+        capacity_rows: int | None = None,
+        capacity_bytes: int | None = None,
+        lease_s: float = 300.0,
+    ) -> None:
+        args = {"name": name, "consumers": list(consumers), "capacity_rows": capacity_rows, "capacity_bytes": capacity_bytes, "lease_s": lease_s}
+        self._call("create_partition", args)
+
+    def add_consumer(self, partition: str, consumer: str) -> None:
+        self._call("add_consumer", {"partition": partition, "consumer": consumer})
+
+    @property
+    def version(self) -> int:
+        return self._call("version", {})
+
+    def set_version(self, version: int) -> None:
+        self._call("set_version", {"version": version})
+
+    def put(
+        self,
+        partition: str,
+        columns: Mapping[str, Any],
+        indexes: Sequence[int] | None = None,
+        *,
+        groups: Sequence[Any] | None = None,
+        versions: Sequence[int | None] | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """As `Store.put`. With a storage unit the data goes there and the controller gets references."""
+        if not columns:
+            raise ValueError("put needs at least one column")
+        meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout}
+        if self.unit_address is None:
+            args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
+            return self._call("put", args, wait=timeout)
+        num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
+        cells = {name: split_rows(name, value, num_rows) for name, value in columns.items()}
+        if indexes is None:
+            nbytes = sum(nbytes_of(c) for per_row in cells.values() for c in per_row)
+            indexes = self._call("reserve", {"partition": partition, "num_rows": num_rows, "nbytes": nbytes, **meta}, wait=timeout)
+        elif any(v is not None for v in (groups, versions, tags)):
+            raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
+        indexes = list(indexes)
+        if self._local_unit is not None:
+            self._local_unit.unit.write(partition, indexes, cells)
+        else:
+            encoded = {name: encode_column(values) for name, values in cells.items()}
+            self._call("unit_write", {"partition": partition, "indexes": indexes, "columns": encoded}, address=self.unit_address)
+        refs = {name: [cell_ref(self.unit_address, c).wire for c in values] for name, values in cells.items()}
+        return self._call("put", {"partition": partition, "refs": refs, "indexes": indexes})
+
+    def reserve(self, partition: str, num_rows: int, *, nbytes: int = 0, timeout: float | None = None, **meta: Any) -> list[int]:
+        args = {"partition": partition, "num_rows": num_rows, "nbytes": nbytes, "timeout": timeout}
+        args.update({k: _plain(v) for k, v in meta.items()})
+        return self._call("reserve", args, wait=timeout)
+
+    def get(
+        self,
+        consumer: str,
+        partition: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: Sampler | None = None,
+        timeout: float | None = None,
+        partial: bool = False,
+    ) -> Batch:
+        """As `Store.get`; cells on storage units are read from them before returning."""
+        args = {
+            "consumer": consumer,
+            "partition": partition,
+            "columns": list(columns),
+            "batch_size": batch_size,
+            "sampler": to_spec(sampler or Sequential()),
+            "timeout": timeout,
+            "partial": partial,
+        }
+        reply = self._call("get", args, wait=timeout)
+        indexes = reply["indexes"]
+        cells = {name: decode_column(name, value) for name, value in reply["columns"].items()}
+        refs = {name: values for name, values in cells.items() if reply["columns"][name].keys() == {"refs"}}
+        if refs:
+            cells.update(self._read_units(partition, indexes, refs))
+        return Batch(partition=partition, indexes=indexes, columns={c: cells[c] for c in columns}, groups=reply["groups"], versions=reply["versions"])
+
+    def _read_units(self, partition: str, indexes: list[int], refs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        wanted: dict[str, dict[str, list[int]]] = {}  # unit -> column -> indexes
+        for name, values in refs.items():
+            for i, value in zip(indexes, values):
+                wanted.setdefault(Ref.from_wire(value).unit, {}).setdefault(name, []).append(i)
+        found: dict[tuple[str, int], Any] = {}
+        pending = []
+        for unit, per_column in wanted.items():
+            if self._local_unit is not None and unit == self._local_unit.address:
+                got = self._local_unit.unit.read(partition, per_column)
+                found.update({(c, i): v for c, vs in got.items() for i, v in zip(per_column[c], vs)})
+            else:
+                pending.append((unit, per_column, *self._send(unit, "unit_read", {"partition": partition, "wanted": per_column})))
+        for unit, per_column, sock, request_id in pending:
+            got = self._receive(sock, request_id, unit, "unit_read", self.rpc_timeout_s)
+            for c, encoded in got.items():
+                found.update({(c, i): v for i, v in zip(per_column[c], decode_column(c, encoded))})
+        return {name: [found[(name, i)] for i in indexes] for name in refs}
+
+    def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
+        return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": [int(i) for i in indexes]})
+
+    def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
+        args = {"consumer": consumer, "partition": partition, "indexes": None if indexes is None else [int(i) for i in indexes]}
+        return self._call("release", args)
+
+    def metrics(self) -> dict[str, Any]:
+        return self._call("metrics", {})
+
+    def save(self, path: str) -> None:
+        """Save the server's store to `path` on the server's machine (see `persist.save`)."""
+        self._call("save", {"path": str(path)})
+
+    def close(self) -> None:
+        """Close every socket of this client (their connections end: unacked leases return)."""
+        self._closed = True
+        with self._sockets_lock:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            self._sockets.clear()
+        self._ctx.term()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain(values: Sequence[Any] | None) -> list[Any] | None:
+    return None if values is None else list(values)

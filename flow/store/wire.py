@@ -1,0 +1,117 @@
+"""The store's wire format between processes (ZeroMQ multipart messages).
+
+A request is `[header, *buffers]`: the header is msgpack of
+`{"op": str, "id": int, "token": str | None, "args": {...}}` where every tensor or array
+in `args` is a descriptor pointing at one of the raw buffers (see `codec`). A reply is the
+same shape with `{"id": int, "ok": True, "result": ...}` or
+`{"id": int | None, "ok": False, "error": "<kind>", "message": str}`. Nothing is pickled;
+a header that does not decode, names an unknown op or carries wrong argument types gets
+an error reply.
+
+Batches travel column by column: a column of small same-shape tensors is stacked into
+one buffer (`{"stacked": tensor}`), large or ragged cells go as one buffer each
+(`{"cells": [...]}`), and cells held on a storage unit go as references
+(`{"refs": [[address, nbytes, shape], ...]}`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tidal.flow.store.codec import CodecError, decode, encode
+
+STACK_MAX_CELL_BYTES = 64 * 1024
+"""Cells up to this size are stacked into one buffer per column; larger ones go zero-copy."""
+
+
+class WireError(ValueError):
+    """A message that is not a valid request or reply."""
+
+
+def pack(message: Mapping[str, Any]) -> list[Any]:
+    header, buffers = encode(message)
+    return [header, *buffers]
+
+
+def unpack(frames: Sequence[Any]) -> dict[str, Any]:
+    """Decode `[header, *buffers]`; raises `WireError` for anything malformed."""
+    if not frames:
+        raise WireError("empty message")
+    try:
+        message = decode(bytes(frames[0]), [memoryview(f) for f in frames[1:]])
+    except CodecError as e:
+        raise WireError(str(e)) from e
+    if not isinstance(message, dict):
+        raise WireError(f"message must be a map, got {type(message).__name__}")
+    return message
+
+
+def check_request(message: Mapping[str, Any], ops: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]]:
+    op, request_id, args = message.get("op"), message.get("id"), message.get("args", {})
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise WireError(f"request id must be an int, got {request_id!r}")
+    if not isinstance(op, str) or op not in ops:
+        raise WireError(f"unknown op {op!r}; ops: {sorted(ops)}")
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise WireError(f"args of {op!r} must be a map with string keys")
+    return op, request_id, args
+
+
+def token_ok(expected: str | None, given: Any) -> bool:
+    if expected is None:
+        return True
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def is_loopback(address: str) -> bool:
+    """True for tcp://127.x, tcp://[::1], tcp://localhost and ipc:// / inproc:// addresses."""
+    parsed = urllib.parse.urlsplit(address)
+    if parsed.scheme in ("ipc", "inproc"):
+        return True
+    host = parsed.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a hostname: reachable from elsewhere
+
+
+def check_bind(address: str, token: str | None) -> None:
+    if not is_loopback(address) and not token:
+        raise ValueError(
+            f"store server address {address!r} is reachable from other machines; "
+            "pass a shared token (store.token / TIDAL_STORE_TOKEN) or bind tcp://127.0.0.1"
+        )
+
+
+def encode_column(cells: Sequence[Any]) -> dict[str, Any]:
+    """One batch column for the wire: stacked when small and uniform, else cell by cell."""
+    first = cells[0] if cells else None
+    if (
+        isinstance(first, torch.Tensor)
+        and first.numel() * first.element_size() <= STACK_MAX_CELL_BYTES
+        and all(isinstance(c, torch.Tensor) and c.shape == first.shape and c.dtype == first.dtype for c in cells)
+    ):
+        return {"stacked": torch.stack(cells)}
+    refs = [getattr(c, "wire", None) for c in cells]
+    if first is not None and all(r is not None for r in refs):
+        return {"refs": refs}
+    return {"cells": list(cells)}
+
+
+def decode_column(name: str, value: Any) -> list[Any]:
+    if not isinstance(value, dict) or len(value) != 1:
+        raise WireError(f"column {name!r} is not an encoded column")
+    (kind, payload), = value.items()
+    if kind == "stacked" and isinstance(payload, torch.Tensor) and payload.ndim >= 1:
+        return list(payload.unbind(0))
+    if kind in ("cells", "refs") and isinstance(payload, list):
+        return payload
+    raise WireError(f"column {name!r} has unknown encoding {kind!r}")

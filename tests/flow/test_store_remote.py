@@ -1,0 +1,246 @@
+"""The store across processes: ZeroMQ server and client, storage units, dying consumers, fuzzed frames."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tidal.flow.store import Grouped, RemoteStore, StalenessFilter, StorageUnit, Store, StoreError, StoreServer, StoreTimeout
+from tidal.flow.store.samplers import Sampler, Selection
+
+
+@pytest.fixture
+def served():
+    store = Store()
+    with StoreServer(store) as server:
+        client = RemoteStore(server.address, rpc_timeout_s=10)
+        yield store, server, client
+        client.close()
+
+
+def test_remote_round_trip_matches_local(served):
+    store, server, client = served
+    client.create_partition("train", consumers=["reward", "train"])
+    indexes = client.put("train", {"response": [torch.arange(3), torch.arange(5)], "prompt": ["1+1", "2+2"]}, groups=[7, 7], versions=[0, 1])
+    assert indexes == [0, 1]
+    client.put("train", {"reward": torch.tensor([1.0, 0.0])}, indexes)
+    batch = client.get("train", "train", ["response", "reward"], 2, timeout=5)
+    assert batch.indexes == [0, 1] and batch.groups == [7, 7] and batch.versions == [0, 1]
+    assert [r.tolist() for r in batch.columns["response"]] == [[0, 1, 2], [0, 1, 2, 3, 4]]
+    assert batch.stack("reward").tolist() == [1.0, 0.0]
+    assert client.ack("train", "train", batch.indexes) == 2
+    assert client.ack("train", "train", batch.indexes) == 0  # idempotent over the wire too
+    other = client.get("reward", "train", ["prompt"], 2, timeout=5)
+    assert other.columns["prompt"] == ["1+1", "2+2"]
+    client.ack("reward", "train", other.indexes)
+    assert store.metrics()["partitions"]["train"]["rows"] == 0  # evicted once both consumers acked
+    client.set_version(4)
+    assert client.version == 4 == store.version
+
+
+def test_remote_errors_name_the_problem(served):
+    _, _, client = served
+    client.create_partition("train", consumers=["train"])
+    with pytest.raises(ValueError, match="'nobody' is not a consumer"):
+        client.get("nobody", "train", ["x"], 1, timeout=1)
+    with pytest.raises(ValueError, match="no partition 'val'"):
+        client.put("val", {"x": torch.zeros(1)})
+    client.put("train", {"x": torch.zeros(1, 2)})
+    with pytest.raises(StoreTimeout, match="1 of 3 rows were ready"):
+        client.get("train", "train", ["x"], 3, timeout=0.2)
+
+    class Custom(Sampler):
+        def select(self, rows, batch_size, partial, ctx):  # noqa: ANN001, ANN201
+            return Selection([])
+
+    with pytest.raises(ValueError, match="Custom cannot be sent"):
+        client.get("train", "train", ["x"], 1, sampler=Custom(), timeout=1)
+
+
+def test_remote_samplers_run_on_the_server(served):
+    store, _, client = served
+    client.create_partition("train", consumers=["train"])
+    client.put("train", {"x": torch.zeros(3, 1)}, groups=["a", "b", "a"], versions=[0, 0, 0])
+    client.set_version(2)
+    with pytest.raises(StoreTimeout):
+        client.get("train", "train", ["x"], 2, sampler=StalenessFilter(1, Grouped(2)), timeout=0.2)
+    assert store.metrics()["partitions"]["train"]["consumers"]["train"]["dropped"] == 3
+
+
+def test_blocking_get_is_woken_by_another_clients_put(served):
+    _, server, client = served
+    client.create_partition("train", consumers=["train"])
+    result: dict[str, object] = {}
+
+    def consume() -> None:
+        consumer = RemoteStore(server.address)
+        start = time.monotonic()
+        result["batch"] = consumer.get("train", "train", ["x"], 2, timeout=10)
+        result["waited"] = time.monotonic() - start
+        consumer.close()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(0.3)
+    assert "batch" not in result
+    client.put("train", {"x": torch.ones(2, 3)})
+    thread.join(timeout=10)
+    assert result["batch"].indexes == [0, 1]  # type: ignore[union-attr]
+    assert 0.3 <= result["waited"] < 5  # type: ignore[operator]
+
+
+def test_capacity_bound_producer_blocks_and_resumes_over_the_wire(served):
+    _, server, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=2)
+    client.put("train", {"x": torch.zeros(2, 1)})
+    with pytest.raises(StoreTimeout, match="is full"):
+        client.put("train", {"x": torch.zeros(1, 1)}, timeout=0.2)
+    done = threading.Event()
+
+    def produce() -> None:
+        producer = RemoteStore(server.address)
+        producer.put("train", {"x": torch.zeros(1, 1)}, timeout=10)
+        producer.close()
+        done.set()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    assert not done.wait(0.3)  # blocked: the partition is full
+    batch = client.get("train", "train", ["x"], 2, timeout=5)
+    client.ack("train", "train", batch.indexes)
+    assert done.wait(5)
+    thread.join()
+
+
+_DOOMED_CONSUMER = textwrap.dedent(
+    """
+    import sys
+    from tidal.flow.store import RemoteStore
+    store = RemoteStore(sys.argv[1])
+    batch = store.get("train", "train", ["x"], 2, timeout=30)
+    print("got", batch.indexes, flush=True)
+    store.get("train", "train", ["x"], 1, timeout=30)  # killed while waiting here
+    print("unexpected", flush=True)
+    """
+)
+
+
+def test_consumer_process_killed_mid_get_loses_nothing(served):
+    store, server, client = served
+    client.create_partition("train", consumers=["train"])
+    client.put("train", {"x": torch.arange(2).reshape(2, 1)})
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_CONSUMER, server.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "got [0, 1]"
+        time.sleep(0.3)  # its second get is now parked on the server
+        assert store.metrics()["partitions"]["train"]["consumers"]["train"]["leased"] == 2
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    batch = client.get("train", "train", ["x"], 2, timeout=10)  # released when its connection died
+    assert batch.indexes == [0, 1]
+    client.put("train", {"x": torch.tensor([[2]])})  # not swallowed by the dead process's get
+    assert client.get("train", "train", ["x"], 1, timeout=10).indexes == [2]
+    consumer = store.metrics()["partitions"]["train"]["consumers"]["train"]
+    assert consumer["redelivered"] == 2 and consumer["leased"] == 3
+
+
+def test_split_deployment_keeps_data_on_the_writers_unit():
+    controller = Store()
+    with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit_a, StoreServer(unit=StorageUnit()) as unit_b:
+        producer_a = RemoteStore(ctrl.address, unit=unit_a)  # in-process unit: zero-copy put
+        producer_b = RemoteStore(ctrl.address, unit=unit_b.address)  # a unit in "another process"
+        consumer = RemoteStore(ctrl.address)
+        try:
+            producer_a.create_partition("train", consumers=["train"])
+            producer_a.put("train", {"x": torch.ones(3, 4)}, groups=[0, 0, 1])
+            producer_b.put("train", {"x": torch.zeros(2, 4)}, groups=[1, 2])
+            producer_b.put("train", {"reward": torch.tensor([5.0, 6.0])}, indexes=[0, 4])
+            assert (len(unit_a.unit), len(unit_b.unit)) == (3, 3)
+            assert controller.metrics()["partitions"]["train"]["bytes"] == 5 * 16 + 2 * 4
+            batch = consumer.get("train", "train", ["x", "reward"], 2, timeout=5)
+            assert batch.indexes == [0, 4]
+            assert batch.stack("x").sum(1).tolist() == [4.0, 0.0]
+            assert batch.stack("reward").tolist() == [5.0, 6.0]
+            consumer.ack("train", "train", batch.indexes)
+            deadline = time.monotonic() + 5
+            while (len(unit_a.unit), len(unit_b.unit)) != (2, 1) and time.monotonic() < deadline:
+                time.sleep(0.01)  # drops travel asynchronously from the controller
+            assert (len(unit_a.unit), len(unit_b.unit)) == (2, 1)
+        finally:
+            for client in (producer_a, producer_b, consumer):
+                client.close()
+
+
+def test_non_local_bind_requires_a_token():
+    with pytest.raises(ValueError, match="reachable from other machines"):
+        StoreServer(Store(), address="tcp://0.0.0.0:0")
+    with StoreServer(Store(), address="tcp://0.0.0.0:0", token="s3cret") as server:
+        address = server.address.replace("0.0.0.0", "127.0.0.1")
+        anonymous, wrong, right = RemoteStore(address, token=""), RemoteStore(address, token="nope"), RemoteStore(address, token="s3cret")
+        try:
+            for client in (anonymous, wrong):
+                with pytest.raises(StoreError, match="wrong store token"):
+                    client.metrics()
+            assert right.metrics()["version"] == 0
+        finally:
+            for client in (anonymous, wrong, right):
+                client.close()
+
+
+def _raw_call(sock: zmq.Socket, frames: list[bytes]) -> dict:
+    sock.send_multipart(frames)
+    assert sock.poll(5000), "the server did not answer"
+    reply = msgpack.unpackb(sock.recv_multipart()[0], raw=False, strict_map_key=False)
+    assert isinstance(reply, dict) and "ok" in reply
+    return reply
+
+
+_plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["__", "d", "s", "b", "op", "id", "args", "x"]), inner, max_size=4),
+    max_leaves=12,
+)
+_ops = st.sampled_from(["get", "put", "ack", "reserve", "release", "create_partition", "metrics", "unit_read", "bogus"])
+_args = st.dictionaries(st.sampled_from(["partition", "consumer", "columns", "batch_size", "indexes", "name", "consumers", "num_rows", "sampler"]), _plain, max_size=6)
+# timeout 0: a fuzzed request that happens to be a valid get must answer now, not wait for rows
+_requests = st.fixed_dictionaries({"op": _ops, "id": st.integers(0, 10) | st.text(max_size=2), "args": _args.map(lambda a: {**a, "timeout": 0})})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.one_of(
+    st.lists(st.binary(max_size=64), min_size=1, max_size=4),
+    st.tuples(_requests, st.lists(st.binary(max_size=32), max_size=3)).map(lambda m: [msgpack.packb(m[0]), *m[1]]),
+))
+def test_fuzzed_frames_get_replies_and_never_stop_the_server(fuzz_server, frames):
+    server, sock = fuzz_server
+    reply = _raw_call(sock, frames)
+    if not reply["ok"]:
+        assert reply["error"] and isinstance(reply["message"], str)
+    ping = _raw_call(sock, [msgpack.packb({"op": "ping", "id": 1, "args": {}})])
+    assert ping["ok"] and ping["result"] == {"store": True, "unit": True}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    store = Store()
+    store.create_partition("train", consumers=["c"])
+    with StoreServer(store, unit=StorageUnit()) as server:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.address)
+        yield server, sock
+        sock.close(linger=0)
+        ctx.term()
+        assert server._thread.is_alive()

@@ -1,0 +1,301 @@
+"""`tidal bench store`: the store across processes against TransferQueue and raw ZeroMQ.
+
+Every system moves the same rows between a producer process and a consumer process:
+
+- small rows: 4096 rows x {input_ids int64[256], attention_mask int64[256],
+  logprobs float32[256], reward float32[1]}, put in batches of 256 while the consumer
+  gets batches of 256 as they become ready (and acks them);
+- large rows: 64 rows of 1 MB, put and got in batches of 8;
+- hand-off latency: a consumer already waits in `get`; the time from the producer's
+  `put` call to that `get` returning the row (p50, p99).
+
+Systems: `tidal` (a store server process holds metadata and data), `tidal-split`
+(the controller in the server process, the data on a storage unit inside the producer,
+read by the consumer straight from it), `transferqueue` (0.1.11 on Ray, when the
+`[bench]` extra is installed) and `raw-zmq` (the same frames PUSHed from producer to
+consumer: the machine's limit for this pattern). Ratios are against TransferQueue and
+raw ZeroMQ measured in the same run. Times use `time.perf_counter` (CLOCK_MONOTONIC on
+Linux, so comparable across processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+SMALL = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "logprobs": ("float32", (256,)), "reward": ("float32", (1,))}
+LARGE = {"blob": ("uint8", (1 << 20,))}
+LATENCY = {"logprobs": ("float32", (256,))}
+SYSTEMS = ("tidal", "tidal-split", "raw-zmq", "transferqueue")
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    fields: dict[str, tuple[str, tuple[int, ...]]]
+    num_rows: int
+    batch_size: int
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(torch.empty((), dtype=getattr(torch, d)).element_size() * int(torch.Size(s).numel()) for d, s in self.fields.values())
+
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for start in range(0, self.num_rows, self.batch_size):
+            n = min(self.batch_size, self.num_rows - start)
+            out.append({k: torch.randint(0, 100, (n, *s)).to(getattr(torch, d)) for k, (d, s) in self.fields.items()})
+        return out
+
+
+# Store processes -------------------------------------------------------------------------
+def _serve(ready: Any, stop: Any) -> None:
+    from tidal.flow.store import Store
+    from tidal.flow.store.server import StoreServer
+
+    with StoreServer(Store()) as server:
+        ready.put(server.address)
+        stop.wait()
+
+
+def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any, unit_ready: Any, stop: Any) -> None:
+    from tidal.flow.store import StorageUnit
+    from tidal.flow.store.client import RemoteStore
+    from tidal.flow.store.server import StoreServer
+
+    unit = StoreServer(unit=StorageUnit()) if split else None
+    store = RemoteStore(address, unit=unit)
+    batches = work.batches()
+    store.put(work.name, batches[0], timeout=60)  # warm-up row set, consumed by the warm-up get
+    unit_ready.put(True)
+    go.wait()
+    start = time.perf_counter()
+    for batch in batches:
+        store.put(work.name, batch, timeout=60)
+    out.put(("start", start))
+    stop.wait()  # a split producer serves its unit until the consumer is done
+    store.close()
+    if unit is not None:
+        unit.close()
+
+
+def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
+    from tidal.flow.store.client import RemoteStore
+
+    store = RemoteStore(address)
+    columns = list(work.fields)
+    warm = store.get("c", work.name, columns, work.batch_size, timeout=60)
+    store.ack("c", work.name, warm.indexes)
+    go.set()
+    received = 0
+    while received < work.num_rows:
+        batch = store.get("c", work.name, columns, work.batch_size, timeout=60, partial=True)
+        store.ack("c", work.name, batch.indexes)
+        received += len(batch)
+    out.put(("end", time.perf_counter()))
+    store.close()
+
+
+def tidal_throughput(work: Workload, *, split: bool) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    ready, out, unit_ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    stop, go = ctx.Event(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(ready, stop), daemon=True)
+    server.start()
+    address = ready.get(timeout=60)
+    from tidal.flow.store.client import RemoteStore
+
+    admin = RemoteStore(address)
+    admin.create_partition(work.name, consumers=["c"])
+    admin.close()
+    producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop), daemon=True)
+    consumer = ctx.Process(target=_tidal_consumer, args=(address, work, go, out), daemon=True)
+    producer.start()
+    unit_ready.get(timeout=60)
+    consumer.start()
+    times = dict(out.get(timeout=300) for _ in range(2))
+    stop.set()
+    for proc in (consumer, producer, server):
+        proc.join(timeout=30)
+    return _rates(work, times["end"] - times["start"])
+
+
+def _tidal_latency_consumer(address: str, num_trials: int, waiting: Any, out: Any) -> None:
+    from tidal.flow.store.client import RemoteStore
+
+    store = RemoteStore(address)
+    got = []
+    for _ in range(num_trials + 1):
+        waiting.set()
+        batch = store.get("c", "lat", ["logprobs"], 1, timeout=60)
+        got.append(time.perf_counter())
+        store.ack("c", "lat", batch.indexes)
+    out.put(got[1:])
+    store.close()
+
+
+def tidal_latency(num_trials: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Queue(), ctx.Queue()
+    stop, waiting = ctx.Event(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(ready, stop), daemon=True)
+    server.start()
+    address = ready.get(timeout=60)
+    from tidal.flow.store.client import RemoteStore
+
+    producer = RemoteStore(address)
+    producer.create_partition("lat", consumers=["c"])
+    consumer = ctx.Process(target=_tidal_latency_consumer, args=(address, num_trials, waiting, out), daemon=True)
+    consumer.start()
+    row = {"logprobs": torch.randn(1, 256)}
+    sent = []
+    for _ in range(num_trials + 1):
+        waiting.wait(timeout=60)
+        waiting.clear()
+        time.sleep(0.005)  # let the get reach the server and park there
+        sent.append(time.perf_counter())
+        producer.put("lat", row)
+    got = out.get(timeout=120)
+    producer.close()
+    stop.set()
+    consumer.join(timeout=30)
+    server.join(timeout=30)
+    return [g - s for g, s in zip(got, sent[1:])]
+
+
+# Raw ZeroMQ: the same frames straight from producer to consumer ------------------------------
+def _zmq_consumer(port_out: Any, num_messages: int, out: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    port_out.put(port)
+    times = []
+    for _ in range(num_messages):
+        frames = sock.recv_multipart(copy=False)
+        times.append(time.perf_counter())
+        _ = [memoryview(f) for f in frames]
+    out.put(times)
+    sock.close(linger=0)
+    ctx.term()
+
+
+def _zmq_connect(port: int) -> Any:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def _frames(batch: dict[str, torch.Tensor]) -> list[Any]:
+    from tidal.flow.store.codec import encode
+
+    header, buffers = encode({"columns": batch})
+    return [header, *buffers]
+
+
+def zmq_throughput(work: Workload) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    port_q, out = ctx.Queue(), ctx.Queue()
+    batches = work.batches()
+    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, len(batches) + 1, out), daemon=True)
+    consumer.start()
+    sock = _zmq_connect(port_q.get(timeout=60))
+    sock.send_multipart(_frames(batches[0]), copy=False)  # connection warm-up
+    time.sleep(0.2)
+    start = time.perf_counter()
+    for batch in batches:
+        sock.send_multipart(_frames(batch), copy=False)
+    end = out.get(timeout=300)[-1]
+    sock.close(linger=1000)
+    consumer.join(timeout=30)
+    return _rates(work, end - start)
+
+
+def zmq_latency(num_trials: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    port_q, out = ctx.Queue(), ctx.Queue()
+    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, num_trials + 1, out), daemon=True)
+    consumer.start()
+    sock = _zmq_connect(port_q.get(timeout=60))
+    row = {"logprobs": torch.randn(1, 256)}
+    sent = []
+    for _ in range(num_trials + 1):
+        time.sleep(0.005)
+        sent.append(time.perf_counter())
+        sock.send_multipart(_frames(row), copy=False)
+    got = out.get(timeout=120)
+    sock.close(linger=1000)
+    consumer.join(timeout=30)
+    return [g - s for g, s in zip(got[1:], sent[1:])]
+
+
+# Running and reporting ----------------------------------------------------------------------
+def _rates(work: Workload, seconds: float) -> dict[str, float]:
+    return {"seconds": seconds, "rows_per_s": work.num_rows / seconds, "mb_per_s": work.num_rows * work.row_bytes / seconds / 1e6}
+
+
+def _percentiles(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+    return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3}
+
+
+def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: int = 3, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Measure every system; each throughput is the best of `repeats` runs."""
+    small = Workload("small", SMALL, 4096, 256)
+    large = Workload("large", LARGE, 64, 8)
+    results: dict[str, dict[str, Any]] = {}
+    for system in systems:
+        if system == "transferqueue":
+            from tidal.tools import bench_tq
+
+            if not bench_tq.available():
+                progress("transferqueue: not installed (pip install -c constraints.txt -e '.[bench]'); skipped")
+                continue
+            throughput: Callable[[Workload], dict[str, float]] = lambda w: bench_tq.tq_throughput(num_rows=w.num_rows, fields=w.fields, batch_size=w.batch_size)  # noqa: E731
+            latency: Callable[[int], list[float]] = lambda n: bench_tq.tq_latency(num_trials=n)  # noqa: E731
+        elif system == "raw-zmq":
+            throughput, latency = zmq_throughput, zmq_latency
+        elif system in ("tidal", "tidal-split"):
+            split = system == "tidal-split"
+            throughput = lambda w, split=split: tidal_throughput(w, split=split)  # noqa: E731
+            latency = tidal_latency if not split else None  # type: ignore[assignment]
+        else:
+            raise ValueError(f"unknown system {system!r}; systems: {', '.join(SYSTEMS)}")
+        progress(f"{system}: small rows")
+        entry: dict[str, Any] = {"small": max((throughput(small) for _ in range(repeats)), key=lambda r: r["rows_per_s"])}
+        progress(f"{system}: 1 MB rows")
+        entry["large"] = max((throughput(large) for _ in range(repeats)), key=lambda r: r["mb_per_s"])
+        if latency is not None:
+            progress(f"{system}: hand-off latency")
+            entry["latency"] = _percentiles(latency(num_trials))
+        results[system] = entry
+    return results
+
+
+def table(results: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Rows of the printed table, with ratios against TransferQueue and raw ZeroMQ."""
+    tq, raw = results.get("transferqueue"), results.get("raw-zmq")
+    rows = [["system", "small rows/s", "x TQ", "small MB/s", "1MB-row MB/s", "% raw", "x TQ", "hand-off p50 ms", "p99 ms"]]
+    for system, r in results.items():
+        lat = r.get("latency")
+        rows.append([
+            system,
+            f"{r['small']['rows_per_s']:,.0f}",
+            f"{r['small']['rows_per_s'] / tq['small']['rows_per_s']:.1f}" if tq else "-",
+            f"{r['small']['mb_per_s']:,.0f}",
+            f"{r['large']['mb_per_s']:,.0f}",
+            f"{100 * r['large']['mb_per_s'] / raw['large']['mb_per_s']:.0f}%" if raw else "-",
+            f"{r['large']['mb_per_s'] / tq['large']['mb_per_s']:.1f}" if tq else "-",
+            f"{lat['p50_ms']:.2f}" if lat else "-",
+            f"{lat['p99_ms']:.2f}" if lat else "-",
+        ])
+    return rows
