@@ -198,11 +198,11 @@ class RemoteStore:
         }
         reply = self._call("get", args, wait=timeout)
         indexes = reply["indexes"]
-        cells = {name: decode_column(name, value) for name, value in reply["columns"].items()}
-        refs = {name: values for name, values in cells.items() if reply["columns"][name].keys() == {"refs"}}
+        chunks = {name: decode_column(name, value) for name, value in reply["columns"].items()}
+        refs = {name: chunk for name, chunk in chunks.items() if reply["columns"][name].keys() == {"refs"}}
         if refs:
-            cells.update(self._read_units(partition, indexes, refs))
-        return Batch(partition=partition, indexes=indexes, columns={c: cells[c] for c in columns}, groups=reply["groups"], versions=reply["versions"])
+            chunks.update(self._read_units(partition, indexes, refs))
+        return Batch.from_chunks(partition, indexes, {c: chunks[c] for c in columns}, reply["groups"], reply["versions"])
 
     def _read_units(self, partition: str, indexes: list[int], refs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         wanted: dict[str, dict[str, list[int]]] = {}  # unit -> column -> indexes

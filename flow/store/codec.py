@@ -31,6 +31,7 @@ _TORCH_DTYPES = {
 }
 _NUMPY_KINDS = "biufc?"  # bool, signed, unsigned, float, complex (no objects, no strings)
 _TENSOR, _ARRAY = "t", "a"
+_PLAIN = (int, float, str, bool, type(None))
 
 
 def _encode(value: Any, buffers: list[memoryview]) -> Any:
@@ -51,6 +52,8 @@ def _encode(value: Any, buffers: list[memoryview]) -> Any:
         buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
         return {"__": _ARRAY, "d": arr.dtype.str, "s": list(arr.shape), "b": len(buffers) - 1}
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN for v in value):  # e.g. row indexes: no recursion per element
+            return list(value)
         return [_encode(v, buffers) for v in value]
     if isinstance(value, dict):
         if "__" in value:
@@ -111,6 +114,8 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
             flat = flat.copy()
         return torch.from_numpy(flat).view(dtype).reshape(shape)
     if isinstance(obj, list):
+        if not any(isinstance(v, (dict, list)) for v in obj):
+            return obj
         return [_decode(v, buffers, copy) for v in obj]
     return obj
 

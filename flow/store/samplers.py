@@ -1,7 +1,9 @@
 """Samplers choose which ready rows a `get` hands out.
 
 A sampler sees the rows that are ready for the calling consumer (all requested columns
-present, not yet consumed, not leased), in readiness order, and returns a `Selection`:
+present, not yet consumed, not leased), in readiness order, as `Rows`: a sequence of
+`RowMeta` that also offers its indexes and versions as numpy arrays, so built-in samplers
+never make a Python object per row. It returns a `Selection`:
 the rows to hand out now, and the rows to drop for this consumer (never handed to it,
 counted). Returning no rows means "not enough yet": the `get` keeps waiting, woken by the
 next put, ack, lease expiry or version change. Samplers are plain objects with one
@@ -11,8 +13,13 @@ method; write your own by implementing `select`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, overload
+
+import numpy as np
+
+NO_VERSION = np.iinfo(np.int64).min
+"""How `Rows.versions` marks a row put without a version (never stale)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -23,6 +30,43 @@ class RowMeta:
     group: int | str | None
     version: int | None
     tags: dict[str, Any]
+
+
+class Rows(Sequence[RowMeta]):
+    """Ready rows in readiness order: `indexes` and `versions` arrays, `RowMeta` on demand."""
+
+    def __init__(self, indexes: np.ndarray, versions: np.ndarray, meta: Callable[[np.ndarray], list[RowMeta]]) -> None:
+        self.indexes = indexes
+        self.versions = versions
+        self._meta = meta
+        self._metas: list[RowMeta] | None = None
+
+    def subset(self, keep: np.ndarray) -> Rows:
+        """The rows selected by a boolean mask or positions, in the same order."""
+        return Rows(self.indexes[keep], self.versions[keep], self._meta)
+
+    @property
+    def metas(self) -> list[RowMeta]:
+        if self._metas is None:
+            self._metas = self._meta(self.indexes)
+        return self._metas
+
+    @property
+    def groups(self) -> list[Any]:
+        return [m.group for m in self.metas]
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+    @overload
+    def __getitem__(self, k: int) -> RowMeta: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[RowMeta]: ...
+    def __getitem__(self, k: int | slice) -> RowMeta | list[RowMeta]:
+        return self.metas[k]
+
+    def __iter__(self) -> Iterator[RowMeta]:
+        return iter(self.metas)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,7 +84,7 @@ class Selection:
 
 
 class Sampler(Protocol):
-    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+    def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         """Rows to hand out (exactly `batch_size`, or 1..batch_size if `partial`) and to drop."""
         ...
 
@@ -48,9 +92,9 @@ class Sampler(Protocol):
 class Sequential:
     """Rows in the order they became ready."""
 
-    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
-        if len(rows) >= batch_size or (partial and rows):
-            return Selection([r.index for r in rows[:batch_size]])
+    def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        if len(rows) >= batch_size or (partial and len(rows)):
+            return Selection(rows.indexes[:batch_size].tolist())
         return Selection([])
 
 
@@ -60,14 +104,14 @@ class Grouped:
 
     group_size: int
 
-    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+    def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if batch_size % self.group_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {self.group_size}")
         groups: dict[Any, list[int]] = {}
-        for r in rows:
-            if r.group is None:
-                raise ValueError(f"row {r.index} has no group; Grouped needs put(..., groups=...)")
-            groups.setdefault(r.group, []).append(r.index)
+        for index, group in zip(rows.indexes.tolist(), rows.groups):
+            if group is None:
+                raise ValueError(f"row {index} has no group; Grouped needs put(..., groups=...)")
+            groups.setdefault(group, []).append(index)
         take: list[int] = []
         for members in groups.values():
             if len(members) >= self.group_size and len(take) + self.group_size <= batch_size:
@@ -90,11 +134,10 @@ class StalenessFilter:
     inner: Any = dataclasses.field(default_factory=Sequential)
     hold: bool = False
 
-    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
-        oldest = ctx.version - self.max_staleness
-        fresh = [r for r in rows if r.version is None or r.version >= oldest]
-        stale = [] if self.hold else [r.index for r in rows if r.version is not None and r.version < oldest]
-        inner = self.inner.select(fresh, batch_size, partial, ctx)
+    def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        old = (rows.versions != NO_VERSION) & (rows.versions < ctx.version - self.max_staleness)
+        stale = [] if self.hold else rows.indexes[old].tolist()
+        inner = self.inner.select(rows.subset(~old), batch_size, partial, ctx)
         return Selection(inner.take, stale + inner.drop)
 
 
@@ -110,7 +153,7 @@ class SeqlenBalanced:
     length_column: str
     inner: Any = dataclasses.field(default_factory=Sequential)
 
-    def select(self, rows: Sequence[RowMeta], batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+    def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if batch_size % self.num_ranks:
             raise ValueError(f"batch_size {batch_size} is not a multiple of num_ranks {self.num_ranks}")
         chosen = self.inner.select(rows, batch_size, False, ctx)

@@ -1,14 +1,16 @@
 """Serve a store (controller) and/or a storage unit over ZeroMQ.
 
-One thread owns the ROUTER socket. Each request is first served inline without waiting;
-a `get` with too few ready rows, or a `put`/`reserve` into a full partition, moves to a
-worker thread that waits on the store's condition variable (no polling) and sends its
-reply back through an in-process socket. Workers are reused and only created when every
-existing one is busy waiting.
+One thread owns the socket and the store calls: each request is served at once, without
+waiting. A `get` with too few ready rows, or a `put`/`reserve` into a full partition, is
+parked; parked requests are retried, in arrival order, right after anything that can
+satisfy them (a put, an ack, a release, a version change, a lease expiry, a change made
+by another thread of this process) and answered the moment they succeed, in the same
+thread - no polling, no sleeps, no hand-off between threads. The loop's only timer is
+the earliest parked deadline or lease expiry.
 
 A client's connection dying (its process killed mid-`get`, say) is seen through the
 socket's monitor: the rows leased through that connection are released for redelivery
-and its waiting requests are cancelled, so a consumer that dies loses nothing.
+and its parked requests are dropped, so a consumer that dies loses nothing.
 
 Every request is answered: a malformed frame, an unknown op, a bad token or a failing
 call gets an error reply and the server keeps serving. Servers bind 127.0.0.1 unless
@@ -19,10 +21,12 @@ shared token.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
-import queue
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,60 +37,33 @@ from tidal.flow.store import persist
 from tidal.flow.store.samplers import from_spec
 from tidal.flow.store.table import Batch, Store, StoreTimeout
 from tidal.flow.store.units import Ref, StorageUnit
-from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_column, pack, token_ok, unpack
+from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 _BLOCKING = ("get", "put", "reserve")
+_MUTATING = frozenset({"put", "ack", "release", "set_version", "create_partition", "add_consumer"})
+_WAKE, _STOP = b"w", b"s"
 
 
 class _Peer:
-    """One client connection: what it holds leased and which of its requests are waiting."""
+    """One client connection: what it holds leased."""
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
         self.fd = fd
         self.alive = True
         self.leases: dict[tuple[str, str], set[int]] = {}
-        self.waiting: set[threading.Event] = set()
 
 
-class _Workers:
-    """Threads for requests that must wait; grows only when every worker is busy."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self._ctx, self._endpoint = ctx, endpoint
-        self._tasks: queue.SimpleQueue[Callable[[zmq.Socket], None] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, task: Callable[[zmq.Socket], None]) -> None:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-            else:
-                thread = threading.Thread(target=self._run, name=f"tidal-store-worker-{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
-                thread.start()
-        self._tasks.put(task)
-
-    def _run(self) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.connect(self._endpoint)
-        try:
-            while (task := self._tasks.get()) is not None:
-                task(sock)
-                with self._lock:
-                    self._idle += 1
-        finally:
-            sock.close(linger=0)
-
-    def stop(self) -> None:
-        for _ in self._threads:
-            self._tasks.put(None)
-        for thread in self._threads:
-            thread.join(timeout=5)
+@dataclasses.dataclass
+class _Parked:
+    peer: _Peer
+    request_id: int
+    op: str
+    args: dict[str, Any]
+    since: float
+    deadline: float
 
 
 class StoreServer:
@@ -116,18 +93,23 @@ class StoreServer:
         self._router.bind(address[:-2] + ":*" if address.endswith(":0") else address)
         self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._replies_endpoint = f"inproc://tidal-store-replies-{next(_ids)}"
-        self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.bind(self._replies_endpoint)
-        self._workers = _Workers(self._ctx, self._replies_endpoint)
-        self._lock = threading.Lock()  # guards _Peer.leases / waiting / alive
+        self._wake_endpoint = f"inproc://tidal-store-wake-{next(_ids)}"
+        self._wakes = self._ctx.socket(zmq.PULL)
+        self._wakes.bind(self._wake_endpoint)
+        self._waker = self._ctx.socket(zmq.PUSH)  # other threads' changes wake the loop
+        self._waker.connect(self._wake_endpoint)
+        self._waker_lock = threading.Lock()
+        self._wake_pending = False
+        self._closed = False
         self._peers: dict[bytes, _Peer] = {}
         self._by_fd: dict[int, _Peer] = {}
+        self._parked: list[_Parked] = []
         self._drops: collections.deque[tuple[str, str, int]] = collections.deque()
         self._unit_sockets: dict[str, zmq.Socket] = {}
+        self._listening = False  # for evictions, once cells on storage units are put
         self._ops: dict[str, Callable[[_Peer, dict[str, Any]], Any]] = {"ping": self._ping}
         if store is not None:
-            store.add_evict_listener(self._on_evict)
+            store.add_change_listener(self._on_change)
             self._ops.update(
                 create_partition=self._create_partition,
                 add_consumer=self._add_consumer,
@@ -153,41 +135,46 @@ class StoreServer:
         self.close()
 
     def close(self) -> None:
-        """Stop serving; waiting requests are cancelled. Idempotent."""
+        """Stop serving; parked requests get no reply. Idempotent."""
         if not self._thread.is_alive():
             return
-        with self._lock:
-            for peer in self._peers.values():
-                for event in peer.waiting:
-                    event.set()
-        if self.store is not None:
-            self.store.wake()
-        stop = self._ctx.socket(zmq.PUSH)
-        stop.connect(self._replies_endpoint)
-        stop.send(b"")
-        stop.close(linger=1000)
+        with self._waker_lock:
+            self._closed = True
+            self._waker.send(_STOP)
         self._thread.join(timeout=10)
-        self._workers.stop()
+        self._waker.close(linger=0)
         self._ctx.destroy(linger=0)
+
+    def _on_change(self) -> None:
+        """Store listener: a change made outside the loop thread wakes the loop."""
+        if threading.current_thread() is self._thread or self._wake_pending:
+            return
+        with self._waker_lock:
+            if self._closed:
+                return
+            self._wake_pending = True
+            self._waker.send(_WAKE)
 
     # The loop ---------------------------------------------------------------------------
     def _serve(self) -> None:
         poller = zmq.Poller()
-        for sock in (self._router, self._replies, self._monitor):
+        for sock in (self._router, self._wakes, self._monitor):
             poller.register(sock, zmq.POLLIN)
         while True:
-            events = dict(poller.poll())
+            events = dict(poller.poll(self._timeout_ms()))
             self._drain_monitor()
-            if self._replies in events:
+            retry = not events  # a deadline or lease expiry passed
+            if self._wakes in events:
                 while True:
                     try:
-                        frames = self._replies.recv_multipart(zmq.NOBLOCK, copy=False)
+                        message = self._wakes.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(frames) == 1 and not frames[0].bytes:
+                    if message == _STOP:
                         self._close_sockets()
                         return
-                    self._router.send_multipart(frames, copy=False)
+                    self._wake_pending = False
+                    retry = True
             if self._router in events:
                 for _ in range(64):
                     try:
@@ -195,11 +182,23 @@ class StoreServer:
                     except zmq.Again:
                         break
                     self._drain_monitor()  # a disconnect that came first is handled first
-                    self._handle(frames)
+                    retry |= self._handle(frames)
+            if retry and self._parked:
+                self._retry_parked()
             self._flush_drops()
 
+    def _timeout_ms(self) -> int:
+        if not self._parked:
+            return -1
+        deadlines = [p.deadline for p in self._parked]
+        expiry = self.store.next_lease_expiry() if self.store is not None else None
+        if expiry is not None:
+            deadlines.append(expiry)
+        soonest = min(deadlines)
+        return -1 if math.isinf(soonest) else max(0, math.ceil((soonest - time.monotonic()) * 1000))
+
     def _close_sockets(self) -> None:
-        for sock in (self._router, self._replies, self._monitor, *self._unit_sockets.values()):
+        for sock in (self._router, self._wakes, self._monitor, *self._unit_sockets.values()):
             sock.close(linger=0)
 
     def _drain_monitor(self) -> None:
@@ -217,18 +216,18 @@ class StoreServer:
             return
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
-        with self._lock:
-            peer.alive = False
-            leases, peer.leases = peer.leases, {}
-            for event in peer.waiting:
-                event.set()
+        peer.alive = False
+        self._parked = [p for p in self._parked if p.peer is not peer]
+        leases, peer.leases = peer.leases, {}
         if self.store is not None:
             for (consumer, partition), indexes in leases.items():
                 self.store.release(consumer, partition, indexes)
-            self.store.wake()
+            if leases:
+                self._retry_parked()
         log.info("store client %s disconnected; released %d leased rows", peer.identity.hex(), sum(map(len, leases.values())))
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> bool:
+        """Serve one request; True when it changed the store."""
         identity = frames[0].bytes
         fd = frames[-1].get(zmq.SRCFD)
         peer = self._peers.get(identity)
@@ -239,50 +238,64 @@ class StoreServer:
             message = unpack(frames[1:])
             request_id = message.get("id") if isinstance(message.get("id"), int) else None
             op, request_id, args = check_request(message, self._ops)
-            args.pop("cancel", None)  # set only by the server itself
+            args.pop("waiting_since", None)  # set only by the server itself
         except WireError as e:
             self.num_malformed += 1
-            self._reply_error(identity, request_id, "WireError", f"malformed request: {e}")
-            return
+            self._reply_error(peer, request_id, "WireError", f"malformed request: {e}")
+            return False
         if not token_ok(self.token, message.get("token")):
-            self._reply_error(identity, request_id, "Unauthorized", "missing or wrong store token")
-            return
-        try:
-            if op in _BLOCKING and args.get("timeout") != 0:
-                try:
-                    result = self._ops[op](peer, {**args, "timeout": 0})
-                except StoreTimeout:
-                    self._wait_in_worker(peer, request_id, op, args)
-                    return
-            else:
-                result = self._ops[op](peer, args)
-        except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
-            self.num_errors += 1
-            self._reply_error(identity, request_id, type(e).__name__, str(e))
-            return
-        self._router.send_multipart([identity, *pack({"id": request_id, "ok": True, "result": result})], copy=False)
-
-    def _reply_error(self, identity: bytes, request_id: int | None, kind: str, message: str) -> None:
-        self._router.send_multipart([identity, *pack({"id": request_id, "ok": False, "error": kind, "message": message})])
-
-    def _wait_in_worker(self, peer: _Peer, request_id: int, op: str, args: dict[str, Any]) -> None:
-        cancel = threading.Event()
-        with self._lock:
-            peer.waiting.add(cancel)
-
-        def task(sock: zmq.Socket) -> None:
+            self._reply_error(peer, request_id, "Unauthorized", "missing or wrong store token")
+            return False
+        timeout = args.get("timeout")
+        if op in _BLOCKING and timeout != 0:
             try:
-                result = self._ops[op](peer, {**args, "cancel": cancel})
-                frames = pack({"id": request_id, "ok": True, "result": result})
-            except Exception as e:  # noqa: BLE001 - reported to the client
-                frames = pack({"id": request_id, "ok": False, "error": type(e).__name__, "message": str(e)})
-            with self._lock:
-                peer.waiting.discard(cancel)
-                alive = peer.alive
-            if alive:
-                sock.send_multipart([peer.identity, *frames], copy=False)
+                self._reply(peer, request_id, self._ops[op](peer, {**args, "timeout": 0}))
+            except StoreTimeout:
+                now = time.monotonic()
+                wait = math.inf if timeout is None else float(timeout)
+                self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
+                return False
+            except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
+                self._fail(peer, request_id, e)
+            return op in _MUTATING
+        try:
+            self._reply(peer, request_id, self._ops[op](peer, args))
+        except Exception as e:  # noqa: BLE001 - as above
+            self._fail(peer, request_id, e)
+        return op in _MUTATING
 
-        self._workers.submit(task)
+    def _retry_parked(self) -> None:
+        """Retry parked requests in arrival order; answer those that succeed or expire."""
+        changed = True
+        while changed and self._parked:  # a parked put that succeeds may satisfy a parked get
+            changed, still = False, []
+            now = time.monotonic()
+            for parked in self._parked:
+                try:
+                    args = {**parked.args, "timeout": 0, "waiting_since": parked.since}
+                    result = self._ops[parked.op](parked.peer, args)
+                except StoreTimeout as e:
+                    if now >= parked.deadline:
+                        self._fail(parked.peer, parked.request_id, StoreTimeout(str(e).replace("after 0s", f"after {parked.args.get('timeout')}s")))
+                    else:
+                        still.append(parked)
+                    continue
+                except Exception as e:  # noqa: BLE001 - every request gets a reply
+                    self._fail(parked.peer, parked.request_id, e)
+                    continue
+                self._reply(parked.peer, parked.request_id, result)
+                changed |= parked.op in _MUTATING
+            self._parked = still
+
+    def _reply(self, peer: _Peer, request_id: int, result: Any) -> None:
+        self._router.send_multipart([peer.identity, *pack({"id": request_id, "ok": True, "result": result})], copy=False)
+
+    def _fail(self, peer: _Peer, request_id: int | None, error: Exception) -> None:
+        self.num_errors += 1
+        self._reply_error(peer, request_id, type(error).__name__, str(error))
+
+    def _reply_error(self, peer: _Peer, request_id: int | None, kind: str, message: str) -> None:
+        self._router.send_multipart([peer.identity, *pack({"id": request_id, "ok": False, "error": kind, "message": message})])
 
     # Store ops --------------------------------------------------------------------------
     def _ping(self, peer: _Peer, args: dict[str, Any]) -> dict[str, Any]:
@@ -306,6 +319,9 @@ class StoreServer:
         assert self.store is not None
         if "refs" in a:
             columns: dict[str, Any] = {name: [Ref.from_wire(r) for r in refs] for name, refs in a["refs"].items()}
+            if not self._listening:
+                self.store.add_evict_listener(self._on_evict)
+                self._listening = True
         else:
             columns = a["columns"]
         return self.store.put(
@@ -340,28 +356,22 @@ class StoreServer:
             sampler=from_spec(a.get("sampler", {"kind": "sequential"})),
             timeout=a.get("timeout"),
             partial=bool(a.get("partial", False)),
-            cancel=a.get("cancel"),
+            waiting_since=a.get("waiting_since"),
         )
-        key = (a["consumer"], a["partition"])
-        with self._lock:
-            if peer.alive:
-                peer.leases.setdefault(key, set()).update(batch.indexes)
-        if not peer.alive:  # it died while this get was being served
-            self.store.release(a["consumer"], a["partition"], batch.indexes)
+        peer.leases.setdefault((a["consumer"], a["partition"]), set()).update(batch.indexes)
         return {
             "indexes": batch.indexes,
             "groups": batch.groups,
             "versions": batch.versions,
-            "columns": {name: encode_column(cells) for name, cells in batch.columns.items()},
+            "columns": {name: encode_batch_column(batch, name) for name in batch.columns},
         }
 
     def _ack(self, peer: _Peer, a: dict[str, Any]) -> int:
         assert self.store is not None
         newly = self.store.ack(a["consumer"], a["partition"], a["indexes"])
-        with self._lock:
-            held = peer.leases.get((a["consumer"], a["partition"]))
-            if held:
-                held.difference_update(a["indexes"])
+        held = peer.leases.get((a["consumer"], a["partition"]))
+        if held:
+            held.difference_update(a["indexes"])
         return newly
 
     # Storage-unit ops ---------------------------------------------------------------------
@@ -380,9 +390,10 @@ class StoreServer:
         return self.unit.drop(a["partition"], a["indexes"])
 
     # Evictions on a controller whose cells live on storage units --------------------------
-    def _on_evict(self, partition: str, index: int, cells: dict[str, Any]) -> None:
-        for unit in {c.unit for c in cells.values() if isinstance(c, Ref)}:
-            self._drops.append((unit, partition, index))
+    def _on_evict(self, partition: str, rows: list[tuple[int, dict[str, Any]]]) -> None:
+        for index, cells in rows:
+            for unit in {c.unit for c in cells.values() if isinstance(c, Ref)}:
+                self._drops.append((unit, partition, index))
 
     def _flush_drops(self) -> None:
         if not self._drops:

@@ -4,31 +4,35 @@ Every stage of the RL loop talks to the others only through a store. A producer 
 rows or adds columns to existing rows; a consumer `get`s a batch of rows that have the
 columns it asks for, as soon as enough are ready, and `ack`s them when done.
 
-How readiness stays cheap: each consumer keeps, per set of columns it asks for, an
-ordered set of rows that are ready for it. A row enters the set when its last missing
-column arrives, and leaves when it is leased or acked; no request ever rescans the table.
-Waiting is a condition variable: puts, acks, lease expiries and version changes wake
-waiters; the only timeout a waiter sets is its own deadline or the next lease expiry.
+How it stays fast: data is kept the way it arrived. A put of a batched tensor keeps that
+tensor as one chunk; each row's cell is (chunk, offset), so nothing is split, copied or
+pickled, and `Batch.stack` of rows that arrived together is a view. Row state lives in
+numpy arrays per segment (the rows one put created): which columns each row has and
+when they arrived, and per consumer whether it acked or leased the row. A `get` computes
+the ready rows with a few vector operations per live segment instead of touching Python
+objects per row. Waiting is a condition variable: puts, acks, lease expiries and version
+changes wake waiters; the only timeout a waiter sets is its own deadline or the next
+lease expiry.
 
 Delivery is at least once: a row handed out is leased to that consumer until acked; an
-expired lease (or `release` of a consumer that died) makes it ready again. Acks are
-idempotent. A row acked by every consumer of its partition is evicted, which frees
-capacity for blocked producers (back-pressure).
+expired lease (or `release` of a consumer that died) makes it ready again, after the rows
+that were already ready. Acks are idempotent. A row acked by every consumer of its
+partition is evicted, which frees capacity for blocked producers (back-pressure). A
+chunk's memory is freed once every row using it is evicted or overwritten.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tidal.flow.store.samplers import RowMeta, SampleContext, Sampler, Sequential
+from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows, SampleContext, Sampler, Sequential
 
 _WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
 
@@ -39,24 +43,6 @@ class StoreError(RuntimeError):
 
 class StoreTimeout(StoreError, TimeoutError):
     """`get` or `put` waited for its whole timeout."""
-
-
-@dataclasses.dataclass
-class Batch:
-    """Rows handed to a consumer. Cells are the stored objects (tensor views, no copies)."""
-
-    partition: str
-    indexes: list[int]
-    columns: dict[str, list[Any]]
-    groups: list[Any]
-    versions: list[int | None]
-
-    def __len__(self) -> int:
-        return len(self.indexes)
-
-    def stack(self, column: str) -> torch.Tensor:
-        """The column's cells stacked into one tensor (they must share a shape)."""
-        return torch.stack([torch.as_tensor(v) for v in self.columns[column]])
 
 
 def nbytes_of(value: Any) -> int:
@@ -78,18 +64,12 @@ def num_rows_of(item: tuple[str, Any]) -> int:
     raise ValueError(f"column {name!r} must be a batched tensor, array or list, got {type(value).__name__}")
 
 
-def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
-    for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
-        if per_row is not None and len(per_row) != num_rows:
-            raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
-
-
-def split_rows(name: str, value: Any, num_rows: int) -> list[Any]:
-    """One cell per row: a batched tensor/array splits along dim 0 into views."""
+def _check_column(name: str, value: Any, num_rows: int) -> Any:
+    """The column as a chunk: a batched tensor/array (rows along dim 0) or a list."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim == 0 or value.shape[0] != num_rows:
             raise ValueError(f"column {name!r} has leading dimension {tuple(value.shape)[:1]} for {num_rows} rows")
-        return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+        return value
     if isinstance(value, (list, tuple)):
         if len(value) != num_rows:
             raise ValueError(f"column {name!r} has {len(value)} values for {num_rows} rows")
@@ -97,24 +77,71 @@ def split_rows(name: str, value: Any, num_rows: int) -> list[Any]:
     raise ValueError(f"column {name!r} must be a batched tensor, array or list, got {type(value).__name__}")
 
 
-class _Row:
-    __slots__ = ("meta", "columns", "nbytes", "num_acked")
+def split_rows(name: str, value: Any, num_rows: int) -> list[Any]:
+    """One cell per row: a batched tensor/array splits along dim 0 into views."""
+    chunk = _check_column(name, value, num_rows)
+    return list(chunk.unbind(0)) if isinstance(chunk, torch.Tensor) else list(chunk)
 
-    def __init__(self, meta: RowMeta) -> None:
-        self.meta = meta
-        self.columns: set[str] = set()
-        self.nbytes = 0
-        self.num_acked = 0
+
+def _cell_sizes(chunk: Any) -> np.ndarray:
+    if isinstance(chunk, (torch.Tensor, np.ndarray)):
+        per_row = nbytes_of(chunk) // max(len(chunk), 1)
+        return np.full(len(chunk), per_row, dtype=np.int64)
+    return np.fromiter((nbytes_of(v) for v in chunk), dtype=np.int64, count=len(chunk))
+
+
+def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
+    for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
+        if per_row is not None and len(per_row) != num_rows:
+            raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+
+
+class _Column:
+    """Where one column's cells of one segment live."""
+
+    __slots__ = ("chunk", "offset", "stamp", "nbytes")
+
+    def __init__(self, n: int) -> None:
+        self.chunk = np.full(n, -1, dtype=np.int64)  # chunk id, -1 = absent
+        self.offset = np.zeros(n, dtype=np.int64)
+        self.stamp = np.zeros(n, dtype=np.int64)  # when the cell arrived (readiness order)
+        self.nbytes = np.zeros(n, dtype=np.int64)
+
+
+class _Segment:
+    """The rows one put (or reserve) created: indexes start .. start + n - 1."""
+
+    def __init__(self, start: int, n: int, groups: Sequence[Any] | None, versions: Sequence[int | None] | None, tags: Sequence[Mapping[str, Any]] | None, consumers: Iterable[str]) -> None:
+        self.start, self.n = start, n
+        self.alive = np.ones(n, dtype=bool)
+        self.groups = list(groups) if groups is not None else None
+        self.versions = np.full(n, NO_VERSION, dtype=np.int64)
+        if versions is not None:
+            self.versions[:] = [NO_VERSION if v is None else int(v) for v in versions]
+        self.tags = [dict(t) for t in tags] if tags is not None else None
+        self.columns: dict[str, _Column] = {}
+        self.idle: set[tuple[str, frozenset[str]]] = set()  # (consumer, columns) with nothing ready here
+        self.acked = {c: np.zeros(n, dtype=bool) for c in consumers}
+        self.lease = {c: np.zeros(n, dtype=np.float64) for c in self.acked}  # deadline, 0 = not leased
+        self.redelivered = {c: np.zeros(n, dtype=np.int64) for c in self.acked}  # stamp of last redelivery
+
+    def meta(self, k: int) -> RowMeta:
+        version = int(self.versions[k])
+        return RowMeta(
+            index=self.start + k,
+            group=self.groups[k] if self.groups is not None else None,
+            version=None if version == NO_VERSION else version,
+            tags=self.tags[k] if self.tags is not None else {},
+        )
 
 
 class _Consumer:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.acked: set[int] = set()
-        self.leased: dict[int, float] = {}
-        self.ready: dict[frozenset[str], dict[int, None]] = {}  # column set -> ordered ready rows
+        self.num_acked = 0
         self.num_dropped = 0
         self.num_redelivered = 0
+        self.keys: set[frozenset[str]] = set()
         self.wait_counts = [0] * len(_WAIT_BUCKETS)
         self.wait_sum = 0.0
 
@@ -122,52 +149,147 @@ class _Consumer:
 class _Partition:
     def __init__(self, name: str, consumers: Iterable[str], capacity_rows: int | None, capacity_bytes: int | None, lease_s: float) -> None:
         self.name = name
-        self.rows: dict[int, _Row] = {}
-        self.data: dict[str, dict[int, Any]] = {}
         self.consumers = {c: _Consumer(c) for c in consumers}
         if not self.consumers:
             raise ValueError(f"partition {name!r} needs at least one consumer")
         self.capacity_rows = capacity_rows
         self.capacity_bytes = capacity_bytes
         self.lease_s = lease_s
+        self.segments: list[_Segment] = []
+        self.starts = np.zeros(0, dtype=np.int64)
+        self.chunks: dict[int, Any] = {}
+        self.chunk_refs: dict[int, int] = {}
+        self.next_chunk = 0
         self.next_index = 0
+        self.num_rows = 0
         self.nbytes = 0
         self.num_evicted = 0
-        self.leases: list[tuple[float, str, int]] = []  # heap of (deadline, consumer, index)
+        self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
+
+    def locate(self, indexes: np.ndarray) -> Iterator[tuple[_Segment, np.ndarray, np.ndarray]]:
+        """(segment, local offsets, positions in `indexes`) for every index in a live segment."""
+        if not self.segments or not len(indexes):
+            return
+        seg = np.searchsorted(self.starts, indexes, side="right") - 1
+        if seg[0] == seg[-1] and (seg == seg[0]).all():  # the common case: one segment
+            order, bounds, ids = np.arange(len(indexes)), [0, len(indexes)], [int(seg[0])]
+        else:
+            order = np.argsort(seg, kind="stable")
+            ids, first = np.unique(seg[order], return_index=True)
+            bounds = [*first.tolist(), len(indexes)]
+        for k, s in enumerate(ids):
+            if s < 0:
+                continue
+            segment = self.segments[int(s)]
+            positions = order[bounds[k] : bounds[k + 1]]
+            local = indexes[positions] - segment.start
+            inside = local < segment.n
+            yield segment, local[inside], positions[inside]
+
+    def reindex(self) -> None:
+        self.segments = [s for s in self.segments if s.alive.any()]
+        self.starts = np.fromiter((s.start for s in self.segments), dtype=np.int64, count=len(self.segments))
+
+
+class _Cells(Mapping[str, list[Any]]):
+    """A batch's columns; each column's per-row cells are made (as views) on first access."""
+
+    def __init__(self, blocks: dict[str, list[tuple[Any, np.ndarray]]]) -> None:
+        self._blocks = blocks
+        self._made: dict[str, list[Any]] = {}
+
+    def __getitem__(self, name: str) -> list[Any]:
+        cells = self._made.get(name)
+        if cells is None:
+            cells = self._made[name] = [chunk[int(k)] for chunk, offsets in self._blocks[name] for k in offsets]
+        return cells
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class Batch:
+    """Rows handed to a consumer. Cells are the stored objects (tensor views, no copies)."""
+
+    def __init__(self, partition: str, indexes: list[int], columns: Mapping[str, list[Any]], groups: list[Any], versions: list[int | None], *, blocks: dict[str, list[tuple[Any, np.ndarray]]] | None = None) -> None:
+        self.partition = partition
+        self.indexes = indexes
+        self.columns = columns
+        self.groups = groups
+        self.versions = versions
+        self._blocks = blocks or {}
+
+    @classmethod
+    def from_chunks(cls, partition: str, indexes: list[int], chunks: Mapping[str, Any], groups: list[Any], versions: list[int | None]) -> Batch:
+        """A batch whose columns are whole chunks (rows along dim 0), e.g. decoded from the wire."""
+        everything = np.arange(len(indexes))
+        blocks = {name: [(chunk, everything)] for name, chunk in chunks.items()}
+        return cls(partition, indexes, _Cells(blocks), groups, versions, blocks=blocks)
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+    def __repr__(self) -> str:
+        return f"Batch(partition={self.partition!r}, indexes={self.indexes}, columns={sorted(self.columns)}, versions={self.versions})"
+
+    def chunked(self, column: str) -> torch.Tensor | None:
+        """`stack(column)` when the column is made of tensor chunks of one dtype and row
+        shape (so stacking is a view or one gather), else None."""
+        blocks = self._blocks.get(column)
+        if not blocks or not all(isinstance(chunk, torch.Tensor) for chunk, _ in blocks):
+            return None
+        if len({(chunk.dtype, tuple(chunk.shape[1:])) for chunk, _ in blocks}) != 1:
+            return None
+        return self.stack(column)
+
+    def stack(self, column: str) -> torch.Tensor:
+        """The column's cells stacked into one tensor (they must share a shape).
+
+        Rows that arrived in one put, in order, come back as a view of that put's tensor.
+        """
+        blocks = self._blocks.get(column)
+        if blocks and all(isinstance(chunk, (torch.Tensor, np.ndarray)) for chunk, _ in blocks):
+            parts = [_rows_of(torch.as_tensor(chunk), offsets) for chunk, offsets in blocks]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return torch.stack([torch.as_tensor(v) for v in self.columns[column]])
+
+
+def _rows_of(chunk: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+    first, last = int(offsets[0]), int(offsets[-1])
+    if last - first + 1 == len(offsets) and (len(offsets) < 3 or (np.diff(offsets) == 1).all()):
+        return chunk[first : last + 1]
+    return chunk[torch.from_numpy(offsets)]
 
 
 class Store:
     """A thread-safe in-process store. `runtime: local` uses it directly (zero copy)."""
 
-    def __init__(
-        self,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        on_evict: Callable[[str, int, dict[str, Any]], None] | None = None,
-    ) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, on_evict: Callable[[str, list[tuple[int, dict[str, Any]]]], None] | None = None) -> None:
         """`clock` times leases and timeouts; tests pass a fake one to expire leases at will.
 
-        `on_evict(partition, index, cells)` is called (with the store's lock held, so it
-        must not call back into the store) for every evicted row; a controller whose cells
-        are references uses it to free the data on the storage units.
+        `on_evict(partition, rows)` is called with `[(index, {column: cell}), ...]` for
+        evicted rows (with the store's lock held, so it must not call back into the store);
+        a controller whose cells are references uses it to free the data on the storage
+        units. Listeners cost a Python object per evicted cell: add them only when needed.
         """
         self._clock = clock
         self._evict_listeners = [on_evict] if on_evict is not None else []
+        self._change_listeners: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._parts: dict[str, _Partition] = {}
         self._version = 0
+        self._stamp = 0
+        self._lease_seq = 0
         self._closed = False
 
     # Setup ------------------------------------------------------------------------------
-    def create_partition(
-        self,
-        name: str,
-        *,
-        consumers: Sequence[str],
-        capacity_rows: int | None = None,
-        capacity_bytes: int | None = None,
-        lease_s: float = 300.0,
-    ) -> None:
+    def create_partition(self, name: str, *, consumers: Sequence[str], capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float = 300.0) -> None:
         """Create a table. Every row stays until each of `consumers` has acked it."""
         with self._cond:
             if name in self._parts:
@@ -181,6 +303,35 @@ class Store:
             if consumer in part.consumers:
                 raise ValueError(f"consumer {consumer!r} of partition {partition!r} already exists")
             part.consumers[consumer] = _Consumer(consumer)
+            for seg in part.segments:
+                seg.idle.clear()
+                seg.acked[consumer] = np.zeros(seg.n, dtype=bool)
+                seg.lease[consumer] = np.zeros(seg.n, dtype=np.float64)
+                seg.redelivered[consumer] = np.zeros(seg.n, dtype=np.int64)
+
+    def add_evict_listener(self, listener: Callable[[str, list[tuple[int, dict[str, Any]]]], None]) -> None:
+        """Also call `listener(partition, rows)` on every eviction (see `__init__`)."""
+        with self._cond:
+            self._evict_listeners.append(listener)
+
+    def add_change_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (lock held; it must not call back) whenever waiters are woken:
+        after puts, acks, releases, lease expiries, version changes and `close`."""
+        with self._cond:
+            self._change_listeners.append(listener)
+
+    def _notify(self) -> None:
+        self._cond.notify_all()
+        for listener in self._change_listeners:
+            listener()
+
+    def next_lease_expiry(self) -> float | None:
+        """When the earliest outstanding lease expires (store clock), or None."""
+        with self._cond:
+            for part in self._parts.values():
+                self._expire_leases(part)  # also drops heap entries of leases acked since
+            deadlines = [part.leases[0][0] for part in self._parts.values() if part.leases]
+            return min(deadlines) if deadlines else None
 
     @property
     def version(self) -> int:
@@ -190,7 +341,7 @@ class Store:
         """The current policy version, read by staleness-aware samplers."""
         with self._cond:
             self._version = version
-            self._cond.notify_all()
+            self._notify()
 
     # Put --------------------------------------------------------------------------------
     def put(
@@ -207,42 +358,54 @@ class Store:
         """Add rows (`indexes=None`) or add columns to existing rows; return the indexes.
 
         New rows wait for capacity (back-pressure) up to `timeout` seconds, then raise
-        `StoreTimeout`. `groups`, `versions` and `tags` describe new rows only.
+        `StoreTimeout`. `groups`, `versions` and `tags` describe new rows only. The store
+        keeps the column objects it is given (no copy): do not modify them afterwards.
         """
         if not columns:
             raise ValueError("put needs at least one column")
         num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
-        cells = {name: split_rows(name, value, num_rows) for name, value in columns.items()}
-        sizes = [sum(nbytes_of(cells[c][i]) for c in cells) for i in range(num_rows)]
+        chunks = {name: _check_column(name, value, num_rows) for name, value in columns.items()}
+        sizes = {name: _cell_sizes(chunk) for name, chunk in chunks.items()}
         _check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             part = self._part(partition)
             if indexes is None:
-                indexes = self._create_rows(part, num_rows, sum(sizes), groups, versions, tags, deadline)
+                total = int(sum(s.sum() for s in sizes.values()))
+                where = np.asarray(self._create_rows(part, num_rows, total, groups, versions, tags, deadline), dtype=np.int64)
             else:
                 if groups is not None or versions is not None or tags is not None:
                     raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
-                missing = [i for i in indexes if i not in part.rows]
-                if missing:
-                    raise StoreError(f"partition {partition!r} has no rows {missing[:8]} (never put, or already evicted)")
-            for name, per_row in cells.items():
-                column = part.data.setdefault(name, {})
-                for i, value in zip(indexes, per_row):
-                    row = part.rows[i]
-                    if name in row.columns:
-                        part.nbytes -= nbytes_of(column[i])
-                        row.nbytes -= nbytes_of(column[i])
-                    column[i] = value
-                    row.columns.add(name)
-            for k, i in enumerate(indexes):
-                row = part.rows[i]
-                row.nbytes += sizes[k]
-                part.nbytes += sizes[k]
-                for consumer in part.consumers.values():
-                    self._maybe_ready(consumer, row)
-            self._cond.notify_all()
-            return list(indexes)
+                where = np.asarray(list(indexes), dtype=np.int64)
+                found = np.zeros(len(where), dtype=bool)
+                for seg, local, positions in part.locate(where):
+                    found[positions] = seg.alive[local]
+                if not found.all():
+                    missing = where[~found][:8].tolist()
+                    raise StoreError(f"partition {partition!r} has no rows {missing} (never put, or already evicted)")
+            self._stamp += 1
+            for name, chunk in chunks.items():
+                chunk_id = part.next_chunk
+                part.next_chunk += 1
+                part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, num_rows
+                for seg, local, positions in part.locate(where):
+                    seg.idle.clear()
+                    column = seg.columns.get(name)
+                    if column is None:
+                        column = seg.columns[name] = _Column(seg.n)
+                    old = column.chunk[local]
+                    replaced = old >= 0
+                    if replaced.any():
+                        self._unref(part, old[replaced])
+                        freed = int(column.nbytes[local][replaced].sum())
+                        part.nbytes -= freed
+                    column.chunk[local] = chunk_id
+                    column.offset[local] = positions
+                    column.stamp[local] = self._stamp
+                    column.nbytes[local] = sizes[name][positions]
+                    part.nbytes += int(sizes[name][positions].sum())
+            self._notify()
+            return where.tolist()
 
     def reserve(
         self,
@@ -279,18 +442,12 @@ class Store:
         deadline: float | None,
     ) -> list[int]:
         self._wait_for_room(part, num_rows, nbytes, deadline)
-        indexes = list(range(part.next_index, part.next_index + num_rows))
+        start = part.next_index
+        part.segments.append(_Segment(start, num_rows, groups, versions, tags, part.consumers))
+        part.starts = np.append(part.starts, start)
         part.next_index += num_rows
-        for k, i in enumerate(indexes):
-            part.rows[i] = _Row(
-                RowMeta(
-                    index=i,
-                    group=groups[k] if groups is not None else None,
-                    version=versions[k] if versions is not None else None,
-                    tags=dict(tags[k]) if tags is not None else {},
-                )
-            )
-        return indexes
+        part.num_rows += num_rows
+        return list(range(start, start + num_rows))
 
     def _wait_for_room(self, part: _Partition, num_rows: int, nbytes: int, deadline: float | None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
@@ -299,7 +456,7 @@ class Store:
             raise StoreError(f"a put of {nbytes} bytes can never fit partition {part.name!r} (capacity_bytes={part.capacity_bytes}); raise capacity_bytes or put fewer rows at a time")
 
         def full() -> bool:
-            return (part.capacity_rows is not None and len(part.rows) + num_rows > part.capacity_rows) or (
+            return (part.capacity_rows is not None and part.num_rows + num_rows > part.capacity_rows) or (
                 part.capacity_bytes is not None and part.nbytes + nbytes > part.capacity_bytes
             )
 
@@ -307,7 +464,7 @@ class Store:
             self._check_open()
             if deadline is not None and self._clock() >= deadline:
                 raise StoreTimeout(
-                    f"partition {part.name!r} is full ({len(part.rows)} rows, {part.nbytes} bytes); "
+                    f"partition {part.name!r} is full ({part.num_rows} rows, {part.nbytes} bytes); "
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
             # Only evictions (acks) free room, and they notify: wait for them or the deadline.
@@ -325,73 +482,96 @@ class Store:
         timeout: float | None = None,
         partial: bool = False,
         cancel: threading.Event | None = None,
+        waiting_since: float | None = None,
     ) -> Batch:
         """Wait until `batch_size` rows are ready for `consumer` and lease them to it.
 
         With `partial=True`, return as soon as at least one row is ready (up to
         `batch_size`). Raises `StoreTimeout` after `timeout` seconds, saying how many rows
         were ready. Setting `cancel` (then calling `wake`) ends the wait with `StoreError`;
-        a server does this when the waiting client disconnects.
+        a server does this when the waiting client disconnects. `waiting_since` (store
+        clock) is when the caller started waiting, for the wait-time histogram, when it
+        waited elsewhere before this call.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         sampler = sampler or Sequential()
         key = frozenset(columns)
         start = self._clock()
+        since = start if waiting_since is None else waiting_since
         deadline = None if timeout is None else start + timeout
         with self._cond:
             part = self._part(partition)
             state = part.consumers.get(consumer)
             if state is None:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}; consumers: {sorted(part.consumers)}")
-            ready = self._subscription(part, state, key)
+            state.keys.add(key)
             while True:
                 self._check_open()
                 if cancel is not None and cancel.is_set():
                     raise StoreError(f"get({consumer!r}, {partition!r}) was cancelled")
                 self._expire_leases(part)
-                ctx = SampleContext(version=self._version, value=lambda i, c: part.data[c][i])
-                choice = sampler.select([part.rows[i].meta for i in ready], batch_size, partial, ctx)
-                for i in choice.drop:
-                    state.num_dropped += 1
-                    self._ack_one(part, state, i)
+                rows = self._ready(part, consumer, key)
+                ctx = SampleContext(version=self._version, value=lambda i, c: self._cell(part, i, c))
+                choice = sampler.select(rows, batch_size, partial, ctx)
+                if choice.drop:
+                    state.num_dropped += self._ack_many(part, consumer, np.asarray(choice.drop, dtype=np.int64))
                 if choice.take:
                     break
                 if deadline is not None and self._clock() >= deadline:
                     raise StoreTimeout(
                         f"get({consumer!r}, {partition!r}, {sorted(key)}) timed out after {timeout}s: "
-                        f"{len(ready)} of {batch_size} rows were ready"
+                        f"{len(rows)} of {batch_size} rows were ready"
                     )
                 self._cond.wait(self._wait_time(part, deadline))
+            take = np.asarray(choice.take, dtype=np.int64)
             expiry = self._clock() + part.lease_s
-            for i in choice.take:
-                self._unready(state, i)
-                state.leased[i] = expiry
-                heapq.heappush(part.leases, (expiry, consumer, i))
-            waited = self._clock() - start
+            self._lease_seq += 1
+            heapq.heappush(part.leases, (expiry, self._lease_seq, consumer, take))
+            groups: list[Any] = [None] * len(take)
+            versions = np.full(len(take), NO_VERSION, dtype=np.int64)
+            blocks: dict[str, list[tuple[Any, np.ndarray]]] = {c: [] for c in columns}
+            cell_chunk = {c: np.empty(len(take), dtype=np.int64) for c in columns}
+            cell_offset = {c: np.empty(len(take), dtype=np.int64) for c in columns}
+            for seg, local, positions in part.locate(take):
+                seg.lease[consumer][local] = expiry
+                versions[positions] = seg.versions[local]
+                if seg.groups is not None:
+                    for k, p in zip(local.tolist(), positions.tolist()):
+                        groups[p] = seg.groups[k]
+                for c in columns:
+                    column = seg.columns[c]
+                    cell_chunk[c][positions] = column.chunk[local]
+                    cell_offset[c][positions] = column.offset[local]
+            for c in columns:
+                ids, offsets = cell_chunk[c], cell_offset[c]
+                cuts = np.flatnonzero(np.diff(ids)) + 1
+                for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ids)]):
+                    blocks[c].append((part.chunks[int(ids[a])], offsets[a:b]))
+            waited = self._clock() - since
             state.wait_sum += waited
             state.wait_counts[next(k for k, b in enumerate(_WAIT_BUCKETS) if waited <= b)] += 1
             return Batch(
-                partition=partition,
-                indexes=list(choice.take),
-                columns={c: [part.data[c][i] for i in choice.take] for c in columns},
-                groups=[part.rows[i].meta.group for i in choice.take],
-                versions=[part.rows[i].meta.version for i in choice.take],
+                partition,
+                take.tolist(),
+                _Cells(blocks),
+                groups,
+                [None if v == NO_VERSION else int(v) for v in versions.tolist()],
+                blocks=blocks,
             )
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         """Mark rows done for `consumer`; return how many were newly acked (idempotent)."""
+        where = np.asarray(list(indexes), dtype=np.int64)
         with self._cond:
             part = self._part(partition)
-            state = part.consumers.get(consumer)
-            if state is None:
+            if consumer not in part.consumers:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
-            newly = 0
-            for i in indexes:
-                if i >= part.next_index or i < 0:
-                    raise StoreError(f"partition {partition!r} never had row {i}")
-                newly += self._ack_one(part, state, i)
-            self._cond.notify_all()
+            bad = where[(where < 0) | (where >= part.next_index)]
+            if len(bad):
+                raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
+            newly = self._ack_many(part, consumer, where)
+            self._notify()
             return newly
 
     def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
@@ -402,18 +582,16 @@ class Store:
         """
         with self._cond:
             parts = [self._part(partition)] if partition else list(self._parts.values())
-            wanted = None if indexes is None else set(indexes)
             released = 0
             for part in parts:
-                state = part.consumers.get(consumer)
-                if state is None:
+                if consumer not in part.consumers:
                     continue
-                for i in [i for i in state.leased if wanted is None or i in wanted]:
-                    del state.leased[i]
-                    state.num_redelivered += 1
-                    self._maybe_ready(state, part.rows[i])
-                    released += 1
-            self._cond.notify_all()
+                if indexes is None:
+                    pieces = [(seg, np.flatnonzero(seg.lease[consumer] > 0)) for seg in part.segments]
+                else:
+                    pieces = [(seg, local) for seg, local, _ in part.locate(np.unique(np.asarray(list(indexes), dtype=np.int64)))]
+                released += self._redeliver(part, consumer, pieces)
+            self._notify()
             return released
 
     # Internals (called with the lock held) ------------------------------------------------
@@ -427,62 +605,117 @@ class Store:
         if self._closed:
             raise StoreError("the store is closed")
 
-    def _subscription(self, part: _Partition, state: _Consumer, key: frozenset[str]) -> dict[int, None]:
-        ready = state.ready.get(key)
-        if ready is None:
-            ready = state.ready[key] = {}
-            for i, row in part.rows.items():
-                if key <= row.columns and i not in state.acked and i not in state.leased:
-                    ready[i] = None
-        return ready
+    def _ready(self, part: _Partition, consumer: str, key: frozenset[str]) -> Rows:
+        """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
+        indexes, versions, stamps = [], [], []
+        wanted = (consumer, key)
+        for seg in part.segments:
+            if wanted in seg.idle:
+                continue  # nothing became ready here since it was last found empty
+            columns = [seg.columns.get(c) for c in key]
+            if any(c is None for c in columns):
+                seg.idle.add(wanted)
+                continue
+            mask = seg.alive & ~seg.acked[consumer] & (seg.lease[consumer] == 0)
+            stamp = seg.redelivered[consumer]
+            for column in columns:
+                mask &= column.chunk >= 0
+                stamp = np.maximum(stamp, column.stamp)
+            local = np.flatnonzero(mask)
+            if not len(local):
+                seg.idle.add(wanted)
+            else:
+                indexes.append(local + seg.start)
+                versions.append(seg.versions[local])
+                stamps.append(stamp[local])
+        if not indexes:
+            return Rows(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), lambda i: self._meta(part, i))
+        index, version, stamp = (np.concatenate(a) for a in (indexes, versions, stamps))
+        if len(stamp) > 1 and (np.diff(stamp) < 0).any():
+            order = np.argsort(stamp, kind="stable")
+            index, version = index[order], version[order]
+        return Rows(index, version, lambda i: self._meta(part, i))
 
-    def _maybe_ready(self, state: _Consumer, row: _Row) -> None:
-        i = row.meta.index
-        if i in state.acked or i in state.leased:
-            return
-        for key, ready in state.ready.items():
-            if key <= row.columns:
-                ready[i] = None
+    def _meta(self, part: _Partition, indexes: np.ndarray) -> list[RowMeta]:
+        out: list[RowMeta | None] = [None] * len(indexes)
+        for seg, local, positions in part.locate(indexes):
+            for k, p in zip(local.tolist(), positions.tolist()):
+                out[p] = seg.meta(k)
+        return out  # type: ignore[return-value]
+
+    def _cell(self, part: _Partition, index: int, column: str) -> Any:
+        for seg, local, _ in part.locate(np.asarray([index], dtype=np.int64)):
+            col = seg.columns[column]
+            return part.chunks[int(col.chunk[local[0]])][int(col.offset[local[0]])]
+        raise StoreError(f"partition {part.name!r} has no row {index}")
+
+    def _ack_many(self, part: _Partition, consumer: str, where: np.ndarray) -> int:
+        newly, evicted = 0, False
+        for seg, local, _ in part.locate(np.unique(where)):
+            local = local[seg.alive[local] & ~seg.acked[consumer][local]]
+            if not len(local):
+                continue
+            seg.acked[consumer][local] = True
+            seg.lease[consumer][local] = 0
+            newly += len(local)
+            done = local[np.logical_and.reduce([seg.acked[c][local] for c in part.consumers])]
+            if len(done):
+                self._evict(part, seg, done)
+                evicted = True
+        part.consumers[consumer].num_acked += newly
+        if evicted:
+            part.reindex()
+        return newly
+
+    def _evict(self, part: _Partition, seg: _Segment, local: np.ndarray) -> None:
+        seg.alive[local] = False
+        part.num_rows -= len(local)
+        part.num_evicted += len(local)
+        if self._evict_listeners:
+            rows = [
+                (seg.start + k, {n: part.chunks[int(c.chunk[k])][int(c.offset[k])] for n, c in seg.columns.items() if c.chunk[k] >= 0})
+                for k in local.tolist()
+            ]
+            for listener in self._evict_listeners:
+                listener(part.name, rows)
+        for column in seg.columns.values():
+            ids = column.chunk[local]
+            present = ids >= 0
+            self._unref(part, ids[present])
+            part.nbytes -= int(column.nbytes[local][present].sum())
+            column.chunk[local] = -1
 
     @staticmethod
-    def _unready(state: _Consumer, i: int) -> None:
-        for ready in state.ready.values():
-            ready.pop(i, None)
+    def _unref(part: _Partition, ids: np.ndarray) -> None:
+        if not len(ids):
+            return
+        unique, counts = np.unique(ids, return_counts=True)
+        for chunk_id, n in zip(unique.tolist(), counts.tolist()):
+            part.chunk_refs[chunk_id] -= n
+            if part.chunk_refs[chunk_id] == 0:
+                del part.chunk_refs[chunk_id], part.chunks[chunk_id]
 
-    def _ack_one(self, part: _Partition, state: _Consumer, i: int) -> int:
-        row = part.rows.get(i)
-        if row is None or i in state.acked:
-            return 0  # already acked by everyone and evicted, or by this consumer
-        state.leased.pop(i, None)
-        self._unready(state, i)
-        state.acked.add(i)
-        row.num_acked += 1
-        if row.num_acked == len(part.consumers):
-            self._evict(part, i)
-        return 1
-
-    def _evict(self, part: _Partition, i: int) -> None:
-        row = part.rows.pop(i)
-        cells = {name: part.data[name].pop(i) for name in row.columns}
-        for listener in self._evict_listeners:
-            listener(part.name, i, cells)
-        part.nbytes -= row.nbytes
-        part.num_evicted += 1
-        for state in part.consumers.values():
-            state.acked.discard(i)  # indexes below next_index that are gone count as acked
+    def _redeliver(self, part: _Partition, consumer: str, pieces: Iterable[tuple[_Segment, np.ndarray]]) -> int:
+        count = 0
+        self._stamp += 1
+        for seg, local in pieces:
+            local = local[(seg.lease[consumer][local] > 0) & seg.alive[local] & ~seg.acked[consumer][local]]
+            seg.lease[consumer][local] = 0
+            seg.redelivered[consumer][local] = self._stamp
+            if len(local):
+                seg.idle.clear()
+            count += len(local)
+        part.consumers[consumer].num_redelivered += count
+        return count
 
     def _expire_leases(self, part: _Partition) -> int:
         now, expired = self._clock(), 0
         while part.leases and part.leases[0][0] <= now:
-            deadline, consumer, i = heapq.heappop(part.leases)
-            state = part.consumers[consumer]
-            if state.leased.get(i) == deadline:  # not acked, released or re-leased since
-                del state.leased[i]
-                state.num_redelivered += 1
-                self._maybe_ready(state, part.rows[i])
-                expired += 1
+            deadline, _, consumer, indexes = heapq.heappop(part.leases)
+            pieces = [(seg, local[seg.lease[consumer][local] == deadline]) for seg, local, _ in part.locate(indexes)]
+            expired += self._redeliver(part, consumer, pieces)  # skips rows acked, released or re-leased since
         if expired:
-            self._cond.notify_all()
+            self._notify()
         return expired
 
     def _wait_time(self, part: _Partition, deadline: float | None) -> float | None:
@@ -499,18 +732,22 @@ class Store:
             out: dict[str, Any] = {"version": self._version, "partitions": {}}
             for part in self._parts.values():
                 self._expire_leases(part)
+                by_column: dict[str, int] = {}
+                for seg in part.segments:
+                    for name, column in seg.columns.items():
+                        by_column[name] = by_column.get(name, 0) + int((column.chunk >= 0).sum())
                 out["partitions"][part.name] = {
-                    "rows": len(part.rows),
+                    "rows": part.num_rows,
                     "bytes": part.nbytes,
                     "evicted": part.num_evicted,
-                    "ready_by_column": {c: len(cells) for c, cells in part.data.items()},
+                    "ready_by_column": by_column,
                     "consumers": {
                         s.name: {
-                            "acked": len(s.acked) + part.num_evicted,
-                            "leased": len(s.leased),
+                            "acked": s.num_acked,
+                            "leased": sum(int((seg.lease[s.name] > 0).sum()) for seg in part.segments),
                             "dropped": s.num_dropped,
                             "redelivered": s.num_redelivered,
-                            "ready": {",".join(sorted(k)): len(v) for k, v in s.ready.items()},
+                            "ready": {",".join(sorted(k)): len(self._ready(part, s.name, k)) for k in s.keys},
                             "wait_s": {
                                 "count": sum(s.wait_counts),
                                 "sum": s.wait_sum,
@@ -531,18 +768,29 @@ class Store:
         with self._cond:
             parts = {}
             for part in self._parts.values():
-                indexes = sorted(part.rows)
+                rows, columns = [], {}
+                acked: dict[str, list[int]] = {c: [] for c in part.consumers}
+                for seg in part.segments:
+                    for k in np.flatnonzero(seg.alive).tolist():
+                        meta = seg.meta(k)
+                        rows.append([meta.index, meta.group, meta.version, meta.tags])
+                        for name, column in seg.columns.items():
+                            if column.chunk[k] >= 0:
+                                cell = part.chunks[int(column.chunk[k])][int(column.offset[k])]
+                                columns.setdefault(name, []).append([meta.index, cell])
+                        for c in part.consumers:
+                            if seg.acked[c][k]:
+                                acked[c].append(meta.index)
                 parts[part.name] = {
                     "capacity_rows": part.capacity_rows,
                     "capacity_bytes": part.capacity_bytes,
                     "lease_s": part.lease_s,
                     "next_index": part.next_index,
                     "num_evicted": part.num_evicted,
-                    "rows": [
-                        [i, part.rows[i].meta.group, part.rows[i].meta.version, part.rows[i].meta.tags] for i in indexes
-                    ],
-                    "consumers": {s.name: sorted(s.acked) for s in part.consumers.values()},
-                    "columns": {c: [[i, v] for i, v in sorted(cells.items())] for c, cells in part.data.items()},
+                    "rows": rows,
+                    "consumers": acked,
+                    "acked_counts": {c: s.num_acked for c, s in part.consumers.items()},
+                    "columns": columns,
                 }
             return {"format": 1, "version": self._version, "partitions": parts}
 
@@ -553,43 +801,30 @@ class Store:
         store = cls()
         store._version = int(state["version"])
         for name, p in state["partitions"].items():
-            store.create_partition(
-                name,
-                consumers=list(p["consumers"]),
-                capacity_rows=p["capacity_rows"],
-                capacity_bytes=p["capacity_bytes"],
-                lease_s=p["lease_s"],
-            )
+            store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
             part = store._parts[name]
-            part.next_index, part.num_evicted = p["next_index"], p["num_evicted"]
-            for i, group, version, tags in p["rows"]:
-                part.rows[i] = _Row(RowMeta(index=i, group=group, version=version, tags=tags))
+            for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
+                part.segments.append(_Segment(i, 1, [group], [version], [tags], part.consumers))
+                part.num_rows += 1
+            part.starts = np.fromiter((s.start for s in part.segments), dtype=np.int64, count=len(part.segments))
+            part.next_index = p["next_index"]
             for column, cells in p["columns"].items():
-                data = part.data.setdefault(column, {})
-                for i, value in cells:
-                    data[i] = value
-                    part.rows[i].columns.add(column)
-                    part.rows[i].nbytes += nbytes_of(value)
-                    part.nbytes += nbytes_of(value)
+                if cells:
+                    store.put(name, {column: [v for _, v in cells]}, indexes=[i for i, _ in cells])
             for consumer, acked in p["consumers"].items():
-                state_c = part.consumers[consumer]
-                state_c.acked = set(acked)
-                for i in acked:
-                    part.rows[i].num_acked += 1
+                for seg, local, _ in part.locate(np.asarray(acked, dtype=np.int64)):
+                    seg.acked[consumer][local] = True
+                part.consumers[consumer].num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
+            part.num_evicted = p["num_evicted"]
         return store
-
-    def add_evict_listener(self, listener: Callable[[str, int, dict[str, Any]], None]) -> None:
-        """Also call `listener(partition, index, cells)` on every eviction (see `__init__`)."""
-        with self._cond:
-            self._evict_listeners.append(listener)
 
     def wake(self) -> None:
         """Wake every waiter so it rechecks its `cancel` event."""
         with self._cond:
-            self._cond.notify_all()
+            self._notify()
 
     def close(self) -> None:
         """Wake every waiter with `StoreError`; later calls fail."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._notify()

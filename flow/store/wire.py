@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tidal.flow.store.codec import CodecError, decode, encode
+from tidal.flow.store.table import Batch
 
 STACK_MAX_CELL_BYTES = 64 * 1024
 """Cells up to this size are stacked into one buffer per column; larger ones go zero-copy."""
@@ -106,12 +107,19 @@ def encode_column(cells: Sequence[Any]) -> dict[str, Any]:
     return {"cells": list(cells)}
 
 
-def decode_column(name: str, value: Any) -> list[Any]:
+def encode_batch_column(batch: Batch, name: str) -> dict[str, Any]:
+    """A batch column for the wire: one stacked buffer when it is made of tensor chunks."""
+    stacked = batch.chunked(name)
+    return {"stacked": stacked} if stacked is not None else encode_column(batch.columns[name])
+
+
+def decode_column(name: str, value: Any) -> Any:
+    """The column as a chunk: a tensor with rows along dim 0, or a list of cells."""
     if not isinstance(value, dict) or len(value) != 1:
         raise WireError(f"column {name!r} is not an encoded column")
     (kind, payload), = value.items()
     if kind == "stacked" and isinstance(payload, torch.Tensor) and payload.ndim >= 1:
-        return list(payload.unbind(0))
+        return payload
     if kind in ("cells", "refs") and isinstance(payload, list):
         return payload
     raise WireError(f"column {name!r} has unknown encoding {kind!r}")
