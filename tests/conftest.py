@@ -52,3 +52,16 @@ def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
 @pytest.fixture
 def tidal_cli():
     return run_tidal
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the whole test session (it costs ~4 s and ~370 MB to start)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
