@@ -27,6 +27,7 @@ examples:
   TIDAL_DEVICE=fake:npu:8 tidal doctor          pretend to be a node with 8 NPUs
   tidal config --keys                           every recipe key, its type and meaning
   tidal run recipes/quickstart_cpu.yaml seed=1 --check
+  tidal bench store                             the data store against TransferQueue and raw ZeroMQ
 
 exit codes: 0 success, 1 runtime failure (such as a platform that cannot load),
 2 a mistake in the command, recipe or overrides (the message names the key).
@@ -58,6 +59,20 @@ or with --keys, every key of the recipe schema with its type, default and meanin
 """
 
 
+BENCH_HELP = """\
+Run a benchmark and print its table (ratios against baselines measured in the same run).
+
+  store   the streaming store across processes: small rows (4096 x 4 columns of 256),
+          1 MB rows and one-row hand-off latency, for tidal (one store server), tidal
+          with the data on the producer's storage unit, TransferQueue 0.1.11 (installed
+          with the [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same
+          frames. Takes a few minutes on 2 cores.
+
+Record results in docs/benchmarks.md with the date and machine. --json prints the raw
+numbers instead of the table.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="tidal", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
@@ -80,7 +95,39 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("recipe", nargs="?", help="recipe YAML file or shipped recipe name (default: schema defaults)")
     config.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. seed=1")
     config.add_argument("--keys", action="store_true", help="list every key with its type, default and documentation")
+
+    bench = sub.add_parser("bench", help="run a benchmark (store)", description=BENCH_HELP, formatter_class=fmt)
+    bench.add_argument("name", choices=["store"], help="which benchmark")
+    bench.add_argument("--systems", default="tidal,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
+    bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
+    bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
+    bench.add_argument("--json", action="store_true", help="print raw results as JSON")
     return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from tidal.tools import bench_store  # noqa: PLC0415
+
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = sorted(set(systems) - set(bench_store.SYSTEMS))
+    if unknown:
+        print(f"tidal bench: error: unknown system(s) {unknown}; systems: {', '.join(bench_store.SYSTEMS)}", file=sys.stderr)
+        return 2
+    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    header, *rows = bench_store.table(results)
+    table = Table(title="tidal bench store (higher rows/s and MB/s, lower latency are better)")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -139,7 +186,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config}
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,9 +7,9 @@ tied to the connection that took them, so a thread or process that dies has its 
 redelivered.
 
 Split deployment: give `unit=` a `StoreServer` that serves a local `StorageUnit` (or the
-address of one). Then `put` writes the data into that unit - in process, zero copy - and
-sends the controller only references; `get` asks the controller which rows to take and
-reads their cells straight from the units that hold them.
+address of one). Then `put` writes each column into that unit as one chunk - in process,
+zero copy - and sends the controller only where it lives and its rows' sizes; `get` asks
+the controller which rows to take and reads them straight from the units that hold them.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 import zmq
 
 from tidal.flow.store.samplers import Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
-from tidal.flow.store.table import Batch, StoreError, StoreTimeout, nbytes_of, num_rows_of, split_rows
-from tidal.flow.store.units import Ref, cell_ref
+from tidal.flow.store.table import Batch, StoreError, StoreTimeout, cell_sizes, check_column, num_rows_of
+from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
 
 TOKEN_ENV = "TIDAL_STORE_TOKEN"
@@ -65,6 +67,8 @@ class RemoteStore:
         self._sockets: list[zmq.Socket] = []
         self._sockets_lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._keys = itertools.count()
+        self._uid = uuid.uuid4().hex[:12]
         self._closed = False
 
     # Plumbing ---------------------------------------------------------------------------
@@ -155,25 +159,32 @@ class RemoteStore:
             args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
             return self._call("put", args, wait=timeout)
         num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
-        cells = {name: split_rows(name, value, num_rows) for name, value in columns.items()}
-        if indexes is None:
-            nbytes = sum(nbytes_of(c) for per_row in cells.values() for c in per_row)
-            indexes = self._call("reserve", {"partition": partition, "num_rows": num_rows, "nbytes": nbytes, **meta}, wait=timeout)
-        elif any(v is not None for v in (groups, versions, tags)):
-            raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
-        indexes = list(indexes)
-        if self._local_unit is not None:
-            self._local_unit.unit.write(partition, indexes, cells)
-        else:
-            encoded = {name: encode_column(values) for name, values in cells.items()}
-            self._call("unit_write", {"partition": partition, "indexes": indexes, "columns": encoded}, address=self.unit_address)
-        refs = {name: [cell_ref(self.unit_address, c).wire for c in values] for name, values in cells.items()}
-        return self._call("put", {"partition": partition, "refs": refs, "indexes": indexes})
+        keys, remote = [], {}
+        try:
+            for name, value in columns.items():
+                chunk = check_column(name, value, num_rows)
+                key = f"{self._uid}-{next(self._keys)}"
+                if self._local_unit is not None:
+                    self._local_unit.unit.write(key, chunk)  # in process: zero copy
+                else:
+                    self._call("unit_write", {"key": key, "chunk": encode_column(chunk) if isinstance(chunk, list) else {"stacked": chunk}}, address=self.unit_address)
+                keys.append(key)
+                remote[name] = RemoteChunk(self.unit_address, key, cell_sizes(chunk)).wire
+            return self._call("put", {"partition": partition, "remote": remote, "indexes": _plain(indexes), **meta}, wait=timeout)
+        except BaseException:
+            self._drop_chunks(keys)  # the controller never took them: free them on the unit
+            raise
 
-    def reserve(self, partition: str, num_rows: int, *, nbytes: int = 0, timeout: float | None = None, **meta: Any) -> list[int]:
-        args = {"partition": partition, "num_rows": num_rows, "nbytes": nbytes, "timeout": timeout}
-        args.update({k: _plain(v) for k, v in meta.items()})
-        return self._call("reserve", args, wait=timeout)
+    def _drop_chunks(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        if self._local_unit is not None:
+            self._local_unit.unit.drop(keys)
+        else:
+            try:
+                self._call("unit_drop", {"keys": keys}, address=self.unit_address)
+            except StoreError:
+                pass  # the unit is gone too; nothing is left to free
 
     def get(
         self,
@@ -199,29 +210,31 @@ class RemoteStore:
         reply = self._call("get", args, wait=timeout)
         indexes = reply["indexes"]
         chunks = {name: decode_column(name, value) for name, value in reply["columns"].items()}
-        refs = {name: chunk for name, chunk in chunks.items() if reply["columns"][name].keys() == {"refs"}}
-        if refs:
-            chunks.update(self._read_units(partition, indexes, refs))
+        remote = {name: chunks[name] for name, value in reply["columns"].items() if "remote" in value}
+        if remote:
+            chunks.update(self._read_units(remote))
         return Batch.from_chunks(partition, indexes, {c: chunks[c] for c in columns}, reply["groups"], reply["versions"])
 
-    def _read_units(self, partition: str, indexes: list[int], refs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        wanted: dict[str, dict[str, list[int]]] = {}  # unit -> column -> indexes
-        for name, values in refs.items():
-            for i, value in zip(indexes, values):
-                wanted.setdefault(Ref.from_wire(value).unit, {}).setdefault(name, []).append(i)
-        found: dict[tuple[str, int], Any] = {}
+    def _read_units(self, remote: dict[str, list[Any]]) -> dict[str, Any]:
+        """Read every (unit, chunk key, offsets) piece; requests to all units go out first."""
         pending = []
-        for unit, per_column in wanted.items():
-            if self._local_unit is not None and unit == self._local_unit.address:
-                got = self._local_unit.unit.read(partition, per_column)
-                found.update({(c, i): v for c, vs in got.items() for i, v in zip(per_column[c], vs)})
+        pieces: dict[tuple[str, int], Any] = {}
+        for name, blocks in remote.items():
+            for k, (unit, key, offsets) in enumerate(blocks):
+                if self._local_unit is not None and unit == self._local_unit.address:
+                    pieces[(name, k)] = self._local_unit.unit.read(key, offsets)
+                else:
+                    pending.append((name, k, unit, *self._send(unit, "unit_read", {"key": key, "offsets": offsets})))
+        for name, k, unit, sock, request_id in pending:
+            pieces[(name, k)] = decode_column(name, self._receive(sock, request_id, unit, "unit_read", self.rpc_timeout_s))
+        out = {}
+        for name, blocks in remote.items():
+            parts = [pieces[(name, k)] for k in range(len(blocks))]
+            if all(isinstance(p, torch.Tensor) for p in parts):
+                out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
-                pending.append((unit, per_column, *self._send(unit, "unit_read", {"partition": partition, "wanted": per_column})))
-        for unit, per_column, sock, request_id in pending:
-            got = self._receive(sock, request_id, unit, "unit_read", self.rpc_timeout_s)
-            for c, encoded in got.items():
-                found.update({(c, i): v for i, v in zip(per_column[c], decode_column(c, encoded))})
-        return {name: [found[(name, i)] for i in indexes] for name in refs}
+                out[name] = [cell for p in parts for cell in p]
+        return out
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": [int(i) for i in indexes]})

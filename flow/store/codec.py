@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import math
+
 import msgpack
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ _TORCH_DTYPES = {
         torch.complex64, torch.complex128,
     )
 }
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _TORCH_DTYPES.items()}
 _NUMPY_KINDS = "biufc?"  # bool, signed, unsigned, float, complex (no objects, no strings)
 _TENSOR, _ARRAY = "t", "a"
 _PLAIN = (int, float, str, bool, type(None))
@@ -36,14 +39,16 @@ _PLAIN = (int, float, str, bool, type(None))
 
 def _encode(value: Any, buffers: list[memoryview]) -> Any:
     if isinstance(value, torch.Tensor):
-        name = str(value.dtype).removeprefix("torch.")
+        name = str(value.dtype)[6:]  # "torch.float32" -> "float32"
         if name not in _TORCH_DTYPES:
             raise CodecError(f"tensor dtype {value.dtype} is not supported by the store")
         t = value.detach()
         if t.device.type != "cpu":
             raise CodecError(f"tensor on {t.device} must be moved to host memory before it is sent")
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        buffers.append(memoryview(raw.numpy()))
+        if not t.is_contiguous():
+            t = t.contiguous()
+        arr = t.reshape(-1).view(torch.uint8).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+        buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
         return {"__": _TENSOR, "d": name, "s": list(value.shape), "b": len(buffers) - 1}
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NUMPY_KINDS:
@@ -89,7 +94,7 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
             dtype = _TORCH_DTYPES.get(dtype_name)
             if dtype is None:
                 raise CodecError(f"unknown tensor dtype {dtype_name!r}")
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = _ITEMSIZE[dtype_name]
         elif kind == _ARRAY:
             try:
                 np_dtype = np.dtype(dtype_name)
@@ -100,7 +105,7 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
             itemsize = np_dtype.itemsize
         else:
             raise CodecError(f"unknown value kind {kind!r}")
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        numel = math.prod(shape)
         raw = memoryview(buf).cast("B")
         if raw.nbytes != numel * itemsize:
             raise CodecError(f"buffer {index} holds {raw.nbytes} bytes, expected {numel * itemsize} for shape {shape}")

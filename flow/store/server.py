@@ -1,7 +1,7 @@
 """Serve a store (controller) and/or a storage unit over ZeroMQ.
 
 One thread owns the socket and the store calls: each request is served at once, without
-waiting. A `get` with too few ready rows, or a `put`/`reserve` into a full partition, is
+waiting. A `get` with too few ready rows, or a `put` into a full partition, is
 parked; parked requests are retried, in arrival order, right after anything that can
 satisfy them (a put, an ack, a release, a version change, a lease expiry, a change made
 by another thread of this process) and answered the moment they succeed, in the same
@@ -36,12 +36,12 @@ import zmq.utils.monitor
 from tidal.flow.store import persist
 from tidal.flow.store.samplers import from_spec
 from tidal.flow.store.table import Batch, Store, StoreTimeout
-from tidal.flow.store.units import Ref, StorageUnit
+from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
-_BLOCKING = ("get", "put", "reserve")
+_BLOCKING = ("get", "put")
 _MUTATING = frozenset({"put", "ack", "release", "set_version", "create_partition", "add_consumer"})
 _WAKE, _STOP = b"w", b"s"
 
@@ -104,7 +104,7 @@ class StoreServer:
         self._peers: dict[bytes, _Peer] = {}
         self._by_fd: dict[int, _Peer] = {}
         self._parked: list[_Parked] = []
-        self._drops: collections.deque[tuple[str, str, int]] = collections.deque()
+        self._drops: collections.deque[tuple[str, str]] = collections.deque()  # (unit, chunk key)
         self._unit_sockets: dict[str, zmq.Socket] = {}
         self._listening = False  # for evictions, once cells on storage units are put
         self._ops: dict[str, Callable[[_Peer, dict[str, Any]], Any]] = {"ping": self._ping}
@@ -116,7 +116,6 @@ class StoreServer:
                 set_version=lambda peer, a: store.set_version(a["version"]),
                 version=lambda peer, a: store.version,
                 put=self._put,
-                reserve=self._reserve,
                 get=self._get,
                 ack=self._ack,
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
@@ -317,29 +316,16 @@ class StoreServer:
 
     def _put(self, peer: _Peer, a: dict[str, Any]) -> list[int]:
         assert self.store is not None
-        if "refs" in a:
-            columns: dict[str, Any] = {name: [Ref.from_wire(r) for r in refs] for name, refs in a["refs"].items()}
+        columns = dict(a.get("columns") or {})
+        for name, descriptor in (a.get("remote") or {}).items():
+            columns[name] = RemoteChunk.from_wire(descriptor)
             if not self._listening:
-                self.store.add_evict_listener(self._on_evict)
+                self.store.add_free_listener(self._on_free)
                 self._listening = True
-        else:
-            columns = a["columns"]
         return self.store.put(
             a["partition"],
             columns,
             a.get("indexes"),
-            groups=a.get("groups"),
-            versions=a.get("versions"),
-            tags=a.get("tags"),
-            timeout=a.get("timeout"),
-        )
-
-    def _reserve(self, peer: _Peer, a: dict[str, Any]) -> list[int]:
-        assert self.store is not None
-        return self.store.reserve(
-            a["partition"],
-            a["num_rows"],
-            nbytes=a.get("nbytes", 0),
             groups=a.get("groups"),
             versions=a.get("versions"),
             tags=a.get("tags"),
@@ -377,32 +363,30 @@ class StoreServer:
     # Storage-unit ops ---------------------------------------------------------------------
     def _unit_write(self, peer: _Peer, a: dict[str, Any]) -> None:
         assert self.unit is not None
-        columns = {name: decode_column(name, value) for name, value in a["columns"].items()}
-        self.unit.write(a["partition"], a["indexes"], columns)
+        self.unit.write(a["key"], decode_column("chunk", a["chunk"]))
 
     def _unit_read(self, peer: _Peer, a: dict[str, Any]) -> dict[str, Any]:
         assert self.unit is not None
-        cells = self.unit.read(a["partition"], a["wanted"])
-        return {name: encode_column(values) for name, values in cells.items()}
+        rows = self.unit.read(a["key"], a["offsets"])
+        return {"stacked": rows} if not isinstance(rows, list) else encode_column(rows)
 
     def _unit_drop(self, peer: _Peer, a: dict[str, Any]) -> int:
         assert self.unit is not None
-        return self.unit.drop(a["partition"], a["indexes"])
+        return self.unit.drop(a["keys"])
 
-    # Evictions on a controller whose cells live on storage units --------------------------
-    def _on_evict(self, partition: str, rows: list[tuple[int, dict[str, Any]]]) -> None:
-        for index, cells in rows:
-            for unit in {c.unit for c in cells.values() if isinstance(c, Ref)}:
-                self._drops.append((unit, partition, index))
+    # Chunks the controller let go of, on storage units ------------------------------------
+    def _on_free(self, partition: str, chunk: Any) -> None:
+        if isinstance(chunk, RemoteChunk):
+            self._drops.append((chunk.unit, chunk.key))
 
     def _flush_drops(self) -> None:
         if not self._drops:
             return
-        batches: dict[tuple[str, str], list[int]] = {}
+        batches: dict[str, list[str]] = {}
         while self._drops:
-            unit, partition, index = self._drops.popleft()
-            batches.setdefault((unit, partition), []).append(index)
-        for (unit, partition), indexes in batches.items():
+            unit, key = self._drops.popleft()
+            batches.setdefault(unit, []).append(key)
+        for unit, keys in batches.items():
             sock = self._unit_sockets.get(unit)
             if sock is None:
                 sock = self._unit_sockets[unit] = self._ctx.socket(zmq.DEALER)
@@ -410,5 +394,4 @@ class StoreServer:
                 sock.connect(unit)
             while sock.poll(0):  # replies to earlier drops carry nothing we need
                 sock.recv_multipart()
-            args = {"partition": partition, "indexes": indexes}
-            sock.send_multipart(pack({"op": "unit_drop", "id": 0, "token": self.token, "args": args}))
+            sock.send_multipart(pack({"op": "unit_drop", "id": 0, "token": self.token, "args": {"keys": keys}}))

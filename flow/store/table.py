@@ -59,13 +59,17 @@ def num_rows_of(item: tuple[str, Any]) -> int:
     name, value = item
     if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim:
         return int(value.shape[0])
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) or isinstance(getattr(value, "sizes", None), np.ndarray):
         return len(value)
     raise ValueError(f"column {name!r} must be a batched tensor, array or list, got {type(value).__name__}")
 
 
-def _check_column(name: str, value: Any, num_rows: int) -> Any:
+def check_column(name: str, value: Any, num_rows: int) -> Any:
     """The column as a chunk: a batched tensor/array (rows along dim 0) or a list."""
+    if isinstance(getattr(value, "sizes", None), np.ndarray):  # a chunk held elsewhere
+        if len(value) != num_rows:
+            raise ValueError(f"column {name!r} has {len(value)} values for {num_rows} rows")
+        return value
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim == 0 or value.shape[0] != num_rows:
             raise ValueError(f"column {name!r} has leading dimension {tuple(value.shape)[:1]} for {num_rows} rows")
@@ -79,11 +83,14 @@ def _check_column(name: str, value: Any, num_rows: int) -> Any:
 
 def split_rows(name: str, value: Any, num_rows: int) -> list[Any]:
     """One cell per row: a batched tensor/array splits along dim 0 into views."""
-    chunk = _check_column(name, value, num_rows)
+    chunk = check_column(name, value, num_rows)
     return list(chunk.unbind(0)) if isinstance(chunk, torch.Tensor) else list(chunk)
 
 
-def _cell_sizes(chunk: Any) -> np.ndarray:
+def cell_sizes(chunk: Any) -> np.ndarray:
+    sizes = getattr(chunk, "sizes", None)  # a chunk held elsewhere knows its rows' sizes
+    if isinstance(sizes, np.ndarray):
+        return sizes
     if isinstance(chunk, (torch.Tensor, np.ndarray)):
         per_row = nbytes_of(chunk) // max(len(chunk), 1)
         return np.full(len(chunk), per_row, dtype=np.int64)
@@ -109,7 +116,7 @@ class _Column:
 
 
 class _Segment:
-    """The rows one put (or reserve) created: indexes start .. start + n - 1."""
+    """The rows one put created: indexes start .. start + n - 1."""
 
     def __init__(self, start: int, n: int, groups: Sequence[Any] | None, versions: Sequence[int | None] | None, tags: Sequence[Mapping[str, Any]] | None, consumers: Iterable[str]) -> None:
         self.start, self.n = start, n
@@ -238,6 +245,10 @@ class Batch:
     def __repr__(self) -> str:
         return f"Batch(partition={self.partition!r}, indexes={self.indexes}, columns={sorted(self.columns)}, versions={self.versions})"
 
+    def blocks(self, column: str) -> list[tuple[Any, np.ndarray]]:
+        """The column as (chunk, row offsets) pieces in batch order (empty if not chunked)."""
+        return self._blocks.get(column, [])
+
     def chunked(self, column: str) -> torch.Tensor | None:
         """`stack(column)` when the column is made of tensor chunks of one dtype and row
         shape (so stacking is a view or one gather), else None."""
@@ -255,12 +266,12 @@ class Batch:
         """
         blocks = self._blocks.get(column)
         if blocks and all(isinstance(chunk, (torch.Tensor, np.ndarray)) for chunk, _ in blocks):
-            parts = [_rows_of(torch.as_tensor(chunk), offsets) for chunk, offsets in blocks]
+            parts = [rows_of(torch.as_tensor(chunk), offsets) for chunk, offsets in blocks]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         return torch.stack([torch.as_tensor(v) for v in self.columns[column]])
 
 
-def _rows_of(chunk: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+def rows_of(chunk: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     first, last = int(offsets[0]), int(offsets[-1])
     if last - first + 1 == len(offsets) and (len(offsets) < 3 or (np.diff(offsets) == 1).all()):
         return chunk[first : last + 1]
@@ -270,16 +281,10 @@ def _rows_of(chunk: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
 class Store:
     """A thread-safe in-process store. `runtime: local` uses it directly (zero copy)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, on_evict: Callable[[str, list[tuple[int, dict[str, Any]]]], None] | None = None) -> None:
-        """`clock` times leases and timeouts; tests pass a fake one to expire leases at will.
-
-        `on_evict(partition, rows)` is called with `[(index, {column: cell}), ...]` for
-        evicted rows (with the store's lock held, so it must not call back into the store);
-        a controller whose cells are references uses it to free the data on the storage
-        units. Listeners cost a Python object per evicted cell: add them only when needed.
-        """
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times leases and timeouts; tests pass a fake one to expire leases at will."""
         self._clock = clock
-        self._evict_listeners = [on_evict] if on_evict is not None else []
+        self._free_listeners: list[Callable[[str, Any], None]] = []
         self._change_listeners: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._parts: dict[str, _Partition] = {}
@@ -309,10 +314,12 @@ class Store:
                 seg.lease[consumer] = np.zeros(seg.n, dtype=np.float64)
                 seg.redelivered[consumer] = np.zeros(seg.n, dtype=np.int64)
 
-    def add_evict_listener(self, listener: Callable[[str, list[tuple[int, dict[str, Any]]]], None]) -> None:
-        """Also call `listener(partition, rows)` on every eviction (see `__init__`)."""
+    def add_free_listener(self, listener: Callable[[str, Any], None]) -> None:
+        """Call `listener(partition, chunk)` when the store lets go of a chunk (every row
+        using it evicted or overwritten); a controller whose chunks live on storage units
+        uses it to free them there. Called with the lock held: it must not call back."""
         with self._cond:
-            self._evict_listeners.append(listener)
+            self._free_listeners.append(listener)
 
     def add_change_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` (lock held; it must not call back) whenever waiters are woken:
@@ -364,8 +371,8 @@ class Store:
         if not columns:
             raise ValueError("put needs at least one column")
         num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
-        chunks = {name: _check_column(name, value, num_rows) for name, value in columns.items()}
-        sizes = {name: _cell_sizes(chunk) for name, chunk in chunks.items()}
+        chunks = {name: check_column(name, value, num_rows) for name, value in columns.items()}
+        sizes = {name: cell_sizes(chunk) for name, chunk in chunks.items()}
         _check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
@@ -406,30 +413,6 @@ class Store:
                     part.nbytes += int(sizes[name][positions].sum())
             self._notify()
             return where.tolist()
-
-    def reserve(
-        self,
-        partition: str,
-        num_rows: int,
-        *,
-        nbytes: int = 0,
-        groups: Sequence[Any] | None = None,
-        versions: Sequence[int | None] | None = None,
-        tags: Sequence[Mapping[str, Any]] | None = None,
-        timeout: float | None = None,
-    ) -> list[int]:
-        """Create `num_rows` rows with no columns yet (never ready) and return their indexes.
-
-        Waits for room for `num_rows` rows and `nbytes` bytes like `put`. A producer whose
-        data lives on a storage unit reserves rows, writes the cells there, then `put`s
-        references to them at these indexes.
-        """
-        if num_rows < 1:
-            raise ValueError(f"num_rows must be >= 1, got {num_rows}")
-        _check_row_meta(num_rows, groups, versions, tags)
-        deadline = None if timeout is None else self._clock() + timeout
-        with self._cond:
-            return self._create_rows(self._part(partition), num_rows, nbytes, groups, versions, tags, deadline)
 
     def _create_rows(
         self,
@@ -671,13 +654,6 @@ class Store:
         seg.alive[local] = False
         part.num_rows -= len(local)
         part.num_evicted += len(local)
-        if self._evict_listeners:
-            rows = [
-                (seg.start + k, {n: part.chunks[int(c.chunk[k])][int(c.offset[k])] for n, c in seg.columns.items() if c.chunk[k] >= 0})
-                for k in local.tolist()
-            ]
-            for listener in self._evict_listeners:
-                listener(part.name, rows)
         for column in seg.columns.values():
             ids = column.chunk[local]
             present = ids >= 0
@@ -685,15 +661,17 @@ class Store:
             part.nbytes -= int(column.nbytes[local][present].sum())
             column.chunk[local] = -1
 
-    @staticmethod
-    def _unref(part: _Partition, ids: np.ndarray) -> None:
+    def _unref(self, part: _Partition, ids: np.ndarray) -> None:
         if not len(ids):
             return
         unique, counts = np.unique(ids, return_counts=True)
         for chunk_id, n in zip(unique.tolist(), counts.tolist()):
             part.chunk_refs[chunk_id] -= n
             if part.chunk_refs[chunk_id] == 0:
-                del part.chunk_refs[chunk_id], part.chunks[chunk_id]
+                del part.chunk_refs[chunk_id]
+                chunk = part.chunks.pop(chunk_id)
+                for listener in self._free_listeners:
+                    listener(part.name, chunk)
 
     def _redeliver(self, part: _Partition, consumer: str, pieces: Iterable[tuple[_Segment, np.ndarray]]) -> int:
         count = 0

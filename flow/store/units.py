@@ -1,88 +1,117 @@
 """Storage units: where column data lives when the controller holds only metadata.
 
-In a split deployment the controller is a `Store` whose cells are `Ref`s (which storage
-unit holds the cell, its size and shape); the data stays on the unit of the producer
-that wrote it. Consumers read cells from the units named in the refs; the controller
-tells units to drop rows it evicts. Several units shard the data of one table.
+In a split deployment a producer writes each column it puts, as one chunk, into a
+storage unit (its own, in process, zero copy), then tells the controller about the rows
+with a `RemoteChunk` per column: which unit holds the chunk, under which key, and the
+size of each row's cell. The controller tracks readiness, leases and acks exactly as for
+local data; consumers read the rows they were given straight from the units; when the
+controller lets go of a chunk (every row using it evicted), it tells the unit to drop it.
+Several units shard the data of one table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-from tidal.flow.store.table import nbytes_of
+import numpy as np
+import torch
+
+from tidal.flow.store.table import rows_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ref:
-    """A cell held by the storage unit at `unit` (a ZeroMQ address)."""
+    """One row's cell of a remote chunk (what a controller-side cell looks like)."""
 
     unit: str
+    key: str
+    offset: int
     nbytes: int
-    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RemoteChunk:
+    """A column chunk held by the storage unit at `unit` under `key`; rows along dim 0."""
+
+    unit: str
+    key: str
+    sizes: np.ndarray
+    """Bytes of each row's cell."""
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, k: int) -> Ref:
+        return Ref(self.unit, self.key, int(k), int(self.sizes[k]))
 
     @property
-    def wire(self) -> list[Any]:
-        return [self.unit, self.nbytes, list(self.shape)]
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    @property
+    def wire(self) -> dict[str, Any]:
+        return {"unit": self.unit, "key": self.key, "sizes": self.sizes}
 
     @classmethod
-    def from_wire(cls, value: Any) -> Ref:
-        if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and isinstance(value[1], int)):
-            raise ValueError(f"not a cell reference: {value!r}")
-        return cls(value[0], value[1], tuple(int(n) for n in value[2]))
+    def from_wire(cls, value: Any) -> RemoteChunk:
+        if not isinstance(value, dict) or not isinstance(value.get("unit"), str) or not isinstance(value.get("key"), str):
+            raise ValueError(f"not a remote chunk descriptor: {value!r}")
+        sizes = np.asarray(value.get("sizes"), dtype=np.int64)
+        if sizes.ndim != 1 or (sizes < 0).any():
+            raise ValueError("remote chunk sizes must be a 1-D array of byte counts")
+        return cls(value["unit"], value["key"], sizes)
 
 
 class StorageUnit:
-    """Column data keyed by (partition, row index, column); thread-safe."""
+    """Column chunks keyed by the producer's chunk key; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rows: dict[tuple[str, int], dict[str, Any]] = {}
+        self._chunks: dict[str, Any] = {}
         self.nbytes = 0
 
-    def write(self, partition: str, indexes: Sequence[int], columns: Mapping[str, Sequence[Any]]) -> None:
-        """Store `columns[name][k]` as row `indexes[k]`'s cell `name`."""
-        for name, cells in columns.items():
-            if len(cells) != len(indexes):
-                raise ValueError(f"column {name!r} has {len(cells)} cells for {len(indexes)} rows")
+    def write(self, key: str, chunk: Any) -> None:
+        """Keep `chunk` (a batched tensor/array with rows along dim 0, or a list of cells)."""
         with self._lock:
-            for k, i in enumerate(indexes):
-                row = self._rows.setdefault((partition, i), {})
-                for name, cells in columns.items():
-                    old = row.get(name)
-                    if old is not None:
-                        self.nbytes -= nbytes_of(old)
-                    row[name] = cells[k]
-                    self.nbytes += nbytes_of(cells[k])
+            if key in self._chunks:
+                raise ValueError(f"storage unit already holds chunk {key!r}")
+            self._chunks[key] = chunk
+            self.nbytes += _nbytes(chunk)
 
-    def read(self, partition: str, wanted: Mapping[str, Sequence[int]]) -> dict[str, list[Any]]:
-        """`{column: [cell of each index]}` for `wanted = {column: indexes}`."""
+    def read(self, key: str, offsets: np.ndarray) -> Any:
+        """The rows `offsets` of chunk `key`: a tensor (a view when contiguous) or a list."""
         with self._lock:
-            try:
-                return {c: [self._rows[(partition, i)][c] for i in indexes] for c, indexes in wanted.items()}
-            except KeyError as e:
-                raise KeyError(f"storage unit holds no cell {e.args[0]!r} of partition {partition!r}") from None
+            chunk = self._chunks.get(key)
+        if chunk is None:
+            raise KeyError(f"storage unit holds no chunk {key!r} (never written, or dropped)")
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if len(offsets) and (offsets.min() < 0 or offsets.max() >= len(chunk)):
+            raise IndexError(f"chunk {key!r} has {len(chunk)} rows; asked for rows up to {int(offsets.max())}")
+        if isinstance(chunk, (torch.Tensor, np.ndarray)):
+            return rows_of(torch.as_tensor(chunk), offsets) if len(offsets) else chunk[:0]
+        return [chunk[int(k)] for k in offsets]
 
-    def drop(self, partition: str, indexes: Iterable[int]) -> int:
+    def drop(self, keys: Iterable[str]) -> int:
         dropped = 0
         with self._lock:
-            for i in indexes:
-                row = self._rows.pop((partition, i), None)
-                if row is not None:
-                    self.nbytes -= sum(nbytes_of(v) for v in row.values())
+            for key in keys:
+                chunk = self._chunks.pop(key, None)
+                if chunk is not None:
+                    self.nbytes -= _nbytes(chunk)
                     dropped += 1
         return dropped
 
     def __len__(self) -> int:
-        return len(self._rows)
+        """How many chunks it holds."""
+        return len(self._chunks)
 
 
-def cell_ref(unit: str, value: Any) -> Ref:
-    """The reference a controller keeps for `value` stored on `unit`."""
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        shape = (len(value),) if isinstance(value, (str, bytes, list, tuple)) else ()
-    return Ref(unit, nbytes_of(value), tuple(int(n) for n in shape))
+def _nbytes(chunk: Any) -> int:
+    if isinstance(chunk, torch.Tensor):
+        return chunk.numel() * chunk.element_size()
+    if isinstance(chunk, np.ndarray):
+        return chunk.nbytes
+    return sum(getattr(v, "nbytes", 8) if not isinstance(v, (str, bytes)) else len(v) for v in chunk)

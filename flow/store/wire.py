@@ -10,8 +10,8 @@ an error reply.
 
 Batches travel column by column: a column of small same-shape tensors is stacked into
 one buffer (`{"stacked": tensor}`), large or ragged cells go as one buffer each
-(`{"cells": [...]}`), and cells held on a storage unit go as references
-(`{"refs": [[address, nbytes, shape], ...]}`).
+(`{"cells": [...]}`), and rows held on storage units go as where to read them
+(`{"remote": [[unit address, chunk key, row offsets], ...]}`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tidal.flow.store.codec import CodecError, decode, encode
 from tidal.flow.store.table import Batch
+from tidal.flow.store.units import RemoteChunk
 
 STACK_MAX_CELL_BYTES = 64 * 1024
 """Cells up to this size are stacked into one buffer per column; larger ones go zero-copy."""
@@ -101,14 +103,15 @@ def encode_column(cells: Sequence[Any]) -> dict[str, Any]:
         and all(isinstance(c, torch.Tensor) and c.shape == first.shape and c.dtype == first.dtype for c in cells)
     ):
         return {"stacked": torch.stack(cells)}
-    refs = [getattr(c, "wire", None) for c in cells]
-    if first is not None and all(r is not None for r in refs):
-        return {"refs": refs}
     return {"cells": list(cells)}
 
 
 def encode_batch_column(batch: Batch, name: str) -> dict[str, Any]:
-    """A batch column for the wire: one stacked buffer when it is made of tensor chunks."""
+    """A batch column for the wire: one stacked buffer when it is made of tensor chunks,
+    the chunk keys and row offsets when its chunks live on storage units."""
+    blocks = batch.blocks(name)
+    if blocks and all(isinstance(chunk, RemoteChunk) for chunk, _ in blocks):
+        return {"remote": [[chunk.unit, chunk.key, offsets] for chunk, offsets in blocks]}
     stacked = batch.chunked(name)
     return {"stacked": stacked} if stacked is not None else encode_column(batch.columns[name])
 
@@ -118,8 +121,10 @@ def decode_column(name: str, value: Any) -> Any:
     if not isinstance(value, dict) or len(value) != 1:
         raise WireError(f"column {name!r} is not an encoded column")
     (kind, payload), = value.items()
-    if kind == "stacked" and isinstance(payload, torch.Tensor) and payload.ndim >= 1:
+    if kind == "stacked" and isinstance(payload, (torch.Tensor, np.ndarray)) and payload.ndim >= 1:
         return payload
-    if kind in ("cells", "refs") and isinstance(payload, list):
+    if kind == "cells" and isinstance(payload, list):
         return payload
+    if kind == "remote" and isinstance(payload, list):
+        return payload  # [[unit, key, offsets], ...]: the client reads them from the units
     raise WireError(f"column {name!r} has unknown encoding {kind!r}")

@@ -167,20 +167,29 @@ def test_split_deployment_keeps_data_on_the_writers_unit():
             producer_a.put("train", {"x": torch.ones(3, 4)}, groups=[0, 0, 1])
             producer_b.put("train", {"x": torch.zeros(2, 4)}, groups=[1, 2])
             producer_b.put("train", {"reward": torch.tensor([5.0, 6.0])}, indexes=[0, 4])
-            assert (len(unit_a.unit), len(unit_b.unit)) == (3, 3)
+            assert (len(unit_a.unit), len(unit_b.unit)) == (1, 2)  # one chunk per column per put
             assert controller.metrics()["partitions"]["train"]["bytes"] == 5 * 16 + 2 * 4
             batch = consumer.get("train", "train", ["x", "reward"], 2, timeout=5)
             assert batch.indexes == [0, 4]
             assert batch.stack("x").sum(1).tolist() == [4.0, 0.0]
             assert batch.stack("reward").tolist() == [5.0, 6.0]
             consumer.ack("train", "train", batch.indexes)
-            deadline = time.monotonic() + 5
-            while (len(unit_a.unit), len(unit_b.unit)) != (2, 1) and time.monotonic() < deadline:
-                time.sleep(0.01)  # drops travel asynchronously from the controller
-            assert (len(unit_a.unit), len(unit_b.unit)) == (2, 1)
+            _wait_for(lambda: (len(unit_a.unit), len(unit_b.unit)) == (1, 1))  # the reward chunk is freed
+            rest = consumer.get("train", "train", ["x"], 3, timeout=5)
+            assert rest.indexes == [1, 2, 3] and rest.stack("x").sum().item() == 8.0
+            consumer.ack("train", "train", rest.indexes)
+            _wait_for(lambda: (len(unit_a.unit), len(unit_b.unit)) == (0, 0))
         finally:
             for client in (producer_a, producer_b, consumer):
                 client.close()
+
+
+def _wait_for(condition, timeout: float = 5.0) -> None:
+    """Drops travel asynchronously from the controller to the units."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 def test_non_local_bind_requires_a_token():
@@ -212,8 +221,8 @@ _plain = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["__", "d", "s", "b", "op", "id", "args", "x"]), inner, max_size=4),
     max_leaves=12,
 )
-_ops = st.sampled_from(["get", "put", "ack", "reserve", "release", "create_partition", "metrics", "unit_read", "bogus"])
-_args = st.dictionaries(st.sampled_from(["partition", "consumer", "columns", "batch_size", "indexes", "name", "consumers", "num_rows", "sampler"]), _plain, max_size=6)
+_ops = st.sampled_from(["get", "put", "ack", "release", "create_partition", "metrics", "unit_read", "unit_write", "unit_drop", "bogus"])
+_args = st.dictionaries(st.sampled_from(["partition", "consumer", "columns", "batch_size", "indexes", "name", "consumers", "remote", "key", "offsets", "keys", "chunk", "sampler"]), _plain, max_size=6)
 # timeout 0: a fuzzed request that happens to be a valid get must answer now, not wait for rows
 _requests = st.fixed_dictionaries({"op": _ops, "id": st.integers(0, 10) | st.text(max_size=2), "args": _args.map(lambda a: {**a, "timeout": 0})})
 
