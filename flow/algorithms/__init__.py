@@ -1,0 +1,33 @@
+"""tidal.flow.algorithms: advantage estimators and policy losses as pure tensor functions.
+
+Nothing here knows about devices, engines or the store: every function takes tensors and
+returns tensors on the same device, so the trainer can call them wherever its model runs.
+`ADVANTAGES` maps recipe names to estimators; `policy_loss` with a `PolicyLossConfig`
+covers PPO-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
+"""
+
+from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo
+from tidal.flow.algorithms.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    PolicyLossConfig,
+    aggregate,
+    kl_estimate,
+    masked_mean,
+    policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "PolicyLossConfig",
+    "aggregate",
+    "compute_advantages",
+    "dr_grpo",
+    "grpo",
+    "kl_estimate",
+    "masked_mean",
+    "policy_loss",
+    "rloo",
+]

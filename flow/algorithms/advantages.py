@@ -1,0 +1,150 @@
+"""Group-relative advantage estimators: one advantage per row from its reward and group.
+
+Every estimator takes `rewards`, a 1-D floating-point tensor with one entry per row, and
+`groups`, one group id per row: a 1-D integer tensor or a list of hashable ids (e.g. the
+prompt uid). Rows of one group need not be contiguous. A group with a single row carries
+no baseline information, so its advantage is 0 under every estimator. The result has the
+shape, dtype and device of `rewards`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+Groups = torch.Tensor | Sequence[Hashable]
+"""One group id per row: a 1-D integer tensor or a sequence of hashable ids."""
+
+
+def _group_index(rewards: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, int]:
+    """Checks the arguments; returns each row's dense group index and the number of groups."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a 1-D floating-point tensor [num_rows], got {_describe(rewards)}")
+    num_rows = rewards.shape[0]
+    if isinstance(groups, torch.Tensor):
+        if groups.dim() != 1 or groups.is_floating_point() or groups.is_complex() or groups.dtype == torch.bool:
+            raise ValueError(f"groups must be a 1-D integer tensor or a list of ids, got {_describe(groups)}")
+        if groups.shape[0] != num_rows:
+            raise ValueError(f"groups has {groups.shape[0]} ids but rewards has {num_rows} rows")
+        _, index = torch.unique(groups.to(rewards.device), return_inverse=True)
+    else:
+        ids = list(groups)
+        if len(ids) != num_rows:
+            raise ValueError(f"groups has {len(ids)} ids but rewards has {num_rows} rows")
+        dense: dict[Hashable, int] = {}
+        index = torch.tensor([dense.setdefault(g, len(dense)) for g in ids], dtype=torch.int64, device=rewards.device)
+    num_groups = int(index.max()) + 1 if num_rows else 0
+    return index, num_groups
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dim()}-D {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _group_sums(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return values.new_zeros(num_groups).index_add_(0, index, values)
+
+
+def _group_counts(rewards: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.bincount(index, minlength=num_groups).to(rewards.dtype)
+
+
+def grpo(rewards: torch.Tensor, groups: Groups, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: the reward minus its group's mean, divided by the group's std.
+
+    The std is the unbiased sample std (Bessel's correction, `torch.std`'s default), as in
+    verl and TRL. `eps` keeps groups whose rewards are all equal at advantage 0.
+
+    Args:
+        rewards: Rewards, `[num_rows]`, floating point.
+        groups: One group id per row.
+        normalize_std: Divide by `std + eps`; False gives `r - mean` ("grpo_no_std").
+        eps: Added to the std before dividing.
+
+    Returns:
+        Advantages, `[num_rows]`.
+
+    Raises:
+        ValueError: If `rewards` or `groups` is malformed, or `eps` is negative.
+    """
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    index, num_groups = _group_index(rewards, groups)
+    counts = _group_counts(rewards, index, num_groups)
+    centered = rewards - (_group_sums(rewards, index, num_groups) / counts)[index]
+    if not normalize_std:
+        return centered
+    # A size-1 group has centered == 0 and variance 0 (clamped denominator), so 0 / eps = 0.
+    var = _group_sums(centered.square(), index, num_groups) / (counts - 1).clamp(min=1)
+    return centered / (var.sqrt()[index] + eps)
+
+
+def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """RLOO advantages: the reward minus the mean reward of the other rows of its group.
+
+    Args:
+        rewards: Rewards, `[num_rows]`, floating point.
+        groups: One group id per row.
+
+    Returns:
+        Advantages, `[num_rows]`; 0 for a group with one row.
+
+    Raises:
+        ValueError: If `rewards` or `groups` is malformed.
+    """
+    index, num_groups = _group_index(rewards, groups)
+    counts = _group_counts(rewards, index, num_groups)[index]
+    others = _group_sums(rewards, index, num_groups)[index] - rewards
+    baseline = torch.where(counts > 1, others / (counts - 1).clamp(min=1), rewards)
+    return rewards - baseline
+
+
+def dr_grpo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Dr.GRPO advantages: the reward minus its group's mean, without std division.
+
+    Dr.GRPO pairs these with a constant-normalised token sum in the loss:
+    `PolicyLossConfig(aggregation="token_sum_norm", max_tokens=...)`.
+
+    Args:
+        rewards: Rewards, `[num_rows]`, floating point.
+        groups: One group id per row.
+
+    Returns:
+        Advantages, `[num_rows]`.
+
+    Raises:
+        ValueError: If `rewards` or `groups` is malformed.
+    """
+    return grpo(rewards, groups, normalize_std=False)
+
+
+ADVANTAGES: dict[str, Callable[[torch.Tensor, Groups], torch.Tensor]] = {
+    "grpo": grpo,
+    "grpo_no_std": functools.partial(grpo, normalize_std=False),
+    "rloo": rloo,
+    "dr_grpo": dr_grpo,
+}
+"""Advantage estimators by the name a recipe uses; each is `fn(rewards, groups)`."""
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Runs the estimator registered under `name` in `ADVANTAGES`.
+
+    Args:
+        name: A key of `ADVANTAGES`.
+        rewards: Rewards, `[num_rows]`, floating point.
+        groups: One group id per row.
+
+    Returns:
+        Advantages, `[num_rows]`.
+
+    Raises:
+        ValueError: If `name` is not registered, or the inputs are malformed.
+    """
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator name={name!r}; valid names: {sorted(ADVANTAGES)}")
+    return ADVANTAGES[name](rewards, groups)

@@ -1,0 +1,313 @@
+"""Policy losses: PPO-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
+
+Token tensors are `[batch, seq]` with a `mask` of the same shape (bool or float; nonzero
+marks a response token, a float mask's values weight the tokens). Values at masked-out
+positions never reach the loss or its gradient, even when they are inf or nan (padding).
+
+Three log-probabilities of each sampled token meet in `policy_loss`:
+
+- `behavior_logprobs`: under the policy that generated the sample (the rollout engine),
+- `proximal_logprobs`: under the policy the PPO trust region is centred on (AReaL's
+  decoupled PPO: recomputed by the trainer with the weights before this update); without
+  it the behavior policy is the proximal one (plain PPO),
+- `logprobs`: under the policy being trained (carries the gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+"""Ways `aggregate` turns per-token values into one scalar."""
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""Per-token estimators of KL(policy || reference) that `kl_estimate` offers."""
+
+LEVELS = ("token", "sequence")
+"""Where the importance ratio lives: per token (PPO) or per sequence (GSPO)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PolicyLossConfig:
+    """How `policy_loss` turns log-probabilities and advantages into a loss."""
+
+    clip_low: float = 0.2
+    """PPO clip below: the ratio is clipped at `1 - clip_low`. In [0, 1)."""
+    clip_high: float = 0.28
+    """PPO clip above: the ratio is clipped at `1 + clip_high` (DAPO's clip-higher);
+    set it equal to `clip_low` for symmetric PPO. >= 0."""
+    level: str = "token"
+    """"token": one ratio per token (PPO). "sequence": GSPO, one ratio per sequence, the
+    exp of the masked mean of its token log-ratios."""
+    aggregation: str = "token_mean"
+    """How per-token losses become a scalar: one of `AGGREGATIONS` (see `aggregate`)."""
+    max_tokens: int | None = None
+    """The constant in "token_sum_norm" (Dr.GRPO): loss = sum / (batch * max_tokens).
+    Required for that aggregation, typically the maximum response length. > 0."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: the behavior weight exp(proximal - behavior) is
+    capped at this value. None: no cap. > 0."""
+    seq_mask_low: float | None = None
+    """Sequence masking: drop sequences whose exp(masked mean of proximal - behavior) is
+    below this. None: no lower bound."""
+    seq_mask_high: float | None = None
+    """Sequence masking: drop sequences whose exp(masked mean of proximal - behavior) is
+    above this. None: no upper bound."""
+    kl_coef: float = 0.0
+    """Weight of the KL(policy || reference) term added to the loss; needs
+    `ref_logprobs` when > 0. >= 0."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator: one of `KL_ESTIMATORS` (see `kl_estimate`)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field that is out of bounds."""
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {list(LEVELS)}, got {self.level!r}")
+        _check_aggregation(self.aggregation, self.max_tokens)
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
+        low, high = self.seq_mask_low, self.seq_mask_high
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"seq_mask_low ({low}) must be <= seq_mask_high ({high})")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+
+
+def _check_aggregation(how: str, max_tokens: int | None) -> None:
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation how={how!r} is not one of {list(AGGREGATIONS)}")
+    if how == "token_sum_norm" and (max_tokens is None or max_tokens <= 0):
+        raise ValueError(f"max_tokens must be a positive int for aggregation 'token_sum_norm', got {max_tokens}")
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    weighted = torch.where(mask != 0, values * mask, 0)
+    return weighted.sum() if dim is None else weighted.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
+    """The mask-weighted mean of `values`, over all elements or along `dim`.
+
+    Args:
+        values: Any tensor.
+        mask: Same shape as `values`; bool or float weights.
+        dim: Reduce along this dimension; None reduces everything.
+
+    Returns:
+        The mean; 0 where the mask is all zero.
+    """
+    mask = mask.to(values.dtype)
+    return _masked_sum(values, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1e-12)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, *, how: str, max_tokens: int | None = None) -> torch.Tensor:
+    """Reduces per-token values `[batch, seq]` to a scalar.
+
+    - "token_mean": the mean over all response tokens of the batch; long sequences count
+      more (DAPO).
+    - "seq_mean_token_mean": each sequence's token mean, averaged over sequences that have
+      at least one response token (GRPO paper; GSPO paper with `level="sequence"`).
+    - "seq_mean_token_sum": each sequence's token sum, averaged over sequences that have at
+      least one response token.
+    - "token_sum_norm": the sum over all response tokens divided by the constant
+      `batch * max_tokens`, `batch = values.shape[0]` (Dr.GRPO): no length bias.
+
+    Args:
+        values: Per-token values, `[batch, seq]`.
+        mask: `[batch, seq]`, bool or float weights; zero marks tokens to leave out.
+        how: One of `AGGREGATIONS`.
+        max_tokens: The constant for "token_sum_norm"; ignored otherwise.
+
+    Returns:
+        A scalar tensor; 0 when no token is in the mask.
+
+    Raises:
+        ValueError: If `how` is unknown, `max_tokens` is missing for "token_sum_norm", or
+            the shapes disagree.
+    """
+    _check_aggregation(how, max_tokens)
+    if values.dim() != 2:
+        raise ValueError(f"values must be [batch, seq], got shape {tuple(values.shape)}")
+    if mask.shape != values.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but values has {tuple(values.shape)}")
+    mask = mask.to(values.dtype)
+    if how == "token_mean":
+        return masked_mean(values, mask)
+    if how == "token_sum_norm":
+        return _masked_sum(values, mask) / (values.shape[0] * max_tokens)
+    per_seq = _masked_sum(values, mask, dim=-1)
+    if how == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1e-12)
+    has_tokens = (mask != 0).any(-1).to(values.dtype)
+    return masked_mean(per_seq, has_tokens)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimates of KL(policy || reference) from samples of the policy.
+
+    With `d = ref_logprobs - logprobs` (Schulman, "Approximating KL divergence"):
+    "k1" is `-d` (unbiased, high variance, can be negative), "k2" is `0.5 * d**2`
+    (biased, low variance), "k3" is `exp(d) - d - 1` (unbiased, low variance, >= 0).
+
+    Args:
+        logprobs: Log-probabilities under the policy, any shape.
+        ref_logprobs: Log-probabilities under the reference policy, same shape.
+        estimator: One of `KL_ESTIMATORS`.
+
+    Returns:
+        The estimates, elementwise, same shape.
+
+    Raises:
+        ValueError: If `estimator` is unknown or the shapes disagree.
+    """
+    if ref_logprobs.shape != logprobs.shape:
+        raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)} but logprobs has {tuple(logprobs.shape)}")
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"kl estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    config: PolicyLossConfig | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped policy-gradient loss, with decoupled PPO, truncated IS, masking and KL.
+
+    Per token (`level="token"`), with `prox` = `proximal_logprobs` (or `behavior_logprobs`
+    when None) and the advantage `A` broadcast over tokens when given per sequence:
+
+        ratio  = exp(logprobs - prox)
+        weight = min(exp(prox - behavior), tis_cap)                  # detached
+        loss_t = -weight * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+
+    With `level="sequence"` (GSPO) the ratio, the behavior weight and the advantage are
+    per sequence: `s = exp(masked mean of (logprobs - prox))`, which passes gradient to
+    every response token of the sequence, `weight = min(exp(masked mean of (prox -
+    behavior)), tis_cap)`, `A` is the sequence's advantage (the masked mean over its tokens
+    when `advantages` is `[batch, seq]`), and the sequence's loss `-weight * min(s * A,
+    clip(s) * A)` is written to each of its response tokens. "seq_mean_token_mean" then
+    gives the GSPO paper's mean over sequences; "token_mean" weights sequences by length.
+
+    Sequence masking first drops (zeroes the mask of) every sequence whose
+    `exp(masked mean of (prox - behavior))` lies outside `[seq_mask_low, seq_mask_high]`;
+    everything below, the KL term and the metrics use the remaining tokens. The loss is
+    `aggregate(loss_t) + kl_coef * aggregate(kl_estimate(logprobs, ref_logprobs))`, both
+    with `config.aggregation`. Only `logprobs` carries gradient; the other tensors are
+    treated as constants.
+
+    Args:
+        logprobs: Log-probabilities under the trained policy, `[batch, seq]`.
+        advantages: `[batch]` (per sequence) or `[batch, seq]` (per token).
+        behavior_logprobs: Log-probabilities under the sampling policy, `[batch, seq]`.
+        mask: `[batch, seq]`, bool or float; nonzero marks response tokens.
+        proximal_logprobs: Log-probabilities under the proximal policy, `[batch, seq]`;
+            None for plain PPO.
+        ref_logprobs: Log-probabilities under the reference policy, `[batch, seq]`; needed
+            when `config.kl_coef > 0`.
+        config: The loss settings; None uses `PolicyLossConfig()`.
+
+    Returns:
+        The scalar loss and metrics, each a float over the tokens left after sequence
+        masking (masked means, token-weighted): "clip_fraction" (tokens whose clipped
+        term was selected, so they get no gradient), "ratio_mean" (the PPO ratio, or `s`
+        per token for GSPO), "approx_kl" (`proximal - logprobs`, the k1 estimate of
+        KL(proximal || policy) as in verl's `ppo_kl`), "tis_truncated_fraction" (tokens
+        whose behavior weight hit `tis_cap`), "seq_masked_fraction" (dropped sequences
+        over sequences with at least one response token), and "kl" (the aggregated KL
+        estimate; only when `ref_logprobs` is given).
+
+    Raises:
+        ValueError: If a shape disagrees with `logprobs`, the config is invalid, or
+            `kl_coef > 0` without `ref_logprobs`.
+    """
+    config = PolicyLossConfig() if config is None else config
+    config.validate()
+    if logprobs.dim() != 2 or not logprobs.is_floating_point():
+        raise ValueError(f"logprobs must be a floating-point [batch, seq] tensor, got shape {tuple(logprobs.shape)}")
+    shape = logprobs.shape
+    named = {"behavior_logprobs": behavior_logprobs, "mask": mask, "proximal_logprobs": proximal_logprobs, "ref_logprobs": ref_logprobs}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but logprobs has {tuple(shape)}")
+    if advantages.shape not in (shape, shape[:1]):
+        raise ValueError(f"advantages must be [batch] or [batch, seq] = {tuple(shape)}, got {tuple(advantages.shape)}")
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs is required when kl_coef > 0 (kl_coef={config.kl_coef})")
+
+    mask = mask.to(logprobs.dtype)
+    valid = mask != 0
+    behavior = behavior_logprobs.detach()
+    prox = behavior if proximal_logprobs is None else proximal_logprobs.detach()
+    # Zero every difference at padding, so inf or nan there cannot reach exp or gradients.
+    prox_log_weight = torch.where(valid, prox - behavior, 0)
+    num_seqs_with_tokens = valid.any(-1).sum()
+
+    seq_log_weight = masked_mean(prox_log_weight, mask, dim=-1)
+    keep = torch.ones_like(seq_log_weight, dtype=torch.bool)
+    if config.seq_mask_low is not None:
+        keep &= seq_log_weight.exp() >= config.seq_mask_low
+    if config.seq_mask_high is not None:
+        keep &= seq_log_weight.exp() <= config.seq_mask_high
+    num_dropped = (~keep & valid.any(-1)).sum()
+    mask = mask * keep.unsqueeze(-1)
+    valid = mask != 0
+
+    log_ratio = torch.where(valid, logprobs - prox, 0)
+    adv = advantages.detach().to(logprobs.dtype)
+    if config.level == "token":
+        ratio = log_ratio.exp()
+        weight = prox_log_weight.exp()
+        adv = adv.unsqueeze(-1).expand(shape) if adv.dim() == 1 else torch.where(valid, adv, 0)
+    else:
+        ratio = masked_mean(log_ratio, mask, dim=-1).exp()
+        weight = seq_log_weight.exp()
+        adv = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=-1)
+    truncated = torch.zeros_like(weight, dtype=torch.bool)
+    if config.tis_cap is not None:
+        truncated = weight > config.tis_cap
+        weight = weight.clamp(max=config.tis_cap)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * adv
+    is_clipped = clipped < unclipped
+    per_token = -weight * torch.minimum(unclipped, clipped)
+    if config.level == "sequence":
+        per_token, ratio, is_clipped, truncated = (t.unsqueeze(-1).expand(shape) for t in (per_token, ratio, is_clipped, truncated))
+    loss = aggregate(per_token, mask, how=config.aggregation, max_tokens=config.max_tokens)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if ref_logprobs is not None:
+        ref = torch.where(valid, ref_logprobs.detach(), 0)
+        kl = kl_estimate(torch.where(valid, logprobs, 0), ref, estimator=config.kl_estimator)
+        kl = aggregate(kl, mask, how=config.aggregation, max_tokens=config.max_tokens)
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * kl
+        metrics["kl"] = kl.detach()
+    with torch.no_grad():
+        metrics["clip_fraction"] = masked_mean(is_clipped.to(mask.dtype), mask)
+        metrics["ratio_mean"] = masked_mean(ratio, mask)
+        metrics["approx_kl"] = masked_mean(-log_ratio, mask)
+        metrics["tis_truncated_fraction"] = masked_mean(truncated.to(mask.dtype), mask)
+        metrics["seq_masked_fraction"] = num_dropped / num_seqs_with_tokens.clamp(min=1)
+    return loss, {name: float(value) for name, value in metrics.items()}
