@@ -9,9 +9,11 @@ Every system moves the same rows between a producer process and a consumer proce
 - hand-off latency: a consumer already waits in `get`; the time from the producer's
   `put` call to that `get` returning the row (p50, p99).
 
-Systems: `tidal` (a store server process holds metadata and data), `tidal-split`
-(the controller in the server process, the data on a storage unit inside the producer,
-read by the consumer straight from it), `transferqueue` (0.1.11 on Ray, when the
+Systems: `tidal` (a store server process holds metadata and data), `tidal-embedded`
+(the store and its server live in the producer's process: a put is a local call and
+rows cross one process boundary, to the consumer), `tidal-split` (the controller in the
+server process, the data on a storage unit inside the producer, read by the consumer
+straight from it), `transferqueue` (0.1.11 on Ray, when the
 `[bench]` extra is installed) and `raw-zmq` (the same frames PUSHed from producer to
 consumer: the machine's limit for this pattern). Ratios are against TransferQueue and
 raw ZeroMQ measured in the same run. Times use `time.perf_counter` (CLOCK_MONOTONIC on
@@ -32,7 +34,7 @@ import torch
 SMALL = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "logprobs": ("float32", (256,)), "reward": ("float32", (1,))}
 LARGE = {"blob": ("uint8", (1 << 20,))}
 LATENCY = {"logprobs": ("float32", (256,))}
-SYSTEMS = ("tidal", "tidal-split", "raw-zmq", "transferqueue")
+SYSTEMS = ("tidal", "tidal-embedded", "tidal-split", "raw-zmq", "transferqueue")
 
 
 @dataclasses.dataclass
@@ -85,6 +87,63 @@ def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any
         unit.close()
 
 
+def _embedded_producer(work: Workload, ready: Any, go: Any, out: Any, stop: Any) -> None:
+    from tidal.flow.store import Store
+    from tidal.flow.store.server import StoreServer
+
+    store = Store()
+    store.create_partition(work.name, consumers=["c"])
+    batches = work.batches()
+    with StoreServer(store) as server:
+        store.put(work.name, batches[0])  # warm-up row set, consumed by the warm-up get
+        ready.put(server.address)
+        go.wait()
+        start = time.perf_counter()
+        for batch in batches:
+            store.put(work.name, batch)
+        out.put(("start", start))
+        stop.wait()
+
+
+def embedded_throughput(work: Workload) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Queue(), ctx.Queue()
+    stop, go = ctx.Event(), ctx.Event()
+    producer = ctx.Process(target=_embedded_producer, args=(work, ready, go, out, stop), daemon=True)
+    producer.start()
+    consumer = ctx.Process(target=_tidal_consumer, args=(ready.get(timeout=60), work, go, out), daemon=True)
+    consumer.start()
+    times = dict(out.get(timeout=300) for _ in range(2))
+    stop.set()
+    for proc in (consumer, producer):
+        proc.join(timeout=30)
+    return _rates(work, times["end"] - times["start"])
+
+
+def embedded_latency(num_trials: int) -> list[float]:
+    from tidal.flow.store import Store
+    from tidal.flow.store.server import StoreServer
+
+    ctx = mp.get_context("spawn")
+    out, waiting = ctx.Queue(), ctx.Event()
+    store = Store()
+    store.create_partition("lat", consumers=["c"])
+    with StoreServer(store) as server:
+        consumer = ctx.Process(target=_tidal_latency_consumer, args=(server.address, num_trials, waiting, out), daemon=True)
+        consumer.start()
+        row = {"logprobs": torch.randn(1, 256)}
+        sent = []
+        for _ in range(num_trials + 1):
+            waiting.wait(timeout=60)
+            waiting.clear()
+            time.sleep(0.005)  # let the get reach the server and park there
+            sent.append(time.perf_counter())
+            store.put("lat", row)
+        got = out.get(timeout=120)
+        consumer.join(timeout=30)
+    return [g - s for g, s in zip(got, sent[1:])]
+
+
 def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
     from tidal.flow.store.client import RemoteStore
 
@@ -93,12 +152,13 @@ def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
     warm = store.get("c", work.name, columns, work.batch_size, timeout=60)
     store.ack("c", work.name, warm.indexes)
     go.set()
-    received = 0
-    while received < work.num_rows:
-        batch = store.get("c", work.name, columns, work.batch_size, timeout=60, partial=True)
-        store.ack("c", work.name, batch.indexes)
+    received, previous = 0, []
+    while received < work.num_rows:  # each get acks the batch before it: one round trip per batch
+        batch = store.get("c", work.name, columns, work.batch_size, timeout=60, partial=True, ack=previous)
         received += len(batch)
+        previous = batch.indexes
     out.put(("end", time.perf_counter()))
+    store.ack("c", work.name, previous)
     store.close()
 
 
@@ -264,6 +324,8 @@ def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: i
             latency: Callable[[int], list[float]] = lambda n: bench_tq.tq_latency(num_trials=n)  # noqa: E731
         elif system == "raw-zmq":
             throughput, latency = zmq_throughput, zmq_latency
+        elif system == "tidal-embedded":
+            throughput, latency = embedded_throughput, embedded_latency
         elif system in ("tidal", "tidal-split"):
             split = system == "tidal-split"
             throughput = lambda w, split=split: tidal_throughput(w, split=split)  # noqa: E731

@@ -53,8 +53,11 @@ Caveats:
   teardown.
 - ``TQ_NUM_THREADS`` (torch threads TQ uses during put/get, default 8) is set to the number of
   physical cores when unset: TQ clamps it to that anyway but logs a warning on every call.
-- Connections are warmed up (one batch of the same fields through another partition)
-  before the clock starts; actor start-up and TQ init are never timed.
+- Before the clock starts, the same workload goes once through another partition (which is
+  then cleared), so sockets are open and code paths warm; actor start-up and TQ init are
+  never timed.
+- The numbers swing a lot with other load on a 2-core machine (TQ runs 5 processes here:
+  producer, consumer, controller, 2 storage units); ``main`` prints the load average.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -77,7 +81,7 @@ TASK_NAME = "bench_consumer"
 LATENCY_FIELDS: dict[str, tuple[str, tuple[int, ...]]] = {"logprobs": ("float32", (256,))}
 """The row handed over in each latency trial."""
 
-WARMUP_PASSES = 2
+WARMUP_PASSES = 1
 """Untimed warm-up passes of the measured rows before a throughput run (see ``_warm_up``)."""
 
 LATENCY_WARMUP_ROWS = 10
@@ -89,8 +93,7 @@ _LATENCY_SETTLE_S = 0.05
 
 # Environment and Ray -------------------------------------------------------------------------
 def _prepare_env() -> None:
-    """Set the environment defaults TQ and Ray read at import or start-up (only when unset)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """Set the environment defaults TQ reads at import (only when unset)."""
     try:
         import psutil
 
@@ -99,8 +102,6 @@ def _prepare_env() -> None:
         cores = os.cpu_count() or 1
     os.environ.setdefault("TQ_NUM_THREADS", str(cores))
     # If transfer_queue was imported before the variable was set, its module constant is stale.
-    import sys
-
     client_mod = sys.modules.get("transfer_queue.client")
     if client_mod is not None:
         client_mod.TQ_NUM_THREADS = min(int(os.environ["TQ_NUM_THREADS"]), cores)  # type: ignore[attr-defined]
@@ -114,6 +115,7 @@ def _start_ray_if_needed() -> bool:
 
     if ray.is_initialized():
         return False
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # our own throw-away local cluster
     previous = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # lets "127.0.0.1" stay loopback (see module docstring)
     try:
@@ -146,6 +148,7 @@ class _FractionalCPUs:
         return self.options().remote(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        """Anything else is the real actor class's."""
         return getattr(self._actor_class, name)
 
 
@@ -169,6 +172,9 @@ def _tq_init() -> Any:
     tq_simple_bootstrap.SimpleStorageUnit = _FractionalCPUs(storage_class, TQ_ACTOR_NUM_CPUS)
     try:
         tq.init({"controller": {"polling_mode": True}, "backend": {"storage_backend": "SimpleStorage"}})
+    except BaseException:
+        _tq_close()
+        raise
     finally:
         tq_interface.TransferQueueController = controller_class
         tq_simple_bootstrap.SimpleStorageUnit = storage_class
@@ -304,11 +310,8 @@ def _start_consumer() -> Any:
     """Start the consumer actor and wait until its TQ client is connected."""
     import ray
 
-    import sys
-
-    module = sys.modules[__name__]
     if __name__ != "__main__":  # workers may not import this module under the name it has here
-        ray.cloudpickle.register_pickle_by_value(module)
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     env = {k: os.environ[k] for k in ("TQ_NUM_THREADS",) if k in os.environ}
     actor = ray.remote(num_cpus=TQ_ACTOR_NUM_CPUS, max_concurrency=2)(_Consumer).remote(env)
     ray.get(actor.polling.remote())
@@ -336,9 +339,8 @@ def _wait_polling(actor: Any) -> None:
 def _warm_up(client: Any, consumer: Any, fields: dict[str, tuple[str, tuple[int, ...]]], num_rows: int, batch_size: int, passes: int) -> None:
     """Untimed: ``passes`` times, push ``num_rows`` rows through a throw-away partition, then clear it.
 
-    Opens every socket and lets each process's allocator reach the steady state of a running
-    pipeline, where each step reuses memory the previous step freed (glibc first serves large
-    buffers with fresh mmap pages, which cost page faults, and only adapts after frees).
+    Opens every socket and runs every code path once (the steady state of a pipeline that has
+    already done a step), so the measurement holds no connection or first-call costs.
     """
     import ray
 
@@ -439,9 +441,8 @@ def main() -> None:
     }
     large = {"blob": ("uint8", (1 << 20,))}
     t0 = time.perf_counter()
+    print(f"load average before: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
     started_ray = _start_ray_if_needed()  # one Ray for all three runs; each sets TQ up anew
-    import ray
-
     try:
         r = tq_throughput(num_rows=4096, fields=small, batch_size=256)
         print(f"small rows (4096 x {_row_bytes(small)} B, batch 256): {r['rows_per_s']:,.0f} rows/s, "
@@ -456,8 +457,11 @@ def main() -> None:
               f"min {lat[0] * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms")
     finally:
         if started_ray:
+            import ray
+
             ray.shutdown()
-    print(f"total {time.perf_counter() - t0:.1f} s (poll interval {POLL_INTERVAL_S * 1e3:g} ms)")
+    print(f"total {time.perf_counter() - t0:.1f} s (poll interval {POLL_INTERVAL_S * 1e3:g} ms, "
+          f"load average after: {os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
-from tidal.flow.store.samplers import Sampler, Sequential, to_spec
+from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.table import Batch, StoreError, StoreTimeout, cell_sizes, check_column, num_rows_of
 from tidal.flow.store.units import RemoteChunk
@@ -196,9 +197,11 @@ class RemoteStore:
         sampler: Sampler | None = None,
         timeout: float | None = None,
         partial: bool = False,
+        ack: Iterable[int] | None = None,
     ) -> Batch:
-        """As `Store.get`; cells on storage units are read from them before returning."""
+        """As `Store.get`; rows on storage units are read from them before returning."""
         args = {
+            "ack": None if ack is None else np.asarray(list(ack), dtype=np.int64),
             "consumer": consumer,
             "partition": partition,
             "columns": list(columns),
@@ -208,12 +211,14 @@ class RemoteStore:
             "partial": partial,
         }
         reply = self._call("get", args, wait=timeout)
-        indexes = reply["indexes"]
+        indexes = _int_list(reply["indexes"])
+        versions = [None if v == NO_VERSION else v for v in _int_list(reply["versions"])]
+        groups = reply["groups"] if reply["groups"] is not None else [None] * len(indexes)
         chunks = {name: decode_column(name, value) for name, value in reply["columns"].items()}
         remote = {name: chunks[name] for name, value in reply["columns"].items() if "remote" in value}
         if remote:
             chunks.update(self._read_units(remote))
-        return Batch.from_chunks(partition, indexes, {c: chunks[c] for c in columns}, reply["groups"], reply["versions"])
+        return Batch.from_chunks(partition, indexes, {c: chunks[c] for c in columns}, groups, versions)
 
     def _read_units(self, remote: dict[str, list[Any]]) -> dict[str, Any]:
         """Read every (unit, chunk key, offsets) piece; requests to all units go out first."""
@@ -237,7 +242,7 @@ class RemoteStore:
         return out
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
-        return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": [int(i) for i in indexes]})
+        return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": np.asarray(list(indexes), dtype=np.int64)})
 
     def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
         args = {"consumer": consumer, "partition": partition, "indexes": None if indexes is None else [int(i) for i in indexes]}
@@ -264,6 +269,10 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _int_list(values: Any) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def _plain(values: Sequence[Any] | None) -> list[Any] | None:

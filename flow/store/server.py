@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.utils.monitor
 
 from tidal.flow.store import persist
-from tidal.flow.store.samplers import from_spec
+from tidal.flow.store.samplers import NO_VERSION, from_spec
 from tidal.flow.store.table import Batch, Store, StoreTimeout
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
@@ -42,7 +43,7 @@ from tidal.flow.store.wire import WireError, check_bind, check_request, decode_c
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 _BLOCKING = ("get", "put")
-_MUTATING = frozenset({"put", "ack", "release", "set_version", "create_partition", "add_consumer"})
+_MUTATING = frozenset({"get", "put", "ack", "release", "set_version", "create_partition", "add_consumer"})  # get: its acks and drops free room
 _WAKE, _STOP = b"w", b"s"
 
 
@@ -161,30 +162,31 @@ class StoreServer:
             poller.register(sock, zmq.POLLIN)
         while True:
             events = dict(poller.poll(self._timeout_ms()))
-            self._drain_monitor()
+            if self._monitor in events:
+                self._drain_monitor()
             retry = not events  # a deadline or lease expiry passed
             if self._wakes in events:
-                while True:
-                    try:
-                        message = self._wakes.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if message == _STOP:
+                while self._readable(self._wakes):
+                    if self._wakes.recv() == _STOP:
                         self._close_sockets()
                         return
                     self._wake_pending = False
                     retry = True
             if self._router in events:
                 for _ in range(64):
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    if not self._readable(self._router):
                         break
-                    self._drain_monitor()  # a disconnect that came first is handled first
+                    frames = self._router.recv_multipart(copy=False)
+                    if self._readable(self._monitor):
+                        self._drain_monitor()  # a disconnect that came first is handled first
                     retry |= self._handle(frames)
             if retry and self._parked:
                 self._retry_parked()
             self._flush_drops()
+
+    @staticmethod
+    def _readable(sock: zmq.Socket) -> bool:
+        return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
 
     def _timeout_ms(self) -> int:
         if not self._parked:
@@ -201,11 +203,8 @@ class StoreServer:
             sock.close(linger=0)
 
     def _drain_monitor(self) -> None:
-        while True:
-            try:
-                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while self._readable(self._monitor):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._disconnected(event["value"])
 
@@ -249,9 +248,11 @@ class StoreServer:
         if op in _BLOCKING and timeout != 0:
             try:
                 self._reply(peer, request_id, self._ops[op](peer, {**args, "timeout": 0}))
+                return op in _MUTATING
             except StoreTimeout:
                 now = time.monotonic()
                 wait = math.inf if timeout is None else float(timeout)
+                args.pop("ack", None)  # done by the first attempt
                 self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
                 return False
             except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
@@ -343,21 +344,27 @@ class StoreServer:
             timeout=a.get("timeout"),
             partial=bool(a.get("partial", False)),
             waiting_since=a.get("waiting_since"),
+            ack=None if a.get("ack") is None else np.asarray(a["ack"], dtype=np.int64),
         )
+        if a.get("ack") is not None:
+            held = peer.leases.get((a["consumer"], a["partition"]))
+            if held:
+                held.difference_update(np.asarray(a["ack"]).tolist())
         peer.leases.setdefault((a["consumer"], a["partition"]), set()).update(batch.indexes)
         return {
-            "indexes": batch.indexes,
-            "groups": batch.groups,
-            "versions": batch.versions,
+            "indexes": np.asarray(batch.indexes, dtype=np.int64),
+            "groups": None if all(g is None for g in batch.groups) else batch.groups,
+            "versions": np.asarray([NO_VERSION if v is None else v for v in batch.versions], dtype=np.int64),
             "columns": {name: encode_batch_column(batch, name) for name in batch.columns},
         }
 
     def _ack(self, peer: _Peer, a: dict[str, Any]) -> int:
         assert self.store is not None
-        newly = self.store.ack(a["consumer"], a["partition"], a["indexes"])
+        indexes = np.asarray(a["indexes"], dtype=np.int64)
+        newly = self.store.ack(a["consumer"], a["partition"], indexes)
         held = peer.leases.get((a["consumer"], a["partition"]))
         if held:
-            held.difference_update(a["indexes"])
+            held.difference_update(indexes.tolist())
         return newly
 
     # Storage-unit ops ---------------------------------------------------------------------

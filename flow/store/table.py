@@ -23,6 +23,7 @@ chunk's memory is freed once every row using it is evicted or overwritten.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import threading
 import time
@@ -163,7 +164,8 @@ class _Partition:
         self.capacity_bytes = capacity_bytes
         self.lease_s = lease_s
         self.segments: list[_Segment] = []
-        self.starts = np.zeros(0, dtype=np.int64)
+        self.start_list: list[int] = []  # segment starts, for bisect
+        self.starts = np.zeros(0, dtype=np.int64)  # the same, for vectorised lookups
         self.chunks: dict[int, Any] = {}
         self.chunk_refs: dict[int, int] = {}
         self.next_chunk = 0
@@ -177,17 +179,20 @@ class _Partition:
         """(segment, local offsets, positions in `indexes`) for every index in a live segment."""
         if not self.segments or not len(indexes):
             return
+        lo, hi = (int(indexes[0]),) * 2 if len(indexes) == 1 else (int(indexes.min()), int(indexes.max()))
+        k = bisect.bisect_right(self.start_list, lo) - 1
+        if k >= 0 and hi < self.segments[k].start + self.segments[k].n:  # the usual case: one segment
+            segment = self.segments[k]
+            yield segment, indexes - segment.start, np.arange(len(indexes))
+            return
         seg = np.searchsorted(self.starts, indexes, side="right") - 1
-        if seg[0] == seg[-1] and (seg == seg[0]).all():  # the common case: one segment
-            order, bounds, ids = np.arange(len(indexes)), [0, len(indexes)], [int(seg[0])]
-        else:
-            order = np.argsort(seg, kind="stable")
-            ids, first = np.unique(seg[order], return_index=True)
-            bounds = [*first.tolist(), len(indexes)]
-        for k, s in enumerate(ids):
+        order = np.argsort(seg, kind="stable")
+        ids, first = np.unique(seg[order], return_index=True)
+        bounds = [*first.tolist(), len(indexes)]
+        for k, s in enumerate(ids.tolist()):
             if s < 0:
                 continue
-            segment = self.segments[int(s)]
+            segment = self.segments[s]
             positions = order[bounds[k] : bounds[k + 1]]
             local = indexes[positions] - segment.start
             inside = local < segment.n
@@ -195,7 +200,8 @@ class _Partition:
 
     def reindex(self) -> None:
         self.segments = [s for s in self.segments if s.alive.any()]
-        self.starts = np.fromiter((s.start for s in self.segments), dtype=np.int64, count=len(self.segments))
+        self.start_list = [s.start for s in self.segments]
+        self.starts = np.asarray(self.start_list, dtype=np.int64)
 
 
 class _Cells(Mapping[str, list[Any]]):
@@ -269,6 +275,13 @@ class Batch:
             parts = [rows_of(torch.as_tensor(chunk), offsets) for chunk, offsets in blocks]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         return torch.stack([torch.as_tensor(v) for v in self.columns[column]])
+
+
+def _unique(indexes: np.ndarray) -> np.ndarray:
+    """Sorted unique indexes; skips the sort for the usual already-increasing batch."""
+    if len(indexes) < 2 or (np.diff(indexes) > 0).all():
+        return indexes
+    return np.unique(indexes)
 
 
 def rows_of(chunk: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
@@ -427,6 +440,7 @@ class Store:
         self._wait_for_room(part, num_rows, nbytes, deadline)
         start = part.next_index
         part.segments.append(_Segment(start, num_rows, groups, versions, tags, part.consumers))
+        part.start_list.append(start)
         part.starts = np.append(part.starts, start)
         part.next_index += num_rows
         part.num_rows += num_rows
@@ -466,6 +480,7 @@ class Store:
         partial: bool = False,
         cancel: threading.Event | None = None,
         waiting_since: float | None = None,
+        ack: Iterable[int] | None = None,
     ) -> Batch:
         """Wait until `batch_size` rows are ready for `consumer` and lease them to it.
 
@@ -474,7 +489,8 @@ class Store:
         were ready. Setting `cancel` (then calling `wake`) ends the wait with `StoreError`;
         a server does this when the waiting client disconnects. `waiting_since` (store
         clock) is when the caller started waiting, for the wait-time histogram, when it
-        waited elsewhere before this call.
+        waited elsewhere before this call. `ack` acks those rows first (the previous
+        batch), saving a round trip per batch between processes.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -489,6 +505,11 @@ class Store:
             if state is None:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}; consumers: {sorted(part.consumers)}")
             state.keys.add(key)
+            if ack is not None:
+                where = ack.astype(np.int64, copy=False) if isinstance(ack, np.ndarray) else np.asarray(list(ack), dtype=np.int64)
+                if len(where):
+                    self._ack_many(part, consumer, where)
+                    self._notify()
             while True:
                 self._check_open()
                 if cancel is not None and cancel.is_set():
@@ -528,7 +549,8 @@ class Store:
                     cell_offset[c][positions] = column.offset[local]
             for c in columns:
                 ids, offsets = cell_chunk[c], cell_offset[c]
-                cuts = np.flatnonzero(np.diff(ids)) + 1
+                one_chunk = len(ids) < 2 or (ids[0] == ids[-1] and (ids == ids[0]).all())
+                cuts = np.zeros(0, dtype=np.int64) if one_chunk else np.flatnonzero(np.diff(ids)) + 1
                 for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ids)]):
                     blocks[c].append((part.chunks[int(ids[a])], offsets[a:b]))
             waited = self._clock() - since
@@ -545,7 +567,7 @@ class Store:
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         """Mark rows done for `consumer`; return how many were newly acked (idempotent)."""
-        where = np.asarray(list(indexes), dtype=np.int64)
+        where = indexes.astype(np.int64, copy=False) if isinstance(indexes, np.ndarray) else np.asarray(list(indexes), dtype=np.int64)
         with self._cond:
             part = self._part(partition)
             if consumer not in part.consumers:
@@ -572,7 +594,7 @@ class Store:
                 if indexes is None:
                     pieces = [(seg, np.flatnonzero(seg.lease[consumer] > 0)) for seg in part.segments]
                 else:
-                    pieces = [(seg, local) for seg, local, _ in part.locate(np.unique(np.asarray(list(indexes), dtype=np.int64)))]
+                    pieces = [(seg, local) for seg, local, _ in part.locate(_unique(np.asarray(list(indexes), dtype=np.int64)))]
                 released += self._redeliver(part, consumer, pieces)
             self._notify()
             return released
@@ -634,7 +656,7 @@ class Store:
 
     def _ack_many(self, part: _Partition, consumer: str, where: np.ndarray) -> int:
         newly, evicted = 0, False
-        for seg, local, _ in part.locate(np.unique(where)):
+        for seg, local, _ in part.locate(_unique(where)):
             local = local[seg.alive[local] & ~seg.acked[consumer][local]]
             if not len(local):
                 continue
@@ -664,8 +686,12 @@ class Store:
     def _unref(self, part: _Partition, ids: np.ndarray) -> None:
         if not len(ids):
             return
-        unique, counts = np.unique(ids, return_counts=True)
-        for chunk_id, n in zip(unique.tolist(), counts.tolist()):
+        if ids[0] == ids[-1] and (len(ids) < 3 or (ids == ids[0]).all()):
+            pairs = [(int(ids[0]), len(ids))]
+        else:
+            unique, counts = np.unique(ids, return_counts=True)
+            pairs = list(zip(unique.tolist(), counts.tolist()))
+        for chunk_id, n in pairs:
             part.chunk_refs[chunk_id] -= n
             if part.chunk_refs[chunk_id] == 0:
                 del part.chunk_refs[chunk_id]
@@ -784,7 +810,7 @@ class Store:
             for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
                 part.segments.append(_Segment(i, 1, [group], [version], [tags], part.consumers))
                 part.num_rows += 1
-            part.starts = np.fromiter((s.start for s in part.segments), dtype=np.int64, count=len(part.segments))
+            part.reindex()
             part.next_index = p["next_index"]
             for column, cells in p["columns"].items():
                 if cells:

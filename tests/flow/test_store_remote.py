@@ -253,3 +253,14 @@ def fuzz_server():
         sock.close(linger=0)
         ctx.term()
         assert server._thread.is_alive()
+
+
+def test_get_can_ack_the_previous_batch(served):
+    store, _, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=4)
+    client.put("train", {"x": torch.arange(4).reshape(4, 1)})
+    first = client.get("train", "train", ["x"], 2, timeout=5)
+    second = client.get("train", "train", ["x"], 2, timeout=5, ack=first.indexes)
+    assert second.indexes == [2, 3]
+    assert store.metrics()["partitions"]["train"]["rows"] == 2  # the first batch was acked and evicted
+    client.put("train", {"x": torch.zeros(2, 1)}, timeout=5)  # room freed by that ack
