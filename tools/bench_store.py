@@ -112,11 +112,12 @@ def embedded_throughput(work: Workload) -> dict[str, float]:
     producer = ctx.Process(target=_embedded_producer, args=(work, ready, go, out, stop), daemon=True)
     producer.start()
     consumer = ctx.Process(target=_tidal_consumer, args=(ready.get(timeout=60), work, go, out), daemon=True)
-    consumer.start()
-    times = dict(out.get(timeout=300) for _ in range(2))
-    stop.set()
-    for proc in (consumer, producer):
-        proc.join(timeout=30)
+    try:
+        consumer.start()
+        times = dict(out.get(timeout=120) for _ in range(2))
+    finally:
+        stop.set()
+        _reap(consumer, producer)
     return _rates(work, times["end"] - times["start"])
 
 
@@ -177,13 +178,25 @@ def tidal_throughput(work: Workload, *, split: bool) -> dict[str, float]:
     producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop), daemon=True)
     consumer = ctx.Process(target=_tidal_consumer, args=(address, work, go, out), daemon=True)
     producer.start()
-    unit_ready.get(timeout=60)
-    consumer.start()
-    times = dict(out.get(timeout=300) for _ in range(2))
-    stop.set()
-    for proc in (consumer, producer, server):
-        proc.join(timeout=30)
+    try:
+        unit_ready.get(timeout=60)
+        consumer.start()
+        times = dict(out.get(timeout=120) for _ in range(2))
+    finally:
+        stop.set()
+        _reap(consumer, producer, server)
     return _rates(work, times["end"] - times["start"])
+
+
+def _reap(*procs: Any) -> None:
+    """Join our child processes; terminate (by handle) any that do not exit."""
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=10)
 
 
 def _tidal_latency_consumer(address: str, num_trials: int, waiting: Any, out: Any) -> None:
