@@ -204,7 +204,11 @@ COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "benc
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command in ("run", "config") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra  # key=value overrides that came after an option such as --check
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from tidal import __version__  # noqa: PLC0415
 

@@ -34,6 +34,114 @@ class Runtime(enum.Enum):
 
 
 @dataclasses.dataclass
+class ModelConfig:
+    """The policy model. The CPU recipes build a tiny Qwen2-architecture model locally."""
+
+    hidden_size: int = 128
+    """Width of the tiny model."""
+    num_layers: int = 2
+    """Transformer layers of the tiny model."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """MLP width."""
+    max_positions: int = 64
+    """Longest sequence (prompt + answer) in tokens."""
+
+
+@dataclasses.dataclass
+class TaskConfig:
+    """What the policy learns: prompts and the verifier that scores answers."""
+
+    name: str = "arithmetic"
+    """Prompt generator: arithmetic | countdown."""
+    reward: str = ""
+    """Reward: a registry name (arithmetic, countdown, exact_match) or `module:function`; empty = the task's own."""
+    max_value: int = 20
+    """Largest operand of arithmetic prompts."""
+    ops: str = "+-"
+    """Operators arithmetic prompts use."""
+    num_eval_prompts: int = 200
+    """Held-out prompts (drawn with another seed) for the accuracy reported before and after RL."""
+    exclude_eval_prompts: bool = False
+    """Never train on a prompt whose text is in the evaluation set (use for tasks with many distinct prompts)."""
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """Supervised warm start, so RL begins with some signal."""
+
+    steps: int = 150
+    """Optimizer steps of supervised training on prompt + answer (0 = none)."""
+    batch_size: int = 64
+    """Examples per supervised step."""
+    lr: float = 3e-3
+    """Learning rate of the warm start."""
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """The rollout engine."""
+
+    backend: str = "hf"
+    """Rollout adapter: hf (transformers generate, any platform)."""
+    temperature: float = 1.0
+    """Sampling temperature (behavior logprobs are computed at it)."""
+    max_new_tokens: int = 6
+    """Generated-token budget per sample."""
+    chunk_tokens: int = 3
+    """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
+    prompts_per_generate: int = 4
+    """Prompts (times group_size samples) per generate batch."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The train engine."""
+
+    backend: str = "torch"
+    """Train adapter: torch (plain torch, one process)."""
+    lr: float = 1e-3
+    """AdamW learning rate of the RL phase."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward (gradients accumulate over a step)."""
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """The RL algorithm and its staleness bound."""
+
+    num_steps: int = 30
+    """Optimizer steps of RL."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    max_staleness: int = 1
+    """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
+    advantage: str = "grpo"
+    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
+    clip_low: float = 0.2
+    """PPO clip below 1."""
+    clip_high: float = 0.28
+    """PPO clip above 1 (clip-higher when larger than clip_low)."""
+    aggregation: str = "token_mean"
+    """Loss aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm."""
+    decoupled: bool = True
+    """Decoupled PPO: ratio against logprobs recomputed with the trainer's weights, weighted by behavior IS."""
+    tis_cap: Optional[float] = 2.0
+    """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial (warm-started) policy; 0 = none."""
+
+
+@dataclasses.dataclass
 class RecipeConfig:
     """A tidal recipe: what to run, on which platform, and where its files go."""
 
@@ -51,6 +159,24 @@ class RecipeConfig:
     """Folder under which run directories are created."""
     run_dir: Optional[str] = None
     """Directory for this run's files (resolved config, metrics, checkpoints); must be new or empty."""
+    resume: Optional[str] = None
+    """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many RL steps (and always at the end)."""
+    threads: int = 0
+    """torch intra-op threads; 0 = leave torch's default."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The policy model."""
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    """Prompts and reward."""
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    """Supervised warm start."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """Rollout engine."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Train engine."""
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    """RL algorithm and staleness bound."""
 
 
 # ---------------------------------------------------------------------------------------

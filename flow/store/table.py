@@ -345,6 +345,12 @@ class Store:
         for listener in self._change_listeners:
             listener()
 
+    def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
+        """Cheap counters of one consumer: rows acked, dropped by its sampler, redelivered."""
+        with self._cond:
+            state = self._part(partition).consumers[consumer]
+            return {"acked": state.num_acked, "dropped": state.num_dropped, "redelivered": state.num_redelivered}
+
     def next_lease_expiry(self) -> float | None:
         """When the earliest outstanding lease expires (store clock), or None."""
         with self._cond:
@@ -374,11 +380,12 @@ class Store:
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> list[int]:
         """Add rows (`indexes=None`) or add columns to existing rows; return the indexes.
 
         New rows wait for capacity (back-pressure) up to `timeout` seconds, then raise
-        `StoreTimeout`. `groups`, `versions` and `tags` describe new rows only. The store
+        `StoreTimeout`; setting `cancel` (then `wake`) ends the wait with `StoreError`. `groups`, `versions` and `tags` describe new rows only. The store
         keeps the column objects it is given (no copy): do not modify them afterwards.
         """
         if not columns:
@@ -392,7 +399,7 @@ class Store:
             part = self._part(partition)
             if indexes is None:
                 total = int(sum(s.sum() for s in sizes.values()))
-                where = np.asarray(self._create_rows(part, num_rows, total, groups, versions, tags, deadline), dtype=np.int64)
+                where = np.asarray(self._create_rows(part, num_rows, total, groups, versions, tags, deadline, cancel), dtype=np.int64)
             else:
                 if groups is not None or versions is not None or tags is not None:
                     raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
@@ -436,8 +443,9 @@ class Store:
         versions: Sequence[int | None] | None,
         tags: Sequence[Mapping[str, Any]] | None,
         deadline: float | None,
+        cancel: threading.Event | None = None,
     ) -> list[int]:
-        self._wait_for_room(part, num_rows, nbytes, deadline)
+        self._wait_for_room(part, num_rows, nbytes, deadline, cancel)
         start = part.next_index
         part.segments.append(_Segment(start, num_rows, groups, versions, tags, part.consumers))
         part.start_list.append(start)
@@ -446,7 +454,7 @@ class Store:
         part.num_rows += num_rows
         return list(range(start, start + num_rows))
 
-    def _wait_for_room(self, part: _Partition, num_rows: int, nbytes: int, deadline: float | None) -> None:
+    def _wait_for_room(self, part: _Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
             raise StoreError(f"a put of {num_rows} rows can never fit partition {part.name!r} (capacity_rows={part.capacity_rows}); raise capacity_rows or put fewer rows at a time")
         if part.capacity_bytes is not None and nbytes > part.capacity_bytes:
@@ -459,6 +467,8 @@ class Store:
 
         while full():
             self._check_open()
+            if cancel is not None and cancel.is_set():
+                raise StoreError(f"put into {part.name!r} was cancelled")
             if deadline is not None and self._clock() >= deadline:
                 raise StoreTimeout(
                     f"partition {part.name!r} is full ({part.num_rows} rows, {part.nbytes} bytes); "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import json
 import subprocess
 import sys
@@ -104,9 +106,43 @@ def test_run_default_run_dir_is_timestamped_under_output_dir(tidal_cli, tmp_path
     assert run_dir.name.startswith("quickstart_cpu-") and (run_dir / "config.yaml").is_file()
 
 
-def test_run_without_check_says_the_workflow_is_not_there_yet(tidal_cli, tmp_path):
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={tmp_path / 'r'}", cwd=tmp_path)
-    assert out.returncode == 1 and "no training workflow" in out.stderr
+def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_path):
+    """The real `tidal run` on the quickstart recipe with small overrides (seconds, not minutes).
+
+    The reward is swapped, through the recipe's own `task.reward=module:function` key, for
+    one the tiny model learns within 20 steps, so "reward goes up" is a reliable assertion.
+    """
+    import json
+
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    small = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=20", "checkpoint_every=10", "task.reward=tidal_test_rewards:starts_with_seven"]
+    run_dir = tmp_path / "run"
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, "--no-progress", env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "held-out accuracy" in out.stdout and "before RL ->" in out.stdout
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
+    assert last > first + 0.2, f"reward did not go up: {first:.2f} -> {last:.2f}"
+    assert all(max(map(int, m["version_gap"]), default=0) <= 1 for m in steps)
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"rollout", "reward", "advantage", "train"} <= tracks
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generate", "reward", "train", "weight update"}
+    assert (run_dir / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert checkpoint.name == "step-000020"
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer.pt", "store.bin", "state.json"} <= {p.name for p in checkpoint.iterdir()}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and 0.0 <= summary["accuracy_after"] <= 1.0
+
+    resumed = tmp_path / "resumed"
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={run_dir}", *small[:-3], "algorithm.num_steps=24", small[-1], "--no-progress", env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "resuming" in out.stderr and "at version 20" in out.stderr
+    more = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in more] == [21, 22, 23, 24]
+    assert sum(m["reward"] for m in more) / 4 > first  # it continued from the trained weights
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,114 @@
+"""Reward functions: rule-based verifiers and user functions named `module:function`.
+
+A reward function takes a finished trajectory and its decoded continuation and returns a
+float; the reference it checks against lives in `trajectory.meta`. `score` runs one over
+a batch and never lets a failing function stop a run: a function that raises or returns
+NaN/inf gives that row 0.0 and reports it as failed (counted in the step metrics).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import math
+import operator
+import re
+from collections.abc import Callable, Sequence
+
+
+from tidal.flow.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+RewardFn = Callable[[Trajectory, str], float]
+_INTEGER = re.compile(r"-?\d+")
+
+
+def exact_match(trajectory: Trajectory, text: str) -> float:
+    """1.0 when the continuation, stripped, equals `meta["answer"]`."""
+    return float(text.strip() == str(trajectory.meta["answer"]).strip())
+
+
+def arithmetic(trajectory: Trajectory, text: str) -> float:
+    """1.0 when the first integer in the continuation equals `meta["answer"]`."""
+    found = _INTEGER.search(text)
+    return float(found is not None and int(found.group()) == int(trajectory.meta["answer"]))
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(node: ast.AST, used: list[int]) -> float:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, used)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _BINARY[type(node.op)](_evaluate(node.left, used), _evaluate(node.right, used))
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return node.value
+    raise ValueError(f"not allowed in a countdown expression: {type(node).__name__}")
+
+
+def countdown(trajectory: Trajectory, text: str) -> float:
+    """1.0 for an expression over `meta["numbers"]` (each at most once) equal to `meta["target"]`;
+    0.1 for a valid expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd."""
+    expression = text.strip().split("\n")[0]
+    used: list[int] = []
+    try:
+        value = _evaluate(ast.parse(expression, mode="eval"), used)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return 0.0
+    available = list(trajectory.meta["numbers"])
+    for n in used:
+        if n not in available:
+            return 0.0
+        available.remove(n)
+    return 1.0 if math.isclose(value, trajectory.meta["target"], abs_tol=1e-9) else 0.1
+
+
+REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "countdown": countdown}
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """A registry name, or `module:function` imported from the Python path."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown reward {spec!r}; registered: {sorted(REWARDS)}, or give module:function")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def score(fn: RewardFn, trajectories: Sequence[Trajectory], texts: Sequence[str]) -> tuple[list[float], list[int]]:
+    """Rewards for every row, and the indexes of rows whose reward function failed."""
+    rewards, failed = [], []
+    for k, (trajectory, text) in enumerate(zip(trajectories, texts)):
+        try:
+            value = float(fn(trajectory, text))
+            if not math.isfinite(value):
+                raise ValueError(f"reward is {value}")
+        except Exception as e:  # noqa: BLE001 - a bad reward marks the row failed, never the run
+            _warn_once(f"reward function {getattr(fn, '__name__', fn)!r} failed: {type(e).__name__}: {e}")
+            rewards.append(0.0)
+            failed.append(k)
+            continue
+        rewards.append(value)
+    return rewards, failed
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s (the row scores 0 and is counted as failed)", message)
+
+

@@ -1,0 +1,40 @@
+"""Prompt generators for the built-in tasks, deterministic for a seed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+
+def arithmetic(num_prompts: int, *, seed: int, min_value: int = 0, max_value: int = 20, ops: str = "+-") -> list[dict[str, Any]]:
+    """`{"prompt": "12+7=", "answer": "19"}` items; answers have 1-3 characters (may be negative)."""
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"ops must be a non-empty subset of '+-*', got {ops!r}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        a, b, op = rng.randint(min_value, max_value), rng.randint(min_value, max_value), rng.choice(ops)
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append({"prompt": f"{a}{op}{b}=", "answer": str(answer)})
+    return out
+
+
+def countdown(num_prompts: int, *, seed: int, num_numbers: int = 3, max_number: int = 10) -> list[dict[str, Any]]:
+    """`{"prompt": "3 5 7>22:", "numbers": [3, 5, 7], "target": 22}`: reach the target with + - *."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < num_prompts:
+        numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
+        order = rng.sample(numbers, len(numbers))
+        target = order[0]
+        for n in order[1:]:
+            target = rng.choice([target + n, target - n, target * n])
+        if target <= 0:
+            continue
+        out.append({"prompt": f"{' '.join(map(str, numbers))}>{target}:", "numbers": numbers, "target": target})
+    return out
+
+
+TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {"arithmetic": arithmetic, "countdown": countdown}
+TASK_REWARDS = {"arithmetic": "arithmetic", "countdown": "countdown"}

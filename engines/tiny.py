@@ -1,0 +1,110 @@
+"""A tiny Qwen2-architecture model and a character tokenizer, both made locally.
+
+Used by the CPU recipes and the tests: nothing is downloaded. The model is a real
+`transformers.Qwen2ForCausalLM` built from a `Qwen2Config`, so every code path that
+runs it (generate, logprobs, save_pretrained) is the one a real model takes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+DEFAULT_ALPHABET = "0123456789+-*/=() ,?:abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.>"
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+class CharTokenizer:
+    """One token per character of `alphabet`, after `<pad>`=0, `<bos>`=1, `<eos>`=2."""
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
+        if len(set(alphabet)) != len(alphabet):
+            raise ValueError("the tokenizer alphabet has a repeated character")
+        self.alphabet = alphabet
+        self._ids = {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(SPECIALS) + len(self.alphabet)
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        try:
+            ids = [self._ids[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the tokenizer's alphabet {self.alphabet!r}") from None
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            if i < len(SPECIALS):
+                if not skip_special:
+                    out.append(SPECIALS[i])
+            elif i < self.vocab_size:
+                out.append(self.alphabet[i - len(SPECIALS)])
+            else:
+                raise ValueError(f"token id {i} is outside the vocabulary ({self.vocab_size})")
+        return "".join(out)
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "tokenizer.json").write_text(json.dumps({"type": "tidal-char", "alphabet": self.alphabet, "specials": list(SPECIALS)}))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CharTokenizer:
+        data = json.loads((Path(directory) / "tokenizer.json").read_text())
+        if data.get("type") != "tidal-char":
+            raise ValueError(f"{directory}/tokenizer.json is not a tidal character tokenizer")
+        return cls(data["alphabet"])
+
+
+def build_tiny_qwen2(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_positions: int = 128,
+    seed: int = 0,
+) -> transformers.Qwen2ForCausalLM:
+    """A Qwen2 causal LM with tied embeddings, initialised deterministically from `seed`.
+
+    With the defaults and the character tokenizer it has about 0.4 M parameters; the
+    quickstart's hidden_size=256, 4 layers is about 2.6 M (see `tidal config --keys`).
+    """
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=CharTokenizer.pad_id,
+        bos_token_id=CharTokenizer.bos_id,
+        eos_token_id=CharTokenizer.eos_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config)
+    return model
+
+
+def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, directory: str | Path) -> None:
+    """safetensors weights + config.json + tokenizer.json."""
+    transformers.utils.logging.disable_progress_bar()  # no shard bars in a run's output
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save(directory)
+
+
+def load_model(directory: str | Path) -> tuple[transformers.PreTrainedModel, CharTokenizer]:
+    model = transformers.Qwen2ForCausalLM.from_pretrained(directory)
+    return model, CharTokenizer.load(directory)

@@ -1,0 +1,62 @@
+"""The small protocols every engine adapter implements (the workflow relies on nothing else).
+
+A custom engine is one class with these methods; the workflow never looks further.
+Rollout engines generate trajectories (token in, token out) and take new weights only at
+safe points; train engines compute logprobs and take optimizer steps on `TokenBatch`es;
+reward functions score finished trajectories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.trajectory import TokenBatch, Trajectory
+
+
+class RolloutEngine(Protocol):
+    version: int
+    """Version of the weights it generates with now."""
+
+    def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
+        """Continue every unfinished trajectory (in place) until EOS or `max_new_tokens`
+        generated tokens in total; return them. Between decoding steps (safe points) it
+        calls `should_pause()`; when that is True it returns early, leaving unfinished
+        trajectories with `finish_reason=None` to be resumed by a later call."""
+        ...
+
+    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights (all of them, by name) and become `version`."""
+        ...
+
+
+class TrainEngine(Protocol):
+    version: int
+    """Number of optimizer steps taken (the policy version it holds)."""
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[batch, seq - 1] logprob of each next token under the current weights (no grad)."""
+        ...
+
+    def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step over `batch` (in micro-batches); version += 1; returns metrics."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight by name (what a rollout engine's `load_weights` takes)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and version, for checkpoints."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RewardFn(Protocol):
+    def __call__(self, trajectory: Trajectory, text: str) -> float:
+        """Score one finished trajectory given its decoded continuation."""
+        ...

@@ -1,0 +1,225 @@
+"""Engines: tiny model + tokenizer, hf rollout (logprobs, padding, EOS, budget, pause/resume), torch trainer, rewards, tasks."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tidal.engines.hf_rollout import HFRolloutEngine
+from tidal.engines.rewards import arithmetic, countdown, exact_match, resolve_reward, score
+from tidal.engines.tasks import arithmetic as arithmetic_prompts
+from tidal.engines.tasks import countdown as countdown_prompts
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
+from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.trajectory import Trajectory, to_token_batch
+
+T = CharTokenizer()
+
+
+def tiny(seed: int = 0, dtype: torch.dtype = torch.float32):
+    return build_tiny_qwen2(T.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=seed).to(dtype)
+
+
+def test_tokenizer_round_trip_and_errors(tmp_path):
+    ids = T.encode("12+7=19")
+    assert ids[0] == T.bos_id and T.decode(ids) == "12+7=19"
+    assert T.decode([T.pad_id, *ids, T.eos_id], skip_special=False) == "<pad><bos>12+7=19<eos>"
+    with pytest.raises(ValueError, match="'#' is not in the tokenizer"):
+        T.encode("1#2")
+    T.save(tmp_path)
+    assert CharTokenizer.load(tmp_path).encode("a=b") == T.encode("a=b")
+
+
+def test_tiny_model_size_determinism_and_save_load(tmp_path):
+    quickstart = build_tiny_qwen2(T.vocab_size, hidden_size=256, num_layers=4, intermediate_size=512)
+    assert 1_000_000 <= sum(p.numel() for p in quickstart.parameters()) <= 5_000_000
+    a, b = tiny(3), tiny(3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    save_model(a, T, tmp_path)
+    loaded, tok = load_model(tmp_path)
+    x = torch.tensor([T.encode("3+4=")])
+    assert torch.allclose(a(x).logits, loaded(x).logits) and tok.alphabet == T.alphabet
+
+
+def _reference_logprobs(model, trajectory):
+    ids = torch.tensor([trajectory.ids])
+    logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    p = len(trajectory.prompt_ids)
+    return [logprobs[p - 1 + j, tok].item() for j, tok in enumerate(trajectory.tokens)]
+
+
+def test_rollout_logprobs_match_an_unpadded_forward_pass():
+    torch.manual_seed(0)
+    model = tiny()
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, chunk_tokens=3)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-14=", "7="]]
+    engine.generate(trajectories, max_new_tokens=7)
+    for t in trajectories:
+        assert t.done and 1 <= t.num_generated <= 7
+        assert t.logprobs == pytest.approx(_reference_logprobs(model, t), abs=1e-4)
+        assert t.finish_reason == ("stop" if t.tokens[-1] == T.eos_id else "length")
+        assert T.eos_id not in t.tokens[:-1]  # nothing after EOS
+
+
+def _bias_token(model, token: int) -> torch.Tensor:
+    """Add `bias[token]` to every logit the model returns (set the bias to steer sampling)."""
+    bias = torch.zeros(T.vocab_size)
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = out.logits + bias.to(out.logits.dtype)
+        return out
+
+    model.forward = forward
+    return bias
+
+
+def test_rollout_stops_at_eos_and_respects_the_budget():
+    model = tiny()
+    bias = _bias_token(model, T.eos_id)
+    engine = HFRolloutEngine(model, eos_id=T.eos_id, pad_id=T.pad_id)
+    bias[T.eos_id] = 50.0  # EOS overwhelmingly likely
+    t = Trajectory(prompt_ids=T.encode("1+1="))
+    engine.generate([t], max_new_tokens=5)
+    assert t.tokens == [T.eos_id] and t.finish_reason == "stop"
+    bias[T.eos_id] = -1e9  # EOS never: the budget ends it
+    t = Trajectory(prompt_ids=T.encode("1+1="))
+    engine.generate([t], max_new_tokens=5)
+    assert t.num_generated == 5 and t.finish_reason == "length"
+
+
+def test_partial_rollout_pauses_loads_new_weights_and_resumes():
+    torch.manual_seed(1)
+    model = tiny(0)
+    _bias_token(model, T.eos_id)[T.eos_id] = -1e9  # no EOS: the generation runs its whole budget
+    engine = HFRolloutEngine(model, eos_id=T.eos_id, pad_id=T.pad_id, chunk_tokens=2)
+    trajectory = Trajectory(prompt_ids=T.encode("5+5="))
+    calls = []
+    engine.generate([trajectory], max_new_tokens=6, should_pause=lambda: calls.append(1) or True)
+    assert len(calls) == 1 and trajectory.versions == [0, 0] and not trajectory.done  # paused at the first safe point
+    engine.load_weights(1, tiny(7).state_dict().items())
+    engine.generate([trajectory], max_new_tokens=6)  # resumes from the 2 tokens it has
+    assert trajectory.done and trajectory.finish_reason == "length" and trajectory.num_generated == 6
+    assert trajectory.versions == [0, 0, 1, 1, 1, 1] and trajectory.versions_used == [0, 1]
+    reference = tiny(7)
+    _bias_token(reference, T.eos_id)[T.eos_id] = -1e9
+    resumed = Trajectory(prompt_ids=trajectory.prompt_ids, tokens=trajectory.tokens[2:])  # the new weights' part
+    resumed.prompt_ids = trajectory.prompt_ids + trajectory.tokens[:2]
+    assert trajectory.logprobs[2:] == pytest.approx(_reference_logprobs(reference, resumed), abs=1e-4)
+
+
+def test_load_weights_names_what_does_not_match():
+    engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
+    weights = dict(tiny(1).state_dict())
+    name = next(iter(weights))
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_weights(1, {k: v for k, v in weights.items() if k != name}.items())
+    with pytest.raises(ValueError, match="bogus"):
+        engine.load_weights(1, {**weights, "bogus": torch.zeros(1)}.items())
+    with pytest.raises(ValueError, match="wrong shape"):
+        engine.load_weights(1, {**weights, name: torch.zeros(3)}.items())
+    assert engine.version == 0
+    engine.load_weights(1, weights.items())
+    assert engine.version == 1 and torch.equal(engine.model.state_dict()[name], weights[name])
+
+
+def _batch():
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-4=", "7+7=", "2-9="]]
+    engine.generate(trajectories, max_new_tokens=4)
+    return to_token_batch(trajectories, pad_id=T.pad_id)
+
+
+def test_micro_batches_give_the_same_step_as_one_batch():
+    batch = _batch()
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0], dtype=torch.float64)
+    results = []
+    for micro in (1, 4):
+        engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=micro)
+        engine.train_step(batch, advantages, loss=PolicyLossConfig())
+        results.append(dict(engine.named_weights()))
+        assert engine.version == 1
+    for name in results[0]:
+        assert torch.allclose(results[0][name], results[1][name], atol=1e-8), name
+
+
+def test_positive_advantages_raise_the_sampled_tokens_logprob_and_sft_lowers_loss():
+    batch = _batch()
+    engine = TorchTrainEngine(tiny(), lr=1e-2, micro_batch_size=2)
+    before = (engine.logprobs(batch) * batch.loss_mask).sum()
+    for _ in range(3):
+        engine.train_step(batch, torch.ones(4), loss=PolicyLossConfig(), proximal_logprobs=engine.logprobs(batch))
+    assert (engine.logprobs(batch) * batch.loss_mask).sum() > before
+    losses = [engine.sft_step(batch)["loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] and engine.version == 3
+
+
+def test_trainer_state_round_trip(tmp_path):
+    batch = _batch()
+    engine = TorchTrainEngine(tiny(), lr=1e-2)
+    engine.train_step(batch, torch.ones(4), loss=PolicyLossConfig())
+    torch.save(engine.state_dict(), tmp_path / "s.pt")
+    other = TorchTrainEngine(tiny(5), lr=1e-2)
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert other.version == 1
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_weights(), other.named_weights()))
+    assert [n for n, _ in engine.named_weights()] == list(engine.model.state_dict())
+
+
+def test_verifiers():
+    t = Trajectory(prompt_ids=[1], meta={"answer": "-3"})
+    assert arithmetic(t, "-3") == 1.0 and arithmetic(t, " -3 and more") == 1.0 and arithmetic(t, "3") == 0.0 and arithmetic(t, "abc") == 0.0
+    assert exact_match(Trajectory(prompt_ids=[1], meta={"answer": "ab"}), " ab ") == 1.0
+    c = Trajectory(prompt_ids=[1], meta={"numbers": [3, 5, 7], "target": 22})
+    assert countdown(c, "3*5+7") == 1.0 and countdown(c, "(7+5)*3") == 0.1 and countdown(c, "7*3+1") == 0.0
+    assert countdown(c, "7+7+8") == 0.0  # 7 twice, 8 not given
+    assert countdown(c, "__import__('os')") == 0.0 and countdown(c, "3/0") == 0.0 and countdown(c, "(((") == 0.0
+    assert countdown(Trajectory(prompt_ids=[1], meta={"numbers": [6, 3], "target": 2}), "6/3") == 1.0
+
+
+def test_resolve_reward_and_failing_rewards_do_not_crash():
+    assert resolve_reward("arithmetic") is arithmetic
+    assert resolve_reward("math:isfinite") is math.isfinite
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        resolve_reward("no_such_module:f")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        resolve_reward("math:nope")
+
+    def flaky(trajectory, text):
+        if text == "boom":
+            raise RuntimeError("boom")
+        return float("nan") if text == "nan" else 1.0
+
+    rows = [Trajectory(prompt_ids=[1]) for _ in range(3)]
+    rewards, failed = score(flaky, rows, ["ok", "boom", "nan"])
+    assert rewards == [1.0, 0.0, 0.0] and failed == [1, 2]
+
+
+def test_tasks_are_deterministic_and_correct():
+    a = arithmetic_prompts(50, seed=1, max_value=9)
+    assert a == arithmetic_prompts(50, seed=1, max_value=9) and a != arithmetic_prompts(50, seed=2, max_value=9)
+    for item in a:
+        x, op, y = item["prompt"][0], item["prompt"][1], item["prompt"][2:-1]
+        assert int(item["answer"]) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+    for item in countdown_prompts(20, seed=3):
+        expression_exists = any(countdown(Trajectory(prompt_ids=[1], meta=item), e) == 1.0 for e in _expressions(item["numbers"]))
+        assert expression_exists and item["target"] > 0
+
+
+def _expressions(numbers):
+    import itertools
+
+    for order in itertools.permutations(numbers):
+        for ops in itertools.product("+-*", repeat=len(order) - 1):
+            expr = str(order[0])
+            for op, n in zip(ops, order[1:]):
+                expr = f"({expr}){op}{n}"
+            yield expr

@@ -1,0 +1,289 @@
+"""`tidal run` for RL recipes: build, warm-start, evaluate, run the async workflow, save.
+
+One run writes into its run directory: `config.yaml` and `platform.json` (see `run.py`),
+`metrics.jsonl` (one line per RL step), `timeline.json` (Chrome trace: one track per
+stage, open it in https://ui.perfetto.dev), `progress.png` (reward and throughput against
+time), `checkpoints/step-NNNNNN/` (model.safetensors + config.json + tokenizer.json, the
+optimizer and store state for resume) and `summary.json` (accuracy before and after RL).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidal.engines.hf_rollout import HFRolloutEngine
+from tidal.engines.rewards import resolve_reward, score
+from tidal.engines.tasks import TASK_REWARDS, TASKS
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
+from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.store import Store, persist
+from tidal.flow.trace import Tracer
+from tidal.flow.trajectory import Trajectory, to_token_batch
+from tidal.flow.workflow import Workflow, WorkflowConfig
+from tidal.hal import current_platform
+
+EVAL_SEED_OFFSET = 1_000_003
+
+
+class Prompts:
+    """An endless, seeded stream of training prompts; `position` resumes it.
+
+    Prompts whose exact text is in `held_out` are skipped. (On a small task such as
+    single-digit arithmetic the held-out set is a fixed sample of the same distribution
+    drawn with another seed, and `held_out` is left empty: every sum can appear in both.)
+    """
+
+    def __init__(self, cfg: Any, tokenizer: CharTokenizer, held_out: set[str], position: int = 0) -> None:
+        self.cfg, self.tokenizer, self.held_out = cfg, tokenizer, held_out
+        self.position = position
+
+    def _chunk(self, k: int) -> list[dict[str, Any]]:
+        return _task_prompts(self.cfg, 512, seed=self.cfg.seed * 7919 + k)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for k in itertools.count(self.position // 512):
+            for j, item in enumerate(self._chunk(k)):
+                if k * 512 + j < self.position:
+                    continue
+                self.position = k * 512 + j + 1
+                if item["prompt"] in self.held_out:
+                    continue
+                yield {**item, "prompt_ids": self.tokenizer.encode(item["prompt"])}
+
+
+def _task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
+    task = TASKS.get(cfg.task.name)
+    if task is None:
+        raise ValueError(f"task.name {cfg.task.name!r} is unknown; tasks: {sorted(TASKS)}")
+    if cfg.task.name == "arithmetic":
+        return task(n, seed=seed, max_value=cfg.task.max_value, ops=cfg.task.ops)
+    return task(n, seed=seed)
+
+
+def _answer_trajectories(items: list[dict[str, Any]], tokenizer: CharTokenizer) -> list[Trajectory]:
+    """Prompt + reference answer + EOS, for the supervised warm start."""
+    out = []
+    for item in items:
+        answer = tokenizer.encode(str(item["answer"]), add_bos=False) + [tokenizer.eos_id]
+        t = Trajectory(prompt_ids=tokenizer.encode(item["prompt"]))
+        t.extend(answer, [0.0] * len(answer), 0)
+        out.append(t)
+    return out
+
+
+def warm_start(engine: TorchTrainEngine, cfg: Any, tokenizer: CharTokenizer, held_out: set[str], on_step: Any = None) -> list[float]:
+    """Supervised steps on prompt + answer so RL starts from a policy that sometimes succeeds."""
+    losses = []
+    stream = iter(Prompts(cfg, tokenizer, held_out, position=10**9))  # a region RL never reaches
+    for step in range(cfg.sft.steps):
+        items = [next(stream) for _ in range(cfg.sft.batch_size)]
+        batch = to_token_batch(_answer_trajectories(items, tokenizer), pad_id=tokenizer.pad_id)
+        losses.append(engine.sft_step(batch)["loss"])
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer: CharTokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100) -> float:
+    """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        ids = [tokenizer.encode(item["prompt"]) for item in chunk]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(x)) + x for x in ids], device=device)
+        mask = (torch.arange(width, device=device)[None, :] >= torch.tensor([width - len(x) for x in ids], device=device)[:, None]).long()
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id)
+        for item, row in zip(chunk, out[:, width:].tolist()):
+            tokens = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
+            t = Trajectory(prompt_ids=[], meta={k: v for k, v in item.items() if k != "prompt_ids"})
+            correct += reward(t, tokenizer.decode(tokens)) == 1.0
+    model.train(was_training)
+    return correct / max(len(items), 1)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, tokenizer: CharTokenizer, store: Store, prompts: Prompts, extra: dict[str, Any]) -> Path:
+    """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint)."""
+    final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_model(trainer.model, tokenizer, tmp)
+    state = trainer.state_dict()
+    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state()}, tmp / "trainer.pt")
+    persist.save(store, tmp / "store.bin")
+    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": prompts.position, **extra}, indent=2))
+    if final.exists():
+        for f in final.iterdir():
+            f.unlink()
+        final.rmdir()
+    tmp.rename(final)
+    (run_dir / "checkpoints" / "latest").write_text(final.name + "\n")
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (no checkpoints/latest)")
+    return run_dir / "checkpoints" / pointer.read_text().strip()
+
+
+def plot(metrics: list[dict[str, Any]], path: Path) -> None:
+    """Reward and samples/s against wall time since the first step."""
+    import matplotlib  # noqa: PLC0415 - only when a plot is written
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    t0 = metrics[0]["time"] - metrics[0]["step_s"]
+    times = [m["time"] - t0 for m in metrics]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    top.plot(times, [m["reward"] for m in metrics], marker=".")
+    top.set_ylabel("mean reward")
+    bottom.plot(times, [m["samples"] / m["step_s"] for m in metrics], marker=".", color="tab:orange")
+    bottom.set_ylabel("samples / s")
+    bottom.set_xlabel("seconds since RL started")
+    top.set_title("tidal: reward and throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Run an RL recipe end to end; return the summary (also written to summary.json)."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    console = Console(stderr=True)
+    platform = current_platform()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tokenizer = CharTokenizer()
+    reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
+    held_items = _task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
+    held_out = {item["prompt"] for item in held_items} if cfg.task.exclude_eval_prompts else set()
+    tracer = Tracer()
+    budget = cfg.rollout.max_new_tokens
+
+    if cfg.resume:
+        checkpoint = latest_checkpoint(Path(cfg.resume))
+        model, tokenizer = load_model(checkpoint)
+        saved = torch.load(checkpoint / "trainer.pt", weights_only=False)
+        state = json.loads((checkpoint / "state.json").read_text())
+        store = persist.load(checkpoint / "store.bin")
+        prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
+        accuracy_before = state["accuracy_before"]
+        console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({checkpoint.name})")
+    else:
+        model = build_tiny_qwen2(
+            tokenizer.vocab_size,
+            hidden_size=cfg.model.hidden_size,
+            num_layers=cfg.model.num_layers,
+            num_heads=cfg.model.num_heads,
+            num_kv_heads=cfg.model.num_kv_heads,
+            intermediate_size=cfg.model.intermediate_size,
+            max_positions=cfg.model.max_positions,
+            seed=cfg.seed,
+        )
+        save_model(model, tokenizer, run_dir / "cache" / "initial")
+        accuracy_start = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
+        if cfg.sft.steps:
+            sft = TorchTrainEngine(model, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform)
+            with tracer.span("warm start", "supervised", steps=cfg.sft.steps):
+                losses = warm_start(sft, cfg, tokenizer, held_out)
+            console.print(f"tidal: warm start: {cfg.sft.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            save_model(model, tokenizer, run_dir / "cache" / "warm_start")
+        accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
+        console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {accuracy_before:.1%} after the warm start")
+        saved, store, prompts = None, Store(), Prompts(cfg, tokenizer, held_out)
+
+    trainer = TorchTrainEngine(
+        model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature, platform=platform
+    )
+    if saved is not None:
+        trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"]})
+        _set_rng_state(saved["rng"])
+    rollout = HFRolloutEngine(copy.deepcopy(trainer.model), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=trainer.version)
+    algo = cfg.algorithm
+    loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
+    wf_cfg = WorkflowConfig(
+        num_steps=algo.num_steps,
+        prompts_per_step=algo.prompts_per_step,
+        group_size=algo.group_size,
+        max_staleness=algo.max_staleness,
+        max_new_tokens=budget,
+        prompts_per_generate=cfg.rollout.prompts_per_generate,
+        advantage=algo.advantage,
+        loss=loss,
+        decoupled=algo.decoupled,
+    )
+    metrics_path = run_dir / "metrics.jsonl"
+    history: list[dict[str, Any]] = []
+
+    def texts_and_score(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
+        texts = [tokenizer.decode([t for t in traj.tokens if t != tokenizer.eos_id]) for traj in trajectories]
+        return score(reward, trajectories, texts)
+
+    bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress)
+    task_id = bar.add_task("rl", total=algo.num_steps, completed=trainer.version, info="waiting for the first batch")
+
+    def on_step(m: dict[str, Any]) -> None:
+        history.append(m)
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        recent = history[-5:]
+        rate = sum(x["samples"] for x in recent) / max(sum(x["step_s"] for x in recent), 1e-9)
+        gap = max(m["version_gap"]) if m["version_gap"] else 0
+        bar.update(task_id, completed=m["step"], info=f"reward {m['reward']:.2f}  {rate:.0f} samples/s  staleness<={gap}")
+        if m["step"] % cfg.checkpoint_every == 0 and m["step"] < algo.num_steps:
+            with tracer.span("train", "checkpoint", step=m["step"]):
+                save_checkpoint(run_dir, trainer=trainer, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
+
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer)
+    started = time.perf_counter()
+    with bar:
+        workflow.run()
+    rl_seconds = time.perf_counter() - started
+    save_checkpoint(run_dir, trainer=trainer, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
+    accuracy_after = evaluate(trainer.model, tokenizer, held_items, reward, max_new_tokens=budget)
+    tracer.save(run_dir / "timeline.json")
+    if history:
+        plot(history, run_dir / "progress.png")
+    samples = sum(m["samples"] for m in history)
+    summary = {
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+        "steps": trainer.version,
+        "rl_seconds": rl_seconds,
+        "samples_per_s": samples / rl_seconds if rl_seconds else 0.0,
+        "tokens_per_s": sum(m["tokens"] for m in history) / rl_seconds if rl_seconds else 0.0,
+        "first_reward": history[0]["reward"] if history else None,
+        "last_reward": history[-1]["reward"] if history else None,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
