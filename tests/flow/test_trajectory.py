@@ -1,0 +1,36 @@
+"""Trajectories: token in / token out, per-token versions, environment turns, batch layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal.flow.trajectory import ENV_VERSION, Trajectory, to_token_batch
+
+
+def test_multi_turn_trajectory_keeps_versions_and_masks_environment_tokens():
+    t = Trajectory(prompt_ids=[1, 5, 6])
+    t.extend([7, 8], [-0.5, -0.25], version=3)
+    t.append_env([9, 9, 9])  # a tool's reply, already token ids: never decoded or re-tokenized
+    t.extend([10], [-1.0], version=4)
+    assert t.ids == [1, 5, 6, 7, 8, 9, 9, 9, 10]
+    assert t.versions == [3, 3, ENV_VERSION, ENV_VERSION, ENV_VERSION, 4]
+    assert t.loss_mask == [1, 1, 0, 0, 0, 1] and t.num_generated == 3
+    assert t.versions_used == [3, 4] and t.oldest_version == 3 and not t.done
+    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+        t.extend([1, 2], [0.0], version=5)
+
+
+def test_token_batch_aligns_each_token_with_the_position_that_predicts_it():
+    a = Trajectory(prompt_ids=[1, 5])
+    a.extend([7, 2], [-0.1, -0.2], version=0)
+    b = Trajectory(prompt_ids=[1, 5, 6, 6])
+    b.extend([8], [-0.3], version=1)
+    batch = to_token_batch([a, b], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 5, 7, 2, 0], [1, 5, 6, 6, 8]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # position t predicts input_ids[:, t + 1]: a's tokens at positions 1, 2; b's at 3
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0], [0, 0, 0, 1]]
+    assert torch.allclose(batch.behavior_logprobs, torch.tensor([[0, -0.1, -0.2, 0], [0, 0, 0, -0.3]]))
+    assert batch.versions.tolist() == [[-1, 0, 0, -1], [-1, -1, -1, 1]]
+    assert len(batch.select([1])) == 1 and batch.select(slice(0, 1)).input_ids.tolist() == [[1, 5, 7, 2, 0]]
