@@ -73,6 +73,10 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           with the data on the producer's storage unit, TransferQueue 0.1.11 (installed
           with the [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same
           frames. Takes a few minutes on 2 cores.
+  e2e     the quickstart trained with async GRPO (max_staleness=1) and sync GRPO
+          (max_staleness=0) from the same warm start, several seeds: RL samples/s,
+          tokens/s, wall time and held-out accuracy, with ratios against sync. (The TRL
+          GRPOTrainer column is not wired yet.) --steps and --seeds size it.
 
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.
@@ -103,17 +107,43 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. seed=1")
     config.add_argument("--keys", action="store_true", help="list every key with its type, default and documentation")
 
-    bench = sub.add_parser("bench", help="run a benchmark (store)", description=BENCH_HELP, formatter_class=fmt)
-    bench.add_argument("name", choices=["store"], help="which benchmark")
+    bench = sub.add_parser("bench", help="run a benchmark (store, e2e)", description=BENCH_HELP, formatter_class=fmt)
+    bench.add_argument("name", choices=["store", "e2e"], help="which benchmark")
     bench.add_argument("--systems", default="tidal,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
+    bench.add_argument("--steps", type=int, default=200, help="e2e: RL steps per run (default: 200)")
+    bench.add_argument("--seeds", default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
     return parser
 
 
+def _print_table(title: str, header_and_rows: list[list[str]]) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    header, *rows = header_and_rows
+    table = Table(title=title)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tidal.tools import bench_store  # noqa: PLC0415
+
+    if args.name == "e2e":
+        from tidal.tools import bench_e2e  # noqa: PLC0415
+
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        results = bench_e2e.run(seeds=seeds, num_steps=args.steps, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        if args.json:
+            print(json.dumps(results, indent=2))
+        else:
+            _print_table("tidal bench e2e (quickstart task, same warm start and samples)", bench_e2e.table(results))
+        return 0
 
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = sorted(set(systems) - set(bench_store.SYSTEMS))
@@ -124,16 +154,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    header, *rows = bench_store.table(results)
-    table = Table(title="tidal bench store (higher rows/s and MB/s, lower latency are better)")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    Console().print(table)
+    _print_table("tidal bench store (higher rows/s and MB/s, lower latency are better)", bench_store.table(results))
     return 0
 
 

@@ -34,6 +34,18 @@ from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import current_platform
 
 EVAL_SEED_OFFSET = 1_000_003
+ROLLOUT_BACKENDS = {"hf": HFRolloutEngine}
+"""rollout.backend -> adapter (vllm arrives with its adapter)."""
+TRAIN_BACKENDS = {"torch": TorchTrainEngine}
+"""train.backend -> adapter (fsdp arrives with its adapter)."""
+
+
+def _backend(registry: dict[str, Any], key: str, value: str) -> Any:
+    if value not in registry:
+        from tidal.tools.config import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(f"{key}={value!r} is not available; choices: {', '.join(sorted(registry))}")
+    return registry[value]
 
 
 class Prompts:
@@ -180,6 +192,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     console = Console(stderr=True)
+    rollout_cls = _backend(ROLLOUT_BACKENDS, "rollout.backend", cfg.rollout.backend)
+    train_cls = _backend(TRAIN_BACKENDS, "train.backend", cfg.train.backend)
     platform = current_platform()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -213,7 +227,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
         save_model(model, tokenizer, run_dir / "cache" / "initial")
         accuracy_start = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         if cfg.sft.steps:
-            sft = TorchTrainEngine(model, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform)
+            sft = train_cls(model, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform)
             with tracer.span("warm start", "supervised", steps=cfg.sft.steps):
                 losses = warm_start(sft, cfg, tokenizer, held_out)
             console.print(f"tidal: warm start: {cfg.sft.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
@@ -222,13 +236,13 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
         console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {accuracy_before:.1%} after the warm start")
         saved, store, prompts = None, Store(), Prompts(cfg, tokenizer, held_out)
 
-    trainer = TorchTrainEngine(
+    trainer = train_cls(
         model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature, platform=platform
     )
     if saved is not None:
         trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"]})
         _set_rng_state(saved["rng"])
-    rollout = HFRolloutEngine(copy.deepcopy(trainer.model), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=trainer.version)
+    rollout = rollout_cls(copy.deepcopy(trainer.model), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=trainer.version)
     algo = cfg.algorithm
     loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
     wf_cfg = WorkflowConfig(

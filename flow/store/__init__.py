@@ -13,7 +13,8 @@ from tidal.flow.store.aio import AsyncStore
 from tidal.flow.store.client import RemoteStore
 from tidal.flow.store.samplers import Grouped, RowMeta, SampleContext, Sampler, Selection, SeqlenBalanced, Sequential, StalenessFilter
 from tidal.flow.store.server import StoreServer
-from tidal.flow.store.table import Batch, Store, StoreError, StoreTimeout
+from tidal.flow.store.cells import Batch
+from tidal.flow.store.table import Store, StoreError, StoreTimeout
 from tidal.flow.store.units import Ref, StorageUnit
 
 __all__ = [

@@ -13,7 +13,8 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tidal.flow.store.table import Batch, Store
+from tidal.flow.store.cells import Batch
+from tidal.flow.store.table import Store
 
 
 class AsyncStore:

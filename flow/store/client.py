@@ -27,7 +27,8 @@ import zmq
 
 from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
-from tidal.flow.store.table import Batch, StoreError, StoreTimeout, cell_sizes, check_column, num_rows_of
+from tidal.flow.store.cells import Batch, cell_sizes, check_column, num_rows_of
+from tidal.flow.store.table import StoreError, StoreTimeout
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
 

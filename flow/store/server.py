@@ -36,7 +36,8 @@ import zmq.utils.monitor
 
 from tidal.flow.store import persist
 from tidal.flow.store.samplers import NO_VERSION, from_spec
-from tidal.flow.store.table import Batch, Store, StoreTimeout
+from tidal.flow.store.cells import Batch
+from tidal.flow.store.table import Store, StoreTimeout
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
 
@@ -179,7 +180,11 @@ class StoreServer:
                     frames = self._router.recv_multipart(copy=False)
                     if self._readable(self._monitor):
                         self._drain_monitor()  # a disconnect that came first is handled first
-                    retry |= self._handle(frames)
+                    try:
+                        retry |= self._handle(frames)
+                    except Exception:  # noqa: BLE001 - a bug answering one request must not stop the server
+                        log.exception("store server: unexpected error while serving a request")
+                        retry = True
             if retry and self._parked:
                 self._retry_parked()
             self._flush_drops()
@@ -245,6 +250,9 @@ class StoreServer:
             self._reply_error(peer, request_id, "Unauthorized", "missing or wrong store token")
             return False
         timeout = args.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            self._reply_error(peer, request_id, "ValueError", f"timeout must be a number of seconds >= 0 or null, got {timeout!r}")
+            return False
         if op in _BLOCKING and timeout != 0:
             try:
                 self._reply(peer, request_id, self._ops[op](peer, {**args, "timeout": 0}))
@@ -252,9 +260,9 @@ class StoreServer:
             except StoreTimeout:
                 now = time.monotonic()
                 wait = math.inf if timeout is None else float(timeout)
-                args.pop("ack", None)  # done by the first attempt
+                acked = args.pop("ack", None) is not None  # done by the first attempt; may have freed room
                 self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
-                return False
+                return acked
             except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
                 self._fail(peer, request_id, e)
             return op in _MUTATING

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.flow.store.table import rows_of
+from tidal.flow.store.cells import rows_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tidal.flow.store.codec import CodecError, decode, encode
-from tidal.flow.store.table import Batch
+from tidal.flow.store.cells import Batch
 from tidal.flow.store.units import RemoteChunk
 
 STACK_MAX_CELL_BYTES = 64 * 1024

@@ -67,6 +67,15 @@ def test_remote_errors_name_the_problem(served):
         client.get("train", "train", ["x"], 1, sampler=Custom(), timeout=1)
 
 
+def test_bad_timeouts_get_an_error_and_the_server_keeps_serving(served):
+    _, server, client = served
+    client.create_partition("train", consumers=["train"])
+    for timeout in ("soon", -1, True):
+        with pytest.raises(ValueError, match="timeout must be a number"):
+            client._call("get", {"consumer": "train", "partition": "train", "columns": ["x"], "batch_size": 1, "timeout": timeout})
+    assert client.ping()["store"]
+
+
 def test_remote_samplers_run_on_the_server(served):
     store, _, client = served
     client.create_partition("train", consumers=["train"])

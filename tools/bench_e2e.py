@@ -1,0 +1,67 @@
+"""`tidal bench e2e`: async vs sync GRPO (and TRL, when its adapter lands) on the quickstart.
+
+Every system trains the quickstart's tiny model on its arithmetic task from the same
+warm start (the supervised phase is deterministic for a seed), with the same batch size,
+group size, token budget and number of samples, on this machine, in this process. For
+each seed it reports RL samples/s, tokens/s, wall time and held-out accuracy after RL;
+the table shows means over seeds and the ratios against sync.
+
+Systems: `tidal-async` (`max_staleness: 1`), `tidal-sync` (`max_staleness: 0`).
+`trl` (TRL 1.16 `GRPOTrainer` with transformers generation) is not wired yet and is
+reported as such.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = {"tidal-async": 1, "tidal-sync": 0}
+
+
+def run_tidal(max_staleness: int, *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One quickstart run with `max_staleness`; returns its summary."""
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.run import prepare_run  # noqa: PLC0415
+    from tidal.tools.train import train  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-e2e-") as tmp:
+        args = [f"algorithm.max_staleness={max_staleness}", f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", *overrides]
+        cfg, run_dir = prepare_run(resolve_recipe("quickstart_cpu"), args)
+        return train(cfg, run_dir, progress=False)
+
+
+def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), progress: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    for system, staleness in SYSTEMS.items():
+        for seed in seeds:
+            progress(f"{system}: seed {seed}, {num_steps} steps")
+            results.setdefault(system, []).append(run_tidal(staleness, seed=seed, num_steps=num_steps, overrides=overrides))
+    return results
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    def mean(system: str, key: str) -> float:
+        return statistics.mean(r[key] for r in results[system])
+
+    def spread(system: str, key: str) -> str:
+        values = [r[key] for r in results[system]]
+        return f"{statistics.mean(values):.1%} (+-{statistics.pstdev(values):.1%})"
+
+    base = "tidal-sync" if "tidal-sync" in results else None
+    rows = [["system", "samples/s", "x sync", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
+    for system in results:
+        rows.append([
+            system,
+            f"{mean(system, 'samples_per_s'):.1f}",
+            f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base else "-",
+            f"{mean(system, 'tokens_per_s'):.1f}",
+            f"{mean(system, 'rl_seconds'):.1f}",
+            f"{mean(system, 'accuracy_before'):.1%}",
+            spread(system, "accuracy_after"),
+        ])
+    rows.append(["trl (GRPOTrainer)", "-", "-", "-", "-", "-", "not wired yet (see docs/benchmarks.md)"])
+    return rows
