@@ -228,7 +228,7 @@ class Workflow:
             "meta": [t.meta for t in trajectories],
         }
         versions = [t.oldest_version for t in trajectories]
-        self.store.put("train", columns, groups=[t.group for t in trajectories], versions=versions)
+        self.store.put("train", columns, groups=[t.group for t in trajectories], versions=versions, cancel=self._stopping)
 
     def _reward_stage(self) -> None:
         while True:

@@ -128,7 +128,7 @@ def _print_table(title: str, header_and_rows: list[list[str]]) -> None:
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
