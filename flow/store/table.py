@@ -23,19 +23,17 @@ chunk's memory is freed once every row using it is evicted or overwritten.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from tidal.flow.store.cells import Batch, Cells, cell_sizes, check_column, num_rows_of, unique_sorted
 from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows, SampleContext, Sampler, Sequential
-
-_WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
+from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment
 
 
 class StoreError(RuntimeError):
@@ -52,106 +50,6 @@ def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> Non
             raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
 
 
-class _Column:
-    """Where one column's cells of one segment live."""
-
-    __slots__ = ("chunk", "offset", "stamp", "nbytes")
-
-    def __init__(self, n: int) -> None:
-        self.chunk = np.full(n, -1, dtype=np.int64)  # chunk id, -1 = absent
-        self.offset = np.zeros(n, dtype=np.int64)
-        self.stamp = np.zeros(n, dtype=np.int64)  # when the cell arrived (readiness order)
-        self.nbytes = np.zeros(n, dtype=np.int64)
-
-
-class _Segment:
-    """The rows one put created: indexes start .. start + n - 1."""
-
-    def __init__(self, start: int, n: int, groups: Sequence[Any] | None, versions: Sequence[int | None] | None, tags: Sequence[Mapping[str, Any]] | None, consumers: Iterable[str]) -> None:
-        self.start, self.n = start, n
-        self.alive = np.ones(n, dtype=bool)
-        self.groups = list(groups) if groups is not None else None
-        self.versions = np.full(n, NO_VERSION, dtype=np.int64)
-        if versions is not None:
-            self.versions[:] = [NO_VERSION if v is None else int(v) for v in versions]
-        self.tags = [dict(t) for t in tags] if tags is not None else None
-        self.columns: dict[str, _Column] = {}
-        self.idle: set[tuple[str, frozenset[str]]] = set()  # (consumer, columns) with nothing ready here
-        self.acked = {c: np.zeros(n, dtype=bool) for c in consumers}
-        self.lease = {c: np.zeros(n, dtype=np.float64) for c in self.acked}  # deadline, 0 = not leased
-        self.redelivered = {c: np.zeros(n, dtype=np.int64) for c in self.acked}  # stamp of last redelivery
-
-    def meta(self, k: int) -> RowMeta:
-        version = int(self.versions[k])
-        return RowMeta(
-            index=self.start + k,
-            group=self.groups[k] if self.groups is not None else None,
-            version=None if version == NO_VERSION else version,
-            tags=self.tags[k] if self.tags is not None else {},
-        )
-
-
-class _Consumer:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.num_acked = 0
-        self.num_dropped = 0
-        self.num_redelivered = 0
-        self.keys: set[frozenset[str]] = set()
-        self.wait_counts = [0] * len(_WAIT_BUCKETS)
-        self.wait_sum = 0.0
-
-
-class _Partition:
-    def __init__(self, name: str, consumers: Iterable[str], capacity_rows: int | None, capacity_bytes: int | None, lease_s: float) -> None:
-        self.name = name
-        self.consumers = {c: _Consumer(c) for c in consumers}
-        if not self.consumers:
-            raise ValueError(f"partition {name!r} needs at least one consumer")
-        self.capacity_rows = capacity_rows
-        self.capacity_bytes = capacity_bytes
-        self.lease_s = lease_s
-        self.segments: list[_Segment] = []
-        self.start_list: list[int] = []  # segment starts, for bisect
-        self.starts = np.zeros(0, dtype=np.int64)  # the same, for vectorised lookups
-        self.chunks: dict[int, Any] = {}
-        self.chunk_refs: dict[int, int] = {}
-        self.next_chunk = 0
-        self.next_index = 0
-        self.num_rows = 0
-        self.nbytes = 0
-        self.num_evicted = 0
-        self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
-
-    def locate(self, indexes: np.ndarray) -> Iterator[tuple[_Segment, np.ndarray, np.ndarray]]:
-        """(segment, local offsets, positions in `indexes`) for every index in a live segment."""
-        if not self.segments or not len(indexes):
-            return
-        lo, hi = (int(indexes[0]),) * 2 if len(indexes) == 1 else (int(indexes.min()), int(indexes.max()))
-        k = bisect.bisect_right(self.start_list, lo) - 1
-        if k >= 0 and hi < self.segments[k].start + self.segments[k].n:  # the usual case: one segment
-            segment = self.segments[k]
-            yield segment, indexes - segment.start, np.arange(len(indexes))
-            return
-        seg = np.searchsorted(self.starts, indexes, side="right") - 1
-        order = np.argsort(seg, kind="stable")
-        ids, first = np.unique(seg[order], return_index=True)
-        bounds = [*first.tolist(), len(indexes)]
-        for k, s in enumerate(ids.tolist()):
-            if s < 0:
-                continue
-            segment = self.segments[s]
-            positions = order[bounds[k] : bounds[k + 1]]
-            local = indexes[positions] - segment.start
-            inside = local < segment.n
-            yield segment, local[inside], positions[inside]
-
-    def reindex(self) -> None:
-        self.segments = [s for s in self.segments if s.alive.any()]
-        self.start_list = [s.start for s in self.segments]
-        self.starts = np.asarray(self.start_list, dtype=np.int64)
-
-
 class Store:
     """A thread-safe in-process store. `runtime: local` uses it directly (zero copy)."""
 
@@ -161,7 +59,7 @@ class Store:
         self._free_listeners: list[Callable[[str, Any], None]] = []
         self._change_listeners: list[Callable[[], None]] = []
         self._cond = threading.Condition()
-        self._parts: dict[str, _Partition] = {}
+        self._parts: dict[str, Partition] = {}
         self._version = 0
         self._stamp = 0
         self._lease_seq = 0
@@ -173,7 +71,7 @@ class Store:
         with self._cond:
             if name in self._parts:
                 raise ValueError(f"partition {name!r} already exists")
-            self._parts[name] = _Partition(name, consumers, capacity_rows, capacity_bytes, lease_s)
+            self._parts[name] = Partition(name, consumers, capacity_rows, capacity_bytes, lease_s)
 
     def add_consumer(self, partition: str, consumer: str) -> None:
         """A new consumer of `partition`; it will see every row not yet evicted."""
@@ -181,7 +79,7 @@ class Store:
             part = self._part(partition)
             if consumer in part.consumers:
                 raise ValueError(f"consumer {consumer!r} of partition {partition!r} already exists")
-            part.consumers[consumer] = _Consumer(consumer)
+            part.consumers[consumer] = ConsumerState(consumer)
             for seg in part.segments:
                 seg.idle.clear()
                 seg.acked[consumer] = np.zeros(seg.n, dtype=bool)
@@ -280,7 +178,7 @@ class Store:
                     seg.idle.clear()
                     column = seg.columns.get(name)
                     if column is None:
-                        column = seg.columns[name] = _Column(seg.n)
+                        column = seg.columns[name] = Column(seg.n)
                     old = column.chunk[local]
                     replaced = old >= 0
                     if replaced.any():
@@ -297,7 +195,7 @@ class Store:
 
     def _create_rows(
         self,
-        part: _Partition,
+        part: Partition,
         num_rows: int,
         nbytes: int,
         groups: Sequence[Any] | None,
@@ -308,14 +206,14 @@ class Store:
     ) -> list[int]:
         self._wait_for_room(part, num_rows, nbytes, deadline, cancel)
         start = part.next_index
-        part.segments.append(_Segment(start, num_rows, groups, versions, tags, part.consumers))
+        part.segments.append(Segment(start, num_rows, groups, versions, tags, part.consumers))
         part.start_list.append(start)
         part.starts = np.append(part.starts, start)
         part.next_index += num_rows
         part.num_rows += num_rows
         return list(range(start, start + num_rows))
 
-    def _wait_for_room(self, part: _Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None) -> None:
+    def _wait_for_room(self, part: Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
             raise StoreError(f"a put of {num_rows} rows can never fit partition {part.name!r} (capacity_rows={part.capacity_rows}); raise capacity_rows or put fewer rows at a time")
         if part.capacity_bytes is not None and nbytes > part.capacity_bytes:
@@ -426,7 +324,7 @@ class Store:
                     blocks[c].append((part.chunks[int(ids[a])], offsets[a:b]))
             waited = self._clock() - since
             state.wait_sum += waited
-            state.wait_counts[next(k for k, b in enumerate(_WAIT_BUCKETS) if waited <= b)] += 1
+            state.wait_counts[next(k for k, b in enumerate(WAIT_BUCKETS) if waited <= b)] += 1
             return Batch(
                 partition,
                 take.tolist(),
@@ -471,7 +369,7 @@ class Store:
             return released
 
     # Internals (called with the lock held) ------------------------------------------------
-    def _part(self, name: str) -> _Partition:
+    def _part(self, name: str) -> Partition:
         part = self._parts.get(name)
         if part is None:
             raise ValueError(f"no partition {name!r}; partitions: {sorted(self._parts)}")
@@ -481,7 +379,7 @@ class Store:
         if self._closed:
             raise StoreError("the store is closed")
 
-    def _ready(self, part: _Partition, consumer: str, key: frozenset[str]) -> Rows:
+    def _ready(self, part: Partition, consumer: str, key: frozenset[str]) -> Rows:
         """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
         indexes, versions, stamps = [], [], []
         wanted = (consumer, key)
@@ -512,20 +410,20 @@ class Store:
             index, version = index[order], version[order]
         return Rows(index, version, lambda i: self._meta(part, i))
 
-    def _meta(self, part: _Partition, indexes: np.ndarray) -> list[RowMeta]:
+    def _meta(self, part: Partition, indexes: np.ndarray) -> list[RowMeta]:
         out: list[RowMeta | None] = [None] * len(indexes)
         for seg, local, positions in part.locate(indexes):
             for k, p in zip(local.tolist(), positions.tolist()):
                 out[p] = seg.meta(k)
         return out  # type: ignore[return-value]
 
-    def _cell(self, part: _Partition, index: int, column: str) -> Any:
+    def _cell(self, part: Partition, index: int, column: str) -> Any:
         for seg, local, _ in part.locate(np.asarray([index], dtype=np.int64)):
             col = seg.columns[column]
             return part.chunks[int(col.chunk[local[0]])][int(col.offset[local[0]])]
         raise StoreError(f"partition {part.name!r} has no row {index}")
 
-    def _ack_many(self, part: _Partition, consumer: str, where: np.ndarray) -> int:
+    def _ack_many(self, part: Partition, consumer: str, where: np.ndarray) -> int:
         newly, evicted = 0, False
         for seg, local, _ in part.locate(unique_sorted(where)):
             local = local[seg.alive[local] & ~seg.acked[consumer][local]]
@@ -543,7 +441,7 @@ class Store:
             part.reindex()
         return newly
 
-    def _evict(self, part: _Partition, seg: _Segment, local: np.ndarray) -> None:
+    def _evict(self, part: Partition, seg: Segment, local: np.ndarray) -> None:
         seg.alive[local] = False
         part.num_rows -= len(local)
         part.num_evicted += len(local)
@@ -554,7 +452,7 @@ class Store:
             part.nbytes -= int(column.nbytes[local][present].sum())
             column.chunk[local] = -1
 
-    def _unref(self, part: _Partition, ids: np.ndarray) -> None:
+    def _unref(self, part: Partition, ids: np.ndarray) -> None:
         if not len(ids):
             return
         if ids[0] == ids[-1] and (len(ids) < 3 or (ids == ids[0]).all()):
@@ -570,7 +468,7 @@ class Store:
                 for listener in self._free_listeners:
                     listener(part.name, chunk)
 
-    def _redeliver(self, part: _Partition, consumer: str, pieces: Iterable[tuple[_Segment, np.ndarray]]) -> int:
+    def _redeliver(self, part: Partition, consumer: str, pieces: Iterable[tuple[Segment, np.ndarray]]) -> int:
         count = 0
         self._stamp += 1
         for seg, local in pieces:
@@ -583,7 +481,7 @@ class Store:
         part.consumers[consumer].num_redelivered += count
         return count
 
-    def _expire_leases(self, part: _Partition) -> int:
+    def _expire_leases(self, part: Partition) -> int:
         now, expired = self._clock(), 0
         while part.leases and part.leases[0][0] <= now:
             deadline, _, consumer, indexes = heapq.heappop(part.leases)
@@ -593,7 +491,7 @@ class Store:
             self._notify()
         return expired
 
-    def _wait_time(self, part: _Partition, deadline: float | None) -> float | None:
+    def _wait_time(self, part: Partition, deadline: float | None) -> float | None:
         now = self._clock()
         waits = [deadline - now] if deadline is not None else []
         if part.leases:
@@ -626,7 +524,7 @@ class Store:
                             "wait_s": {
                                 "count": sum(s.wait_counts),
                                 "sum": s.wait_sum,
-                                "buckets": dict(zip(map(str, _WAIT_BUCKETS), s.wait_counts)),
+                                "buckets": dict(zip(map(str, WAIT_BUCKETS), s.wait_counts)),
                             },
                         }
                         for s in part.consumers.values()
@@ -679,7 +577,7 @@ class Store:
             store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
             part = store._parts[name]
             for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
-                part.segments.append(_Segment(i, 1, [group], [version], [tags], part.consumers))
+                part.segments.append(Segment(i, 1, [group], [version], [tags], part.consumers))
                 part.num_rows += 1
             part.reindex()
             part.next_index = p["next_index"]
