@@ -259,7 +259,8 @@ class Workflow:
             dropped_before = self.store.consumer_counts("train", "train")["dropped"]
             batch = self._get("train", "train", "train", [*TRAJECTORY_COLUMNS, "reward", "advantage"], cfg.batch_size, sampler=sampler)
             order = sorted(range(len(batch)), key=lambda k: batch.indexes[k])  # deterministic row order
-            trajectories = [_trajectories(batch)[k] for k in order]
+            unordered = _trajectories(batch)
+            trajectories = [unordered[k] for k in order]
             gaps = [self.version - v for t in trajectories for v in t.versions if v != ENV_VERSION]
             if gaps and max(gaps) > cfg.max_staleness:
                 raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")

@@ -126,23 +126,10 @@ def embedded_latency(num_trials: int) -> list[float]:
     from tidal.flow.store.server import StoreServer
 
     ctx = mp.get_context("spawn")
-    out, waiting = ctx.Queue(), ctx.Event()
     store = Store()
     store.create_partition("lat", consumers=["c"])
     with StoreServer(store) as server:
-        consumer = ctx.Process(target=_tidal_latency_consumer, args=(server.address, num_trials, waiting, out), daemon=True)
-        consumer.start()
-        row = {"logprobs": torch.randn(1, 256)}
-        sent = []
-        for _ in range(num_trials + 1):
-            waiting.wait(timeout=60)
-            waiting.clear()
-            time.sleep(0.005)  # let the get reach the server and park there
-            sent.append(time.perf_counter())
-            store.put("lat", row)
-        got = out.get(timeout=120)
-        consumer.join(timeout=30)
-    return [g - s for g, s in zip(got, sent[1:])]
+        return _time_handoffs(ctx, server.address, store.put, num_trials)
 
 
 def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
@@ -214,16 +201,26 @@ def _tidal_latency_consumer(address: str, num_trials: int, waiting: Any, out: An
 
 
 def tidal_latency(num_trials: int) -> list[float]:
+    from tidal.flow.store.client import RemoteStore
+
     ctx = mp.get_context("spawn")
-    ready, out = ctx.Queue(), ctx.Queue()
-    stop, waiting = ctx.Event(), ctx.Event()
+    ready, stop = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=_serve, args=(ready, stop), daemon=True)
     server.start()
     address = ready.get(timeout=60)
-    from tidal.flow.store.client import RemoteStore
-
     producer = RemoteStore(address)
     producer.create_partition("lat", consumers=["c"])
+    try:
+        return _time_handoffs(ctx, address, producer.put, num_trials)
+    finally:
+        producer.close()
+        stop.set()
+        server.join(timeout=30)
+
+
+def _time_handoffs(ctx: Any, address: str, put: Callable[..., Any], num_trials: int) -> list[float]:
+    """A consumer process waits in `get`; time each `put` call until that `get` returns."""
+    out, waiting = ctx.Queue(), ctx.Event()
     consumer = ctx.Process(target=_tidal_latency_consumer, args=(address, num_trials, waiting, out), daemon=True)
     consumer.start()
     row = {"logprobs": torch.randn(1, 256)}
@@ -233,12 +230,9 @@ def tidal_latency(num_trials: int) -> list[float]:
         waiting.clear()
         time.sleep(0.005)  # let the get reach the server and park there
         sent.append(time.perf_counter())
-        producer.put("lat", row)
+        put("lat", row)
     got = out.get(timeout=120)
-    producer.close()
-    stop.set()
     consumer.join(timeout=30)
-    server.join(timeout=30)
     return [g - s for g, s in zip(got, sent[1:])]
 
 

@@ -332,11 +332,17 @@ def _check_values(cfg: Any) -> None:
     """Checks a type cannot express, each naming its key."""
     from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
 
+    from tidal.tools.backends import REGISTRIES, unknown  # noqa: PLC0415
+
     if "device" in cfg:
         try:
             check_spec(cfg.device, source="device")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    for key in REGISTRIES:
+        section, _, field = key.partition(".")
+        if section in cfg and (message := unknown(key, cfg[section][field])):
+            raise ConfigError(message)
 
 
 def to_yaml(cfg: Any) -> str:

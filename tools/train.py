@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.rewards import resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS, TASKS
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
@@ -32,20 +31,9 @@ from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import current_platform
+from tidal.tools import backends
 
 EVAL_SEED_OFFSET = 1_000_003
-ROLLOUT_BACKENDS = {"hf": HFRolloutEngine}
-"""rollout.backend -> adapter (vllm arrives with its adapter)."""
-TRAIN_BACKENDS = {"torch": TorchTrainEngine}
-"""train.backend -> adapter (fsdp arrives with its adapter)."""
-
-
-def _backend(registry: dict[str, Any], key: str, value: str) -> Any:
-    if value not in registry:
-        from tidal.tools.config import ConfigError  # noqa: PLC0415
-
-        raise ConfigError(f"{key}={value!r} is not available; choices: {', '.join(sorted(registry))}")
-    return registry[value]
 
 
 class Prompts:
@@ -192,8 +180,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     console = Console(stderr=True)
-    rollout_cls = _backend(ROLLOUT_BACKENDS, "rollout.backend", cfg.rollout.backend)
-    train_cls = _backend(TRAIN_BACKENDS, "train.backend", cfg.train.backend)
+    rollout_cls = backends.load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
+    train_cls = backends.load("train.backend", cfg.train.backend)
     platform = current_platform()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.flow.store.cells import rows_of
+from tidal.flow.store.cells import cell_sizes, rows_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ class StorageUnit:
             if key in self._chunks:
                 raise ValueError(f"storage unit already holds chunk {key!r}")
             self._chunks[key] = chunk
-            self.nbytes += _nbytes(chunk)
+            self.nbytes += int(cell_sizes(chunk).sum())
 
     def read(self, key: str, offsets: np.ndarray) -> Any:
         """The rows `offsets` of chunk `key`: a tensor (a view when contiguous) or a list."""
@@ -100,18 +100,10 @@ class StorageUnit:
             for key in keys:
                 chunk = self._chunks.pop(key, None)
                 if chunk is not None:
-                    self.nbytes -= _nbytes(chunk)
+                    self.nbytes -= int(cell_sizes(chunk).sum())
                     dropped += 1
         return dropped
 
     def __len__(self) -> int:
         """How many chunks it holds."""
         return len(self._chunks)
-
-
-def _nbytes(chunk: Any) -> int:
-    if isinstance(chunk, torch.Tensor):
-        return chunk.numel() * chunk.element_size()
-    if isinstance(chunk, np.ndarray):
-        return chunk.nbytes
-    return sum(getattr(v, "nbytes", 8) if not isinstance(v, (str, bytes)) else len(v) for v in chunk)

@@ -152,6 +152,7 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
         (["seed=abc"], "key 'seed' in the command-line overrides expects int, got 'abc'"),
         (["device=tpu"], "valid values"),
         (["bogus"], "is not key=value"),
+        (["rollout.backend=vllm"], "rollout.backend='vllm' is not available in this version; choices: hf"),
     ],
 )
 def test_run_user_errors_exit_2_without_traceback(tidal_cli, tmp_path, args, message):
