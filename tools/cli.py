@@ -27,6 +27,7 @@ examples:
   TIDAL_DEVICE=fake:npu:8 tidal doctor          pretend to be a node with 8 NPUs
   tidal config --keys                           every recipe key, its type and meaning
   tidal run recipes/quickstart_cpu.yaml seed=1 --check
+  tidal plan mixed_npu_gpu placement.train.lend_to=rollout   where each role would run
   tidal bench store                             the data store against TransferQueue and raw ZeroMQ
 
 exit codes: 0 success, 1 runtime failure (such as a platform that cannot load),
@@ -62,6 +63,21 @@ says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
 CONFIG_HELP = """\
 Print the resolved config of a recipe with overrides applied (every default filled in),
 or with --keys, every key of the recipe schema with its type, default and meaning.
+"""
+
+
+PLAN_HELP = """\
+Print where each role of a recipe would run, without starting anything: the cluster
+(the recipe's `cluster.nodes`, else the Ray cluster under runtime=ray, else this
+machine) and one row per role instance with its node, device kind, device indices, mode
+(own, colocated, borrowed) and the roles it time-shares devices with. The layout is
+named from the placement block: disaggregated (each role on its own devices), colocated
+(placement.rollout.colocate_with=train), hybrid (colocated, with more rollout
+instances than the trainer's devices hold) or multiplexed (placement.train.lend_to=rollout:
+idle training devices run rollout until the next optimizer step).
+
+A request the cluster cannot hold fails at once with exit code 2, naming the role and
+what it lacked.
 """
 
 
@@ -106,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("recipe", nargs="?", help="recipe YAML file or shipped recipe name (default: schema defaults)")
     config.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. seed=1")
     config.add_argument("--keys", action="store_true", help="list every key with its type, default and documentation")
+
+    plan = sub.add_parser("plan", help="show where each role would run", description=PLAN_HELP, formatter_class=fmt)
+    plan.add_argument("recipe", help="recipe YAML file or shipped recipe name")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. placement.rollout.colocate_with=train")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     bench = sub.add_parser("bench", help="run a benchmark (store, e2e)", description=BENCH_HELP, formatter_class=fmt)
     bench.add_argument("name", choices=["store", "e2e"], help="which benchmark")
@@ -206,6 +227,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from tidal.tools.config import load_config  # noqa: PLC0415
+    from tidal.tools.plan import cluster_rows, make_plan  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+
+    cfg = load_config(resolve_recipe(args.recipe), args.overrides)
+    ray_nodes = None
+    if cfg.runtime.value == "ray" and not cfg.cluster.nodes:
+        from tidal.flow.runtime import connected_ray_nodes  # noqa: PLC0415
+
+        ray_nodes = connected_ray_nodes
+    plan, source = make_plan(cfg, ray_nodes=ray_nodes)
+    if args.json:
+        print(json.dumps({"cluster_from": source, **plan.to_dict()}, indent=2))
+        return 0
+    _print_table(f"cluster (from {source})", cluster_rows(plan.resources))
+    _print_table(f"plan: {plan.layout}", plan.table())
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from tidal.tools.config import RecipeConfig, iter_keys, load_config, to_yaml  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
@@ -220,13 +261,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "bench": _cmd_bench}
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command in ("run", "config") and all("=" in x and not x.startswith("-") for x in extra):
+    if extra and args.command in ("run", "config", "plan") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # key=value overrides that came after an option such as --check
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -142,6 +142,58 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass
+class NodeConfig:
+    """Nodes of one shape in the cluster."""
+
+    name: str = "node"
+    """Node name; with count > 1 the nodes are named <name>-0, <name>-1, ..."""
+    kind: str = "cpu"
+    """Device kind of the node: cuda | npu | cpu."""
+    devices: int = 1
+    """Devices per node (for cpu nodes: processes that may run one role instance each)."""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Extra tags the devices carry (their kind is a tag already; cuda devices also carry `gpu`)."""
+    count: int = 1
+    """How many such nodes."""
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    """The devices a run may use (`tidal plan` shows what goes where)."""
+
+    nodes: list[NodeConfig] = dataclasses.field(default_factory=list)
+    """Nodes and their devices; empty = discovered (Ray's nodes under runtime ray, else this machine)."""
+    fake: bool = False
+    """Each process runs the fake:<kind>:<n> platform of its placement (CPU tensors): CI runs of NPU/GPU layouts."""
+
+
+@dataclasses.dataclass
+class RoleConfig:
+    """Where one role's instances go."""
+
+    requires: list[str] = dataclasses.field(default_factory=list)
+    """Tags every device of an instance must carry, e.g. [npu] or [gpu, h100]; empty = any device."""
+    count: int = 1
+    """Instances of the role (engine replicas or data-parallel ranks)."""
+    devices_each: int = 1
+    """Devices per instance, all on one node."""
+    colocate_with: Optional[str] = None
+    """Time-share that role's devices (colocated); instances beyond them take free devices (hybrid)."""
+    lend_to: Optional[str] = None
+    """While this role waits for data, its devices run instances of that role (multiplexed)."""
+
+
+@dataclasses.dataclass
+class PlacementConfig:
+    """Which devices each role uses; kept apart from the algorithm's settings."""
+
+    train: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    """The trainer."""
+    rollout: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    """The rollout engines."""
+
+
+@dataclasses.dataclass
 class RecipeConfig:
     """A tidal recipe: what to run, on which platform, and where its files go."""
 
@@ -177,6 +229,10 @@ class RecipeConfig:
     """Train engine."""
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     """RL algorithm and staleness bound."""
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    """Nodes and devices (empty = discovered)."""
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """Which devices each role uses."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,6 +298,9 @@ def iter_keys(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
         if isinstance(default, enum.Enum):
             default = default.name
         yield KeyDoc(key=key, type=_type_name(tp), default=default, doc=docs.get(f.name, ""))
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        if dataclasses.is_dataclass(item):
+            yield from iter_keys(item, key + "[].")  # fields of each list entry
 
 
 def _key_type(cls: type, key: str) -> str | None:

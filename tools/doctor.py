@@ -16,6 +16,9 @@ def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | Non
 
     if cfg.runtime.name == "ray" and importlib.util.find_spec("ray") is None:
         return False, "runtime ray needs the ray package"
+    kinds = sorted({node.kind for node in cfg.cluster.nodes} - {"cpu"})
+    if kinds and not cfg.cluster.fake:
+        return False, f"needs a Ray cluster with {' and '.join(kinds)} nodes (cluster.fake=true runs it on CPU)"
     if os.environ.get(ENV_VAR) and selected:
         return True, f"{ENV_VAR} overrides its device; runs on {selected}"
     device = cfg.device

@@ -180,3 +180,31 @@ def test_config_prints_resolved_and_keys(tidal_cli):
     for word in ("seed", "device", "runtime", "one of local | ray", "TIDAL_DEVICE"):
         assert word in keys.stdout
     assert tidal_cli("--version").stdout.startswith("tidal ")
+
+
+LAYOUTS = {
+    "disaggregated": [],
+    "colocated": ["placement.rollout.requires=[]", "placement.rollout.colocate_with=train"],
+    "hybrid": ["placement.rollout.requires=[]", "placement.rollout.colocate_with=train", "placement.rollout.count=16"],
+    "multiplexed": ["placement.rollout.requires=[]", "placement.train.lend_to=rollout"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plan_prints_the_four_layouts_of_the_mixed_cluster(tidal_cli, layout):
+    out = tidal_cli("plan", "mixed_npu_gpu", *LAYOUTS[layout])
+    assert out.returncode == 0, out.stderr
+    assert f"plan: {layout}" in out.stdout and "npu-1" in out.stdout and "gpu-1" in out.stdout
+    data = json.loads(tidal_cli("plan", "mixed_npu_gpu", *LAYOUTS[layout], "--json").stdout)
+    assert data["layout"] == layout and data["cluster_from"] == "recipe"
+    train = [a for a in data["assignments"] if a["role"] == "train"]
+    assert len(train) == 16 and {a["node"] for a in train} == {"npu-0", "npu-1"}
+
+
+def test_plan_reverse_assignment_and_infeasible_request(tidal_cli):
+    data = json.loads(tidal_cli("plan", "mixed_npu_gpu", "placement.train.requires=[gpu]", "placement.rollout.requires=[npu]", "--json").stdout)
+    assert {a["kind"] for a in data["assignments"] if a["role"] == "train"} == {"cuda"}
+    assert {a["kind"] for a in data["assignments"] if a["role"] == "rollout"} == {"npu"}
+    out = tidal_cli("plan", "mixed_npu_gpu", "placement.rollout.count=9")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "cannot place role 'rollout'" in out.stderr and "1 more do not fit" in out.stderr

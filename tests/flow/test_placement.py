@@ -1,0 +1,105 @@
+"""Placement: the four layouts from one scheduler, and infeasible requests named at once."""
+
+import pytest
+
+from tidal.flow.placement import PlacementError, Resource, Role, resources_from_ray_nodes, schedule
+
+MIXED = [
+    Resource(node="npu-0", kind="npu", capacity=8),
+    Resource(node="npu-1", kind="npu", capacity=8),
+    Resource(node="gpu-0", kind="cuda", capacity=8, tags=frozenset({"h100"})),
+    Resource(node="gpu-1", kind="cuda", capacity=8),
+]
+TRAIN = Role(name="train", requires=("npu",), count=16, devices_each=1)
+
+
+def _devices(plan, role, mode=None):
+    return sorted((a.node, d) for a in plan.of(role, mode=mode) for d in a.devices)
+
+
+def _check_no_device_owned_twice(plan):
+    owned = [(a.node, d) for a in plan.assignments if a.mode == "own" for d in a.devices]
+    assert len(owned) == len(set(owned))
+
+
+def test_disaggregated_puts_each_role_on_its_own_tagged_devices():
+    plan = schedule(MIXED, [TRAIN, Role(name="rollout", requires=("gpu",), count=8, devices_each=2)])
+    assert plan.layout == "disaggregated"
+    assert {a.node for a in plan.of("train")} == {"npu-0", "npu-1"}
+    assert all(a.kind == "npu" and len(a.devices) == 1 for a in plan.of("train"))
+    rollout = plan.of("rollout")
+    assert [a.rank for a in rollout] == list(range(8))
+    assert all(a.kind == "cuda" and len(a.devices) == 2 and a.shares_with == () for a in rollout)
+    assert _devices(plan, "rollout") == [(n, d) for n in ("gpu-0", "gpu-1") for d in range(8)]
+    _check_no_device_owned_twice(plan)
+    assert plan.of("rollout")[0].platform_spec(fake=True) == "fake:cuda:2"
+    assert plan.of("train")[0].platform_spec(fake=False) == "npu"
+
+
+def test_reverse_assignment_and_extra_tags():
+    plan = schedule(MIXED, [Role(name="train", requires=("gpu", "h100"), count=4, devices_each=2), Role(name="rollout", requires=("npu",), count=2, devices_each=8)])
+    assert {a.node for a in plan.of("train")} == {"gpu-0"}
+    assert {a.node for a in plan.of("rollout")} == {"npu-0", "npu-1"}
+
+
+def test_colocated_time_shares_the_hosts_devices():
+    plan = schedule(MIXED, [TRAIN, Role(name="rollout", count=8, devices_each=2, colocate_with="train")])
+    assert plan.layout == "colocated"
+    assert _devices(plan, "rollout", "colocated") == _devices(plan, "train")
+    assert all(a.shares_with == ("train",) for a in plan.of("rollout"))
+    assert all(a.shares_with == ("rollout",) for a in plan.of("train"))
+
+
+def test_hybrid_spills_colocated_instances_onto_free_devices():
+    plan = schedule(MIXED, [TRAIN, Role(name="rollout", count=12, devices_each=2, colocate_with="train")])
+    assert plan.layout == "hybrid"
+    assert len(plan.of("rollout", mode="colocated")) == 8
+    own = plan.of("rollout", mode="own")
+    assert [a.rank for a in own] == [8, 9, 10, 11] and {a.node for a in own} == {"gpu-0"}  # packed onto one node
+    _check_no_device_owned_twice(plan)
+
+
+def test_multiplexed_lends_training_devices_to_rollout():
+    plan = schedule(MIXED, [Role(name="train", requires=("npu",), count=16, lend_to="rollout"), Role(name="rollout", count=8, devices_each=2)])
+    assert plan.layout == "multiplexed"
+    borrowed = plan.of("rollout", mode="borrowed")
+    assert [a.rank for a in borrowed] == list(range(8, 16))
+    assert _devices(plan, "rollout", "borrowed") == _devices(plan, "train")
+    assert {a.kind for a in plan.of("rollout", mode="own")} == {"cuda"}
+
+
+@pytest.mark.parametrize(
+    ("roles", "message"),
+    [
+        ([TRAIN, Role(name="rollout", requires=("gpu",), count=9, devices_each=2)], "cannot place role 'rollout'.*8 placed, 1 more do not fit.*gpu-0 0/8 free"),
+        ([Role(name="train", requires=("tpu",))], "cannot place role 'train'.*no node offers those tags"),
+        ([Role(name="train", requires=("npu",), devices_each=9)], "cannot place role 'train'.*npu-0 8/8 free"),
+        ([TRAIN, Role(name="rollout", requires=("gpu",), colocate_with="train")], "'rollout' cannot colocate with 'train'"),
+        ([TRAIN, Role(name="rollout", colocate_with="critic")], "colocate_with='critic' names no other role"),
+        ([Role(name="train", requires=("npu",), lend_to="rollout"), Role(name="rollout", requires=("gpu",))], "'train' cannot lend to 'rollout'"),
+    ],
+)
+def test_infeasible_requests_name_the_role(roles, message):
+    with pytest.raises(PlacementError, match=message):
+        schedule(MIXED, roles)
+
+
+def test_bad_roles_and_resources_are_named():
+    with pytest.raises(PlacementError, match="role 'x': count must be >= 1"):
+        Role(name="x", count=0)
+    with pytest.raises(PlacementError, match="node 'n': kind 'tpu'"):
+        Resource(node="n", kind="tpu", capacity=1)
+
+
+def test_resources_from_ray_nodes():
+    nodes = [
+        {"Alive": True, "NodeName": "10.0.0.1", "Resources": {"CPU": 64.0, "NPU": 8.0, "ascend910b": 8.0, "node:10.0.0.1": 1.0, "memory": 1e9}},
+        {"Alive": True, "NodeName": "10.0.0.2", "Resources": {"CPU": 32.0, "GPU": 8.0, "accelerator_type:H100": 1.0}},
+        {"Alive": True, "NodeName": "10.0.0.3", "Resources": {"CPU": 16.0}},
+        {"Alive": False, "NodeName": "10.0.0.4", "Resources": {"GPU": 8.0}},
+    ]
+    res = {r.node: r for r in resources_from_ray_nodes(nodes)}
+    assert set(res) == {"10.0.0.1", "10.0.0.2", "10.0.0.3"}
+    assert (res["10.0.0.1"].kind, res["10.0.0.1"].capacity) == ("npu", 8) and "ascend910b" in res["10.0.0.1"].tags
+    assert (res["10.0.0.2"].kind, res["10.0.0.2"].capacity) == ("cuda", 8) and {"H100", "gpu"} <= res["10.0.0.2"].tags
+    assert (res["10.0.0.3"].kind, res["10.0.0.3"].capacity) == ("cpu", 16)
