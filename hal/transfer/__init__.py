@@ -1,0 +1,202 @@
+"""Weight transports: named tensors of one policy version, from a trainer to rollout engines.
+
+Three transports, chosen from the two sides' `PlatformDescriptor`s (`choose_transport`)
+and overridable in the recipe:
+
+- `ipc`: same node, same device kind, colocated: the receiver maps the sender's buffer
+  (OS shared memory for host tensors, the device's IPC handles for CUDA) and copies once;
+- `collective`: same collective backend (NCCL, HCCL, or gloo on CPU): a broadcast group
+  of trainer + receivers, built once and reused;
+- `host`: any pair, including NPU trainer -> GPU rollout: device -> pinned host buckets
+  -> ZeroMQ/TCP -> device, with the next bucket's device-to-host copy overlapping the
+  current bucket's send.
+
+Every transfer carries a `Manifest` (version, and name / dtype / shape of every tensor).
+A receiver returns a version only when every tensor of its manifest arrived with the
+right size and, when it was given the model's own specs, the manifest matches them
+exactly; a partial or failed transfer raises `TransferError` and never goes live.
+Nothing on the wire is ever unpickled: headers are msgpack, tensors raw bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+from tidal.hal.platform import PlatformDescriptor
+
+TRANSPORTS = ("ipc", "collective", "host")
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Bytes per bucket: large enough to stream at full speed, small enough to pipeline."""
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+)}
+
+
+class TransferError(RuntimeError):
+    """A weight transfer failed or arrived incomplete; the version did not go live."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    """torch dtype without the `torch.` prefix, e.g. `bfloat16`."""
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * _DTYPES[self.dtype].itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TransferError(f"tensor {name!r} has dtype {tensor.dtype}, which weight transports do not carry")
+        return cls(name, dtype, tuple(tensor.shape))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Manifest:
+    """What one version's transfer holds, sent ahead of its data."""
+
+    version: int
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[tuple[int, ...], ...]
+    """Indexes into `specs`, one tuple per bucket, in sending order."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def bucket_nbytes(self, k: int) -> int:
+        return sum(self.specs[i].nbytes for i in self.buckets[k])
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"version": self.version, "specs": [[s.name, s.dtype, list(s.shape)] for s in self.specs], "buckets": [list(b) for b in self.buckets]})
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Manifest:
+        try:
+            raw = msgpack.unpackb(data)
+            specs = tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw["specs"])
+            buckets = tuple(tuple(int(i) for i in b) for b in raw["buckets"])
+            manifest = cls(int(raw["version"]), specs, buckets)
+        except Exception as e:  # noqa: BLE001 - any malformed header is the same error
+            raise TransferError(f"malformed weight manifest: {e}") from None
+        unknown = sorted({s.dtype for s in specs} - set(_DTYPES))
+        if unknown:
+            raise TransferError(f"weight manifest of version {manifest.version} names unknown dtypes {unknown}")
+        if sorted(i for b in buckets for i in b) != list(range(len(specs))):
+            raise TransferError(f"weight manifest of version {manifest.version}: buckets do not cover every tensor once")
+        return manifest
+
+    def check_against(self, expected: Mapping[str, TensorSpec] | None) -> None:
+        """Raise `TransferError` unless the manifest holds exactly the `expected` tensors."""
+        if expected is None:
+            return
+        got = {s.name: s for s in self.specs}
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        wrong = sorted(n for n in set(got) & set(expected) if (got[n].dtype, got[n].shape) != (expected[n].dtype, expected[n].shape))
+        if missing or extra or wrong:
+            parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {extra[:5]}" if extra else "",
+                     "; ".join(f"{n}: got {got[n].dtype}{list(got[n].shape)}, model has {expected[n].dtype}{list(expected[n].shape)}" for n in wrong[:5])]
+            raise TransferError(f"weights of version {self.version} do not match the model: " + "; ".join(p for p in parts if p))
+
+
+def make_manifest(version: int, tensors: Sequence[tuple[str, torch.Tensor]], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+    """Specs of `tensors` grouped, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    names = [n for n, _ in tensors]
+    if len(set(names)) != len(names):
+        raise TransferError(f"weights of version {version} repeat tensor names")
+    specs = tuple(TensorSpec.of(n, t) for n, t in tensors)
+    buckets: list[list[int]] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        if not buckets or size + spec.nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += spec.nbytes
+    return Manifest(version, specs, tuple(tuple(b) for b in buckets))
+
+
+def expected_specs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, TensorSpec]:
+    """The specs a receiver checks incoming versions against (its model's own tensors)."""
+    return {n: TensorSpec.of(n, t) for n, t in named_tensors}
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """A complete, checked version: what a rollout engine's `load_weights` receives."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """View a flat uint8 tensor as `spec`'s dtype and shape (no copy)."""
+    return buffer.view(_DTYPES[spec.dtype]).reshape(spec.shape)
+
+
+def choose_transport(sender: PlatformDescriptor, receiver: PlatformDescriptor, *, same_node: bool, colocated: bool, override: str | None = None) -> str:
+    """The transport between a trainer on `sender` and a rollout on `receiver`.
+
+    ipc when colocated on one node with the same device kind (and the kind supports it),
+    else collective when both use the same collective backend, else host. An `override`
+    that cannot work for this pair is a ValueError that says why.
+    """
+    same_backend = sender.dist_backend == receiver.dist_backend  # a fake platform decides as its kind would
+    ipc_ok = colocated and same_node and sender.kind == receiver.kind and (sender.fake or sender.kind in ("cpu", "cuda"))
+    if override is None or override == "auto":
+        return "ipc" if ipc_ok else "collective" if same_backend else "host"
+    if override not in TRANSPORTS:
+        raise ValueError(f"transport={override!r} is not one of auto, {', '.join(TRANSPORTS)}")
+    if override == "ipc" and not ipc_ok:
+        raise ValueError(
+            f"transport=ipc needs trainer and rollout colocated on one node with the same device kind "
+            f"(and cpu or cuda devices); here: {sender.kind} -> {receiver.kind}, colocated={colocated}, same_node={same_node}"
+        )
+    if override == "collective" and not same_backend:
+        raise ValueError(f"transport=collective needs one collective backend on both sides; here: {sender.dist_backend} -> {receiver.dist_backend} (use host)")
+    return override
+
+
+def wire_backend(d: PlatformDescriptor) -> str:
+    """The collective backend that actually runs: gloo for CPU tensors (cpu and fake platforms)."""
+    return "gloo" if d.fake or d.kind == "cpu" else d.dist_backend
+
+
+def pack_header(**fields: Any) -> bytes:
+    return msgpack.packb(fields)
+
+
+def unpack_header(data: bytes) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(data)
+    except Exception as e:  # noqa: BLE001
+        raise TransferError(f"malformed transfer header: {e}") from None
+    if not isinstance(header, dict) or "kind" not in header:
+        raise TransferError("malformed transfer header: not a mapping with a kind")
+    return header

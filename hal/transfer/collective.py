@@ -1,0 +1,146 @@
+"""The `collective` transport: a broadcast group of one trainer (rank 0) and its receivers.
+
+The group is built once, from a `TCPStore` the trainer hosts, as a standalone process
+group of the platform's backend (NCCL, HCCL, or gloo for CPU tensors), so it neither
+needs nor disturbs a default process group the trainer may use for FSDP. Each version
+is broadcast as: the manifest's length and bytes (msgpack in a uint8 tensor), then one
+flat uint8 buffer per bucket. A receiver whose model does not match the manifest still
+takes part in every broadcast (so the group stays in step) and then raises.
+
+Run for real: gloo on CPU (tests, `tidal bench weights`). NCCL and HCCL are written
+against `torch.distributed.ProcessGroupNCCL` and torch_npu's `ProcessGroupHCCL` and were
+not run on this project's machines.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from tidal.hal.platform import Platform
+from tidal.hal.transfer import (
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    TensorSpec,
+    TransferError,
+    Weights,
+    from_bytes,
+    make_manifest,
+    tensor_bytes,
+    wire_backend,
+)
+
+
+def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend == "hccl":
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # noqa: PLC0415 - only on NPU platforms
+
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupHCCL(store, rank, world_size, options)
+    raise ValueError(f"no weight broadcast group for backend {backend!r}")
+
+
+class _Group:
+    """Rank `rank` of a standalone broadcast group rooted at rank 0."""
+
+    def __init__(self, platform: Platform, *, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> None:
+        if world_size < 2:
+            raise ValueError(f"a weight broadcast group needs the trainer and at least one receiver; world_size={world_size}")
+        self.platform = platform
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = platform.device(0) if wire_backend(platform.descriptor) != "gloo" else torch.device("cpu")
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        self.port = self.store.port
+        self._pg: dist.ProcessGroup | None = None
+        self._backend = wire_backend(platform.descriptor)
+        self._world_size = world_size
+
+    def join(self) -> None:
+        """Build the process group (blocks until every rank joined); later calls do nothing."""
+        if self._pg is None:
+            self._pg = _process_group(self._backend, self.store, self.rank, self._world_size, self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.join()
+        assert self._pg is not None
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._pg.broadcast([tensor], opts).wait(self.timeout)
+
+
+class CollectiveSender:
+    """Trainer side (rank 0). `port` is what receivers connect to; `join()` then `send()`."""
+
+    def __init__(self, platform: Platform, *, num_receivers: int, host: str = "127.0.0.1", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0) -> None:
+        self._group = _Group(platform, rank=0, world_size=num_receivers + 1, host=host, port=port, timeout_s=timeout_s)
+        self._bucket_bytes = bucket_bytes
+        self.port = self._group.port
+
+    def join(self) -> None:
+        self._group.join()
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        manifest = make_manifest(version, tensors, bucket_bytes=self._bucket_bytes)
+        header = torch.frombuffer(bytearray(manifest.pack()), dtype=torch.uint8)
+        try:
+            self._group.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self._group.device))
+            self._group.broadcast(header.to(self._group.device))
+            for bucket in manifest.buckets:
+                flat = torch.cat([tensor_bytes(tensors[i][1].to(self._group.device)) for i in bucket])
+                self._group.broadcast(flat)
+        except RuntimeError as e:
+            raise TransferError(f"broadcast of version {version} failed: {e}") from e
+        return manifest
+
+
+class CollectiveReceiver:
+    """A rollout engine's side (rank >= 1)."""
+
+    def __init__(self, platform: Platform, *, rank: int, num_receivers: int, host: str, port: int, expected: Mapping[str, TensorSpec] | None = None, timeout_s: float = 300.0) -> None:
+        self._group = _Group(platform, rank=rank, world_size=num_receivers + 1, host=host, port=port, timeout_s=timeout_s)
+        self._expected = expected
+        self._out_device = platform.device(0)
+
+    def join(self) -> None:
+        self._group.join()
+
+    def receive(self) -> Weights:
+        """The next version the trainer broadcasts (waits up to the group's timeout)."""
+        g = self._group
+        try:
+            length = torch.zeros(1, dtype=torch.int64, device=g.device)
+            g.broadcast(length)
+            header = torch.empty(int(length.item()), dtype=torch.uint8, device=g.device)
+            g.broadcast(header)
+            manifest = Manifest.unpack(bytes(header.cpu().numpy()))
+            buffers = []
+            for k in range(len(manifest.buckets)):
+                flat = torch.empty(manifest.bucket_nbytes(k), dtype=torch.uint8, device=g.device)
+                g.broadcast(flat)
+                buffers.append(flat)
+        except RuntimeError as e:
+            raise TransferError(f"weight broadcast failed: {e}; nothing went live") from e
+        manifest.check_against(self._expected)
+        tensors = {}
+        for k, bucket in enumerate(manifest.buckets):
+            offset = 0
+            for i in bucket:
+                spec = manifest.specs[i]
+                raw = buffers[k][offset : offset + spec.nbytes]
+                if offset % spec.torch_dtype.itemsize:
+                    raw = raw.clone()  # a dtype view needs an aligned offset
+                tensors[spec.name] = from_bytes(raw, spec).to(self._out_device)
+                offset += spec.nbytes
+        return Weights(manifest.version, tensors)

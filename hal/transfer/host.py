@@ -1,0 +1,214 @@
+"""The `host` transport: device -> pinned host buckets -> ZeroMQ/TCP -> device, any pair of platforms.
+
+The sender pushes one message per bucket to every receiver (a PUSH socket each):
+`begin` (header + manifest), `bucket` (header + one raw frame per tensor), `end`.
+Device tensors are copied into one of two pinned staging buffers and the frames point
+into it (`copy=False`), so ZeroMQ's I/O thread sends bucket k while bucket k+1 is being
+copied off the device; host tensors (cpu and fake platforms) are sent from their own
+memory without a copy. The receiver copies each frame straight into a tensor on its
+device and returns the version only after `end`, when every bucket arrived complete.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from tidal.hal.platform import Platform
+from tidal.hal.transfer import (
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    TensorSpec,
+    TransferError,
+    Weights,
+    from_bytes,
+    make_manifest,
+    pack_header,
+    tensor_bytes,
+    unpack_header,
+)
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def check_bind(address: str, token: str | None) -> None:
+    """A receiver bound beyond this host must require a token."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
+    if host not in LOCAL_HOSTS and not token:
+        raise ValueError(f"a weight receiver bound to {address} (not 127.0.0.1) needs a token")
+
+
+class HostSender:
+    """Trainer side: sends versions to every connected receiver."""
+
+    def __init__(self, platform: Platform, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, send_timeout_s: float = 120.0, token: str | None = None) -> None:
+        self._platform = platform
+        self._bucket_bytes = bucket_bytes
+        self._timeout_ms = int(send_timeout_s * 1000)
+        self._token = token or ""
+        self._ctx = zmq.Context.instance()
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._staging: list[torch.Tensor] = []
+
+    def connect(self, address: str) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a receiver that is not there
+        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._sockets[address] = sock
+
+    def disconnect(self, address: str) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """Send all of `named_tensors` as `version`; returns when every receiver's frames left this process.
+
+        Raises:
+            TransferError: a receiver did not take the data within the send timeout.
+        """
+        if not self._sockets:
+            raise TransferError("no weight receiver is connected")
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        manifest = make_manifest(version, tensors, bucket_bytes=self._bucket_bytes)
+        trackers: list[Any] = []
+        self._send_all([pack_header(kind="begin", version=version, token=self._token), manifest.pack()], trackers)
+        pending: list[list[Any]] = [[], []]  # trackers per staging buffer
+        for k, bucket in enumerate(manifest.buckets):
+            on_host = all(tensors[i][1].device.type == "cpu" for i in bucket)
+            if on_host:
+                frames = [tensor_bytes(tensors[i][1]).numpy() for i in bucket]
+            else:
+                for t in pending[k % 2]:
+                    t.wait()  # the buffer's previous bucket has left
+                pending[k % 2] = []
+                frames = self._stage(k % 2, [tensors[i][1] for i in bucket], manifest.bucket_nbytes(k))
+            sent: list[Any] = []
+            self._send_all([pack_header(kind="bucket", version=version, index=k, token=self._token), *frames], sent)
+            trackers += sent
+            if not on_host:
+                pending[k % 2] += sent
+        self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], trackers)
+        for t in trackers:
+            t.wait()
+        return manifest
+
+    def _stage(self, slot: int, tensors: list[torch.Tensor], nbytes: int) -> list[Any]:
+        """Copy device tensors into pinned staging buffer `slot`; return a frame per tensor."""
+        while len(self._staging) <= slot:
+            self._staging.append(torch.empty(0, dtype=torch.uint8))
+        if self._staging[slot].numel() < nbytes:
+            self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._platform.pin_memory)
+        buf = self._staging[slot]
+        views, offset = [], 0
+        for t in tensors:
+            src = tensor_bytes(t)
+            dst = buf[offset : offset + src.numel()]
+            dst.copy_(src, non_blocking=True)
+            views.append(dst)
+            offset += src.numel()
+        event = self._platform.new_event()
+        event.record()
+        event.synchronize()  # the host reads the buffer only after the copies finished
+        return [v.numpy() for v in views]
+
+    def _send_all(self, frames: list[Any], trackers: list[Any]) -> None:
+        for address, sock in self._sockets.items():
+            try:
+                trackers.append(sock.send_multipart(frames, copy=False, track=True))
+            except zmq.Again:
+                raise TransferError(f"weight receiver {address} did not take data within {self._timeout_ms / 1000:.0f}s") from None
+
+    def close(self) -> None:
+        for address in list(self._sockets):
+            self.disconnect(address)
+
+
+def copy_in(data: Any, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+    """A new tensor on `device` holding the raw bytes `data` (a buffer) as `spec`."""
+    out = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+    if device.type == "cpu":
+        tensor_bytes(out).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only frame: it is only read
+            out.copy_(from_bytes(torch.frombuffer(data, dtype=torch.uint8), spec))
+    return out
+
+
+class HostReceiver:
+    """Rollout side: binds a PULL socket and assembles complete, checked versions."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        expected: Mapping[str, TensorSpec] | None = None,
+        token: str | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        check_bind(bind, token)
+        self._platform = platform
+        self._device = device if device is not None else platform.device(0)
+        self._expected = expected
+        self._token = token or ""
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(bind)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.num_failed = 0
+        """Versions that started arriving and were abandoned incomplete."""
+
+    def receive(self, timeout_s: float) -> Weights:
+        """The next complete version; raises `TransferError` when none completes in time."""
+        deadline = time.monotonic() + timeout_s
+        manifest: Manifest | None = None
+        tensors: dict[str, torch.Tensor] = {}
+        got: set[int] = set()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                where = f"version {manifest.version}: {len(got)} of {len(manifest.buckets)} buckets arrived" if manifest else "no version started"
+                raise TransferError(f"weights incomplete after {timeout_s:.0f}s ({where}); nothing went live")
+            frames = self._sock.recv_multipart(copy=False)
+            header = unpack_header(frames[0].bytes)
+            if not hmac.compare_digest(str(header.get("token", "")), self._token):
+                continue  # not from our trainer
+            kind = header["kind"]
+            if kind == "begin":
+                if manifest is not None:
+                    self.num_failed += 1  # the previous version never completed
+                manifest = Manifest.unpack(frames[1].bytes)
+                manifest.check_against(self._expected)
+                tensors, got = {}, set()
+            elif manifest is None or header.get("version") != manifest.version:
+                continue  # the tail of a version we never saw begin
+            elif kind == "bucket":
+                k = int(header["index"])
+                specs = [manifest.specs[i] for i in manifest.buckets[k]]
+                if len(frames) - 1 != len(specs):
+                    raise TransferError(f"version {manifest.version} bucket {k}: {len(frames) - 1} frames for {len(specs)} tensors")
+                for spec, frame in zip(specs, frames[1:]):
+                    data = frame.buffer
+                    if len(data) != spec.nbytes:
+                        raise TransferError(f"version {manifest.version}: tensor {spec.name!r} arrived with {len(data)} bytes, expected {spec.nbytes}")
+                    tensors[spec.name] = copy_in(data, spec, self._device)
+                got.add(k)
+            elif kind == "end":
+                if len(got) != len(manifest.buckets):
+                    self.num_failed += 1
+                    raise TransferError(f"version {manifest.version} ended with {len(got)} of {len(manifest.buckets)} buckets; nothing went live")
+                return Weights(manifest.version, tensors)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

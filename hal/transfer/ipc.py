@@ -1,0 +1,175 @@
+"""The `ipc` transport: colocated trainer and rollout on one node and device kind.
+
+The trainer writes a version into one shared buffer and tells each receiver where it is
+over a REQ/REP socket; the receiver copies its tensors out and replies, and only after
+every reply may the trainer write the next version. Host tensors (cpu and fake
+platforms) share an mmap'd file in /dev/shm; CUDA tensors share a device buffer through
+CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
+weights never leave the device. NPUs have no such path here (`choose_transport` picks
+`collective` for them).
+
+Run for real: the shared-file path on CPU (tests, `tidal bench weights`). The CUDA path
+is written against torch's CUDA IPC API and was not run on this project's machines.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from tidal.hal.platform import Platform
+from tidal.hal.transfer import Manifest, TensorSpec, TransferError, Weights, from_bytes, make_manifest, pack_header, tensor_bytes, unpack_header
+
+_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_names = itertools.count()
+
+
+class IpcSender:
+    """Trainer side: one shared buffer, grown as needed, reused for every version."""
+
+    def __init__(self, platform: Platform, *, reply_timeout_s: float = 120.0, token: str | None = None) -> None:
+        self._platform = platform
+        self._timeout_ms = int(reply_timeout_s * 1000)
+        self._token = token or ""
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._buffer: torch.Tensor | None = None
+        self._path: Path | None = None
+
+    def connect(self, address: str) -> None:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        sock.connect(address)
+        self._sockets[address] = sock
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        if not self._sockets:
+            raise TransferError("no weight receiver is connected")
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        manifest = make_manifest(version, tensors, bucket_bytes=1 << 62)  # one bucket: the whole buffer
+        device = tensors[0][1].device if tensors else torch.device("cpu")
+        buf = self._ensure(manifest.nbytes, device)
+        offset = 0
+        for _, t in tensors:
+            src = tensor_bytes(t)
+            buf[offset : offset + src.numel()].copy_(src)
+            offset += src.numel()
+        if device.type != "cpu":
+            self._platform.synchronize()  # the copies finished before the receiver reads
+        where = {"path": str(self._path)} if device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
+        header = pack_header(kind="ipc", version=version, token=self._token, **where)
+        for address, sock in self._sockets.items():
+            try:
+                sock.send_multipart([header, manifest.pack()])
+                reply = sock.recv()
+            except zmq.Again:
+                self._reset(address)
+                raise TransferError(f"weight receiver {address} did not answer within {self._timeout_ms / 1000:.0f}s") from None
+            if reply != b"ok":
+                raise TransferError(f"weight receiver {address} refused version {version}: {reply.decode(errors='replace')}")
+        return manifest
+
+    def _ensure(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._buffer is not None and self._buffer.numel() >= nbytes and self._buffer.device == device:
+            return self._buffer
+        self._release_file()
+        if device.type == "cpu":
+            self._path = _SHM / f"tidal-weights-{os.getpid()}-{next(_names)}"
+            self._path.touch()
+            os.truncate(self._path, max(nbytes, 1))
+            self._buffer = torch.from_file(str(self._path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        else:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffer
+
+    def _reset(self, address: str) -> None:
+        """A REQ socket that timed out cannot send again: replace it."""
+        self._sockets.pop(address).close(linger=0)
+        self.connect(address)
+
+    def _release_file(self) -> None:
+        self._buffer = None
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+            self._path = None
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        self._release_file()
+
+
+class IpcReceiver:
+    """Rollout side: binds a REP socket, copies each announced version out of the shared buffer."""
+
+    def __init__(self, platform: Platform, *, bind: str = "tcp://127.0.0.1:0", expected: Mapping[str, TensorSpec] | None = None, token: str | None = None) -> None:
+        from tidal.hal.transfer.host import check_bind  # noqa: PLC0415
+
+        check_bind(bind, token)
+        self._device = platform.device(0)
+        self._expected = expected
+        self._token = token or ""
+        self._sock = zmq.Context.instance().socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(bind)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._mapped: tuple[str, torch.Tensor] | None = None
+
+    def receive(self, timeout_s: float) -> Weights:
+        if not self._sock.poll(int(timeout_s * 1000)):
+            raise TransferError(f"no weights arrived within {timeout_s:.0f}s")
+        frames = self._sock.recv_multipart()
+        try:
+            header = unpack_header(frames[0])
+            if not hmac.compare_digest(str(header.get("token", "")), self._token):
+                raise TransferError("weights arrived with a wrong token")
+            manifest = Manifest.unpack(frames[1])
+            manifest.check_against(self._expected)
+            buf = self._open(header, manifest.nbytes)
+            tensors, offset = {}, 0
+            for spec in manifest.specs:
+                raw = buf[offset : offset + spec.nbytes].clone()  # aligned copy; the trainer may overwrite the buffer after our reply
+                tensors[spec.name] = from_bytes(raw, spec).to(self._device)
+                offset += spec.nbytes
+        except Exception as e:
+            self._sock.send(str(e).encode())
+            raise TransferError(f"{e}; nothing went live") from None
+        self._sock.send(b"ok")
+        return Weights(manifest.version, tensors)
+
+    def _open(self, header: dict[str, Any], nbytes: int) -> torch.Tensor:
+        if "path" in header:
+            path = str(header["path"])
+            if not path.startswith(str(_SHM) + os.sep) or "/.." in path:
+                raise TransferError(f"shared weight buffer {path!r} is outside {_SHM}")
+            if self._mapped is None or self._mapped[0] != path or self._mapped[1].numel() < nbytes:
+                size = os.path.getsize(path)
+                self._mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+            return self._mapped[1]
+        return _open_cuda_handle(header["cuda"])[:nbytes]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._mapped = None
+
+
+def _cuda_handle(buf: torch.Tensor) -> tuple[Any, ...]:
+    """msgpack-able CUDA IPC handle of `buf`'s storage (what torch.multiprocessing sends)."""
+    handle = buf.untyped_storage()._share_cuda_()
+    return tuple(h if not isinstance(h, torch.device) else str(h) for h in handle)
+
+
+def _open_cuda_handle(handle: list[Any]) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle[0]}").set_(storage)
+

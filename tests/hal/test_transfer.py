@@ -1,0 +1,237 @@
+"""Weight transports: every tensor of a version arrives intact, or nothing goes live."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from tidal.hal.cpu import CpuPlatform, fake_platform
+from tidal.hal.platform import describe
+from tidal.hal.transfer import Manifest, TransferError, choose_transport, expected_specs, make_manifest, pack_header
+from tidal.hal.transfer.host import HostReceiver, HostSender
+from tidal.hal.transfer.ipc import IpcReceiver, IpcSender
+
+
+def _weights(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64 * scale, 16, generator=g),
+        "norm.weight": torch.randn(7, generator=g).to(torch.bfloat16),  # odd byte count: misaligns what follows
+        "layers.0.mlp.weight": torch.randn(33, 16, generator=g).to(torch.float16),
+        "step": torch.tensor([3], dtype=torch.int64),
+    }
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].cpu(), t), name
+
+
+def test_manifest_buckets_round_trip_and_checks():
+    w = _weights()
+    m = make_manifest(5, list(w.items()), bucket_bytes=4096)
+    assert len(m.buckets) >= 2 and sorted(i for b in m.buckets for i in b) == list(range(len(w)))
+    assert all(m.bucket_nbytes(k) <= 4096 or len(b) == 1 for k, b in enumerate(m.buckets))
+    back = Manifest.unpack(m.pack())
+    assert back == m and back.nbytes == sum(t.numel() * t.element_size() for t in w.values())
+    back.check_against(expected_specs(w.items()))
+    other = dict(w, **{"embed.weight": torch.zeros(65, 16)})
+    other.pop("step")
+    with pytest.raises(TransferError, match=r"version 5 do not match.*unexpected \['step'\].*embed.weight: got float32\[64, 16\], model has float32\[65, 16\]"):
+        back.check_against(expected_specs(other.items()))
+    with pytest.raises(TransferError, match="malformed weight manifest"):
+        Manifest.unpack(b"\x93garbage")
+    bad = msgpack.packb({"version": 1, "specs": [["a", "float32", [2]]], "buckets": [[0, 0]]})
+    with pytest.raises(TransferError, match="do not cover every tensor once"):
+        Manifest.unpack(bad)
+
+
+@pytest.mark.parametrize(
+    ("sender", "receiver", "colocated", "same_node", "want"),
+    [
+        (("cpu", False), ("cpu", False), True, True, "ipc"),
+        (("npu", True), ("npu", True), True, True, "ipc"),  # fake NPUs hold CPU tensors
+        (("npu", False), ("npu", False), True, True, "collective"),  # no NPU IPC path
+        (("cuda", False), ("cuda", False), True, True, "ipc"),
+        (("cuda", False), ("cuda", False), False, False, "collective"),
+        (("npu", True), ("cuda", True), False, False, "host"),  # decides as the real kinds would
+        (("cuda", False), ("npu", False), False, True, "host"),
+    ],
+)
+def test_choose_transport(sender, receiver, colocated, same_node, want):
+    s = describe(sender[0], device_count=8, fake=sender[1])
+    r = describe(receiver[0], device_count=8, fake=receiver[1])
+    assert choose_transport(s, r, same_node=same_node, colocated=colocated) == want
+
+
+def test_transport_override_that_cannot_work_says_why():
+    npu, gpu = describe("npu", device_count=8), describe("cuda", device_count=8)
+    with pytest.raises(ValueError, match="transport=collective needs one collective backend.*hccl -> nccl"):
+        choose_transport(npu, gpu, same_node=False, colocated=False, override="collective")
+    with pytest.raises(ValueError, match="transport=ipc needs"):
+        choose_transport(npu, npu, same_node=True, colocated=True, override="ipc")
+    with pytest.raises(ValueError, match="not one of auto, ipc, collective, host"):
+        choose_transport(npu, npu, same_node=True, colocated=True, override="rdma")
+    assert choose_transport(npu, gpu, same_node=False, colocated=False, override="host") == "host"
+
+
+def _receive_in_thread(receiver, *args):
+    out: dict = {}
+
+    def run():
+        try:
+            out["weights"] = receiver.receive(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_host_transport_delivers_every_version_to_every_receiver():
+    platform = fake_platform("npu", 2)
+    w = _weights()
+    receivers = [HostReceiver(fake_platform("cuda", 1), expected=expected_specs(w.items())) for _ in range(2)]
+    sender = HostSender(platform, bucket_bytes=1024)
+    for r in receivers:
+        sender.connect(r.address)
+    try:
+        for version in (1, 2):
+            w = {n: t + version if t.is_floating_point() else t for n, t in w.items()}
+            threads = [_receive_in_thread(r, 30) for r in receivers]
+            manifest = sender.send(version, w.items())
+            assert len(manifest.buckets) >= 3
+            for t, out in threads:
+                t.join(30)
+                assert "error" not in out, out.get("error")
+                assert out["weights"].version == version
+                _assert_same(out["weights"].tensors, w)
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+def test_host_transport_partial_or_mismatched_version_never_goes_live():
+    w = _weights()
+    receiver = HostReceiver(CpuPlatform(), expected=expected_specs(w.items()))
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(receiver.address)
+    try:
+        m = make_manifest(7, list(w.items()), bucket_bytes=2048)
+        push.send_multipart([pack_header(kind="begin", version=7, token=""), m.pack()])
+        push.send_multipart([pack_header(kind="end", version=7, num_buckets=len(m.buckets), token="")])
+        with pytest.raises(TransferError, match=f"version 7 ended with 0 of {len(m.buckets)} buckets; nothing went live"):
+            receiver.receive(10)
+        push.send_multipart([pack_header(kind="begin", version=8, token=""), m.pack()])  # a trainer that died mid-version
+        with pytest.raises(TransferError, match=f"version 7: 0 of {len(m.buckets)} buckets arrived|version 8: 0 of"):
+            receiver.receive(0.5)
+        wrong = make_manifest(9, [(n, t) for n, t in w.items() if n != "step"])
+        push.send_multipart([pack_header(kind="begin", version=9, token=""), wrong.pack()])
+        with pytest.raises(TransferError, match=r"version 9 do not match the model: missing \['step'\]"):
+            receiver.receive(10)
+    finally:
+        push.close(linger=0)
+        receiver.close()
+
+
+def test_host_sender_times_out_naming_an_absent_receiver():
+    sender = HostSender(CpuPlatform(), send_timeout_s=0.3)
+    sender.connect("tcp://127.0.0.1:1")  # nothing listens there
+    with pytest.raises(TransferError, match="did not take data within"):
+        sender.send(1, _weights().items())
+    sender.close()
+
+
+def test_receiver_beyond_localhost_needs_a_token():
+    with pytest.raises(ValueError, match="needs a token"):
+        HostReceiver(CpuPlatform(), bind="tcp://0.0.0.0:0")
+
+
+def test_ipc_transport_shares_one_buffer_and_cleans_up():
+    w = _weights()
+    receiver = IpcReceiver(CpuPlatform(), expected=None)
+    sender = IpcSender(CpuPlatform())
+    sender.connect(receiver.address)
+    try:
+        for version, weights in ((1, w), (2, _weights(seed=1, scale=4))):  # the second is larger: the buffer grows
+            t, out = _receive_in_thread(receiver, 30)
+            sender.send(version, weights.items())
+            t.join(30)
+            assert out["weights"].version == version
+            _assert_same(out["weights"].tensors, weights)
+        path = sender._path
+        assert path is not None and path.exists()
+    finally:
+        sender.close()
+        receiver.close()
+    assert not Path(path).exists()
+
+
+def test_ipc_receiver_refuses_a_mismatched_version_and_the_sender_hears_why():
+    w = _weights()
+    receiver = IpcReceiver(CpuPlatform(), expected=expected_specs([(n, t) for n, t in w.items() if n != "step"]))
+    sender = IpcSender(CpuPlatform())
+    sender.connect(receiver.address)
+    try:
+        t, out = _receive_in_thread(receiver, 30)
+        with pytest.raises(TransferError, match=r"refused version 4: .*unexpected \['step'\]"):
+            sender.send(4, w.items())
+        t.join(30)
+        assert isinstance(out["error"], TransferError) and "nothing went live" in str(out["error"])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _collective_receiver(port: int, rank: int, expect_step: bool, out) -> None:
+    from tidal.hal.cpu import fake_platform as fake
+    from tidal.hal.transfer import TransferError as Err, expected_specs as specs
+    from tidal.hal.transfer.collective import CollectiveReceiver
+
+    w = _weights()
+    expected = specs(w.items()) if expect_step else specs([(n, t) for n, t in w.items() if n != "step"])
+    receiver = CollectiveReceiver(fake("npu", 1), rank=rank, num_receivers=2, host="127.0.0.1", port=port, expected=expected, timeout_s=60)
+    receiver.join()
+    results = []
+    for _ in range(2):
+        try:
+            got = receiver.receive()
+            results.append((got.version, {n: t.float().sum().item() for n, t in got.tensors.items()}))
+        except Err as e:
+            results.append(("error", str(e)))
+    out.put((rank, results))
+
+
+def test_collective_transport_broadcasts_to_every_rank_and_a_mismatch_keeps_the_group_in_step():
+    from tidal.hal.transfer.collective import CollectiveSender
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sender = CollectiveSender(fake_platform("npu", 1), num_receivers=2, bucket_bytes=2048, timeout_s=60)
+    procs = [ctx.Process(target=_collective_receiver, args=(sender.port, rank, rank == 1, out), daemon=True) for rank in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        sender.join()
+        w = _weights()
+        sender.send(1, w.items())
+        sender.send(2, w.items())
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    sums = {n: t.float().sum().item() for n, t in w.items()}
+    assert results[1] == [(1, sums), (2, sums)]
+    assert [r[0] for r in results[2]] == ["error", "error"] and "unexpected ['step']" in results[2][1][1]
