@@ -94,6 +94,11 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           tokens/s, wall time and held-out accuracy, with ratios against sync. (The TRL
           GRPOTrainer column is not wired yet.) --steps and --seeds size it.
 
+  weights the weight transports (host, collective, ipc) moving a model of 4 MB .. 1 GB
+          between two processes, in GB/s, against the raw channel under each: one
+          ZeroMQ PUSH of the flat buffer, one gloo broadcast, one shared-memory copy.
+          --sizes (MB) and --repeats size it.
+
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.
 """
@@ -128,13 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. placement.rollout.colocate_with=train")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    bench = sub.add_parser("bench", help="run a benchmark (store, e2e)", description=BENCH_HELP, formatter_class=fmt)
-    bench.add_argument("name", choices=["store", "e2e"], help="which benchmark")
+    bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights)", description=BENCH_HELP, formatter_class=fmt)
+    bench.add_argument("name", choices=["store", "e2e", "weights"], help="which benchmark")
     bench.add_argument("--systems", default="tidal,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
     bench.add_argument("--steps", type=int, default=200, help="e2e: RL steps per run (default: 200)")
     bench.add_argument("--seeds", default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
+    bench.add_argument("--sizes", default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
     return parser
 
@@ -164,6 +170,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(json.dumps(results, indent=2))
         else:
             _print_table("tidal bench e2e (quickstart task, same warm start and samples)", bench_e2e.table(results))
+        return 0
+
+    if args.name == "weights":
+        from tidal.tools import bench_weights  # noqa: PLC0415
+
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        results = bench_weights.run(sizes_mb=sizes, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        if args.json:
+            print(json.dumps(results, indent=2))
+        else:
+            _print_table("tidal bench weights (GB/s, trainer process -> rollout process)", bench_weights.table(results))
         return 0
 
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())

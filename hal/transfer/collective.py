@@ -34,6 +34,10 @@ from tidal.hal.transfer import (
 )
 
 
+SOLO_BYTES = 1 << 20
+"""Tensors this large are broadcast on their own, without packing (one copy fewer)."""
+
+
 def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -92,13 +96,14 @@ class CollectiveSender:
 
     def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
         tensors = [(n, t.detach()) for n, t in named_tensors]
-        manifest = make_manifest(version, tensors, bucket_bytes=self._bucket_bytes)
+        manifest = make_manifest(version, tensors, bucket_bytes=self._bucket_bytes, solo_bytes=SOLO_BYTES)
         header = torch.frombuffer(bytearray(manifest.pack()), dtype=torch.uint8)
         try:
             self._group.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self._group.device))
             self._group.broadcast(header.to(self._group.device))
             for bucket in manifest.buckets:
-                flat = torch.cat([tensor_bytes(tensors[i][1].to(self._group.device)) for i in bucket])
+                parts = [tensor_bytes(tensors[i][1].to(self._group.device)) for i in bucket]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # a large tensor goes from its own memory
                 self._group.broadcast(flat)
         except RuntimeError as e:
             raise TransferError(f"broadcast of version {version} failed: {e}") from e

@@ -1,0 +1,32 @@
+"""`tidal bench weights`: every system moves a real model between two processes; ratios in the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.tools import bench_weights
+
+
+def test_model_of_has_the_requested_size_in_pieces():
+    model = bench_weights.model_of(10 << 20)
+    sizes = [t.numel() * t.element_size() for t in model.values()]
+    assert abs(sum(sizes) - (10 << 20)) < 16 and max(sizes) <= bench_weights.TENSOR_BYTES
+
+
+@pytest.mark.parametrize("system", bench_weights.SYSTEMS)
+def test_every_system_completes_transfers_between_two_processes(system):
+    times = bench_weights.measure(system, 1 << 20, 2)
+    assert len(times) == 2 and all(0 < t < 60 for t in times)
+
+
+def test_weights_table_ratios_against_the_raw_channel_under_each_transport():
+    results = {
+        "host": {"4": 1.0, "64": 1.4},
+        "collective": {"4": 0.5, "64": 0.9},
+        "raw-zmq": {"4": 2.0, "64": 2.0},
+        "raw-gloo": {"4": 1.0, "64": 1.0},
+    }
+    header, host, collective, raw_zmq, _ = bench_weights.table(results)
+    assert header == ["system", "4 MB GB/s", "64 MB GB/s", "4 MB % raw", "64 MB % raw"]
+    assert host == ["host", "1.00", "1.40", "50%", "70%"]
+    assert collective[-2:] == ["50%", "90%"] and raw_zmq[-2:] == ["-", "-"]
