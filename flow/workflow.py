@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +36,8 @@ import torch
 
 from tidal.flow.algorithms import PolicyLossConfig, compute_advantages
 from tidal.flow.protocols import RolloutEngine, TrainEngine
+from tidal.flow.rollout import LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories
+from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.store import Grouped, StalenessFilter, Store, StoreError
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory, to_token_batch
@@ -67,8 +70,6 @@ class WorkflowConfig:
         return self.prompts_per_step * self.group_size
 
 
-class _Stop(Exception):
-    """Raised inside a stage when the workflow is stopping."""
 
 
 class Workflow:
@@ -98,6 +99,7 @@ class Workflow:
         on_step: Callable[[dict[str, Any]], None] | None = None,
         tracer: Tracer | None = None,
         start_version: int | None = None,
+        rollouts: RolloutGroup | None = None,
     ) -> None:
         self.store, self.rollout, self.trainer = store, rollout, trainer
         self.prompts, self.score, self.config = prompts, score, config
@@ -109,21 +111,30 @@ class Workflow:
             if name not in store.metrics()["partitions"]:
                 capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
                 store.create_partition(name, consumers=consumers, capacity_rows=max(capacity, config.batch_size))
-        self._admission = threading.Event()  # set on every store change and version bump
-        store.add_change_listener(self._admission.set)
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._admission = threading.Event()  # set when the trainer drops rows or bumps the version
         self._stopping = threading.Event()
+        self.rollouts: RolloutGroup = rollouts or LocalRollouts(
+            RolloutWorker(
+                store=store,
+                engine=rollout,
+                group_size=config.group_size,
+                max_new_tokens=config.max_new_tokens,
+                prompts_per_generate=config.prompts_per_generate,
+                stopping=self._stopping,
+                tracer=self.tracer,
+            )
+        )
         self._errors: list[BaseException] = []
-        self._started = self.version * config.batch_size  # as if every earlier step's samples were started in time
+        # As if every earlier step's samples were started in time (a resumed store's dropped rows count as started).
+        self._started = self.version * config.batch_size + store.consumer_counts("train", "train")["dropped"]
         self._trained = 0
         self._waits: dict[str, float] = collections.defaultdict(float)
         self._num_failed_rewards = 0
-        self._num_paused = 0
 
     # Control ------------------------------------------------------------------------------
     def run(self) -> None:
         """Run the stages until `num_steps` optimizer steps are done; re-raise a stage's error."""
-        stages = [("loader", self._loader), ("rollout", self._rollout_stage), ("reward", self._reward_stage), ("advantage", self._advantage_stage)]
+        stages = [("loader", self._loader), ("rollouts", self._rollouts_stage), ("reward", self._reward_stage), ("advantage", self._advantage_stage)]
         threads = [threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True) for name, fn in stages]
         for thread in threads:
             thread.start()
@@ -139,6 +150,7 @@ class Workflow:
     def stop(self) -> None:
         self._stopping.set()
         self._admission.set()
+        self.rollouts.stop()
         self.store.wake()
 
     def _guard(self, stage: Callable[[], None]) -> None:
@@ -166,69 +178,37 @@ class Workflow:
 
     # Stages -------------------------------------------------------------------------------
     def _loader(self) -> None:
-        for prompt in self.prompts:
+        """Admission control: put prompts only while the staleness bound admits their groups.
+
+        All prompts admitted at once go in one put, so a rollout worker's batches do not
+        depend on timing. Woken when the trainer drops rows or bumps the version.
+        """
+        while True:
+            self._admission.clear()
+            allowed = self._admitted()
+            if not allowed:
+                self._check()
+                self._admission.wait()
+                continue
+            prompts = list(itertools.islice(self.prompts, allowed))
+            if not prompts:
+                return
             self._check()
-            self.store.put("prompts", {"prompt": [prompt]}, cancel=self._stopping)  # waits for room (back-pressure)
+            self.store.put("prompts", {"prompt": prompts}, cancel=self._stopping)  # waits for room (back-pressure)
+            self._started += len(prompts) * self.config.group_size
 
     def _admitted(self) -> int:
-        """How many more groups rollout may start now (AReaL's staleness bound)."""
+        """How many more groups may start now (AReaL's staleness bound)."""
         cfg = self.config
         dropped = self.store.consumer_counts("train", "train")["dropped"]
         room = (cfg.max_staleness + self.version + 1) * cfg.batch_size - (self._started - dropped)
         return max(room // cfg.group_size, 0)
 
-    def _rollout_stage(self) -> None:
-        cfg = self.config
-        while True:
-            begin = time.perf_counter()
-            while True:  # woken by the store (a version bump, rows dropped) or by stop()
-                self._admission.clear()
-                allowed = min(self._admitted(), cfg.prompts_per_generate)
-                if allowed:
-                    break
-                self._check()
-                self._admission.wait()
-            self._waits["rollout"] += time.perf_counter() - begin
-            batch = self._get("rollout", "rollout", "prompts", ["prompt"], allowed)  # exactly `allowed`: batches never depend on timing
-            trajectories = []
-            for index, prompt in zip(batch.indexes, batch.columns["prompt"]):
-                meta = {k: v for k, v in prompt.items() if k != "prompt_ids"}
-                trajectories += [Trajectory(prompt_ids=list(prompt["prompt_ids"]), group=index, meta=meta) for _ in range(cfg.group_size)]
-            self._started += len(trajectories)
-            self._apply_pending_weights()  # safe point: before generating
-            while True:
-                with self.tracer.span("rollout", "generate", samples=len(trajectories), version=self.rollout.version):
-                    self.rollout.generate(
-                        [t for t in trajectories if not t.done],
-                        max_new_tokens=cfg.max_new_tokens,
-                        should_pause=lambda: self._pending is not None or self._stopping.is_set(),
-                    )
-                self._check()
-                if all(t.done for t in trajectories):
-                    break
-                self._num_paused += 1
-                self._apply_pending_weights()  # safe point: between decoding chunks; then resume
-            self._put_trajectories(trajectories)
-            self.store.ack("rollout", "prompts", batch.indexes)
-
-    def _apply_pending_weights(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            version, weights = pending
-            with self.tracer.span("rollout", "weight update", version=version):
-                self.rollout.load_weights(version, weights.items())
+    def _rollouts_stage(self) -> None:
+        self.rollouts.run()
 
     def _put_trajectories(self, trajectories: list[Trajectory]) -> None:
-        columns = {
-            "prompt_ids": [torch.tensor(t.prompt_ids, dtype=torch.long) for t in trajectories],
-            "tokens": [torch.tensor(t.tokens, dtype=torch.long) for t in trajectories],
-            "logprobs": [torch.tensor(t.logprobs, dtype=torch.float32) for t in trajectories],
-            "token_versions": [torch.tensor(t.versions, dtype=torch.long) for t in trajectories],
-            "finish_reason": [t.finish_reason for t in trajectories],
-            "meta": [t.meta for t in trajectories],
-        }
-        versions = [t.oldest_version for t in trajectories]
-        self.store.put("train", columns, groups=[t.group for t in trajectories], versions=versions, cancel=self._stopping)
+        put_trajectories(self.store, trajectories, cancel=self._stopping)
 
     def _reward_stage(self) -> None:
         while True:
@@ -271,11 +251,14 @@ class Workflow:
                 proximal = self.trainer.logprobs(tokens) if cfg.decoupled else None
                 metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=cfg.loss, proximal_logprobs=proximal)
             self.store.ack("train", "train", batch.indexes)
+            self._admission.set()  # rows may have been dropped: admission may open
             self._trained += len(trajectories)
             self._publish(self.trainer.version)
             dropped = self.store.consumer_counts("train", "train")["dropped"]
             step_s = time.perf_counter() - step_begin
             waits, self._waits = dict(self._waits), collections.defaultdict(float)
+            rollout_metrics = self.rollouts.metrics()
+            waits.update(rollout_metrics.pop("wait_s", {}))
             metrics.update(
                 step=self.version,
                 reward=float(rewards.mean()),
@@ -285,7 +268,7 @@ class Workflow:
                 time=time.time(),
                 dropped=dropped - dropped_before,
                 failed_rewards=self._num_failed_rewards,
-                paused_generations=self._num_paused,
+                paused_generations=rollout_metrics.get("paused_generations", 0),
                 version_gap=dict(sorted(collections.Counter(gaps).items())),
                 wait_s={k: round(v, 4) for k, v in waits.items()},
                 response_len=sum(t.num_generated for t in trajectories) / len(trajectories),
@@ -301,10 +284,10 @@ class Workflow:
         then open admission for the new version: rollout never starts a sample the new
         version admits with older weights."""
         with self.tracer.span("train", "publish weights", version=version):
-            weights = {name: tensor.detach().clone() for name, tensor in self.trainer.named_weights()}
-        self._pending = (version, weights)
+            self.rollouts.publish(version, self.trainer.named_weights())
         self.version = version
-        self.store.set_version(version)  # wakes admission through the store's listener
+        self.store.set_version(version)
+        self._admission.set()
 
 
 def _trajectories(batch: Any) -> list[Trajectory]:

@@ -1,0 +1,168 @@
+"""The rollout stage: prompts from the store -> trajectories into the store.
+
+A `RolloutWorker` takes up to `prompts_per_generate` admitted prompts (admission is the
+workflow loader's job: a prompt is in the store only once the staleness bound admits
+its group), generates `group_size` samples for each, and puts the trajectories into the
+`train` partition. New weights wait in its `WeightInbox` and are applied at safe points:
+before a generate call, and between decoding chunks, where the generation pauses and
+resumes with the new weights (partial rollout; every token keeps the version that
+produced it).
+
+The same worker is a thread of the workflow's process under `runtime: local`
+(`LocalRollouts`) and the main loop of each rollout actor under `runtime: ray`, where
+the inbox is filled by the weight transport's receiver.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+
+from tidal.flow.protocols import RolloutEngine
+from tidal.flow.trace import Tracer
+from tidal.flow.trajectory import Trajectory
+
+
+class Stop(Exception):
+    """Raised inside a stage when the workflow is stopping."""
+
+
+class WeightInbox:
+    """The newest published weights a rollout worker has not applied yet (newer replaces older)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._item: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def offer(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            if self._item is None or version > self._item[0]:
+                self._item = (version, weights)
+
+    @property
+    def waiting(self) -> bool:
+        return self._item is not None
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._lock:
+            item, self._item = self._item, None
+        return item
+
+
+def put_trajectories(store: Any, trajectories: list[Trajectory], *, cancel: threading.Event | None = None) -> None:
+    """Finished trajectories as rows of the `train` partition (row version = oldest token's)."""
+    columns = {
+        "prompt_ids": [torch.tensor(t.prompt_ids, dtype=torch.long) for t in trajectories],
+        "tokens": [torch.tensor(t.tokens, dtype=torch.long) for t in trajectories],
+        "logprobs": [torch.tensor(t.logprobs, dtype=torch.float32) for t in trajectories],
+        "token_versions": [torch.tensor(t.versions, dtype=torch.long) for t in trajectories],
+        "finish_reason": [t.finish_reason for t in trajectories],
+        "meta": [t.meta for t in trajectories],
+    }
+    versions = [t.oldest_version for t in trajectories]
+    store.put("train", columns, groups=[t.group for t in trajectories], versions=versions, cancel=cancel)
+
+
+class RolloutWorker:
+    """One rollout engine's loop; `run()` returns only by raising `Stop` (or an engine error)."""
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        engine: RolloutEngine,
+        group_size: int,
+        max_new_tokens: int,
+        prompts_per_generate: int,
+        stopping: threading.Event,
+        tracer: Tracer | None = None,
+        consumer: str = "rollout",
+    ) -> None:
+        self.store, self.engine = store, engine
+        self.group_size, self.max_new_tokens, self.prompts_per_generate = group_size, max_new_tokens, prompts_per_generate
+        self.stopping = stopping
+        self.tracer = tracer or Tracer()
+        self.consumer = consumer
+        self.inbox = WeightInbox()
+        self.num_paused = 0
+        self.num_samples = 0
+        self.waits: dict[str, float] = collections.defaultdict(float)
+
+    def run(self) -> None:
+        while True:
+            if self.stopping.is_set():
+                raise Stop
+            begin = time.perf_counter()
+            try:
+                batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping)
+            finally:
+                self.waits["rollout"] += time.perf_counter() - begin
+            trajectories = []
+            for index, prompt in zip(batch.indexes, batch.columns["prompt"]):
+                meta = {k: v for k, v in prompt.items() if k != "prompt_ids"}
+                trajectories += [Trajectory(prompt_ids=list(prompt["prompt_ids"]), group=index, meta=meta) for _ in range(self.group_size)]
+            self.apply_weights()  # safe point: before generating
+            while True:
+                with self.tracer.span("rollout", "generate", samples=len(trajectories), version=self.engine.version):
+                    self.engine.generate(
+                        [t for t in trajectories if not t.done],
+                        max_new_tokens=self.max_new_tokens,
+                        should_pause=lambda: self.inbox.waiting or self.stopping.is_set(),
+                    )
+                if self.stopping.is_set():
+                    raise Stop
+                if all(t.done for t in trajectories):
+                    break
+                self.num_paused += 1
+                self.apply_weights()  # safe point: between decoding chunks; then resume
+            put_trajectories(self.store, trajectories, cancel=self.stopping)
+            self.store.ack(self.consumer, "prompts", batch.indexes)
+            self.num_samples += len(trajectories)
+
+    def apply_weights(self) -> None:
+        item = self.inbox.take()
+        if item is not None:
+            version, weights = item
+            with self.tracer.span("rollout", "weight update", version=version):
+                self.engine.load_weights(version, weights.items())
+
+
+class RolloutGroup(Protocol):
+    """The rollout side of a workflow: local worker threads or remote rollout actors."""
+
+    def run(self) -> None:
+        """Run until stopped (raises `Stop`), or raise the first worker's error."""
+
+    def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hand `version`'s weights to every worker (applied at its next safe point)."""
+
+    def stop(self) -> None: ...
+
+    def metrics(self) -> dict[str, Any]:
+        """`paused_generations` and `wait_s` since the last call."""
+
+
+class LocalRollouts:
+    """`runtime: local`: one worker in this process; weights are handed over as a snapshot."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    def run(self) -> None:
+        self.worker.run()
+
+    def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # A snapshot: the trainer keeps changing its own tensors.
+        self.worker.inbox.offer(version, {name: tensor.detach().clone() for name, tensor in named_weights})
+
+    def stop(self) -> None:
+        self.worker.stopping.set()
+
+    def metrics(self) -> dict[str, Any]:
+        waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)
+        return {"paused_generations": self.worker.num_paused, "wait_s": waits}
