@@ -15,7 +15,7 @@ vllm-ascend are separate adapters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -98,6 +98,11 @@ class HFRolloutEngine:
             t.extend(tokens, lps, self.version)
             if not t.done and t.num_generated >= max_new_tokens:
                 t.finish_reason = "length"
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors under the names `load_weights` expects (what a weight receiver checks against)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every named tensor into the model; all or nothing, then become `version`."""

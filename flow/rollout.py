@@ -91,6 +91,7 @@ class RolloutWorker:
         self.inbox = WeightInbox()
         self.num_paused = 0
         self.num_samples = 0
+        self.versions_applied: list[int] = []
         self.waits: dict[str, float] = collections.defaultdict(float)
 
     def run(self) -> None:
@@ -130,6 +131,7 @@ class RolloutWorker:
             version, weights = item
             with self.tracer.span("rollout", "weight update", version=version):
                 self.engine.load_weights(version, weights.items())
+            self.versions_applied.append(version)
 
 
 class RolloutGroup(Protocol):

@@ -1,12 +1,34 @@
-"""Ray runtime: roles as actors placed by `flow.placement` (this file grows with issue 5).
+"""The Ray runtime: the same workflow, its rollout workers as actors placed by `flow.placement`.
 
-Nothing here runs under `runtime: local`.
+Under `runtime: ray` the trainer process (itself an actor on its placement) holds the
+store and serves it over ZeroMQ (`StoreServer`); each rollout instance is a
+`RolloutActor` on its own placement running the same `RolloutWorker` loop the local
+runtime runs in a thread, talking to the store through `RemoteStore`. Rows never go
+through Ray's object store. Weights go from the trainer to every rollout actor over the
+transport `hal.transfer.choose_transport` picks for the two platforms (host for NPU ->
+GPU, collective for one vendor); each actor's receiver thread drops complete, checked
+versions into its worker's inbox, applied at the next safe point.
+
+Each actor selects its own hal platform from the `TIDAL_DEVICE` its placement gives it
+(`fake:<kind>:<n>` when the recipe's cluster is fake), so one run holds NPU, GPU and
+CPU processes. Ray is imported only here and only when the runtime is used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import collections
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+import torch
+
+from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
+from tidal.flow.rollout import RolloutWorker, Stop
+
+RESOURCE_WAIT_S = 30.0
+"""How long a placement group may wait for its resources before the run fails naming the role."""
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -25,3 +47,193 @@ def connected_ray_nodes() -> Sequence[Mapping[str, Any]]:
                 f"no Ray cluster is running here ({e}); start one with `ray start --head` or list the nodes in cluster.nodes"
             ) from None
     return ray.nodes()
+
+
+# Placement groups ------------------------------------------------------------------------
+def bundle_of(assignment: Assignment) -> dict[str, float]:
+    """The Ray resources of one role instance: its devices, counted by its kind's resource."""
+    return {RAY_RESOURCES[assignment.kind]: float(len(assignment.devices))}
+
+
+def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str, Any]:
+    """One placement group per role (a bundle per instance, packed); fails fast naming the role.
+
+    Raises:
+        PlacementError: the cluster lacks the resources (checked against
+            `ray.cluster_resources()` first), or a group is not ready within `wait_s`.
+    """
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import placement_group  # noqa: PLC0415
+
+    if any(a.mode != "own" for a in plan.assignments):
+        raise PlacementError(
+            f"layout {plan.layout!r} is not yet available under runtime=ray (colocated, hybrid and multiplexed roles "
+            "need the time-sharing actors of a later version); runtime=ray runs disaggregated placements"
+        )
+    have = ray.cluster_resources()
+    groups: dict[str, Any] = {}
+    for role in dict.fromkeys(a.role for a in plan.assignments):
+        bundles = [bundle_of(a) for a in plan.of(role)]
+        need: dict[str, float] = collections.Counter()
+        for b in bundles:
+            need.update(b)
+        short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) < v}
+        if short:
+            what = ", ".join(f"{v:g} {k} (the cluster has {h:g})" for k, (v, h) in short.items())
+            raise PlacementError(f"cannot place role {role!r} on this Ray cluster: it needs {what}")
+        pg = placement_group(bundles, strategy="PACK", name=f"tidal-{role}-{secrets.token_hex(3)}")
+        ready, _ = ray.wait([pg.ready()], timeout=wait_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise PlacementError(f"cannot place role {role!r}: its {len(bundles)} bundle(s) {bundles[0]} were not granted within {wait_s:.0f}s (other runs may hold them)")
+        groups[role] = pg
+    return groups
+
+
+def actor_options(assignment: Assignment, pg: Any, index: int, *, fake: bool, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`.options(...)` for the actor of one assignment: its bundle, and the platform it must select."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+    resources = bundle_of(assignment)
+    options: dict[str, Any] = {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+        "runtime_env": {"env_vars": {"TIDAL_DEVICE": assignment.platform_spec(fake=fake), **(env or {})}},
+        "num_cpus": resources.pop("CPU", 0.0),
+    }
+    if "GPU" in resources:
+        options["num_gpus"] = resources.pop("GPU")
+    if resources:
+        options["resources"] = resources
+    return options
+
+
+# Rollout actors --------------------------------------------------------------------------
+class RolloutActor:
+    """Body of a rollout actor: one engine, its `RolloutWorker` loop, and a weight receiver.
+
+    Args:
+        make_engine: builds the rollout engine on this process's platform (a picklable function).
+        store_address / store_token: the trainer's store server.
+        settings: `group_size`, `max_new_tokens`, `prompts_per_generate`.
+    """
+
+    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int]) -> None:
+        from tidal.flow.store.client import RemoteStore  # noqa: PLC0415
+        from tidal.hal import current_platform  # noqa: PLC0415
+
+        self.platform = current_platform()  # from TIDAL_DEVICE, set by the placement
+        self.engine = make_engine()
+        self.store = RemoteStore(store_address, token=store_token)
+        self.stopping = threading.Event()
+        self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, **settings)
+        self._first = threading.Event()
+        self._receiver: Any = None
+        self._errors: list[BaseException] = []
+        self.num_versions = 0
+
+    def describe(self) -> dict[str, Any]:
+        """This actor's platform and node, as it sees them."""
+        import ray  # noqa: PLC0415
+
+        return {"platform": self.platform.descriptor.to_dict(), "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    def open_host_receiver(self, *, bind_host: str, token: str | None) -> str:
+        from tidal.hal.transfer import expected_specs  # noqa: PLC0415
+        from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
+
+        self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token)
+        self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
+        return self._receiver.address
+
+    def open_collective_receiver(self, *, host: str, port: int, rank: int, num_receivers: int) -> None:
+        from tidal.hal.transfer import expected_specs  # noqa: PLC0415
+        from tidal.hal.transfer.collective import CollectiveReceiver  # noqa: PLC0415
+
+        expected = expected_specs(self.engine.named_weights())
+
+        def join_and_receive() -> Any:
+            if self._receiver is None:
+                self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected)
+                self._receiver.join()
+            return self._receiver.receive()
+
+        self._start_receiving(join_and_receive)
+
+    def _start_receiving(self, receive: Callable[[], Any]) -> None:
+        def loop() -> None:
+            while not self.stopping.is_set():
+                try:
+                    weights = receive()
+                except Exception as e:  # noqa: BLE001 - reported by run()
+                    if not self.stopping.is_set():
+                        self._errors.append(e)
+                        self.stopping.set()
+                    self._first.set()
+                    return
+                self.worker.inbox.offer(weights.version, weights.tensors)
+                self.num_versions += 1
+                self._first.set()
+
+        threading.Thread(target=loop, name="tidal-weights", daemon=True).start()
+
+    def run(self) -> dict[str, Any]:
+        """Generate until stopped; returns counts. Waits for the first weights before generating."""
+        self._first.wait()
+        if self._errors:
+            raise self._errors[0]
+        self.worker.apply_weights()
+        try:
+            self.worker.run()
+        except Stop:
+            pass
+        except Exception:
+            if not self.stopping.is_set():
+                raise
+        if self._errors:
+            raise self._errors[0]
+        return {
+            "samples": self.worker.num_samples,
+            "versions_received": self.num_versions,
+            "versions_applied": self.worker.versions_applied,
+            "version": self.engine.version,
+            "platform": self.platform.descriptor.to_dict(),
+        }
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def metrics(self) -> dict[str, Any]:
+        waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)
+        return {"paused_generations": self.worker.num_paused, "wait_s": waits, "samples": self.worker.num_samples}
+
+
+class RayRollouts:
+    """`RolloutGroup` over rollout actors: runs their loops, sends them each version's weights."""
+
+    def __init__(self, actors: Sequence[Any], sender: Any) -> None:
+        self.actors, self.sender = list(actors), sender
+        self.summaries: list[dict[str, Any]] = []
+
+    def run(self) -> None:
+        import ray  # noqa: PLC0415
+
+        self.summaries = ray.get([a.run.remote() for a in self.actors])
+        raise Stop  # the actors return only when stopped
+
+    def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.sender.send(version, named_weights)
+
+    def stop(self) -> None:
+        for a in self.actors:
+            a.stop.remote()
+
+    def metrics(self) -> dict[str, Any]:
+        import ray  # noqa: PLC0415
+
+        out: dict[str, Any] = {"paused_generations": 0, "wait_s": collections.defaultdict(float)}
+        for m in ray.get([a.metrics.remote() for a in self.actors]):
+            out["paused_generations"] += m["paused_generations"]
+            for k, v in m["wait_s"].items():
+                out["wait_s"][k] += v / len(self.actors)
+        out["wait_s"] = dict(out["wait_s"])
+        return out

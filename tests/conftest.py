@@ -40,13 +40,13 @@ def _fresh_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     reset_platform()
 
 
-def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real `tidal` command (the console script beside this interpreter)."""
     full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
     full_env.update(env or {})
     exe = Path(sys.executable).with_name("tidal")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tidal.tools.cli"]
-    return subprocess.run([*cmd, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([*cmd, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture

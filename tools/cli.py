@@ -204,12 +204,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"tidal: resolved config written to {run_dir / 'config.yaml'}")
     if args.check:
         return 0
-    if cfg.runtime.value != "local":
-        print("tidal run: error: runtime=ray is not available in this version yet; use runtime=local", file=sys.stderr)
-        return 1
-    from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
+    if cfg.runtime.value == "ray":
+        from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415 - imports ray
 
-    summary = train(cfg, run_dir, progress=not args.no_progress)
+        summary = run_on_ray(cfg, run_dir, progress=not args.no_progress)
+    else:
+        from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
+
+        summary = train(cfg, run_dir, progress=not args.no_progress)
     print(
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"

@@ -184,6 +184,16 @@ class RoleConfig:
 
 
 @dataclasses.dataclass
+class TransportConfig:
+    """How new weights travel from the trainer to rollout (runtime ray)."""
+
+    name: str = "auto"
+    """auto | ipc | collective | host; auto picks from the two platforms (host for NPU <-> GPU)."""
+    bucket_mb: int = 16
+    """Bucket size in MB: the unit that is copied off the device while the previous one is sent."""
+
+
+@dataclasses.dataclass
 class PlacementConfig:
     """Which devices each role uses; kept apart from the algorithm's settings."""
 
@@ -233,6 +243,8 @@ class RecipeConfig:
     """Nodes and devices (empty = discovered)."""
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """Which devices each role uses."""
+    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+    """Weight transport from trainer to rollout."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,6 +410,8 @@ def _check_values(cfg: Any) -> None:
             check_spec(cfg.device, source="device")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
+        raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
     for key in REGISTRIES:
         section, _, field = key.partition(".")
         if section in cfg and (message := unknown(key, cfg[section][field])):

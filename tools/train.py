@@ -174,13 +174,38 @@ def plot(metrics: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Run an RL recipe end to end; return the summary (also written to summary.json)."""
+def build_policy(cfg: Any, tokenizer: CharTokenizer) -> torch.nn.Module:
+    """The recipe's policy model, freshly initialised from its seed."""
+    m = cfg.model
+    return build_tiny_qwen2(
+        tokenizer.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+        max_positions=m.max_positions,
+        seed=cfg.seed,
+    )
+
+
+def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: CharTokenizer, *, platform: Any, version: int) -> Any:
+    """The recipe's rollout engine around `model`."""
+    rollout_cls = backends.load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
+    return rollout_cls(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=version)
+
+
+def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None) -> dict[str, Any]:
+    """Run an RL recipe end to end; return the summary (also written to summary.json).
+
+    `start_rollouts(cfg, store, trainer, settings)` puts the rollout stage elsewhere
+    (the Ray runtime's actors); it returns a `RolloutGroup` with a `close()`. Without it
+    rollout is a thread of this process.
+    """
     from rich.console import Console  # noqa: PLC0415
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     console = Console(stderr=True)
-    rollout_cls = backends.load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
     train_cls = backends.load("train.backend", cfg.train.backend)
     platform = current_platform()
     if cfg.threads:
@@ -202,16 +227,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
         accuracy_before = state["accuracy_before"]
         console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({checkpoint.name})")
     else:
-        model = build_tiny_qwen2(
-            tokenizer.vocab_size,
-            hidden_size=cfg.model.hidden_size,
-            num_layers=cfg.model.num_layers,
-            num_heads=cfg.model.num_heads,
-            num_kv_heads=cfg.model.num_kv_heads,
-            intermediate_size=cfg.model.intermediate_size,
-            max_positions=cfg.model.max_positions,
-            seed=cfg.seed,
-        )
+        model = build_policy(cfg, tokenizer)
         save_model(model, tokenizer, run_dir / "cache" / "initial")
         accuracy_start = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         if cfg.sft.steps:
@@ -230,7 +246,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     if saved is not None:
         trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"]})
         _set_rng_state(saved["rng"])
-    rollout = rollout_cls(copy.deepcopy(trainer.model), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=trainer.version)
+    rollout = build_rollout_engine(cfg, copy.deepcopy(trainer.model), tokenizer, platform=platform, version=trainer.version)
     algo = cfg.algorithm
     loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
     wf_cfg = WorkflowConfig(
@@ -266,10 +282,18 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
             with tracer.span("train", "checkpoint", step=m["step"]):
                 save_checkpoint(run_dir, trainer=trainer, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
 
-    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer)
+    remote = None
+    if start_rollouts is not None:
+        settings = {"group_size": wf_cfg.group_size, "max_new_tokens": wf_cfg.max_new_tokens, "prompts_per_generate": wf_cfg.prompts_per_generate}
+        remote = start_rollouts(cfg, store, trainer, settings)
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
     started = time.perf_counter()
-    with bar:
-        workflow.run()
+    try:
+        with bar:
+            workflow.run()
+    finally:
+        if remote is not None:
+            remote.close()
     rl_seconds = time.perf_counter() - started
     save_checkpoint(run_dir, trainer=trainer, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
     accuracy_after = evaluate(trainer.model, tokenizer, held_items, reward, max_new_tokens=budget)

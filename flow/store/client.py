@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -152,8 +153,11 @@ class RemoteStore:
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> list[int]:
         """As `Store.put`. With a storage unit the data goes there and the controller gets references."""
+        if cancel is not None:
+            return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=t))
         if not columns:
             raise ValueError("put needs at least one column")
         meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout}
@@ -199,8 +203,15 @@ class RemoteStore:
         timeout: float | None = None,
         partial: bool = False,
         ack: Iterable[int] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Batch:
-        """As `Store.get`; rows on storage units are read from them before returning."""
+        """As `Store.get`; rows on storage units are read from them before returning.
+
+        Setting `cancel` ends the wait with `StoreError` within `CANCEL_CHECK_S` (the
+        request is re-sent at that interval: a long poll, it returns at once when rows are ready).
+        """
+        if cancel is not None:
+            return _until_cancelled(cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
         args = {
             "ack": None if ack is None else np.asarray(list(ack), dtype=np.int64),
             "consumer": consumer,
@@ -270,6 +281,23 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+CANCEL_CHECK_S = 1.0
+"""How often a cancellable remote get/put re-checks its cancel event."""
+
+
+def _until_cancelled(cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if cancel.is_set():
+            raise StoreError(f"{what} was cancelled")
+        left = None if deadline is None else deadline - time.monotonic()
+        try:
+            return call(CANCEL_CHECK_S if left is None else max(min(CANCEL_CHECK_S, left), 0.0))
+        except StoreTimeout:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def _int_list(values: Any) -> list[int]:

@@ -103,3 +103,35 @@ def test_resources_from_ray_nodes():
     assert (res["10.0.0.1"].kind, res["10.0.0.1"].capacity) == ("npu", 8) and "ascend910b" in res["10.0.0.1"].tags
     assert (res["10.0.0.2"].kind, res["10.0.0.2"].capacity) == ("cuda", 8) and {"H100", "gpu"} <= res["10.0.0.2"].tags
     assert (res["10.0.0.3"].kind, res["10.0.0.3"].capacity) == ("cpu", 16)
+
+
+def test_ray_placement_groups_fail_fast_naming_the_role(ray_session):
+    import time
+
+    from tidal.flow.runtime import placement_groups
+
+    plan = schedule(MIXED, [TRAIN, Role(name="rollout", requires=("gpu",), count=8, devices_each=2)])
+    begin = time.monotonic()
+    with pytest.raises(PlacementError, match=r"cannot place role 'train' on this Ray cluster: it needs 16 NPU \(the cluster has 0\)"):
+        placement_groups(plan)
+    assert time.monotonic() - begin < 10
+    colocated = schedule(MIXED, [TRAIN, Role(name="rollout", count=8, devices_each=2, colocate_with="train")])
+    with pytest.raises(PlacementError, match="layout 'colocated' is not yet available under runtime=ray"):
+        placement_groups(colocated)
+
+
+def test_ray_placement_groups_for_a_plan_the_cluster_holds(ray_session):
+    import ray
+
+    from tidal.flow.runtime import actor_options, placement_groups
+
+    cpu = [Resource(node="local", kind="cpu", capacity=2)]
+    plan = schedule(cpu, [Role(name="train"), Role(name="rollout")])
+    groups = placement_groups(plan)
+    try:
+        assert set(groups) == {"train", "rollout"}
+        options = actor_options(plan.of("rollout")[0], groups["rollout"], 0, fake=False)
+        assert options["num_cpus"] == 1.0 and options["runtime_env"]["env_vars"]["TIDAL_DEVICE"] == "cpu"
+    finally:
+        for pg in groups.values():
+            ray.util.remove_placement_group(pg)

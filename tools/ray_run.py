@@ -1,0 +1,219 @@
+"""`tidal run` under `runtime: ray`: the plan becomes placement groups and actors.
+
+The driver (the `tidal run` process) connects to Ray (RAY_ADDRESS, else a local
+instance it starts; with `cluster.fake: true` that instance declares the recipe's NPUs
+and GPUs as resources so the plan runs on CPU), schedules the plan, creates one
+placement group per role (failing within seconds, naming the role, when the cluster
+cannot hold it) and starts the trainer actor on its bundle. The trainer actor runs the
+same `train()` as the local runtime; its rollout stage is the rollout actors, started
+on their bundles, which reach the trainer's store over ZeroMQ and receive each version
+over the chosen weight transport. The driver shows progress from the run directory's
+metrics.jsonl (the run directory must be reachable from the trainer's node).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from tidal.tools.config import ConfigError, to_yaml
+
+
+def _config_from_yaml(text: str) -> Any:
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from tidal.tools.config import RecipeConfig  # noqa: PLC0415
+
+    return OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.create(text))
+
+
+def make_rollout_engine(cfg_yaml: str) -> Any:
+    """Runs inside a rollout actor: the recipe's rollout engine on the actor's platform.
+
+    It starts from freshly initialised weights; the trainer's current version arrives
+    over the weight transport before the first generate.
+    """
+    from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
+    from tidal.hal import current_platform  # noqa: PLC0415
+    from tidal.tools.train import build_policy, build_rollout_engine  # noqa: PLC0415
+
+    cfg = _config_from_yaml(cfg_yaml)
+    if cfg.threads:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(cfg.threads)
+    tokenizer = CharTokenizer()
+    platform = current_platform()
+    model = build_policy(cfg, tokenizer).to(platform.device(0))
+    return build_rollout_engine(cfg, model, tokenizer, platform=platform, version=-1)
+
+
+class RemoteRollouts:
+    """What `train()` gets back from `start_rollouts`: the `RolloutGroup`, plus `close()`."""
+
+    def __init__(self, rollouts: Any, server: Any, sender: Any, actors: list[Any], info_path: str) -> None:
+        self._rollouts, self._server, self._sender, self._actors = rollouts, server, sender, actors
+        self._info_path = Path(info_path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rollouts, name)
+
+    def close(self) -> None:
+        import ray  # noqa: PLC0415
+
+        self._rollouts.stop()
+        info = json.loads(self._info_path.read_text())
+        info["rollout_summaries"] = self._rollouts.summaries  # filled when the actors returned
+        self._info_path.write_text(json.dumps(info, indent=2) + "\n")
+        for actor in self._actors:
+            ray.kill(actor)
+        close = getattr(self._sender, "close", None)
+        if close is not None:
+            close()
+        self._server.close()
+
+
+def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, pg: Any, assignments: list[Any], fake: bool, info_path: str) -> RemoteRollouts:
+    """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights."""
+    import ray  # noqa: PLC0415
+
+    from tidal.flow.runtime import RayRollouts, RolloutActor, actor_options  # noqa: PLC0415
+    from tidal.flow.store.server import StoreServer  # noqa: PLC0415
+    from tidal.hal import current_platform  # noqa: PLC0415
+    from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
+    from tidal.hal.transfer import choose_transport  # noqa: PLC0415
+    from tidal.hal.transfer.collective import CollectiveSender  # noqa: PLC0415
+    from tidal.hal.transfer.host import HostSender  # noqa: PLC0415
+
+    one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
+    host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
+    token = None if one_node else secrets.token_hex(16)
+    server = StoreServer(store, address=f"tcp://{'127.0.0.1' if one_node else '0.0.0.0'}:0", token=token)
+    address = server.address.replace("0.0.0.0", host)
+    actor_cls = ray.remote(max_concurrency=4, max_restarts=0)(RolloutActor)
+    make_engine = functools.partial(make_rollout_engine, to_yaml(cfg))
+    actors = [
+        actor_cls.options(**actor_options(a, pg, i, fake=fake)).remote(make_engine, store_address=address, store_token=token, settings=settings)
+        for i, a in enumerate(assignments)
+    ]
+    descriptions = ray.get([a.describe.remote() for a in actors])
+    me = current_platform().descriptor
+    my_node = ray.get_runtime_context().get_node_id()
+    kinds = set()
+    for d in descriptions:
+        theirs = PlatformDescriptor.from_dict(d["platform"])
+        kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=False, override=cfg.transport.name if cfg.transport.name != "auto" else None))
+    transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
+    bucket_bytes = cfg.transport.bucket_mb << 20
+    if transport == "collective":
+        sender = CollectiveSender(current_platform(), num_receivers=len(actors), host=host, bucket_bytes=bucket_bytes)
+        for rank, a in enumerate(actors, start=1):
+            a.open_collective_receiver.remote(host=host, port=sender.port, rank=rank, num_receivers=len(actors))
+        sender.join()
+    else:
+        sender = HostSender(current_platform(), bucket_bytes=bucket_bytes, token=token)
+        for addr in ray.get([a.open_host_receiver.remote(bind_host=host, token=token) for a in actors]):
+            sender.connect(addr)
+    Path(info_path).write_text(json.dumps({"transport": transport, "store": address, "rollout_actors": descriptions}, indent=2) + "\n")
+    rollouts = RayRollouts(actors, sender)
+    rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights
+    return RemoteRollouts(rollouts, server, sender, actors, info_path)
+
+
+class TrainerActor:
+    """Body of the trainer actor: `train()` on this process's platform, rollout on actors."""
+
+    def describe(self) -> dict[str, Any]:
+        from tidal.hal import current_platform  # noqa: PLC0415
+
+        return current_platform().descriptor.to_dict()
+
+    def run(self, cfg_yaml: str, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool) -> dict[str, Any]:
+        from tidal.tools.train import train  # noqa: PLC0415
+
+        cfg = _config_from_yaml(cfg_yaml)
+        starter = functools.partial(start_rollouts, pg=rollout_pg, assignments=rollout_assignments, fake=fake, info_path=str(Path(run_dir) / "runtime.json"))
+        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter)
+        summary["trainer_platform"] = self.describe()
+        return summary
+
+
+def init_ray(cfg: Any) -> None:
+    """Connect to RAY_ADDRESS, or start a local Ray; a fake cluster's devices become its resources."""
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], include_dashboard=False, logging_level="ERROR")
+        return
+    resources: dict[str, float] = {}
+    if cfg.cluster.fake:
+        for node in cfg.cluster.nodes:
+            if node.kind != "cpu":
+                key = {"cuda": "GPU", "npu": "NPU"}[node.kind]
+                resources[key] = resources.get(key, 0) + node.devices * node.count
+    num_gpus = resources.pop("GPU", 0)
+    if resources.get("NPU"):
+        # Ray looks up the NPU model (through CANN's `acl`) when a node declares NPUs and logs
+        # a traceback when it cannot; a fake cluster has no NPU to look up.
+        logging.getLogger("ray._private.accelerators.npu").setLevel(logging.CRITICAL)
+    ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=num_gpus, resources=resources or None, include_dashboard=False, logging_level="ERROR")
+
+
+def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
+    """The driver: plan, placement groups, trainer actor; returns the run's summary."""
+    import ray  # noqa: PLC0415
+
+    from tidal.flow.placement import PlacementError  # noqa: PLC0415
+    from tidal.flow.runtime import actor_options, placement_groups  # noqa: PLC0415
+    from tidal.tools.plan import make_plan  # noqa: PLC0415
+
+    if not cfg.cluster.nodes:
+        init_ray(cfg)
+    plan, _ = make_plan(cfg, ray_nodes=ray.nodes)  # with the recipe's nodes: checked before Ray starts
+    init_ray(cfg)
+    if len(plan.of("train")) != 1:
+        raise ConfigError(f"placement.train.count={len(plan.of('train'))}: runtime=ray trains in one process until the fsdp backend arrives; use count 1")
+    try:
+        groups = placement_groups(plan)
+    except PlacementError as e:
+        raise ConfigError(f"placement: {e}") from None
+    fake = bool(cfg.cluster.fake)
+    trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
+    trainer = trainer_cls.options(**actor_options(plan.of("train")[0], groups["train"], 0, fake=fake)).remote()
+    ref = trainer.run.remote(to_yaml(cfg), str(run_dir), groups["rollout"], plan.of("rollout"), fake)
+    try:
+        return _wait_with_progress(ref, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
+    finally:
+        ray.kill(trainer)
+        for pg in groups.values():
+            ray.util.remove_placement_group(pg)
+
+
+def _wait_with_progress(ref: Any, metrics_path: Path, *, total: int, progress: bool) -> dict[str, Any]:
+    """Wait for the trainer, showing its steps from metrics.jsonl (display only: checked once a second)."""
+    import ray  # noqa: PLC0415
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=Console(stderr=True), disable=not progress)
+    task = bar.add_task("rl", total=total, info="starting actors")
+    seen = 0
+    with bar:
+        while True:
+            done, _ = ray.wait([ref], timeout=1.0)
+            if metrics_path.exists():
+                lines = metrics_path.read_text().splitlines()
+                for line in lines[seen:]:
+                    m = json.loads(line)
+                    bar.update(task, completed=m["step"], info=f"reward {m['reward']:.2f}")
+                seen = len(lines)
+            if done:
+                return ray.get(ref)
