@@ -6,7 +6,10 @@ group size, token budget and number of samples, on this machine, in this process
 each seed it reports RL samples/s, tokens/s, wall time and held-out accuracy after RL;
 the table shows means over seeds and the ratios against sync.
 
-Systems: `tidal-async` (`max_staleness: 1`), `tidal-sync` (`max_staleness: 0`).
+Systems: `tidal-async` (`max_staleness: 1`), `tidal-sync` (`max_staleness: 0`), both
+in one process (`runtime: local`), and `tidal-async-ray` (`max_staleness: 1` with
+`runtime: ray`: trainer and rollout as two actors, one torch thread each; Ray's start
+and the actors' are outside the RL wall time).
 `trl` (TRL 1.16 `GRPOTrainer` with transformers generation) is not wired yet and is
 reported as such.
 """
@@ -19,27 +22,40 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = {"tidal-async": 1, "tidal-sync": 0}
+SYSTEMS = {
+    "tidal-async": ["algorithm.max_staleness=1"],
+    "tidal-sync": ["algorithm.max_staleness=0"],
+    "tidal-async-ray": ["algorithm.max_staleness=1", "runtime=ray", "threads=1"],
+}
 
 
-def run_tidal(max_staleness: int, *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """One quickstart run with `max_staleness`; returns its summary."""
+def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One quickstart run with a system's overrides; returns its summary."""
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
     from tidal.tools.train import train  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-e2e-") as tmp:
-        args = [f"algorithm.max_staleness={max_staleness}", f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", *overrides]
+        args = [*system_overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", *overrides]
         cfg, run_dir = prepare_run(resolve_recipe("quickstart_cpu"), args)
+        if cfg.runtime.value == "ray":
+            import ray  # noqa: PLC0415
+
+            from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415
+
+            try:
+                return run_on_ray(cfg, run_dir, progress=False)
+            finally:
+                ray.shutdown()
         return train(cfg, run_dir, progress=False)
 
 
 def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), progress: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
     results: dict[str, list[dict[str, Any]]] = {}
-    for system, staleness in SYSTEMS.items():
+    for system, system_overrides in SYSTEMS.items():
         for seed in seeds:
             progress(f"{system}: seed {seed}, {num_steps} steps")
-            results.setdefault(system, []).append(run_tidal(staleness, seed=seed, num_steps=num_steps, overrides=overrides))
+            results.setdefault(system, []).append(run_tidal(system_overrides, seed=seed, num_steps=num_steps, overrides=overrides))
     return results
 
 

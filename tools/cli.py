@@ -89,10 +89,11 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           with the data on the producer's storage unit, TransferQueue 0.1.11 (installed
           with the [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same
           frames. Takes a few minutes on 2 cores.
-  e2e     the quickstart trained with async GRPO (max_staleness=1) and sync GRPO
-          (max_staleness=0) from the same warm start, several seeds: RL samples/s,
-          tokens/s, wall time and held-out accuracy, with ratios against sync. (The TRL
-          GRPOTrainer column is not wired yet.) --steps and --seeds size it.
+  e2e     the quickstart trained with async GRPO (max_staleness=1) in one process and
+          on Ray (trainer and rollout actors), and sync GRPO (max_staleness=0), from
+          the same warm start, several seeds: RL samples/s, tokens/s, wall time and
+          held-out accuracy, with ratios against sync. (The TRL GRPOTrainer column is
+          not wired yet.) --steps and --seeds size it.
 
   weights the weight transports (host, collective, ipc) moving a model of 4 MB .. 1 GB
           between two processes, in GB/s, against the raw channel under each: one
