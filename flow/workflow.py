@@ -70,8 +70,6 @@ class WorkflowConfig:
         return self.prompts_per_step * self.group_size
 
 
-
-
 class Workflow:
     """One run of the loop. `run()` blocks until `num_steps` steps are done (or a stage fails).
 
