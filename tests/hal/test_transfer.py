@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from pathlib import Path
 
@@ -193,51 +192,38 @@ def test_ipc_receiver_refuses_a_mismatched_version_and_the_sender_hears_why():
         receiver.close()
 
 
-def _collective_receiver(port: int, rank: int, expect_step: bool, out) -> None:
-    from tidal.hal.cpu import fake_platform as fake
-    from tidal.hal.transfer import TransferError as Err, expected_specs as specs
+def _collective_receiver(port: int, rank: int, expect_step: bool, out: dict) -> None:
     from tidal.hal.transfer.collective import CollectiveReceiver
 
     w = _weights()
-    expected = specs(w.items()) if expect_step else specs([(n, t) for n, t in w.items() if n != "step"])
-    receiver = CollectiveReceiver(fake("npu", 1), rank=rank, num_receivers=2, host="127.0.0.1", port=port, expected=expected, timeout_s=60)
+    expected = expected_specs(w.items()) if expect_step else expected_specs([(n, t) for n, t in w.items() if n != "step"])
+    receiver = CollectiveReceiver(fake_platform("npu", 1), rank=rank, num_receivers=2, host="127.0.0.1", port=port, expected=expected, timeout_s=60)
     receiver.join()
     results = []
     for _ in range(2):
         try:
             got = receiver.receive()
             results.append((got.version, {n: t.float().sum().item() for n, t in got.tensors.items()}))
-        except Err as e:
+        except TransferError as e:
             results.append(("error", str(e)))
-    out.put((rank, results))
+    out[rank] = results
 
 
 def test_collective_transport_broadcasts_to_every_rank_and_a_mismatch_keeps_the_group_in_step():
+    """Three ranks of one gloo group (threads of this process, each with its own group object)."""
     from tidal.hal.transfer.collective import CollectiveSender
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     sender = CollectiveSender(fake_platform("npu", 1), num_receivers=2, bucket_bytes=2048, timeout_s=60)
-    procs = [ctx.Process(target=_collective_receiver, args=(sender.port, rank, rank == 1, out), daemon=True) for rank in (1, 2)]
-    for p in procs:
-        p.start()
-    try:
-        sender.join()
-        w = _weights()
-        sender.send(1, w.items())
-        sender.send(2, w.items())
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results: dict = {}
+    threads = [threading.Thread(target=_collective_receiver, args=(sender.port, rank, rank == 1, results), daemon=True) for rank in (1, 2)]
+    for t in threads:
+        t.start()
+    sender.join()
+    w = _weights()
+    sender.send(1, w.items())
+    sender.send(2, w.items())
+    for t in threads:
+        t.join(60)
     sums = {n: t.float().sum().item() for n, t in w.items()}
     assert results[1] == [(1, sums), (2, sums)]
     assert [r[0] for r in results[2]] == ["error", "error"] and "unexpected ['step']" in results[2][1][1]
-
-
-def test_large_tensors_get_buckets_of_their_own_when_asked():
-    tensors = [("a", torch.zeros(10)), ("big", torch.zeros(1000)), ("b", torch.zeros(10)), ("c", torch.zeros(10))]
-    assert make_manifest(1, tensors, bucket_bytes=1 << 20).buckets == ((0, 1, 2, 3),)
-    assert make_manifest(1, tensors, bucket_bytes=1 << 20, solo_bytes=4000).buckets == ((0,), (1,), (2, 3))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=16", "checkpoint_every=100", "task.reward=tidal_test_rewards:starts_with_seven", "threads=1"]
+SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=24", "checkpoint_every=100", "task.reward=tidal_test_rewards:starts_with_seven", "threads=1"]
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "RAY_AUTH_MODE": "disabled"}
 
 
@@ -26,7 +26,7 @@ def _run(tidal_cli, tmp_path, *args):
 
 
 def _learned(steps):
-    assert [m["step"] for m in steps] == list(range(1, 17))
+    assert [m["step"] for m in steps] == list(range(1, 25))
     assert all(max(map(int, m["version_gap"]), default=0) <= 1 for m in steps)
     first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
     assert last > first + 0.15, f"reward did not go up: {first:.2f} -> {last:.2f}"
@@ -43,12 +43,12 @@ def test_mixed_npu_trainer_and_gpu_rollout_on_fake_platforms(tidal_cli, tmp_path
     kinds = [(d["platform"]["kind"], d["platform"]["fake"], d["platform"]["device_count"]) for d in info["rollout_actors"]]
     assert kinds == [("cuda", True, 1), ("cuda", True, 1)]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 16
+    assert summary["steps"] == 24
     _learned(steps)
     # Every version reached every rollout actor complete; the ones it generated with went live.
     rollout = info["rollout_summaries"]
     assert len(rollout) == 2 and all(r["platform"]["kind"] == "cuda" for r in rollout)
-    assert all(r["versions_received"] == 17 for r in rollout), rollout  # the warm start (0) and 16 updates
+    assert all(r["versions_received"] == 25 for r in rollout), rollout  # the warm start (0) and 24 updates
     applied = sorted({v for r in rollout for v in r["versions_applied"]})
     assert applied[0] == 0 and len(applied) >= 8 and all(r["samples"] > 0 for r in rollout)
 
