@@ -227,3 +227,9 @@ def test_collective_transport_broadcasts_to_every_rank_and_a_mismatch_keeps_the_
     sums = {n: t.float().sum().item() for n, t in w.items()}
     assert results[1] == [(1, sums), (2, sums)]
     assert [r[0] for r in results[2]] == ["error", "error"] and "unexpected ['step']" in results[2][1][1]
+
+
+def test_large_tensors_get_buckets_of_their_own_when_asked():
+    tensors = [("a", torch.zeros(10)), ("big", torch.zeros(1000)), ("b", torch.zeros(10)), ("c", torch.zeros(10))]
+    assert make_manifest(1, tensors, bucket_bytes=1 << 20).buckets == ((0, 1, 2, 3),)
+    assert make_manifest(1, tensors, bucket_bytes=1 << 20, solo_bytes=4000).buckets == ((0,), (1,), (2, 3))
