@@ -1,17 +1,19 @@
-"""`tidal bench e2e`: async vs sync GRPO (and TRL, when its adapter lands) on the quickstart.
+"""`tidal bench e2e`: async vs sync GRPO vs TRL's `GRPOTrainer` on the quickstart.
 
 Every system trains the quickstart's tiny model on its arithmetic task from the same
 warm start (the supervised phase is deterministic for a seed), with the same batch size,
 group size, token budget and number of samples, on this machine, in this process. For
 each seed it reports RL samples/s, tokens/s, wall time and held-out accuracy after RL;
-the table shows means over seeds and the ratios against sync.
+the table shows means over seeds and the ratios against sync and against TRL.
 
 Systems: `tidal-async` (`max_staleness: 1`), `tidal-sync` (`max_staleness: 0`), both
 in one process (`runtime: local`), and `tidal-async-ray` (`max_staleness: 1` with
 `runtime: ray`: trainer and rollout as two actors, one torch thread each; Ray's start
-and the actors' are outside the RL wall time).
-`trl` (TRL 1.16 `GRPOTrainer` with transformers generation) is not wired yet and is
-reported as such.
+and the actors' are outside the RL wall time). `trl`: TRL 1.16 `GRPOTrainer` with
+transformers generation (no vLLM), on-policy, on the same prompts in the same order,
+the same reward function and the same greedy held-out evaluation (`bench_trl.py` says
+how the recipe maps onto `GRPOConfig`); its wall time is `trainer.train()`. TRL comes
+with the `[bench]` extra; without it the `trl` row says how to install it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+TRL_INSTALL = "pip install -c constraints.txt -e '.[bench]'"
 
 SYSTEMS = {
     "tidal-async": ["algorithm.max_staleness=1"],
@@ -51,11 +55,20 @@ def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, ove
 
 
 def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), progress: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
+    """Every system for every seed; `trl` only when TRL is installed."""
+    from tidal.tools import bench_trl  # noqa: PLC0415
+
     results: dict[str, list[dict[str, Any]]] = {}
     for system, system_overrides in SYSTEMS.items():
         for seed in seeds:
             progress(f"{system}: seed {seed}, {num_steps} steps")
             results.setdefault(system, []).append(run_tidal(system_overrides, seed=seed, num_steps=num_steps, overrides=overrides))
+    if not bench_trl.available():
+        progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
+        return results
+    for seed in seeds:
+        progress(f"trl: seed {seed}, {num_steps} steps")
+        results.setdefault("trl", []).append(bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=overrides))
     return results
 
 
@@ -67,17 +80,21 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
         values = [r[key] for r in results[system]]
         return f"{statistics.mean(values):.1%} (+-{statistics.pstdev(values):.1%})"
 
-    base = "tidal-sync" if "tidal-sync" in results else None
-    rows = [["system", "samples/s", "x sync", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
+    def ratio(system: str, base: str) -> str:
+        return f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base in results else "-"
+
+    rows = [["system", "samples/s", "x sync", "x TRL", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
     for system in results:
         rows.append([
             system,
             f"{mean(system, 'samples_per_s'):.1f}",
-            f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base else "-",
+            ratio(system, "tidal-sync"),
+            ratio(system, "trl"),
             f"{mean(system, 'tokens_per_s'):.1f}",
             f"{mean(system, 'rl_seconds'):.1f}",
             f"{mean(system, 'accuracy_before'):.1%}",
             spread(system, "accuracy_after"),
         ])
-    rows.append(["trl (GRPOTrainer)", "-", "-", "-", "-", "-", "not wired yet (see docs/benchmarks.md)"])
+    if "trl" not in results:
+        rows.append(["trl", "-", "-", "-", "-", "-", "-", f"not measured: TRL is not installed ({TRL_INSTALL})"])
     return rows

@@ -92,8 +92,9 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
   e2e     the quickstart trained with async GRPO (max_staleness=1) in one process and
           on Ray (trainer and rollout actors), and sync GRPO (max_staleness=0), from
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and
-          held-out accuracy, with ratios against sync. (The TRL GRPOTrainer column is
-          not wired yet.) --steps and --seeds size it.
+          held-out accuracy, with ratios against sync and against TRL 1.16's
+          GRPOTrainer on the same warm start and prompts (installed with the [bench]
+          extra; skipped otherwise). --steps and --seeds size it.
 
   weights the weight transports (host, collective, ipc) moving a model of 4 MB .. 1 GB
           between two processes, in GB/s, against the raw channel under each: one

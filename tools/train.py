@@ -49,7 +49,7 @@ class Prompts:
         self.position = position
 
     def _chunk(self, k: int) -> list[dict[str, Any]]:
-        return _task_prompts(self.cfg, 512, seed=self.cfg.seed * 7919 + k)
+        return task_prompts(self.cfg, 512, seed=self.cfg.seed * 7919 + k)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for k in itertools.count(self.position // 512):
@@ -62,7 +62,8 @@ class Prompts:
                 yield {**item, "prompt_ids": self.tokenizer.encode(item["prompt"])}
 
 
-def _task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
+def task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
+    """`n` items of the recipe's task (prompt, answer, task fields), drawn with `seed`."""
     task = TASKS.get(cfg.task.name)
     if task is None:
         raise ValueError(f"task.name {cfg.task.name!r} is unknown; tasks: {sorted(TASKS)}")
@@ -212,7 +213,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         torch.set_num_threads(cfg.threads)
     tokenizer = CharTokenizer()
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
-    held_items = _task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
+    held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
     held_out = {item["prompt"] for item in held_items} if cfg.task.exclude_eval_prompts else set()
     tracer = Tracer()
     budget = cfg.rollout.max_new_tokens

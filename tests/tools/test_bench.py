@@ -17,12 +17,20 @@ def test_store_table_ratios_against_transferqueue_and_raw_zeromq():
     assert raw[-2:] == ["-", "-"] and tq[2] == "1.0"
 
 
-def test_e2e_table_means_over_seeds_and_ratio_against_sync():
+def test_e2e_table_means_over_seeds_and_ratios_against_sync_and_trl():
     def run(samples_per_s: float, after: float) -> dict:
         return {"samples_per_s": samples_per_s, "tokens_per_s": 2 * samples_per_s, "rl_seconds": 10.0, "accuracy_before": 0.25, "accuracy_after": after}
 
-    results = {"tidal-async": [run(300.0, 0.4), run(340.0, 0.5)], "tidal-sync": [run(200.0, 0.45), run(200.0, 0.45)]}
+    results = {"tidal-async": [run(300.0, 0.4), run(340.0, 0.5)], "tidal-sync": [run(200.0, 0.45), run(200.0, 0.45)], "trl": [run(80.0, 0.4), run(80.0, 0.4)]}
     header, async_row, sync_row, trl = bench_e2e.table(results)
-    assert async_row[:5] == ["tidal-async", "320.0", "1.60", "640.0", "10.0"]
-    assert async_row[6] == "45.0% (+-5.0%)" and sync_row[2] == "1.00"
-    assert trl[0].startswith("trl") and "not wired" in trl[-1]
+    assert header[:4] == ["system", "samples/s", "x sync", "x TRL"]
+    assert async_row[:6] == ["tidal-async", "320.0", "1.60", "4.00", "640.0", "10.0"]
+    assert async_row[7] == "45.0% (+-5.0%)" and sync_row[2:4] == ["1.00", "2.50"]
+    assert trl[:4] == ["trl", "80.0", "0.40", "1.00"]
+
+
+def test_e2e_table_without_trl_says_how_to_install_it():
+    run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
+    header, sync_row, trl = bench_e2e.table({"tidal-sync": [run]})
+    assert sync_row[2:4] == ["1.00", "-"]
+    assert trl[0] == "trl" and "pip install -c constraints.txt -e '.[bench]'" in trl[-1]

@@ -1,0 +1,224 @@
+"""TRL's `GRPOTrainer` on the quickstart: the `trl` column of `tidal bench e2e`.
+
+The run starts from the model a tidal run starts RL from (the recipe's tiny Qwen2, the
+same supervised warm start, deterministic for a seed), trains on the same prompt stream
+in the same order with the same reward function, and is evaluated by the same greedy
+held-out `evaluate`. The recipe maps onto `GRPOConfig` as:
+
+- lr, weight_decay, grad_clip -> learning_rate (constant, no warmup), weight_decay,
+  max_grad_norm; AdamW with torch's betas and eps, as `TorchTrainEngine`;
+- prompts_per_step x group_size samples per optimizer step (num_generations =
+  group_size; per_device_train_batch_size = train.micro_batch_size, or the largest
+  divisor of the step's samples below it, with gradient accumulation over the rest;
+  one generation per optimizer step, num_iterations=1: on-policy, like `max_staleness: 0`);
+- rollout.max_new_tokens -> max_completion_length, rollout.temperature -> temperature
+  (top_k 0, top_p 1: plain sampling, as the `hf` rollout engine);
+- clip_low / clip_high -> epsilon / epsilon_high; aggregation -> loss_type (token_mean is
+  TRL's "dapo"); advantage -> scale_rewards (grpo divides by the group's std);
+  kl_coef 0 -> beta 0 (no reference model);
+- float32 on the CPU, transformers generation (no vLLM), no activation checkpointing, no
+  logging, saving or evaluation during training.
+
+TRL needs a Hugging Face tokenizer: `hf_tokenizer` wraps `CharTokenizer` (one token per
+character, same ids, BOS prepended) with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "token_sum_norm": "dr_grpo"}
+"""tidal's algorithm.aggregation -> TRL's loss_type with the same normalisation."""
+SCALE_REWARDS = {"grpo": "group", "grpo_no_std": "none", "dr_grpo": "none"}
+"""tidal's algorithm.advantage -> TRL's scale_rewards (both centre on the group mean)."""
+
+
+def available() -> bool:
+    """Whether TRL is importable (it comes with the `[bench]` extra)."""
+    return importlib.util.find_spec("trl") is not None
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """`tokenizer` (a `CharTokenizer`) as a transformers fast tokenizer with the same ids.
+
+    Every character is one token; `<pad>`, `<bos>`, `<eos>` are its special tokens and
+    encoding prepends `<bos>`, as `CharTokenizer.encode` does. Decoding joins the
+    characters without spaces. A character outside the alphabet raises.
+    """
+    import transformers  # noqa: PLC0415
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: PLC0415
+
+    from tidal.engines.tiny import SPECIALS  # noqa: PLC0415
+
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    vocab.update({c: i + len(SPECIALS) for i, c in enumerate(tokenizer.alphabet)})
+    assert [vocab[t] for t in SPECIALS] == [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id]
+    backend = Tokenizer(models.WordLevel(vocab))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", tokenizer.bos_id)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", clean_up_tokenization_spaces=False)
+
+
+def warm_started(cfg: Any) -> dict[str, Any]:
+    """The policy a tidal run of `cfg` starts RL from, with what evaluating it needs.
+
+    Mirrors `tidal.tools.train.train` up to RL: the recipe's model from its seed, then
+    `sft.steps` supervised steps on the prompt region RL never reaches.
+    """
+    from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
+    from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
+    from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
+    from tidal.hal import current_platform  # noqa: PLC0415
+    from tidal.tools import backends  # noqa: PLC0415
+    from tidal.tools.train import EVAL_SEED_OFFSET, task_prompts, build_policy, warm_start  # noqa: PLC0415
+
+    tokenizer = CharTokenizer()
+    reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
+    held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
+    held_out = {item["prompt"] for item in held_items} if cfg.task.exclude_eval_prompts else set()
+    model = build_policy(cfg, tokenizer)
+    if cfg.sft.steps:
+        train_cls = backends.load("train.backend", cfg.train.backend)
+        sft = train_cls(model, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=current_platform())
+        warm_start(sft, cfg, tokenizer, held_out)
+    return {"model": model, "tokenizer": tokenizer, "reward": reward, "held_items": held_items, "held_out": held_out}
+
+
+def _micro_batch(samples_per_step: int, micro_batch_size: int) -> int:
+    """The largest divisor of `samples_per_step` that is at most `micro_batch_size`."""
+    return next(n for n in range(min(micro_batch_size, samples_per_step), 0, -1) if samples_per_step % n == 0)
+
+
+def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
+    """The `GRPOConfig` that matches the recipe (see the module docstring).
+
+    Raises:
+        ValueError: an algorithm setting with no TRL counterpart (names the key).
+    """
+    from trl import GRPOConfig  # noqa: PLC0415
+
+    from tidal.hal import current_platform  # noqa: PLC0415
+
+    algo = cfg.algorithm
+    if algo.aggregation not in LOSS_TYPES:
+        raise ValueError(f"algorithm.aggregation={algo.aggregation!r} has no TRL loss_type; the TRL run supports {sorted(LOSS_TYPES)}")
+    if algo.advantage not in SCALE_REWARDS:
+        raise ValueError(f"algorithm.advantage={algo.advantage!r} has no TRL counterpart; the TRL run supports {sorted(SCALE_REWARDS)}")
+    if algo.kl_coef:
+        raise ValueError(f"algorithm.kl_coef={algo.kl_coef}: the TRL run compares KL-free GRPO (beta=0) only")
+    samples_per_step = algo.prompts_per_step * algo.group_size
+    micro = _micro_batch(samples_per_step, cfg.train.micro_batch_size)
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        seed=cfg.seed,
+        max_steps=algo.num_steps,
+        learning_rate=cfg.train.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        weight_decay=cfg.train.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=cfg.train.grad_clip,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples_per_step // micro,
+        num_generations=algo.group_size,
+        num_iterations=1,
+        max_completion_length=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_k=0,
+        top_p=1.0,
+        epsilon=algo.clip_low,
+        epsilon_high=algo.clip_high,
+        loss_type=LOSS_TYPES[algo.aggregation],
+        scale_rewards=SCALE_REWARDS[algo.advantage],
+        beta=0.0,
+        shuffle_dataset=False,
+        use_vllm=False,
+        use_cpu=current_platform().device(0).type == "cpu",
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_completions=False,
+        dataloader_num_workers=0,
+    )
+
+
+def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The quickstart (with `overrides`) trained by TRL's `GRPOTrainer`; a `train()`-style summary.
+
+    samples_per_s and tokens_per_s count what the reward function scored during
+    `trainer.train()` (completions, and their tokens up to and including EOS, as tidal's
+    step metrics do) over the wall time of `trainer.train()` alone.
+    """
+    import datasets  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+    from trl import GRPOTrainer  # noqa: PLC0415
+
+    from tidal.engines.rewards import score  # noqa: PLC0415
+    from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.run import prepare_run  # noqa: PLC0415
+    from tidal.tools.train import Prompts, evaluate  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-trl-") as tmp:
+        args = ["algorithm.max_staleness=0", f"seed={seed}", f"algorithm.num_steps={num_steps}", f"run_dir={Path(tmp) / 'run'}", *overrides]
+        cfg, _ = prepare_run(resolve_recipe("quickstart_cpu"), args)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        start = warm_started(cfg)
+        model, tokenizer, reward, held_items = start["model"], start["tokenizer"], start["reward"], start["held_items"]
+        budget = cfg.rollout.max_new_tokens
+        accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
+
+        algo = cfg.algorithm
+        stream = iter(Prompts(cfg, tokenizer, start["held_out"]))  # the prompts tidal trains on, in order
+        items = [{k: v for k, v in next(stream).items() if k != "prompt_ids"} for _ in range(algo.num_steps * algo.prompts_per_step)]
+        dataset = datasets.Dataset.from_list(items)
+        scored: list[dict[str, float]] = []
+
+        def reward_fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns: Any) -> list[float]:
+            keys = [k for k in columns if k in items[0]]
+            trajectories = [Trajectory(prompt_ids=[], meta={"prompt": p, **{k: columns[k][i] for k in keys}}) for i, p in enumerate(prompts)]
+            rewards, _ = score(reward, trajectories, completions)
+            scored.append({"samples": len(completions), "tokens": sum(map(len, completion_ids)), "reward": sum(rewards) / max(len(rewards), 1)})
+            return rewards
+
+        reward_fn.__name__ = getattr(reward, "__name__", "reward")
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 still calls transformers' renamed gradient-checkpointing API
+            trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=grpo_config(cfg, Path(tmp) / "trl"), train_dataset=dataset, processing_class=hf_tokenizer(tokenizer))
+            trainer.remove_callback(transformers.PrinterCallback)  # it prints the final metrics dict even with logging off
+            started = time.perf_counter()
+            trainer.train()
+            rl_seconds = time.perf_counter() - started
+        accuracy_after = evaluate(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_items, reward, max_new_tokens=budget)
+
+    samples = sum(s["samples"] for s in scored)
+    return {
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+        "steps": trainer.state.global_step,
+        "samples": samples,
+        "rl_seconds": rl_seconds,
+        "samples_per_s": samples / rl_seconds if rl_seconds else 0.0,
+        "tokens_per_s": sum(s["tokens"] for s in scored) / rl_seconds if rl_seconds else 0.0,
+        "first_reward": scored[0]["reward"] if scored else None,
+        "last_reward": scored[-1]["reward"] if scored else None,
+    }
