@@ -54,8 +54,11 @@ class WeightInbox:
         return item
 
 
-def put_trajectories(store: Any, trajectories: list[Trajectory], *, cancel: threading.Event | None = None) -> None:
-    """Finished trajectories as rows of the `train` partition (row version = oldest token's)."""
+def put_trajectories(store: Any, trajectories: list[Trajectory], *, cancel: threading.Event | None = None, ack: tuple[str, str, list[int]] | None = None) -> None:
+    """Finished trajectories as rows of the `train` partition (row version = oldest token's).
+
+    `ack` (consumer, partition, indexes) acks the prompts they came from in the same step.
+    """
     columns = {
         "prompt_ids": [torch.tensor(t.prompt_ids, dtype=torch.long) for t in trajectories],
         "tokens": [torch.tensor(t.tokens, dtype=torch.long) for t in trajectories],
@@ -65,7 +68,7 @@ def put_trajectories(store: Any, trajectories: list[Trajectory], *, cancel: thre
         "meta": [t.meta for t in trajectories],
     }
     versions = [t.oldest_version for t in trajectories]
-    store.put("train", columns, groups=[t.group for t in trajectories], versions=versions, cancel=cancel)
+    store.put("train", columns, groups=[t.group for t in trajectories], versions=versions, cancel=cancel, ack=ack)
 
 
 class RolloutWorker:
@@ -121,8 +124,9 @@ class RolloutWorker:
                     break
                 self.num_paused += 1
                 self.apply_weights()  # safe point: between decoding chunks; then resume
-            put_trajectories(self.store, trajectories, cancel=self.stopping)
-            self.store.ack(self.consumer, "prompts", batch.indexes)
+            # the trajectories go in and their prompts are acked in one step: a worker that
+            # dies before it gets its prompts redelivered, never after (no sample twice)
+            put_trajectories(self.store, trajectories, cancel=self.stopping, ack=(self.consumer, "prompts", batch.indexes))
             self.num_samples += len(trajectories)
 
     def apply_weights(self) -> None:

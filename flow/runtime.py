@@ -17,8 +17,10 @@ CPU processes. Ray is imported only here and only when the runtime is used.
 from __future__ import annotations
 
 import collections
+import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +28,8 @@ import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
 from tidal.flow.rollout import RolloutWorker, Stop
+
+log = logging.getLogger(__name__)
 
 RESOURCE_WAIT_S = 30.0
 """How long a placement group may wait for its resources before the run fails naming the role."""
@@ -128,14 +132,23 @@ class RolloutActor:
         self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, **settings)
         self._first = threading.Event()
         self._receiver: Any = None
+        self._generation = 0  # of the weight receiver; a retired one's errors are expected
         self._errors: list[BaseException] = []
         self.num_versions = 0
 
     def describe(self) -> dict[str, Any]:
-        """This actor's platform and node, as it sees them."""
+        """This actor's platform, node and process, as it sees them."""
+        import os  # noqa: PLC0415
+
         import ray  # noqa: PLC0415
 
-        return {"platform": self.platform.descriptor.to_dict(), "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+        return {"platform": self.platform.descriptor.to_dict(), "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    def retire_receiver(self) -> None:
+        """The trainer is rebuilding the weight group (another actor restarted): the current
+        receiver's coming failure is expected; the next `open_*_receiver` starts a new one."""
+        self._generation += 1
+        self._receiver = None
 
     def open_host_receiver(self, *, bind_host: str, token: str | None) -> str:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
@@ -149,26 +162,31 @@ class RolloutActor:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.collective import CollectiveReceiver  # noqa: PLC0415
 
-        expected = expected_specs(self.engine.named_weights())
+        receiver = self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected_specs(self.engine.named_weights()))
 
         def join_and_receive() -> Any:
-            if self._receiver is None:
-                self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected)
-                self._receiver.join()
-            return self._receiver.receive()
+            receiver.join()  # once: blocks until every member joined
+            return receiver.receive()
 
         self._start_receiving(join_and_receive)
 
     def _start_receiving(self, receive: Callable[[], Any]) -> None:
+        self._generation += 1
+        generation = self._generation
+
         def loop() -> None:
             while not self.stopping.is_set():
                 try:
                     weights = receive()
                 except Exception as e:  # noqa: BLE001 - reported by run()
+                    if generation != self._generation:
+                        return  # retired: its group was torn down on purpose
                     if not self.stopping.is_set():
                         self._errors.append(e)
                         self.stopping.set()
                     self._first.set()
+                    return
+                if generation != self._generation:
                     return
                 self.worker.inbox.offer(weights.version, weights.tensors)
                 self.num_versions += 1
@@ -207,23 +225,156 @@ class RolloutActor:
         return {"paused_generations": self.worker.num_paused, "wait_s": waits, "samples": self.worker.num_samples}
 
 
-class RayRollouts:
-    """`RolloutGroup` over rollout actors: runs their loops, sends them each version's weights."""
+class HostWiring:
+    """Weights to every rollout actor over the host transport: a socket per receiver.
 
-    def __init__(self, actors: Sequence[Any], sender: Any) -> None:
-        self.actors, self.sender = list(actors), sender
-        self.summaries: list[dict[str, Any]] = []
+    An actor that restarted gets a new receiver; the others keep theirs.
+    """
+
+    def __init__(self, platform: Any, *, host: str, token: str | None, bucket_bytes: int) -> None:
+        from tidal.hal.transfer.host import HostSender  # noqa: PLC0415
+
+        self.sender = HostSender(platform, bucket_bytes=bucket_bytes, token=token)
+        self._host, self._token = host, token
+        self._addresses: dict[int, str] = {}
+
+    def attach(self, actors: Sequence[Any], which: Iterable[int]) -> None:
+        import ray  # noqa: PLC0415
+
+        which = list(which)
+        for i in which:
+            if i in self._addresses:
+                self.sender.disconnect(self._addresses.pop(i))
+        for i, address in zip(which, ray.get([actors[i].open_host_receiver.remote(bind_host=self._host, token=self._token) for i in which])):
+            self.sender.connect(address)
+            self._addresses[i] = address
+
+    def abort(self) -> None:
+        self.sender.abort()
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class CollectiveWiring:
+    """Weights to every rollout actor in one broadcast group (gloo / NCCL / HCCL).
+
+    A group cannot lose a member: when an actor restarts, every actor's receiver is
+    retired and a new group is built with all of them.
+    """
+
+    def __init__(self, platform: Any, *, host: str, bucket_bytes: int) -> None:
+        self._platform, self._host, self._bucket_bytes = platform, host, bucket_bytes
+        self.sender: Any = None
+
+    def attach(self, actors: Sequence[Any], which: Iterable[int]) -> None:
+        import ray  # noqa: PLC0415
+
+        from tidal.hal.transfer.collective import CollectiveSender  # noqa: PLC0415
+
+        if self.sender is not None:
+            ray.get([a.retire_receiver.remote() for a in actors])  # before the old group goes
+        self.sender = CollectiveSender(self._platform, num_receivers=len(actors), host=self._host, bucket_bytes=self._bucket_bytes)
+        ray.get([a.open_collective_receiver.remote(host=self._host, port=self.sender.port, rank=rank, num_receivers=len(actors)) for rank, a in enumerate(actors, start=1)])
+        self.sender.join()
+
+    def abort(self) -> None:
+        pass  # a broadcast to a dead member fails by itself
+
+    def close(self) -> None:
+        self.sender = None
+
+
+DEATH_NOTICE_S = 120.0
+"""How long a failed weight send waits for a dead rollout actor to be back (then it is retried)."""
+RESTART_WAIT_S = 90.0
+"""How long a dead rollout actor may take to restart (build its engine) before the run fails."""
+
+
+class RayRollouts:
+    """`RolloutGroup` over rollout actors: runs their loops, sends them each version's weights.
+
+    A rollout actor that dies is restarted by Ray (up to `max_restarts` times, counted per
+    actor); its store connection closes, so the prompts it held are redelivered, and it
+    rejoins the weight transport and generates again once the next version reaches it.
+    `on_change(descriptions)` is told each actor's description after a restart.
+    """
+
+    def __init__(self, actors: Sequence[Any], wiring: Any, *, max_restarts: int = 0, on_change: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+        import ray  # noqa: PLC0415
+
+        self.actors, self.wiring, self.max_restarts = list(actors), wiring, max_restarts
+        self.descriptions: list[dict[str, Any]] = ray.get([a.describe.remote() for a in self.actors])
+        self.summaries: list[dict[str, Any]] = [{} for _ in self.actors]
+        self.restarts = [0] * len(self.actors)
+        self._on_change = on_change or (lambda descriptions: None)
+        self._lock = threading.Lock()  # the wiring is used by publish (trainer thread) only under it
+        self._restarted: set[int] = set()  # back from a restart, not wired in yet
+        self._restarted_lock = threading.Lock()
+        self._died = threading.Event()
+        self._stopping = threading.Event()
+        self.wiring.attach(self.actors, range(len(self.actors)))
 
     def run(self) -> None:
         import ray  # noqa: PLC0415
 
-        self.summaries = ray.get([a.run.remote() for a in self.actors])
+        running = {a.run.remote(): i for i, a in enumerate(self.actors)}
+        while running:
+            (ref,), _ = ray.wait(list(running))
+            i = running.pop(ref)
+            try:
+                self.summaries[i] = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if self._stopping.is_set():
+                    continue
+                self.restarts[i] += 1
+                if self.restarts[i] > self.max_restarts:
+                    raise RuntimeError(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {e}") from None
+                log.warning("rollout actor %d died (%s); Ray restarts it (%d of %d)", i, type(e).__name__, self.restarts[i], self.max_restarts)
+                self.wiring.abort()  # a send blocked on the dead receiver gives up
+                self.descriptions[i] = self._back(i)
+                with self._restarted_lock:
+                    self._restarted.add(i)
+                self._died.set()  # the next publish wires it in again
+                running[self.actors[i].run.remote()] = i  # generates once the next version reaches it
         raise Stop  # the actors return only when stopped
 
     def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.sender.send(version, named_weights)
+        tensors = list(named_weights)
+        with self._lock:
+            if self._died.is_set():
+                self._rejoin()
+            try:
+                self.wiring.sender.send(version, tensors)
+            except Exception:
+                if not self._died.wait(DEATH_NOTICE_S):
+                    raise
+                self._rejoin()
+                self.wiring.sender.send(version, tensors)
+
+    def _back(self, i: int) -> dict[str, Any]:
+        """Actor `i`'s description once Ray has restarted it."""
+        import ray  # noqa: PLC0415
+
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                return ray.get(self.actors[i].describe.remote())
+            except ray.exceptions.ActorUnavailableError:  # still restarting
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout actor {i} did not come back within {RESTART_WAIT_S:.0f}s of dying") from None
+                time.sleep(0.2)
+
+    def _rejoin(self) -> None:
+        """Wire the restarted actors in again."""
+        self._died.clear()
+        with self._restarted_lock:
+            restarted, self._restarted = sorted(self._restarted), set()
+        self.wiring.attach(self.actors, restarted)
+        self._on_change(self.descriptions)
 
     def stop(self) -> None:
+        self._stopping.set()
         for a in self.actors:
             a.stop.remote()
 
@@ -231,7 +382,11 @@ class RayRollouts:
         import ray  # noqa: PLC0415
 
         out: dict[str, Any] = {"paused_generations": 0, "wait_s": collections.defaultdict(float)}
-        for m in ray.get([a.metrics.remote() for a in self.actors]):
+        try:
+            answers = ray.get([a.metrics.remote() for a in self.actors])
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            answers = []  # one is restarting: no rollout metrics this step
+        for m in answers:
             out["paused_generations"] += m["paused_generations"]
             for k, v in m["wait_s"].items():
                 out["wait_s"][k] += v / len(self.actors)

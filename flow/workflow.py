@@ -270,6 +270,7 @@ class Workflow:
                 version_gap=dict(sorted(collections.Counter(gaps).items())),
                 wait_s={k: round(v, 4) for k, v in waits.items()},
                 response_len=sum(t.num_generated for t in trajectories) / len(trajectories),
+                groups=sorted({t.group for t in trajectories}),  # the prompts trained: each once per run
             )
             self.on_step(metrics)
 

@@ -204,6 +204,16 @@ class PlacementConfig:
 
 
 @dataclasses.dataclass
+class FaultConfig:
+    """What a `runtime: ray` run does when one of its actors dies."""
+
+    rollout_restarts: int = 3
+    """How many times Ray restarts each dead rollout actor; it takes the current weights and continues, and the prompts it held are generated again."""
+    trainer_restarts: int = 1
+    """How many times a dead trainer actor is started again; it resumes from the run's last checkpoint (weights, optimizer, data, store)."""
+
+
+@dataclasses.dataclass
 class RecipeConfig:
     """A tidal recipe: what to run, on which platform, and where its files go."""
 
@@ -245,6 +255,8 @@ class RecipeConfig:
     """Which devices each role uses."""
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     """Weight transport from trainer to rollout."""
+    fault: FaultConfig = dataclasses.field(default_factory=FaultConfig)
+    """Restarts after an actor dies (`runtime: ray`)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -412,6 +424,9 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
+    for key in ("rollout_restarts", "trainer_restarts"):
+        if "fault" in cfg and cfg.fault[key] < 0:
+            raise ConfigError(f"fault.{key}={cfg.fault[key]} must be >= 0")
     for key in REGISTRIES:
         section, _, field = key.partition(".")
         if section in cfg and (message := unknown(key, cfg[section][field])):

@@ -23,6 +23,8 @@ from typing import Any
 
 from tidal.tools.config import ConfigError, to_yaml
 
+log = logging.getLogger(__name__)
+
 
 def _config_from_yaml(text: str) -> Any:
     from omegaconf import OmegaConf  # noqa: PLC0415
@@ -56,8 +58,8 @@ def make_rollout_engine(cfg_yaml: str) -> Any:
 class RemoteRollouts:
     """What `train()` gets back from `start_rollouts`: the `RolloutGroup`, plus `close()`."""
 
-    def __init__(self, rollouts: Any, server: Any, sender: Any, actors: list[Any], info_path: str) -> None:
-        self._rollouts, self._server, self._sender, self._actors = rollouts, server, sender, actors
+    def __init__(self, rollouts: Any, server: Any, wiring: Any, actors: list[Any], info_path: str) -> None:
+        self._rollouts, self._server, self._wiring, self._actors = rollouts, server, wiring, actors
         self._info_path = Path(info_path)
 
     def __getattr__(self, name: str) -> Any:
@@ -69,33 +71,31 @@ class RemoteRollouts:
         self._rollouts.stop()
         info = json.loads(self._info_path.read_text())
         info["rollout_summaries"] = self._rollouts.summaries  # filled when the actors returned
+        info["rollout_restarts"] = self._rollouts.restarts
         self._info_path.write_text(json.dumps(info, indent=2) + "\n")
         for actor in self._actors:
             ray.kill(actor)
-        close = getattr(self._sender, "close", None)
-        if close is not None:
-            close()
+        self._wiring.close()
         self._server.close()
 
 
-def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, pg: Any, assignments: list[Any], fake: bool, info_path: str) -> RemoteRollouts:
+def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, pg: Any, assignments: list[Any], fake: bool, info_path: str, attempt: int = 0) -> RemoteRollouts:
     """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights."""
     import ray  # noqa: PLC0415
 
-    from tidal.flow.runtime import RayRollouts, RolloutActor, actor_options  # noqa: PLC0415
+    from tidal.flow.runtime import CollectiveWiring, HostWiring, RayRollouts, RolloutActor, actor_options  # noqa: PLC0415
     from tidal.flow.store.server import StoreServer  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
     from tidal.hal.transfer import choose_transport  # noqa: PLC0415
-    from tidal.hal.transfer.collective import CollectiveSender  # noqa: PLC0415
-    from tidal.hal.transfer.host import HostSender  # noqa: PLC0415
 
     one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
     host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
     token = None if one_node else secrets.token_hex(16)
     server = StoreServer(store, address=f"tcp://{'127.0.0.1' if one_node else '0.0.0.0'}:0", token=token)
     address = server.address.replace("0.0.0.0", host)
-    actor_cls = ray.remote(max_concurrency=4, max_restarts=0)(RolloutActor)
+    # Ray restarts a dead rollout actor (running __init__ again); a call in flight when it died fails.
+    actor_cls = ray.remote(max_concurrency=4, max_restarts=cfg.fault.rollout_restarts, max_task_retries=0)(RolloutActor)
     make_engine = functools.partial(make_rollout_engine, to_yaml(cfg))
     actors = [
         actor_cls.options(**actor_options(a, pg, i, fake=fake)).remote(make_engine, store_address=address, store_token=token, settings=settings)
@@ -111,18 +111,22 @@ def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int],
     transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
     bucket_bytes = cfg.transport.bucket_mb << 20
     if transport == "collective":
-        sender = CollectiveSender(current_platform(), num_receivers=len(actors), host=host, bucket_bytes=bucket_bytes)
-        for rank, a in enumerate(actors, start=1):
-            a.open_collective_receiver.remote(host=host, port=sender.port, rank=rank, num_receivers=len(actors))
-        sender.join()
+        wiring: Any = CollectiveWiring(current_platform(), host=host, bucket_bytes=bucket_bytes)
     else:
-        sender = HostSender(current_platform(), bucket_bytes=bucket_bytes, token=token)
-        for addr in ray.get([a.open_host_receiver.remote(bind_host=host, token=token) for a in actors]):
-            sender.connect(addr)
-    Path(info_path).write_text(json.dumps({"transport": transport, "store": address, "rollout_actors": descriptions}, indent=2) + "\n")
-    rollouts = RayRollouts(actors, sender)
+        wiring = HostWiring(current_platform(), host=host, token=token, bucket_bytes=bucket_bytes)
+    info = {"transport": transport, "store": address, "trainer": {"pid": os.getpid(), "attempt": attempt}, "rollout_actors": descriptions, "rollout_restarts": [0] * len(actors)}
+
+    def write_info(descriptions: list[dict[str, Any]]) -> None:
+        info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
+        tmp = Path(info_path + ".tmp")
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(tmp, info_path)
+
+    rollouts = None
+    write_info(descriptions)
+    rollouts = RayRollouts(actors, wiring, max_restarts=cfg.fault.rollout_restarts, on_change=write_info)
     rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights
-    return RemoteRollouts(rollouts, server, sender, actors, info_path)
+    return RemoteRollouts(rollouts, server, wiring, actors, info_path)
 
 
 class TrainerActor:
@@ -133,13 +137,21 @@ class TrainerActor:
 
         return current_platform().descriptor.to_dict()
 
-    def run(self, cfg_yaml: str, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool) -> dict[str, Any]:
+    def run(self, cfg_yaml: str, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool, attempt: int = 0) -> dict[str, Any]:
+        """Train; after a restart (`attempt` > 0) resume from the run's last checkpoint."""
         from tidal.tools.train import train  # noqa: PLC0415
 
         cfg = _config_from_yaml(cfg_yaml)
-        starter = functools.partial(start_rollouts, pg=rollout_pg, assignments=rollout_assignments, fake=fake, info_path=str(Path(run_dir) / "runtime.json"))
+        if attempt:
+            if (Path(run_dir) / "checkpoints" / "latest").exists():
+                cfg.resume = run_dir
+            else:  # died before its first checkpoint: start over
+                (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
+        starter = functools.partial(start_rollouts, pg=rollout_pg, assignments=rollout_assignments, fake=fake, info_path=str(Path(run_dir) / "runtime.json"), attempt=attempt)
         summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter)
         summary["trainer_platform"] = self.describe()
+        summary["trainer_restarts"] = attempt
+        (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
 
@@ -187,12 +199,20 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
         raise ConfigError(f"placement: {e}") from None
     fake = bool(cfg.cluster.fake)
     trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
-    trainer = trainer_cls.options(**actor_options(plan.of("train")[0], groups["train"], 0, fake=fake)).remote()
-    ref = trainer.run.remote(to_yaml(cfg), str(run_dir), groups["rollout"], plan.of("rollout"), fake)
     try:
-        return _wait_with_progress(ref, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
+        for attempt in range(cfg.fault.trainer_restarts + 1):
+            trainer = trainer_cls.options(**actor_options(plan.of("train")[0], groups["train"], 0, fake=fake)).remote()
+            ref = trainer.run.remote(to_yaml(cfg), str(run_dir), groups["rollout"], plan.of("rollout"), fake, attempt)
+            try:
+                return _wait_with_progress(ref, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
+            except ray.exceptions.RayActorError as e:  # the process died (its rollout actors with it)
+                if attempt == cfg.fault.trainer_restarts:
+                    raise RuntimeError(f"the trainer died {attempt + 1} times (fault.trainer_restarts={cfg.fault.trainer_restarts}): {e}") from None
+                log.warning("the trainer died (%s); resuming from the last checkpoint (restart %d of %d)", type(e).__name__, attempt + 1, cfg.fault.trainer_restarts)
+            finally:
+                ray.kill(trainer)
+        raise AssertionError("unreachable")
     finally:
-        ray.kill(trainer)
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
 
@@ -205,15 +225,12 @@ def _wait_with_progress(ref: Any, metrics_path: Path, *, total: int, progress: b
 
     bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=Console(stderr=True), disable=not progress)
     task = bar.add_task("rl", total=total, info="starting actors")
-    seen = 0
     with bar:
         while True:
             done, _ = ray.wait([ref], timeout=1.0)
-            if metrics_path.exists():
-                lines = metrics_path.read_text().splitlines()
-                for line in lines[seen:]:
-                    m = json.loads(line)
-                    bar.update(task, completed=m["step"], info=f"reward {m['reward']:.2f}")
-                seen = len(lines)
+            lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+            if lines and lines[-1].endswith("}"):  # a resumed trainer rewrites the file: show its last step
+                m = json.loads(lines[-1])
+                bar.update(task, completed=m["step"], info=f"reward {m['reward']:.2f}")
             if done:
                 return ray.get(ref)

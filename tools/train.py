@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -143,8 +144,18 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, tokenizer: Char
             f.unlink()
         final.rmdir()
     tmp.rename(final)
-    (run_dir / "checkpoints" / "latest").write_text(final.name + "\n")
+    pointer = run_dir / "checkpoints" / "latest"
+    pointer.with_suffix(".tmp").write_text(final.name + "\n")
+    os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
     return final
+
+
+def truncate_metrics(path: Path, version: int) -> None:
+    """Keep only the steps up to `version` (a run resumed in its own directory redoes the rest)."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= version]
+        path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+        os.replace(path.with_suffix(".tmp"), path)
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -225,6 +236,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         state = json.loads((checkpoint / "state.json").read_text())
         store = persist.load(checkpoint / "store.bin")
         prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
+        if Path(cfg.resume).resolve() == run_dir.resolve():
+            truncate_metrics(run_dir / "metrics.jsonl", state["version"])
         accuracy_before = state["accuracy_before"]
         console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({checkpoint.name})")
     else:

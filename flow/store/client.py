@@ -154,13 +154,16 @@ class RemoteStore:
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
+        ack: tuple[str, str, Sequence[int]] | None = None,
     ) -> list[int]:
-        """As `Store.put`. With a storage unit the data goes there and the controller gets references."""
+        """As `Store.put` (`ack=` included: the server does both in one step). With a storage
+        unit the data goes there and the controller gets references."""
         if cancel is not None:
-            return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=t))
+            return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=t, ack=ack))
         if not columns:
             raise ValueError("put needs at least one column")
-        meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout}
+        then_ack = None if ack is None else {"consumer": ack[0], "partition": ack[1], "indexes": np.asarray(list(ack[2]), dtype=np.int64)}
+        meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout, "ack": then_ack}
         if self.unit_address is None:
             args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
             return self._call("put", args, wait=timeout)

@@ -260,7 +260,9 @@ class StoreServer:
             except StoreTimeout:
                 now = time.monotonic()
                 wait = math.inf if timeout is None else float(timeout)
-                acked = args.pop("ack", None) is not None  # done by the first attempt; may have freed room
+                # a get's ack is done by the first attempt (and may have freed room); a put's
+                # ack happens only with the put, so it stays for the retries
+                acked = op == "get" and args.pop("ack", None) is not None
                 self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
                 return acked
             except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
@@ -331,7 +333,11 @@ class StoreServer:
             if not self._listening:
                 self.store.add_free_listener(self._on_free)
                 self._listening = True
-        return self.store.put(
+        ack = a.get("ack")
+        if ack is not None and not (isinstance(ack, dict) and isinstance(ack.get("consumer"), str) and isinstance(ack.get("partition"), str)):
+            raise ValueError("put's ack must be a map with consumer, partition and indexes")
+        then_ack = None if ack is None else (ack["consumer"], ack["partition"], np.asarray(ack.get("indexes", []), dtype=np.int64))
+        indexes = self.store.put(
             a["partition"],
             columns,
             a.get("indexes"),
@@ -339,7 +345,13 @@ class StoreServer:
             versions=a.get("versions"),
             tags=a.get("tags"),
             timeout=a.get("timeout"),
+            ack=then_ack,
         )
+        if then_ack is not None:
+            held = peer.leases.get((then_ack[0], then_ack[1]))
+            if held:
+                held.difference_update(then_ack[2].tolist())
+        return indexes
 
     def _get(self, peer: _Peer, a: dict[str, Any]) -> dict[str, Any]:
         assert self.store is not None

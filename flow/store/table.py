@@ -140,8 +140,14 @@ class Store:
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
+        ack: tuple[str, str, Sequence[int]] | None = None,
     ) -> list[int]:
         """Add rows (`indexes=None`) or add columns to existing rows; return the indexes.
+
+        `ack=(consumer, partition, indexes)` acks those rows in the same atomic step as
+        the put: a stage that turns input rows into output rows (rollout: prompts ->
+        trajectories) either does both or neither, so a crash between the two can never
+        deliver the input again after its output is in (exactly-once hand-off).
 
         New rows wait for capacity (back-pressure) up to `timeout` seconds, then raise
         `StoreTimeout`; setting `cancel` (then `wake`) ends the wait with `StoreError`. `groups`, `versions` and `tags` describe new rows only. The store
@@ -155,6 +161,7 @@ class Store:
         _check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
+            then_ack = self._check_ack(ack)
             part = self._part(partition)
             if indexes is None:
                 total = int(sum(s.sum() for s in sizes.values()))
@@ -190,8 +197,24 @@ class Store:
                     column.stamp[local] = self._stamp
                     column.nbytes[local] = sizes[name][positions]
                     part.nbytes += int(sizes[name][positions].sum())
+            if then_ack is not None:
+                self._ack_many(*then_ack)
             self._notify()
             return where.tolist()
+
+    def _check_ack(self, ack: tuple[str, str, Sequence[int]] | None) -> tuple[Partition, str, np.ndarray] | None:
+        """A put's `ack=` checked before anything changes (a bad ack leaves no half-done put)."""
+        if ack is None:
+            return None
+        consumer, partition, indexes = ack
+        part = self._part(partition)
+        if consumer not in part.consumers:
+            raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
+        where = np.asarray(list(indexes), dtype=np.int64)
+        bad = where[(where < 0) | (where >= part.next_index)]
+        if len(bad):
+            raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
+        return part, consumer, where
 
     def _create_rows(
         self,

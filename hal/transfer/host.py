@@ -12,6 +12,7 @@ device and returns the version only after `end`, when every bucket arrived compl
 from __future__ import annotations
 
 import hmac
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -36,6 +37,8 @@ from tidal.hal.transfer import (
 )
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+POLL_S = 0.1
+"""How often a blocked send checks whether it was aborted."""
 
 
 def check_bind(address: str, token: str | None) -> None:
@@ -56,6 +59,7 @@ class HostSender:
         self._ctx = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
         self._staging: list[torch.Tensor] = []
+        self._aborted = threading.Event()
 
     def connect(self, address: str) -> None:
         sock = self._ctx.socket(zmq.PUSH)
@@ -64,11 +68,13 @@ class HostSender:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         self._sockets[address] = sock
+        self._aborted.clear()
 
     def disconnect(self, address: str) -> None:
         sock = self._sockets.pop(address, None)
         if sock is not None:
             sock.close(linger=0)
+        self._aborted.clear()
 
     def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
         """Send all of `named_tensors` as `version`; returns when every receiver's frames left this process.
@@ -89,7 +95,7 @@ class HostSender:
                 frames = [tensor_bytes(tensors[i][1]).numpy() for i in bucket]
             else:
                 for t in pending[k % 2]:
-                    t.wait()  # the buffer's previous bucket has left
+                    self._wait(t)  # the buffer's previous bucket has left
                 pending[k % 2] = []
                 frames = self._stage(k % 2, [tensors[i][1] for i in bucket], manifest.bucket_nbytes(k))
             sent: list[Any] = []
@@ -99,8 +105,26 @@ class HostSender:
                 pending[k % 2] += sent
         self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], trackers)
         for t in trackers:
-            t.wait()
+            self._wait(t)
         return manifest
+
+    def abort(self) -> None:
+        """Make a `send` in progress in another thread, and every later one, give up with
+        `TransferError` (a receiver died) until the receivers change (`connect` or
+        `disconnect`). Thread-safe."""
+        self._aborted.set()
+
+    def _wait(self, tracker: Any) -> None:
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while True:
+            try:
+                tracker.wait(POLL_S)
+                return
+            except zmq.NotDone:
+                if self._aborted.is_set():
+                    raise TransferError("weight send aborted: a receiver went away") from None
+                if time.monotonic() > deadline:
+                    raise TransferError(f"a weight receiver did not take data within {self._timeout_ms / 1000:.0f}s") from None
 
     def _stage(self, slot: int, tensors: list[torch.Tensor], nbytes: int) -> list[Any]:
         """Copy device tensors into pinned staging buffer `slot`; return a frame per tensor."""
@@ -123,10 +147,13 @@ class HostSender:
 
     def _send_all(self, frames: list[Any], trackers: list[Any]) -> None:
         for address, sock in self._sockets.items():
-            try:
-                trackers.append(sock.send_multipart(frames, copy=False, track=True))
-            except zmq.Again:
-                raise TransferError(f"weight receiver {address} did not take data within {self._timeout_ms / 1000:.0f}s") from None
+            deadline = time.monotonic() + self._timeout_ms / 1000
+            while not sock.poll(int(POLL_S * 1000), zmq.POLLOUT):  # IMMEDIATE: writable only while the receiver is there
+                if self._aborted.is_set():
+                    raise TransferError(f"weight send to {address} aborted: a receiver went away")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"weight receiver {address} did not take data within {self._timeout_ms / 1000:.0f}s")
+            trackers.append(sock.send_multipart(frames, copy=False, track=True))
 
     def close(self) -> None:
         for address in list(self._sockets):

@@ -268,3 +268,19 @@ def test_async_form_streams_between_coroutines():
         return seen
 
     assert asyncio.run(main()) == list(range(10))  # capacity 4 < 10 rows: back-pressure held
+
+
+def test_put_can_ack_its_input_rows_in_the_same_step():
+    store = Store()
+    store.create_partition("prompts", consumers=["rollout"])
+    store.create_partition("train", consumers=["train"])
+    prompts = store.put("prompts", {"prompt": ["1+1", "2+2"]})
+    assert store.get("rollout", "prompts", ["prompt"], 2).indexes == prompts
+    with pytest.raises(ValueError, match="'trainer' is not a consumer of partition 'prompts'"):
+        store.put("train", {"tokens": [torch.arange(2)]}, ack=("trainer", "prompts", prompts))
+    with pytest.raises(StoreError, match="never had row 9"):
+        store.put("train", {"tokens": [torch.arange(2)]}, ack=("rollout", "prompts", [9]))
+    assert store.metrics()["partitions"]["train"]["rows"] == 0  # a bad ack leaves no half-done put
+    assert store.put("train", {"tokens": [torch.arange(2), torch.arange(3)]}, groups=prompts, ack=("rollout", "prompts", prompts)) == [0, 1]
+    assert store.metrics()["partitions"]["prompts"]["rows"] == 0  # acked by every consumer: evicted
+    assert store.release("rollout") == 0  # nothing left to redeliver

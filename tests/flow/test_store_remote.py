@@ -273,3 +273,28 @@ def test_get_can_ack_the_previous_batch(served):
     assert second.indexes == [2, 3]
     assert store.metrics()["partitions"]["train"]["rows"] == 2  # the first batch was acked and evicted
     client.put("train", {"x": torch.zeros(2, 1)}, timeout=5)  # room freed by that ack
+
+
+def test_put_acks_its_prompts_atomically_even_when_it_waits_for_room(served):
+    store, server, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    client.create_partition("train", consumers=["train"], capacity_rows=1)
+    prompts = client.put("prompts", {"prompt": ["1+1", "2+2"]})
+    worker = RemoteStore(server.address, rpc_timeout_s=10)
+    assert worker.get("rollout", "prompts", ["prompt"], 2, timeout=5).indexes == prompts
+    client.put("train", {"x": torch.zeros(1, 1)})  # the partition is full
+    with pytest.raises(StoreTimeout, match="is full"):
+        worker.put("train", {"x": torch.zeros(1, 1)}, ack=("rollout", "prompts", prompts), timeout=0.2)
+    assert store.metrics()["partitions"]["prompts"]["consumers"]["rollout"]["leased"] == 2  # not acked without the put
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.put("train", {"x": torch.ones(1, 1)}, ack=("rollout", "prompts", prompts), timeout=10), done.set()))
+    thread.start()
+    assert not done.wait(0.3)  # parked on the server, its ack with it
+    batch = client.get("train", "train", ["x"], 1, timeout=5)
+    client.ack("train", "train", batch.indexes)
+    assert done.wait(5)
+    thread.join()
+    assert store.metrics()["partitions"]["prompts"]["rows"] == 0  # put and ack landed together
+    worker.close()  # its connection ends: nothing was leased any more, nothing comes back
+    time.sleep(0.3)
+    assert store.metrics()["partitions"]["prompts"]["consumers"]["rollout"]["redelivered"] == 0

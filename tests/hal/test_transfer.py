@@ -151,6 +151,35 @@ def test_host_sender_times_out_naming_an_absent_receiver():
     sender.close()
 
 
+def test_host_send_blocked_on_a_dead_receiver_gives_up_when_aborted_until_receivers_change():
+    w = _weights()
+    gone = HostReceiver(CpuPlatform())
+    sender = HostSender(CpuPlatform(), send_timeout_s=60)
+    sender.connect(gone.address)
+    gone.close()  # the receiver's process died
+    try:
+        out: dict = {}
+        thread = threading.Thread(target=lambda: out.update(error=pytest.raises(TransferError, sender.send, 1, w.items())))
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive()  # blocked on the receiver that is not there
+        sender.abort()
+        thread.join(5)
+        assert not thread.is_alive() and "aborted" in str(out["error"].value)
+        with pytest.raises(TransferError, match="aborted"):
+            sender.send(2, w.items())  # still aborted: the receivers did not change
+        sender.disconnect(gone.address)
+        back = HostReceiver(CpuPlatform(), expected=expected_specs(w.items()))
+        sender.connect(back.address)
+        t, got = _receive_in_thread(back, 30)
+        sender.send(3, w.items())
+        t.join(30)
+        assert got["weights"].version == 3
+        back.close()
+    finally:
+        sender.close()
+
+
 def test_receiver_beyond_localhost_needs_a_token():
     with pytest.raises(ValueError, match="needs a token"):
         HostReceiver(CpuPlatform(), bind="tcp://0.0.0.0:0")

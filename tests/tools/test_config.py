@@ -58,6 +58,7 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("device=gpu", "device='gpu' is not a platform; valid values: auto, cpu, cuda, npu, fake:<kind>:<n>"),
         ("seed", "override 'seed' is not key=value"),
         ("=3", "is not key=value"),
+        ("fault.rollout_restarts=-1", "fault.rollout_restarts=-1 must be >= 0"),
     ],
 )
 def test_override_errors_name_the_key(override, expected):

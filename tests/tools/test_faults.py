@@ -1,0 +1,133 @@
+"""Fault injection under `runtime: ray`: actors killed (SIGKILL, by pid) at random steps.
+
+Each trial runs the real `tidal run` on a local Ray with fake devices, kills one actor
+process when the run reaches a step drawn at random (seeded), and checks that the run
+finishes and that its final lineage trained every prompt at most once and lost none:
+every prompt the run admitted is trained, dropped by the staleness bound (counted), or
+still in the store saved with the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tidal.flow.store import persist
+
+NUM_STEPS = 20
+GROUP = 8
+SMALL = [
+    "task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", f"algorithm.num_steps={NUM_STEPS}", "checkpoint_every=5",
+    "task.reward=tidal_test_rewards:starts_with_seven", "threads=1", "cluster.fake=true",
+    "placement.train.count=1", "placement.rollout.count=2", "placement.rollout.devices_each=1",
+]
+ENV = {"PYTHONPATH": str(Path(__file__).parent), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+ONE_VENDOR = ["cluster.nodes=[{name: gpu, kind: cuda, devices: 3}]", "placement.train.requires=[gpu]", "placement.rollout.requires=[gpu]"]
+MIXED = ["cluster.nodes=[{name: npu, kind: npu, devices: 1}, {name: gpu, kind: cuda, devices: 2}]"]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
+
+
+def _run_and_kill(tmp_path: Path, overrides: list[str], *, at_step: int, victim) -> tuple[Path, str]:
+    """Run the mixed recipe; when it reaches `at_step`, SIGKILL the pid `victim(runtime_info)` names."""
+    run_dir = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "tidal"), "run", "mixed_npu_gpu", f"run_dir={run_dir}", *SMALL, *overrides, "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"} | ENV
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while _steps_done(run_dir) < at_step:
+            assert proc.poll() is None, f"the run ended before step {at_step}: {proc.communicate()[1][-3000:]}"
+            assert time.monotonic() < deadline, "the run did not reach the step to kill at"
+            time.sleep(0.05)
+        pid = victim(_read_json(run_dir / "runtime.json"))
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-4000:]
+    return run_dir, err
+
+
+def _check_lineage(run_dir: Path) -> list[dict]:
+    """Every step once; no prompt trained twice; every admitted prompt accounted for."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, NUM_STEPS + 1))
+    trained = [g for m in steps for g in m["groups"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = persist.load(checkpoint / "store.bin").state_dict()["partitions"]
+    admitted = state["prompts"]["next_index"]
+    waiting = {row[0] for row in state["prompts"]["rows"]}  # not generated yet (or generating when the run ended)
+    acked_by_train = set(state["train"]["consumers"]["train"])
+    generated = {group for index, group, _, _ in state["train"]["rows"] if index not in acked_by_train}
+    missing = set(range(admitted)) - set(trained) - waiting - generated
+    assert len(missing) * GROUP == sum(m["dropped"] for m in steps), f"prompts lost: {sorted(missing)}"
+    assert len(trained) == NUM_STEPS * 16  # 16 prompts a step
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster, transport", [(ONE_VENDOR, "collective"), (MIXED, "host")], ids=["collective", "host"])
+def test_a_killed_rollout_actor_is_restarted_and_the_run_loses_nothing(tmp_path, cluster, transport):
+    at_step = random.Random(f"rollout-{transport}").randint(3, 12)
+    killed: list[int] = []
+
+    def rollout_pid(info: dict) -> int:
+        killed.append(info["rollout_actors"][0]["pid"])
+        return killed[0]
+
+    run_dir, err = _run_and_kill(tmp_path, cluster, at_step=at_step, victim=rollout_pid)
+    assert "rollout actor 0 died" in err and "the trainer died" not in err
+    _check_lineage(run_dir)
+    info = _read_json(run_dir / "runtime.json")
+    assert info["transport"] == transport and info["trainer"]["attempt"] == 0
+    assert info["rollout_restarts"] == [1, 0]
+    assert info["rollout_actors"][0]["pid"] != killed[0]  # a new process
+    restarted, kept = info["rollout_summaries"]
+    assert restarted["samples"] > 0 and kept["samples"] > 0
+    # the restarted actor took the then-current weights and went on with every later version
+    assert restarted["versions_applied"][0] >= at_step
+    assert restarted["version"] >= NUM_STEPS - 2 and kept["version"] >= NUM_STEPS - 2
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_from_its_last_checkpoint_and_the_run_loses_nothing(tmp_path):
+    at_step = random.Random("trainer").randint(6, 13)  # after the first checkpoint (every 5 steps)
+    first: dict = {}
+
+    def trainer_pid(info: dict) -> int:
+        first.update(info)
+        return info["trainer"]["pid"]
+
+    run_dir, err = _run_and_kill(tmp_path, MIXED, at_step=at_step, victim=trainer_pid)
+    assert "the trainer died" in err and "resuming from the last checkpoint" in err
+    _check_lineage(run_dir)
+    summary = _read_json(run_dir / "summary.json")
+    assert summary["trainer_restarts"] == 1 and summary["steps"] == NUM_STEPS
+    info = _read_json(run_dir / "runtime.json")
+    assert info["trainer"]["attempt"] == 1 and info["trainer"]["pid"] != first["trainer"]["pid"]
+    # the resumed trainer started from the checkpoint at or before the kill, not from scratch
+    resumed_at = min(v for s in info["rollout_summaries"] for v in s["versions_applied"])
+    assert resumed_at % 5 == 0 and 5 <= resumed_at <= at_step + 5
