@@ -26,10 +26,13 @@ from typing import Any
 
 import torch
 
-from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
+from tidal.flow.placement import KIND_TAGS, RAY_RESOURCES, Assignment, Plan, PlacementError
 from tidal.flow.rollout import RolloutWorker, Stop
 
 log = logging.getLogger(__name__)
+
+KIND_TAG_NAMES = frozenset(t for tags in KIND_TAGS.values() for t in tags)
+"""Tags a device has by its kind; any other tag a role requires is a custom Ray resource."""
 
 RESOURCE_WAIT_S = 30.0
 """How long a placement group may wait for its resources before the run fails naming the role."""
@@ -54,9 +57,52 @@ def connected_ray_nodes() -> Sequence[Mapping[str, Any]]:
 
 
 # Placement groups ------------------------------------------------------------------------
-def bundle_of(assignment: Assignment) -> dict[str, float]:
-    """The Ray resources of one role instance: its devices, counted by its kind's resource."""
-    return {RAY_RESOURCES[assignment.kind]: float(len(assignment.devices))}
+TAG_AMOUNT = 0.001
+"""How much of a custom-tag resource one bundle asks for: the tag is a label, not a quantity."""
+
+
+def bundle_of(assignment: Assignment, tags: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The Ray resources of one role instance: its devices, counted by its kind's resource,
+    plus a sliver of each custom tag resource its role requires (so Ray picks a node carrying it)."""
+    return {RAY_RESOURCES[assignment.kind]: float(len(assignment.devices)), **(tags or {})}
+
+
+def role_bundles(plan: Plan, have: Mapping[str, float]) -> dict[str, list[dict[str, float]]]:
+    """Each role's bundles, checked against the cluster's resources `have`.
+
+    A tag a role requires beyond its kind's (`requires: [gpu, fast]`) must be a custom
+    resource of the Ray nodes that carry it (`fast`, or `accelerator_type:fast`).
+
+    Raises:
+        PlacementError: a role needs more than the cluster has, or a tag no node declares.
+    """
+    if any(a.mode != "own" for a in plan.assignments):
+        raise PlacementError(
+            f"layout {plan.layout!r} is not yet available under runtime=ray (colocated, hybrid and multiplexed roles "
+            "need the time-sharing actors of a later version); runtime=ray runs disaggregated placements"
+        )
+    out: dict[str, list[dict[str, float]]] = {}
+    for role in plan.roles:
+        if not plan.of(role.name):
+            continue
+        tags: dict[str, float] = {}
+        for tag in role.requires:
+            if tag in KIND_TAG_NAMES:
+                continue
+            key = tag if tag in have else f"accelerator_type:{tag}"
+            if key not in have:
+                raise PlacementError(f"cannot place role {role.name!r}: it requires tag {tag!r}, and no Ray node declares a resource {tag!r} (start the nodes with --resources '{{\"{tag}\": 1}}')")
+            tags[key] = TAG_AMOUNT
+        bundles = [bundle_of(a, tags) for a in plan.of(role.name)]
+        need: dict[str, float] = collections.Counter()
+        for b in bundles:
+            need.update(b)
+        short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) < v - 1e-9}
+        if short:
+            what = ", ".join(f"{v:g} {k} (the cluster has {h:g})" for k, (v, h) in short.items())
+            raise PlacementError(f"cannot place role {role.name!r} on this Ray cluster: it needs {what}")
+        out[role.name] = bundles
+    return out
 
 
 def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str, Any]:
@@ -64,31 +110,20 @@ def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str
 
     Raises:
         PlacementError: the cluster lacks the resources (checked against
-            `ray.cluster_resources()` first), or a group is not ready within `wait_s`.
+            `ray.cluster_resources()` first, see `role_bundles`), or a group is not ready
+            within `wait_s`.
     """
     import ray  # noqa: PLC0415
     from ray.util.placement_group import placement_group  # noqa: PLC0415
 
-    if any(a.mode != "own" for a in plan.assignments):
-        raise PlacementError(
-            f"layout {plan.layout!r} is not yet available under runtime=ray (colocated, hybrid and multiplexed roles "
-            "need the time-sharing actors of a later version); runtime=ray runs disaggregated placements"
-        )
-    have = ray.cluster_resources()
     groups: dict[str, Any] = {}
-    for role in dict.fromkeys(a.role for a in plan.assignments):
-        bundles = [bundle_of(a) for a in plan.of(role)]
-        need: dict[str, float] = collections.Counter()
-        for b in bundles:
-            need.update(b)
-        short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) < v}
-        if short:
-            what = ", ".join(f"{v:g} {k} (the cluster has {h:g})" for k, (v, h) in short.items())
-            raise PlacementError(f"cannot place role {role!r} on this Ray cluster: it needs {what}")
+    for role, bundles in role_bundles(plan, ray.cluster_resources()).items():
         pg = placement_group(bundles, strategy="PACK", name=f"tidal-{role}-{secrets.token_hex(3)}")
         ready, _ = ray.wait([pg.ready()], timeout=wait_s)
         if not ready:
             ray.util.remove_placement_group(pg)
+            for other in groups.values():
+                ray.util.remove_placement_group(other)
             raise PlacementError(f"cannot place role {role!r}: its {len(bundles)} bundle(s) {bundles[0]} were not granted within {wait_s:.0f}s (other runs may hold them)")
         groups[role] = pg
     return groups
@@ -98,7 +133,7 @@ def actor_options(assignment: Assignment, pg: Any, index: int, *, fake: bool, en
     """`.options(...)` for the actor of one assignment: its bundle, and the platform it must select."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-    resources = bundle_of(assignment)
+    resources = bundle_of(assignment)  # the tags' slivers stay with the bundle: they only steer where it goes
     options: dict[str, Any] = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
         "runtime_env": {"env_vars": {"TIDAL_DEVICE": assignment.platform_spec(fake=fake), **(env or {})}},

@@ -171,6 +171,8 @@ def init_ray(cfg: Any) -> None:
             if node.kind != "cpu":
                 key = {"cuda": "GPU", "npu": "NPU"}[node.kind]
                 resources[key] = resources.get(key, 0) + node.devices * node.count
+            for tag in node.tags:  # as a Ray cluster's nodes would declare them (--resources)
+                resources[tag] = resources.get(tag, 0) + node.devices * node.count
     num_gpus = resources.pop("GPU", 0)
     if resources.get("NPU"):
         # Ray looks up the NPU model (through CANN's `acl`) when a node declares NPUs and logs

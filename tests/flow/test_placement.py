@@ -105,6 +105,20 @@ def test_resources_from_ray_nodes():
     assert (res["10.0.0.3"].kind, res["10.0.0.3"].capacity) == ("cpu", 16)
 
 
+def test_role_bundles_carry_required_custom_tags_as_ray_resources():
+    from tidal.flow.runtime import TAG_AMOUNT, role_bundles
+
+    nodes = [Resource(node="g0", kind="cuda", capacity=4, tags=frozenset({"fast"})), Resource(node="n0", kind="npu", capacity=2)]
+    plan = schedule(nodes, [Role(name="train", requires=("npu",), devices_each=2), Role(name="rollout", requires=("gpu", "fast"), count=2, devices_each=2)])
+    bundles = role_bundles(plan, {"GPU": 4, "NPU": 2, "fast": 4, "CPU": 8})
+    assert bundles == {"train": [{"NPU": 2.0}], "rollout": [{"GPU": 2.0, "fast": TAG_AMOUNT}] * 2}
+    assert role_bundles(plan, {"GPU": 4, "NPU": 2, "accelerator_type:fast": 1})["rollout"][0] == {"GPU": 2.0, "accelerator_type:fast": TAG_AMOUNT}
+    with pytest.raises(PlacementError, match="cannot place role 'rollout': it requires tag 'fast', and no Ray node declares a resource 'fast'"):
+        role_bundles(plan, {"GPU": 4, "NPU": 2})
+    with pytest.raises(PlacementError, match=r"cannot place role 'rollout' on this Ray cluster: it needs 4 GPU \(the cluster has 2\)"):
+        role_bundles(plan, {"GPU": 2, "NPU": 2, "fast": 4})
+
+
 def test_ray_placement_groups_fail_fast_naming_the_role(ray_session):
     import time
 

@@ -34,10 +34,11 @@ def _learned(steps):
 
 @pytest.mark.slow
 def test_mixed_npu_trainer_and_gpu_rollout_on_fake_platforms(tidal_cli, tmp_path):
-    cluster = "cluster.nodes=[{name: npu, kind: npu, devices: 1}, {name: gpu, kind: cuda, devices: 2}]"
+    # the GPU node carries a custom tag the rollout role requires: a Ray resource in its bundles
+    cluster = "cluster.nodes=[{name: npu, kind: npu, devices: 1}, {name: gpu, kind: cuda, devices: 2, tags: [fast]}]"
     run_dir, steps, info, out = _run(
         tidal_cli, tmp_path, "mixed_npu_gpu", "cluster.fake=true", cluster,
-        "placement.train.count=1", "placement.rollout.count=2", "placement.rollout.devices_each=1",
+        "placement.train.count=1", "placement.rollout.count=2", "placement.rollout.devices_each=1", "placement.rollout.requires=[gpu, fast]",
     )
     assert info["transport"] == "host"  # NPU -> GPU goes through host memory
     kinds = [(d["platform"]["kind"], d["platform"]["fake"], d["platform"]["device_count"]) for d in info["rollout_actors"]]
