@@ -292,7 +292,7 @@ class HostWiring:
 
 
 class CollectiveWiring:
-    """Weights to every rollout actor in one broadcast group (gloo / NCCL / HCCL).
+    """Weights to every rollout actor in one broadcast group (the platform's collective backend).
 
     A group cannot lose a member: when an actor restarts, every actor's receiver is
     retired and a new group is built with all of them.
