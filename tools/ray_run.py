@@ -167,9 +167,15 @@ def init_ray(cfg: Any) -> None:
         return
     resources: dict[str, float] = {}
     if cfg.cluster.fake:
+        from tidal.hal.platform import describe  # noqa: PLC0415
+
         for node in cfg.cluster.nodes:
             if node.kind != "cpu":
-                key = {"cuda": "GPU", "npu": "NPU"}[node.kind]
+                descriptor = describe(node.kind, device_count=node.devices, fake=True)
+                # The fake devices are not the machine's: a real visible-devices variable in
+                # this environment would make Ray refuse the declared count.
+                os.environ.pop(descriptor.visible_devices_var, None)
+                key = descriptor.ray_resource
                 resources[key] = resources.get(key, 0) + node.devices * node.count
             for tag in node.tags:  # as a Ray cluster's nodes would declare them (--resources)
                 resources[tag] = resources.get(tag, 0) + node.devices * node.count
