@@ -11,8 +11,8 @@ from typing import Any
 
 ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine"}
 """rollout.backend -> adapter (vllm arrives with its adapter)."""
-TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine"}
-"""train.backend -> adapter (fsdp arrives with its adapter)."""
+TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine"}
+"""train.backend -> adapter."""
 REGISTRIES = {"rollout.backend": ROLLOUT, "train.backend": TRAIN}
 
 

@@ -1,0 +1,242 @@
+"""The fsdp train engine across two real processes (FSDP2, gloo on CPU).
+
+One pair of worker processes (a script written into a temporary folder: a plain `pytest`
+run cannot import `tests.*` in a child) trains, exports, checkpoints and resumes; the
+tests compare what rank 0 saved with a single-process `TorchTrainEngine`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tidal.engines.fsdp_train import TORCHRUN_VARS, FSDPTrainEngine
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.trajectory import TokenBatch, Trajectory, to_token_batch
+
+T = CharTokenizer()
+MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
+ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2)
+SHARDS = [[0, 1, 2, 3], [4, 5]]
+"""Rows of each rank: rank 0 has 2 micro-batches (the second with no loss token), rank 1 one."""
+PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}]
+"""The steps both engines take: policy losses with three aggregations and a supervised step."""
+RESUME = [{"aggregation": "token_mean"}, "sft"]
+"""The steps taken after the checkpoint, once by the saver and once by a fresh engine that loaded it."""
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from tidal.engines.fsdp_train import FSDPTrainEngine
+    from tidal.engines.tiny import build_tiny_qwen2
+    from tidal.flow.algorithms import PolicyLossConfig
+    from tidal.flow.trajectory import TokenBatch
+    from tidal.hal import current_platform
+
+    rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
+    data = torch.load(work / "data.pt", weights_only=False)
+    rows = data["shards"][rank]
+    batch = TokenBatch(*(t[rows] for t in data["batch"]))
+    advantages = data["advantages"][rows]
+
+    def engine(seed):
+        return FSDPTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=seed, **data["model"]), **data["engine"])
+
+    def run(e, plan):
+        metrics = []
+        for step in plan:
+            if step == "sft":
+                metrics.append(e.sft_step(batch))
+            else:
+                proximal = e.logprobs(batch)
+                metrics.append(e.train_step(batch, advantages, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
+        return metrics
+
+    def export(e):
+        return [(name, tensor.clone()) for name, tensor in e.named_weights()]
+
+    e = engine(0)
+    out = {"metrics": run(e, data["plan"]), "version": e.version}
+    out["logprobs"] = e.logprobs(batch)
+    out["weights"] = export(e)
+    out["state"] = e.state_dict()
+    e.save_checkpoint(work / "ckpt")
+    out["resume_metrics"] = run(e, data["resume"])
+    out["continued"] = export(e)
+    fresh = engine(5)
+    fresh.load_checkpoint(work / "ckpt")
+    out["loaded_version"] = fresh.version
+    out["reloaded_metrics"] = run(fresh, data["resume"])
+    out["reloaded"] = export(fresh)
+    other = engine(7)
+    other.load_state_dict(data["torch_state"])
+    out["from_torch_version"] = other.version
+    run(other, data["resume"])
+    out["from_torch"] = export(other)
+    if rank == 0:
+        torch.save(out, work / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    return build_tiny_qwen2(T.vocab_size, seed=seed, **MODEL)
+
+
+def _batch() -> tuple[TokenBatch, torch.Tensor]:
+    """Six rows of different lengths; rows 2 and 3 have no policy token (no loss)."""
+    g = torch.Generator().manual_seed(0)
+    trajectories = []
+    for row in range(6):
+        prompt = torch.randint(3, T.vocab_size, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        tokens = torch.randint(3, T.vocab_size, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        t = Trajectory(prompt_ids=prompt)
+        if row in (2, 3):
+            t.append_env(tokens)
+        else:
+            t.extend(tokens, (-0.5 - 3 * torch.rand(len(tokens), generator=g)).tolist(), 0)
+        trajectories.append(t)
+    return to_token_batch(trajectories, pad_id=T.pad_id), torch.randn(6, generator=g)
+
+
+def _run_torch(engine: TorchTrainEngine, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
+    metrics = []
+    for step in plan:
+        if step == "sft":
+            metrics.append(engine.sft_step(batch))
+        else:
+            proximal = engine.logprobs(batch)
+            metrics.append(engine.train_step(batch, advantages, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The same steps by one `TorchTrainEngine` on all six rows."""
+    batch, advantages = _batch()
+    engine = TorchTrainEngine(_model(0), **ENGINE)
+    metrics = _run_torch(engine, batch, advantages, PLAN)
+    return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights())}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory, reference: dict) -> dict:
+    """What rank 0 of a 2-process FSDP run saved (see WORKER)."""
+    work = tmp_path_factory.mktemp("fsdp")
+    batch, advantages = reference["batch"], reference["advantages"]
+    data = dict(batch=tuple(vars(batch).values()), advantages=advantages, shards=SHARDS, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size)
+    data["torch_state"] = reference["engine"].state_dict()  # copied now, by torch.save
+    torch.save(data, work / "data.pt")
+    (work / "worker.py").write_text(WORKER)
+    port, world = _free_port(), 2
+    env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_DEVICE", *TORCHRUN_VARS)}
+    env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    logs = [work / f"rank{rank}.log" for rank in range(world)]  # files, not pipes: a full pipe would stall a rank
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as out:
+            procs.append(subprocess.Popen([sys.executable, str(work / "worker.py"), str(rank), str(world), str(port), str(work)], env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        for p, log in zip(procs, logs):
+            p.wait(timeout=300)
+            assert p.returncode == 0, log.read_text()[-4000:]
+    finally:
+        for p in procs:  # only the processes this fixture started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return torch.load(work / "result.pt", weights_only=False)
+
+
+def test_two_rank_steps_equal_one_full_batch_torch_step(fsdp_run, reference):
+    assert fsdp_run["version"] == reference["engine"].version == 3  # sft steps keep the version
+    fsdp = dict(fsdp_run["weights"])
+    for name, expected in reference["weights"]:
+        torch.testing.assert_close(fsdp[name], expected, atol=1e-5, rtol=0, msg=name)
+    torch.testing.assert_close(fsdp_run["logprobs"], reference["logprobs"][SHARDS[0]], atol=1e-5, rtol=0)
+    for got, want in zip(fsdp_run["metrics"], reference["metrics"], strict=True):
+        assert set(got) == set(want)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+
+
+def test_exported_weights_are_the_unsharded_models(fsdp_run, reference):
+    exported = fsdp_run["weights"]
+    unsharded = _model(0).state_dict()
+    assert [name for name, _ in exported] == list(unsharded)  # every name, in order, tied ones included
+    for name, tensor in exported:
+        assert type(tensor) is torch.Tensor and tensor.shape == unsharded[name].shape and tensor.dtype == unsharded[name].dtype, name
+    trained = reference["engine"].model.state_dict()
+    for name, tensor in exported:
+        torch.testing.assert_close(tensor, trained[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_checkpoint_resume_repeats_the_same_steps(fsdp_run):
+    assert fsdp_run["loaded_version"] == 3
+    assert [n for n, _ in fsdp_run["continued"]] == [n for n, _ in fsdp_run["reloaded"]]
+    for (name, a), (_, b) in zip(fsdp_run["continued"], fsdp_run["reloaded"]):
+        assert torch.equal(a, b), name
+    assert fsdp_run["resume_metrics"] == fsdp_run["reloaded_metrics"]
+    moved = any(not torch.equal(a, b) for (_, a), (_, b) in zip(fsdp_run["weights"], fsdp_run["continued"]))
+    assert moved  # the resumed steps did train
+
+
+def test_state_dict_loads_into_the_torch_engine(fsdp_run, reference):
+    """`state_dict()` is the torch engine's format: a torch engine continues where FSDP stopped."""
+    engine = TorchTrainEngine(_model(9), **ENGINE)
+    engine.load_state_dict(fsdp_run["state"])
+    assert engine.version == 3
+    _run_torch(engine, reference["batch"], reference["advantages"], RESUME)
+    continued = dict(fsdp_run["continued"])
+    for name, tensor in engine.named_weights():
+        torch.testing.assert_close(tensor, continued[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_torch_engine_state_loads_into_fsdp(fsdp_run):
+    """The other way round: FSDP engines that loaded the torch engine's state continue as FSDP did."""
+    assert fsdp_run["from_torch_version"] == 3
+    continued = dict(fsdp_run["continued"])
+    for name, tensor in fsdp_run["from_torch"]:
+        torch.testing.assert_close(tensor, continued[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_missing_process_group_is_a_clear_error(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"initialised torch.distributed process group.*init_process_group.*RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"):
+        FSDPTrainEngine(_model(0))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"):
+        FSDPTrainEngine(_model(0))
+
+
+def test_registered_as_the_fsdp_backend():
+    from tidal.tools import backends
+
+    assert backends.load("train.backend", "fsdp") is FSDPTrainEngine
