@@ -1,0 +1,257 @@
+"""Roles that take turns on the same devices (the colocated and multiplexed layouts).
+
+When rollout is colocated with training, both engines live on the same devices but only
+one may compute at a time, and the one waiting keeps its state in host memory so the
+other has the device memory. Three pieces:
+
+- `Turns`: the arbiter for one set of shared devices. A seat `acquire`s a turn (first
+  come, first served), computes, `release`s it. Which seat's state is *resident* on the
+  devices is tracked too: a seat that acquires while another seat's state is resident
+  waits until that seat has parked it. Plain blocking methods, so the same class serves
+  threads of one process (`runtime: local`) and, as a threaded Ray actor, several
+  processes (`runtime: ray`).
+- `Seat`: one role instance's side. `with seat.turn():` acquires, onloads this seat's
+  state if it was parked, and releases at the end *without* parking: parking happens
+  only when another seat needs the devices, on the seat's own parking thread (in its
+  own process, under its own lock, so never in the middle of its computation).
+- `SharedTrainEngine` / `SharedRolloutEngine`: engines whose calls take a turn each.
+  The rollout side also pauses its generation at the next chunk boundary when another
+  seat is waiting (partial rollout: the worker resumes the paused trajectories with its
+  next turn), so a trainer never waits for a whole generation.
+
+The workflow does not know any of this: the runtime wraps the engines when the plan
+says two roles share devices.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.trajectory import TokenBatch, Trajectory
+
+PARK_POLL_S = 10.0
+"""The longest a parking thread's `wait_park` blocks before it checks again (a backstop: `leave` wakes it)."""
+
+
+class Turns:
+    """Who computes on one set of shared devices now, and whose state is on them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[str] = collections.deque()
+        self._holder: str | None = None
+        self._resident: str | None = None
+        self._park_wanted: set[str] = set()
+        self._left: set[str] = set()
+        self.handoffs = 0
+        """Times the devices passed from one seat's state to another's."""
+
+    def join(self, seat: str) -> None:
+        """Register `seat`; a seat joining again (a restarted actor) drops its old claims."""
+        with self._cond:
+            if self._holder == seat:
+                self._holder = None
+            if self._resident == seat:  # its state died with the old process
+                self._resident = None
+            self._park_wanted.discard(seat)
+            self._left.discard(seat)
+            while seat in self._queue:
+                self._queue.remove(seat)
+            self._cond.notify_all()
+
+    def acquire(self, seat: str, timeout: float | None = None) -> bool:
+        """Wait for `seat`'s turn; True when its state must be onloaded (it was parked)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if self._holder == seat:
+                raise RuntimeError(f"seat {seat!r} asked for a turn while holding one (turns do not nest)")
+            self._queue.append(seat)
+            try:
+                while True:
+                    if self._holder is None and self._queue[0] == seat:
+                        if self._resident in (None, seat):
+                            break
+                        self._park_wanted.add(self._resident)  # the resident seat's parking thread wakes
+                        self._cond.notify_all()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(
+                            f"seat {seat!r} waited {timeout:.1f}s for its turn: held by {self._holder!r}, "
+                            f"state of {self._resident!r} on the devices, queue {list(self._queue)}"
+                        )
+                    self._cond.wait(left)
+            finally:
+                self._queue.remove(seat)
+            self._holder = seat
+            self._park_wanted.discard(seat)  # it computes now; nobody waits for its state to leave
+            onload = self._resident != seat
+            if onload:
+                self.handoffs += 1
+            self._resident = seat
+            return onload
+
+    def release(self, seat: str) -> None:
+        with self._cond:
+            if self._holder != seat:
+                raise RuntimeError(f"seat {seat!r} released a turn held by {self._holder!r}")
+            self._holder = None
+            self._cond.notify_all()
+
+    def wanted(self, seat: str) -> bool:
+        """True when another seat is waiting for the devices."""
+        with self._cond:
+            return any(other != seat for other in self._queue)
+
+    def wait_park(self, seat: str, timeout: float) -> bool:
+        """Block until another seat needs `seat`'s state off the devices (True), `seat` leaves or `timeout` passes."""
+        with self._cond:
+            return self._cond.wait_for(lambda: seat in self._park_wanted or seat in self._left, timeout) and seat not in self._left
+
+    def leave(self, seat: str) -> None:
+        """`seat` is closing: its parking thread stops waiting."""
+        with self._cond:
+            self._left.add(seat)
+            self._cond.notify_all()
+
+    def begin_park(self, seat: str) -> bool:
+        """True when `seat` should park now: still asked to, and not holding a turn."""
+        with self._cond:
+            return seat in self._park_wanted and self._holder != seat
+
+    def parked(self, seat: str) -> None:
+        """`seat`'s state is in host memory now; the devices are free for the next seat."""
+        with self._cond:
+            self._park_wanted.discard(seat)
+            if self._resident == seat and self._holder != seat:
+                self._resident = None
+            self._cond.notify_all()
+
+    def state(self) -> dict[str, Any]:
+        with self._cond:
+            return {"holder": self._holder, "resident": self._resident, "queue": list(self._queue), "handoffs": self.handoffs}
+
+
+class Seat:
+    """One role instance's place at a `Turns`: `park()` moves its state to host memory, `unpark()` back.
+
+    `turns` is a `Turns` or anything with its methods (the Ray runtime passes a proxy to
+    a `Turns` actor). A daemon thread parks this seat's state when another seat asks.
+    """
+
+    def __init__(self, turns: Any, name: str, *, park: Callable[[], None], unpark: Callable[[], None]) -> None:
+        self.turns, self.name = turns, name
+        self._park, self._unpark = park, unpark
+        self._lock = threading.Lock()  # held while computing and while parking: never both at once
+        self._parked = False
+        self._closed = threading.Event()
+        self.num_parks = 0
+        turns.join(name)
+        self._thread = threading.Thread(target=self._parking_loop, name=f"park-{name}", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        # Wait for the turn holding no lock of ours: meanwhile our parking thread may
+        # have to park our state for the seat ahead of us.
+        self.turns.acquire(self.name)
+        try:
+            with self._lock:  # a park still running finishes first
+                if self._parked:  # our own record, not the arbiter's: it saw the request, we did the work
+                    self._unpark()
+                    self._parked = False
+                yield
+        finally:
+            self.turns.release(self.name)
+
+    def wanted(self) -> bool:
+        """Another seat waits for the devices: stop at the next safe point."""
+        return self.turns.wanted(self.name)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.turns.leave(self.name)
+        self._thread.join(timeout=PARK_POLL_S + 1)
+
+    def _parking_loop(self) -> None:
+        while not self._closed.is_set():
+            if not self.turns.wait_park(self.name, PARK_POLL_S):
+                continue
+            with self._lock:
+                if not self.turns.begin_park(self.name):
+                    continue  # our turn came first (the seat that asked gave up waiting)
+                if not self._parked:
+                    self._park()
+                    self._parked = True
+                    self.num_parks += 1
+                self.turns.parked(self.name)
+
+
+class Offloader:
+    """`park`/`unpark` for a module (and optimizer) through the hal platform's `offload`."""
+
+    def __init__(self, platform: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.platform, self.module, self.optimizer = platform, module, optimizer
+        self._handle: Any = None
+
+    def park(self) -> None:
+        self._handle = self.platform.offload(module=self.module, optimizer=self.optimizer)
+
+    def unpark(self) -> None:
+        handle, self._handle = self._handle, None
+        handle.onload()
+
+
+class SharedTrainEngine:
+    """A train engine whose computing calls each take a turn on the shared devices."""
+
+    def __init__(self, engine: Any, seat: Seat) -> None:
+        self.engine, self.seat = engine, seat
+
+    def __getattr__(self, name: str) -> Any:  # version, model, state_dict, ...: the engine's own
+        return getattr(self.engine, name)
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        with self.seat.turn():
+            return self.engine.logprobs(batch)
+
+    def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        with self.seat.turn():
+            return self.engine.train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
+
+    def sft_step(self, batch: TokenBatch) -> dict[str, float]:
+        with self.seat.turn():
+            return self.engine.sft_step(batch)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # No turn: parking swaps each parameter's storage for an equal copy, so what is
+        # read is this version's weights wherever they sit (device, or host once parked).
+        return self.engine.named_weights()
+
+
+class SharedRolloutEngine:
+    """A rollout engine that generates and loads weights in turns, pausing when another seat waits."""
+
+    def __init__(self, engine: Any, seat: Seat) -> None:
+        self.engine, self.seat = engine, seat
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
+        def pause() -> bool:
+            return (should_pause is not None and should_pause()) or self.seat.wanted()
+
+        with self.seat.turn():
+            return self.engine.generate(trajectories, max_new_tokens=max_new_tokens, should_pause=pause)
+
+    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self.seat.turn():
+            self.engine.load_weights(version, named_tensors)

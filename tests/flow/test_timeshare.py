@@ -1,0 +1,196 @@
+"""Turns on shared devices: one seat computes at a time, state parks only on a hand-off."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
+from tidal.flow.trajectory import Trajectory
+from tidal.hal import select_platform
+
+
+class Recorder:
+    """park/unpark callbacks that log what happened and check no one computes while parked."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.parked = name, log, False
+
+    def park(self) -> None:
+        assert not self.parked
+        self.parked = True
+        self.log.append(f"park {self.name}")
+
+    def unpark(self) -> None:
+        assert self.parked
+        self.parked = False
+        self.log.append(f"unpark {self.name}")
+
+
+def seat(turns: Turns, name: str, log: list[str]) -> tuple[Seat, Recorder]:
+    rec = Recorder(name, log)
+    return Seat(turns, name, park=rec.park, unpark=rec.unpark), rec
+
+
+def test_two_seats_alternate_and_park_only_on_a_hand_off():
+    turns, log = Turns(), []
+    a, ra = seat(turns, "a", log)
+    b, rb = seat(turns, "b", log)
+    try:
+        for _ in range(2):  # the same seat again: nothing moves
+            with a.turn():
+                assert not ra.parked
+        with b.turn():  # a's state leaves before b computes
+            assert ra.parked and not rb.parked
+        with a.turn():
+            assert rb.parked and not ra.parked
+        assert log == ["park a", "park b", "unpark a"]
+        assert turns.state() == {"holder": None, "resident": "a", "queue": [], "handoffs": 3}
+    finally:
+        a.close(), b.close()
+
+
+def test_concurrent_seats_never_compute_together():
+    turns, log = Turns(), []
+    seats = [seat(turns, name, log) for name in ("train", "rollout", "borrowed")]
+    inside, errors = [], []
+
+    def work(s: Seat, rec: Recorder) -> None:
+        try:
+            for _ in range(30):
+                with s.turn():
+                    assert not rec.parked
+                    inside.append(s.name)
+                    assert len(inside) == 1, inside
+                    time.sleep(0.0005)
+                    inside.remove(s.name)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in seats]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for s, _ in seats:
+        s.close()
+    assert not errors and not any(t.is_alive() for t in threads)
+    parks = sum(entry.startswith("park") for entry in log)
+    assert parks >= 2 and parks == sum(s.num_parks for s, _ in seats)
+    assert turns.state()["handoffs"] == parks + 1  # every hand-off but the very first parked someone
+
+
+def test_a_timeout_names_the_holder_and_a_nested_turn_is_refused():
+    turns = Turns()
+    turns.join("train")
+    turns.acquire("train")
+    with pytest.raises(TimeoutError, match="held by 'train'"):
+        turns.acquire("rollout", timeout=0.05)
+    with pytest.raises(RuntimeError, match="do not nest"):
+        turns.acquire("train")
+    assert turns.state()["queue"] == []
+
+
+def test_a_rejoining_seat_drops_the_claims_of_its_dead_process():
+    turns = Turns()
+    turns.join("rollout")
+    turns.acquire("rollout")  # ... and its process dies holding the turn
+    turns.join("rollout")  # the restarted actor
+    assert turns.state()["holder"] is None and turns.state()["resident"] is None
+    assert turns.acquire("train", timeout=1) is True
+
+
+class ChunkedEngine:
+    """A rollout engine that decodes one token per chunk and honours `should_pause`."""
+
+    version = 0
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.started = threading.Event()
+
+    def generate(self, trajectories, *, max_new_tokens, should_pause=None):
+        for _ in range(max_new_tokens):
+            if all(t.done for t in trajectories):
+                break
+            if should_pause is not None and should_pause():
+                return list(trajectories)
+            self.started.set()
+            time.sleep(0.005)
+            self.chunks += 1
+            for t in trajectories:
+                t.extend([1], [-0.1], self.version)
+                if len(t.tokens) >= max_new_tokens:
+                    t.finish_reason = "length"
+        return list(trajectories)
+
+
+def test_rollout_pauses_at_a_chunk_boundary_when_the_trainer_waits():
+    turns, log = Turns(), []
+    train_seat, _ = seat(turns, "train", log)
+    roll_seat, _ = seat(turns, "rollout", log)
+    engine = ChunkedEngine()
+    rollout = SharedRolloutEngine(engine, roll_seat)
+    trajectory = Trajectory(prompt_ids=[1, 2], group=0)
+    got = {}
+
+    def trainer() -> None:
+        engine.started.wait(5)
+        with train_seat.turn():
+            got["chunks when trained"] = engine.chunks
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    try:
+        rollout.generate([trajectory], max_new_tokens=10_000)  # returns paused, not done
+        t.join(10)
+        assert not trajectory.done and 0 < len(trajectory.tokens) < 10_000
+        assert got["chunks when trained"] == len(trajectory.tokens)  # no chunk ran during the train turn
+        assert log == ["park rollout"]
+        rollout.generate([trajectory], max_new_tokens=len(trajectory.tokens) + 3)  # resumes where it paused
+        assert trajectory.done and log == ["park rollout", "park train", "unpark rollout"]
+    finally:
+        train_seat.close(), roll_seat.close()
+
+
+def test_offloader_moves_a_trainer_to_host_and_back_bit_exactly():
+    platform = select_platform("fake:cuda:1").platform
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()] + [v.clone() for s in optimizer.state.values() for v in s.values()]
+
+    class Engine:
+        version = 3
+
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def train_step(self, batch, advantages, *, loss, proximal_logprobs=None):
+            self.steps += 1
+            return {"loss": float(model.weight.detach().sum())}
+
+        def named_weights(self):
+            yield from model.state_dict().items()
+
+    turns, log = Turns(), []
+    offloader = Offloader(platform, model, optimizer)
+    train_seat = Seat(turns, "train", park=offloader.park, unpark=offloader.unpark)
+    other, _ = seat(turns, "rollout", log)
+    engine = SharedTrainEngine(Engine(), train_seat)
+    try:
+        engine.train_step(None, None, loss=None)
+        storages = [p.data.untyped_storage().data_ptr() for p in model.parameters()]
+        with other.turn():  # the trainer parks: every tensor now lives in a new host buffer
+            assert [p.data.untyped_storage().data_ptr() for p in model.parameters()] != storages
+            assert dict(engine.named_weights()).keys() == {"weight", "bias"}  # readable while parked
+        engine.train_step(None, None, loss=None)
+        after = [p.detach() for p in model.parameters()] + [v for s in optimizer.state.values() for v in s.values()]
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+        assert engine.version == 3 and engine.steps == 2 and train_seat.num_parks == 1
+    finally:
+        train_seat.close(), other.close()
