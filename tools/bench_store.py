@@ -16,15 +16,19 @@ server process, the data on a storage unit inside the producer, read by the cons
 straight from it), `transferqueue` (0.1.11 on Ray, when the
 `[bench]` extra is installed) and `raw-zmq` (the same frames PUSHed from producer to
 consumer: the machine's limit for this pattern). Ratios are against TransferQueue and
-raw ZeroMQ measured in the same run. Times use `time.perf_counter` (CLOCK_MONOTONIC on
-Linux, so comparable across processes).
+raw ZeroMQ measured in the same run. `transport="ipc"` runs tidal and raw ZeroMQ over
+Unix-domain sockets (`ipc://`, for same-machine deployments) instead of loopback TCP.
+Times use `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across processes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import multiprocessing as mp
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +39,17 @@ SMALL = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "l
 LARGE = {"blob": ("uint8", (1 << 20,))}
 LATENCY = {"logprobs": ("float32", (256,))}
 SYSTEMS = ("tidal", "tidal-embedded", "tidal-split", "raw-zmq", "transferqueue")
+TRANSPORTS = ("tcp", "ipc")
+_endpoints = itertools.count()
+
+
+def endpoint(transport: str) -> str:
+    """A fresh address to bind: loopback TCP on a free port, or a Unix-domain socket path."""
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    if transport == "ipc":
+        return f"ipc://{tempfile.gettempdir()}/tidal-bench-{os.getpid()}-{next(_endpoints)}"
+    raise ValueError(f"unknown transport {transport!r}; transports: {', '.join(TRANSPORTS)}")
 
 
 @dataclasses.dataclass
@@ -57,21 +72,21 @@ class Workload:
 
 
 # Store processes -------------------------------------------------------------------------
-def _serve(ready: Any, stop: Any) -> None:
+def _serve(ready: Any, stop: Any, transport: str = "tcp") -> None:
     from tidal.flow.store import Store
     from tidal.flow.store.server import StoreServer
 
-    with StoreServer(Store()) as server:
+    with StoreServer(Store(), address=endpoint(transport)) as server:
         ready.put(server.address)
         stop.wait()
 
 
-def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any, unit_ready: Any, stop: Any) -> None:
+def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any, unit_ready: Any, stop: Any, transport: str = "tcp") -> None:
     from tidal.flow.store import StorageUnit
     from tidal.flow.store.client import RemoteStore
     from tidal.flow.store.server import StoreServer
 
-    unit = StoreServer(unit=StorageUnit()) if split else None
+    unit = StoreServer(unit=StorageUnit(), address=endpoint(transport)) if split else None
     store = RemoteStore(address, unit=unit)
     batches = work.batches()
     store.put(work.name, batches[0], timeout=60)  # warm-up row set, consumed by the warm-up get
@@ -87,14 +102,14 @@ def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any
         unit.close()
 
 
-def _embedded_producer(work: Workload, ready: Any, go: Any, out: Any, stop: Any) -> None:
+def _embedded_producer(work: Workload, ready: Any, go: Any, out: Any, stop: Any, transport: str = "tcp") -> None:
     from tidal.flow.store import Store
     from tidal.flow.store.server import StoreServer
 
     store = Store()
     store.create_partition(work.name, consumers=["c"])
     batches = work.batches()
-    with StoreServer(store) as server:
+    with StoreServer(store, address=endpoint(transport)) as server:
         store.put(work.name, batches[0])  # warm-up row set, consumed by the warm-up get
         ready.put(server.address)
         go.wait()
@@ -105,11 +120,11 @@ def _embedded_producer(work: Workload, ready: Any, go: Any, out: Any, stop: Any)
         stop.wait()
 
 
-def embedded_throughput(work: Workload) -> dict[str, float]:
+def embedded_throughput(work: Workload, transport: str = "tcp") -> dict[str, float]:
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     stop, go = ctx.Event(), ctx.Event()
-    producer = ctx.Process(target=_embedded_producer, args=(work, ready, go, out, stop), daemon=True)
+    producer = ctx.Process(target=_embedded_producer, args=(work, ready, go, out, stop, transport), daemon=True)
     producer.start()
     consumer = ctx.Process(target=_tidal_consumer, args=(ready.get(timeout=60), work, go, out), daemon=True)
     try:
@@ -121,14 +136,14 @@ def embedded_throughput(work: Workload) -> dict[str, float]:
     return _rates(work, times["end"] - times["start"])
 
 
-def embedded_latency(num_trials: int) -> list[float]:
+def embedded_latency(num_trials: int, transport: str = "tcp") -> list[float]:
     from tidal.flow.store import Store
     from tidal.flow.store.server import StoreServer
 
     ctx = mp.get_context("spawn")
     store = Store()
     store.create_partition("lat", consumers=["c"])
-    with StoreServer(store) as server:
+    with StoreServer(store, address=endpoint(transport)) as server:
         return _time_handoffs(ctx, server.address, store.put, num_trials)
 
 
@@ -150,11 +165,11 @@ def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
     store.close()
 
 
-def tidal_throughput(work: Workload, *, split: bool) -> dict[str, float]:
+def tidal_throughput(work: Workload, *, split: bool, transport: str = "tcp") -> dict[str, float]:
     ctx = mp.get_context("spawn")
     ready, out, unit_ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop, go = ctx.Event(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(ready, stop), daemon=True)
+    server = ctx.Process(target=_serve, args=(ready, stop, transport), daemon=True)
     server.start()
     address = ready.get(timeout=60)
     from tidal.flow.store.client import RemoteStore
@@ -162,7 +177,7 @@ def tidal_throughput(work: Workload, *, split: bool) -> dict[str, float]:
     admin = RemoteStore(address)
     admin.create_partition(work.name, consumers=["c"])
     admin.close()
-    producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop), daemon=True)
+    producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop, transport), daemon=True)
     consumer = ctx.Process(target=_tidal_consumer, args=(address, work, go, out), daemon=True)
     producer.start()
     try:
@@ -200,12 +215,12 @@ def _tidal_latency_consumer(address: str, num_trials: int, waiting: Any, out: An
     store.close()
 
 
-def tidal_latency(num_trials: int) -> list[float]:
+def tidal_latency(num_trials: int, transport: str = "tcp") -> list[float]:
     from tidal.flow.store.client import RemoteStore
 
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(ready, stop), daemon=True)
+    server = ctx.Process(target=_serve, args=(ready, stop, transport), daemon=True)
     server.start()
     address = ready.get(timeout=60)
     producer = RemoteStore(address)
@@ -237,13 +252,16 @@ def _time_handoffs(ctx: Any, address: str, put: Callable[..., Any], num_trials: 
 
 
 # Raw ZeroMQ: the same frames straight from producer to consumer ------------------------------
-def _zmq_consumer(port_out: Any, num_messages: int, out: Any) -> None:
+def _zmq_consumer(port_out: Any, num_messages: int, out: Any, transport: str = "tcp") -> None:
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    port_out.put(port)
+    if transport == "tcp":
+        port_out.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    else:
+        sock.bind(endpoint(transport))
+        port_out.put(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
     times = []
     for _ in range(num_messages):
         frames = sock.recv_multipart(copy=False)
@@ -254,11 +272,11 @@ def _zmq_consumer(port_out: Any, num_messages: int, out: Any) -> None:
     ctx.term()
 
 
-def _zmq_connect(port: int) -> Any:
+def _zmq_connect(address: str) -> Any:
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.connect(address)
     return sock
 
 
@@ -269,11 +287,11 @@ def _frames(batch: dict[str, torch.Tensor]) -> list[Any]:
     return [header, *buffers]
 
 
-def zmq_throughput(work: Workload) -> dict[str, float]:
+def zmq_throughput(work: Workload, transport: str = "tcp") -> dict[str, float]:
     ctx = mp.get_context("spawn")
     port_q, out = ctx.Queue(), ctx.Queue()
     batches = work.batches()
-    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, len(batches) + 1, out), daemon=True)
+    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, len(batches) + 1, out, transport), daemon=True)
     consumer.start()
     sock = _zmq_connect(port_q.get(timeout=60))
     sock.send_multipart(_frames(batches[0]), copy=False)  # connection warm-up
@@ -287,10 +305,10 @@ def zmq_throughput(work: Workload) -> dict[str, float]:
     return _rates(work, end - start)
 
 
-def zmq_latency(num_trials: int) -> list[float]:
+def zmq_latency(num_trials: int, transport: str = "tcp") -> list[float]:
     ctx = mp.get_context("spawn")
     port_q, out = ctx.Queue(), ctx.Queue()
-    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, num_trials + 1, out), daemon=True)
+    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, num_trials + 1, out, transport), daemon=True)
     consumer.start()
     sock = _zmq_connect(port_q.get(timeout=60))
     row = {"logprobs": torch.randn(1, 256)}
@@ -315,8 +333,10 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3}
 
 
-def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: int = 3, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
-    """Measure every system; each throughput is the best of `repeats` runs."""
+def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: int = 3, transport: str = "tcp", progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Measure every system; each throughput is the best of `repeats` runs. `transport`
+    ("tcp" or "ipc") is what tidal and raw ZeroMQ run over (TransferQueue uses Ray's)."""
+    endpoint(transport)  # fails early on an unknown transport
     small = Workload("small", SMALL, 4096, 256)
     large = Workload("large", LARGE, 64, 8)
     results: dict[str, dict[str, Any]] = {}
@@ -330,13 +350,15 @@ def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: i
             throughput: Callable[[Workload], dict[str, float]] = lambda w: bench_tq.tq_throughput(num_rows=w.num_rows, fields=w.fields, batch_size=w.batch_size)  # noqa: E731
             latency: Callable[[int], list[float]] = lambda n: bench_tq.tq_latency(num_trials=n)  # noqa: E731
         elif system == "raw-zmq":
-            throughput, latency = zmq_throughput, zmq_latency
+            throughput = lambda w: zmq_throughput(w, transport)  # noqa: E731
+            latency = lambda n: zmq_latency(n, transport)  # noqa: E731
         elif system == "tidal-embedded":
-            throughput, latency = embedded_throughput, embedded_latency
+            throughput = lambda w: embedded_throughput(w, transport)  # noqa: E731
+            latency = lambda n: embedded_latency(n, transport)  # noqa: E731
         elif system in ("tidal", "tidal-split"):
             split = system == "tidal-split"
-            throughput = lambda w, split=split: tidal_throughput(w, split=split)  # noqa: E731
-            latency = tidal_latency if not split else None  # type: ignore[assignment]
+            throughput = lambda w, split=split: tidal_throughput(w, split=split, transport=transport)  # noqa: E731
+            latency = (lambda n: tidal_latency(n, transport)) if not split else None  # type: ignore[assignment]
         else:
             raise ValueError(f"unknown system {system!r}; systems: {', '.join(SYSTEMS)}")
         progress(f"{system}: small rows")

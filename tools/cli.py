@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--systems", default="tidal,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
+    bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
     bench.add_argument("--steps", type=int, default=200, help="e2e: RL steps per run (default: 200)")
     bench.add_argument("--seeds", default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
     bench.add_argument("--sizes", default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
@@ -190,7 +191,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"tidal bench: error: unknown system(s) {unknown}; systems: {', '.join(bench_store.SYSTEMS)}", file=sys.stderr)
         return 2
-    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, transport=args.transport, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

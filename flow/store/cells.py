@@ -8,16 +8,18 @@ asked, so stacking rows that arrived together is a slice, not a copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from tidal.flow.store.samplers import NO_VERSION
+
 
 def nbytes_of(value: Any) -> int:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.nbytes
     if isinstance(value, np.ndarray):
         return value.nbytes
     if isinstance(value, (str, bytes)):
@@ -36,13 +38,13 @@ def num_rows_of(item: tuple[str, Any]) -> int:
 
 def check_column(name: str, value: Any, num_rows: int) -> Any:
     """The column as a chunk: a batched tensor/array (rows along dim 0) or a list."""
-    if isinstance(getattr(value, "sizes", None), np.ndarray):  # a chunk held elsewhere
-        if len(value) != num_rows:
-            raise ValueError(f"column {name!r} has {len(value)} values for {num_rows} rows")
-        return value
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim == 0 or value.shape[0] != num_rows:
             raise ValueError(f"column {name!r} has leading dimension {tuple(value.shape)[:1]} for {num_rows} rows")
+        return value
+    if isinstance(getattr(value, "sizes", None), np.ndarray):  # a chunk held elsewhere
+        if len(value) != num_rows:
+            raise ValueError(f"column {name!r} has {len(value)} values for {num_rows} rows")
         return value
     if isinstance(value, (list, tuple)):
         if len(value) != num_rows:
@@ -55,6 +57,13 @@ def split_rows(name: str, value: Any, num_rows: int) -> list[Any]:
     """One cell per row: a batched tensor/array splits along dim 0 into views."""
     chunk = check_column(name, value, num_rows)
     return list(chunk.unbind(0)) if isinstance(chunk, torch.Tensor) else list(chunk)
+
+
+def row_nbytes(chunk: Any) -> int:
+    """The size every row of `chunk` shares (a batched tensor or array), else -1."""
+    if isinstance(chunk, (torch.Tensor, np.ndarray)):
+        return chunk.nbytes // max(chunk.shape[0], 1)
+    return -1
 
 
 def cell_sizes(chunk: Any) -> np.ndarray:
@@ -91,25 +100,92 @@ class Cells(Mapping[str, list[Any]]):
 
 
 class Batch:
-    """Rows handed to a consumer. Cells are the stored objects (tensor views, no copies)."""
+    """Rows handed to a consumer. Cells are the stored objects (tensor views, no copies).
 
-    def __init__(self, partition: str, indexes: list[int], columns: Mapping[str, list[Any]], groups: list[Any], versions: list[int | None], *, blocks: dict[str, list[tuple[Any, np.ndarray]]] | None = None) -> None:
+    `indexes`, `versions` and `groups` are lists; `index_array` and `version_array` (with
+    `NO_VERSION` for rows put without one) are the same as arrays. A batch made by a get
+    holds its indexes as a `range` or an array and its versions as one shared value or an
+    array, and makes the lists on first use, so no per-row work is done for a consumer (or
+    a server) that does not ask for them.
+    """
+
+    def __init__(self, partition: str, indexes: Sequence[int] | np.ndarray | range, columns: Mapping[str, list[Any]], groups: list[Any] | None, versions: Sequence[int | None] | np.ndarray | int, *, blocks: dict[str, list[tuple[Any, Any]]] | None = None) -> None:
+        """`versions` may be one value (`NO_VERSION`: none) that every row shares."""
         self.partition = partition
-        self.indexes = indexes
         self.columns = columns
-        self.groups = groups
-        self.versions = versions
         self._blocks = blocks or {}
+        self._index_src = indexes if isinstance(indexes, (np.ndarray, range)) else list(indexes)
+        self._n = len(self._index_src)
+        self._indexes: list[int] | None = self._index_src if isinstance(self._index_src, list) else None
+        self._index_array: np.ndarray | None = self._index_src if isinstance(self._index_src, np.ndarray) else None
+        self._version_src = versions if isinstance(versions, (np.ndarray, int)) else list(versions)
+        self._versions: list[int | None] | None = self._version_src if isinstance(self._version_src, list) else None
+        self._version_array: np.ndarray | None = self._version_src if isinstance(self._version_src, np.ndarray) else None
+        self._groups = groups  # None: no row has a group
 
     @classmethod
-    def from_chunks(cls, partition: str, indexes: list[int], chunks: Mapping[str, Any], groups: list[Any], versions: list[int | None]) -> Batch:
+    def from_chunks(cls, partition: str, indexes: Sequence[int] | np.ndarray | range, chunks: Mapping[str, Any], groups: list[Any] | None, versions: Sequence[int | None] | np.ndarray | int) -> Batch:
         """A batch whose columns are whole chunks (rows along dim 0), e.g. decoded from the wire."""
-        everything = np.arange(len(indexes))
+        everything = range(len(indexes))
         blocks = {name: [(chunk, everything)] for name, chunk in chunks.items()}
         return cls(partition, indexes, Cells(blocks), groups, versions, blocks=blocks)
 
+    @property
+    def indexes(self) -> list[int]:
+        if self._indexes is None:
+            src = self._index_src
+            self._indexes = src.tolist() if isinstance(src, np.ndarray) else list(src)
+        return self._indexes
+
+    @property
+    def index_array(self) -> np.ndarray:
+        if self._index_array is None:
+            src = self._index_src
+            self._index_array = np.arange(src.start, src.stop, src.step, dtype=np.int64) if isinstance(src, range) else np.asarray(src, dtype=np.int64)
+        return self._index_array
+
+    @property
+    def index_range(self) -> range | None:
+        """The indexes as a `range` when the batch was made with one (consecutive rows)."""
+        return self._index_src if isinstance(self._index_src, range) else None
+
+    @property
+    def versions(self) -> list[int | None]:
+        if self._versions is None:
+            src = self._version_src
+            if isinstance(src, int):
+                self._versions = [None if src == NO_VERSION else src] * self._n
+            else:
+                self._versions = [None if v == NO_VERSION else v for v in src.tolist()]  # type: ignore[union-attr]
+        return self._versions
+
+    @property
+    def version_array(self) -> np.ndarray:
+        if self._version_array is None:
+            src = self._version_src
+            if isinstance(src, int):
+                self._version_array = np.full(self._n, src, dtype=np.int64)
+            else:
+                self._version_array = np.asarray([NO_VERSION if v is None else v for v in src], dtype=np.int64)  # type: ignore[union-attr]
+        return self._version_array
+
+    @property
+    def version_fill(self) -> int | None:
+        """The version every row shares (`NO_VERSION`: none) when the batch was made with one."""
+        return self._version_src if isinstance(self._version_src, int) else None
+
+    @property
+    def groups(self) -> list[Any]:
+        if self._groups is None:
+            self._groups = [None] * self._n
+        return self._groups
+
+    @property
+    def has_groups(self) -> bool:
+        return self._groups is not None and any(g is not None for g in self._groups)
+
     def __len__(self) -> int:
-        return len(self.indexes)
+        return self._n
 
     def __repr__(self) -> str:
         return f"Batch(partition={self.partition!r}, indexes={self.indexes}, columns={sorted(self.columns)}, versions={self.versions})"
@@ -140,6 +216,15 @@ class Batch:
         return torch.stack([torch.as_tensor(v) for v in self.columns[column]])
 
 
+def as_indexes(indexes: Any) -> np.ndarray:
+    """Row indexes as an int64 array (no per-row work for an array)."""
+    if isinstance(indexes, np.ndarray):
+        return indexes.astype(np.int64, copy=False).reshape(-1)
+    if isinstance(indexes, range):
+        return np.arange(indexes.start, indexes.stop, indexes.step, dtype=np.int64)
+    return np.asarray(indexes if isinstance(indexes, (list, tuple)) else list(indexes), dtype=np.int64).reshape(-1)
+
+
 def unique_sorted(indexes: np.ndarray) -> np.ndarray:
     """Sorted unique indexes; skips the sort for the usual already-increasing batch."""
     if len(indexes) < 2 or (np.diff(indexes) > 0).all():
@@ -147,7 +232,9 @@ def unique_sorted(indexes: np.ndarray) -> np.ndarray:
     return np.unique(indexes)
 
 
-def rows_of(chunk: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+def rows_of(chunk: torch.Tensor, offsets: np.ndarray | range) -> torch.Tensor:
+    if isinstance(offsets, range) and offsets.step == 1:
+        return chunk if offsets.start == 0 and offsets.stop == chunk.shape[0] else chunk[offsets.start : offsets.stop]
     first, last = int(offsets[0]), int(offsets[-1])
     if last - first + 1 == len(offsets) and (len(offsets) < 3 or (np.diff(offsets) == 1).all()):
         return chunk[first : last + 1]

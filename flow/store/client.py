@@ -28,12 +28,13 @@ import zmq
 
 from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
-from tidal.flow.store.cells import Batch, cell_sizes, check_column, num_rows_of
+from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of
 from tidal.flow.store.table import StoreError, StoreTimeout
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
 
 TOKEN_ENV = "TIDAL_STORE_TOKEN"
+_SEQUENTIAL_SPEC = to_spec(Sequential())
 _ERRORS: dict[str, type[Exception]] = {
     "StoreTimeout": StoreTimeout,
     "StoreError": StoreError,
@@ -97,11 +98,16 @@ class RemoteStore:
         return sock, request_id
 
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
+        timeout_ms = -1 if wait_s is None else int(wait_s * 1000) + 1
+        timeouts = self._tls.__dict__.setdefault("timeouts", {})
+        if timeouts.get(sock) != timeout_ms:  # one blocking receive with a timeout, not a poll and then a receive
+            sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            timeouts[sock] = timeout_ms
         while True:  # one blocking wait per reply; skips late replies to abandoned requests
-            if not sock.poll(None if wait_s is None else int(wait_s * 1000) + 1):
-                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:.0f}s; is it running?")
             try:
                 reply = unpack(sock.recv_multipart(copy=False))
+            except zmq.Again:
+                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:.0f}s; is it running?") from None
             except WireError as e:
                 raise StoreError(f"malformed reply from store server {address}: {e}") from e
             if reply.get("id") != request_id and reply.get("id") is not None:
@@ -162,11 +168,11 @@ class RemoteStore:
             return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=t, ack=ack))
         if not columns:
             raise ValueError("put needs at least one column")
-        then_ack = None if ack is None else {"consumer": ack[0], "partition": ack[1], "indexes": np.asarray(list(ack[2]), dtype=np.int64)}
+        then_ack = None if ack is None else {"consumer": ack[0], "partition": ack[1], "indexes": as_indexes(ack[2])}
         meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout, "ack": then_ack}
         if self.unit_address is None:
             args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
-            return self._call("put", args, wait=timeout)
+            return list(self._call("put", args, wait=timeout))
         num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
         keys, remote = [], {}
         try:
@@ -179,7 +185,7 @@ class RemoteStore:
                     self._call("unit_write", {"key": key, "chunk": encode_column(chunk) if isinstance(chunk, list) else {"stacked": chunk}}, address=self.unit_address)
                 keys.append(key)
                 remote[name] = RemoteChunk(self.unit_address, key, cell_sizes(chunk)).wire
-            return self._call("put", {"partition": partition, "remote": remote, "indexes": _plain(indexes), **meta}, wait=timeout)
+            return list(self._call("put", {"partition": partition, "remote": remote, "indexes": _plain(indexes), **meta}, wait=timeout))
         except BaseException:
             self._drop_chunks(keys)  # the controller never took them: free them on the unit
             raise
@@ -216,24 +222,24 @@ class RemoteStore:
         if cancel is not None:
             return _until_cancelled(cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
         args = {
-            "ack": None if ack is None else np.asarray(list(ack), dtype=np.int64),
+            "ack": None if ack is None else as_indexes(ack),
             "consumer": consumer,
             "partition": partition,
             "columns": list(columns),
             "batch_size": batch_size,
-            "sampler": to_spec(sampler or Sequential()),
+            "sampler": _SEQUENTIAL_SPEC if sampler is None else to_spec(sampler),
             "timeout": timeout,
             "partial": partial,
         }
         reply = self._call("get", args, wait=timeout)
-        indexes = _int_list(reply["indexes"])
-        versions = [None if v == NO_VERSION else v for v in _int_list(reply["versions"])]
-        groups = reply["groups"] if reply["groups"] is not None else [None] * len(indexes)
         chunks = {name: decode_column(name, value) for name, value in reply["columns"].items()}
         remote = {name: chunks[name] for name, value in reply["columns"].items() if "remote" in value}
         if remote:
             chunks.update(self._read_units(remote))
-        return Batch.from_chunks(partition, indexes, {c: chunks[c] for c in columns}, groups, versions)
+        indexes, versions = reply["indexes"], reply["versions"]
+        if isinstance(versions, list):
+            versions = [None if v == NO_VERSION else v for v in versions]
+        return Batch.from_chunks(partition, indexes if isinstance(indexes, range) else as_indexes(indexes), {c: chunks[c] for c in columns}, reply["groups"], versions)
 
     def _read_units(self, remote: dict[str, list[Any]]) -> dict[str, Any]:
         """Read every (unit, chunk key, offsets) piece; requests to all units go out first."""
@@ -257,7 +263,7 @@ class RemoteStore:
         return out
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
-        return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": np.asarray(list(indexes), dtype=np.int64)})
+        return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": as_indexes(indexes)})
 
     def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
         args = {"consumer": consumer, "partition": partition, "indexes": None if indexes is None else [int(i) for i in indexes]}
@@ -303,9 +309,5 @@ def _until_cancelled(cancel: threading.Event, timeout: float | None, what: str, 
                 raise
 
 
-def _int_list(values: Any) -> list[int]:
-    return values.tolist() if isinstance(values, np.ndarray) else list(values)
-
-
-def _plain(values: Sequence[Any] | None) -> list[Any] | None:
-    return None if values is None else list(values)
+def _plain(values: Sequence[Any] | None) -> list[Any] | np.ndarray | None:
+    return values if values is None or isinstance(values, (list, np.ndarray)) else list(values)

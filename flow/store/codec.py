@@ -1,8 +1,9 @@
 """Encoding store values as a msgpack header plus raw buffers. Nothing is ever pickled.
 
-A value is a torch tensor, a NumPy array, or a msgpack-native scalar / string / bytes /
-list / dict. Tensors and arrays travel as their raw bytes in separate buffers (frames on
-the wire, regions of a file on disk); the header describes them by dtype and shape.
+A value is a torch tensor, a NumPy array, a `range`, or a msgpack-native scalar / string /
+bytes / list / dict. Tensors and arrays travel as their raw bytes in separate buffers
+(frames on the wire, regions of a file on disk), or inside the header when they are at
+most `INLINE_MAX_BYTES`; the header describes them by dtype and shape.
 `decode` rejects anything it does not understand with `CodecError`, so a malformed or
 truncated message can be answered with an error instead of crashing a server.
 """
@@ -31,49 +32,69 @@ _TORCH_DTYPES = {
         torch.complex64, torch.complex128,
     )
 }
+_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _TORCH_DTYPES.items()}
 _NUMPY_KINDS = "biufc?"  # bool, signed, unsigned, float, complex (no objects, no strings)
-_TENSOR, _ARRAY = "t", "a"
-_PLAIN = (int, float, str, bool, type(None))
+_TENSOR, _ARRAY, _RANGE = "t", "a", "r"
+INLINE_MAX_BYTES = 4096
+"""Tensors and arrays up to this size travel inside the header (one frame fewer each)."""
+MAX_RANGE = 1 << 24
+"""The longest `range` a message may carry (row indexes: a few header bytes must not become gigabytes)."""
+_SCALARS = frozenset({int, float, str, bool, type(None), bytes})
+_NESTED = (dict, list)
 
 
-def _encode(value: Any, buffers: list[memoryview]) -> Any:
+def _encode(value: Any, buffers: list[Any]) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is dict:
+        if "__" in value:
+            raise CodecError("dict key '__' is reserved by the store codec")
+        return {k: v if type(v) in _SCALARS else _encode(v, buffers) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
-        name = str(value.dtype)[6:]  # "torch.float32" -> "float32"
-        if name not in _TORCH_DTYPES:
+        name = _NAMES.get(value.dtype)
+        if name is None:
             raise CodecError(f"tensor dtype {value.dtype} is not supported by the store")
-        t = value.detach()
-        if t.device.type != "cpu":
-            raise CodecError(f"tensor on {t.device} must be moved to host memory before it is sent")
+        if not value.is_cpu:
+            raise CodecError(f"tensor on {value.device} must be moved to host memory before it is sent")
+        t = value.detach() if value.requires_grad else value
         if not t.is_contiguous():
             t = t.contiguous()
-        arr = t.reshape(-1).view(torch.uint8).numpy() if t.dtype is torch.bfloat16 else t.numpy()
-        buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
-        return {"__": _TENSOR, "d": name, "s": list(value.shape), "b": len(buffers) - 1}
+        arr = t.view(torch.uint8).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+        return {"__": _TENSOR, "d": name, "s": list(value.shape), **_raw(arr, buffers)}
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NUMPY_KINDS:
             raise CodecError(f"numpy dtype {value.dtype} is not supported by the store")
         arr = np.ascontiguousarray(value)
-        buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
-        return {"__": _ARRAY, "d": arr.dtype.str, "s": list(arr.shape), "b": len(buffers) - 1}
+        return {"__": _ARRAY, "d": arr.dtype.str, "s": list(arr.shape), **_raw(arr, buffers)}
+    if kind is range:
+        return {"__": _RANGE, "r": [value.start, value.stop, value.step]}
     if isinstance(value, (list, tuple)):
-        if all(type(v) in _PLAIN for v in value):  # e.g. row indexes: no recursion per element
-            return list(value)
+        if all(type(v) in _SCALARS for v in value):  # e.g. row indexes: no recursion per element
+            return value if kind is list else list(value)
         return [_encode(v, buffers) for v in value]
     if isinstance(value, dict):
-        if "__" in value:
-            raise CodecError("dict key '__' is reserved by the store codec")
-        return {k: _encode(v, buffers) for k, v in value.items()}
+        return _encode(dict(value), buffers)
     if isinstance(value, np.generic):
         return value.item()
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    if isinstance(value, (bool, int, float, str, bytes)):
         return value
     raise CodecError(f"values of type {type(value).__name__} cannot be stored (tensors, arrays, scalars, str, bytes, lists, dicts)")
 
 
-def encode(value: Any) -> tuple[bytes, list[memoryview]]:
-    """Return (msgpack header, raw buffers). Buffers share memory with the input."""
-    buffers: list[memoryview] = []
+def _raw(arr: np.ndarray, buffers: list[Any]) -> dict[str, Any]:
+    """Where a contiguous array's bytes go: inline in the header when small, else a buffer."""
+    if arr.nbytes <= INLINE_MAX_BYTES:
+        return {"x": arr.tobytes()}
+    buffers.append(arr.reshape(-1) if arr.ndim != 1 else arr)  # its raw bytes go as they are
+    return {"b": len(buffers) - 1}
+
+
+def encode(value: Any) -> tuple[bytes, list[Any]]:
+    """Return (msgpack header, raw buffers). Buffers share memory with the input; each is
+    a contiguous 1-D array or memoryview (anything with the buffer protocol and `nbytes`)."""
+    buffers: list[Any] = []
     header = msgpack.packb(_encode(value, buffers), use_bin_type=True)
     return header, buffers
 
@@ -82,17 +103,34 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
     if isinstance(obj, dict):
         kind = obj.get("__")
         if kind is None:
-            return {k: _decode(v, buffers, copy) for k, v in obj.items()}
+            return {k: _decode(v, buffers, copy) if isinstance(v, _NESTED) else v for k, v in obj.items()}
+        if kind == _RANGE:
+            bounds = obj.get("r")
+            if type(bounds) is not list or len(bounds) != 3 or not all(type(n) is int for n in bounds) or bounds[2] == 0:
+                raise CodecError(f"malformed range {obj!r}")
+            start, stop, step = bounds
+            if (stop - start) // step > MAX_RANGE:
+                raise CodecError(f"range {bounds} is longer than {MAX_RANGE}")
+            return range(start, stop, step)
         try:
-            dtype_name, shape, index = obj["d"], [int(n) for n in obj["s"]], int(obj["b"])
-            buf = buffers[index]
+            dtype_name, shape = obj["d"], obj["s"]
+            if type(shape) is not list or not all(type(n) is int for n in shape):
+                shape = [int(n) for n in shape]
+            index = obj.get("b")
+            if index is None:
+                buf = obj["x"]
+                if not isinstance(buf, bytes):
+                    raise TypeError("inline data must be bytes")
+            else:
+                if int(index) < 0:
+                    raise IndexError(index)
+                buf = buffers[int(index)]
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CodecError(f"malformed array descriptor {obj!r}") from e
         if any(n < 0 for n in shape):
             raise CodecError(f"negative dimension in shape {shape}")
         if kind == _TENSOR:
-            dtype = _TORCH_DTYPES.get(dtype_name)
-            if dtype is None:
+            if dtype_name not in _TORCH_DTYPES:
                 raise CodecError(f"unknown tensor dtype {dtype_name!r}")
             itemsize = _ITEMSIZE[dtype_name]
         elif kind == _ARRAY:
@@ -106,20 +144,22 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
         else:
             raise CodecError(f"unknown value kind {kind!r}")
         numel = math.prod(shape)
-        raw = memoryview(buf).cast("B")
+        raw = memoryview(buf)
+        if raw.ndim != 1 or raw.format != "B":
+            raw = raw.cast("B")
         if raw.nbytes != numel * itemsize:
-            raise CodecError(f"buffer {index} holds {raw.nbytes} bytes, expected {numel * itemsize} for shape {shape}")
+            raise CodecError(f"{'inline data' if index is None else f'buffer {index}'} holds {raw.nbytes} bytes, expected {numel * itemsize} for shape {shape}")
         if kind == _ARRAY:
             arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
-            return arr.copy() if copy else arr
+            return arr.copy() if copy or raw.readonly else arr
         if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        flat = np.frombuffer(raw, dtype=np.uint8)
+            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype_name])
         if copy or raw.readonly:  # torch tensors must own or share writable memory
-            flat = flat.copy()
-        return torch.from_numpy(flat).view(dtype).reshape(shape)
+            raw = bytearray(raw)
+        tensor = torch.frombuffer(raw, dtype=_TORCH_DTYPES[dtype_name])  # keeps the buffer alive
+        return tensor if len(shape) == 1 else tensor.reshape(shape)
     if isinstance(obj, list):
-        if not any(isinstance(v, (dict, list)) for v in obj):
+        if not any(isinstance(v, _NESTED) for v in obj):
             return obj
         return [_decode(v, buffers, copy) for v in obj]
     return obj

@@ -33,13 +33,41 @@ class RowMeta:
 
 
 class Rows(Sequence[RowMeta]):
-    """Ready rows in readiness order: `indexes` and `versions` arrays, `RowMeta` on demand."""
+    """Ready rows in readiness order: `indexes` and `versions` arrays, `RowMeta` on demand.
 
-    def __init__(self, indexes: np.ndarray, versions: np.ndarray, meta: Callable[[np.ndarray], list[RowMeta]]) -> None:
-        self.indexes = indexes
-        self.versions = versions
+    A store hands its usual case - whole runs of consecutive rows - as `runs`, and makes
+    the arrays only when a sampler reads them; `head(n)` takes the first n rows without.
+    """
+
+    def __init__(self, indexes: np.ndarray | None, versions: np.ndarray | None, meta: Callable[[np.ndarray], list[RowMeta]], *, runs: Sequence[tuple[int, int, np.ndarray]] | None = None) -> None:
+        """`runs`: instead of the arrays, (first index, count, versions) of each run."""
+        self._indexes = indexes
+        self._versions = versions
+        self._runs = runs
+        self._len = len(indexes) if indexes is not None else sum(n for _, n, _ in runs or ())
         self._meta = meta
         self._metas: list[RowMeta] | None = None
+
+    @property
+    def indexes(self) -> np.ndarray:
+        if self._indexes is None:
+            runs = self._runs or ()
+            self._indexes = np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, n, _ in runs]) if runs else np.zeros(0, dtype=np.int64)
+        return self._indexes
+
+    @property
+    def versions(self) -> np.ndarray:
+        if self._versions is None:
+            runs = self._runs or ()
+            self._versions = np.concatenate([v for _, _, v in runs]) if runs else np.zeros(0, dtype=np.int64)
+        return self._versions
+
+    def head(self, n: int) -> range | np.ndarray:
+        """The indexes of the first `n` rows (a `range` when they are consecutive)."""
+        if self._indexes is None and self._runs and self._runs[0][1] >= n:
+            first = self._runs[0][0]
+            return range(first, first + n)
+        return self.indexes[:n]
 
     def subset(self, keep: np.ndarray) -> Rows:
         """The rows selected by a boolean mask or positions, in the same order."""
@@ -56,7 +84,7 @@ class Rows(Sequence[RowMeta]):
         return [m.group for m in self.metas]
 
     def __len__(self) -> int:
-        return len(self.indexes)
+        return self._len
 
     @overload
     def __getitem__(self, k: int) -> RowMeta: ...
@@ -79,8 +107,10 @@ class SampleContext:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Selection:
-    take: list[int]
-    drop: list[int] = dataclasses.field(default_factory=list)
+    take: Sequence[int] | np.ndarray | range
+    """Rows to hand out now, in batch order (a list, a range or an int array)."""
+    drop: Sequence[int] | np.ndarray = dataclasses.field(default_factory=list)
+    """Rows never to hand to this consumer (counted as dropped)."""
 
 
 class Sampler(Protocol):
@@ -94,7 +124,7 @@ class Sequential:
 
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if len(rows) >= batch_size or (partial and len(rows)):
-            return Selection(rows.indexes[:batch_size].tolist())
+            return Selection(rows.head(batch_size))
         return Selection([])
 
 
@@ -136,9 +166,11 @@ class StalenessFilter:
 
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         old = (rows.versions != NO_VERSION) & (rows.versions < ctx.version - self.max_staleness)
+        if not old.any():
+            return self.inner.select(rows, batch_size, partial, ctx)
         stale = [] if self.hold else rows.indexes[old].tolist()
         inner = self.inner.select(rows.subset(~old), batch_size, partial, ctx)
-        return Selection(inner.take, stale + inner.drop)
+        return Selection(inner.take, [*stale, *inner.drop])
 
 
 @dataclasses.dataclass
@@ -157,13 +189,14 @@ class SeqlenBalanced:
         if batch_size % self.num_ranks:
             raise ValueError(f"batch_size {batch_size} is not a multiple of num_ranks {self.num_ranks}")
         chosen = self.inner.select(rows, batch_size, False, ctx)
-        if not chosen.take:
+        if not len(chosen.take):
             return chosen
-        per_rank = len(chosen.take) // self.num_ranks
-        lengths = {i: _length(ctx.value(i, self.length_column)) for i in chosen.take}
+        take = np.asarray(chosen.take).tolist()
+        per_rank = len(take) // self.num_ranks
+        lengths = {i: _length(ctx.value(i, self.length_column)) for i in take}
         ranks: list[list[int]] = [[] for _ in range(self.num_ranks)]
         totals = [0] * self.num_ranks
-        for i in sorted(chosen.take, key=lambda i: -lengths[i]):
+        for i in sorted(take, key=lambda i: -lengths[i]):
             r = min((r for r in range(self.num_ranks) if len(ranks[r]) < per_rank), key=lambda r: totals[r])
             ranks[r].append(i)
             totals[r] += lengths[i]

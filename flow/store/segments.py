@@ -4,6 +4,13 @@ Per segment: which rows are alive, their groups, versions and tags, where each c
 cell lives (chunk id and offset), when it arrived (readiness order), and per consumer
 whether it acked or leased each row. Per partition: the live segments in index order,
 the chunks they point into, capacity and the lease heap. `Store` does the bookkeeping.
+
+The usual life of a segment - one put of batched tensors, read whole by each consumer,
+acked, evicted - needs almost no per-row state: a column that is row k of one chunk for
+every row is kept as that summary (`Column.whole`) and gets per-row arrays only if a later
+put changes some of its rows, and a segment no row of which a consumer has touched yet is
+`fresh` for it (every row ready). `Store` takes those shortcuts; everything else works on
+the arrays.
 """
 
 from __future__ import annotations
@@ -21,15 +28,91 @@ WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
 
 
 class Column:
-    """Where one column's cells of one segment live."""
+    """Where one column's cells of one segment live.
 
-    __slots__ = ("chunk", "offset", "stamp", "nbytes")
+    Summaries that let the usual case skip per-row work: `whole` is the chunk id when
+    the cell of every live row k is row k of that one chunk, else -1 (so contiguous rows
+    are a slice of it); `full` says every live row has a cell; `same_stamp` is the arrival
+    stamp shared by every present cell, else -1; `row_nbytes` is the size shared by every
+    present cell, else -1. A column made `lazy` (a put of new rows whose chunk has a fixed
+    row size) holds only these and makes its per-row arrays (`chunk`, `offset`, `stamp`,
+    `nbytes`) on first use; a dead row's cell is absent (chunk -1) there.
+    """
 
-    def __init__(self, n: int) -> None:
-        self.chunk = np.full(n, -1, dtype=np.int64)  # chunk id, -1 = absent
-        self.offset = np.zeros(n, dtype=np.int64)
-        self.stamp = np.zeros(n, dtype=np.int64)  # when the cell arrived (readiness order)
-        self.nbytes = np.zeros(n, dtype=np.int64)
+    __slots__ = ("_chunk", "_offset", "_stamp", "_nbytes", "_alive", "whole", "full", "same_stamp", "row_nbytes")
+
+    def __init__(self, alive: np.ndarray) -> None:
+        n = len(alive)
+        self._alive = alive  # the segment's (mutated in place, never replaced)
+        self._chunk: np.ndarray | None = np.full(n, -1, dtype=np.int64)  # chunk id, -1 = absent
+        self._offset: np.ndarray | None = np.zeros(n, dtype=np.int64)
+        self._stamp: np.ndarray | None = np.zeros(n, dtype=np.int64)  # when the cell arrived (readiness order)
+        self._nbytes: np.ndarray | None = np.zeros(n, dtype=np.int64)
+        self.whole, self.full, self.same_stamp, self.row_nbytes = -1, False, -1, -1
+
+    @classmethod
+    def lazy(cls, alive: np.ndarray, chunk_id: int, stamp: int, row_nbytes: int) -> Column:
+        """Every row k is row k of chunk `chunk_id`, `row_nbytes` each (a put of new rows)."""
+        column = cls.__new__(cls)
+        column._alive = alive
+        column._chunk = column._offset = column._stamp = column._nbytes = None
+        column.whole, column.full, column.same_stamp, column.row_nbytes = chunk_id, True, stamp, row_nbytes
+        return column
+
+    @classmethod
+    def of_chunk(cls, alive: np.ndarray, chunk_id: int, stamp: int, nbytes: np.ndarray) -> Column:
+        """Every row k is row k of chunk `chunk_id` (a list chunk: sizes per row)."""
+        column = cls(alive)
+        column._chunk[:] = chunk_id  # type: ignore[index]
+        column._offset = np.arange(len(alive), dtype=np.int64)
+        column._stamp[:] = stamp  # type: ignore[index]
+        column._nbytes = nbytes
+        column.whole, column.full, column.same_stamp = chunk_id, True, stamp
+        return column
+
+    @property
+    def is_lazy(self) -> bool:
+        return self._chunk is None
+
+    def _materialize(self) -> None:
+        n = len(self._alive)
+        self._chunk = np.where(self._alive, self.whole, -1).astype(np.int64)
+        self._offset = np.arange(n, dtype=np.int64)
+        self._stamp = np.full(n, self.same_stamp, dtype=np.int64)
+        self._nbytes = np.full(n, self.row_nbytes, dtype=np.int64)
+
+    @property
+    def chunk(self) -> np.ndarray:
+        if self._chunk is None:
+            self._materialize()
+        return self._chunk  # type: ignore[return-value]
+
+    @property
+    def offset(self) -> np.ndarray:
+        if self._offset is None:
+            self._materialize()
+        return self._offset  # type: ignore[return-value]
+
+    @property
+    def stamp(self) -> np.ndarray:
+        if self._stamp is None:
+            self._materialize()
+        return self._stamp  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        if self._nbytes is None:
+            self._materialize()
+        return self._nbytes  # type: ignore[return-value]
+
+    def cell(self, k: int) -> tuple[int, int]:
+        """(chunk id, offset) of row k's cell; chunk id -1 when absent."""
+        if self._chunk is None:
+            return (self.whole, k) if self._alive[k] else (-1, 0)
+        return int(self._chunk[k]), int(self._offset[k])  # type: ignore[index]
+
+    def num_present(self) -> int:
+        return int(np.count_nonzero(self._alive)) if self._chunk is None else int(np.count_nonzero(self._chunk >= 0))
 
 
 class Segment:
@@ -38,16 +121,38 @@ class Segment:
     def __init__(self, start: int, n: int, groups: Sequence[Any] | None, versions: Sequence[int | None] | None, tags: Sequence[Mapping[str, Any]] | None, consumers: Iterable[str]) -> None:
         self.start, self.n = start, n
         self.alive = np.ones(n, dtype=bool)
+        self.num_alive = n
         self.groups = list(groups) if groups is not None else None
-        self.versions = np.full(n, NO_VERSION, dtype=np.int64)
-        if versions is not None:
-            self.versions[:] = [NO_VERSION if v is None else int(v) for v in versions]
+        self.versions = _versions(n, versions)
+        self.versions.flags.writeable = False  # set once; batches and samplers share it
+        self.same_version: int | None = NO_VERSION if versions is None else (int(self.versions[0]) if n and bool((self.versions == self.versions[0]).all()) else None)
         self.tags = [dict(t) for t in tags] if tags is not None else None
         self.columns: dict[str, Column] = {}
         self.idle: set[tuple[str, frozenset[str]]] = set()  # (consumer, columns) with nothing ready here
+        self.whole_since: dict[frozenset[str], int] = {}  # columns every live row has, all from one put each: the newest stamp
         self.acked = {c: np.zeros(n, dtype=bool) for c in consumers}
         self.lease = {c: np.zeros(n, dtype=np.float64) for c in self.acked}  # deadline, 0 = not leased
-        self.redelivered = {c: np.zeros(n, dtype=np.int64) for c in self.acked}  # stamp of last redelivery
+        self.fresh = dict.fromkeys(self.acked, True)  # per consumer: no row acked, leased or dropped yet
+        self.redelivered: dict[str, np.ndarray] = {}  # per consumer, stamp of each row's last redelivery (made on first use)
+        self.holder: dict[str, np.ndarray] = {}  # per consumer, who holds each lease (0: nobody named; made on first use)
+
+    def add_consumer(self, consumer: str) -> None:
+        self.idle.clear()
+        self.acked[consumer] = np.zeros(self.n, dtype=bool)
+        self.lease[consumer] = np.zeros(self.n, dtype=np.float64)
+        self.fresh[consumer] = self.num_alive == self.n  # every row ready for it, if every row still lives
+
+    def holders(self, consumer: str) -> np.ndarray:
+        held = self.holder.get(consumer)
+        if held is None:
+            held = self.holder[consumer] = np.zeros(self.n, dtype=np.int64)
+        return held
+
+    def redeliveries(self, consumer: str) -> np.ndarray:
+        stamps = self.redelivered.get(consumer)
+        if stamps is None:
+            stamps = self.redelivered[consumer] = np.zeros(self.n, dtype=np.int64)
+        return stamps
 
     def meta(self, k: int) -> RowMeta:
         version = int(self.versions[k])
@@ -57,6 +162,17 @@ class Segment:
             version=None if version == NO_VERSION else version,
             tags=self.tags[k] if self.tags is not None else {},
         )
+
+
+def _versions(n: int, versions: Sequence[int | None] | np.ndarray | None) -> np.ndarray:
+    if versions is None:
+        return np.full(n, NO_VERSION, dtype=np.int64)
+    if isinstance(versions, np.ndarray) and versions.dtype.kind in "iu":
+        return versions.astype(np.int64).reshape(n)  # a copy: the caller keeps its array
+    try:
+        return np.asarray(versions, dtype=np.int64).reshape(n)
+    except TypeError:  # some rows have no version
+        return np.asarray([NO_VERSION if v is None else int(v) for v in versions], dtype=np.int64).reshape(n)
 
 
 class ConsumerState:
@@ -81,7 +197,7 @@ class Partition:
         self.lease_s = lease_s
         self.segments: list[Segment] = []
         self.start_list: list[int] = []  # segment starts, for bisect
-        self.starts = np.zeros(0, dtype=np.int64)  # the same, for vectorised lookups
+        self._starts: np.ndarray | None = None  # the same, for vectorised lookups (made when needed)
         self.chunks: dict[int, Any] = {}
         self.chunk_refs: dict[int, int] = {}
         self.next_chunk = 0
@@ -90,6 +206,27 @@ class Partition:
         self.nbytes = 0
         self.num_evicted = 0
         self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
+
+    @property
+    def starts(self) -> np.ndarray:
+        if self._starts is None:
+            self._starts = np.asarray(self.start_list, dtype=np.int64)
+        return self._starts
+
+    def add_segment(self, segment: Segment) -> None:
+        self.segments.append(segment)
+        self.start_list.append(segment.start)
+        self._starts = None
+
+    def span(self, first: int, count: int) -> tuple[Segment, int] | None:
+        """(segment, local offset of `first`) when rows first .. first + count - 1 all lie in
+        one live segment, else None."""
+        k = bisect.bisect_right(self.start_list, first) - 1
+        if k < 0:
+            return None
+        segment = self.segments[k]
+        local = first - segment.start
+        return (segment, local) if local + count <= segment.n else None
 
     def locate(self, indexes: np.ndarray) -> Iterator[tuple[Segment, np.ndarray, np.ndarray]]:
         """(segment, local offsets, positions in `indexes`) for every index in a live segment."""
@@ -114,7 +251,24 @@ class Partition:
             inside = local < segment.n
             yield segment, local[inside], positions[inside]
 
-    def reindex(self) -> None:
-        self.segments = [s for s in self.segments if s.alive.any()]
+    def reindex(self, touched: Iterable[Segment] | None = None) -> None:
+        """Forget segments with no live row left (only `touched` ones can have emptied)."""
+        if touched is not None:
+            dead = {id(s) for s in touched if s.num_alive == 0}
+            if not dead:
+                return
+            self.segments = [s for s in self.segments if id(s) not in dead]
+        else:
+            self.segments = [s for s in self.segments if s.num_alive]
         self.start_list = [s.start for s in self.segments]
-        self.starts = np.asarray(self.start_list, dtype=np.int64)
+        self._starts = None
+
+
+def contiguous(indexes: np.ndarray) -> bool:
+    """True when `indexes` is first, first + 1, ..., in that order."""
+    n = len(indexes)
+    if n < 2:
+        return True
+    if int(indexes[-1]) - int(indexes[0]) != n - 1:
+        return False
+    return n == 2 or bool((np.diff(indexes) == 1).all())

@@ -1,12 +1,16 @@
 """Serve a store (controller) and/or a storage unit over ZeroMQ.
 
-One thread owns the socket and the store calls: each request is served at once, without
-waiting. A `get` with too few ready rows, or a `put` into a full partition, is
-parked; parked requests are retried, in arrival order, right after anything that can
-satisfy them (a put, an ack, a release, a version change, a lease expiry, a change made
-by another thread of this process) and answered the moment they succeed, in the same
-thread - no polling, no sleeps, no hand-off between threads. The loop's only timer is
-the earliest parked deadline or lease expiry.
+One thread receives requests and serves each at once, without waiting. A `get` with too
+few ready rows, or a `put` into a full partition, is parked; parked requests are retried,
+in arrival order, right after anything that can satisfy them (a put, an ack, a release, a
+version change, a lease expiry) and answered the moment they succeed - no polling, no
+sleeps. A change that arrives as a request is followed by the retries in the server
+thread, and its own reply goes after theirs (a waiting consumer hears first). A change
+made by another thread of this process (the producer of an embedded store calling
+`Store.put`) retries the parked requests right there and sends their replies itself: no
+hand-off to the server thread, no wait for the GIL. The socket is shared under a lock; the
+server thread waits on its file descriptor, never inside a ZeroMQ call. The loop's only
+timer is the earliest parked deadline or lease expiry.
 
 A client's connection dying (its process killed mid-`get`, say) is seen through the
 socket's monitor: the rows leased through that connection are released for redelivery
@@ -30,13 +34,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.utils.monitor
 
 from tidal.flow.store import persist
-from tidal.flow.store.samplers import NO_VERSION, from_spec
-from tidal.flow.store.cells import Batch
+from tidal.flow.store.samplers import Sequential, from_spec
+from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.table import Store, StoreTimeout
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
@@ -46,16 +49,20 @@ _ids = itertools.count()
 _BLOCKING = ("get", "put")
 _MUTATING = frozenset({"get", "put", "ack", "release", "set_version", "create_partition", "add_consumer"})  # get: its acks and drops free room
 _WAKE, _STOP = b"w", b"s"
+_SEQUENTIAL, _SEQUENTIAL_SPEC = Sequential(), {"kind": "sequential"}
+
+
+_holders = itertools.count(1)
 
 
 class _Peer:
-    """One client connection: what it holds leased."""
+    """One client connection; `holder` tags the leases taken through it (see `Store.get`)."""
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
         self.fd = fd
         self.alive = True
-        self.leases: dict[tuple[str, str], set[int]] = {}
+        self.holder = next(_holders)
 
 
 @dataclasses.dataclass
@@ -103,9 +110,12 @@ class StoreServer:
         self._waker_lock = threading.Lock()
         self._wake_pending = False
         self._closed = False
+        self._lock = threading.RLock()  # the router socket and the parked requests; taken after the store's lock, never before
+        self._local = threading.local()  # `retrying`: this thread is retrying parked requests already
         self._peers: dict[bytes, _Peer] = {}
         self._by_fd: dict[int, _Peer] = {}
         self._parked: list[_Parked] = []
+        self._deferred: list[tuple[_Peer, int, Any]] = []  # replies sent after the parked requests are retried
         self._drops: collections.deque[tuple[str, str]] = collections.deque()  # (unit, chunk key)
         self._unit_sockets: dict[str, zmq.Socket] = {}
         self._listening = False  # for evictions, once cells on storage units are put
@@ -147,8 +157,31 @@ class StoreServer:
         self._ctx.destroy(linger=0)
 
     def _on_change(self) -> None:
-        """Store listener: a change made outside the loop thread wakes the loop."""
-        if threading.current_thread() is self._thread or self._wake_pending:
+        """Store listener (store lock held): a change made outside the server thread retries
+        the parked requests here and now; the server thread is woken only if something is
+        left for it (requests still parked, whose timer may have moved; requests that
+        arrived meanwhile; chunks to drop on storage units)."""
+        if threading.current_thread() is self._thread or getattr(self._local, "retrying", False):
+            return
+        wake = False
+        if self._parked:  # stable: requests are parked only with the store lock held
+            self._local.retrying = True
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._retry_parked()
+                    wake = bool(self._parked) or self._readable(self._router)  # our sends may have taken its signal
+            except Exception:  # noqa: BLE001 - a failed reply must not fail the caller's put
+                log.exception("store server: unexpected error while retrying parked requests")
+                wake = True
+            finally:
+                self._local.retrying = False
+        if wake or self._drops:
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._wake_pending:
             return
         with self._waker_lock:
             if self._closed:
@@ -159,34 +192,44 @@ class StoreServer:
     # The loop ---------------------------------------------------------------------------
     def _serve(self) -> None:
         poller = zmq.Poller()
-        for sock in (self._router, self._wakes, self._monitor):
+        router_fd = self._router.get(zmq.FD)  # other threads send on the router: wait on its fd, not in ZeroMQ
+        poller.register(router_fd, zmq.POLLIN)
+        for sock in (self._wakes, self._monitor):
             poller.register(sock, zmq.POLLIN)
+        more = False
         while True:
-            events = dict(poller.poll(self._timeout_ms()))
+            events = dict(poller.poll(0 if more else self._timeout_ms()))
             if self._monitor in events:
                 self._drain_monitor()
-            retry = not events  # a deadline or lease expiry passed
+            retry = not events and not more  # a deadline or lease expiry passed
             if self._wakes in events:
                 while self._readable(self._wakes):
                     if self._wakes.recv() == _STOP:
-                        self._close_sockets()
+                        with self._lock:
+                            self._close_sockets()
                         return
                     self._wake_pending = False
                     retry = True
-            if self._router in events:
-                for _ in range(64):
+            more = True  # the fd only says "look": read until the socket says empty
+            for _ in range(64):
+                with self._lock:
                     if not self._readable(self._router):
+                        more = False
                         break
                     frames = self._router.recv_multipart(copy=False)
-                    if self._readable(self._monitor):
-                        self._drain_monitor()  # a disconnect that came first is handled first
-                    try:
-                        retry |= self._handle(frames)
-                    except Exception:  # noqa: BLE001 - a bug answering one request must not stop the server
-                        log.exception("store server: unexpected error while serving a request")
-                        retry = True
+                if self._readable(self._monitor):
+                    self._drain_monitor()  # a disconnect that came first is handled first
+                try:
+                    retry |= self._handle(frames)
+                except Exception:  # noqa: BLE001 - a bug answering one request must not stop the server
+                    log.exception("store server: unexpected error while serving a request")
+                    retry = True
             if retry and self._parked:
                 self._retry_parked()
+            if self._deferred:  # replies to the changes those parked requests waited for
+                deferred, self._deferred = self._deferred, []
+                for peer, request_id, result in deferred:
+                    self._reply(peer, request_id, result)
             self._flush_drops()
 
     @staticmethod
@@ -194,9 +237,10 @@ class StoreServer:
         return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
 
     def _timeout_ms(self) -> int:
-        if not self._parked:
+        with self._lock:
+            deadlines = [p.deadline for p in self._parked]
+        if not deadlines:
             return -1
-        deadlines = [p.deadline for p in self._parked]
         expiry = self.store.next_lease_expiry() if self.store is not None else None
         if expiry is not None:
             deadlines.append(expiry)
@@ -220,14 +264,14 @@ class StoreServer:
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
         peer.alive = False
-        self._parked = [p for p in self._parked if p.peer is not peer]
-        leases, peer.leases = peer.leases, {}
+        with self._lock:
+            self._parked = [p for p in self._parked if p.peer is not peer]
+        released = 0
         if self.store is not None:
-            for (consumer, partition), indexes in leases.items():
-                self.store.release(consumer, partition, indexes)
-            if leases:
+            released = self.store.release_holder(peer.holder)
+            if released:
                 self._retry_parked()
-        log.info("store client %s disconnected; released %d leased rows", peer.identity.hex(), sum(map(len, leases.values())))
+        log.info("store client %s disconnected; released %d leased rows", peer.identity.hex(), released)
 
     def _handle(self, frames: list[zmq.Frame]) -> bool:
         """Serve one request; True when it changed the store."""
@@ -254,28 +298,36 @@ class StoreServer:
             self._reply_error(peer, request_id, "ValueError", f"timeout must be a number of seconds >= 0 or null, got {timeout!r}")
             return False
         if op in _BLOCKING and timeout != 0:
-            try:
-                self._reply(peer, request_id, self._ops[op](peer, {**args, "timeout": 0}))
+            assert self.store is not None  # only a store serves blocking ops
+            with self.store.lock:  # trying and parking are one step for a thread retrying parked requests
+                try:
+                    self._answer(peer, request_id, op, self._ops[op](peer, {**args, "timeout": 0}))
+                    return op in _MUTATING
+                except StoreTimeout:
+                    now = time.monotonic()
+                    wait = math.inf if timeout is None else float(timeout)
+                    # a get's ack is done by the first attempt (and may have freed room); a put's
+                    # ack happens only with the put, so it stays for the retries
+                    acked = op == "get" and args.pop("ack", None) is not None
+                    with self._lock:
+                        self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
+                    return acked
+                except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
+                    self._fail(peer, request_id, e)
                 return op in _MUTATING
-            except StoreTimeout:
-                now = time.monotonic()
-                wait = math.inf if timeout is None else float(timeout)
-                # a get's ack is done by the first attempt (and may have freed room); a put's
-                # ack happens only with the put, so it stays for the retries
-                acked = op == "get" and args.pop("ack", None) is not None
-                self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
-                return acked
-            except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
-                self._fail(peer, request_id, e)
-            return op in _MUTATING
         try:
-            self._reply(peer, request_id, self._ops[op](peer, args))
+            self._answer(peer, request_id, op, self._ops[op](peer, args))
         except Exception as e:  # noqa: BLE001 - as above
             self._fail(peer, request_id, e)
         return op in _MUTATING
 
     def _retry_parked(self) -> None:
         """Retry parked requests in arrival order; answer those that succeed or expire."""
+        assert self.store is not None  # only a store parks requests
+        with self.store.lock, self._lock:
+            self._retry_parked_locked()
+
+    def _retry_parked_locked(self) -> None:
         changed = True
         while changed and self._parked:  # a parked put that succeeds may satisfy a parked get
             changed, still = False, []
@@ -297,15 +349,29 @@ class StoreServer:
                 changed |= parked.op in _MUTATING
             self._parked = still
 
+    def _answer(self, peer: _Peer, request_id: int, op: str, result: Any) -> None:
+        """Reply; a change that parked requests may wait for is answered after they are
+        retried, so a waiting consumer hears first (its wait is what a hand-off costs)."""
+        if self._parked and op in _MUTATING and op != "get":  # a get's own caller waits too
+            self._deferred.append((peer, request_id, result))
+        else:
+            self._reply(peer, request_id, result)
+
     def _reply(self, peer: _Peer, request_id: int, result: Any) -> None:
-        self._router.send_multipart([peer.identity, *pack({"id": request_id, "ok": True, "result": result})], copy=False)
+        frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result})]
+        with self._lock:
+            if not self._closed:
+                self._router.send_multipart(frames, copy=False)
 
     def _fail(self, peer: _Peer, request_id: int | None, error: Exception) -> None:
         self.num_errors += 1
         self._reply_error(peer, request_id, type(error).__name__, str(error))
 
     def _reply_error(self, peer: _Peer, request_id: int | None, kind: str, message: str) -> None:
-        self._router.send_multipart([peer.identity, *pack({"id": request_id, "ok": False, "error": kind, "message": message})])
+        frames = [peer.identity, *pack({"id": request_id, "ok": False, "error": kind, "message": message})]
+        with self._lock:
+            if not self._closed:
+                self._router.send_multipart(frames)
 
     # Store ops --------------------------------------------------------------------------
     def _ping(self, peer: _Peer, args: dict[str, Any]) -> dict[str, Any]:
@@ -325,7 +391,7 @@ class StoreServer:
         assert self.store is not None
         self.store.add_consumer(a["partition"], a["consumer"])
 
-    def _put(self, peer: _Peer, a: dict[str, Any]) -> list[int]:
+    def _put(self, peer: _Peer, a: dict[str, Any]) -> range | list[int]:
         assert self.store is not None
         columns = dict(a.get("columns") or {})
         for name, descriptor in (a.get("remote") or {}).items():
@@ -336,8 +402,8 @@ class StoreServer:
         ack = a.get("ack")
         if ack is not None and not (isinstance(ack, dict) and isinstance(ack.get("consumer"), str) and isinstance(ack.get("partition"), str)):
             raise ValueError("put's ack must be a map with consumer, partition and indexes")
-        then_ack = None if ack is None else (ack["consumer"], ack["partition"], np.asarray(ack.get("indexes", []), dtype=np.int64))
-        indexes = self.store.put(
+        then_ack = None if ack is None else (ack["consumer"], ack["partition"], as_indexes(ack.get("indexes", [])))
+        return self.store.put(
             a["partition"],
             columns,
             a.get("indexes"),
@@ -346,46 +412,35 @@ class StoreServer:
             tags=a.get("tags"),
             timeout=a.get("timeout"),
             ack=then_ack,
+            as_range=True,
         )
-        if then_ack is not None:
-            held = peer.leases.get((then_ack[0], then_ack[1]))
-            if held:
-                held.difference_update(then_ack[2].tolist())
-        return indexes
 
     def _get(self, peer: _Peer, a: dict[str, Any]) -> dict[str, Any]:
         assert self.store is not None
+        ack = a.get("ack")
         batch: Batch = self.store.get(
             a["consumer"],
             a["partition"],
             a["columns"],
             a["batch_size"],
-            sampler=from_spec(a.get("sampler", {"kind": "sequential"})),
+            sampler=_SEQUENTIAL if a.get("sampler") in (None, _SEQUENTIAL_SPEC) else from_spec(a["sampler"]),
             timeout=a.get("timeout"),
             partial=bool(a.get("partial", False)),
             waiting_since=a.get("waiting_since"),
-            ack=None if a.get("ack") is None else np.asarray(a["ack"], dtype=np.int64),
+            ack=None if ack is None else as_indexes(ack),
+            holder=peer.holder,
         )
-        if a.get("ack") is not None:
-            held = peer.leases.get((a["consumer"], a["partition"]))
-            if held:
-                held.difference_update(np.asarray(a["ack"]).tolist())
-        peer.leases.setdefault((a["consumer"], a["partition"]), set()).update(batch.indexes)
+        indexes, version = batch.index_range, batch.version_fill
         return {
-            "indexes": np.asarray(batch.indexes, dtype=np.int64),
-            "groups": None if all(g is None for g in batch.groups) else batch.groups,
-            "versions": np.asarray([NO_VERSION if v is None else v for v in batch.versions], dtype=np.int64),
+            "indexes": batch.index_array if indexes is None else indexes,
+            "groups": batch.groups if batch.has_groups else None,
+            "versions": batch.version_array if version is None else version,
             "columns": {name: encode_batch_column(batch, name) for name in batch.columns},
         }
 
     def _ack(self, peer: _Peer, a: dict[str, Any]) -> int:
         assert self.store is not None
-        indexes = np.asarray(a["indexes"], dtype=np.int64)
-        newly = self.store.ack(a["consumer"], a["partition"], indexes)
-        held = peer.leases.get((a["consumer"], a["partition"]))
-        if held:
-            held.difference_update(indexes.tolist())
-        return newly
+        return self.store.ack(a["consumer"], a["partition"], as_indexes(a["indexes"]))
 
     # Storage-unit ops ---------------------------------------------------------------------
     def _unit_write(self, peer: _Peer, a: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ chunk's memory is freed once every row using it is evicted or overwritten.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import threading
 import time
@@ -31,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.cells import Batch, Cells, cell_sizes, check_column, num_rows_of, unique_sorted
+from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, num_rows_of, row_nbytes, unique_sorted
 from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows, SampleContext, Sampler, Sequential
-from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment
+from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
 
 
 class StoreError(RuntimeError):
@@ -81,10 +82,12 @@ class Store:
                 raise ValueError(f"consumer {consumer!r} of partition {partition!r} already exists")
             part.consumers[consumer] = ConsumerState(consumer)
             for seg in part.segments:
-                seg.idle.clear()
-                seg.acked[consumer] = np.zeros(seg.n, dtype=bool)
-                seg.lease[consumer] = np.zeros(seg.n, dtype=np.float64)
-                seg.redelivered[consumer] = np.zeros(seg.n, dtype=np.int64)
+                seg.add_consumer(consumer)
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The store's (reentrant) lock: hold it to make several calls one atomic step."""
+        return self._cond
 
     def add_free_listener(self, listener: Callable[[str, Any], None]) -> None:
         """Call `listener(partition, chunk)` when the store lets go of a chunk (every row
@@ -94,8 +97,10 @@ class Store:
             self._free_listeners.append(listener)
 
     def add_change_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` (lock held; it must not call back) whenever waiters are woken:
-        after puts, acks, releases, lease expiries, version changes and `close`."""
+        """Call `listener()` whenever waiters are woken: after puts, acks, releases, lease
+        expiries, version changes and `close`. It runs in the thread that made the change,
+        with the lock held; it may call the store (the lock is reentrant) but must not
+        wait for another thread that needs the lock."""
         with self._cond:
             self._change_listeners.append(listener)
 
@@ -141,8 +146,10 @@ class Store:
         timeout: float | None = None,
         cancel: threading.Event | None = None,
         ack: tuple[str, str, Sequence[int]] | None = None,
+        as_range: bool = False,
     ) -> list[int]:
-        """Add rows (`indexes=None`) or add columns to existing rows; return the indexes.
+        """Add rows (`indexes=None`) or add columns to existing rows; return the indexes
+        (new rows as a `range` with `as_range=True`: no list per row, for a server).
 
         `ack=(consumer, partition, indexes)` acks those rows in the same atomic step as
         the put: a stage that turns input rows into output rows (rollout: prompts ->
@@ -157,50 +164,74 @@ class Store:
             raise ValueError("put needs at least one column")
         num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
         chunks = {name: check_column(name, value, num_rows) for name, value in columns.items()}
-        sizes = {name: cell_sizes(chunk) for name, chunk in chunks.items()}
+        row_sizes = {name: row_nbytes(chunk) for name, chunk in chunks.items()}  # -1: sizes differ per row
+        sizes = {name: cell_sizes(chunk) for name, chunk in chunks.items() if row_sizes[name] < 0 or indexes is not None}
         _check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             then_ack = self._check_ack(ack)
             part = self._part(partition)
             if indexes is None:
-                total = int(sum(s.sum() for s in sizes.values()))
-                where = np.asarray(self._create_rows(part, num_rows, total, groups, versions, tags, deadline, cancel), dtype=np.int64)
+                total = sum(size * num_rows if size >= 0 else int(sizes[name].sum()) for name, size in row_sizes.items())
+                start = self._create_rows(part, num_rows, total, groups, versions, tags, deadline, cancel)
+                seg = part.segments[-1]
+                self._stamp += 1
+                for name, chunk in chunks.items():  # the new segment's cells are the chunks' rows, in order
+                    chunk_id = part.next_chunk
+                    part.next_chunk += 1
+                    part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, num_rows
+                    size = row_sizes[name]
+                    seg.columns[name] = Column.lazy(seg.alive, chunk_id, self._stamp, size) if size >= 0 else Column.of_chunk(seg.alive, chunk_id, self._stamp, sizes[name])
+                part.nbytes += total
+                result: range | list[int] = range(start, start + num_rows)
             else:
                 if groups is not None or versions is not None or tags is not None:
                     raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
-                where = np.asarray(list(indexes), dtype=np.int64)
+                where = as_indexes(indexes)
                 found = np.zeros(len(where), dtype=bool)
                 for seg, local, positions in part.locate(where):
                     found[positions] = seg.alive[local]
                 if not found.all():
                     missing = where[~found][:8].tolist()
                     raise StoreError(f"partition {partition!r} has no rows {missing} (never put, or already evicted)")
-            self._stamp += 1
-            for name, chunk in chunks.items():
-                chunk_id = part.next_chunk
-                part.next_chunk += 1
-                part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, num_rows
-                for seg, local, positions in part.locate(where):
-                    seg.idle.clear()
-                    column = seg.columns.get(name)
-                    if column is None:
-                        column = seg.columns[name] = Column(seg.n)
-                    old = column.chunk[local]
-                    replaced = old >= 0
-                    if replaced.any():
-                        self._unref(part, old[replaced])
-                        freed = int(column.nbytes[local][replaced].sum())
-                        part.nbytes -= freed
-                    column.chunk[local] = chunk_id
-                    column.offset[local] = positions
-                    column.stamp[local] = self._stamp
-                    column.nbytes[local] = sizes[name][positions]
-                    part.nbytes += int(sizes[name][positions].sum())
+                self._stamp += 1
+                for name, chunk in chunks.items():
+                    self._put_cells(part, name, chunk, sizes[name], where, num_rows)
+                result = where.tolist()
             if then_ack is not None:
                 self._ack_many(*then_ack)
             self._notify()
-            return where.tolist()
+            return result if as_range or isinstance(result, list) else list(result)
+
+    def _put_cells(self, part: Partition, name: str, chunk: Any, sizes: np.ndarray, where: np.ndarray, num_rows: int) -> None:
+        """Column `name` of existing rows `where` becomes rows 0.. of `chunk`."""
+        chunk_id = part.next_chunk
+        part.next_chunk += 1
+        part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, num_rows
+        for seg, local, positions in part.locate(where):
+            seg.idle.clear()
+            seg.whole_since.clear()
+            column = seg.columns.get(name)
+            if column is None:
+                column = seg.columns[name] = Column(seg.alive)
+            old = column.chunk[local]
+            replaced = old >= 0
+            if replaced.any():
+                self._unref(part, old[replaced])
+                freed = int(column.nbytes[local][replaced].sum())
+                part.nbytes -= freed
+            column.chunk[local] = chunk_id
+            column.offset[local] = positions
+            column.stamp[local] = self._stamp
+            column.nbytes[local] = sizes[positions]
+            part.nbytes += int(sizes[positions].sum())
+            present = column.chunk >= 0
+            covers = len(local) == seg.n and bool((column.chunk == chunk_id).all() and (column.offset == np.arange(seg.n)).all())
+            column.whole = chunk_id if covers else -1
+            column.full = bool((present | ~seg.alive).all())
+            column.same_stamp = self._stamp if bool((column.stamp[present] == self._stamp).all()) else -1
+            size = row_nbytes(chunk)
+            column.row_nbytes = size if size >= 0 and bool((column.nbytes[present] == size).all()) else -1
 
     def _check_ack(self, ack: tuple[str, str, Sequence[int]] | None) -> tuple[Partition, str, np.ndarray] | None:
         """A put's `ack=` checked before anything changes (a bad ack leaves no half-done put)."""
@@ -210,7 +241,7 @@ class Store:
         part = self._part(partition)
         if consumer not in part.consumers:
             raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
-        where = np.asarray(list(indexes), dtype=np.int64)
+        where = as_indexes(indexes)
         bad = where[(where < 0) | (where >= part.next_index)]
         if len(bad):
             raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
@@ -226,15 +257,14 @@ class Store:
         tags: Sequence[Mapping[str, Any]] | None,
         deadline: float | None,
         cancel: threading.Event | None = None,
-    ) -> list[int]:
+    ) -> int:
+        """Make `num_rows` rows (a new segment, last in `part.segments`); return the first index."""
         self._wait_for_room(part, num_rows, nbytes, deadline, cancel)
         start = part.next_index
-        part.segments.append(Segment(start, num_rows, groups, versions, tags, part.consumers))
-        part.start_list.append(start)
-        part.starts = np.append(part.starts, start)
+        part.add_segment(Segment(start, num_rows, groups, versions, tags, part.consumers))
         part.next_index += num_rows
         part.num_rows += num_rows
-        return list(range(start, start + num_rows))
+        return start
 
     def _wait_for_room(self, part: Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
@@ -273,6 +303,7 @@ class Store:
         cancel: threading.Event | None = None,
         waiting_since: float | None = None,
         ack: Iterable[int] | None = None,
+        holder: int = 0,
     ) -> Batch:
         """Wait until `batch_size` rows are ready for `consumer` and lease them to it.
 
@@ -282,7 +313,9 @@ class Store:
         a server does this when the waiting client disconnects. `waiting_since` (store
         clock) is when the caller started waiting, for the wait-time histogram, when it
         waited elsewhere before this call. `ack` acks those rows first (the previous
-        batch), saving a round trip per batch between processes.
+        batch), saving a round trip per batch between processes. `holder` (a nonzero id)
+        records who holds the lease, so `release_holder` can return exactly its rows; a
+        server passes one per client connection.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -298,7 +331,7 @@ class Store:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}; consumers: {sorted(part.consumers)}")
             state.keys.add(key)
             if ack is not None:
-                where = ack.astype(np.int64, copy=False) if isinstance(ack, np.ndarray) else np.asarray(list(ack), dtype=np.int64)
+                where = as_indexes(ack)
                 if len(where):
                     self._ack_many(part, consumer, where)
                     self._notify()
@@ -310,9 +343,9 @@ class Store:
                 rows = self._ready(part, consumer, key)
                 ctx = SampleContext(version=self._version, value=lambda i, c: self._cell(part, i, c))
                 choice = sampler.select(rows, batch_size, partial, ctx)
-                if choice.drop:
+                if len(choice.drop):
                     state.num_dropped += self._ack_many(part, consumer, np.asarray(choice.drop, dtype=np.int64))
-                if choice.take:
+                if len(choice.take):
                     break
                 if deadline is not None and self._clock() >= deadline:
                     raise StoreTimeout(
@@ -320,46 +353,74 @@ class Store:
                         f"{len(rows)} of {batch_size} rows were ready"
                     )
                 self._cond.wait(self._wait_time(part, deadline))
-            take = np.asarray(choice.take, dtype=np.int64)
+            take = choice.take if isinstance(choice.take, range) and choice.take.step == 1 else as_indexes(choice.take)
             expiry = self._clock() + part.lease_s
             self._lease_seq += 1
             heapq.heappush(part.leases, (expiry, self._lease_seq, consumer, take))
-            groups: list[Any] = [None] * len(take)
-            versions = np.full(len(take), NO_VERSION, dtype=np.int64)
-            blocks: dict[str, list[tuple[Any, np.ndarray]]] = {c: [] for c in columns}
-            cell_chunk = {c: np.empty(len(take), dtype=np.int64) for c in columns}
-            cell_offset = {c: np.empty(len(take), dtype=np.int64) for c in columns}
-            for seg, local, positions in part.locate(take):
-                seg.lease[consumer][local] = expiry
-                versions[positions] = seg.versions[local]
-                if seg.groups is not None:
-                    for k, p in zip(local.tolist(), positions.tolist()):
-                        groups[p] = seg.groups[k]
-                for c in columns:
-                    column = seg.columns[c]
-                    cell_chunk[c][positions] = column.chunk[local]
-                    cell_offset[c][positions] = column.offset[local]
-            for c in columns:
-                ids, offsets = cell_chunk[c], cell_offset[c]
-                one_chunk = len(ids) < 2 or (ids[0] == ids[-1] and (ids == ids[0]).all())
-                cuts = np.zeros(0, dtype=np.int64) if one_chunk else np.flatnonzero(np.diff(ids)) + 1
-                for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ids)]):
-                    blocks[c].append((part.chunks[int(ids[a])], offsets[a:b]))
+            span = part.span(take[0], len(take)) if isinstance(take, range) or contiguous(take) else None
+            groups: list[Any] | None
+            if span is not None:  # the usual case: consecutive rows of one segment
+                seg, first = span
+                rows = slice(first, first + len(take))
+                seg.fresh[consumer] = False
+                seg.lease[consumer][rows] = expiry
+                if holder or consumer in seg.holder:
+                    seg.holders(consumer)[rows] = holder
+                versions = seg.versions[rows] if seg.same_version is None else seg.same_version
+                groups = None if seg.groups is None else seg.groups[rows]
+                take = range(int(take[0]), int(take[0]) + len(take))
+                blocks = {c: self._column_block(part, seg.columns[c], first, len(take)) for c in columns}
+            else:
+                versions, groups, blocks = self._blocks_of_segments(part, consumer, list(part.locate(as_indexes(take))), len(take), columns, expiry, holder)
             waited = self._clock() - since
             state.wait_sum += waited
-            state.wait_counts[next(k for k, b in enumerate(WAIT_BUCKETS) if waited <= b)] += 1
-            return Batch(
-                partition,
-                take.tolist(),
-                Cells(blocks),
-                groups,
-                [None if v == NO_VERSION else int(v) for v in versions.tolist()],
-                blocks=blocks,
-            )
+            state.wait_counts[min(bisect.bisect_left(WAIT_BUCKETS, waited), len(WAIT_BUCKETS) - 1)] += 1
+            return Batch(partition, take, Cells(blocks), groups, versions, blocks=blocks)
+
+    @staticmethod
+    def _column_block(part: Partition, column: Column, first: int, n: int) -> list[tuple[Any, Any]]:
+        """Rows first .. first + n - 1 of one segment's column as (chunk, offsets) blocks."""
+        if column.whole >= 0:  # row k is row k of one chunk: a slice of it
+            return [(part.chunks[column.whole], range(first, first + n))]
+        return Store._cut(part, column.chunk[first : first + n], column.offset[first : first + n])
+
+    def _blocks_of_segments(self, part: Partition, consumer: str, located: list[tuple[Segment, np.ndarray, np.ndarray]], n: int, columns: Sequence[str], expiry: float, holder: int) -> tuple[np.ndarray, list[Any] | None, dict[str, list[tuple[Any, Any]]]]:
+        groups: list[Any] | None = None
+        versions = np.full(n, NO_VERSION, dtype=np.int64)
+        cell_chunk = {c: np.empty(n, dtype=np.int64) for c in columns}
+        cell_offset = {c: np.empty(n, dtype=np.int64) for c in columns}
+        for seg, local, positions in located:
+            seg.fresh[consumer] = False
+            seg.lease[consumer][local] = expiry
+            if holder or consumer in seg.holder:
+                seg.holders(consumer)[local] = holder
+            versions[positions] = seg.versions[local]
+            if seg.groups is not None:
+                if groups is None:
+                    groups = [None] * n
+                for k, p in zip(local.tolist(), positions.tolist()):
+                    groups[p] = seg.groups[k]
+            for c in columns:
+                column = seg.columns[c]
+                if column.whole >= 0:
+                    cell_chunk[c][positions] = column.whole
+                    cell_offset[c][positions] = local
+                else:
+                    cell_chunk[c][positions] = column.chunk[local]
+                    cell_offset[c][positions] = column.offset[local]
+        return versions, groups, {c: self._cut(part, cell_chunk[c], cell_offset[c]) for c in columns}
+
+    @staticmethod
+    def _cut(part: Partition, ids: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
+        """Cells (chunk ids, offsets) in batch order as blocks of consecutive cells of one chunk."""
+        if len(ids) < 2 or (ids[0] == ids[-1] and (ids == ids[0]).all()):
+            return [(part.chunks[int(ids[0])], offsets)]
+        cuts = (np.flatnonzero(np.diff(ids)) + 1).tolist()
+        return [(part.chunks[int(ids[a])], offsets[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         """Mark rows done for `consumer`; return how many were newly acked (idempotent)."""
-        where = indexes.astype(np.int64, copy=False) if isinstance(indexes, np.ndarray) else np.asarray(list(indexes), dtype=np.int64)
+        where = as_indexes(indexes)
         with self._cond:
             part = self._part(partition)
             if consumer not in part.consumers:
@@ -386,8 +447,23 @@ class Store:
                 if indexes is None:
                     pieces = [(seg, np.flatnonzero(seg.lease[consumer] > 0)) for seg in part.segments]
                 else:
-                    pieces = [(seg, local) for seg, local, _ in part.locate(unique_sorted(np.asarray(list(indexes), dtype=np.int64)))]
+                    pieces = [(seg, local) for seg, local, _ in part.locate(unique_sorted(as_indexes(indexes)))]
                 released += self._redeliver(part, consumer, pieces)
+            self._notify()
+            return released
+
+    def release_holder(self, holder: int) -> int:
+        """Return every row still leased to `holder` (see `get`) to its consumer's ready set."""
+        with self._cond:
+            released = 0
+            for part in self._parts.values():
+                for consumer in part.consumers:
+                    pieces = []
+                    for seg in part.segments:
+                        held = seg.holder.get(consumer)
+                        if held is not None:
+                            pieces.append((seg, np.flatnonzero((held == holder) & (seg.lease[consumer] > 0))))
+                    released += self._redeliver(part, consumer, pieces)
             self._notify()
             return released
 
@@ -404,34 +480,53 @@ class Store:
 
     def _ready(self, part: Partition, consumer: str, key: frozenset[str]) -> Rows:
         """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
-        indexes, versions, stamps = [], [], []
+        runs, pieces = [], []  # whole segments ready since one stamp; (indexes, versions, stamps) of others
         wanted = (consumer, key)
         for seg in part.segments:
             if wanted in seg.idle:
                 continue  # nothing became ready here since it was last found empty
+            whole = seg.whole_since.get(key)
+            if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
+                runs.append((whole, seg))
+                continue
             columns = [seg.columns.get(c) for c in key]
             if any(c is None for c in columns):
                 seg.idle.add(wanted)
                 continue
-            mask = seg.alive & ~seg.acked[consumer] & (seg.lease[consumer] == 0)
-            stamp = seg.redelivered[consumer]
+            latest = 0  # the newest stamp shared by whole columns
+            partial = []
             for column in columns:
+                if column.full and column.same_stamp >= 0:  # every live row has it, all from one put
+                    latest = max(latest, column.same_stamp)
+                else:
+                    partial.append(column)
+            if not partial:
+                seg.whole_since[key] = latest
+                if seg.fresh[consumer]:
+                    runs.append((latest, seg))
+                    continue
+            mask = seg.alive & ~seg.acked[consumer]
+            mask &= seg.lease[consumer] == 0
+            stamp = seg.redelivered.get(consumer)
+            for column in partial:
                 mask &= column.chunk >= 0
-                stamp = np.maximum(stamp, column.stamp)
+                stamp = column.stamp if stamp is None else np.maximum(stamp, column.stamp)
             local = np.flatnonzero(mask)
             if not len(local):
                 seg.idle.add(wanted)
             else:
-                indexes.append(local + seg.start)
-                versions.append(seg.versions[local])
-                stamps.append(stamp[local])
-        if not indexes:
-            return Rows(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), lambda i: self._meta(part, i))
-        index, version, stamp = (np.concatenate(a) for a in (indexes, versions, stamps))
+                pieces.append((local + seg.start, seg.versions[local], np.full(len(local), latest, dtype=np.int64) if stamp is None else np.maximum(stamp[local], latest)))
+        meta = lambda i: self._meta(part, i)  # noqa: E731
+        if not pieces:  # the usual case: whole segments, in the order of their stamps
+            runs.sort(key=lambda r: r[0])
+            return Rows(None, None, meta, runs=[(seg.start, seg.n, seg.versions) for _, seg in runs])
+        for latest, seg in runs:
+            pieces.append((np.arange(seg.start, seg.start + seg.n, dtype=np.int64), seg.versions, np.full(seg.n, latest, dtype=np.int64)))
+        index, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
         if len(stamp) > 1 and (np.diff(stamp) < 0).any():
             order = np.argsort(stamp, kind="stable")
             index, version = index[order], version[order]
-        return Rows(index, version, lambda i: self._meta(part, i))
+        return Rows(index, version, meta)
 
     def _meta(self, part: Partition, indexes: np.ndarray) -> list[RowMeta]:
         out: list[RowMeta | None] = [None] * len(indexes)
@@ -442,38 +537,68 @@ class Store:
 
     def _cell(self, part: Partition, index: int, column: str) -> Any:
         for seg, local, _ in part.locate(np.asarray([index], dtype=np.int64)):
-            col = seg.columns[column]
-            return part.chunks[int(col.chunk[local[0]])][int(col.offset[local[0]])]
+            chunk_id, offset = seg.columns[column].cell(int(local[0]))
+            return part.chunks[chunk_id][offset]
         raise StoreError(f"partition {part.name!r} has no row {index}")
 
     def _ack_many(self, part: Partition, consumer: str, where: np.ndarray) -> int:
-        newly, evicted = 0, False
-        for seg, local, _ in part.locate(unique_sorted(where)):
-            local = local[seg.alive[local] & ~seg.acked[consumer][local]]
-            if not len(local):
-                continue
-            seg.acked[consumer][local] = True
+        span = part.span(int(where[0]), len(where)) if len(where) and contiguous(where) else None
+        if span is not None:  # the usual case: a batch of consecutive rows of one segment
+            seg, first = span
+            pieces: Iterable[tuple[Segment, Any]] = [(seg, slice(first, first + len(where)))]
+        else:
+            pieces = ((seg, local) for seg, local, _ in part.locate(unique_sorted(where)))
+        newly, evicted = 0, []
+        only = len(part.consumers) == 1
+        for seg, rows in pieces:
+            acked = seg.acked[consumer]
+            new = seg.alive[rows] & ~acked[rows]
+            if isinstance(rows, slice) and new.all():
+                local: Any = rows
+                count = rows.stop - rows.start
+            else:
+                local = np.flatnonzero(new) + rows.start if isinstance(rows, slice) else rows[new]
+                count = len(local)
+                if not count:
+                    continue
+            seg.fresh[consumer] = False
+            acked[local] = True
             seg.lease[consumer][local] = 0
-            newly += len(local)
-            done = local[np.logical_and.reduce([seg.acked[c][local] for c in part.consumers])]
-            if len(done):
-                self._evict(part, seg, done)
-                evicted = True
+            newly += count
+            if only:
+                done = local
+            else:
+                both = np.logical_and.reduce([seg.acked[c][local] for c in part.consumers])
+                done = local if both.all() else (np.flatnonzero(both) + local.start if isinstance(local, slice) else local[both])
+            self._evict(part, seg, done)
+            if seg.num_alive == 0:
+                evicted.append(seg)
         part.consumers[consumer].num_acked += newly
         if evicted:
-            part.reindex()
+            part.reindex(evicted)
         return newly
 
-    def _evict(self, part: Partition, seg: Segment, local: np.ndarray) -> None:
+    def _evict(self, part: Partition, seg: Segment, local: Any) -> None:
+        """Rows `local` (a slice or offsets) of `seg` leave: every consumer has acked them."""
+        count = local.stop - local.start if isinstance(local, slice) else len(local)
+        if not count:
+            return
         seg.alive[local] = False
-        part.num_rows -= len(local)
-        part.num_evicted += len(local)
+        seg.num_alive -= count
+        part.num_rows -= count
+        part.num_evicted += count
         for column in seg.columns.values():
-            ids = column.chunk[local]
-            present = ids >= 0
-            self._unref(part, ids[present])
-            part.nbytes -= int(column.nbytes[local][present].sum())
-            column.chunk[local] = -1
+            if column.full and column.whole >= 0 and column.row_nbytes >= 0:  # every live row: row k of one chunk
+                self._unref_chunk(part, column.whole, count)
+                part.nbytes -= count * column.row_nbytes
+                if not column.is_lazy:
+                    column.chunk[local] = -1
+            else:
+                ids = column.chunk[local]
+                present = ids >= 0
+                self._unref(part, ids[present])
+                part.nbytes -= int(column.nbytes[local][present].sum())
+                column.chunk[local] = -1
 
     def _unref(self, part: Partition, ids: np.ndarray) -> None:
         if not len(ids):
@@ -484,20 +609,25 @@ class Store:
             unique, counts = np.unique(ids, return_counts=True)
             pairs = list(zip(unique.tolist(), counts.tolist()))
         for chunk_id, n in pairs:
-            part.chunk_refs[chunk_id] -= n
-            if part.chunk_refs[chunk_id] == 0:
-                del part.chunk_refs[chunk_id]
-                chunk = part.chunks.pop(chunk_id)
-                for listener in self._free_listeners:
-                    listener(part.name, chunk)
+            self._unref_chunk(part, chunk_id, n)
+
+    def _unref_chunk(self, part: Partition, chunk_id: int, n: int) -> None:
+        part.chunk_refs[chunk_id] -= n
+        if part.chunk_refs[chunk_id] == 0:
+            del part.chunk_refs[chunk_id]
+            chunk = part.chunks.pop(chunk_id)
+            for listener in self._free_listeners:
+                listener(part.name, chunk)
 
     def _redeliver(self, part: Partition, consumer: str, pieces: Iterable[tuple[Segment, np.ndarray]]) -> int:
         count = 0
         self._stamp += 1
         for seg, local in pieces:
             local = local[(seg.lease[consumer][local] > 0) & seg.alive[local] & ~seg.acked[consumer][local]]
+            if not len(local):
+                continue
             seg.lease[consumer][local] = 0
-            seg.redelivered[consumer][local] = self._stamp
+            seg.redeliveries(consumer)[local] = self._stamp
             if len(local):
                 seg.idle.clear()
             count += len(local)
@@ -508,7 +638,7 @@ class Store:
         now, expired = self._clock(), 0
         while part.leases and part.leases[0][0] <= now:
             deadline, _, consumer, indexes = heapq.heappop(part.leases)
-            pieces = [(seg, local[seg.lease[consumer][local] == deadline]) for seg, local, _ in part.locate(indexes)]
+            pieces = [(seg, local[seg.lease[consumer][local] == deadline]) for seg, local, _ in part.locate(as_indexes(indexes))]
             expired += self._redeliver(part, consumer, pieces)  # skips rows acked, released or re-leased since
         if expired:
             self._notify()
@@ -531,7 +661,7 @@ class Store:
                 by_column: dict[str, int] = {}
                 for seg in part.segments:
                     for name, column in seg.columns.items():
-                        by_column[name] = by_column.get(name, 0) + int((column.chunk >= 0).sum())
+                        by_column[name] = by_column.get(name, 0) + column.num_present()
                 out["partitions"][part.name] = {
                     "rows": part.num_rows,
                     "bytes": part.nbytes,
@@ -571,9 +701,9 @@ class Store:
                         meta = seg.meta(k)
                         rows.append([meta.index, meta.group, meta.version, meta.tags])
                         for name, column in seg.columns.items():
-                            if column.chunk[k] >= 0:
-                                cell = part.chunks[int(column.chunk[k])][int(column.offset[k])]
-                                columns.setdefault(name, []).append([meta.index, cell])
+                            chunk_id, offset = column.cell(k)
+                            if chunk_id >= 0:
+                                columns.setdefault(name, []).append([meta.index, part.chunks[chunk_id][offset]])
                         for c in part.consumers:
                             if seg.acked[c][k]:
                                 acked[c].append(meta.index)
@@ -600,9 +730,8 @@ class Store:
             store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
             part = store._parts[name]
             for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
-                part.segments.append(Segment(i, 1, [group], [version], [tags], part.consumers))
+                part.add_segment(Segment(i, 1, [group], [version], [tags], part.consumers))
                 part.num_rows += 1
-            part.reindex()
             part.next_index = p["next_index"]
             for column, cells in p["columns"].items():
                 if cells:
@@ -610,6 +739,7 @@ class Store:
             for consumer, acked in p["consumers"].items():
                 for seg, local, _ in part.locate(np.asarray(acked, dtype=np.int64)):
                     seg.acked[consumer][local] = True
+                    seg.fresh[consumer] = False
                 part.consumers[consumer].num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
             part.num_evicted = p["num_evicted"]
         return store

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tidal.flow.store.codec import CodecError, decode, encode
-from tidal.flow.store.cells import Batch
+from tidal.flow.store.cells import Batch, as_indexes, rows_of
 from tidal.flow.store.units import RemoteChunk
 
 STACK_MAX_CELL_BYTES = 64 * 1024
@@ -110,8 +110,11 @@ def encode_batch_column(batch: Batch, name: str) -> dict[str, Any]:
     """A batch column for the wire: one stacked buffer when it is made of tensor chunks,
     the chunk keys and row offsets when its chunks live on storage units."""
     blocks = batch.blocks(name)
+    if len(blocks) == 1 and isinstance(blocks[0][0], torch.Tensor):  # the usual case: rows of one put
+        chunk, offsets = blocks[0]
+        return {"stacked": rows_of(chunk, offsets)}
     if blocks and all(isinstance(chunk, RemoteChunk) for chunk, _ in blocks):
-        return {"remote": [[chunk.unit, chunk.key, offsets] for chunk, offsets in blocks]}
+        return {"remote": [[chunk.unit, chunk.key, as_indexes(offsets)] for chunk, offsets in blocks]}
     stacked = batch.chunked(name)
     return {"stacked": stacked} if stacked is not None else encode_column(batch.columns[name])
 

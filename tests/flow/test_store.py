@@ -232,10 +232,19 @@ def test_save_and_load_resume_in_flight_rows(tmp_path):
 
 
 def test_codec_round_trip_and_rejects_bad_frames():
-    value = {"t": torch.randn(3, 2).to(torch.bfloat16), "a": np.arange(4, dtype=np.int32), "l": [1, "x", None, b"y"]}
+    value = {
+        "t": torch.randn(300, 20).to(torch.bfloat16),  # large: raw buffers
+        "a": np.arange(4000, dtype=np.int32),
+        "small": [torch.arange(6).reshape(2, 3), np.ones(3, dtype=np.float16)],  # small: inside the header
+        "r": range(3, 9),
+        "l": [1, "x", None, b"y"],
+    }
     header, buffers = encode(value)
+    assert len(buffers) == 2
     out = decode(header, [bytes(b) for b in buffers])
     assert torch.equal(out["t"], value["t"]) and np.array_equal(out["a"], value["a"]) and out["l"] == value["l"]
+    assert torch.equal(out["small"][0], value["small"][0]) and np.array_equal(out["small"][1], value["small"][1]) and out["r"] == range(3, 9)
+    out["small"][0].add_(1)  # decoded tensors are writable
     with pytest.raises(CodecError, match="expected"):
         decode(header, [bytes(b)[:-1] for b in buffers])
     with pytest.raises(CodecError):

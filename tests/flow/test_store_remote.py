@@ -165,6 +165,85 @@ def test_consumer_process_killed_mid_get_loses_nothing(served):
     assert consumer["redelivered"] == 2 and consumer["leased"] == 3
 
 
+def test_a_closed_connection_returns_only_the_leases_it_still_holds():
+    now = [0.0]
+    store = Store(clock=lambda: now[0])
+    store.create_partition("train", consumers=["train"], lease_s=10)
+    store.put("train", {"x": torch.arange(2).reshape(2, 1)})
+    with StoreServer(store) as server:
+        first, second = RemoteStore(server.address), RemoteStore(server.address)
+        try:
+            assert first.get("train", "train", ["x"], 2, timeout=5).indexes == [0, 1]
+            now[0] = 11.0  # first's lease expires; the rows go to second
+            assert second.get("train", "train", ["x"], 2, timeout=5).indexes == [0, 1]
+            first.close()  # its connection ends: the rows are second's now, nothing comes back
+            time.sleep(0.3)
+            consumer = store.metrics()["partitions"]["train"]["consumers"]["train"]
+            assert consumer["leased"] == 2 and consumer["redelivered"] == 2
+            second.close()  # this one held them: they come back
+            _wait_for(lambda: store.metrics()["partitions"]["train"]["consumers"]["train"]["leased"] == 0)
+            assert store.metrics()["partitions"]["train"]["consumers"]["train"]["redelivered"] == 4
+        finally:
+            first.close()
+            second.close()
+
+
+def test_in_process_puts_answer_parked_remote_gets_from_the_putting_thread():
+    store = Store()
+    store.create_partition("train", consumers=["train"])
+    with StoreServer(store) as server:
+        wakes = []
+        wake = server._wake
+        server._wake = lambda: (wakes.append(threading.current_thread().name), wake())  # type: ignore[method-assign]
+        consumer = RemoteStore(server.address)
+        got: list[int] = []
+        thread = threading.Thread(target=lambda: got.extend(consumer.get("train", "train", ["x"], 1, timeout=10).indexes))
+        thread.start()
+        _wait_for(lambda: bool(server._parked))
+        store.put("train", {"x": torch.ones(1, 2)})  # answers the parked get here, in this thread
+        thread.join(timeout=10)
+        assert got == [0] and wakes == []  # the server thread was not needed
+        consumer.close()
+
+
+def test_many_in_process_producers_and_remote_consumers_deliver_every_row_once():
+    store = Store()
+    store.create_partition("train", consumers=["train"], capacity_rows=64)
+    num_producers, per_producer = 4, 60
+    with StoreServer(store) as server:
+        seen: list[int] = []
+        lock = threading.Lock()
+
+        def produce(k: int) -> None:
+            for i in range(per_producer):
+                store.put("train", {"x": torch.full((1, 1), k * 1000 + i)}, timeout=30)
+
+        def consume() -> None:
+            client = RemoteStore(server.address)
+            previous: list[int] = []
+            try:
+                while True:
+                    try:
+                        batch = client.get("train", "train", ["x"], 3, partial=True, timeout=1.0, ack=previous)
+                    except StoreTimeout:
+                        client.ack("train", "train", previous)
+                        return
+                    with lock:
+                        seen.extend(int(v) for v in batch.stack("x").flatten())
+                    previous = batch.indexes
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=produce, args=(k,)) for k in range(num_producers)]
+        threads += [threading.Thread(target=consume) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert sorted(seen) == sorted(k * 1000 + i for k in range(num_producers) for i in range(per_producer))
+        assert store.metrics()["partitions"]["train"]["rows"] == 0
+
+
 def test_split_deployment_keeps_data_on_the_writers_unit():
     controller = Store()
     with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit_a, StoreServer(unit=StorageUnit()) as unit_b:
