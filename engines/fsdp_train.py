@@ -22,15 +22,33 @@ The process group is the one hal sets up (`platform.init_process_group`). When n
 initialised the engine initialises it through hal from torchrun's variables (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or raises, naming what is missing.
 
+Two ways to drive the ranks:
+
+- SPMD (the default): every rank calls every method, each with its own rows.
+- Led by rank 0 (`rank0_leads=True`, what `tidal run` uses): only rank 0 is called, by a
+  program that sees one `TrainEngine` (the workflow). Each call on rank 0 first
+  broadcasts a small command (`broadcast_object_list`), then sends every other rank its
+  contiguous share of the batch's rows (`send`/`recv` of CPU tensors, so gloo carries
+  them on every platform) and runs its own share; `logprobs` gathers the shares back in
+  order. The other ranks run `follow()`: receive a command, make the same collective
+  calls, repeat, until `stop_followers()`. Building an engine on rank 0 is a command too
+  (the followers rebuild the model from `type(model)(model.config)` and take rank 0's
+  weights), so rank 0 may build several engines (a warm start's, then RL's) and the
+  followers build them in step. Weights exported by `named_weights()` and the full
+  `state_dict()` arrive on rank 0; the followers compute their part and drop it.
+
 Run for real: CPU with gloo, 2 processes (tests/engines/test_fsdp_train.py: equality with
-the torch engine, exported weights, checkpoint/resume). Not run: GPU or NPU (the code
-only asks hal for the device and the backend; nothing here names a vendor).
+the torch engine, exported weights, checkpoint/resume, the led mode), and `tidal run
+train.backend=fsdp` (one process locally; 2 rank actors under `runtime: ray`). Not run:
+GPU or NPU (the code only asks hal for the device and the backend; nothing here names a
+vendor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -54,6 +73,8 @@ from tidal.hal import Platform, current_platform
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+_HOST = torch.device("cpu")
 
 
 def ensure_process_group(platform: Platform) -> None:
@@ -79,8 +100,69 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+# Commands of a group led by rank 0 ---------------------------------------------------------
+def _send_command(op: str, **args: Any) -> None:
+    """Rank 0: tell the followers what to do next (a small pickled dict over the default group)."""
+    dist.broadcast_object_list([{"op": op, **args}], src=0, device=_HOST)
+
+
+def _receive_command() -> dict[str, Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, device=_HOST)
+    return box[0]
+
+
+def _model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
+    """What a follower needs to build a model like rank 0's (the weights come from rank 0)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
+    return type(model), config, next(model.parameters()).dtype
+
+
+def follow() -> dict[str, int]:
+    """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
+
+    Builds an engine whenever rank 0 builds one and makes the collective calls of each of
+    its method calls. Returns what this rank did: engines built, optimizer steps, rows.
+    """
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
+    engine: FSDPTrainEngine | None = None
+    done = {"engines": 0, "steps": 0, "rows": 0}
+    while True:
+        command = _receive_command()
+        if command["op"] == "stop":
+            return done
+        if command["op"] == "init":
+            engine = None  # the previous engine's shards go before the next one's arrive
+            cls, config, dtype = command["model"]
+            with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
+                model = cls(config).to(dtype)
+            engine = FSDPTrainEngine(model, rank0_leads=True, **command["options"])
+            done["engines"] += 1
+            continue
+        if engine is None:
+            raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
+        engine._follow(command)
+        done["steps"] += command["op"] in ("train_step", "sft_step")
+        done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
+
+
+def stop_followers() -> None:
+    """Rank 0 of a led group: end every other rank's `follow()` (does nothing in a group of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
+        _send_command("stop")
+
+
 class FSDPTrainEngine:
-    """A `TrainEngine` for a transformers-style causal LM, sharded over all ranks with FSDP2."""
+    """A `TrainEngine` for a transformers-style causal LM, sharded over all ranks with FSDP2.
+
+    `rank0_leads=True`: only rank 0 is called; the other ranks run `follow()` (see the module).
+    """
+
+    distributed = True
+    """Needs an initialised process group: `tidal run` makes a one-process group when none exists."""
 
     def __init__(
         self,
@@ -94,12 +176,21 @@ class FSDPTrainEngine:
         temperature: float = 1.0,
         platform: Platform | None = None,
         version: int = 0,
+        rank0_leads: bool = False,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if isinstance(model, FSDPModule):
+            raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.platform = platform or current_platform()
         ensure_process_group(self.platform)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.led = rank0_leads and self.world_size > 1
+        """Only rank 0 is called; it sends every call to the other ranks."""
+        if self.led and self.rank == 0:
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, version=version)
+            _send_command("init", model=_model_recipe(model), options=options)
+        weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
@@ -112,9 +203,73 @@ class FSDPTrainEngine:
                 module.set_gradient_divide_factor(1.0)  # a plain sum: the loss weights already divide by the global batch
                 module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM(1.0), which gloo lacks
         self.model = model.train()  # fully_shard moved parameters and buffers to the mesh's device
+        if self.led:
+            set_model_state_dict(self.model, weights, options=_FROM_RANK0)  # the followers built theirs from random weights
+        del weights
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
+
+    @property
+    def _leading(self) -> bool:
+        return self.led and self.rank == 0
+
+    # Rows of a led group ---------------------------------------------------------------------
+    def _lead(self, op: str, tensors: Sequence[torch.Tensor | None], **args: Any) -> tuple[list[Any], list[int]]:
+        """Rank 0: send `op` and each follower its contiguous share of the rows of `tensors`;
+        return rank 0's share and every rank's number of rows."""
+        n = len(tensors[0])
+        bounds = [n * r // self.world_size for r in range(self.world_size + 1)]
+        rows = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        specs = [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
+        _send_command(op, rows=rows, specs=specs, **args)
+        for rank in range(1, self.world_size):
+            for t in tensors:
+                if t is not None and rows[rank]:
+                    dist.send(t[bounds[rank] : bounds[rank + 1]].to(_HOST).contiguous(), dst=rank)
+        return [None if t is None else t[: bounds[1]] for t in tensors], rows
+
+    def _receive_rows(self, command: dict[str, Any]) -> list[torch.Tensor | None]:
+        """A follower: this rank's share of the rows rank 0 sent with `command`."""
+        n = command["rows"][self.rank]
+        out: list[torch.Tensor | None] = []
+        for spec in command["specs"]:
+            if spec is None:
+                out.append(None)
+                continue
+            dtype, shape = spec
+            out.append(torch.empty((n, *shape), dtype=dtype))
+            if n:
+                dist.recv(out[-1], src=0)
+        return out
+
+    def _follow(self, command: dict[str, Any]) -> None:
+        """A follower: the collective calls of rank 0's `command` (what rank 0 gets back is dropped)."""
+        op = command["op"]
+        if op in ("train_step", "sft_step", "logprobs"):
+            fields = self._receive_rows(command)
+            batch = TokenBatch(*fields[:5])
+            if op == "train_step":
+                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6])
+            elif op == "sft_step":
+                self._sft_step(batch)
+            else:
+                logprobs = self._logprobs(batch)
+                if len(batch):
+                    dist.send(logprobs.contiguous(), dst=0)
+        elif op == "named_weights":
+            for _ in self._named_weights():
+                pass
+        elif op == "state_dict":
+            self._state_dict()
+        elif op == "load_state_dict":
+            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], param_groups=command["param_groups"], version=command["version"])
+        elif op == "save_checkpoint":
+            self._save_checkpoint(command["directory"])
+        elif op == "load_checkpoint":
+            self._load_checkpoint(command["directory"])
+        else:
+            raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
     def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -145,9 +300,21 @@ class FSDPTrainEngine:
         tokens, sequences, rows = stacked[:, :3].sum(0).tolist()
         return {"tokens": tokens, "sequences": sequences, "rows": rows}, int(stacked[:, 3].max())
 
-    @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[batch, seq - 1] logprob of each next token of this rank's rows (a collective: every rank calls it)."""
+        """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
+        every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
+        if not self._leading:
+            return self._logprobs(batch)
+        fields, rows = self._lead("logprobs", dataclasses.astuple(batch))
+        parts = [self._logprobs(TokenBatch(*fields))]
+        for rank in range(1, self.world_size):
+            parts.append(torch.empty((rows[rank], batch.input_ids.shape[1] - 1), dtype=parts[0].dtype))
+            if rows[rank]:
+                dist.recv(parts[-1], src=rank)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
         _, num_micro = self._global(batch)
         out = [self._token_logprobs(batch.select(mb)).cpu() for mb in self._micro_batches(len(batch))]
         for _ in range(num_micro - len(out)):
@@ -190,11 +357,18 @@ class FSDPTrainEngine:
         return out
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over every rank's rows (`batch` is this rank's); version += 1.
+        """One optimizer step over every rank's rows; version += 1.
 
-        A collective: every rank calls it, each with its own rows (possibly a different
-        number of them), advantages and proximal logprobs for those rows.
+        SPMD: a collective; every rank calls it, each with its own rows (possibly a
+        different number of them), advantages and proximal logprobs for those rows.
+        Led by rank 0: `batch` is every row; each rank trains on its share.
         """
+        if self._leading:
+            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss)
+            batch = TokenBatch(*fields)
+        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
+
+    def _train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None) -> dict[str, float]:
         counts, num_micro = self._global(batch)
         by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
 
@@ -221,7 +395,14 @@ class FSDPTrainEngine:
         return metrics
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask` tokens."""
+        """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask` tokens
+        (led by rank 0: `batch` is every row)."""
+        if self._leading:
+            fields, _ = self._lead("sft_step", dataclasses.astuple(batch))
+            batch = TokenBatch(*fields)
+        return self._sft_step(batch)
+
+    def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
         counts, num_micro = self._global(batch)
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
@@ -237,9 +418,15 @@ class FSDPTrainEngine:
         """Every weight, un-sharded, under the un-sharded model's `state_dict` names, one at a time.
 
         Each tensor is all-gathered when it is reached and lives on this engine's device;
-        keep only what you need (a consumer that keeps them all holds one full copy). A
-        collective: every rank iterates it to the end, in the same order.
+        keep only what you need (a consumer that keeps them all holds one full copy). SPMD:
+        a collective, every rank iterates it to the end, in the same order. Led by rank 0:
+        rank 0 iterates it (to the end), the followers in step.
         """
+        if self._leading:
+            _send_command("named_weights")
+        yield from self._named_weights()
+
+    def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
@@ -251,9 +438,14 @@ class FSDPTrainEngine:
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and version, un-sharded on CPU, in `TorchTrainEngine.state_dict`'s format.
 
-        A collective. Rank 0 gets the tensors; the other ranks get empty model and
-        optimizer state (only rank 0 writes `tidal run`'s checkpoint).
+        A collective (led by rank 0: rank 0 calls it). Rank 0 gets the tensors; the other
+        ranks get empty model and optimizer state (only rank 0 writes `tidal run`'s checkpoint).
         """
+        if self._leading:
+            _send_command("state_dict")
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         if not self.optimizer.state:  # nothing to gather; asking would create zero moments
             model = get_model_state_dict(self.model, options=_FULL)
             optimizer = self.optimizer.state_dict()
@@ -272,29 +464,40 @@ class FSDPTrainEngine:
         return {k: v.clone() if torch.is_tensor(v) and v.untyped_storage().data_ptr() in pointers else v for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a full state (`state_dict()` of either engine).
+        """Load a full state (`state_dict()` of either engine): rank 0's copy is broadcast.
 
-        A collective: every rank passes the whole state (the shards are scattered from rank
-        0's copy), as `tidal run` does when each rank reads the checkpoint file.
+        SPMD: a collective; every rank passes a state (only rank 0's is read). Led by rank
+        0: rank 0 calls it.
         """
-        names = self._fqns()
         saved = state["optimizer"]
-        options = StateDictOptions(full_state_dict=True)
-        if saved["state"]:
-            optim = {
-                "state": {names[int(i)]: s for i, s in saved["state"].items()},
-                "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
-            }
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim, options=options)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+        if self._leading:
+            _send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), param_groups=groups, version=int(state["version"]))
+        names = self._fqns()
+        optim = {
+            "state": {names[int(i)]: s for i, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
+        }
+        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), param_groups=groups, version=int(state["version"]))
+
+    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, param_groups: list[dict[str, Any]], version: int) -> None:
+        """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on other ranks)."""
+        set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
+        if has_optimizer_state:
+            set_optimizer_state_dict(self.model, self.optimizer, optim if self.rank == 0 else {}, options=_FROM_RANK0)
         else:
-            set_model_state_dict(self.model, state["model"], options=options)
             self.optimizer.state.clear()
-            for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
-                group.update({k: v for k, v in saved_group.items() if k != "params"})
-        self.version = int(state["version"])
+        for group, saved_group in zip(self.optimizer.param_groups, param_groups):
+            group.update(saved_group)
+        self.version = version
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Sharded model + optimizer + version with torch.distributed.checkpoint; every rank, same directory."""
+        if self._leading:
+            _send_command("save_checkpoint", directory=str(directory))
+        self._save_checkpoint(directory)
+
+    def _save_checkpoint(self, directory: str | Path) -> None:
         state: dict[str, Any] = {"version": torch.tensor(self.version, dtype=torch.int64)}
         if self.optimizer.state:
             state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizer)
@@ -304,6 +507,11 @@ class FSDPTrainEngine:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load what `save_checkpoint` wrote (any number of ranks may have written it)."""
+        if self._leading:
+            _send_command("load_checkpoint", directory=str(directory))
+        self._load_checkpoint(directory)
+
+    def _load_checkpoint(self, directory: str | Path) -> None:
         stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
         has_optimizer = any(key.startswith("optimizer.") for key in stored)
         state: dict[str, Any] = {"version": torch.tensor(0, dtype=torch.int64)}

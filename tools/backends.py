@@ -13,6 +13,8 @@ ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine"}
 """rollout.backend -> adapter (vllm arrives with its adapter)."""
 TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine"}
 """train.backend -> adapter."""
+MULTI_RANK = frozenset({"fsdp"})
+"""train.backend values that train over several processes, one per `placement.train` instance."""
 REGISTRIES = {"rollout.backend": ROLLOUT, "train.backend": TRAIN}
 
 

@@ -4,11 +4,15 @@ The driver (the `tidal run` process) connects to Ray (RAY_ADDRESS, else a local
 instance it starts; with `cluster.fake: true` that instance declares the recipe's NPUs
 and GPUs as resources so the plan runs on CPU), schedules the plan, creates one
 placement group per role (failing within seconds, naming the role, when the cluster
-cannot hold it) and starts the trainer actor on its bundle. The trainer actor runs the
-same `train()` as the local runtime; its rollout stage is the rollout actors, started
-on their bundles, which reach the trainer's store over ZeroMQ and receive each version
-over the chosen weight transport. The driver shows progress from the run directory's
-metrics.jsonl (the run directory must be reachable from the trainer's node).
+cannot hold it) and starts one trainer actor per `placement.train` instance on its
+bundle. Trainer rank 0 runs the same `train()` as the local runtime; its rollout stage
+is the rollout actors, started on their bundles, which reach the trainer's store over
+ZeroMQ and receive each version over the chosen weight transport. With several trainer
+ranks (the `fsdp` backend) the ranks form one process group through hal (rank 0's
+address, a free port); rank 0's engines lead (`rank0_leads=True`) and the other ranks
+run `follow()`, receiving their share of each batch over that group. The driver shows
+progress from the run directory's metrics.jsonl (the run directory must be reachable
+from the trainer's node).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import json
 import logging
 import os
 import secrets
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.config import ConfigError, to_yaml
+from tidal.tools.config import ConfigError, check_runnable, to_yaml
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ class RemoteRollouts:
         self._server.close()
 
 
-def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, pg: Any, assignments: list[Any], fake: bool, info_path: str, attempt: int = 0) -> RemoteRollouts:
+def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, pg: Any, assignments: list[Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None) -> RemoteRollouts:
     """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights."""
     import ray  # noqa: PLC0415
 
@@ -114,7 +120,8 @@ def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int],
         wiring: Any = CollectiveWiring(current_platform(), host=host, bucket_bytes=bucket_bytes)
     else:
         wiring = HostWiring(current_platform(), host=host, token=token, bucket_bytes=bucket_bytes)
-    info = {"transport": transport, "store": address, "trainer": {"pid": os.getpid(), "attempt": attempt}, "rollout_actors": descriptions, "rollout_restarts": [0] * len(actors)}
+    trainer_info = {"pid": os.getpid(), "attempt": attempt, "ranks": ranks or []}
+    info = {"transport": transport, "store": address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_restarts": [0] * len(actors)}
 
     def write_info(descriptions: list[dict[str, Any]]) -> None:
         info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
@@ -130,29 +137,80 @@ def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int],
 
 
 class TrainerActor:
-    """Body of the trainer actor: `train()` on this process's platform, rollout on actors."""
+    """Body of a trainer actor: one rank of the trainer. Rank 0 runs `train()` (rollout on
+    actors); the other ranks, when there are several, follow rank 0's engines."""
 
     def describe(self) -> dict[str, Any]:
         from tidal.hal import current_platform  # noqa: PLC0415
 
         return current_platform().descriptor.to_dict()
 
-    def run(self, cfg_yaml: str, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool, attempt: int = 0) -> dict[str, Any]:
-        """Train; after a restart (`attempt` > 0) resume from the run's last checkpoint."""
-        from tidal.tools.train import train  # noqa: PLC0415
+    def where(self) -> dict[str, Any]:
+        """This rank's process, node and platform."""
+        import ray  # noqa: PLC0415
+
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "platform": self.describe()}
+
+    def group_address(self) -> str:
+        """Rank 0: where the trainer ranks meet to form their process group (this node, a free port)."""
+        import ray  # noqa: PLC0415
+
+        one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
+        host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
+
+    def run(
+        self, cfg_yaml: str, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool, attempt: int = 0, *, rank: int = 0, ranks: list[dict[str, Any]] | None = None, group_address: str | None = None
+    ) -> dict[str, Any]:
+        """Train (rank 0) or follow rank 0 (the others); after a restart (`attempt` > 0) resume from the run's last checkpoint."""
+        from tidal.hal import current_platform  # noqa: PLC0415
 
         cfg = _config_from_yaml(cfg_yaml)
+        world_size = len(ranks or ()) or 1
+        if world_size == 1:
+            return self._train(cfg, run_dir, rollout_pg, rollout_assignments, fake, attempt, ranks=ranks)
+        import torch  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from tidal.engines.fsdp_train import follow, stop_followers  # noqa: PLC0415
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S)
+        try:
+            if rank:
+                return {"rank": rank, **self.where(), **follow()}
+            summary = self._train(cfg, run_dir, rollout_pg, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True})
+            stop_followers()
+            return summary
+        finally:
+            dist.destroy_process_group()
+
+    def _train(self, cfg: Any, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        from tidal.tools.train import train  # noqa: PLC0415
+
         if attempt:
             if (Path(run_dir) / "checkpoints" / "latest").exists():
                 cfg.resume = run_dir
             else:  # died before its first checkpoint: start over
                 (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
-        starter = functools.partial(start_rollouts, pg=rollout_pg, assignments=rollout_assignments, fake=fake, info_path=str(Path(run_dir) / "runtime.json"), attempt=attempt)
-        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter)
+        info_path = str(Path(run_dir) / "runtime.json")
+        starter = functools.partial(start_rollouts, pg=rollout_pg, assignments=rollout_assignments, fake=fake, info_path=info_path, attempt=attempt, ranks=ranks)
+        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options)
         summary["trainer_platform"] = self.describe()
         summary["trainer_restarts"] = attempt
         (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+GROUP_TIMEOUT_S = 600.0
+"""How long a trainer rank's collective waits for the others (a dead rank fails it at once on
+CPU; this bounds a rank that hangs)."""
+DEATH_NOTICE_S = 15.0
+"""After a trainer rank fails, how long the driver waits to hear that another rank died (then
+the failure is a restart, not an error)."""
 
 
 def init_ray(cfg: Any) -> None:
@@ -199,8 +257,8 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
         init_ray(cfg)
     plan, _ = make_plan(cfg, ray_nodes=ray.nodes)  # with the recipe's nodes: checked before Ray starts
     init_ray(cfg)
-    if len(plan.of("train")) != 1:
-        raise ConfigError(f"placement.train.count={len(plan.of('train'))}: runtime=ray trains in one process until the fsdp backend arrives; use count 1")
+    check_runnable(cfg)
+    num_ranks = len(plan.of("train"))
     try:
         groups = placement_groups(plan)
     except PlacementError as e:
@@ -209,36 +267,77 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
     trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
     try:
         for attempt in range(cfg.fault.trainer_restarts + 1):
-            trainer = trainer_cls.options(**actor_options(plan.of("train")[0], groups["train"], 0, fake=fake)).remote()
-            ref = trainer.run.remote(to_yaml(cfg), str(run_dir), groups["rollout"], plan.of("rollout"), fake, attempt)
+            ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake)).remote() for i, a in enumerate(plan.of("train"))]
             try:
-                return _wait_with_progress(ref, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
-            except ray.exceptions.RayActorError as e:  # the process died (its rollout actors with it)
+                where = ray.get([r.where.remote() for r in ranks])
+                address = ray.get(ranks[0].group_address.remote()) if num_ranks > 1 else None
+                refs = [
+                    r.run.remote(to_yaml(cfg), str(run_dir), groups["rollout"], plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address)
+                    for i, r in enumerate(ranks)
+                ]
+                summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
+                if followers:
+                    summary["trainer_ranks"] = [{"rank": 0, **where[0]}, *followers]
+                    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                return summary
+            except ray.exceptions.RayActorError as e:  # a trainer process died (rank 0's rollout actors with it)
                 if attempt == cfg.fault.trainer_restarts:
                     raise RuntimeError(f"the trainer died {attempt + 1} times (fault.trainer_restarts={cfg.fault.trainer_restarts}): {e}") from None
                 log.warning("the trainer died (%s); resuming from the last checkpoint (restart %d of %d)", type(e).__name__, attempt + 1, cfg.fault.trainer_restarts)
             finally:
-                ray.kill(trainer)
+                for r in ranks:
+                    ray.kill(r)
         raise AssertionError("unreachable")
     finally:
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
 
 
-def _wait_with_progress(ref: Any, metrics_path: Path, *, total: int, progress: bool) -> dict[str, Any]:
-    """Wait for the trainer, showing its steps from metrics.jsonl (display only: checked once a second)."""
+def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, progress: bool) -> list[Any]:
+    """Wait for every trainer rank, showing the steps from metrics.jsonl (display only: checked once
+    a second); return each rank's result.
+
+    Raises:
+        RayActorError: a rank died (also when another rank's failure was caused by that death).
+        RayTaskError: a rank failed and none died.
+    """
     import ray  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=Console(stderr=True), disable=not progress)
     task = bar.add_task("rl", total=total, info="starting actors")
+    results: dict[Any, Any] = {}
+    pending = list(refs)
     with bar:
-        while True:
-            done, _ = ray.wait([ref], timeout=1.0)
+        while pending:
+            done, pending = ray.wait(pending, timeout=1.0)
             lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
             if lines and lines[-1].endswith("}"):  # a resumed trainer rewrites the file: show its last step
                 m = json.loads(lines[-1])
                 bar.update(task, completed=m["step"], info=f"reward {m['reward']:.2f}")
-            if done:
-                return ray.get(ref)
+            for ref in done:
+                try:
+                    results[ref] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    raise
+                except Exception:  # noqa: BLE001 - a rank failed: was it because another one died?
+                    _raise_if_one_died(pending)
+                    raise
+    return [results[ref] for ref in refs]
+
+
+def _raise_if_one_died(refs: list[Any]) -> None:
+    """Raise the `RayActorError` of a rank among `refs` that died (Ray reports a death within moments)."""
+    import ray  # noqa: PLC0415
+
+    deadline = time.monotonic() + DEATH_NOTICE_S
+    while refs and time.monotonic() < deadline:
+        done, refs = ray.wait(refs, timeout=max(deadline - time.monotonic(), 0.0))
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                raise
+            except Exception:  # noqa: BLE001, S110 - another consequence of the same failure
+                pass

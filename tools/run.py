@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.config import ConfigError, load_config, to_yaml
+from tidal.tools.config import ConfigError, check_runnable, load_config, to_yaml
 
 
 def _new_run_dir(cfg: Any) -> Path:
@@ -44,12 +44,14 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     """Validate `recipe` + `overrides`, select the platform, write the run directory.
 
     Raises:
-        ConfigError: a bad key or value (the CLI exits with code 2).
+        ConfigError: a bad key or value, or a combination `tidal run` cannot run (the CLI
+            exits with code 2).
         PlatformError: the platform the recipe or TIDAL_DEVICE asks for cannot load.
     """
     from tidal.hal import init_platform  # noqa: PLC0415 - imports torch
 
     cfg = load_config(recipe, overrides)
+    check_runnable(cfg)
     selection = init_platform(cfg.device)
     selection.platform.seed_all(cfg.seed)
     run_dir = _new_run_dir(cfg)

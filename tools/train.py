@@ -14,8 +14,9 @@ import itertools
 import json
 import os
 import random
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +130,38 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, tokenizer: CharTokenizer, store: Store, prompts: Prompts, extra: dict[str, Any]) -> Path:
-    """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint)."""
+def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    """A copy of the un-sharded `template` holding an engine's `named_weights()`, whatever the
+    engine's sharding (the copy stays where `template` is: on the host).
+
+    Consumes `named_weights` to the end (for a sharded engine a collective) and copies one
+    tensor at a time, so no second full copy is held.
+    """
+    model = copy.deepcopy(template)
+    own = model.state_dict()
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named_weights:
+            own[name].copy_(tensor)
+            seen.add(name)
+    if set(own) - seen:
+        raise ValueError(f"the train engine exported no weights for {sorted(set(own) - seen)[:5]}")
+    return model
+
+
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, store: Store, prompts: Prompts, extra: dict[str, Any]) -> Path:
+    """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint).
+
+    The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
+    engine's sharding), so any train engine resumes from any engine's checkpoint.
+    """
     final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
     tmp = final.with_name(final.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_model(trainer.model, tokenizer, tmp)
     state = trainer.state_dict()
+    model = copy.deepcopy(template)
+    model.load_state_dict(state["model"])
+    save_model(model, tokenizer, tmp)
     torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state()}, tmp / "trainer.pt")
     persist.save(store, tmp / "store.bin")
     (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": prompts.position, **extra}, indent=2))
@@ -207,12 +233,31 @@ def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: CharTokeni
     return rollout_cls(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=version)
 
 
-def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None) -> dict[str, Any]:
+def _one_process_group(train_cls: Any, platform: Any) -> bool:
+    """Initialise a one-process group through hal when the engine needs one (`distributed`) and
+    none exists (`runtime: local`); True when this call made it."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not getattr(train_cls, "distributed", False) or dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    platform.init_process_group(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    return True
+
+
+def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
     `start_rollouts(cfg, store, trainer, settings)` puts the rollout stage elsewhere
     (the Ray runtime's actors); it returns a `RolloutGroup` with a `close()`. Without it
-    rollout is a thread of this process.
+    rollout is a thread of this process. `engine_options` go to every train engine this
+    builds (the Ray runtime's rank 0 of an fsdp group passes `rank0_leads=True`).
+
+    The engines never see the un-sharded model this keeps (`template`, on the host): each
+    gets a copy, and evaluation, checkpoints and rollout's weights go through the engine's
+    `named_weights()` / `state_dict()`, so a sharded engine works like the plain one.
     """
     from rich.console import Console  # noqa: PLC0415
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
@@ -220,6 +265,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     console = Console(stderr=True)
     train_cls = backends.load("train.backend", cfg.train.backend)
     platform = current_platform()
+    engine_options = engine_options or {}
+    made_group = _one_process_group(train_cls, platform)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = CharTokenizer()
@@ -245,22 +292,32 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         save_model(model, tokenizer, run_dir / "cache" / "initial")
         accuracy_start = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         if cfg.sft.steps:
-            sft = train_cls(model, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform)
+            sft = train_cls(copy.deepcopy(model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform, **engine_options)
             with tracer.span("warm start", "supervised", steps=cfg.sft.steps):
                 losses = warm_start(sft, cfg, tokenizer, held_out)
             console.print(f"tidal: warm start: {cfg.sft.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            model = unsharded(model, sft.named_weights())
+            del sft
             save_model(model, tokenizer, run_dir / "cache" / "warm_start")
         accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {accuracy_before:.1%} after the warm start")
         saved, store, prompts = None, Store(), Prompts(cfg, tokenizer, held_out)
 
+    template = model
     trainer = train_cls(
-        model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature, platform=platform
+        copy.deepcopy(template),
+        lr=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay,
+        grad_clip=cfg.train.grad_clip,
+        micro_batch_size=cfg.train.micro_batch_size,
+        temperature=cfg.rollout.temperature,
+        platform=platform,
+        **engine_options,
     )
     if saved is not None:
         trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"]})
         _set_rng_state(saved["rng"])
-    rollout = build_rollout_engine(cfg, copy.deepcopy(trainer.model), tokenizer, platform=platform, version=trainer.version)
+    rollout = build_rollout_engine(cfg, copy.deepcopy(template), tokenizer, platform=platform, version=trainer.version)  # the trainer's weights too
     algo = cfg.algorithm
     loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
     wf_cfg = WorkflowConfig(
@@ -294,7 +351,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         bar.update(task_id, completed=m["step"], info=f"reward {m['reward']:.2f}  {rate:.0f} samples/s  staleness<={gap}")
         if m["step"] % cfg.checkpoint_every == 0 and m["step"] < algo.num_steps:
             with tracer.span("train", "checkpoint", step=m["step"]):
-                save_checkpoint(run_dir, trainer=trainer, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
+                save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
 
     remote = None
     if start_rollouts is not None:
@@ -309,8 +366,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if remote is not None:
             remote.close()
     rl_seconds = time.perf_counter() - started
-    save_checkpoint(run_dir, trainer=trainer, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
-    accuracy_after = evaluate(trainer.model, tokenizer, held_items, reward, max_new_tokens=budget)
+    save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
+    accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
     tracer.save(run_dir / "timeline.json")
     if history:
         plot(history, run_dir / "progress.png")
@@ -326,4 +383,6 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         "last_reward": history[-1]["reward"] if history else None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if made_group:
+        torch.distributed.destroy_process_group()
     return summary

@@ -131,3 +131,24 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint_and_the_run_loses_not
     # the resumed trainer started from the checkpoint at or before the kill, not from scratch
     resumed_at = min(v for s in info["rollout_summaries"] for v in s["versions_applied"])
     assert resumed_at % 5 == 0 and 5 <= resumed_at <= at_step + 5
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_rank_restarts_the_whole_trainer_group(tmp_path):
+    """Two fsdp ranks: killing rank 1 fails rank 0's next collective; the driver restarts both from the checkpoint."""
+    at_step = random.Random("trainer-rank").randint(6, 13)
+    killed: list[int] = []
+
+    def follower_pid(info: dict) -> int:
+        killed.append(info["trainer"]["ranks"][1]["pid"])
+        return killed[0]
+
+    ranks = ["cluster.nodes=[{name: gpu, kind: cuda, devices: 4}]", "placement.train.requires=[gpu]", "placement.rollout.requires=[gpu]", "placement.train.count=2", "train.backend=fsdp"]
+    run_dir, err = _run_and_kill(tmp_path, ranks, at_step=at_step, victim=follower_pid)
+    assert "the trainer died" in err and "resuming from the last checkpoint" in err
+    _check_lineage(run_dir)
+    summary = _read_json(run_dir / "summary.json")
+    assert summary["trainer_restarts"] == 1 and summary["steps"] == NUM_STEPS
+    follower = summary["trainer_ranks"][1]
+    assert follower["pid"] != killed[0]
+    assert 0 < follower["steps"] <= NUM_STEPS - 5  # the new group resumed from a checkpoint (every 5 steps), no warm start
