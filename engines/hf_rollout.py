@@ -1,12 +1,24 @@
-"""The `hf` rollout engine: transformers `generate` with sampling, on any hal platform.
+"""The `hf` rollout engine: a transformers causal LM sampled by tidal's own decoding loop, on any hal platform.
 
 Token in, token out: it continues `Trajectory` objects and records, for every sampled
 token, its behavior logprob (log-softmax of the raw logits at the sampling temperature)
-and the version of the weights that sampled it. Generation runs in chunks of
-`chunk_tokens` decoding steps; between chunks (safe points) it asks `should_pause()`, so
-new weights can be applied and the generation resumed from the tokens it already has
-(partial rollout). Sampling uses the global torch RNG: results are reproducible under
-`torch.manual_seed`.
+and the version of the weights that sampled it.
+
+The decoding loop is written here rather than calling transformers `generate`: one
+prefill of the left-padded batch (prompt and any tokens a paused trajectory already
+has), then one forward per token over the model's KV cache (`DynamicCache`), sampling
+from `softmax(logits / temperature)` with `torch.multinomial` as `generate(do_sample=True,
+top_k=0, top_p=1)` does. Rows that end (EOS, or their own token budget) leave the batch
+and the cache at once, so later steps compute only unfinished rows; `generate` keeps
+every row to the end and costs a call's set-up every chunk. With no row ending early the
+tokens are those `generate` samples under the same seed (a test checks it).
+
+Every `chunk_tokens` decoding steps is a safe point: the loop asks `should_pause()` and,
+when it says so, returns with unfinished trajectories (`finish_reason=None`); new
+weights can then be applied and a later call resumes from the tokens they have, with a
+fresh prefill under the new weights (partial rollout). Between safe points, and at a
+safe point that does not pause, the cache is kept. Sampling uses the device's torch
+RNG: results are reproducible under `torch.manual_seed`.
 
 Run for real: CPU with transformers 5.x (tests and the CPU quickstart). The same code
 runs on a GPU or NPU platform (the model is moved to `platform.device(0)`); vLLM and
@@ -15,6 +27,7 @@ vllm-ascend are separate adapters.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -47,56 +60,73 @@ class HFRolloutEngine:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.version = version
+        self._own_weights = self.model.state_dict()  # views of the parameters and buffers, for load_weights
+        # Only the last position's logits are needed: models that can skip the others do.
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
 
     @torch.no_grad()
     def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
         """See `RolloutEngine.generate`."""
         rows = list(trajectories)
-        while True:
-            active = [t for t in rows if not t.done and t.num_generated < max_new_tokens]
-            for t in rows:
-                if not t.done and t.num_generated >= max_new_tokens:
-                    t.finish_reason = "length"
-            if not active:
-                return rows
-            self._chunk(active, max_new_tokens)
-            if should_pause is not None and any(not t.done for t in rows) and should_pause():
-                return rows
-
-    def _chunk(self, active: list[Trajectory], max_new_tokens: int) -> None:
-        ids = [t.ids for t in active]
-        width = max(map(len, ids))
-        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for row, x in enumerate(ids):  # left padding: every row's last token is at the end
-            input_ids[row, width - len(x) :] = torch.tensor(x, dtype=torch.long)
-            mask[row, width - len(x) :] = 1
-        steps = min(self.chunk_tokens, max(max_new_tokens - t.num_generated for t in active))
-        out = self.model.generate(
-            input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            max_new_tokens=steps,
-            do_sample=True,
-            temperature=self.temperature,
-            top_k=0,
-            top_p=1.0,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
-        )
-        new = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [rows, steps, vocab]
-        logprobs = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, new[:, : logits.shape[1], None]).squeeze(-1)
-        for row, t in enumerate(active):
-            budget = max_new_tokens - t.num_generated
-            tokens, lps = new[row].tolist()[:budget], logprobs[row].tolist()[:budget]
-            if self.eos_id in tokens:
-                end = tokens.index(self.eos_id) + 1
-                tokens, lps = tokens[:end], lps[:end]
-                t.finish_reason = "stop"
-            t.extend(tokens, lps, self.version)
+        for t in rows:
             if not t.done and t.num_generated >= max_new_tokens:
+                t.finish_reason = "length"
+        active = [t for t in rows if not t.done]
+        if active:
+            self._decode(active, max_new_tokens, should_pause)
+        return rows
+
+    def _decode(self, active: list[Trajectory], max_new_tokens: int, should_pause: Callable[[], bool] | None) -> None:
+        """Sample until every row ends or a safe point pauses; then write the tokens into the trajectories."""
+        device, n = self.device, len(active)
+        # Rows with the same input (a group's samples of a fresh prompt) are prefilled once.
+        distinct: dict[tuple[int, ...], int] = {}
+        inverse = [distinct.setdefault(tuple(t.ids), len(distinct)) for t in active]
+        lengths = [len(x) for x in distinct]
+        width = max(lengths)
+        # left padding: every row's last token is at the end
+        input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + list(x) for x in distinct], dtype=torch.long, device=device)
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - k for k in lengths])[:, None]).long().to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate: pads at 0, real tokens from 0
+        shared = torch.tensor(inverse, dtype=torch.long, device=device) if len(distinct) < n else None
+        budget = torch.tensor([max_new_tokens - t.num_generated for t in active])
+        num_steps = int(budget.max())
+        tokens = torch.full((n, num_steps), self.pad_id, dtype=torch.long)
+        logprobs = torch.zeros((n, num_steps), dtype=torch.float32)
+        counts = torch.zeros(n, dtype=torch.long)
+        live = torch.arange(n)  # original row of each row still in the batch
+        cache = None
+        for step in range(num_steps):
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **self._last_logits)
+            cache = out.past_key_values
+            scores = out.logits[:, -1].float() / self.temperature
+            if shared is not None and step == 0:  # every row gets its own copy of its prefill
+                scores, mask, positions = scores[shared], mask[shared], positions[shared]
+                cache.batch_select_indices(shared)
+            sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
+            chosen = torch.log_softmax(scores, dim=-1).gather(-1, sampled).squeeze(-1).cpu()
+            sampled = sampled.squeeze(-1)
+            host = sampled.cpu()
+            tokens[live, step] = host
+            logprobs[live, step] = chosen
+            counts[live] = step + 1
+            going = (host != self.eos_id) & (budget[live] > step + 1)
+            if not bool(going.any()):
+                break
+            if (step + 1) % self.chunk_tokens == 0 and should_pause is not None and should_pause():
+                break
+            if not bool(going.all()):  # ended rows leave the batch and the cache
+                keep = going.nonzero().squeeze(-1)
+                live, sampled, mask, positions = live[keep], sampled[keep.to(device)], mask[keep.to(device)], positions[keep.to(device)]
+                cache.batch_select_indices(keep.to(device))
+            input_ids = sampled[:, None]
+            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
+            positions = positions[:, -1:] + 1
+        for t, k, new, lps, left in zip(active, counts.tolist(), tokens.tolist(), logprobs.tolist(), budget.tolist()):
+            t.extend(new[:k], lps[:k], self.version)
+            if k and new[k - 1] == self.eos_id:
+                t.finish_reason = "stop"
+            elif k == left:
                 t.finish_reason = "length"
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -107,13 +137,13 @@ class HFRolloutEngine:
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every named tensor into the model; all or nothing, then become `version`."""
         given = dict(named_tensors)
-        own = self.model.state_dict()
+        own = self._own_weights
         missing = sorted(set(own) - set(given))
         unknown = sorted(set(given) - set(own))
-        wrong = sorted(n for n in set(own) & set(given) if tuple(own[n].shape) != tuple(given[n].shape))
+        wrong = sorted(n for n in set(own) & set(given) if own[n].shape != given[n].shape)
         if missing or unknown or wrong:
             raise ValueError(f"weights for version {version} do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}")
         with torch.no_grad():
             for name, tensor in own.items():
-                tensor.copy_(given[name].to(device=tensor.device, dtype=tensor.dtype))
+                tensor.copy_(given[name])  # casts and moves to the model's dtype and device
         self.version = version

@@ -5,12 +5,20 @@ with the current weights. The loss is `tidal.flow.algorithms.policy_loss`; micro
 losses are weighted by their share of the batch's loss tokens (token aggregations) or
 sequences (sequence aggregations), so a step equals one full-batch step.
 
+Less work per step, the same function of the weights (up to float rounding; tested):
+micro-batches hold rows of similar length (the batch's rows sorted by length, stable),
+each cut to its longest row; a right-padded micro-batch (every `to_token_batch`'s) runs
+without a padding mask, since under causal attention a real token only sees earlier,
+real, tokens; and when rows share prompts (a GRPO group's samples) each distinct prompt
+goes through the model once and the rows continue from its KV cache.
+
 Run for real: CPU (tests and the CPU quickstart). On GPU/NPU platforms the model lives
 on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,29 +55,87 @@ class TorchTrainEngine:
         self.version = version
 
     def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[rows, seq - 1] logprob of each next token; with grad when grad is enabled."""
         batch = batch.to(self.device)
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        mask = batch.attention_mask
+        right_padded = bool((mask[:, :1] != 0).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
+        if right_padded:
+            shared = _shared_prompts(batch)
+            if shared is not None:
+                return self._shared_prompt_logprobs(batch, shared)
+        logits = self.model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
-    def _micro_batches(self, n: int) -> Iterator[slice]:
-        for start in range(0, n, self.micro_batch_size):
-            yield slice(start, min(start + self.micro_batch_size, n))
+    def _shared_prompt_logprobs(self, batch: TokenBatch, shared: _SharedPrompts) -> torch.Tensor:
+        """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).
+
+        The prompts go through the model once, left-padded, keeping their keys and values;
+        every row then gets its prompt's cache (an index, so in backward the rows'
+        gradients add up in the one prompt computation) and runs its response tokens on it.
+        The same function of the weights as the plain forward, on fewer tokens; prompt
+        positions (never in a loss) come out as 0.
+        """
+        device, temperature = self.device, self.temperature
+        num_prompt = max(map(len, shared.prompts))
+        prompt_ids = torch.tensor([[0] * (num_prompt - len(x)) + list(x) for x in shared.prompts], dtype=torch.long, device=device)
+        prompt_mask = (torch.arange(num_prompt)[None, :] >= torch.tensor([num_prompt - len(x) for x in shared.prompts])[:, None]).long().to(device)
+        prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+        inverse = torch.tensor(shared.inverse, dtype=torch.long, device=device)
+        cache = out.past_key_values
+        cache.batch_select_indices(inverse)
+        first = out.logits[:, -1][inverse]  # predicts each row's first response token
+        starts = torch.tensor(shared.prompt_lengths, device=device)  # each row's first response token
+        num_response = torch.tensor(shared.lengths, device=device) - starts
+        width = int(num_response.max())
+        offsets = torch.arange(width, device=device)[None, :]
+        response_mask = offsets < num_response[:, None]
+        response = batch.input_ids.gather(1, (starts[:, None] + offsets).clamp(max=batch.input_ids.shape[1] - 1)) * response_mask
+        out = self.model(
+            input_ids=response,
+            attention_mask=torch.cat([prompt_mask[inverse], response_mask.long()], dim=1),
+            position_ids=starts[:, None] + offsets,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = torch.cat([first[:, None], out.logits[:, :-1]], dim=1)  # [rows, width]: predicts response[:, j]
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, response[..., None]).squeeze(-1)
+        # position t of the batch layout predicts input_ids[:, t + 1]: response token j is at t = start - 1 + j
+        j = torch.arange(batch.loss_mask.shape[1], device=device)[None, :] - (starts[:, None] - 1)
+        placed = (j >= 0) & (j < num_response[:, None])
+        return torch.where(placed, logprobs.gather(1, j.clamp(0, width - 1)), 0.0)
+
+    def _micro_batches(self, batch: TokenBatch) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
+        """(rows, micro-batch): rows of similar length, cut to the longest of them."""
+        positions = torch.arange(1, batch.input_ids.shape[1] + 1)
+        lengths = torch.where(batch.attention_mask.cpu() != 0, positions, 0).amax(dim=1)  # up to the last real token
+        order = torch.sort(lengths, stable=True).indices
+        for start in range(0, len(batch), self.micro_batch_size):
+            rows = order[start : start + self.micro_batch_size]
+            yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[batch, seq - 1] logprob of each next token under the current weights."""
-        return torch.cat([self._token_logprobs(batch.select(mb)).cpu() for mb in self._micro_batches(len(batch))])
+        """[batch, seq - 1] logprob of each next token under the current weights.
+
+        Defined where a row's continuation is predicted (its loss and environment tokens);
+        positions that predict padding are 0, and so are prompt positions of rows whose
+        prompt was computed once for several rows.
+        """
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+        for rows, part in self._micro_batches(batch):
+            out[rows, : part.loss_mask.shape[1]] = self._token_logprobs(part).cpu()
+        return out
 
     def _step(self, batch: TokenBatch, micro_loss: Any, weight_of: Any) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for mb in self._micro_batches(len(batch)):
-            part = batch.select(mb)
+        for rows, part in self._micro_batches(batch):
             weight = weight_of(part)
             if weight == 0:
                 continue
-            loss, metrics = micro_loss(part, mb)
+            loss, metrics = micro_loss(part, rows)
             (loss * weight).backward()
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + weight * float(value)
@@ -89,14 +155,14 @@ class TorchTrainEngine:
                 return float((part.loss_mask.sum(1) > 0).sum()) / max(num_sequences, 1.0) if loss.aggregation != "token_sum_norm" else len(part) / len(batch)
             return float(part.loss_mask.sum()) / max(num_tokens, 1.0)
 
-        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
+        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs = self._token_logprobs(part)
             return policy_loss(
                 logprobs,
-                advantages[mb].to(self.device),
+                advantages[rows].to(self.device),
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb].to(self.device),
+                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, : logprobs.shape[1]].to(self.device),
                 config=loss,
             )
 
@@ -108,7 +174,7 @@ class TorchTrainEngine:
         """One supervised step: next-token cross-entropy on `loss_mask` tokens (version unchanged)."""
         num_tokens = float(batch.loss_mask.sum())
 
-        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
+        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             mask = part.loss_mask.to(self.device)
             return -(self._token_logprobs(part) * mask).sum() / mask.sum().clamp(min=1), {}
 
@@ -125,3 +191,35 @@ class TorchTrainEngine:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+
+@dataclasses.dataclass
+class _SharedPrompts:
+    prompts: list[tuple[int, ...]]
+    """The distinct prompts."""
+    inverse: list[int]
+    """Each row's prompt, an index into `prompts`."""
+    prompt_lengths: list[int]
+    lengths: list[int]
+    """Each row's prompt length and whole length (prompt and response)."""
+
+
+def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
+    """The rows' prompts when computing each distinct one once saves a good share of the
+    tokens (else None). A row's prompt is everything before its first loss token; rows
+    with no loss token have no response and are a prompt of their own.
+
+    `batch` is right-padded.
+    """
+    lengths = batch.attention_mask.sum(1).tolist()
+    has_loss = (batch.loss_mask != 0).cpu()
+    first = has_loss.to(torch.uint8).argmax(1).tolist()
+    ids = batch.input_ids.tolist()
+    prompt_lengths = [f + 1 if any_loss else n for f, any_loss, n in zip(first, has_loss.any(1).tolist(), lengths)]
+    distinct: dict[tuple[int, ...], int] = {}
+    inverse = [distinct.setdefault(tuple(row[:p]), len(distinct)) for row, p in zip(ids, prompt_lengths)]
+    response = max(n - p for n, p in zip(lengths, prompt_lengths))
+    shared_tokens = len(distinct) * max(prompt_lengths) + len(ids) * response
+    if response == 0 or shared_tokens > 0.8 * len(ids) * max(lengths):
+        return None
+    return _SharedPrompts(list(distinct), inverse, prompt_lengths, lengths)

@@ -25,7 +25,7 @@ import torch
 
 from tidal.flow.protocols import RolloutEngine
 from tidal.flow.trace import Tracer
-from tidal.flow.trajectory import Trajectory
+from tidal.flow.trajectory import ENV_VERSION, Trajectory
 
 
 class Stop(Exception):
@@ -54,21 +54,61 @@ class WeightInbox:
         return item
 
 
+TRAJECTORY_COLUMNS = ("sizes", "prompt_ids", "tokens", "logprobs", "token_versions", "finish_reason")
+"""The `train` partition's columns that hold trajectories (`meta` is separate: reward reads it)."""
+
+
 def put_trajectories(store: Any, trajectories: list[Trajectory], *, cancel: threading.Event | None = None, ack: tuple[str, str, list[int]] | None = None) -> None:
     """Finished trajectories as rows of the `train` partition (row version = oldest token's).
 
-    `ack` (consumer, partition, indexes) acks the prompts they came from in the same step.
+    Each token field is one right-padded tensor for all the rows (a put of a few tensors,
+    not one per row and field; between processes, a few buffers): `prompt_ids`
+    [rows, longest prompt], `tokens`, `logprobs`, `token_versions` [rows, longest
+    continuation], and `sizes` [rows, 2] = (prompt length, continuation length).
+    `trajectories_of` reads them back. `ack` (consumer, partition, indexes) acks the
+    prompts they came from in the same step.
     """
+    prompt_width = max((len(t.prompt_ids) for t in trajectories), default=0)
+    width = max((len(t.tokens) for t in trajectories), default=0)
     columns = {
-        "prompt_ids": [torch.tensor(t.prompt_ids, dtype=torch.long) for t in trajectories],
-        "tokens": [torch.tensor(t.tokens, dtype=torch.long) for t in trajectories],
-        "logprobs": [torch.tensor(t.logprobs, dtype=torch.float32) for t in trajectories],
-        "token_versions": [torch.tensor(t.versions, dtype=torch.long) for t in trajectories],
+        "sizes": torch.tensor([[len(t.prompt_ids), len(t.tokens)] for t in trajectories], dtype=torch.long).reshape(-1, 2),
+        "prompt_ids": torch.tensor([t.prompt_ids + [0] * (prompt_width - len(t.prompt_ids)) for t in trajectories], dtype=torch.long).reshape(-1, prompt_width),
+        "tokens": torch.tensor([t.tokens + [0] * (width - len(t.tokens)) for t in trajectories], dtype=torch.long).reshape(-1, width),
+        "logprobs": torch.tensor([t.logprobs + [0.0] * (width - len(t.logprobs)) for t in trajectories], dtype=torch.float32).reshape(-1, width),
+        "token_versions": torch.tensor([t.versions + [ENV_VERSION] * (width - len(t.versions)) for t in trajectories], dtype=torch.long).reshape(-1, width),
         "finish_reason": [t.finish_reason for t in trajectories],
         "meta": [t.meta for t in trajectories],
     }
     versions = [t.oldest_version for t in trajectories]
     store.put("train", columns, groups=[t.group for t in trajectories], versions=versions, cancel=cancel, ack=ack)
+
+
+def trajectories_of(batch: Any) -> list[Trajectory]:
+    """The trajectories in a batch of `train` rows (`TRAJECTORY_COLUMNS`, and `meta` if fetched)."""
+    columns = batch.columns
+    sizes = batch.stack("sizes").tolist()
+    rows = {name: _padded_rows(batch, name) for name in ("prompt_ids", "tokens", "logprobs", "token_versions")}
+    metas = columns["meta"] if "meta" in columns else None
+    return [
+        Trajectory(
+            prompt_ids=rows["prompt_ids"][k][:p],
+            group=group,
+            tokens=rows["tokens"][k][:n],
+            logprobs=rows["logprobs"][k][:n],
+            versions=rows["token_versions"][k][:n],
+            finish_reason=finish_reason,
+            meta=dict(metas[k]) if metas is not None else {},
+        )
+        for k, ((p, n), group, finish_reason) in enumerate(zip(sizes, batch.groups, columns["finish_reason"]))
+    ]
+
+
+def _padded_rows(batch: Any, name: str) -> list[list[Any]]:
+    """Each row's values of a padded column, as lists (padding kept)."""
+    try:
+        return batch.stack(name).tolist()  # rows of puts padded to the same width: slices, no per-row work
+    except RuntimeError:  # puts padded to different widths
+        return [cell.tolist() for cell in batch.columns[name]]
 
 
 class RolloutWorker:

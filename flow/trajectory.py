@@ -109,34 +109,44 @@ class TokenBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(*(t.to(device) for t in dataclasses.astuple(self)))
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in order, as they are (`dataclasses.astuple` would deep-copy them)."""
+        return (self.input_ids, self.attention_mask, self.loss_mask, self.behavior_logprobs, self.versions)
 
-    def select(self, rows: slice | Sequence[int]) -> TokenBatch:
-        index = rows if isinstance(rows, slice) else torch.as_tensor(list(rows), dtype=torch.long)
-        return TokenBatch(*(t[index] for t in dataclasses.astuple(self)))
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return TokenBatch(*(t.to(device) for t in self.tensors()))
+
+    def select(self, rows: slice | Sequence[int] | torch.Tensor) -> TokenBatch:
+        index = rows if isinstance(rows, (slice, torch.Tensor)) else torch.as_tensor(list(rows), dtype=torch.long)
+        return TokenBatch(*(t[index] for t in self.tensors()))
+
+    def crop(self, length: int) -> TokenBatch:
+        """The first `length` positions (`length - 1` predictions): drops trailing padding."""
+        if length < 2:
+            raise ValueError(f"a TokenBatch needs length >= 2, got {length}")
+        return TokenBatch(self.input_ids[:, :length], self.attention_mask[:, :length], self.loss_mask[:, : length - 1], self.behavior_logprobs[:, : length - 1], self.versions[:, : length - 1])
 
 
 def to_token_batch(trajectories: Sequence[Trajectory], *, pad_id: int) -> TokenBatch:
     """Right-pad trajectories into a `TokenBatch` (the layout train engines consume)."""
     if not trajectories:
         raise ValueError("to_token_batch needs at least one trajectory")
-    length = max(len(t.ids) for t in trajectories)
-    n = len(trajectories)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, length), dtype=torch.long)
-    loss_mask = torch.zeros((n, length - 1), dtype=torch.float32)
-    behavior = torch.zeros((n, length - 1), dtype=torch.float32)
-    versions = torch.full((n, length - 1), ENV_VERSION, dtype=torch.long)
-    for row, t in enumerate(trajectories):
-        ids, p, k = t.ids, len(t.prompt_ids), len(t.tokens)
+    length = max(len(t.prompt_ids) + len(t.tokens) for t in trajectories)
+    ids, attention, loss_mask, behavior, versions = [], [], [], [], []
+    for t in trajectories:  # plain lists, one tensor per field: no tensor ops per row
+        p, k = len(t.prompt_ids), len(t.tokens)
         if p == 0:
             raise ValueError("a trajectory needs at least one prompt token")
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention[row, : len(ids)] = 1
-        if k:
-            span = slice(p - 1, p - 1 + k)  # predicting tokens[j] happens at position p - 1 + j
-            loss_mask[row, span] = torch.tensor(t.loss_mask, dtype=torch.float32)
-            behavior[row, span] = torch.tensor(t.logprobs, dtype=torch.float32)
-            versions[row, span] = torch.tensor(t.versions, dtype=torch.long)
-    return TokenBatch(input_ids, attention, loss_mask, behavior, versions)
+        before, after = p - 1, length - p - k  # predicting tokens[j] happens at position p - 1 + j
+        ids.append(t.prompt_ids + t.tokens + [pad_id] * after)
+        attention.append([1] * (p + k) + [0] * after)
+        loss_mask.append([0] * before + [int(v != ENV_VERSION) for v in t.versions] + [0] * after)
+        behavior.append([0.0] * before + t.logprobs + [0.0] * after)
+        versions.append([ENV_VERSION] * before + t.versions + [ENV_VERSION] * after)
+    return TokenBatch(
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(attention, dtype=torch.long),
+        torch.tensor(loss_mask, dtype=torch.float32),
+        torch.tensor(behavior, dtype=torch.float32),
+        torch.tensor(versions, dtype=torch.long),
+    )

@@ -36,13 +36,11 @@ import torch
 
 from tidal.flow.algorithms import PolicyLossConfig, compute_advantages
 from tidal.flow.protocols import RolloutEngine, TrainEngine
-from tidal.flow.rollout import LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories
+from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, trajectories_of
 from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.store import Grouped, StalenessFilter, Store, StoreError
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory, to_token_batch
-
-TRAJECTORY_COLUMNS = ("prompt_ids", "tokens", "logprobs", "token_versions", "finish_reason")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -63,7 +61,10 @@ class WorkflowConfig:
     """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     decoupled: bool = False
-    """Recompute proximal logprobs with the trainer's current weights before each step (decoupled PPO)."""
+    """Decoupled PPO: the PPO ratio is centred on the trainer's weights before the step (the
+    proximal policy), the behavior policy enters as an importance weight. A step is one
+    optimizer step, so the proximal logprobs are the step's own, detached
+    (`PolicyLossConfig.proximal_is_policy`): no extra forward pass."""
 
     @property
     def batch_size(self) -> int:
@@ -209,45 +210,44 @@ class Workflow:
         put_trajectories(self.store, trajectories, cancel=self._stopping)
 
     def _reward_stage(self) -> None:
-        while True:
-            batch = self._get("reward", "reward", "train", [*TRAJECTORY_COLUMNS, "meta"], self.config.group_size, partial=True)
-            trajectories = _trajectories(batch)
+        while True:  # every row that is ready, up to a step's worth
+            batch = self._get("reward", "reward", "train", [*TRAJECTORY_COLUMNS, "meta"], self.config.batch_size, partial=True)
+            trajectories = trajectories_of(batch)
             with self.tracer.span("reward", "reward", rows=len(trajectories)):
                 rewards, failed = self.score(trajectories)
             self._num_failed_rewards += len(failed)
-            self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes)
-            self.store.ack("reward", "train", batch.indexes)
+            self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes, ack=("reward", "train", batch.indexes))
 
     def _advantage_stage(self) -> None:
         cfg = self.config
-        while True:
-            batch = self._get("advantage", "advantage", "train", ["reward"], cfg.group_size, sampler=Grouped(cfg.group_size))
+        while True:  # every complete group that is ready, up to a step's worth, in one call
+            batch = self._get("advantage", "advantage", "train", ["reward"], cfg.batch_size, sampler=Grouped(cfg.group_size), partial=True)
             with self.tracer.span("advantage", "advantage", rows=len(batch)):
                 rewards = batch.stack("reward").to(torch.float32)
                 advantages = compute_advantages(cfg.advantage, rewards, batch.groups)
-            self.store.put("train", {"advantage": advantages}, batch.indexes)
-            self.store.ack("advantage", "train", batch.indexes)
+            self.store.put("train", {"advantage": advantages}, batch.indexes, ack=("advantage", "train", batch.indexes))
 
     def _train_stage(self) -> None:
         cfg = self.config
         sampler = StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size))
         pad_id = getattr(self.rollout, "pad_id", 0)
+        loss = dataclasses.replace(cfg.loss, proximal_is_policy=True) if cfg.decoupled else cfg.loss
         while self.version < cfg.num_steps:
             step_begin = time.perf_counter()
             dropped_before = self.store.consumer_counts("train", "train")["dropped"]
             batch = self._get("train", "train", "train", [*TRAJECTORY_COLUMNS, "reward", "advantage"], cfg.batch_size, sampler=sampler)
             order = sorted(range(len(batch)), key=lambda k: batch.indexes[k])  # deterministic row order
-            unordered = _trajectories(batch)
+            unordered = trajectories_of(batch)
             trajectories = [unordered[k] for k in order]
-            gaps = [self.version - v for t in trajectories for v in t.versions if v != ENV_VERSION]
+            tokens = to_token_batch(trajectories, pad_id=pad_id)
+            gap, count = torch.unique(self.version - tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
+            gaps = dict(zip(gap.tolist(), count.tolist()))
             if gaps and max(gaps) > cfg.max_staleness:
                 raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")
-            tokens = to_token_batch(trajectories, pad_id=pad_id)
             advantages = batch.stack("advantage")[order].to(torch.float32)
             rewards = batch.stack("reward")[order].to(torch.float32)
             with self.tracer.span("train", "train", version=self.version, rows=len(trajectories)):
-                proximal = self.trainer.logprobs(tokens) if cfg.decoupled else None
-                metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=cfg.loss, proximal_logprobs=proximal)
+                metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
             self.store.ack("train", "train", batch.indexes)
             self._admission.set()  # rows may have been dropped: admission may open
             self._trained += len(trajectories)
@@ -267,9 +267,9 @@ class Workflow:
                 dropped=dropped - dropped_before,
                 failed_rewards=self._num_failed_rewards,
                 paused_generations=rollout_metrics.get("paused_generations", 0),
-                version_gap=dict(sorted(collections.Counter(gaps).items())),
+                version_gap=gaps,
                 wait_s={k: round(v, 4) for k, v in waits.items()},
-                response_len=sum(t.num_generated for t in trajectories) / len(trajectories),
+                response_len=float(tokens.loss_mask.sum()) / len(trajectories),
                 groups=sorted({t.group for t in trajectories}),  # the prompts trained: each once per run
             )
             self.on_step(metrics)
@@ -288,18 +288,3 @@ class Workflow:
         self.store.set_version(version)
         self._admission.set()
 
-
-def _trajectories(batch: Any) -> list[Trajectory]:
-    columns = batch.columns
-    return [
-        Trajectory(
-            prompt_ids=columns["prompt_ids"][k].tolist(),
-            group=batch.groups[k],
-            tokens=columns["tokens"][k].tolist(),
-            logprobs=columns["logprobs"][k].tolist(),
-            versions=columns["token_versions"][k].tolist(),
-            finish_reason=columns["finish_reason"][k],
-            meta=dict(columns["meta"][k]) if "meta" in columns else {},
-        )
-        for k in range(len(batch))
-    ]

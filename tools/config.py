@@ -86,14 +86,14 @@ class RolloutConfig:
     """The rollout engine."""
 
     backend: str = "hf"
-    """Rollout adapter: hf (transformers generate, any platform)."""
+    """Rollout adapter: hf (a transformers model sampled with a KV cache, any platform)."""
     temperature: float = 1.0
     """Sampling temperature (behavior logprobs are computed at it)."""
     max_new_tokens: int = 6
     """Generated-token budget per sample."""
     chunk_tokens: int = 3
     """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
-    prompts_per_generate: int = 4
+    prompts_per_generate: int = 16
     """Prompts (times group_size samples) per generate batch."""
 
 
@@ -102,7 +102,7 @@ class TrainConfig:
     """The train engine."""
 
     backend: str = "torch"
-    """Train adapter: torch (plain torch, one process)."""
+    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance)."""
     lr: float = 1e-3
     """AdamW learning rate of the RL phase."""
     weight_decay: float = 0.0
@@ -134,7 +134,7 @@ class AlgorithmConfig:
     aggregation: str = "token_mean"
     """Loss aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm."""
     decoupled: bool = True
-    """Decoupled PPO: ratio against logprobs recomputed with the trainer's weights, weighted by behavior IS."""
+    """Decoupled PPO: ratio against the trainer's weights before the step (its own logprobs, no extra pass), weighted by behavior IS."""
     tis_cap: Optional[float] = 2.0
     """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
     kl_coef: float = 0.0
@@ -431,6 +431,25 @@ def _check_values(cfg: Any) -> None:
         section, _, field = key.partition(".")
         if section in cfg and (message := unknown(key, cfg[section][field])):
             raise ConfigError(message)
+
+
+def check_runnable(cfg: Any) -> None:
+    """Combinations `tidal run` cannot run (`tidal plan` and `tidal config` still show them).
+
+    Raises:
+        ConfigError: naming the key, when `placement.train.count` > 1 with a train backend
+            that trains in one process, or under `runtime: local`.
+    """
+    from tidal.tools.backends import MULTI_RANK  # noqa: PLC0415
+
+    count = cfg.placement.train.count
+    if count > 1 and cfg.train.backend not in MULTI_RANK:
+        raise ConfigError(
+            f"placement.train.count={count} needs a train.backend that trains over several processes "
+            f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
+        )
+    if count > 1 and cfg.runtime.value == "local":
+        raise ConfigError(f"placement.train.count={count} needs runtime=ray (a process per trainer rank); runtime=local trains in this one process: set runtime=ray or placement.train.count=1")
 
 
 def to_yaml(cfg: Any) -> str:

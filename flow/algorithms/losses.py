@@ -8,8 +8,10 @@ Three log-probabilities of each sampled token meet in `policy_loss`:
 
 - `behavior_logprobs`: under the policy that generated the sample (the rollout engine),
 - `proximal_logprobs`: under the policy the PPO trust region is centred on (AReaL's
-  decoupled PPO: recomputed by the trainer with the weights before this update); without
-  it the behavior policy is the proximal one (plain PPO),
+  decoupled PPO: the trainer's weights before this update; with one optimizer step per
+  batch these are `logprobs.detach()`, which `PolicyLossConfig.proximal_is_policy`
+  uses without a tensor); without either the behavior policy is the proximal one
+  (plain PPO),
 - `logprobs`: under the policy being trained (carries the gradient).
 """
 
@@ -60,6 +62,16 @@ class PolicyLossConfig:
     `ref_logprobs` when > 0. >= 0."""
     kl_estimator: str = "k3"
     """Per-token KL estimator: one of `KL_ESTIMATORS` (see `kl_estimate`)."""
+    proximal_is_policy: bool = False
+    """Decoupled PPO without a pass of its own: when `proximal_logprobs` is None, the
+    proximal policy is the trained policy before this update, `logprobs.detach()`. That
+    is exact when a train step is one optimizer step over its batch (every tidal train
+    engine's: micro-batches accumulate gradients, the weights change once at the end),
+    where it equals recomputing the proximal logprobs with the trainer's weights before
+    the step, minus that forward pass (TRL's GRPOTrainer does the same at
+    `num_iterations=1`). The PPO ratio is then 1 with the policy gradient's gradient, and
+    the off-policy correction is the behavior weight. False: a None `proximal_logprobs`
+    makes the behavior policy the proximal one (plain PPO)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -195,8 +207,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped policy-gradient loss, with decoupled PPO, truncated IS, masking and KL.
 
-    Per token (`level="token"`), with `prox` = `proximal_logprobs` (or `behavior_logprobs`
-    when None) and the advantage `A` broadcast over tokens when given per sequence:
+    Per token (`level="token"`), with `prox` = `proximal_logprobs` (when None:
+    `logprobs.detach()` if `config.proximal_is_policy`, else `behavior_logprobs`) and the
+    advantage `A` broadcast over tokens when given per sequence:
 
         ratio  = exp(logprobs - prox)
         weight = min(exp(prox - behavior), tis_cap)                  # detached
@@ -223,7 +236,7 @@ def policy_loss(
         behavior_logprobs: Log-probabilities under the sampling policy, `[batch, seq]`.
         mask: `[batch, seq]`, bool or float; nonzero marks response tokens.
         proximal_logprobs: Log-probabilities under the proximal policy, `[batch, seq]`;
-            None for plain PPO.
+            None for `logprobs.detach()` (`config.proximal_is_policy`) or plain PPO.
         ref_logprobs: Log-probabilities under the reference policy, `[batch, seq]`; needed
             when `config.kl_coef > 0`.
         config: The loss settings; None uses `PolicyLossConfig()`.
@@ -259,7 +272,10 @@ def policy_loss(
     mask = mask.to(logprobs.dtype)
     valid = mask != 0
     behavior = behavior_logprobs.detach()
-    prox = behavior if proximal_logprobs is None else proximal_logprobs.detach()
+    if proximal_logprobs is not None:
+        prox = proximal_logprobs.detach()
+    else:
+        prox = logprobs.detach() if config.proximal_is_policy else behavior
     # Zero every difference at padding, so inf or nan there cannot reach exp or gradients.
     prox_log_weight = torch.where(valid, prox - behavior, 0)
     num_seqs_with_tokens = valid.any(-1).sum()

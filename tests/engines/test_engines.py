@@ -13,6 +13,7 @@ from tidal.engines.rewards import arithmetic, countdown, exact_match, resolve_re
 from tidal.engines.tasks import arithmetic as arithmetic_prompts
 from tidal.engines.tasks import countdown as countdown_prompts
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
+from tidal.engines import torch_train
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -113,6 +114,47 @@ def test_partial_rollout_pauses_loads_new_weights_and_resumes():
     assert trajectory.logprobs[2:] == pytest.approx(_reference_logprobs(reference, resumed), abs=1e-4)
 
 
+def test_sampling_loop_draws_what_transformers_generate_draws():
+    # No row ends early (EOS suppressed), so every decoding step samples every row, as
+    # `generate` does: same seed, same tokens; a group's rows share one prefill.
+    model = tiny(0, torch.float64)
+    _bias_token(model, T.eos_id)[T.eos_id] = -1e9
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, temperature=0.7, chunk_tokens=2)
+    _bias_token(engine.model, T.eos_id)[T.eos_id] = -1e9
+    prompts = [T.encode(p) for p in ["1+2=", "13-4=", "7="] for _ in range(3)]
+    torch.manual_seed(5)
+    trajectories = [Trajectory(prompt_ids=p) for p in prompts]
+    engine.generate(trajectories, max_new_tokens=6, should_pause=lambda: False)
+    torch.manual_seed(5)
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[T.pad_id] * (width - len(p)) + p for p in prompts])
+    out = model.generate(input_ids, attention_mask=(input_ids != T.pad_id).long(), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, pad_token_id=T.pad_id, eos_token_id=T.eos_id, output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[:, width:]
+    assert [t.tokens for t in trajectories] == new.tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / 0.7, -1).gather(-1, new[..., None]).squeeze(-1)
+    assert torch.allclose(torch.tensor([t.logprobs for t in trajectories]), logprobs, atol=1e-6)
+    assert all(t.finish_reason == "length" and t.versions == [0] * 6 for t in trajectories)
+
+
+def test_rows_that_end_leave_the_batch_and_paused_rows_resume():
+    torch.manual_seed(2)
+    model = tiny(1)
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, chunk_tokens=2)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-4="] for _ in range(8)]
+    engine.generate(trajectories, max_new_tokens=7, should_pause=lambda: True)  # pauses after 2 tokens
+    assert all(t.num_generated == 2 or t.finish_reason == "stop" for t in trajectories)
+    assert any(not t.done for t in trajectories) and any(t.finish_reason == "stop" for t in trajectories)  # rows end at different steps
+    engine.load_weights(1, tiny(4).state_dict().items())
+    engine.generate(trajectories, max_new_tokens=7)
+    reference = tiny(4)
+    for t in trajectories:
+        assert t.done and t.finish_reason == ("stop" if t.tokens[-1] == T.eos_id else "length") and T.eos_id not in t.tokens[:-1]
+        assert t.num_generated <= 7 and (t.finish_reason == "stop" or t.num_generated == 7)
+        old = sum(v == 0 for v in t.versions)
+        assert t.logprobs[:old] == pytest.approx(_reference_logprobs(model, t)[:old], abs=1e-4)
+        assert t.logprobs[old:] == pytest.approx(_reference_logprobs(reference, t)[old:], abs=1e-4)
+
+
 def test_load_weights_names_what_does_not_match():
     engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
     weights = dict(tiny(1).state_dict())
@@ -147,6 +189,51 @@ def test_micro_batches_give_the_same_step_as_one_batch():
         assert engine.version == 1
     for name in results[0]:
         assert torch.allclose(results[0][name], results[1][name], atol=1e-8), name
+
+
+def _grouped_batch(dtype=torch.float32):
+    """Two groups of 4 (shared prompts of different lengths) and a row with an environment turn."""
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(tiny(dtype=dtype), eos_id=T.eos_id, pad_id=T.pad_id)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["7=", "13-4="] for _ in range(4)]
+    engine.generate(trajectories, max_new_tokens=5)
+    turns = Trajectory(prompt_ids=T.encode("7="))
+    turns.extend([5, 6], [-1.0, -1.5], 0)
+    turns.append_env([7, 8])
+    turns.extend([9], [-2.0], 0)
+    return to_token_batch([*trajectories, turns], pad_id=T.pad_id)
+
+
+def test_shared_prompt_forward_equals_the_plain_forward(monkeypatch):
+    batch = _grouped_batch(torch.float64)
+    assert torch_train._shared_prompts(batch) is not None  # 3 distinct prompts for 9 rows
+    results = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
+        engine = TorchTrainEngine(tiny(dtype=torch.float64), micro_batch_size=16)
+        logprobs = engine._token_logprobs(batch)
+        (logprobs * batch.loss_mask).sum().backward()
+        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
+    (shared_lp, shared_grads), (plain_lp, plain_grads) = results
+    mask = batch.loss_mask != 0
+    assert torch.allclose(shared_lp[mask], plain_lp[mask], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(shared_grads, plain_grads))
+
+
+def test_proximal_is_policy_step_equals_recomputing_the_proximal_logprobs():
+    # Behavior logprobs from other weights (a stale sample): the decoupled step against
+    # recomputed proximal logprobs and the one that reuses its own forward are the same step.
+    batch = _grouped_batch(torch.float64)
+    batch.behavior_logprobs = batch.behavior_logprobs + 0.2 * batch.loss_mask
+    advantages = torch.linspace(-1, 1, len(batch), dtype=torch.float64)
+    config = PolicyLossConfig(tis_cap=1.1)
+    recompute = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=4)
+    reuse = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=4)
+    expected = recompute.train_step(batch, advantages, loss=config, proximal_logprobs=recompute.logprobs(batch))
+    actual = reuse.train_step(batch, advantages, loss=PolicyLossConfig(tis_cap=1.1, proximal_is_policy=True))
+    assert actual == pytest.approx(expected)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(recompute.named_weights(), reuse.named_weights()))
 
 
 def test_positive_advantages_raise_the_sampled_tokens_logprob_and_sft_lowers_loss():

@@ -264,6 +264,28 @@ def test_decoupled_ppo_weights_by_proximal_over_behavior():
     assert metrics["clip_fraction"] == 1.0
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_proximal_is_policy_equals_passing_the_detached_logprobs(level):
+    # One optimizer step per batch: the proximal policy is the trained one before the step,
+    # so `proximal_is_policy` must be exactly `proximal_logprobs=logprobs.detach()`.
+    torch.manual_seed(0)
+    logprobs = (-torch.rand(3, 4, dtype=torch.float64) * 3).requires_grad_()
+    behavior = logprobs.detach() + 0.3 * torch.randn(3, 4, dtype=torch.float64)  # another version sampled them
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
+    advantages = f64(1.0, -0.5, 2.0).reshape(3)
+    for tis_cap in (None, 1.2):
+        given = PolicyLossConfig(level=level, tis_cap=tis_cap, seq_mask_high=1.5)
+        own = PolicyLossConfig(level=level, tis_cap=tis_cap, seq_mask_high=1.5, proximal_is_policy=True)
+        expected, expected_metrics = policy_loss(logprobs, advantages, behavior_logprobs=behavior, proximal_logprobs=logprobs.detach(), mask=mask, config=given)
+        actual, actual_metrics = policy_loss(logprobs, advantages, behavior_logprobs=behavior, mask=mask, config=own)
+        assert torch.equal(actual, expected) and actual_metrics == expected_metrics
+        assert torch.equal(*(torch.autograd.grad(x, logprobs)[0] for x in (actual, expected)))
+        assert actual_metrics["ratio_mean"] == 1.0 and actual_metrics["clip_fraction"] == 0.0
+    # Without it, a None proximal still means plain PPO (behavior is proximal).
+    plain, _ = policy_loss(logprobs, advantages, behavior_logprobs=behavior, mask=mask)
+    assert not torch.equal(plain, actual)
+
+
 def test_truncated_importance_sampling_caps_the_behavior_weight():
     # Token 0: ratio 1.2, weight 2 capped at 1.5 -> -1.5 * 1.2 = -1.8 (truncated).
     # Token 1: ratio 1, weight 1 -> -1 (not truncated). Token mean (-1.8 - 1) / 2 = -1.4.
