@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from tidal.flow.store.codec import CodecError, decode, encode
+from tidal.flow.store.segments import Partition, Segment
 from tidal.flow.store.table import Store, StoreError
 
 MAGIC = b"TIDALST1"
@@ -55,3 +60,58 @@ def load(path: str | Path) -> Store:
         return Store.from_state_dict(decode(header, buffers))
     except (CodecError, struct.error, KeyError, TypeError, ValueError, OverflowError) as e:
         raise StoreError(f"cannot load store from {str(path)!r}: {e}") from e
+
+
+def state_of(version: int, parts: Iterable[Partition]) -> dict[str, Any]:
+    """`Store.state_dict`'s plain data (called under the store's lock): per partition its
+    settings, every live row's (index, group, version, tags), cells and acks."""
+    out = {}
+    for part in parts:
+        rows, columns = [], {}
+        acked: dict[str, list[int]] = {c: [] for c in part.consumers}
+        for seg in part.segments:
+            for k in np.flatnonzero(seg.alive).tolist():
+                meta = seg.meta(k)
+                rows.append([meta.index, meta.group, meta.version, meta.tags])
+                for name, column in seg.columns.items():
+                    chunk_id, offset = column.cell(k)
+                    if chunk_id >= 0:
+                        columns.setdefault(name, []).append([meta.index, part.chunks[chunk_id][offset]])
+                for c in part.consumers:
+                    if seg.acked[c][k]:
+                        acked[c].append(meta.index)
+        out[part.name] = {
+            "capacity_rows": part.capacity_rows,
+            "capacity_bytes": part.capacity_bytes,
+            "lease_s": part.lease_s,
+            "next_index": part.next_index,
+            "num_evicted": part.num_evicted,
+            "rows": rows,
+            "consumers": acked,
+            "acked_counts": {c: s.num_acked for c, s in part.consumers.items()},
+            "columns": columns,
+        }
+    return {"format": 1, "version": version, "partitions": out}
+
+
+def restore(store: Store, state: Mapping[str, Any]) -> None:
+    """Fill a new, empty `store` from `state_of`'s data (`Store.from_state_dict`)."""
+    if state.get("format") != 1:
+        raise StoreError(f"unknown store state format {state.get('format')!r}")
+    store.set_version(int(state["version"]))
+    for name, p in state["partitions"].items():
+        store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
+        part = store._part(name)  # noqa: SLF001 - this module is the store's own persistence
+        for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
+            part.add_segment(Segment(i, 1, [group], [version], [tags], part.consumers))
+            part.num_rows += 1
+        part.next_index = p["next_index"]
+        for column, cells in p["columns"].items():
+            if cells:
+                store.put(name, {column: [v for _, v in cells]}, indexes=[i for i, _ in cells])
+        for consumer, acked in p["consumers"].items():
+            for seg, local, _ in part.locate(np.asarray(acked, dtype=np.int64)):
+                seg.acked[consumer][local] = True
+                seg.fresh[consumer] = False
+            part.consumers[consumer].num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
+        part.num_evicted = p["num_evicted"]

@@ -3,7 +3,9 @@
 Per segment: which rows are alive, their groups, versions and tags, where each column's
 cell lives (chunk id and offset), when it arrived (readiness order), and per consumer
 whether it acked or leased each row. Per partition: the live segments in index order,
-the chunks they point into, capacity and the lease heap. `Store` does the bookkeeping.
+the chunks they point into, capacity and the lease heap, and the reads a get makes of
+them (`Partition.ready`: the ready rows; `lease_blocks` / `column_block`: lease rows and
+cut their cells into chunk blocks). `Store` does the rest of the bookkeeping, under its lock.
 
 The usual life of a segment - one put of batched tensors, read whole by each consumer,
 acked, evicted - needs almost no per-row state: a column that is row k of one chunk for
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.samplers import NO_VERSION, RowMeta
+from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows
 
 WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
 """Upper bounds (seconds) of the get wait-time histogram."""
@@ -262,6 +264,103 @@ class Partition:
             self.segments = [s for s in self.segments if s.num_alive]
         self.start_list = [s.start for s in self.segments]
         self._starts = None
+
+    # Reading rows (the store's get, under its lock) -----------------------------------
+    def ready(self, consumer: str, key: frozenset[str]) -> Rows:
+        """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
+        runs, pieces = [], []  # whole segments ready since one stamp; (indexes, versions, stamps) of others
+        wanted = (consumer, key)
+        for seg in self.segments:
+            if wanted in seg.idle:
+                continue  # nothing became ready here since it was last found empty
+            whole = seg.whole_since.get(key)
+            if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
+                runs.append((whole, seg))
+                continue
+            columns = [seg.columns.get(c) for c in key]
+            if any(c is None for c in columns):
+                seg.idle.add(wanted)
+                continue
+            latest = 0  # the newest stamp shared by whole columns
+            partial = []
+            for column in columns:
+                if column.full and column.same_stamp >= 0:  # every live row has it, all from one put
+                    latest = max(latest, column.same_stamp)
+                else:
+                    partial.append(column)
+            if not partial:
+                seg.whole_since[key] = latest
+                if seg.fresh[consumer]:
+                    runs.append((latest, seg))
+                    continue
+            mask = seg.alive & ~seg.acked[consumer]
+            mask &= seg.lease[consumer] == 0
+            stamp = seg.redelivered.get(consumer)
+            for column in partial:
+                mask &= column.chunk >= 0
+                stamp = column.stamp if stamp is None else np.maximum(stamp, column.stamp)
+            local = np.flatnonzero(mask)
+            if not len(local):
+                seg.idle.add(wanted)
+            else:
+                pieces.append((local + seg.start, seg.versions[local], np.full(len(local), latest, dtype=np.int64) if stamp is None else np.maximum(stamp[local], latest)))
+        meta = self.metas
+        if not pieces:  # the usual case: whole segments, in the order of their stamps
+            runs.sort(key=lambda r: r[0])
+            return Rows(None, None, meta, runs=[(seg.start, seg.n, seg.versions) for _, seg in runs])
+        for latest, seg in runs:
+            pieces.append((np.arange(seg.start, seg.start + seg.n, dtype=np.int64), seg.versions, np.full(seg.n, latest, dtype=np.int64)))
+        index, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
+        if len(stamp) > 1 and (np.diff(stamp) < 0).any():
+            order = np.argsort(stamp, kind="stable")
+            index, version = index[order], version[order]
+        return Rows(index, version, meta)
+
+    def metas(self, indexes: np.ndarray) -> list[RowMeta]:
+        out: list[RowMeta | None] = [None] * len(indexes)
+        for seg, local, positions in self.locate(indexes):
+            for k, p in zip(local.tolist(), positions.tolist()):
+                out[p] = seg.meta(k)
+        return out  # type: ignore[return-value]
+
+    def column_block(self, column: Column, first: int, n: int) -> list[tuple[Any, Any]]:
+        """Rows first .. first + n - 1 of one segment's column as (chunk, offsets) blocks."""
+        if column.whole >= 0:  # row k is row k of one chunk: a slice of it
+            return [(self.chunks[column.whole], range(first, first + n))]
+        return self.cut(column.chunk[first : first + n], column.offset[first : first + n])
+
+    def lease_blocks(self, consumer: str, located: list[tuple[Segment, np.ndarray, np.ndarray]], n: int, columns: Sequence[str], expiry: float, holder: int) -> tuple[np.ndarray, list[Any] | None, dict[str, list[tuple[Any, Any]]]]:
+        groups: list[Any] | None = None
+        versions = np.full(n, NO_VERSION, dtype=np.int64)
+        cell_chunk = {c: np.empty(n, dtype=np.int64) for c in columns}
+        cell_offset = {c: np.empty(n, dtype=np.int64) for c in columns}
+        for seg, local, positions in located:
+            seg.fresh[consumer] = False
+            seg.lease[consumer][local] = expiry
+            if holder or consumer in seg.holder:
+                seg.holders(consumer)[local] = holder
+            versions[positions] = seg.versions[local]
+            if seg.groups is not None:
+                if groups is None:
+                    groups = [None] * n
+                for k, p in zip(local.tolist(), positions.tolist()):
+                    groups[p] = seg.groups[k]
+            for c in columns:
+                column = seg.columns[c]
+                if column.whole >= 0:
+                    cell_chunk[c][positions] = column.whole
+                    cell_offset[c][positions] = local
+                else:
+                    cell_chunk[c][positions] = column.chunk[local]
+                    cell_offset[c][positions] = column.offset[local]
+        return versions, groups, {c: self.cut(cell_chunk[c], cell_offset[c]) for c in columns}
+
+    def cut(self, ids: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
+        """Cells (chunk ids, offsets) in batch order as blocks of consecutive cells of one chunk."""
+        if len(ids) < 2 or (ids[0] == ids[-1] and (ids == ids[0]).all()):
+            return [(self.chunks[int(ids[0])], offsets)]
+        cuts = (np.flatnonzero(np.diff(ids)) + 1).tolist()
+        return [(self.chunks[int(ids[a])], offsets[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
 
 
 def contiguous(indexes: np.ndarray) -> bool:

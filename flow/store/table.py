@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, num_rows_of, row_nbytes, unique_sorted
-from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows, SampleContext, Sampler, Sequential
+from tidal.flow.store.samplers import SampleContext, Sampler, Sequential
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
 
 
@@ -340,7 +340,7 @@ class Store:
                 if cancel is not None and cancel.is_set():
                     raise StoreError(f"get({consumer!r}, {partition!r}) was cancelled")
                 self._expire_leases(part)
-                rows = self._ready(part, consumer, key)
+                rows = part.ready(consumer, key)
                 ctx = SampleContext(version=self._version, value=lambda i, c: self._cell(part, i, c))
                 choice = sampler.select(rows, batch_size, partial, ctx)
                 if len(choice.drop):
@@ -369,54 +369,13 @@ class Store:
                 versions = seg.versions[rows] if seg.same_version is None else seg.same_version
                 groups = None if seg.groups is None else seg.groups[rows]
                 take = range(int(take[0]), int(take[0]) + len(take))
-                blocks = {c: self._column_block(part, seg.columns[c], first, len(take)) for c in columns}
+                blocks = {c: part.column_block(seg.columns[c], first, len(take)) for c in columns}
             else:
-                versions, groups, blocks = self._blocks_of_segments(part, consumer, list(part.locate(as_indexes(take))), len(take), columns, expiry, holder)
+                versions, groups, blocks = part.lease_blocks(consumer, list(part.locate(as_indexes(take))), len(take), columns, expiry, holder)
             waited = self._clock() - since
             state.wait_sum += waited
             state.wait_counts[min(bisect.bisect_left(WAIT_BUCKETS, waited), len(WAIT_BUCKETS) - 1)] += 1
             return Batch(partition, take, Cells(blocks), groups, versions, blocks=blocks)
-
-    @staticmethod
-    def _column_block(part: Partition, column: Column, first: int, n: int) -> list[tuple[Any, Any]]:
-        """Rows first .. first + n - 1 of one segment's column as (chunk, offsets) blocks."""
-        if column.whole >= 0:  # row k is row k of one chunk: a slice of it
-            return [(part.chunks[column.whole], range(first, first + n))]
-        return Store._cut(part, column.chunk[first : first + n], column.offset[first : first + n])
-
-    def _blocks_of_segments(self, part: Partition, consumer: str, located: list[tuple[Segment, np.ndarray, np.ndarray]], n: int, columns: Sequence[str], expiry: float, holder: int) -> tuple[np.ndarray, list[Any] | None, dict[str, list[tuple[Any, Any]]]]:
-        groups: list[Any] | None = None
-        versions = np.full(n, NO_VERSION, dtype=np.int64)
-        cell_chunk = {c: np.empty(n, dtype=np.int64) for c in columns}
-        cell_offset = {c: np.empty(n, dtype=np.int64) for c in columns}
-        for seg, local, positions in located:
-            seg.fresh[consumer] = False
-            seg.lease[consumer][local] = expiry
-            if holder or consumer in seg.holder:
-                seg.holders(consumer)[local] = holder
-            versions[positions] = seg.versions[local]
-            if seg.groups is not None:
-                if groups is None:
-                    groups = [None] * n
-                for k, p in zip(local.tolist(), positions.tolist()):
-                    groups[p] = seg.groups[k]
-            for c in columns:
-                column = seg.columns[c]
-                if column.whole >= 0:
-                    cell_chunk[c][positions] = column.whole
-                    cell_offset[c][positions] = local
-                else:
-                    cell_chunk[c][positions] = column.chunk[local]
-                    cell_offset[c][positions] = column.offset[local]
-        return versions, groups, {c: self._cut(part, cell_chunk[c], cell_offset[c]) for c in columns}
-
-    @staticmethod
-    def _cut(part: Partition, ids: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
-        """Cells (chunk ids, offsets) in batch order as blocks of consecutive cells of one chunk."""
-        if len(ids) < 2 or (ids[0] == ids[-1] and (ids == ids[0]).all()):
-            return [(part.chunks[int(ids[0])], offsets)]
-        cuts = (np.flatnonzero(np.diff(ids)) + 1).tolist()
-        return [(part.chunks[int(ids[a])], offsets[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         """Mark rows done for `consumer`; return how many were newly acked (idempotent)."""
@@ -477,63 +436,6 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("the store is closed")
-
-    def _ready(self, part: Partition, consumer: str, key: frozenset[str]) -> Rows:
-        """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
-        runs, pieces = [], []  # whole segments ready since one stamp; (indexes, versions, stamps) of others
-        wanted = (consumer, key)
-        for seg in part.segments:
-            if wanted in seg.idle:
-                continue  # nothing became ready here since it was last found empty
-            whole = seg.whole_since.get(key)
-            if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
-                runs.append((whole, seg))
-                continue
-            columns = [seg.columns.get(c) for c in key]
-            if any(c is None for c in columns):
-                seg.idle.add(wanted)
-                continue
-            latest = 0  # the newest stamp shared by whole columns
-            partial = []
-            for column in columns:
-                if column.full and column.same_stamp >= 0:  # every live row has it, all from one put
-                    latest = max(latest, column.same_stamp)
-                else:
-                    partial.append(column)
-            if not partial:
-                seg.whole_since[key] = latest
-                if seg.fresh[consumer]:
-                    runs.append((latest, seg))
-                    continue
-            mask = seg.alive & ~seg.acked[consumer]
-            mask &= seg.lease[consumer] == 0
-            stamp = seg.redelivered.get(consumer)
-            for column in partial:
-                mask &= column.chunk >= 0
-                stamp = column.stamp if stamp is None else np.maximum(stamp, column.stamp)
-            local = np.flatnonzero(mask)
-            if not len(local):
-                seg.idle.add(wanted)
-            else:
-                pieces.append((local + seg.start, seg.versions[local], np.full(len(local), latest, dtype=np.int64) if stamp is None else np.maximum(stamp[local], latest)))
-        meta = lambda i: self._meta(part, i)  # noqa: E731
-        if not pieces:  # the usual case: whole segments, in the order of their stamps
-            runs.sort(key=lambda r: r[0])
-            return Rows(None, None, meta, runs=[(seg.start, seg.n, seg.versions) for _, seg in runs])
-        for latest, seg in runs:
-            pieces.append((np.arange(seg.start, seg.start + seg.n, dtype=np.int64), seg.versions, np.full(seg.n, latest, dtype=np.int64)))
-        index, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
-        if len(stamp) > 1 and (np.diff(stamp) < 0).any():
-            order = np.argsort(stamp, kind="stable")
-            index, version = index[order], version[order]
-        return Rows(index, version, meta)
-
-    def _meta(self, part: Partition, indexes: np.ndarray) -> list[RowMeta]:
-        out: list[RowMeta | None] = [None] * len(indexes)
-        for seg, local, positions in part.locate(indexes):
-            for k, p in zip(local.tolist(), positions.tolist()):
-                out[p] = seg.meta(k)
-        return out  # type: ignore[return-value]
 
     def _cell(self, part: Partition, index: int, column: str) -> Any:
         for seg, local, _ in part.locate(np.asarray([index], dtype=np.int64)):
@@ -673,7 +575,7 @@ class Store:
                             "leased": sum(int((seg.lease[s.name] > 0).sum()) for seg in part.segments),
                             "dropped": s.num_dropped,
                             "redelivered": s.num_redelivered,
-                            "ready": {",".join(sorted(k)): len(self._ready(part, s.name, k)) for k in s.keys},
+                            "ready": {",".join(sorted(k)): len(part.ready(s.name, k)) for k in s.keys},
                             "wait_s": {
                                 "count": sum(s.wait_counts),
                                 "sum": s.wait_sum,
@@ -685,63 +587,23 @@ class Store:
                 }
             return out
 
-    # Persistence ------------------------------------------------------------------------
+    # Persistence (the work is in `persist`) ----------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Metadata and every row not yet evicted, as plain data (see `persist.save`).
 
         Leased rows are saved as not consumed: after a restart they are delivered again.
         """
+        from tidal.flow.store.persist import state_of  # noqa: PLC0415 - persist imports this module
+
         with self._cond:
-            parts = {}
-            for part in self._parts.values():
-                rows, columns = [], {}
-                acked: dict[str, list[int]] = {c: [] for c in part.consumers}
-                for seg in part.segments:
-                    for k in np.flatnonzero(seg.alive).tolist():
-                        meta = seg.meta(k)
-                        rows.append([meta.index, meta.group, meta.version, meta.tags])
-                        for name, column in seg.columns.items():
-                            chunk_id, offset = column.cell(k)
-                            if chunk_id >= 0:
-                                columns.setdefault(name, []).append([meta.index, part.chunks[chunk_id][offset]])
-                        for c in part.consumers:
-                            if seg.acked[c][k]:
-                                acked[c].append(meta.index)
-                parts[part.name] = {
-                    "capacity_rows": part.capacity_rows,
-                    "capacity_bytes": part.capacity_bytes,
-                    "lease_s": part.lease_s,
-                    "next_index": part.next_index,
-                    "num_evicted": part.num_evicted,
-                    "rows": rows,
-                    "consumers": acked,
-                    "acked_counts": {c: s.num_acked for c, s in part.consumers.items()},
-                    "columns": columns,
-                }
-            return {"format": 1, "version": self._version, "partitions": parts}
+            return state_of(self._version, self._parts.values())
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> Store:
-        if state.get("format") != 1:
-            raise StoreError(f"unknown store state format {state.get('format')!r}")
+        from tidal.flow.store.persist import restore  # noqa: PLC0415
+
         store = cls()
-        store._version = int(state["version"])
-        for name, p in state["partitions"].items():
-            store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
-            part = store._parts[name]
-            for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
-                part.add_segment(Segment(i, 1, [group], [version], [tags], part.consumers))
-                part.num_rows += 1
-            part.next_index = p["next_index"]
-            for column, cells in p["columns"].items():
-                if cells:
-                    store.put(name, {column: [v for _, v in cells]}, indexes=[i for i, _ in cells])
-            for consumer, acked in p["consumers"].items():
-                for seg, local, _ in part.locate(np.asarray(acked, dtype=np.int64)):
-                    seg.acked[consumer][local] = True
-                    seg.fresh[consumer] = False
-                part.consumers[consumer].num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
-            part.num_evicted = p["num_evicted"]
+        restore(store, state)
         return store
 
     def wake(self) -> None:
