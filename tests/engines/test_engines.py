@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.rewards import arithmetic, countdown, exact_match, resolve_reward, score
@@ -36,7 +38,9 @@ def test_tokenizer_round_trip_and_errors(tmp_path):
 
 
 def test_tiny_model_size_determinism_and_save_load(tmp_path):
-    quickstart = build_tiny_qwen2(T.vocab_size, hidden_size=256, num_layers=4, intermediate_size=512)
+    recipe = OmegaConf.load(Path(__file__).parents[2] / "recipes" / "quickstart_cpu.yaml").model
+    shape = {k: recipe[k] for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")}
+    quickstart = build_tiny_qwen2(T.vocab_size, **shape)  # the quickstart recipe's model is "about 1-5M parameters"
     assert 1_000_000 <= sum(p.numel() for p in quickstart.parameters()) <= 5_000_000
     a, b = tiny(3), tiny(3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
