@@ -10,9 +10,11 @@ gradient reduce-scatter sums instead of averaging, so a step over N ranks equals
 backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or one whose
 micro-batch has no loss token, runs a zero-weight dummy pass.
 
-Weights: `named_weights()` all-gathers one parameter at a time (`full_tensor()`) and
-yields it under the un-sharded model's name, so the full model never sits on the device
-beside its shards. It is a collective: every rank iterates it, in the same order.
+Weights: `named_weights()` is a `WeightSource` (`tidal.hal.transfer`): its specs come from
+the shards' global shapes without gathering, and each pass all-gathers one parameter at
+a time (`full_tensor()`) and yields it under the un-sharded model's name, so the full
+model never sits on the device beside its shards, and a transport streams it bucket by
+bucket. A pass is a collective: every rank makes it, in the same order.
 Checkpoints: `save_checkpoint(dir)` / `load_checkpoint(dir)` write and read sharded model
 and optimizer state with torch.distributed.checkpoint (every rank, same directory);
 `state_dict()` is the full, un-sharded state in `TorchTrainEngine`'s format (rank 0
@@ -38,7 +40,8 @@ Two ways to drive the ranks:
   `state_dict()` arrive on rank 0; the followers compute their part and drop it.
 
 Run for real: CPU with gloo, 2 processes (tests/engines/test_fsdp_train.py: equality with
-the torch engine, exported weights, checkpoint/resume, the led mode), and `tidal run
+the torch engine, exported weights, the weight source's specs and passes streamed over
+the host transport, checkpoint/resume, the led mode), and `tidal run
 train.backend=fsdp` (one process locally; 2 rank actors under `runtime: ray`). Not run:
 GPU or NPU (the code only asks hal for the device and the backend; nothing here names a
 vendor).
@@ -70,6 +73,7 @@ from torch.distributed.tensor import DTensor
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
+from tidal.hal.transfer import LazyWeights, TensorSpec
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -124,12 +128,13 @@ def follow() -> dict[str, int]:
     """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
 
     Builds an engine whenever rank 0 builds one and makes the collective calls of each of
-    its method calls. Returns what this rank did: engines built, optimizer steps, rows.
+    its method calls. Returns what this rank did: engines built, optimizer steps, rows,
+    passes over the weights (`exports`: one per pass rank 0 started, complete or not).
     """
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
     engine: FSDPTrainEngine | None = None
-    done = {"engines": 0, "steps": 0, "rows": 0}
+    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
     while True:
         command = _receive_command()
         if command["op"] == "stop":
@@ -146,6 +151,7 @@ def follow() -> dict[str, int]:
             raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
         engine._follow(command)
         done["steps"] += command["op"] in ("train_step", "sft_step")
+        done["exports"] += command["op"] == "named_weights"
         done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
 
 
@@ -414,17 +420,34 @@ class FSDPTrainEngine:
         return metrics
 
     # Weights and state -----------------------------------------------------------------
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight, un-sharded, under the un-sharded model's `state_dict` names, one at a time.
+    def named_weights(self) -> LazyWeights:
+        """Every weight, un-sharded, under the un-sharded model's `state_dict` names, one at a time:
+        a `WeightSource` (`tidal.hal.transfer`) a transport streams bucket by bucket.
 
-        Each tensor is all-gathered when it is reached and lives on this engine's device;
-        keep only what you need (a consumer that keeps them all holds one full copy). SPMD:
-        a collective, every rank iterates it to the end, in the same order. Led by rank 0:
-        rank 0 iterates it (to the end), the followers in step.
+        Its `specs()` are the un-sharded names, shapes and dtypes, read from the shards
+        without gathering. Each pass (`tensors()`, or iterating it) all-gathers one tensor
+        when it is reached, on this engine's device; keep only what you need (a consumer
+        that keeps them all holds one full copy). A pass is a collective: SPMD, every rank
+        makes it, in the same order; led by rank 0, rank 0 makes it and each pass it starts
+        makes the followers make one in step (so a version sent again is gathered again).
+        A pass stopped early (its iterator closed) gathers the rest without yielding them,
+        so the ranks stay in step.
         """
+        return LazyWeights(self._weight_specs, self._weight_pass)
+
+    def _weight_specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(name, tensor) for name, tensor in self.model.state_dict().items()]  # a DTensor's shape is global
+
+    def _weight_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._leading:
             _send_command("named_weights")
-        yield from self._named_weights()
+        weights = self._named_weights()
+        try:
+            for item in weights:
+                yield item
+        finally:
+            for _ in weights:  # stopped early: make the remaining gathers (a generator that raised yields nothing)
+                pass
 
     def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():

@@ -27,6 +27,7 @@ import torch
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
+from tidal.hal.transfer import LazyWeights, TensorSpec
 
 
 class TorchTrainEngine:
@@ -180,9 +181,14 @@ class TorchTrainEngine:
 
         return self._step(batch, micro_loss, lambda part: float(part.loss_mask.sum()) / max(num_tokens, 1.0))
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+    def named_weights(self) -> LazyWeights:
+        """Every weight by name: a `WeightSource` over the model's own tensors (no copies)."""
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.model.state_dict().items():
+                yield name, tensor.detach()
+
+        return LazyWeights(lambda: [TensorSpec.of(n, t) for n, t in self.model.state_dict().items()], tensors)
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}

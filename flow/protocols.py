@@ -8,7 +8,7 @@ reward functions score finished trajectories.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -45,8 +45,13 @@ class TrainEngine(Protocol):
         """One optimizer step over `batch` (in micro-batches); version += 1; returns metrics."""
         ...
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight by name (what a rollout engine's `load_weights` takes)."""
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Every weight by name (what a rollout engine's `load_weights` takes).
+
+        Best a `tidal.hal.transfer.WeightSource` (specs without materialising, passes that
+        can be repeated): weight transports then stream it bucket by bucket; a plain
+        iterator works too, and a transport lists it first (one full copy).
+        """
         ...
 
     def state_dict(self) -> dict[str, Any]:

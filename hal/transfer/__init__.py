@@ -16,13 +16,18 @@ A receiver returns a version only when every tensor of its manifest arrived with
 right size and, when it was given the model's own specs, the manifest matches them
 exactly; a partial or failed transfer raises `TransferError` and never goes live.
 Nothing on the wire is ever unpickled: headers are msgpack, tensors raw bytes.
+
+Senders take a `WeightSource`: the specs first (the manifest goes ahead of the data),
+then the tensors one at a time, pulled bucket by bucket, so a sender holds about one
+bucket of them, never the whole model (an FSDP engine all-gathers a parameter per
+pull). A plain iterable of (name, tensor) is still accepted (`weight_source` lists it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import torch
@@ -120,17 +125,22 @@ class Manifest:
 
 
 def make_manifest(version: int, tensors: Sequence[tuple[str, torch.Tensor]], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, solo_bytes: int | None = None) -> Manifest:
-    """Specs of `tensors` grouped, in order, into buckets of at most `bucket_bytes`.
+    """Specs of `tensors` grouped, in order, into buckets of at most `bucket_bytes` (see `plan_manifest`)."""
+    return plan_manifest(version, [TensorSpec.of(n, t) for n, t in tensors], bucket_bytes=bucket_bytes, solo_bytes=solo_bytes)
+
+
+def plan_manifest(version: int, specs: Sequence[TensorSpec], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, solo_bytes: int | None = None) -> Manifest:
+    """`specs` grouped, in order, into buckets of at most `bucket_bytes`.
 
     A tensor larger than `bucket_bytes`, or of at least `solo_bytes`, gets a bucket of its
     own (a transport can then send it from its own memory instead of packing it).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    names = [n for n, _ in tensors]
+    names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise TransferError(f"weights of version {version} repeat tensor names")
-    specs = tuple(TensorSpec.of(n, t) for n, t in tensors)
+    specs = tuple(specs)
     buckets: list[list[int]] = []
     size = 0
     solo = False
@@ -143,6 +153,113 @@ def make_manifest(version: int, tensors: Sequence[tuple[str, torch.Tensor]], *, 
         size += spec.nbytes
         solo = alone
     return Manifest(version, specs, tuple(tuple(b) for b in buckets))
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """One version's weights as a sender pulls them: every spec first, then the tensors lazily.
+
+    `specs()` must not materialise tensors (a sharded engine reads global shapes). Each
+    `tensors()` call starts a new pass that yields exactly the specs' tensors, in order;
+    a version is sent again after a receiver restarts, so a source must allow several
+    passes. A sender may stop a pass early (it closes the iterator: a source whose pass
+    is a collective finishes it then, so its ranks stay in step). Iterating a source is
+    a pass too, so it works wherever (name, tensor) pairs are expected.
+    """
+
+    def specs(self) -> list[TensorSpec]: ...
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class LazyWeights:
+    """A `WeightSource` from two functions: the specs, and a new pass over the tensors."""
+
+    def __init__(self, specs: Callable[[], Sequence[TensorSpec]], tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
+        self._specs, self._tensors = specs, tensors
+
+    def specs(self) -> list[TensorSpec]:
+        return list(self._specs())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._tensors()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._tensors()
+
+
+def weight_source(weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> WeightSource:
+    """`weights` as a `WeightSource`: a source as it is; anything else listed here (detached),
+    so its tensors stay alive until the source goes (the old behaviour: one full copy when
+    the iterable made them)."""
+    if isinstance(weights, WeightSource):
+        return weights
+    listed = [(n, t.detach()) for n, t in weights]
+    specs = [TensorSpec.of(n, t) for n, t in listed]
+    return LazyWeights(lambda: specs, lambda: iter(listed))
+
+
+class Puller:
+    """A sender's pass over a source: tensors in the manifest's order, each checked against its spec.
+
+    Use as a context manager: leaving it closes the pass (a source that is a collective
+    finishes its pass then).
+    """
+
+    def __init__(self, manifest: Manifest, source: WeightSource) -> None:
+        self._manifest = manifest
+        self._source = source
+        self._it: Iterator[tuple[str, torch.Tensor]] | None = None
+        self.num_pulled = 0
+
+    def __enter__(self) -> Puller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close = getattr(self._it, "close", None)
+        self._it = None
+        if close is not None:
+            close()
+
+    def pull(self) -> torch.Tensor:
+        """The next tensor (detached). Raises `TransferError` naming it when it is not its spec's."""
+        m, i = self._manifest, self.num_pulled
+        if i >= len(m.specs):
+            raise TransferError(f"version {m.version}: pulled past the last of {len(m.specs)} tensors")
+        if self._it is None:
+            self._it = iter(self._source.tensors())
+        spec = m.specs[i]
+        try:
+            name, tensor = next(self._it)
+        except StopIteration:
+            raise TransferError(f"version {m.version}: the weights ended after {i} of {len(m.specs)} tensors, before {spec.name!r}; nothing went live") from None
+        got = (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        if got != (spec.name, spec.dtype, spec.shape):
+            raise TransferError(
+                f"version {m.version}: tensor {i} is {name!r} {got[1]}{list(got[2])} but the manifest says {spec.name!r} "
+                f"{spec.dtype}{list(spec.shape)}; nothing went live"
+            )
+        self.num_pulled += 1
+        return tensor.detach()
+
+    def bucket(self, k: int) -> list[torch.Tensor]:
+        """Bucket `k`'s tensors (buckets are pulled in order)."""
+        indexes = self._manifest.buckets[k]
+        assert not indexes or indexes[0] == self.num_pulled, "buckets are pulled in order"
+        return [self.pull() for _ in indexes]
+
+    def finish(self) -> None:
+        """Raise `TransferError` unless every spec's tensor was pulled and the source has no more."""
+        m = self._manifest
+        if self.num_pulled != len(m.specs):
+            raise TransferError(f"version {m.version}: {self.num_pulled} of {len(m.specs)} tensors were sent")
+        if self._it is None:
+            self._it = iter(self._source.tensors())
+        extra = next(self._it, None)
+        if extra is not None:
+            raise TransferError(f"version {m.version}: the weights hold more tensors than their {len(m.specs)} specs (next: {extra[0]!r}); nothing went live")
 
 
 def expected_specs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, TensorSpec]:

@@ -4,8 +4,11 @@ The group is built once, from a `TCPStore` the trainer hosts, as a standalone pr
 group of the platform's backend (NCCL, HCCL, or gloo for CPU tensors), so it neither
 needs nor disturbs a default process group the trainer may use for FSDP. Each version
 is broadcast as: the manifest's length and bytes (msgpack in a uint8 tensor), then one
-flat uint8 buffer per bucket. A receiver whose model does not match the manifest still
-takes part in every broadcast (so the group stays in step) and then raises.
+flat uint8 buffer per bucket (its tensors pulled from the `WeightSource` just before),
+then a flag: 1 when complete, 0 when the sender's weights failed or broke their specs
+mid-version (the rest went as filler); 0 goes live nowhere. A receiver whose model does
+not match the manifest still takes part in every broadcast (so the group stays in step)
+and then raises.
 
 Run for real: gloo on CPU (tests, `tidal bench weights`). NCCL and HCCL are written
 against `torch.distributed.ProcessGroupNCCL` and torch_npu's `ProcessGroupHCCL` and were
@@ -25,11 +28,14 @@ from tidal.hal.transfer import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
     TensorSpec,
+    Puller,
     TransferError,
     Weights,
+    WeightSource,
     from_bytes,
-    make_manifest,
+    plan_manifest,
     tensor_bytes,
+    weight_source,
     wire_backend,
 )
 
@@ -94,19 +100,52 @@ class CollectiveSender:
     def join(self) -> None:
         self._group.join()
 
-    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
-        tensors = [(n, t.detach()) for n, t in named_tensors]
-        manifest = make_manifest(version, tensors, bucket_bytes=self._bucket_bytes, solo_bytes=SOLO_BYTES)
+    def send(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """Broadcast `weights` as `version`, pulling each bucket's tensors just before it goes.
+
+        When the source fails or a tensor is not its spec's, the remaining buckets are
+        broadcast as filler (the receivers must make every call of the version) and the
+        closing flag says abandoned, so nothing goes live; then this raises.
+
+        Raises:
+            TransferError: a broadcast failed, or a tensor did not match its spec (named).
+        """
+        g = self._group
+        source = weight_source(weights)
+        manifest = plan_manifest(version, source.specs(), bucket_bytes=self._bucket_bytes, solo_bytes=SOLO_BYTES)
         header = torch.frombuffer(bytearray(manifest.pack()), dtype=torch.uint8)
+        failure: Exception | None = None
         try:
-            self._group.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self._group.device))
-            self._group.broadcast(header.to(self._group.device))
-            for bucket in manifest.buckets:
-                parts = [tensor_bytes(tensors[i][1].to(self._group.device)) for i in bucket]
-                flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # a large tensor goes from its own memory
-                self._group.broadcast(flat)
+            with Puller(manifest, source) as puller:
+                g.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=g.device))
+                g.broadcast(header.to(g.device))
+                for k in range(len(manifest.buckets)):
+                    flat = None
+                    if failure is None:
+                        try:
+                            parts = [tensor_bytes(t.to(g.device)) for t in puller.bucket(k)]
+                            flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # a large tensor goes from its own memory
+                            del parts
+                        except Exception as e:  # noqa: BLE001 - raised below, after the group's calls
+                            failure = e
+                    if flat is None:
+                        flat = torch.empty(manifest.bucket_nbytes(k), dtype=torch.uint8, device=g.device)
+                    g.broadcast(flat)
+                    del flat  # dropped before the next bucket is pulled
+                if failure is None:
+                    try:
+                        puller.finish()
+                    except TransferError as e:
+                        failure = e
+                g.broadcast(torch.tensor([int(failure is None)], dtype=torch.int64, device=g.device))
+        except TransferError:
+            raise
         except RuntimeError as e:
             raise TransferError(f"broadcast of version {version} failed: {e}") from e
+        if failure is not None:
+            if isinstance(failure, TransferError):
+                raise failure
+            raise TransferError(f"the weights of version {version} failed mid-transfer: {failure}; nothing went live") from failure
         return manifest
 
 
@@ -135,8 +174,12 @@ class CollectiveReceiver:
                 flat = torch.empty(manifest.bucket_nbytes(k), dtype=torch.uint8, device=g.device)
                 g.broadcast(flat)
                 buffers.append(flat)
+            complete = torch.zeros(1, dtype=torch.int64, device=g.device)
+            g.broadcast(complete)
         except RuntimeError as e:
             raise TransferError(f"weight broadcast failed: {e}; nothing went live") from e
+        if int(complete.item()) != 1:
+            raise TransferError(f"the trainer abandoned version {manifest.version} mid-transfer (its weights failed or broke their specs); nothing went live")
         manifest.check_against(self._expected)
         tensors = {}
         for k, bucket in enumerate(manifest.buckets):

@@ -1,7 +1,9 @@
 """The `host` transport: device -> pinned host buckets -> ZeroMQ/TCP -> device, any pair of platforms.
 
 The sender pushes one message per bucket to every receiver (a PUSH socket each):
-`begin` (header + manifest), `bucket` (header + one raw frame per tensor), `end`.
+`begin` (header + manifest), `bucket` (header + one raw frame per tensor), `end` (or
+`abort` when the weights broke their specs mid-version). Each bucket's tensors are
+pulled from the `WeightSource` just before it goes.
 Device tensors are copied into one of two pinned staging buffers and the frames point
 into it (`copy=False`), so ZeroMQ's I/O thread sends bucket k while bucket k+1 is being
 copied off the device; host tensors (cpu and fake platforms) are sent from their own
@@ -15,8 +17,8 @@ import hmac
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,15 +29,19 @@ from tidal.hal.transfer import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
     TensorSpec,
+    Puller,
     TransferError,
     Weights,
+    WeightSource,
     from_bytes,
-    make_manifest,
     pack_header,
+    plan_manifest,
     tensor_bytes,
     unpack_header,
+    weight_source,
 )
 
+_T = TypeVar("_T")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 POLL_S = 0.1
 """How often a blocked send checks whether it was aborted."""
@@ -76,37 +82,64 @@ class HostSender:
             sock.close(linger=0)
         self._aborted.clear()
 
-    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
-        """Send all of `named_tensors` as `version`; returns when every receiver's frames left this process.
+    def send(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """Send `weights` as `version`; returns when every receiver's frames left this process.
+
+        A bucket's tensors are pulled from the source just before it goes and dropped once
+        they are staged (device tensors) or on the wire (host tensors, sent from their own
+        memory: the next bucket is pulled after they left), so the sender holds about one
+        bucket of them. A tensor that is not its spec's stops the version: the receivers
+        are told (`abort`) and nothing goes live.
 
         Raises:
-            TransferError: a receiver did not take the data within the send timeout.
+            TransferError: a receiver did not take the data within the send timeout, or a
+                tensor did not match its spec (named).
         """
         if not self._sockets:
             raise TransferError("no weight receiver is connected")
-        tensors = [(n, t.detach()) for n, t in named_tensors]
-        manifest = make_manifest(version, tensors, bucket_bytes=self._bucket_bytes)
+        source = weight_source(weights)
+        manifest = plan_manifest(version, source.specs(), bucket_bytes=self._bucket_bytes)
         trackers: list[Any] = []
         self._send_all([pack_header(kind="begin", version=version, token=self._token), manifest.pack()], trackers)
         pending: list[list[Any]] = [[], []]  # trackers per staging buffer
-        for k, bucket in enumerate(manifest.buckets):
-            on_host = all(tensors[i][1].device.type == "cpu" for i in bucket)
-            if on_host:
-                frames = [tensor_bytes(tensors[i][1]).numpy() for i in bucket]
-            else:
-                for t in pending[k % 2]:
-                    self._wait(t)  # the buffer's previous bucket has left
-                pending[k % 2] = []
-                frames = self._stage(k % 2, [tensors[i][1] for i in bucket], manifest.bucket_nbytes(k))
-            sent: list[Any] = []
-            self._send_all([pack_header(kind="bucket", version=version, index=k, token=self._token), *frames], sent)
-            trackers += sent
-            if not on_host:
-                pending[k % 2] += sent
+        with Puller(manifest, source) as puller:
+            for k in range(len(manifest.buckets)):
+                tensors = self._or_abort(version, lambda: puller.bucket(k))  # noqa: B023 - called at once
+                on_host = all(t.device.type == "cpu" for t in tensors)
+                if on_host:
+                    frames = [tensor_bytes(t).numpy() for t in tensors]
+                else:
+                    for t in pending[k % 2]:
+                        self._wait(t)  # the buffer's previous bucket has left
+                    pending[k % 2] = []
+                    frames = self._stage(k % 2, tensors, manifest.bucket_nbytes(k))
+                del tensors  # staged, or kept alive by the frames until they are sent
+                sent: list[Any] = []
+                self._send_all([pack_header(kind="bucket", version=version, index=k, token=self._token), *frames], sent)
+                del frames
+                trackers += sent
+                if on_host:
+                    for t in sent:
+                        self._wait(t)  # the bucket's own memory left: drop it before pulling the next
+                else:
+                    pending[k % 2] += sent
+            self._or_abort(version, puller.finish)
         self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], trackers)
         for t in trackers:
             self._wait(t)
         return manifest
+
+    def _or_abort(self, version: int, pull: Callable[[], _T]) -> _T:
+        """`pull()`; when the source fails or breaks its specs, tell the receivers to drop
+        `version` (best effort), then raise."""
+        try:
+            return pull()
+        except Exception as e:
+            try:
+                self._send_all([pack_header(kind="abort", version=version, token=self._token, reason=str(e)[:500])], [])
+            except TransferError:
+                pass  # a receiver that is gone drops the version anyway
+            raise
 
     def abort(self) -> None:
         """Make a `send` in progress in another thread, and every later one, give up with
@@ -231,6 +264,9 @@ class HostReceiver:
                         raise TransferError(f"version {manifest.version}: tensor {spec.name!r} arrived with {len(data)} bytes, expected {spec.nbytes}")
                     tensors[spec.name] = copy_in(data, spec, self._device)
                 got.add(k)
+            elif kind == "abort":
+                self.num_failed += 1
+                raise TransferError(f"the trainer abandoned version {manifest.version} after {len(got)} of {len(manifest.buckets)} buckets ({header.get('reason', '')}); nothing went live")
             elif kind == "end":
                 if len(got) != len(manifest.buckets):
                     self.num_failed += 1

@@ -1,8 +1,9 @@
 """The `ipc` transport: colocated trainer and rollout on one node and device kind.
 
-The trainer writes a version into one shared buffer and tells each receiver where it is
-over a REQ/REP socket; the receiver copies its tensors out and replies, and only after
-every reply may the trainer write the next version. Host tensors (cpu and fake
+The trainer writes a version into one shared buffer, pulling its tensors from the
+`WeightSource` one at a time, and tells each receiver where it is over a REQ/REP
+socket; the receiver copies its tensors out and replies, and only after every reply may
+the trainer write the next version. Host tensors (cpu and fake
 platforms) share an mmap'd file in /dev/shm; CUDA tensors share a device buffer through
 CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
 weights never leave the device. NPUs have no such path here (`choose_transport` picks
@@ -26,7 +27,20 @@ import torch
 import zmq
 
 from tidal.hal.platform import Platform
-from tidal.hal.transfer import Manifest, TensorSpec, TransferError, Weights, from_bytes, make_manifest, pack_header, tensor_bytes, unpack_header
+from tidal.hal.transfer import (
+    Manifest,
+    Puller,
+    TensorSpec,
+    TransferError,
+    Weights,
+    WeightSource,
+    from_bytes,
+    pack_header,
+    plan_manifest,
+    tensor_bytes,
+    unpack_header,
+    weight_source,
+)
 
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 _names = itertools.count()
@@ -51,18 +65,37 @@ class IpcSender:
         sock.connect(address)
         self._sockets[address] = sock
 
-    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+    def disconnect(self, address: str) -> None:
+        """Stop sending to `address` (a receiver that is gone, e.g. a restarted actor's old one)."""
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def send(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """Write `weights` into the shared buffer one tensor at a time (each dropped once
+        copied), then announce `version`; returns when every receiver copied it out.
+
+        Raises:
+            TransferError: a receiver did not answer or refused the version, or a tensor did
+                not match its spec (named; then nothing is announced).
+        """
         if not self._sockets:
             raise TransferError("no weight receiver is connected")
-        tensors = [(n, t.detach()) for n, t in named_tensors]
-        manifest = make_manifest(version, tensors, bucket_bytes=1 << 62)  # one bucket: the whole buffer
-        device = tensors[0][1].device if tensors else torch.device("cpu")
-        buf = self._ensure(manifest.nbytes, device)
-        offset = 0
-        for _, t in tensors:
-            src = tensor_bytes(t)
-            buf[offset : offset + src.numel()].copy_(src)
-            offset += src.numel()
+        source = weight_source(weights)
+        manifest = plan_manifest(version, source.specs(), bucket_bytes=1 << 62)  # one bucket: the whole buffer
+        device, buf, offset = torch.device("cpu"), None, 0
+        with Puller(manifest, source) as puller:
+            for _ in manifest.specs:
+                src = tensor_bytes(puller.pull())
+                if buf is None:
+                    device = src.device  # the first tensor's device holds the buffer
+                    buf = self._ensure(manifest.nbytes, device)
+                buf[offset : offset + src.numel()].copy_(src)
+                offset += src.numel()
+                del src
+            puller.finish()
+        if buf is None:
+            buf = self._ensure(manifest.nbytes, device)
         if device.type != "cpu":
             self._platform.synchronize()  # the copies finished before the receiver reads
         where = {"path": str(self._path)} if device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}

@@ -78,6 +78,7 @@ WORKER = textwrap.dedent(
     out = {"metrics": run(e, data["plan"]), "version": e.version}
     out["logprobs"] = e.logprobs(batch)
     out["weights"] = export(e)
+    out["specs"] = e.named_weights().specs()  # no collective: rank 1 does not make this call
     out["state"] = e.state_dict()
     e.save_checkpoint(work / "ckpt")
     out["resume_metrics"] = run(e, data["resume"])
@@ -110,11 +111,14 @@ LED_WORKER = textwrap.dedent(
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    import threading
+
     from tidal.engines.fsdp_train import FSDPTrainEngine, follow, stop_followers
     from tidal.engines.tiny import build_tiny_qwen2
     from tidal.flow.algorithms import PolicyLossConfig
     from tidal.flow.trajectory import TokenBatch
     from tidal.hal import current_platform
+    from tidal.hal.transfer.host import HostReceiver, HostSender
 
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
@@ -142,6 +146,24 @@ LED_WORKER = textwrap.dedent(
         out["logprobs"] = e.logprobs(batch)
         out["one_row"] = e.logprobs(batch.select([0]))  # rank 1's share is empty
         out["weights"] = [(name, tensor.clone()) for name, tensor in e.named_weights()]
+        source = e.named_weights()
+        out["specs"] = source.specs()
+        stopped = iter(source)
+        out["first"] = next(stopped)[0]
+        stopped.close()  # a pass stopped early: rank 1 still makes (and rank 0 finishes) its gathers
+        receiver = HostReceiver(current_platform())
+        sender = HostSender(current_platform(), bucket_bytes=4096)  # several buckets, several tensors in some
+        sender.connect(receiver.address)
+        out["streamed"] = []
+        for version in (1, 2):  # the second pass: a version sent again after a rollout actor restarted
+            got = {}
+            receiving = threading.Thread(target=lambda: got.update(weights=receiver.receive(120)))
+            receiving.start()
+            out["buckets"] = len(sender.send(version, source).buckets)
+            receiving.join()
+            out["streamed"].append((got["weights"].version, got["weights"].tensors))
+        sender.close()
+        receiver.close()
         state = e.state_dict()
         other = engine(7)  # the followers replace their engine too
         other.load_state_dict(state)
@@ -336,7 +358,29 @@ def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
         assert torch.equal(a, b), name
     _assert_same_weights(led_run["continued"], fsdp_run["continued"])
     # rank 1 built both engines and took every step on its half of the rows
-    assert led_run["follower"] == {"engines": 2, "steps": len(PLAN) + len(RESUME), "rows": 3 * (len(PLAN) + len(RESUME))}
+    # rank 1 built both engines, took every step on its half of the rows and made every pass over the
+    # weights rank 0 started: 4 exports, the stopped pass and both streamed ones
+    assert led_run["follower"] == {"engines": 2, "steps": len(PLAN) + len(RESUME), "rows": 3 * (len(PLAN) + len(RESUME)), "exports": 6}
+
+
+def test_weight_source_specs_are_the_unsharded_models(fsdp_run, led_run):
+    """`named_weights().specs()`: names, dtypes and global shapes, read from the shards without gathering."""
+    want = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in _model(0).state_dict().items()]
+    for specs in (fsdp_run["specs"], led_run["specs"]):
+        assert [(s.name, s.dtype, s.shape) for s in specs] == want
+
+
+def test_led_weight_source_streams_through_a_transport_twice(led_run):
+    """Rank 0 streams the led engine's source over the host transport, bucket by bucket, twice (each
+    pass gathers anew, rank 1 in step, also after a pass stopped early): both versions arrive equal
+    to the un-sharded weights."""
+    assert led_run["first"] == led_run["weights"][0][0]
+    assert led_run["buckets"] > 3
+    assert [version for version, _ in led_run["streamed"]] == [1, 2]
+    for _, tensors in led_run["streamed"]:
+        assert list(tensors) == [name for name, _ in led_run["weights"]]
+        for name, want in led_run["weights"]:
+            assert torch.equal(tensors[name], want), name
 
 
 def test_a_sharded_model_is_not_wrapped_twice():

@@ -69,6 +69,7 @@ def test_two_fsdp_ranks_on_ray_train_together_and_publish_to_rollout(tidal_cli, 
     assert info["transport"] == "collective"
     (rollout,) = info["rollout_summaries"]
     assert rollout["versions_received"] == num_steps + 1  # the warm start (0) and every update, from rank 0 alone
+    assert follower["exports"] >= num_steps + 1  # each version streamed from rank 0's weight source: rank 1 gathered in step
     assert rollout["versions_applied"][0] == 0 and max(rollout["versions_applied"]) >= num_steps - 2
 
 
