@@ -60,7 +60,6 @@ class HFRolloutEngine:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.version = version
-        self._own_weights = self.model.state_dict()  # views of the parameters and buffers, for load_weights
         # Only the last position's logits are needed: models that can skip the others do.
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
 
@@ -137,7 +136,7 @@ class HFRolloutEngine:
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every named tensor into the model; all or nothing, then become `version`."""
         given = dict(named_tensors)
-        own = self._own_weights
+        own = self.model.state_dict()  # fresh views: parking (flow.timeshare) gives parameters new storage
         missing = sorted(set(own) - set(given))
         unknown = sorted(set(given) - set(own))
         wrong = sorted(n for n in set(own) & set(given) if own[n].shape != given[n].shape)

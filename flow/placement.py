@@ -12,7 +12,8 @@ are four configurations of the roles, not four code paths:
   rest go to free devices that carry its tags;
 - **multiplexed**: `Role(lend_to="rollout")` on `train`: while the trainer waits for
   data its devices run extra rollout instances (`borrowed`), reclaimed before the next
-  optimizer step (their generations pause through partial rollout and continue elsewhere).
+  optimizer step (their generations pause through partial rollout and resume with the
+  seat's next turn; `flow.colocate` runs the shared layouts).
 
 An infeasible request is a `PlacementError` naming the role and what it lacked, raised
 before anything starts. Nothing here imports Ray or torch: under `runtime: ray` the plan

@@ -2,8 +2,10 @@
 
 Under `runtime: ray` the trainer process (itself an actor on its placement) holds the
 store and serves it over ZeroMQ (`StoreServer`); each rollout instance is a
-`RolloutActor` on its own placement running the same `RolloutWorker` loop the local
-runtime runs in a thread, talking to the store through `RemoteStore`. Rows never go
+`RolloutActor` on its own placement (or, when it time-shares the trainer's devices, on
+the trainer's bundle with a seat at that bundle's `Turns` actor: `flow.colocate`)
+running the same `RolloutWorker` loop the local runtime runs in a thread, talking to the
+store through `RemoteStore`. Rows never go
 through Ray's object store. Weights go from the trainer to every rollout actor over the
 transport `hal.transfer.choose_transport` picks for the two platforms (host for NPU ->
 GPU, collective for one vendor); each actor's receiver thread drops complete, checked
@@ -73,17 +75,19 @@ def role_bundles(plan: Plan, have: Mapping[str, float]) -> dict[str, list[dict[s
     A tag a role requires beyond its kind's (`requires: [gpu, fast]`) must be a custom
     resource of the Ray nodes that carry it (`fast`, or `accelerator_type:fast`).
 
+    Only instances with devices of their own have bundles: one that time-shares a
+    trainer's devices (colocated, borrowed) sits on that trainer's bundle (`flow.colocate.spots`).
+
     Raises:
-        PlacementError: a role needs more than the cluster has, or a tag no node declares.
+        PlacementError: a role needs more than the cluster has, a tag no node declares, or
+            a shared layout `flow.colocate.spots` cannot seat.
     """
-    if any(a.mode != "own" for a in plan.assignments):
-        raise PlacementError(
-            f"layout {plan.layout!r} is not yet available under runtime=ray (colocated, hybrid and multiplexed roles "
-            "need the time-sharing actors of a later version); runtime=ray runs disaggregated placements"
-        )
+    from tidal.flow.colocate import spots  # noqa: PLC0415
+
+    spots(plan)  # a shared layout this runtime cannot seat fails here, before anything starts
     out: dict[str, list[dict[str, float]]] = {}
     for role in plan.roles:
-        if not plan.of(role.name):
+        if not plan.of(role.name, mode="own"):
             continue
         tags: dict[str, float] = {}
         for tag in role.requires:
@@ -93,7 +97,7 @@ def role_bundles(plan: Plan, have: Mapping[str, float]) -> dict[str, list[dict[s
             if key not in have:
                 raise PlacementError(f"cannot place role {role.name!r}: it requires tag {tag!r}, and no Ray node declares a resource {tag!r} (start the nodes with --resources '{{\"{tag}\": 1}}')")
             tags[key] = TAG_AMOUNT
-        bundles = [bundle_of(a, tags) for a in plan.of(role.name)]
+        bundles = [bundle_of(a, tags) for a in plan.of(role.name, mode="own")]
         need: dict[str, float] = collections.Counter()
         for b in bundles:
             need.update(b)
@@ -129,11 +133,15 @@ def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str
     return groups
 
 
-def actor_options(assignment: Assignment, pg: Any, index: int, *, fake: bool, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """`.options(...)` for the actor of one assignment: its bundle, and the platform it must select."""
+def actor_options(assignment: Assignment, pg: Any, index: int, *, fake: bool, env: Mapping[str, str] | None = None, resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """`.options(...)` for the actor of one assignment: its bundle, and the platform it must select.
+
+    `resources`: what it asks of the bundle (a time-shared bundle's seats ask for a part,
+    see `flow.colocate.spots`); by default all of the assignment's devices.
+    """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-    resources = bundle_of(assignment)  # the tags' slivers stay with the bundle: they only steer where it goes
+    resources = dict(resources) if resources is not None else bundle_of(assignment)  # the tags' slivers stay with the bundle: they only steer where it goes
     options: dict[str, Any] = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
         "runtime_env": {"env_vars": {"TIDAL_DEVICE": assignment.platform_spec(fake=fake), **(env or {})}},
@@ -154,14 +162,22 @@ class RolloutActor:
         make_engine: builds the rollout engine on this process's platform (a picklable function).
         store_address / store_token: the trainer's store server.
         settings: `group_size`, `max_new_tokens`, `prompts_per_generate`.
+        turns / seat: a `Turns` actor and this actor's seat name when it time-shares a
+            trainer's devices (its engine then generates and loads weights in turns).
     """
 
-    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int]) -> None:
+    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int], turns: Any = None, seat: str = "rollout") -> None:
         from tidal.flow.store.client import RemoteStore  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
 
         self.platform = current_platform()  # from TIDAL_DEVICE, set by the placement
         self.engine = make_engine()
+        self.sharing: Any = None
+        if turns is not None:
+            from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
+
+            self.sharing = Sharing(TurnsProxy(turns), self.platform)
+            self.engine = self.sharing.rollout(self.engine, seat)
         self.store = RemoteStore(store_address, token=store_token)
         self.stopping = threading.Event()
         self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, **settings)
@@ -177,7 +193,17 @@ class RolloutActor:
 
         import ray  # noqa: PLC0415
 
-        return {"platform": self.platform.descriptor.to_dict(), "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        context = ray.get_runtime_context()
+        var = self.platform.descriptor.visible_devices_var
+        return {
+            "platform": self.platform.descriptor.to_dict(),
+            "node": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "placement_group": context.get_placement_group_id(),
+            "resources": context.get_assigned_resources(),
+            "visible_devices": {var: os.environ.get(var)} if var else {},
+        }
 
     def retire_receiver(self) -> None:
         """The trainer is rebuilding the weight group (another actor restarted): the current
@@ -190,6 +216,14 @@ class RolloutActor:
         from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
 
         self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token)
+        self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
+        return self._receiver.address
+
+    def open_ipc_receiver(self, *, bind_host: str, token: str | None) -> str:
+        from tidal.hal.transfer import expected_specs  # noqa: PLC0415
+        from tidal.hal.transfer.ipc import IpcReceiver  # noqa: PLC0415
+
+        self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token)
         self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
         return self._receiver.address
 
@@ -250,6 +284,7 @@ class RolloutActor:
             "versions_applied": self.worker.versions_applied,
             "version": self.engine.version,
             "platform": self.platform.descriptor.to_dict(),
+            "timeshare": self.sharing.summary() if self.sharing is not None else None,
         }
 
     def stop(self) -> None:
@@ -375,17 +410,22 @@ class RayRollouts:
         raise Stop  # the actors return only when stopped
 
     def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tensors = list(named_weights)
+        """Send `version` to every actor. A `WeightSource` (what the train engines'
+        `named_weights()` return) streams bucket by bucket, and a send that failed because an
+        actor died makes a second pass over it; a plain iterable is listed first."""
+        from tidal.hal.transfer import weight_source  # noqa: PLC0415
+
+        source = weight_source(named_weights)
         with self._lock:
             if self._died.is_set():
                 self._rejoin()
             try:
-                self.wiring.sender.send(version, tensors)
+                self.wiring.sender.send(version, source)
             except Exception:
                 if not self._died.wait(DEATH_NOTICE_S):
                     raise
                 self._rejoin()
-                self.wiring.sender.send(version, tensors)
+                self.wiring.sender.send(version, source)
 
     def _back(self, i: int) -> dict[str, Any]:
         """Actor `i`'s description once Ray has restarted it."""

@@ -200,9 +200,12 @@ class Offloader:
     def __init__(self, platform: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.platform, self.module, self.optimizer = platform, module, optimizer
         self._handle: Any = None
+        self.num_bytes = 0
+        """Bytes the last park moved to host memory (0 where the device is the host's memory)."""
 
     def park(self) -> None:
         self._handle = self.platform.offload(module=self.module, optimizer=self.optimizer)
+        self.num_bytes = self._handle.num_bytes
 
     def unpark(self) -> None:
         handle, self._handle = self._handle, None

@@ -6,7 +6,9 @@ and GPUs as resources so the plan runs on CPU), schedules the plan, creates one
 placement group per role (failing within seconds, naming the role, when the cluster
 cannot hold it) and starts one trainer actor per `placement.train` instance on its
 bundle. Trainer rank 0 runs the same `train()` as the local runtime; its rollout stage
-is the rollout actors, started on their bundles, which reach the trainer's store over
+is the rollout actors, started on their bundles (a rollout instance that time-shares the
+trainer's devices on the trainer's bundle, taking turns through that bundle's `Turns`
+actor, which the driver starts: `flow.colocate`), which reach the trainer's store over
 ZeroMQ and receive each version over the chosen weight transport. With several trainer
 ranks (the `fsdp` backend) the ranks form one process group through hal (rank 0's
 address, a free port); rank 0's engines lead (`rank0_leads=True`) and the other ranks
@@ -85,10 +87,17 @@ class RemoteRollouts:
         self._server.close()
 
 
-def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, pg: Any, assignments: list[Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None) -> RemoteRollouts:
-    """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights."""
+def start_rollouts(
+    cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, groups: dict[str, Any], assignments: list[Any], spots: dict[Any, Any], turns: dict[int, Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None
+) -> RemoteRollouts:
+    """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights.
+
+    A rollout instance that time-shares the trainer's devices goes on the trainer's bundle
+    with its seat at that bundle's `Turns` actor (`turns`, by trainer rank).
+    """
     import ray  # noqa: PLC0415
 
+    from tidal.flow.colocate import IpcWiring  # noqa: PLC0415
     from tidal.flow.runtime import CollectiveWiring, HostWiring, RayRollouts, RolloutActor, actor_options  # noqa: PLC0415
     from tidal.flow.store.server import StoreServer  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
@@ -103,25 +112,34 @@ def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int],
     # Ray restarts a dead rollout actor (running __init__ again); a call in flight when it died fails.
     actor_cls = ray.remote(max_concurrency=4, max_restarts=cfg.fault.rollout_restarts, max_task_retries=0)(RolloutActor)
     make_engine = functools.partial(make_rollout_engine, to_yaml(cfg))
-    actors = [
-        actor_cls.options(**actor_options(a, pg, i, fake=fake)).remote(make_engine, store_address=address, store_token=token, settings=settings)
-        for i, a in enumerate(assignments)
-    ]
+    actors = []
+    for a in assignments:
+        spot = spots[("rollout", a.rank)]
+        env = {}
+        if spot.turns is not None and not spot.resources and ranks:  # a guest of a multi-device bundle: the trainer's devices
+            env = {k: v for k, v in ranks[spot.turns].get("visible_devices", {}).items() if v is not None}
+        options = actor_options(a, groups[spot.group], spot.bundle, fake=fake, env=env, resources=spot.resources)
+        seat = {"turns": turns[spot.turns], "seat": f"rollout-{a.rank}"} if spot.turns is not None else {}
+        actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
     descriptions = ray.get([a.describe.remote() for a in actors])
     me = current_platform().descriptor
     my_node = ray.get_runtime_context().get_node_id()
     kinds = set()
-    for d in descriptions:
+    for a, d in zip(assignments, descriptions):
         theirs = PlatformDescriptor.from_dict(d["platform"])
-        kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=False, override=cfg.transport.name if cfg.transport.name != "auto" else None))
+        colocated = spots[("rollout", a.rank)].turns is not None
+        kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=cfg.transport.name if cfg.transport.name != "auto" else None))
     transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
     bucket_bytes = cfg.transport.bucket_mb << 20
-    if transport == "collective":
-        wiring: Any = CollectiveWiring(current_platform(), host=host, bucket_bytes=bucket_bytes)
+    if transport == "ipc":
+        wiring: Any = IpcWiring(current_platform(), host=host, token=token)
+    elif transport == "collective":
+        wiring = CollectiveWiring(current_platform(), host=host, bucket_bytes=bucket_bytes)
     else:
         wiring = HostWiring(current_platform(), host=host, token=token, bucket_bytes=bucket_bytes)
-    trainer_info = {"pid": os.getpid(), "attempt": attempt, "ranks": ranks or []}
-    info = {"transport": transport, "store": address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_restarts": [0] * len(actors)}
+    trainer_info = {"pid": os.getpid(), "attempt": attempt, "ranks": ranks or [], "node": my_node}
+    seating = [{"rank": a.rank, "mode": a.mode, "bundle": [spots[("rollout", a.rank)].group, spots[("rollout", a.rank)].bundle], "resources": spots[("rollout", a.rank)].resources} for a in assignments]
+    info = {"transport": transport, "store": address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(actors)}
 
     def write_info(descriptions: list[dict[str, Any]]) -> None:
         info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
@@ -132,7 +150,7 @@ def start_rollouts(cfg: Any, store: Any, trainer: Any, settings: dict[str, int],
     rollouts = None
     write_info(descriptions)
     rollouts = RayRollouts(actors, wiring, max_restarts=cfg.fault.rollout_restarts, on_change=write_info)
-    rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights
+    rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
     return RemoteRollouts(rollouts, server, wiring, actors, info_path)
 
 
@@ -149,7 +167,19 @@ class TrainerActor:
         """This rank's process, node and platform."""
         import ray  # noqa: PLC0415
 
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "platform": self.describe()}
+        from tidal.hal import current_platform  # noqa: PLC0415
+
+        var = current_platform().descriptor.visible_devices_var
+        visible = {var: os.environ.get(var)} if var else {}
+        context = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node": context.get_node_id(),
+            "platform": self.describe(),
+            "placement_group": context.get_placement_group_id(),
+            "resources": context.get_assigned_resources(),
+            "visible_devices": visible,
+        }
 
     def group_address(self) -> str:
         """Rank 0: where the trainer ranks meet to form their process group (this node, a free port)."""
@@ -162,15 +192,32 @@ class TrainerActor:
             return f"tcp://{host}:{s.getsockname()[1]}"
 
     def run(
-        self, cfg_yaml: str, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool, attempt: int = 0, *, rank: int = 0, ranks: list[dict[str, Any]] | None = None, group_address: str | None = None
+        self,
+        cfg_yaml: str,
+        run_dir: str,
+        groups: dict[str, Any],
+        rollout_assignments: list[Any],
+        fake: bool,
+        attempt: int = 0,
+        *,
+        rank: int = 0,
+        ranks: list[dict[str, Any]] | None = None,
+        group_address: str | None = None,
+        spots: dict[Any, Any] | None = None,
+        turns: dict[int, Any] | None = None,
     ) -> dict[str, Any]:
-        """Train (rank 0) or follow rank 0 (the others); after a restart (`attempt` > 0) resume from the run's last checkpoint."""
+        """Train (rank 0) or follow rank 0 (the others); after a restart (`attempt` > 0) resume from the run's last checkpoint.
+
+        `groups` are the placement groups by role, `spots` every actor's bundle
+        (`flow.colocate.spots`), `turns` the `Turns` actors of shared trainer bundles.
+        """
         from tidal.hal import current_platform  # noqa: PLC0415
 
         cfg = _config_from_yaml(cfg_yaml)
         world_size = len(ranks or ()) or 1
+        placed = {"groups": groups, "spots": spots or {}, "turns": turns or {}}
         if world_size == 1:
-            return self._train(cfg, run_dir, rollout_pg, rollout_assignments, fake, attempt, ranks=ranks)
+            return self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks)
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -182,13 +229,14 @@ class TrainerActor:
         try:
             if rank:
                 return {"rank": rank, **self.where(), **follow()}
-            summary = self._train(cfg, run_dir, rollout_pg, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True})
+            summary = self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True})
             stop_followers()
             return summary
         finally:
             dist.destroy_process_group()
 
-    def _train(self, cfg: Any, run_dir: str, rollout_pg: Any, rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _train(self, cfg: Any, run_dir: str, placed: dict[str, Any], rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        from tidal.flow.colocate import TurnsProxy  # noqa: PLC0415
         from tidal.tools.train import train  # noqa: PLC0415
 
         if attempt:
@@ -197,8 +245,9 @@ class TrainerActor:
             else:  # died before its first checkpoint: start over
                 (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
         info_path = str(Path(run_dir) / "runtime.json")
-        starter = functools.partial(start_rollouts, pg=rollout_pg, assignments=rollout_assignments, fake=fake, info_path=info_path, attempt=attempt, ranks=ranks)
-        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options)
+        starter = functools.partial(start_rollouts, assignments=rollout_assignments, fake=fake, info_path=info_path, attempt=attempt, ranks=ranks, **placed)
+        turns = placed["turns"].get(0)  # this rank time-shares its devices with rollout seats
+        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=TurnsProxy(turns) if turns is not None else None)
         summary["trainer_platform"] = self.describe()
         summary["trainer_restarts"] = attempt
         (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -249,6 +298,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
     """The driver: plan, placement groups, trainer actor; returns the run's summary."""
     import ray  # noqa: PLC0415
 
+    from tidal.flow.colocate import spots, start_turns  # noqa: PLC0415
     from tidal.flow.placement import PlacementError  # noqa: PLC0415
     from tidal.flow.runtime import actor_options, placement_groups  # noqa: PLC0415
     from tidal.tools.plan import make_plan  # noqa: PLC0415
@@ -265,14 +315,16 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
         raise ConfigError(f"placement: {e}") from None
     fake = bool(cfg.cluster.fake)
     trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
+    placed = spots(plan)  # checked by placement_groups already
+    turns = start_turns(placed, groups)  # outlive a trainer restart: the restarted seats join again
     try:
         for attempt in range(cfg.fault.trainer_restarts + 1):
-            ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake)).remote() for i, a in enumerate(plan.of("train"))]
+            ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources)).remote() for i, a in enumerate(plan.of("train"))]
             try:
                 where = ray.get([r.where.remote() for r in ranks])
                 address = ray.get(ranks[0].group_address.remote()) if num_ranks > 1 else None
                 refs = [
-                    r.run.remote(to_yaml(cfg), str(run_dir), groups["rollout"], plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address)
+                    r.run.remote(to_yaml(cfg), str(run_dir), groups, plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address, spots=placed, turns=turns)
                     for i, r in enumerate(ranks)
                 ]
                 summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
@@ -289,6 +341,8 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     ray.kill(r)
         raise AssertionError("unreachable")
     finally:
+        for actor in turns.values():
+            ray.kill(actor)
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
 

@@ -247,13 +247,32 @@ def _one_process_group(train_cls: Any, platform: Any) -> bool:
     return True
 
 
-def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def local_turns(cfg: Any) -> Any:
+    """A `Turns` for `runtime: local` when the plan puts its rollout engine (instance 0) on
+    the trainer's devices (colocated or hybrid), else None. The plan is made only when the
+    recipe asks for shared devices (`placement.rollout.colocate_with`, `placement.train.lend_to`)."""
+    placement = cfg.placement
+    if not (placement.rollout.colocate_with or placement.train.lend_to):
+        return None
+    from tidal.flow.timeshare import Turns  # noqa: PLC0415
+    from tidal.tools.plan import make_plan  # noqa: PLC0415
+
+    plan, _ = make_plan(cfg)
+    return Turns() if plan.of("rollout")[0].mode != "own" else None
+
+
+def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
     `start_rollouts(cfg, store, trainer, settings)` puts the rollout stage elsewhere
     (the Ray runtime's actors); it returns a `RolloutGroup` with a `close()`. Without it
     rollout is a thread of this process. `engine_options` go to every train engine this
     builds (the Ray runtime's rank 0 of an fsdp group passes `rank0_leads=True`).
+
+    `turns` (a `flow.timeshare.Turns`, or a proxy to one) seats the RL train engine at
+    devices it time-shares with rollout; without it and without `start_rollouts`, a
+    plan that puts rollout on the trainer's devices gets an in-process `Turns` for both
+    engines (`local_turns`). The summary's `timeshare` says what happened.
 
     The engines never see the un-sharded model this keeps (`template`, on the host): each
     gets a copy, and evaluation, checkpoints and rollout's weights go through the engine's
@@ -318,6 +337,16 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"]})
         _set_rng_state(saved["rng"])
     rollout = build_rollout_engine(cfg, copy.deepcopy(template), tokenizer, platform=platform, version=trainer.version)  # the trainer's weights too
+    if turns is None and start_rollouts is None:
+        turns = local_turns(cfg)
+    sharing = None
+    if turns is not None:
+        from tidal.flow.colocate import Sharing  # noqa: PLC0415
+
+        sharing = Sharing(turns, platform)
+        trainer = sharing.train(trainer)
+        if start_rollouts is None:
+            rollout = sharing.rollout(rollout)
     algo = cfg.algorithm
     loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
     wf_cfg = WorkflowConfig(
@@ -342,6 +371,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     task_id = bar.add_task("rl", total=algo.num_steps, completed=trainer.version, info="waiting for the first batch")
 
     def on_step(m: dict[str, Any]) -> None:
+        if sharing is not None:
+            m["handoffs"] = sharing.turns.state()["handoffs"]  # so far, on the trainer's devices
         history.append(m)
         with metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
@@ -365,6 +396,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     finally:
         if remote is not None:
             remote.close()
+        timeshare = sharing.summary() if sharing is not None else None
+        if sharing is not None:
+            sharing.close()
     rl_seconds = time.perf_counter() - started
     save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
     accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
@@ -382,6 +416,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         "first_reward": history[0]["reward"] if history else None,
         "last_reward": history[-1]["reward"] if history else None,
     }
+    if timeshare is not None:
+        summary["timeshare"] = timeshare
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if made_group:
         torch.distributed.destroy_process_group()

@@ -1,0 +1,186 @@
+"""Colocated, hybrid and multiplexed layouts at run time: engines seated at one `Turns`.
+
+`flow.timeshare` has the pieces (`Turns`, `Seat`, the shared engines, `Offloader`); this
+module puts them where a plan says roles share devices, under both runtimes:
+
+- `Sharing` seats engines at one `Turns`, each parking through `Offloader` (the hal
+  platform's offload: weights, gradients and optimizer state to host memory while the
+  other seat computes), and reports what happened (hand-offs, parks, bytes parked).
+  `runtime: local` gives its trainer and rollout engines one in-process `Turns`.
+- Under `runtime: ray`, `spots(plan)` says where every actor goes: an instance with
+  devices of its own on its role's bundle; a rollout instance that time-shares a
+  trainer's devices (`colocated`, or `borrowed` from a lender) on that trainer's bundle,
+  each seat asking for a fraction of the bundle's device (a bundle of several devices:
+  the trainer asks for them all, its guests for none of them, and get its visible
+  devices). One `Turns` per shared bundle runs as a threaded actor (`start_turns`), and
+  each process reaches it through a `TurnsProxy`, so `Seat` works unchanged.
+
+A borrowed (multiplexed) instance is a rollout seat like a colocated one: its generation
+pauses at the next chunk boundary when the trainer asks for its turn, and resumes from
+the same trajectories with its next turn. Moving a paused generation to another rollout
+instance ("continue elsewhere") is not done: it resumes on the instance that paused it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
+from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
+
+TURNS_CONCURRENCY = 64
+"""Calls a `Turns` actor serves at once: each seat may block in `acquire` and in `wait_park`."""
+SHARE_UNIT = 1e-4
+"""Ray's resource precision: fractions of a device are rounded down to it."""
+
+
+class Sharing:
+    """Engines of this process seated at one `turns` (a `Turns` or a `TurnsProxy`)."""
+
+    def __init__(self, turns: Any, platform: Any) -> None:
+        self.turns, self.platform = turns, platform
+        self._seats: list[tuple[Seat, Offloader]] = []
+
+    def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
+        model = getattr(engine, "model", None)
+        if model is None:
+            raise ValueError(f"{type(engine).__name__} has no `model` to park; it cannot time-share devices (seat {name!r})")
+        offloader = Offloader(self.platform, model, getattr(engine, "optimizer", None) if optimizer else None)
+        seat = Seat(self.turns, name, park=offloader.park, unpark=offloader.unpark)
+        self._seats.append((seat, offloader))
+        return seat
+
+    def train(self, engine: Any, name: str = "train") -> SharedTrainEngine:
+        return SharedTrainEngine(engine, self._seat(engine, name, optimizer=True))
+
+    def rollout(self, engine: Any, name: str = "rollout") -> SharedRolloutEngine:
+        return SharedRolloutEngine(engine, self._seat(engine, name, optimizer=False))
+
+    def summary(self) -> dict[str, Any]:
+        """Hand-offs on these devices so far, and each of this process's seats' parks."""
+        seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes} for s, o in self._seats}
+        return {"handoffs": self.turns.state()["handoffs"], "seats": seats}
+
+    def close(self) -> None:
+        for seat, _ in self._seats:
+            seat.close()
+
+
+class TurnsProxy:
+    """A `Turns` actor's methods as plain blocking calls (what `Seat` expects)."""
+
+    _METHODS = frozenset({"join", "acquire", "release", "wanted", "wait_park", "leave", "begin_park", "parked", "state"})
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in TurnsProxy._METHODS:
+            raise AttributeError(name)
+        import ray  # noqa: PLC0415
+
+        method = getattr(self.handle, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+# Ray placement of shared devices ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spot:
+    """Where one role instance's actor goes under Ray."""
+
+    group: str
+    """The role whose placement group holds the bundle."""
+    bundle: int
+    """The bundle's index in that group."""
+    resources: dict[str, float]
+    """What the actor asks of the bundle."""
+    turns: int | None = None
+    """The trainer rank whose devices (and `Turns`) it time-shares; None: it computes alone."""
+
+
+def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
+    """Every assignment's spot, keyed by (role, rank).
+
+    Raises:
+        PlacementError: a shared layout this runtime cannot run yet: a guest that is not a
+            rollout instance on the trainer's devices, one that spans several trainer
+            instances, or one on a trainer rank other than 0 (those ranks follow rank 0's
+            engine and take no turns).
+    """
+    own: dict[str, list[Assignment]] = {}
+    for a in plan.assignments:
+        if a.mode == "own":
+            own.setdefault(a.role, []).append(a)
+    guests: dict[int, list[Assignment]] = {}
+    for a in plan.assignments:
+        if a.mode == "own":
+            continue
+        if a.role != "rollout":
+            raise PlacementError(f"role {a.role!r} ({a.mode}) cannot time-share devices under runtime=ray: only rollout instances time-share the trainer's")
+        host = next((t for t in own.get("train", []) if t.node == a.node and set(a.devices) <= set(t.devices)), None)
+        if host is None:
+            raise PlacementError(f"rollout instance {a.rank} ({a.mode}) spans devices {list(a.devices)} of several trainer instances on {a.node}; give it at most one trainer instance's devices (placement.rollout.devices_each)")
+        index = own["train"].index(host)
+        if index:
+            raise PlacementError(f"rollout instance {a.rank} ({a.mode}) time-shares trainer rank {index}; under runtime=ray only rank 0 takes turns (the other ranks follow it), so share rank 0's devices only")
+        guests.setdefault(index, []).append(a)
+    out: dict[tuple[str, int], Spot] = {}
+    for role, assignments in own.items():
+        for i, a in enumerate(assignments):
+            out[(role, a.rank)] = Spot(group=role, bundle=i, resources={RAY_RESOURCES[a.kind]: float(len(a.devices))}, turns=i if role == "train" and i in guests else None)
+    for index, seated in guests.items():
+        host = own["train"][index]
+        resource, num_devices = RAY_RESOURCES[host.kind], len(host.devices)
+        if num_devices == 1:  # Ray lets fractions of one device share it
+            each = round(int(1.0 / (len(seated) + 1) / SHARE_UNIT) * SHARE_UNIT, 4)
+            shares = {resource: each}
+            out[("train", host.rank)] = dataclasses.replace(out[("train", host.rank)], resources={resource: round(1.0 - each * len(seated), 4)})
+        else:  # fractions above 1 are not allowed: the trainer holds the devices, guests get its visible devices
+            shares = {}
+        for a in seated:
+            out[(a.role, a.rank)] = Spot(group="train", bundle=index, resources=dict(shares), turns=index)
+    return out
+
+
+def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str, Any]) -> dict[int, Any]:
+    """One `Turns` actor per shared trainer bundle, on that bundle's node (it asks for no resources)."""
+    import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=TURNS_CONCURRENCY, max_restarts=0)(Turns)
+    out = {}
+    for (role, _), spot in placements.items():
+        if role == "train" and spot.turns is not None:
+            strategy = PlacementGroupSchedulingStrategy(placement_group=groups["train"], placement_group_bundle_index=spot.bundle)
+            out[spot.turns] = actor_cls.options(scheduling_strategy=strategy).remote()
+    return out
+
+
+class IpcWiring:
+    """Weights to rollout actors colocated with the trainer over the `ipc` transport (a socket each)."""
+
+    def __init__(self, platform: Any, *, host: str, token: str | None) -> None:
+        from tidal.hal.transfer.ipc import IpcSender  # noqa: PLC0415
+
+        self.sender = IpcSender(platform, token=token)
+        self._host, self._token = host, token
+        self._addresses: dict[int, str] = {}
+
+    def attach(self, actors: Any, which: Any) -> None:
+        import ray  # noqa: PLC0415
+
+        which = list(which)
+        for i in which:
+            if i in self._addresses:  # a restarted actor: its old receiver is gone
+                self.sender.disconnect(self._addresses.pop(i))
+        for i, address in zip(which, ray.get([actors[i].open_ipc_receiver.remote(bind_host=self._host, token=self._token) for i in which])):
+            self.sender.connect(address)
+            self._addresses[i] = address
+
+    def abort(self) -> None:
+        pass  # a dead receiver's reply times out by itself
+
+    def close(self) -> None:
+        self.sender.close()

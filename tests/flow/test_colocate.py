@@ -1,0 +1,139 @@
+"""Shared devices at run time: where each actor sits, and turns taken across Ray processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tidal.flow.colocate import Sharing, Spot, TurnsProxy, spots
+from tidal.flow.placement import PlacementError, Resource, Role, schedule
+from tidal.flow.runtime import role_bundles
+from tidal.flow.timeshare import Turns
+from tidal.hal import select_platform
+
+GPUS = [Resource(node="g0", kind="cuda", capacity=2), Resource(node="g1", kind="cuda", capacity=2)]
+
+
+def test_colocated_rollout_sits_on_the_trainer_bundle_with_a_fraction_of_its_device():
+    plan = schedule(GPUS[:1], [Role(name="train"), Role(name="rollout", colocate_with="train")])
+    assert plan.layout == "colocated"
+    placed = spots(plan)
+    assert placed[("train", 0)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=0)
+    assert placed[("rollout", 0)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=0)
+    assert role_bundles(plan, {"GPU": 2}) == {"train": [{"GPU": 1.0}]}  # no bundle of rollout's own
+
+
+def test_hybrid_and_multiplexed_mix_seats_on_the_trainer_and_devices_of_their_own():
+    hybrid = schedule(GPUS[:1], [Role(name="train"), Role(name="rollout", count=2, colocate_with="train")])
+    assert hybrid.layout == "hybrid"
+    placed = spots(hybrid)
+    assert placed[("rollout", 0)].group == "train" and placed[("rollout", 0)].turns == 0
+    assert placed[("rollout", 1)] == Spot(group="rollout", bundle=0, resources={"GPU": 1.0}, turns=None)
+    assert role_bundles(hybrid, {"GPU": 2}) == {"train": [{"GPU": 1.0}], "rollout": [{"GPU": 1.0}]}
+
+    multiplexed = schedule(GPUS[:1], [Role(name="train", lend_to="rollout"), Role(name="rollout")])
+    assert multiplexed.layout == "multiplexed"
+    placed = spots(multiplexed)
+    assert placed[("rollout", 0)] == Spot(group="rollout", bundle=0, resources={"GPU": 1.0}, turns=None)
+    assert placed[("rollout", 1)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=0)  # borrowed
+
+
+def test_several_guests_split_one_device_and_a_multi_device_trainer_keeps_its_devices():
+    three = spots(schedule([Resource(node="g0", kind="cuda", capacity=1)], [Role(name="train", lend_to="rollout"), Role(name="rollout", colocate_with="train")]))
+    shares = [three[k].resources["GPU"] for k in (("train", 0), ("rollout", 0), ("rollout", 1))]
+    assert shares == [0.3334, 0.3333, 0.3333]
+    wide = spots(schedule(GPUS[:1], [Role(name="train", devices_each=2), Role(name="rollout", count=2, colocate_with="train")]))
+    assert wide[("train", 0)].resources == {"GPU": 2.0}
+    assert wide[("rollout", 0)].resources == {} and wide[("rollout", 1)].resources == {} and wide[("rollout", 1)].turns == 0
+
+
+def test_shared_layouts_this_runtime_cannot_seat_are_named():
+    follower = schedule(GPUS, [Role(name="train", count=2, devices_each=2), Role(name="rollout", count=2, devices_each=2, colocate_with="train")])
+    with pytest.raises(PlacementError, match="time-shares trainer rank 1; under runtime=ray only rank 0 takes turns"):
+        spots(follower)
+    guest_trainer = schedule(GPUS[:1], [Role(name="train", colocate_with="rollout"), Role(name="rollout")])
+    with pytest.raises(PlacementError, match="role 'train' \\(colocated\\) cannot time-share devices under runtime=ray"):
+        role_bundles(guest_trainer, {"GPU": 2})
+
+
+def test_sharing_reports_handoffs_and_parks():
+    import torch
+
+    platform = select_platform("fake:cuda:1").platform
+
+    class Engine:
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(4, 4)
+            self.optimizer = torch.optim.AdamW(self.model.parameters())
+            self.version = 0
+
+        def sft_step(self, batch):
+            return {}
+
+        def load_weights(self, version, named_tensors):
+            self.version = version
+
+    sharing = Sharing(Turns(), platform)
+    trainer, rollout = sharing.train(Engine()), sharing.rollout(Engine())
+    try:
+        trainer.sft_step(None)
+        rollout.load_weights(1, [])
+        trainer.sft_step(None)
+        summary = sharing.summary()
+        assert summary["handoffs"] == 3
+        assert summary["seats"]["train"]["parks"] == 1 and summary["seats"]["rollout"]["parks"] == 1
+        assert summary["seats"]["rollout"]["parked_bytes"] == 4 * 4 * 4 + 4 * 4  # weight and bias, float32
+    finally:
+        sharing.close()
+
+
+def test_seats_in_two_processes_take_turns_through_a_turns_actor(ray_session):
+    import ray
+
+    from tidal.flow.colocate import TURNS_CONCURRENCY
+
+    turns = ray.remote(num_cpus=0, max_concurrency=TURNS_CONCURRENCY)(Turns).remote()
+
+    def wait_for(proxy, what, value):
+        deadline = time.monotonic() + 30
+        while proxy.state()[what] != value:
+            assert time.monotonic() < deadline, proxy.state()
+            time.sleep(0.02)
+
+    @ray.remote(num_cpus=0)
+    def other_process(handle, wait_for):
+        from tidal.flow.colocate import TurnsProxy
+        from tidal.flow.timeshare import Seat
+
+        parked = []
+        proxy = TurnsProxy(handle)
+        seat = Seat(proxy, "rollout", park=lambda: parked.append("park"), unpark=lambda: parked.append("unpark"))
+        try:
+            with seat.turn():
+                pass
+            wait_for(proxy, "handoffs", 3)  # the trainer took its turn: our state was parked
+            with seat.turn():
+                pass
+            return parked
+        finally:
+            seat.close()
+
+    from tidal.flow.timeshare import Seat
+
+    proxy, log = TurnsProxy(turns), []
+    train = Seat(proxy, "train", park=lambda: log.append("park"), unpark=lambda: log.append("unpark"))
+    try:
+        with train.turn():
+            pass
+        ref = other_process.remote(turns, wait_for)
+        wait_for(proxy, "resident", "rollout")  # our state was parked for the other process's turn
+        with train.turn():  # ... and its state is parked for ours
+            pass
+        assert ray.get(ref, timeout=60) == ["park", "unpark"]
+        assert log == ["park", "unpark", "park"] and proxy.state()["handoffs"] == 4
+    finally:
+        train.close()
+    with pytest.raises(AttributeError):
+        proxy.no_such_method  # noqa: B018
+    ray.kill(turns)

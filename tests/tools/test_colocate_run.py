@@ -1,0 +1,87 @@
+"""Colocated layouts through the real `tidal run`: rollout time-shares the trainer's devices.
+
+The local run uses a fake GPU (CPU tensors, but offload copies for real), so each
+hand-off really moves the waiting engine's state to host memory. The Ray run connects to
+the test session's Ray (`ray_session`, through RAY_ADDRESS) with a fake one-device node:
+the rollout actor must sit on the trainer's bundle and both take turns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "checkpoint_every=100", "threads=1"]
+COLOCATED = ["placement.rollout.colocate_with=train"]
+
+
+def test_local_colocated_run_takes_turns_and_parks_the_waiting_engine(tidal_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    args = [*SMALL, "algorithm.num_steps=20", "task.reward=tidal_test_rewards:starts_with_seven", "device=fake:cuda:1", *COLOCATED]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
+    assert last > first + 0.2, f"reward did not go up: {first:.2f} -> {last:.2f}"
+    assert all(b["handoffs"] >= a["handoffs"] for a, b in zip(steps, steps[1:])) and steps[-1]["handoffs"] >= 20
+    summary = json.loads((run_dir / "summary.json").read_text())
+    share = summary["timeshare"]
+    assert share["handoffs"] >= 20  # the devices went back and forth between rollout and training
+    rollout, train = share["seats"]["rollout"], share["seats"]["train"]
+    assert rollout["parks"] >= 10 and rollout["parked_bytes"] > 0  # rollout's weights left while training ran
+    assert train["parks"] >= 10 and train["parked_bytes"] > rollout["parked_bytes"]  # + gradients and AdamW moments
+
+
+def test_local_disaggregated_run_takes_no_turns(tidal_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *SMALL, "sft.steps=2", "algorithm.num_steps=2", "--no-progress", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "timeshare" not in json.loads((run_dir / "summary.json").read_text())
+
+
+def test_ray_colocated_rollout_actor_sits_on_the_trainer_bundle(tidal_cli, tmp_path, ray_session):
+    import ray
+
+    run_dir = tmp_path / "run"
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 1}]"  # fake:cpu:1: parks copy for real
+    args = [*SMALL, "algorithm.num_steps=6", "runtime=ray", "cluster.fake=true", cluster, *COLOCATED]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 7)) and all("reward" in m for m in steps)
+    info = json.loads((run_dir / "runtime.json").read_text())
+    (trainer,), (actor,) = info["trainer"]["ranks"], info["rollout_actors"]
+    assert info["rollout_seating"] == [{"rank": 0, "mode": "colocated", "bundle": ["train", 0], "resources": {"CPU": 0.5}}]
+    assert actor["node"] == trainer["node"] and actor["placement_group"] == trainer["placement_group"] is not None
+    assert actor["resources"].get("CPU") == trainer["resources"].get("CPU") == 0.5  # half of the bundle's device each
+    assert info["transport"] == "ipc"  # same node, same device kind, colocated
+    (rollout,) = info["rollout_summaries"]
+    assert rollout["samples"] > 0 and rollout["timeshare"]["seats"]["rollout-0"]["parks"] >= 3
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["timeshare"]["seats"]["train"]["parks"] >= 3
+    assert summary["timeshare"]["handoffs"] >= 6
+
+
+def test_ray_multiplexed_lends_the_trainer_device_to_a_borrowed_rollout_seat(tidal_cli, tmp_path, ray_session):
+    import ray
+
+    run_dir = tmp_path / "run"
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 2}]"
+    args = [*SMALL, "algorithm.num_steps=6", "runtime=ray", "cluster.fake=true", cluster, "placement.train.lend_to=rollout"]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads((run_dir / "runtime.json").read_text())
+    own, borrowed = info["rollout_seating"]
+    assert (own["mode"], own["bundle"], borrowed["mode"], borrowed["bundle"]) == ("own", ["rollout", 0], "borrowed", ["train", 0])
+    (trainer,), actors = info["trainer"]["ranks"], info["rollout_actors"]
+    assert actors[1]["placement_group"] == trainer["placement_group"] != actors[0]["placement_group"]
+    assert info["transport"] == "host"  # one sender for both: ipc to the borrowed seat, collective to the other
+    own_summary, borrowed_summary = info["rollout_summaries"]
+    assert own_summary["timeshare"] is None and own_summary["samples"] > 0
+    assert borrowed_summary["samples"] > 0 and borrowed_summary["timeshare"]["seats"]["rollout-1"]["parks"] >= 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["timeshare"]["handoffs"] >= 2
