@@ -372,7 +372,9 @@ class FSDPTrainEngine:
         if self._leading:
             (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss)
             batch = TokenBatch(*fields)
-        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
+        metrics = self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
+        metrics["skipped_rows"] = 0.0  # every row runs (the torch engine skips rows without advantage)
+        return metrics
 
     def _train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None) -> dict[str, float]:
         counts, num_micro = self._global(batch)

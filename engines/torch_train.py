@@ -10,7 +10,11 @@ micro-batches hold rows of similar length (the batch's rows sorted by length, st
 each cut to its longest row; a right-padded micro-batch (every `to_token_batch`'s) runs
 without a padding mask, since under causal attention a real token only sees earlier,
 real, tokens; and when rows share prompts (a GRPO group's samples) each distinct prompt
-goes through the model once and the rows continue from its KV cache.
+goes through the model once and the rows continue from its KV cache. Rows whose
+advantage is zero on every loss token (a GRPO group whose samples all got the same
+reward) add nothing to the loss or its gradient when there is no KL term, so they get no
+forward or backward pass (`skipped_rows` in the step's metrics; the other metrics, such
+as `clip_fraction`, are over the rows that ran).
 
 Run for real: CPU (tests and the CPU quickstart). On GPU/NPU platforms the model lives
 on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
@@ -107,12 +111,15 @@ class TorchTrainEngine:
         placed = (j >= 0) & (j < num_response[:, None])
         return torch.where(placed, logprobs.gather(1, j.clamp(0, width - 1)), 0.0)
 
-    def _micro_batches(self, batch: TokenBatch) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
-        """(rows, micro-batch): rows of similar length, cut to the longest of them."""
+    def _micro_batches(self, batch: TokenBatch, among: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
+        """(rows, micro-batch): rows of similar length, cut to the longest of them; only
+        the rows `among` when given."""
         positions = torch.arange(1, batch.input_ids.shape[1] + 1)
         lengths = torch.where(batch.attention_mask.cpu() != 0, positions, 0).amax(dim=1)  # up to the last real token
         order = torch.sort(lengths, stable=True).indices
-        for start in range(0, len(batch), self.micro_batch_size):
+        if among is not None:
+            order = order[torch.isin(order, among)]
+        for start in range(0, len(order), self.micro_batch_size):
             rows = order[start : start + self.micro_batch_size]
             yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
 
@@ -129,17 +136,27 @@ class TorchTrainEngine:
             out[rows, : part.loss_mask.shape[1]] = self._token_logprobs(part).cpu()
         return out
 
-    def _step(self, batch: TokenBatch, micro_loss: Any, weight_of: Any) -> dict[str, float]:
+    def _step(self, batch: TokenBatch, micro_loss: Any, weight_of: Any, among: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step over the micro-batches of `batch` (of its rows `among`, when
+        given: the others must contribute no gradient). "loss" is the batch's loss; the
+        other metrics are means over the rows that ran."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for rows, part in self._micro_batches(batch):
+        covered = 0.0
+        for rows, part in self._micro_batches(batch, among):
             weight = weight_of(part)
             if weight == 0:
                 continue
             loss, metrics = micro_loss(part, rows)
             (loss * weight).backward()
+            covered += weight
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + weight * float(value)
+        for key in totals.keys() - {"loss"}:
+            totals[key] /= covered
+        for p in self.model.parameters():  # nothing ran: a zero gradient, so AdamW still steps (momentum, decay) as it would have
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         totals.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"], num_tokens=float(batch.loss_mask.sum()))
@@ -167,7 +184,11 @@ class TorchTrainEngine:
                 config=loss,
             )
 
-        metrics = self._step(batch, micro_loss, weight_of)
+        among = None
+        if loss.kl_coef == 0:  # every other term of the loss is a multiple of the advantage
+            among = _rows_with_signal(advantages, batch.loss_mask)
+        metrics = self._step(batch, micro_loss, weight_of, among)
+        metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
         self.version += 1
         return metrics
 
@@ -229,3 +250,15 @@ def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
     if response == 0 or shared_tokens > 0.8 * len(ids) * max(lengths):
         return None
     return _SharedPrompts(list(distinct), inverse, prompt_lengths, lengths)
+
+
+def _rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Indexes of the rows with a non-zero advantage on a loss token. Every term of the
+    policy loss but the KL one is the advantage times something finite, so the other
+    rows (a GRPO group whose samples all got the same reward) add exactly zero to the
+    loss and its gradient, and need no forward or backward pass."""
+    adv = advantages.detach().cpu()
+    mask = loss_mask.cpu() != 0
+    signal = (adv != 0) & mask.any(1) if adv.dim() == 1 else ((adv != 0) & mask).any(1)
+    return torch.nonzero(signal).squeeze(1)
+

@@ -15,10 +15,14 @@ module puts them where a plan says roles share devices, under both runtimes:
   devices). One `Turns` per shared bundle runs as a threaded actor (`start_turns`), and
   each process reaches it through a `TurnsProxy`, so `Seat` works unchanged.
 
-A borrowed (multiplexed) instance is a rollout seat like a colocated one: its generation
-pauses at the next chunk boundary when the trainer asks for its turn, and resumes from
-the same trajectories with its next turn. Moving a paused generation to another rollout
-instance ("continue elsewhere") is not done: it resumes on the instance that paused it.
+A colocated instance's generation pauses at the next chunk boundary when the trainer asks
+for its turn, and resumes from the same trajectories with its next turn. A borrowed
+(multiplexed) instance's generation pauses the same way but continues elsewhere: its
+worker runs in hand-off mode (`RolloutActor(hand_off=True)`, set for assignments whose
+mode is `borrowed`), writes each paused group back into the store's `prompts` as a
+resumable row (acking the rows it took in the same put) and takes new rows only once its
+seat's turn is back, so the instances with devices of their own continue those groups
+meanwhile (`flow.rollout`). Every token keeps the version that produced it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,14 @@ before a generate call, and between decoding chunks, where the generation pauses
 resumes with the new weights (partial rollout; every token keeps the version that
 produced it).
 
+A worker in hand-off mode (`hand_off=True`: a multiplexed rollout seat on borrowed
+training devices) whose generation paused because its seat was reclaimed does not keep
+the paused groups: it writes each unfinished group back into `prompts` as a resumable
+row (the prompt plus the group's trajectories so far, under `RESUME_KEY`), acking the
+rows it took in the same put, and takes new rows only once its seat's turn is back. Any
+worker that gets a resumable row continues those trajectories where they stopped, so the
+group's generation continues elsewhere (`resumable_prompt` / `group_of`).
+
 The same worker is a thread of the workflow's process under `runtime: local`
 (`LocalRollouts`) and the main loop of each rollout actor under `runtime: ray`, where
 the inbox is filled by the weight transport's receiver.
@@ -103,6 +111,31 @@ def trajectories_of(batch: Any) -> list[Trajectory]:
     ]
 
 
+RESUME_KEY = "resume"
+"""The key of a `prompts` row holding a paused group: {"group": the group's id, "samples":
+one {"tokens", "logprobs", "versions", "finish_reason"} per trajectory} (msgpack values)."""
+
+
+def resumable_prompt(prompt: dict[str, Any], trajectories: list[Trajectory]) -> dict[str, Any]:
+    """`prompt` (a `prompts` row) with one group's trajectories so far, to continue elsewhere."""
+    samples = [{"tokens": list(t.tokens), "logprobs": list(t.logprobs), "versions": list(t.versions), "finish_reason": t.finish_reason} for t in trajectories]
+    return {**prompt, RESUME_KEY: {"group": trajectories[0].group, "samples": samples}}
+
+
+def group_of(index: int, prompt: dict[str, Any], group_size: int) -> list[Trajectory]:
+    """The trajectories of `prompts` row `index`: `group_size` new ones (group `index`), or
+    those of a resumable row, with the group id, tokens, logprobs and versions they had."""
+    meta = {k: v for k, v in prompt.items() if k not in ("prompt_ids", RESUME_KEY)}
+    prompt_ids = list(prompt["prompt_ids"])
+    resume = prompt.get(RESUME_KEY)
+    if resume is None:
+        return [Trajectory(prompt_ids=list(prompt_ids), group=index, meta=meta) for _ in range(group_size)]
+    return [
+        Trajectory(prompt_ids=list(prompt_ids), group=resume["group"], tokens=list(s["tokens"]), logprobs=list(s["logprobs"]), versions=list(s["versions"]), finish_reason=s["finish_reason"], meta=meta)
+        for s in resume["samples"]
+    ]
+
+
 def _padded_rows(batch: Any, name: str) -> list[list[Any]]:
     """Each row's values of a padded column, as lists (padding kept)."""
     try:
@@ -125,14 +158,19 @@ class RolloutWorker:
         stopping: threading.Event,
         tracer: Tracer | None = None,
         consumer: str = "rollout",
+        hand_off: bool = False,
     ) -> None:
         self.store, self.engine = store, engine
         self.group_size, self.max_new_tokens, self.prompts_per_generate = group_size, max_new_tokens, prompts_per_generate
         self.stopping = stopping
         self.tracer = tracer or Tracer()
         self.consumer = consumer
+        self.hand_off = hand_off
+        """Hand groups paused by a reclaimed seat back to `prompts` (the engine's `reclaimed`)."""
         self.inbox = WeightInbox()
         self.num_paused = 0
+        self.num_handed_off = 0
+        """Groups this worker paused and handed back to `prompts` for another worker to continue."""
         self.num_samples = 0
         self.versions_applied: list[int] = []
         self.waits: dict[str, float] = collections.defaultdict(float)
@@ -146,10 +184,9 @@ class RolloutWorker:
                 batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping)
             finally:
                 self.waits["rollout"] += time.perf_counter() - begin
-            trajectories = []
-            for index, prompt in zip(batch.indexes, batch.columns["prompt"]):
-                meta = {k: v for k, v in prompt.items() if k != "prompt_ids"}
-                trajectories += [Trajectory(prompt_ids=list(prompt["prompt_ids"]), group=index, meta=meta) for _ in range(self.group_size)]
+            rows = list(zip(batch.indexes, batch.columns["prompt"]))
+            groups = [group_of(index, prompt, self.group_size) for index, prompt in rows]
+            trajectories = [t for group in groups for t in group]
             self.apply_weights()  # safe point: before generating
             while True:
                 with self.tracer.span("rollout", "generate", samples=len(trajectories), version=self.engine.version):
@@ -163,11 +200,30 @@ class RolloutWorker:
                 if all(t.done for t in trajectories):
                     break
                 self.num_paused += 1
+                if self.hand_off and getattr(self.engine, "reclaimed", False):
+                    break  # the devices went back to training: the unfinished groups continue elsewhere
                 self.apply_weights()  # safe point: between decoding chunks; then resume
-            # the trajectories go in and their prompts are acked in one step: a worker that
-            # dies before it gets its prompts redelivered, never after (no sample twice)
-            put_trajectories(self.store, trajectories, cancel=self.stopping, ack=(self.consumer, "prompts", batch.indexes))
-            self.num_samples += len(trajectories)
+            finished = [k for k, group in enumerate(groups) if all(t.done for t in group)]
+            paused = [k for k in range(len(groups)) if k not in finished]
+            if paused:  # first: another worker may start on them at once
+                self._hand_back([rows[k] for k in paused], [groups[k] for k in paused])
+            if finished:
+                # the trajectories go in and their prompts are acked in one step: a worker that
+                # dies before it gets its prompts redelivered, never after (no sample twice)
+                done = [t for k in finished for t in groups[k]]
+                put_trajectories(self.store, done, cancel=self.stopping, ack=(self.consumer, "prompts", [rows[k][0] for k in finished]))
+                self.num_samples += len(done)
+            if paused:
+                self.engine.wait_turn()  # new rows only once the devices are back; meanwhile others take these
+
+    def _hand_back(self, rows: list[tuple[int, dict[str, Any]]], groups: list[list[Trajectory]]) -> None:
+        """Put paused groups back into `prompts` as resumable rows, acking the rows they came
+        from in the same step: a worker that dies before the put gets those rows redelivered,
+        one that dies after has left the groups in the store for the next worker."""
+        resumable = [resumable_prompt(prompt, group) for (_, prompt), group in zip(rows, groups)]
+        with self.tracer.span("rollout", "hand off", groups=len(groups)):
+            self.store.put("prompts", {"prompt": resumable}, cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
+        self.num_handed_off += len(groups)
 
     def apply_weights(self) -> None:
         item = self.inbox.take()
@@ -190,7 +246,7 @@ class RolloutGroup(Protocol):
     def stop(self) -> None: ...
 
     def metrics(self) -> dict[str, Any]:
-        """`paused_generations` and `wait_s` since the last call."""
+        """`paused_generations`, `handed_off` (groups; both so far) and `wait_s` since the last call."""
 
 
 class LocalRollouts:
@@ -211,4 +267,4 @@ class LocalRollouts:
 
     def metrics(self) -> dict[str, Any]:
         waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)
-        return {"paused_generations": self.worker.num_paused, "wait_s": waits}
+        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": waits}

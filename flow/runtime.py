@@ -164,9 +164,11 @@ class RolloutActor:
         settings: `group_size`, `max_new_tokens`, `prompts_per_generate`.
         turns / seat: a `Turns` actor and this actor's seat name when it time-shares a
             trainer's devices (its engine then generates and loads weights in turns).
+        hand_off: a borrowed (multiplexed) seat: groups paused because the trainer
+            reclaimed the devices go back to the store for another instance to continue.
     """
 
-    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int], turns: Any = None, seat: str = "rollout") -> None:
+    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int], turns: Any = None, seat: str = "rollout", hand_off: bool = False) -> None:
         from tidal.flow.store.client import RemoteStore  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
 
@@ -180,7 +182,7 @@ class RolloutActor:
             self.engine = self.sharing.rollout(self.engine, seat)
         self.store = RemoteStore(store_address, token=store_token)
         self.stopping = threading.Event()
-        self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, **settings)
+        self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, hand_off=hand_off, **settings)
         self._first = threading.Event()
         self._receiver: Any = None
         self._generation = 0  # of the weight receiver; a retired one's errors are expected
@@ -280,6 +282,8 @@ class RolloutActor:
             raise self._errors[0]
         return {
             "samples": self.worker.num_samples,
+            "paused_generations": self.worker.num_paused,
+            "handed_off": self.worker.num_handed_off,
             "versions_received": self.num_versions,
             "versions_applied": self.worker.versions_applied,
             "version": self.engine.version,
@@ -292,7 +296,7 @@ class RolloutActor:
 
     def metrics(self) -> dict[str, Any]:
         waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)
-        return {"paused_generations": self.worker.num_paused, "wait_s": waits, "samples": self.worker.num_samples}
+        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": waits, "samples": self.worker.num_samples}
 
 
 class HostWiring:
@@ -456,13 +460,14 @@ class RayRollouts:
     def metrics(self) -> dict[str, Any]:
         import ray  # noqa: PLC0415
 
-        out: dict[str, Any] = {"paused_generations": 0, "wait_s": collections.defaultdict(float)}
+        out: dict[str, Any] = {"paused_generations": 0, "handed_off": 0, "wait_s": collections.defaultdict(float)}
         try:
             answers = ray.get([a.metrics.remote() for a in self.actors])
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             answers = []  # one is restarting: no rollout metrics this step
         for m in answers:
             out["paused_generations"] += m["paused_generations"]
+            out["handed_off"] += m["handed_off"]
             for k, v in m["wait_s"].items():
                 out["wait_s"][k] += v / len(self.actors)
         out["wait_s"] = dict(out["wait_s"])

@@ -16,8 +16,10 @@ other has the device memory. Three pieces:
   own process, under its own lock, so never in the middle of its computation).
 - `SharedTrainEngine` / `SharedRolloutEngine`: engines whose calls take a turn each.
   The rollout side also pauses its generation at the next chunk boundary when another
-  seat is waiting (partial rollout: the worker resumes the paused trajectories with its
-  next turn), so a trainer never waits for a whole generation.
+  seat is waiting (partial rollout), so a trainer never waits for a whole generation;
+  its `reclaimed` tells the worker the pause was for the devices, not for its own
+  `should_pause`. The worker then resumes the paused trajectories with its next turn,
+  or, in hand-off mode, hands them to another rollout instance and `wait_turn`s.
 
 The workflow does not know any of this: the runtime wraps the engines when the plan
 says two roles share devices.
@@ -244,16 +246,28 @@ class SharedRolloutEngine:
 
     def __init__(self, engine: Any, seat: Seat) -> None:
         self.engine, self.seat = engine, seat
+        self.reclaimed = False
+        """The last `generate` paused because another seat wanted the devices (not for `should_pause`)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
     def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
+        self.reclaimed = False
+
         def pause() -> bool:
-            return (should_pause is not None and should_pause()) or self.seat.wanted()
+            if should_pause is not None and should_pause():
+                return True
+            self.reclaimed = self.seat.wanted()
+            return self.reclaimed
 
         with self.seat.turn():
             return self.engine.generate(trajectories, max_new_tokens=max_new_tokens, should_pause=pause)
+
+    def wait_turn(self) -> None:
+        """Block until this seat's next turn (the devices are back), and give it up again."""
+        with self.seat.turn():
+            pass
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         with self.seat.turn():

@@ -267,6 +267,7 @@ class Workflow:
                 dropped=dropped - dropped_before,
                 failed_rewards=self._num_failed_rewards,
                 paused_generations=rollout_metrics.get("paused_generations", 0),
+                handed_off=rollout_metrics.get("handed_off", 0),
                 version_gap=gaps,
                 wait_s={k: round(v, 4) for k, v in waits.items()},
                 response_len=float(tokens.loss_mask.sum()) / len(trajectories),

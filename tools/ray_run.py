@@ -119,7 +119,8 @@ def start_rollouts(
         if spot.turns is not None and not spot.resources and ranks:  # a guest of a multi-device bundle: the trainer's devices
             env = {k: v for k, v in ranks[spot.turns].get("visible_devices", {}).items() if v is not None}
         options = actor_options(a, groups[spot.group], spot.bundle, fake=fake, env=env, resources=spot.resources)
-        seat = {"turns": turns[spot.turns], "seat": f"rollout-{a.rank}"} if spot.turns is not None else {}
+        # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
+        seat = {"turns": turns[spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns is not None else {}
         actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
     descriptions = ray.get([a.describe.remote() for a in actors])
     me = current_platform().descriptor

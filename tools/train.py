@@ -415,6 +415,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         "tokens_per_s": sum(m["tokens"] for m in history) / rl_seconds if rl_seconds else 0.0,
         "first_reward": history[0]["reward"] if history else None,
         "last_reward": history[-1]["reward"] if history else None,
+        "paused_generations": history[-1]["paused_generations"] if history else 0,
+        "handed_off": history[-1]["handed_off"] if history else 0,
     }
     if timeshare is not None:
         summary["timeshare"] = timeshare

@@ -230,6 +230,22 @@ class Partition:
         local = first - segment.start
         return (segment, local) if local + count <= segment.n else None
 
+    def freed_by_ack(self, consumer: str, indexes: np.ndarray) -> tuple[int, int]:
+        """(rows, bytes) that `consumer` acking `indexes` (sorted, unique) would evict: its
+        live rows every other consumer has acked, counted as `Store._evict` counts them."""
+        num_rows = nbytes = 0
+        for seg, local, _ in self.locate(indexes):
+            local = local[seg.alive[local] & ~seg.acked[consumer][local]]
+            for other in (c for c in self.consumers if c != consumer):
+                local = local[seg.acked[other][local]]
+            num_rows += len(local)
+            for column in seg.columns.values():
+                if column.full and column.whole >= 0 and column.row_nbytes >= 0:
+                    nbytes += len(local) * column.row_nbytes
+                else:
+                    nbytes += int(column.nbytes[local][column.chunk[local] >= 0].sum())
+        return num_rows, nbytes
+
     def locate(self, indexes: np.ndarray) -> Iterator[tuple[Segment, np.ndarray, np.ndarray]]:
         """(segment, local offsets, positions in `indexes`) for every index in a live segment."""
         if not self.segments or not len(indexes):

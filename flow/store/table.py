@@ -173,7 +173,8 @@ class Store:
             part = self._part(partition)
             if indexes is None:
                 total = sum(size * num_rows if size >= 0 else int(sizes[name].sum()) for name, size in row_sizes.items())
-                start = self._create_rows(part, num_rows, total, groups, versions, tags, deadline, cancel)
+                freed = self._freed_by(part, then_ack)
+                start = self._create_rows(part, num_rows, total, groups, versions, tags, deadline, cancel, freed)
                 seg = part.segments[-1]
                 self._stamp += 1
                 for name, chunk in chunks.items():  # the new segment's cells are the chunks' rows, in order
@@ -257,24 +258,35 @@ class Store:
         tags: Sequence[Mapping[str, Any]] | None,
         deadline: float | None,
         cancel: threading.Event | None = None,
+        freed: Callable[[], tuple[int, int]] | None = None,
     ) -> int:
         """Make `num_rows` rows (a new segment, last in `part.segments`); return the first index."""
-        self._wait_for_room(part, num_rows, nbytes, deadline, cancel)
+        self._wait_for_room(part, num_rows, nbytes, deadline, cancel, freed)
         start = part.next_index
         part.add_segment(Segment(start, num_rows, groups, versions, tags, part.consumers))
         part.next_index += num_rows
         part.num_rows += num_rows
         return start
 
-    def _wait_for_room(self, part: Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None) -> None:
+    def _freed_by(self, part: Partition, ack: tuple[Partition, str, np.ndarray] | None) -> Callable[[], tuple[int, int]] | None:
+        """For a put whose `ack` acks rows of the partition it puts into (rollout handing groups
+        back to `prompts`): the room that ack frees, which the put may count on (else a full
+        partition would wait for the very rows the put frees). Asked after each wait."""
+        if ack is None or ack[0] is not part:
+            return None
+        consumer, where = ack[1], unique_sorted(ack[2])
+        return lambda: part.freed_by_ack(consumer, where)
+
+    def _wait_for_room(self, part: Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None, freed: Callable[[], tuple[int, int]] | None = None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
             raise StoreError(f"a put of {num_rows} rows can never fit partition {part.name!r} (capacity_rows={part.capacity_rows}); raise capacity_rows or put fewer rows at a time")
         if part.capacity_bytes is not None and nbytes > part.capacity_bytes:
             raise StoreError(f"a put of {nbytes} bytes can never fit partition {part.name!r} (capacity_bytes={part.capacity_bytes}); raise capacity_bytes or put fewer rows at a time")
 
         def full() -> bool:
-            return (part.capacity_rows is not None and part.num_rows + num_rows > part.capacity_rows) or (
-                part.capacity_bytes is not None and part.nbytes + nbytes > part.capacity_bytes
+            freed_rows, freed_bytes = freed() if freed is not None else (0, 0)
+            return (part.capacity_rows is not None and part.num_rows - freed_rows + num_rows > part.capacity_rows) or (
+                part.capacity_bytes is not None and part.nbytes - freed_bytes + nbytes > part.capacity_bytes
             )
 
         while full():

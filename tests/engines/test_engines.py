@@ -240,6 +240,46 @@ def test_proximal_is_policy_step_equals_recomputing_the_proximal_logprobs():
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(recompute.named_weights(), reuse.named_weights()))
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_rows_without_advantage_are_skipped_and_the_step_is_the_same(monkeypatch, aggregation):
+    # Group 2 (rows 4-7) got one reward for all its samples: zero advantages. Skipping its
+    # rows gives the gradient the full batch gives (up to the float32 rounding of rotary
+    # positions, which shift with the batch's padding); a step with no signal at all still
+    # moves AdamW's momentum and weight decay, as a zero gradient does.
+    batch = _grouped_batch(torch.float64)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.75], dtype=torch.float64)
+    config = PolicyLossConfig(aggregation=aggregation, proximal_is_policy=True, tis_cap=2.0)
+    assert torch.equal(torch_train._rows_with_signal(advantages, batch.loss_mask), torch.tensor([0, 1, 2, 3, 8]))
+    everything = lambda advantages, mask: torch.arange(len(mask))  # noqa: E731
+    runs = []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(torch_train, "_rows_with_signal", everything)
+        engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, weight_decay=0.1, micro_batch_size=2)
+        metrics = engine.train_step(batch, advantages, loss=config)
+        runs.append((metrics, {n: p.grad.clone() for n, p in engine.model.named_parameters()}, engine))
+        monkeypatch.undo()
+    (skipped, skipped_grads, engine), (full, full_grads, _) = runs
+    assert skipped["skipped_rows"] == 4 and full["skipped_rows"] == 0
+    assert skipped["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(skipped_grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+
+    state = copy.deepcopy(engine.state_dict())
+    after = []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(torch_train, "_rows_with_signal", everything)
+        engine.load_state_dict(copy.deepcopy(state))
+        metrics = engine.train_step(batch, torch.zeros_like(advantages), loss=config)
+        after.append((metrics["skipped_rows"], {n: t.clone() for n, t in engine.named_weights()}))
+    (num_skipped, skipped_weights), (_, full_weights) = after
+    assert num_skipped == len(batch)
+    for name, weight in full_weights.items():
+        assert not torch.equal(weight, state["model"][name]), name  # AdamW moved it
+        torch.testing.assert_close(skipped_weights[name], weight, atol=1e-12, rtol=0, msg=name)
+
+
 def test_positive_advantages_raise_the_sampled_tokens_logprob_and_sft_lowers_loss():
     batch = _batch()
     engine = TorchTrainEngine(tiny(), lr=1e-2, micro_batch_size=2)

@@ -1,9 +1,16 @@
-"""The rollout stage's rows: trajectories into the `train` partition and back."""
+"""The rollout stage's rows: trajectories into the `train` partition and back, and paused
+groups handed from a reclaimed (borrowed) seat to another worker."""
 
 from __future__ import annotations
 
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, put_trajectories, trajectories_of
-from tidal.flow.store import Store
+import collections
+import threading
+import time
+
+from tidal.flow.rollout import RESUME_KEY, TRAJECTORY_COLUMNS, RolloutWorker, Stop, group_of, put_trajectories, resumable_prompt, trajectories_of
+from tidal.flow.store import Store, StoreError
+from tidal.flow.store.codec import decode, encode
+from tidal.flow.timeshare import Seat, SharedRolloutEngine, Turns
 from tidal.flow.trajectory import Trajectory
 
 
@@ -29,3 +36,169 @@ def test_trajectories_round_trip_through_the_store_whatever_the_puts_widths():
             assert (have.prompt_ids, have.tokens, have.logprobs, have.versions) == (want.prompt_ids, want.tokens, want.logprobs, want.versions)
             assert (have.group, have.finish_reason, have.meta) == (want.group, want.finish_reason, want.meta)
         assert len(batch) == num_rows and batch.versions == [3, 3, 4, None][:num_rows]  # a row's version is its oldest token's
+
+
+def test_a_resumable_row_is_plain_data_and_gives_back_the_group_as_it_was():
+    group = [_trajectory([1, 5], [7, 8, 2], 3, group=11, env=[4]), Trajectory(prompt_ids=[1, 5], group=11, meta={"answer": "11"})]
+    group[1].extend([9], [-0.5], 4)
+    row = resumable_prompt({"prompt_ids": [1, 5], "answer": "11"}, group)
+    assert decode(*encode(row)) == row  # msgpack values only: it crosses processes and checkpoints
+    back = group_of(42, row, group_size=2)  # a new row index; the group keeps its id
+    assert [dataclass_fields(t) for t in back] == [dataclass_fields(t) for t in group]
+    fresh = group_of(42, {"prompt_ids": [1, 5], "answer": "42"}, group_size=3)
+    assert [(t.group, t.tokens, t.meta, t.done) for t in fresh] == [(42, [], {"answer": "42"}, False)] * 3
+
+
+def dataclass_fields(t: Trajectory) -> tuple:
+    return (t.prompt_ids, t.group, t.tokens, t.logprobs, t.versions, t.finish_reason, t.meta)
+
+
+class CountingEngine:
+    """Decodes one token per chunk: 10 * version + position, logprob -version / 8 (exact in
+    float32). A trajectory stops at its prompt's `stop_at` tokens, else ends at the budget.
+    With `stall_at`, it stalls there until `should_pause` (a trainer reclaiming the seat)."""
+
+    def __init__(self, version: int, *, stall_at: int | None = None) -> None:
+        self.version, self.stall_at = version, stall_at
+        self.seen: list[Trajectory] = []
+        self.stalled = threading.Event()
+
+    def generate(self, trajectories, *, max_new_tokens, should_pause=None):
+        self.seen += trajectories
+        active = [t for t in trajectories if not t.done]
+        while active:
+            if self.stall_at is not None and min(len(t.tokens) for t in active) >= self.stall_at:
+                deadline = time.monotonic() + 10
+                self.stalled.set()
+                while not should_pause():
+                    assert time.monotonic() < deadline, "nobody reclaimed the seat"
+                    time.sleep(0.001)
+            if should_pause is not None and should_pause():
+                break
+            for t in active:
+                t.extend([10 * self.version + len(t.tokens)], [-self.version / 8], self.version)
+                if len(t.tokens) >= t.meta.get("stop_at", max_new_tokens + 1):
+                    t.finish_reason = "stop"
+                elif len(t.tokens) >= max_new_tokens:
+                    t.finish_reason = "length"
+            active = [t for t in active if not t.done]
+        return list(trajectories)
+
+
+def _seat(turns: Turns, name: str) -> Seat:
+    return Seat(turns, name, park=lambda: None, unpark=lambda: None)
+
+
+def _start(worker: RolloutWorker, errors: list[BaseException]) -> threading.Thread:
+    def run() -> None:
+        try:
+            worker.run()
+        except (Stop, StoreError):
+            pass
+        except BaseException as e:  # noqa: BLE001 - asserted empty by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+BUDGET, STALL = 8, 3
+
+
+def _stores(num_prompts: int, capacity: int | None = None) -> tuple[Store, list[int]]:
+    store = Store()
+    store.create_partition("prompts", consumers=["rollout"], capacity_rows=capacity)
+    store.create_partition("train", consumers=["check"])
+    prompts = [{"prompt_ids": [1, k], "answer": str(k)} for k in range(num_prompts)]
+    prompts[0]["stop_at"] = 2  # this group finishes before the reclaim
+    return store, store.put("prompts", {"prompt": prompts})
+
+
+def _worker(store: Store, engine, **kw) -> RolloutWorker:
+    return RolloutWorker(store=store, engine=engine, group_size=2, max_new_tokens=BUDGET, prompts_per_generate=4, stopping=threading.Event(), **kw)
+
+
+def _check_continued(batch, engine_a: CountingEngine, prompts: list[int]) -> None:
+    """Every group once, whole; A's tokens (version 3) a prefix of each, the rest B's (version 4)."""
+    assert collections.Counter(batch.groups) == dict.fromkeys(prompts, 2)
+    paused_by_a = collections.defaultdict(list)
+    for t in engine_a.seen:
+        paused_by_a[t.group].append(t)
+    for t in trajectories_of(batch):
+        assert t.meta["answer"] == str(t.group - prompts[0]) and t.prompt_ids == [1, t.group - prompts[0]]
+        if t.meta.get("stop_at"):  # finished by A before the reclaim
+            assert (t.tokens, t.versions, t.finish_reason) == ([30, 31], [3, 3], "stop")
+            continue
+        assert any(t.tokens[:STALL] == mine.tokens for mine in paused_by_a[t.group])  # A's tokens, kept
+        assert t.tokens == [30, 31, 32] + [40 + k for k in range(STALL, BUDGET)]
+        assert t.versions == [3] * STALL + [4] * (BUDGET - STALL) and t.logprobs == [-3 / 8] * STALL + [-4 / 8] * (BUDGET - STALL)
+        assert t.finish_reason == "length"
+
+
+def test_a_reclaimed_borrowed_seat_hands_its_paused_groups_to_another_worker():
+    store, prompts = _stores(4, capacity=4)  # full: the hand-off put counts the rows it acks as room
+    turns = Turns()
+    train_seat = _seat(turns, "train")
+    engine_a, engine_b = CountingEngine(3, stall_at=STALL), CountingEngine(4)
+    borrowed = SharedRolloutEngine(engine_a, _seat(turns, "rollout-1"))
+    a, b = _worker(store, borrowed, hand_off=True), _worker(store, engine_b)
+    errors: list[BaseException] = []
+    threads = [_start(a, errors)]
+    assert engine_a.stalled.wait(10)
+    with train_seat.turn():  # the trainer reclaims its devices: A pauses at the next chunk boundary
+        assert borrowed.reclaimed
+        _until(lambda: (a.num_handed_off, a.num_samples) == (3, 2), "A did not hand off its paused groups")
+        assert store.release("rollout") == 0  # A holds no rows: every one it took was acked
+        threads.append(_start(b, errors))  # B continues them while A waits for its turn
+        batch = store.get("check", "train", [*TRAJECTORY_COLUMNS, "meta"], 8, timeout=10)
+        assert all(len(t.tokens) in (2, STALL) for t in engine_a.seen)  # A computed nothing during the trainer's turn
+    for worker in (a, b):
+        worker.stopping.set()
+    store.wake()
+    for thread in threads:
+        thread.join(10)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    _check_continued(batch, engine_a, prompts)
+    assert (a.num_handed_off, a.num_samples, a.num_paused, b.num_handed_off, b.num_samples) == (3, 2, 1, 0, 6)
+    assert store.metrics()["partitions"]["prompts"]["rows"] == 0  # every row acked: nothing leased or ready
+    train_seat.close(), borrowed.seat.close()
+
+
+def test_groups_handed_off_survive_the_worker_that_took_them_dying():
+    store, prompts = _stores(2)
+    turns = Turns()
+    train_seat = _seat(turns, "train")
+    engine_a = CountingEngine(3, stall_at=STALL)
+    borrowed = SharedRolloutEngine(engine_a, _seat(turns, "rollout-1"))
+    a = _worker(store, borrowed, hand_off=True)
+    errors: list[BaseException] = []
+    thread = _start(a, errors)
+    assert engine_a.stalled.wait(10)
+    with train_seat.turn():
+        _until(lambda: (a.num_handed_off, a.num_samples) == (1, 2), "A did not hand off its paused group")
+        a.stopping.set()  # A stops (its process ends) before anyone picks the group up
+    store.wake()
+    thread.join(10)
+    assert not errors and not thread.is_alive()
+    taken = store.get("rollout", "prompts", ["prompt"], 2, partial=True, timeout=1)  # another worker takes it and dies
+    (row,) = taken.columns["prompt"]
+    assert row[RESUME_KEY]["group"] == prompts[1] and [s["versions"] for s in row[RESUME_KEY]["samples"]] == [[3] * STALL] * 2
+    assert store.release("rollout", "prompts", taken.indexes) == 1  # its lease ends: redelivered like any prompt row
+    b = _worker(store, CountingEngine(4))
+    thread = _start(b, errors)
+    batch = store.get("check", "train", [*TRAJECTORY_COLUMNS, "meta"], 4, timeout=10)
+    b.stopping.set()
+    store.wake()
+    thread.join(10)
+    assert not errors and not thread.is_alive()
+    _check_continued(batch, engine_a, prompts)
+    assert store.metrics()["partitions"]["prompts"]["rows"] == 0
+    train_seat.close(), borrowed.seat.close()

@@ -293,3 +293,23 @@ def test_put_can_ack_its_input_rows_in_the_same_step():
     assert store.put("train", {"tokens": [torch.arange(2), torch.arange(3)]}, groups=prompts, ack=("rollout", "prompts", prompts)) == [0, 1]
     assert store.metrics()["partitions"]["prompts"]["rows"] == 0  # acked by every consumer: evicted
     assert store.release("rollout") == 0  # nothing left to redeliver
+
+
+def test_a_put_that_acks_rows_of_its_own_full_partition_counts_the_room_they_free():
+    # A rollout worker hands paused groups back to `prompts`, acking the rows it took there.
+    store = make(consumers=["c"], capacity_rows=3, capacity_bytes=3 * 8 * 4)
+    store.put("p", {"x": torch.zeros(3, 4, dtype=torch.float64)})  # full: rows and bytes
+    taken = store.get("c", "p", ["x"], 2).indexes
+    with pytest.raises(StoreTimeout, match="is full"):
+        store.put("p", {"x": torch.ones(1, 4, dtype=torch.float64)}, timeout=0.05)  # room from an ack of other rows only
+    assert store.put("p", {"x": torch.ones(2, 4, dtype=torch.float64)}, timeout=1, ack=("c", "p", taken)) == [3, 4]
+    assert store.metrics()["partitions"]["p"]["rows"] == 3
+    with pytest.raises(StoreTimeout, match="is full"):  # the rows it acks were acked already: no room
+        store.put("p", {"x": torch.ones(1, 4, dtype=torch.float64)}, timeout=0.05, ack=("c", "p", taken))
+    two = make(consumers=["c", "d"], capacity_rows=2)  # a row another consumer still needs stays
+    rows = two.put("p", {"x": [1, 2]})
+    two.ack("d", "p", rows[:1])
+    with pytest.raises(StoreTimeout, match="is full"):
+        two.put("p", {"x": [3, 4]}, timeout=0.05, ack=("c", "p", rows))
+    assert two.put("p", {"x": [3]}, timeout=1, ack=("c", "p", rows)) == [2]
+    assert two.metrics()["partitions"]["p"]["rows"] == 2 and two.get("d", "p", ["x"], 2).indexes == [1, 2]
