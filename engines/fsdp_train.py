@@ -37,7 +37,10 @@ Two ways to drive the ranks:
   (the followers rebuild the model from `type(model)(model.config)` and take rank 0's
   weights), so rank 0 may build several engines (a warm start's, then RL's) and the
   followers build them in step. Weights exported by `named_weights()` and the full
-  `state_dict()` arrive on rank 0; the followers compute their part and drop it.
+  `state_dict()` arrive on rank 0; the followers compute their part and drop it. A
+  follower that time-shares its devices with a rollout guest runs each command in a
+  turn (`follow(share)`); `after_offload_move` lets its seat park the shards
+  (`flow.timeshare.Offloader`).
 
 Run for real: CPU with gloo, 2 processes (tests/engines/test_fsdp_train.py: equality with
 the torch engine, exported weights, the weight source's specs and passes streamed over
@@ -49,6 +52,7 @@ vendor).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -124,35 +128,50 @@ def _model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
     return type(model), config, next(model.parameters()).dtype
 
 
-def follow() -> dict[str, int]:
+def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, int]:
     """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
 
     Builds an engine whenever rank 0 builds one and makes the collective calls of each of
     its method calls. Returns what this rank did: engines built, optimizer steps, rows,
     passes over the weights (`exports`: one per pass rank 0 started, complete or not).
+
+    `share`: this rank time-shares its devices (a colocated rollout guest on them).
+    `share(engine)` seats each engine this builds and returns its seat (`turn()`, a
+    context manager, and `close()`, called when the engine goes); every command runs in a
+    turn of it, taken once the command arrived. Rank 0 takes its own turn before it
+    sends, so each rank waits only for its own guest.
     """
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
     engine: FSDPTrainEngine | None = None
+    seat: Any = None
     done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
-    while True:
-        command = _receive_command()
-        if command["op"] == "stop":
-            return done
-        if command["op"] == "init":
-            engine = None  # the previous engine's shards go before the next one's arrive
-            cls, config, dtype = command["model"]
-            with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
-                model = cls(config).to(dtype)
-            engine = FSDPTrainEngine(model, rank0_leads=True, **command["options"])
-            done["engines"] += 1
-            continue
-        if engine is None:
-            raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
-        engine._follow(command)
-        done["steps"] += command["op"] in ("train_step", "sft_step")
-        done["exports"] += command["op"] == "named_weights"
-        done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
+    try:
+        while True:
+            command = _receive_command()
+            if command["op"] == "stop":
+                return done
+            if command["op"] == "init":
+                if seat is not None:
+                    seat.close()
+                engine = seat = None  # the previous engine's shards go before the next one's arrive
+                cls, config, dtype = command["model"]
+                with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
+                    model = cls(config).to(dtype)
+                engine = FSDPTrainEngine(model, rank0_leads=True, **command["options"])
+                seat = share(engine) if share is not None else None
+                done["engines"] += 1
+                continue
+            if engine is None:
+                raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
+            with seat.turn() if seat is not None else contextlib.nullcontext():
+                engine._follow(command)
+            done["steps"] += command["op"] in ("train_step", "sft_step")
+            done["exports"] += command["op"] == "named_weights"
+            done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
+    finally:
+        if seat is not None:
+            seat.close()
 
 
 def stop_followers() -> None:
@@ -325,6 +344,7 @@ class FSDPTrainEngine:
         out = [self._token_logprobs(batch.select(mb)).cpu() for mb in self._micro_batches(len(batch))]
         for _ in range(num_micro - len(out)):
             self._dummy_pass(backward=False)
+        self._reshard()
         return torch.cat(out) if out else torch.zeros((0, batch.input_ids.shape[1] - 1))
 
     # Steps -----------------------------------------------------------------------------
@@ -420,6 +440,29 @@ class FSDPTrainEngine:
         metrics = self._step(batch, num_micro, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]
         return metrics
+
+    # Time-sharing the devices (`flow.timeshare.Offloader` calls this after each move) ------
+    def _reshard(self) -> None:
+        """Reshard every FSDP module (local: no collective). After a forward without backward
+        the root keeps its gathered parameters; every rank reshards at the same point, so
+        their next all-gathers match, and what a park moves is only this rank's shards."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def after_offload_move(self) -> None:
+        """The offload moved each parameter's local shard (to host memory or back): point FSDP's
+        flat shard buffers, which its all-gathers read, at the moved shards. The same call
+        `FSDPModule._apply` (`module.to(...)`) makes after moving parameters."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None)
+                if groups is None:  # older torch: one group per state
+                    groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+                for group in groups:
+                    for param in group.fsdp_params:
+                        param.reset_sharded_param()
 
     # Weights and state -----------------------------------------------------------------
     def named_weights(self) -> LazyWeights:

@@ -14,6 +14,12 @@ module puts them where a plan says roles share devices, under both runtimes:
   the trainer asks for them all, its guests for none of them, and get its visible
   devices). One `Turns` per shared bundle runs as a threaded actor (`start_turns`), and
   each process reaches it through a `TurnsProxy`, so `Seat` works unchanged.
+- Any rank of a multi-rank (fsdp) trainer may host guests, one `Turns` per rank's
+  bundle: rank 0 takes turns in its engine's calls, the other ranks in `follow()` for
+  each command rank 0 sends (`engines.fsdp_train`), so each rank waits only for its own
+  guests. A guest spanning several trainer instances is refused (`spots`). Run on CPU
+  with gloo and fake devices only (tests/tools/test_colocate_run.py: two fsdp ranks, a
+  guest on each).
 
 A colocated instance's generation pauses at the next chunk boundary when the trainer asks
 for its turn, and resumes from the same trajectories with its next turn. A borrowed
@@ -51,7 +57,8 @@ class Sharing:
         model = getattr(engine, "model", None)
         if model is None:
             raise ValueError(f"{type(engine).__name__} has no `model` to park; it cannot time-share devices (seat {name!r})")
-        offloader = Offloader(self.platform, model, getattr(engine, "optimizer", None) if optimizer else None)
+        parked_optimizer = getattr(engine, "optimizer", None) if optimizer else None
+        offloader = Offloader(self.platform, model, parked_optimizer, moved=getattr(engine, "after_offload_move", None))  # a sharded engine's hook
         seat = Seat(self.turns, name, park=offloader.park, unpark=offloader.unpark)
         self._seats.append((seat, offloader))
         return seat
@@ -107,11 +114,13 @@ class Spot:
 def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
     """Every assignment's spot, keyed by (role, rank).
 
+    A guest may sit on any trainer rank's bundle: each rank takes turns with its own
+    guests (rank 0 in its engine calls, the others in `follow()` for each command).
+
     Raises:
         PlacementError: a shared layout this runtime cannot run yet: a guest that is not a
-            rollout instance on the trainer's devices, one that spans several trainer
-            instances, or one on a trainer rank other than 0 (those ranks follow rank 0's
-            engine and take no turns).
+            rollout instance on the trainer's devices, or one that spans several trainer
+            instances (it would need the turns of several ranks at once).
     """
     own: dict[str, list[Assignment]] = {}
     for a in plan.assignments:
@@ -126,10 +135,7 @@ def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
         host = next((t for t in own.get("train", []) if t.node == a.node and set(a.devices) <= set(t.devices)), None)
         if host is None:
             raise PlacementError(f"rollout instance {a.rank} ({a.mode}) spans devices {list(a.devices)} of several trainer instances on {a.node}; give it at most one trainer instance's devices (placement.rollout.devices_each)")
-        index = own["train"].index(host)
-        if index:
-            raise PlacementError(f"rollout instance {a.rank} ({a.mode}) time-shares trainer rank {index}; under runtime=ray only rank 0 takes turns (the other ranks follow it), so share rank 0's devices only")
-        guests.setdefault(index, []).append(a)
+        guests.setdefault(own["train"].index(host), []).append(a)
     out: dict[tuple[str, int], Spot] = {}
     for role, assignments in own.items():
         for i, a in enumerate(assignments):

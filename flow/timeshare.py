@@ -118,9 +118,13 @@ class Turns:
             return self._cond.wait_for(lambda: seat in self._park_wanted or seat in self._left, timeout) and seat not in self._left
 
     def leave(self, seat: str) -> None:
-        """`seat` is closing: its parking thread stops waiting."""
+        """`seat` is closing (or its process is gone): its parking thread stops waiting, and its
+        state no longer stands in the next seat's way (it goes with its engine)."""
         with self._cond:
             self._left.add(seat)
+            self._park_wanted.discard(seat)
+            if self._resident == seat and self._holder != seat:
+                self._resident = None
             self._cond.notify_all()
 
     def begin_park(self, seat: str) -> bool:
@@ -197,10 +201,15 @@ class Seat:
 
 
 class Offloader:
-    """`park`/`unpark` for a module (and optimizer) through the hal platform's `offload`."""
+    """`park`/`unpark` for a module (and optimizer) through the hal platform's `offload`.
 
-    def __init__(self, platform: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    `moved` runs after each park and unpark: what an engine with sharded parameters needs
+    (the fsdp engine's `after_offload_move` points FSDP at the moved shards).
+    """
+
+    def __init__(self, platform: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, moved: Callable[[], None] | None = None) -> None:
         self.platform, self.module, self.optimizer = platform, module, optimizer
+        self._moved = moved
         self._handle: Any = None
         self.num_bytes = 0
         """Bytes the last park moved to host memory (0 where the device is the host's memory)."""
@@ -208,10 +217,14 @@ class Offloader:
     def park(self) -> None:
         self._handle = self.platform.offload(module=self.module, optimizer=self.optimizer)
         self.num_bytes = self._handle.num_bytes
+        if self._moved is not None:
+            self._moved()
 
     def unpark(self) -> None:
         handle, self._handle = self._handle, None
         handle.onload()
+        if self._moved is not None:
+            self._moved()
 
 
 class SharedTrainEngine:

@@ -8,6 +8,12 @@ points the module and optimizer at the host buffers so the device memory is free
 `OffloadHandle.onload` copies each back to the device it came from (AdamW keeps its
 `step` counters on CPU) and drops the host buffers, so the host memory
 is released as soon as the onload returns.
+
+A DTensor (a sharded parameter, its gradient, the optimizer state of one) moves its
+local shard, the only part on this process's device; the DTensor object stays, pointing
+at the moved shard. A wrapper that keeps its own references to the shards (FSDP2's flat
+shard buffers) must be pointed at them again after each move (the fsdp train engine's
+`after_offload_move`).
 """
 
 from __future__ import annotations
@@ -20,19 +26,34 @@ import torch
 _Setter = Callable[[torch.Tensor], None]
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - absent from torch builds without distributed
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def _slot(tensor: torch.Tensor, set_tensor: _Setter) -> tuple[torch.Tensor, _Setter]:
+    """A DTensor's local shard (it keeps its metadata and points at the moved shard), else the tensor itself."""
+    if _is_dtensor(tensor):
+        return tensor._local_tensor, lambda t, d=tensor: setattr(d, "_local_tensor", t)
+    return tensor, set_tensor
+
+
 def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, _Setter]]:
     """Every tensor to move, each with a function that points its owner at a new tensor."""
     slots: list[tuple[torch.Tensor, _Setter]] = []
     if module is not None:
         for p in module.parameters():
-            slots.append((p.data, lambda t, p=p: setattr(p, "data", t)))
+            slots.append(_slot(p, lambda t, p=p: setattr(p, "data", t)) if _is_dtensor(p) else (p.data, lambda t, p=p: setattr(p, "data", t)))  # a DTensor's `.data` is an alias
             if p.grad is not None:
-                slots.append((p.grad, lambda t, p=p: setattr(p, "grad", t)))
+                slots.append(_slot(p.grad, lambda t, p=p: setattr(p, "grad", t)))
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    slots.append((value, lambda t, s=state, k=key: s.__setitem__(k, t)))
+                    slots.append(_slot(value, lambda t, s=state, k=key: s.__setitem__(k, t)))
     return slots
 
 

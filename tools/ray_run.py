@@ -12,7 +12,9 @@ actor, which the driver starts: `flow.colocate`), which reach the trainer's stor
 ZeroMQ and receive each version over the chosen weight transport. With several trainer
 ranks (the `fsdp` backend) the ranks form one process group through hal (rank 0's
 address, a free port); rank 0's engines lead (`rank0_leads=True`) and the other ranks
-run `follow()`, receiving their share of each batch over that group. The driver shows
+run `follow()`, receiving their share of each batch over that group; a rank whose bundle
+hosts a colocated rollout guest takes turns with it at that bundle's `Turns` (rank 0 in
+`train()`, the others in `follow()`). The driver shows
 progress from the run directory's metrics.jsonl (the run directory must be reachable
 from the trainer's node).
 """
@@ -66,9 +68,10 @@ def make_rollout_engine(cfg_yaml: str) -> Any:
 class RemoteRollouts:
     """What `train()` gets back from `start_rollouts`: the `RolloutGroup`, plus `close()`."""
 
-    def __init__(self, rollouts: Any, server: Any, wiring: Any, actors: list[Any], info_path: str) -> None:
+    def __init__(self, rollouts: Any, server: Any, wiring: Any, actors: list[Any], info_path: str, seats: list[tuple[Any, str]]) -> None:
         self._rollouts, self._server, self._wiring, self._actors = rollouts, server, wiring, actors
         self._info_path = Path(info_path)
+        self._seats = seats  # (Turns actor, seat name) of each actor that time-shares a trainer rank's devices
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rollouts, name)
@@ -83,6 +86,9 @@ class RemoteRollouts:
         self._info_path.write_text(json.dumps(info, indent=2) + "\n")
         for actor in self._actors:
             ray.kill(actor)
+        # their state went with them: a trainer rank's next turn (a follower's, for the final
+        # checkpoint and evaluation) must not wait for a seat that will never park
+        ray.get([turns.leave.remote(seat) for turns, seat in self._seats])
         self._wiring.close()
         self._server.close()
 
@@ -128,7 +134,7 @@ def start_rollouts(
     kinds = set()
     for a, d in zip(assignments, descriptions):
         theirs = PlatformDescriptor.from_dict(d["platform"])
-        colocated = spots[("rollout", a.rank)].turns is not None
+        colocated = spots[("rollout", a.rank)].turns == 0  # on the sender's devices: a guest of another rank's is not
         kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=cfg.transport.name if cfg.transport.name != "auto" else None))
     transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
     bucket_bytes = cfg.transport.bucket_mb << 20
@@ -152,7 +158,8 @@ def start_rollouts(
     write_info(descriptions)
     rollouts = RayRollouts(actors, wiring, max_restarts=cfg.fault.rollout_restarts, on_change=write_info)
     rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
-    return RemoteRollouts(rollouts, server, wiring, actors, info_path)
+    seats = [(turns[spots[("rollout", a.rank)].turns], f"rollout-{a.rank}") for a in assignments if spots[("rollout", a.rank)].turns is not None]
+    return RemoteRollouts(rollouts, server, wiring, actors, info_path, seats)
 
 
 class TrainerActor:
@@ -222,19 +229,46 @@ class TrainerActor:
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
-        from tidal.engines.fsdp_train import follow, stop_followers  # noqa: PLC0415
+        from tidal.engines.fsdp_train import stop_followers  # noqa: PLC0415
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S)
         try:
             if rank:
-                return {"rank": rank, **self.where(), **follow()}
+                return {"rank": rank, **self.where(), **self._follow(placed["turns"].get(rank))}
             summary = self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True})
             stop_followers()
             return summary
         finally:
             dist.destroy_process_group()
+
+    def _follow(self, turns: Any) -> dict[str, Any]:
+        """A rank other than 0: follow rank 0; with `turns` (a `Turns` actor: a rollout guest
+        time-shares this rank's devices) each engine it builds is seated there, and the
+        result says what happened on these devices (`timeshare`, as rank 0's summary does)."""
+        from tidal.engines.fsdp_train import follow  # noqa: PLC0415
+
+        if turns is None:
+            return follow()
+        from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
+        from tidal.hal import current_platform  # noqa: PLC0415
+
+        last: dict[str, Any] = {}
+
+        class Seated:
+            """An engine's seat at this rank's `Turns`; closing it drops the seat (and its parked copy)."""
+
+            def __init__(self, engine: Any) -> None:
+                self.sharing = Sharing(TurnsProxy(turns), current_platform())
+                self.turn = self.sharing.train(engine).seat.turn
+
+            def close(self) -> None:
+                self.sharing.close()
+                last["timeshare"] = self.sharing.summary()  # the last engine's: RL's (the warm start's runs before any guest)
+                self.sharing = None
+
+        return {**follow(Seated), "timeshare": last.get("timeshare")}
 
     def _train(self, cfg: Any, run_dir: str, placed: dict[str, Any], rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
         from tidal.flow.colocate import TurnsProxy  # noqa: PLC0415
@@ -317,9 +351,10 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
     fake = bool(cfg.cluster.fake)
     trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
     placed = spots(plan)  # checked by placement_groups already
-    turns = start_turns(placed, groups)  # outlive a trainer restart: the restarted seats join again
     try:
         for attempt in range(cfg.fault.trainer_restarts + 1):
+            # fresh each attempt: no claim (or blocked call) of the last attempt's dead seats stays
+            turns = start_turns(placed, groups)
             ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources)).remote() for i, a in enumerate(plan.of("train"))]
             try:
                 where = ray.get([r.where.remote() for r in ranks])
@@ -340,10 +375,10 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
             finally:
                 for r in ranks:
                     ray.kill(r)
+                for actor in turns.values():
+                    ray.kill(actor)
         raise AssertionError("unreachable")
     finally:
-        for actor in turns.values():
-            ray.kill(actor)
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
 

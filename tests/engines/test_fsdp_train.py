@@ -123,7 +123,39 @@ LED_WORKER = textwrap.dedent(
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
     if rank:
-        torch.save(follow(), work / f"follow{rank}.pt")  # builds and steps whatever rank 0 does
+        from contextlib import contextmanager
+
+        from tidal.flow.timeshare import Offloader
+        from tidal.hal import select_platform
+
+        fake = select_platform("fake:cpu:1").platform  # its offload copies for real: the shards really move
+        parks = []
+
+        class Parked:
+            # a seat whose guest takes the devices between any two commands: the shards, gradients
+            # and AdamW moments go to host memory after each command and come back before the next
+
+            def __init__(self, engine):
+                self.offloader = Offloader(fake, engine.model, engine.optimizer, moved=engine.after_offload_move)
+                self.park()
+
+            def park(self):
+                self.offloader.park()
+                parks.append(self.offloader.num_bytes)
+
+            @contextmanager
+            def turn(self):
+                self.offloader.unpark()
+                try:
+                    yield
+                finally:
+                    self.park()
+
+            def close(self):
+                self.offloader.unpark()
+
+        done = follow(Parked)  # builds and steps whatever rank 0 does
+        torch.save({**done, "parks": parks}, work / f"follow{rank}.pt")
     else:
         data = torch.load(work / "data.pt", weights_only=False)
         batch, advantages = TokenBatch(*data["batch"]), data["advantages"]
@@ -269,7 +301,8 @@ def led_run(tmp_path_factory: pytest.TempPathFactory, reference: dict) -> dict:
     work = tmp_path_factory.mktemp("led")
     _write_data(work, reference)
     _spawn(work, LED_WORKER)
-    return {**torch.load(work / "result.pt", weights_only=False), "follower": torch.load(work / "follow1.pt")}
+    follower = torch.load(work / "follow1.pt")
+    return {**torch.load(work / "result.pt", weights_only=False), "follower_parks": follower.pop("parks"), "follower": follower}
 
 
 def test_two_rank_steps_equal_one_full_batch_torch_step(fsdp_run, reference):
@@ -347,6 +380,18 @@ def test_led_by_rank0_equals_one_full_batch_torch_step(led_run, reference):
         # ratio_mean are weighted by micro-batch and do.
         for key in ("loss", "grad_norm", "num_tokens", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+
+
+def test_a_follower_parks_its_shards_between_commands(led_run):
+    """Rank 1 parks its shards (and gradients and AdamW moments once it stepped) through hal's
+    offload after every command and onloads them before the next; every led test's results
+    (equal to the torch engine's) were computed so, parks after logprobs included (every
+    rank reshards after a forward without backward, so the parked root is sharded too)."""
+    parks = led_run["follower_parks"]
+    steps = sum(1 if step == "sft" else 2 for step in PLAN + RESUME)  # a policy step's logprobs, then its step
+    num_commands = steps + 2 + 6 + 2  # LED_WORKER's 2 logprobs, 6 passes over the weights, state_dict and load_state_dict
+    assert len(parks) == num_commands + 2 and min(parks) > 0  # and a park once each engine is built
+    assert max(parks) > 2 * parks[0]  # after a step: + gradients and two AdamW moments per shard
 
 
 def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):

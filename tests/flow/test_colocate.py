@@ -48,10 +48,46 @@ def test_several_guests_split_one_device_and_a_multi_device_trainer_keeps_its_de
     assert wide[("rollout", 0)].resources == {} and wide[("rollout", 1)].resources == {} and wide[("rollout", 1)].turns == 0
 
 
+def test_every_rank_of_a_multi_rank_trainer_hosts_its_own_guest():
+    plan = schedule([Resource(node="g0", kind="cuda", capacity=2)], [Role(name="train", count=2), Role(name="rollout", count=2, colocate_with="train")])
+    assert plan.layout == "colocated" and [a.devices for a in plan.of("rollout")] == [a.devices for a in plan.of("train")]
+    placed = spots(plan)
+    for rank in (0, 1):  # each guest on its rank's bundle, half of that bundle's device each, at that rank's Turns
+        assert placed[("train", rank)] == Spot(group="train", bundle=rank, resources={"GPU": 0.5}, turns=rank)
+        assert placed[("rollout", rank)] == Spot(group="train", bundle=rank, resources={"GPU": 0.5}, turns=rank)
+    assert role_bundles(plan, {"GPU": 2}) == {"train": [{"GPU": 1.0}, {"GPU": 1.0}]}
+    # two nodes of two devices, a trainer rank per node: the second rank's guest is on g1, on its bundle
+    wide = schedule(GPUS, [Role(name="train", count=2, devices_each=2), Role(name="rollout", count=2, devices_each=2, colocate_with="train")])
+    placed = spots(wide)
+    assert [wide.of("rollout")[i].node for i in (0, 1)] == ["g0", "g1"]
+    assert placed[("rollout", 1)] == Spot(group="train", bundle=1, resources={}, turns=1) and placed[("train", 1)].turns == 1
+
+
+def test_start_turns_gives_each_shared_trainer_bundle_a_turns_actor(ray_session):
+    import ray
+
+    from tidal.flow.colocate import start_turns
+    from tidal.flow.runtime import placement_groups
+
+    plan = schedule([Resource(node="box", kind="cpu", capacity=2)], [Role(name="train", count=2), Role(name="rollout", count=2, colocate_with="train")])
+    placed = spots(plan)
+    groups = placement_groups(plan)
+    turns = start_turns(placed, groups)
+    try:
+        assert sorted(turns) == [0, 1]
+        ray.get(turns[1].acquire.remote("train"))  # rank 1's turn says nothing about rank 0's devices
+        assert [ray.get(turns[rank].state.remote())["holder"] for rank in (0, 1)] == [None, "train"]
+    finally:
+        for actor in turns.values():
+            ray.kill(actor)
+        for pg in groups.values():
+            ray.util.remove_placement_group(pg)
+
+
 def test_shared_layouts_this_runtime_cannot_seat_are_named():
-    follower = schedule(GPUS, [Role(name="train", count=2, devices_each=2), Role(name="rollout", count=2, devices_each=2, colocate_with="train")])
-    with pytest.raises(PlacementError, match="time-shares trainer rank 1; under runtime=ray only rank 0 takes turns"):
-        spots(follower)
+    spanning = schedule(GPUS[:1], [Role(name="train", count=2), Role(name="rollout", devices_each=2, colocate_with="train")])
+    with pytest.raises(PlacementError, match="rollout instance 0 \\(colocated\\) spans devices \\[0, 1\\] of several trainer instances on g0"):
+        spots(spanning)
     guest_trainer = schedule(GPUS[:1], [Role(name="train", colocate_with="rollout"), Role(name="rollout")])
     with pytest.raises(PlacementError, match="role 'train' \\(colocated\\) cannot time-share devices under runtime=ray"):
         role_bundles(guest_trainer, {"GPU": 2})

@@ -194,3 +194,13 @@ def test_offloader_moves_a_trainer_to_host_and_back_bit_exactly():
         assert engine.version == 3 and engine.steps == 2 and train_seat.num_parks == 1
     finally:
         train_seat.close(), other.close()
+
+
+def test_a_seat_that_left_does_not_hold_up_the_next_turn():
+    turns = Turns()
+    turns.join("rollout")
+    turns.acquire("rollout")
+    turns.release("rollout")  # its state stays on the devices ...
+    turns.leave("rollout")  # ... until it leaves (its process was killed): nobody waits for it to park
+    assert turns.state()["resident"] is None
+    assert turns.acquire("train", timeout=1) is True and turns.state()["resident"] == "train"

@@ -110,3 +110,37 @@ def test_cpu_platform_moves_nothing():
     assert handle.host_tensors() == [] and handle.num_bytes == 0
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     handle.onload()
+
+
+def test_a_dtensor_moves_its_local_shard_and_stays_a_dtensor():
+    """Sharded parameters (FSDP2's DTensors), their gradients and AdamW state: the local shard moves."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    platform = hal.select_platform("fake:cuda:1").platform
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+        opt = torch.optim.AdamW([weight], lr=1e-2)
+        (weight.full_tensor() ** 2).sum().backward()
+        opt.step()
+        module = torch.nn.Module()
+        module.weight = weight
+        tensors = [weight, weight.grad, *(v for v in opt.state[weight].values() if isinstance(v, DTensor))]
+        before = [(t._local_tensor, t._local_tensor.clone()) for t in tensors]
+        handle = platform.offload(module=module, optimizer=opt)
+        assert handle.num_bytes == 4 * (6 * 4) * 4 + 4  # weight, gradient, two moments (float32) and AdamW's step
+        for t, (old, _) in zip(tensors, before):
+            assert isinstance(t, DTensor) and t._local_tensor is not old  # the shard moved; the DTensor stays
+        handle.onload()
+        for t, (_, values) in zip(tensors, before):
+            assert torch.equal(t._local_tensor, values) and t.shape == (6, 4)
+    finally:
+        dist.destroy_process_group()

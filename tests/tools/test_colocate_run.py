@@ -3,7 +3,9 @@
 The local run uses a fake GPU (CPU tensors, but offload copies for real), so each
 hand-off really moves the waiting engine's state to host memory. The Ray run connects to
 the test session's Ray (`ray_session`, through RAY_ADDRESS) with a fake one-device node:
-the rollout actor must sit on the trainer's bundle and both take turns.
+the rollout actor must sit on the trainer's bundle and both take turns. With the fsdp
+backend and two trainer ranks on a fake two-device node, each rank hosts a guest of its
+own and takes turns with it (rank 1 in `follow()`, parking its shards).
 """
 
 from __future__ import annotations
@@ -115,3 +117,36 @@ def assert_every_group_once(run_dir: Path, steps: list[dict], *, group_size: int
     assert resumed <= num_handed_off
     # rows in == rows out: trained or dropped (acked by the trainer), waiting to be trained, or not generated yet
     assert num_admitted * group_size == train["acked_counts"]["train"] + len(untrained) + group_size * len(waiting)
+
+
+def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli, tmp_path, ray_session):
+    import ray
+
+    run_dir = tmp_path / "run"
+    num_steps = 4
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 2}]"  # fake:cpu: parks copy for real
+    two_ranks = ["train.backend=fsdp", "placement.train.count=2", "placement.rollout.count=2"]
+    args = [*SMALL, f"algorithm.num_steps={num_steps}", "runtime=ray", "cluster.fake=true", cluster, *two_ranks, *COLOCATED]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, num_steps + 1)) and all("reward" in m for m in steps)
+    info = json.loads((run_dir / "runtime.json").read_text())
+    assert info["rollout_seating"] == [{"rank": i, "mode": "colocated", "bundle": ["train", i], "resources": {"CPU": 0.5}} for i in (0, 1)]
+    trainers, actors = info["trainer"]["ranks"], info["rollout_actors"]
+    for trainer, actor in zip(trainers, actors):  # each guest shares its rank's bundle: half of its device each
+        assert actor["node"] == trainer["node"] and actor["placement_group"] == trainer["placement_group"] is not None
+        assert actor["resources"].get("CPU") == trainer["resources"].get("CPU") == 0.5
+    assert info["transport"] == "host"  # rank 1's guest is not on the sender's (rank 0's) devices: no ipc to it
+    for i, rollout in enumerate(info["rollout_summaries"]):
+        assert rollout["samples"] > 0 and rollout["timeshare"]["seats"][f"rollout-{i}"]["parks"] >= 1
+        assert rollout["versions_received"] == num_steps + 1  # every version reached both guests
+        assert rollout["versions_applied"][0] == 0 and max(rollout["versions_applied"]) >= 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == num_steps and summary["timeshare"]["seats"]["train"]["parks"] >= 1  # rank 0
+    leader, follower = summary["trainer_ranks"]
+    assert follower["rank"] == 1 and follower["steps"] == 20 + num_steps  # the warm start's and RL's
+    follower_share = follower["timeshare"]  # rank 1 took turns with its own guest, at its own Turns
+    assert follower_share["handoffs"] >= 2 and follower_share["seats"]["train"]["parks"] >= 1
+    assert follower_share["seats"]["train"]["parked_bytes"] > 0  # its FSDP shards, gradients and AdamW moments
