@@ -46,7 +46,8 @@ def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     slots: list[tuple[torch.Tensor, _Setter]] = []
     if module is not None:
         for p in module.parameters():
-            slots.append(_slot(p, lambda t, p=p: setattr(p, "data", t)) if _is_dtensor(p) else (p.data, lambda t, p=p: setattr(p, "data", t)))  # a DTensor's `.data` is an alias
+            set_data = lambda t, p=p: setattr(p, "data", t)  # noqa: E731
+            slots.append(_slot(p, set_data) if _is_dtensor(p) else (p.data, set_data))  # a DTensor's `.data` is an alias
             if p.grad is not None:
                 slots.append(_slot(p.grad, lambda t, p=p: setattr(p, "grad", t)))
     if optimizer is not None:

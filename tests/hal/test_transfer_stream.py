@@ -77,6 +77,17 @@ def _receive_in_thread(receive, *args) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def _collective_pair() -> tuple[CollectiveSender, CollectiveReceiver]:
+    """A gloo broadcast group of a sender and one receiver, joined."""
+    sender = CollectiveSender(CpuPlatform(), num_receivers=1, bucket_bytes=BUCKET_BYTES, timeout_s=60)
+    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=60)
+    joined = threading.Thread(target=receiver.join, daemon=True)
+    joined.start()
+    sender.join()
+    joined.join(60)
+    return sender, receiver
+
+
 def _assert_delivered(out: dict, version: int, want: dict[str, torch.Tensor]) -> None:
     assert "error" not in out, out.get("error")
     assert out["weights"].version == version and out["weights"].tensors.keys() == want.keys()
@@ -114,12 +125,7 @@ def test_host_sender_holds_about_one_bucket_and_sends_a_source_again():
 
 def test_collective_sender_holds_about_one_bucket():
     source = CountingSource()
-    sender = CollectiveSender(CpuPlatform(), num_receivers=1, bucket_bytes=BUCKET_BYTES, timeout_s=60)
-    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=60)
-    joined = threading.Thread(target=receiver.join, daemon=True)
-    joined.start()
-    sender.join()
-    joined.join(60)
+    sender, receiver = _collective_pair()
     for version in (1, 2):
         t, out = _receive_in_thread(receiver.receive)
         sender.send(version, source)
@@ -174,12 +180,7 @@ def test_host_version_that_breaks_its_specs_never_goes_live(bad, num, error):
 
 def test_collective_version_that_breaks_its_specs_never_goes_live_and_the_group_stays_in_step():
     source = CountingSource(bad=13)
-    sender = CollectiveSender(CpuPlatform(), num_receivers=1, bucket_bytes=BUCKET_BYTES, timeout_s=60)
-    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=60)
-    joined = threading.Thread(target=receiver.join, daemon=True)
-    joined.start()
-    sender.join()
-    joined.join(60)
+    sender, receiver = _collective_pair()
     t, out = _receive_in_thread(receiver.receive)
     with pytest.raises(TransferError, match=r"tensor 13 is 'layers.13.weight' float32\[19999\]"):
         sender.send(1, source)
