@@ -94,7 +94,8 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and
           held-out accuracy, with ratios against sync and against TRL 1.16's
           GRPOTrainer on the same warm start and prompts (installed with the [bench]
-          extra; skipped otherwise). --steps and --seeds size it.
+          extra; skipped otherwise). --steps and --seeds size it; key=value
+          arguments override the recipe for every system, e.g. device=cuda.
 
   weights the weight transports (host, collective, ipc) moving a model of 4 MB .. 1 GB
           between two processes, in GB/s, against the raw channel under each: one
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights)", description=BENCH_HELP, formatter_class=fmt)
     bench.add_argument("name", choices=["store", "e2e", "weights"], help="which benchmark")
+    bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
     bench.add_argument("--systems", default="tidal,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
@@ -168,13 +170,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from tidal.tools import bench_e2e  # noqa: PLC0415
 
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        results = bench_e2e.run(seeds=seeds, num_steps=args.steps, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        results = bench_e2e.run(seeds=seeds, num_steps=args.steps, overrides=args.overrides, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))
         else:
             _print_table("tidal bench e2e (quickstart task, same warm start and samples)", bench_e2e.table(results))
         return 0
 
+    if args.overrides:
+        print(f"tidal bench: error: {args.name} takes no recipe overrides (got {' '.join(args.overrides)}); only e2e does", file=sys.stderr)
+        return 2
     if args.name == "weights":
         from tidal.tools import bench_weights  # noqa: PLC0415
 

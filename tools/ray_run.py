@@ -321,7 +321,7 @@ def init_ray(cfg: Any) -> None:
                 resources[key] = resources.get(key, 0) + node.devices * node.count
             for tag in node.tags:  # as a Ray cluster's nodes would declare them (--resources)
                 resources[tag] = resources.get(tag, 0) + node.devices * node.count
-    num_gpus = resources.pop("GPU", 0)
+    num_gpus = resources.pop("GPU", None)  # None: Ray counts the machine's own GPUs
     if resources.get("NPU"):
         # Ray looks up the NPU model (through CANN's `acl`) when a node declares NPUs and logs
         # a traceback when it cannot; a fake cluster has no NPU to look up.

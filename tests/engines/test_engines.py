@@ -354,3 +354,32 @@ def _expressions(numbers):
             for op, n in zip(ops, order[1:]):
                 expr = f"({expr}){op}{n}"
             yield expr
+
+
+@pytest.mark.gpu
+def test_gpu_rollout_and_training_match_the_cpu_engines():
+    """On a real GPU: sampled rows' logprobs equal a CPU forward pass of the same model, and
+    a train step moves the weights as the same step on CPU does (float64: no rounding noise)."""
+    from tidal.hal import select_platform  # noqa: PLC0415
+    from tidal.hal.cpu import CpuPlatform  # noqa: PLC0415
+
+    gpu = select_platform("cuda").platform
+    model = tiny(0, torch.float64)
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, chunk_tokens=3, platform=gpu)
+    assert next(engine.model.parameters()).device.type == "cuda"
+    torch.manual_seed(0)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-14=", "7="] for _ in range(4)]
+    engine.generate(trajectories, max_new_tokens=7)
+    for t in trajectories:
+        assert t.done and 1 <= t.num_generated <= 7
+        assert t.logprobs == pytest.approx(_reference_logprobs(model, t), abs=1e-9)
+    batch = to_token_batch(trajectories, pad_id=T.pad_id)
+    advantages = torch.linspace(-1, 1, len(trajectories), dtype=torch.float64)
+    weights, losses = [], []
+    for platform in (gpu, CpuPlatform()):
+        trainer = TorchTrainEngine(copy.deepcopy(model), lr=1e-2, micro_batch_size=4, platform=platform)
+        losses.append(trainer.train_step(batch, advantages, loss=PolicyLossConfig(), proximal_logprobs=trainer.logprobs(batch))["loss"])
+        weights.append({name: t.detach().cpu() for name, t in trainer.named_weights()})
+    assert losses[0] == pytest.approx(losses[1], abs=1e-12)
+    for name, weight in weights[1].items():
+        torch.testing.assert_close(weights[0][name], weight, atol=1e-10, rtol=0, msg=name)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 import weakref
 
 import pytest
@@ -10,6 +15,9 @@ import torch
 
 from tidal import hal
 from tidal.hal import cuda as cuda_backend
+from tidal.hal.transfer import expected_specs
+from tidal.hal.transfer.host import HostReceiver, HostSender
+from tidal.hal.transfer.ipc import IpcSender
 
 
 def test_cuda_not_detected_without_a_cuda_build():
@@ -93,3 +101,83 @@ def test_gpu_offload_round_trip_pinned(gpu):
     after = [model.weight, model.weight.grad, *opt.state[model.weight].values()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert model.weight.device.type == "cuda"
+
+
+IPC_RECEIVER = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+
+    from tidal.hal import select_platform
+    from tidal.hal.transfer.ipc import IpcReceiver
+
+    receiver = IpcReceiver(select_platform("cuda").platform)
+    print(receiver.address, flush=True)
+    for _ in range(int(sys.argv[2])):
+        got = receiver.receive(60)
+        devices = sorted({str(t.device) for t in got.tensors.values()})
+        torch.save({"devices": devices, "tensors": {n: t.cpu() for n, t in got.tensors.items()}}, f"{sys.argv[1]}/v{got.version}.pt")
+    receiver.close()
+    """
+)
+
+
+def _device_weights(gpu, seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    cpu = {
+        "embed.weight": torch.randn(256 * scale, 64, generator=g),
+        "norm.weight": torch.randn(7, generator=g).to(torch.bfloat16),  # odd byte count: misaligns what follows
+        "mlp.weight": torch.randn(33, 64, generator=g).to(torch.float16),
+        "step": torch.tensor([seed], dtype=torch.int64),
+    }
+    return {n: t.to(gpu.device()) for n, t in cpu.items()}
+
+
+@pytest.mark.gpu
+def test_gpu_ipc_transport_hands_device_weights_to_another_process(gpu, tmp_path):
+    """CUDA IPC for real: the receiver (another process) opens the sender's device buffer
+    through its handle and ends with device tensors of its own; a larger second version
+    makes the sender grow (replace) the buffer."""
+    (tmp_path / "receiver.py").write_text(IPC_RECEIVER)
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
+    child = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), str(tmp_path), "2"], stdout=subprocess.PIPE, text=True, env=env)
+    sender = IpcSender(gpu)
+    try:
+        sender.connect(child.stdout.readline().strip())
+        sent = {1: _device_weights(gpu, 1), 2: _device_weights(gpu, 2, scale=8)}
+        for version, weights in sent.items():
+            manifest = sender.send(version, weights.items())  # returns once the receiver copied it out
+            assert manifest.version == version
+        assert child.wait(timeout=120) == 0
+    finally:
+        sender.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    for version, weights in sent.items():
+        got = torch.load(tmp_path / f"v{version}.pt")
+        assert got["devices"] == ["cuda:0"]
+        assert set(got["tensors"]) == set(weights)
+        for name, t in weights.items():
+            assert got["tensors"][name].dtype == t.dtype and torch.equal(got["tensors"][name], t.cpu()), name
+
+
+@pytest.mark.gpu
+def test_gpu_host_transport_stages_device_buckets_through_pinned_memory(gpu):
+    weights = _device_weights(gpu, 3, scale=4)
+    receiver = HostReceiver(gpu, expected=expected_specs(weights.items()))
+    sender = HostSender(gpu, bucket_bytes=16 << 10)  # several buckets: copies overlap sends
+    sender.connect(receiver.address)
+    got: dict = {}
+    try:
+        receiving = threading.Thread(target=lambda: got.update(weights=receiver.receive(60)))
+        receiving.start()
+        manifest = sender.send(7, weights.items())
+        receiving.join(60)
+    finally:
+        sender.close()
+        receiver.close()
+    assert len(manifest.buckets) >= 3 and got["weights"].version == 7
+    for name, t in weights.items():
+        assert got["weights"].tensors[name].device == t.device and torch.equal(got["weights"].tensors[name], t), name

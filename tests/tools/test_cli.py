@@ -208,3 +208,8 @@ def test_plan_reverse_assignment_and_infeasible_request(tidal_cli):
     out = tidal_cli("plan", "mixed_npu_gpu", "placement.rollout.count=9")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "cannot place role 'rollout'" in out.stderr and "1 more do not fit" in out.stderr
+
+
+def test_bench_overrides_are_for_e2e_only(tidal_cli):
+    out = tidal_cli("bench", "weights", "device=cuda")
+    assert out.returncode == 2 and "weights takes no recipe overrides (got device=cuda); only e2e does" in out.stderr

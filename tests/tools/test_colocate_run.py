@@ -90,8 +90,10 @@ def test_ray_multiplexed_lends_the_trainer_device_to_a_borrowed_rollout_seat(tid
     assert summary["steps"] == 6 and summary["timeshare"]["handoffs"] >= 2
     # groups the reclaim paused continued elsewhere: the own-device instance never hands off.
     # Whether a reclaim finds the borrowed seat mid-generation is timing (10-29 groups handed
-    # off in each of four runs on 2 cores); the accounting below holds either way.
-    assert own_summary["handed_off"] == 0 and borrowed_summary["handed_off"] >= max(summary["handed_off"], 1)
+    # off in each of four runs on 2 cores, none in one on a busy machine), so this run does
+    # not insist on a hand-off (tests/flow/test_rollout.py makes some, deterministically);
+    # the accounting below holds either way.
+    assert own_summary["handed_off"] == 0 and borrowed_summary["handed_off"] >= summary["handed_off"]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert_every_group_once(run_dir, steps, group_size=8, num_handed_off=borrowed_summary["handed_off"])
 

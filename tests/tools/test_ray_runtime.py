@@ -66,3 +66,22 @@ def test_infeasible_ray_placement_fails_fast_naming_the_role(tidal_cli, tmp_path
     cluster = "cluster.nodes=[{name: npu, kind: npu, devices: 1}, {name: gpu, kind: cuda, devices: 1}]"
     out = tidal_cli("run", "mixed_npu_gpu", f"run_dir={tmp_path / 'run'}", "cluster.fake=true", cluster, "placement.train.count=1", "placement.rollout.count=3", "placement.rollout.devices_each=1", env=ENV, cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "cannot place role 'rollout'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_local_ray_counts_the_machines_own_gpus_unless_the_cluster_is_fake(monkeypatch):
+    """Ray is started with num_gpus=None on a real machine (Ray counts its GPUs; 0 would hide
+    them from every placement) and with the declared count on a fake cluster."""
+    import ray
+
+    from tidal.tools.config import load_config
+    from tidal.tools.ray_run import init_ray
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    init_ray(load_config(None, ["runtime=ray"]))
+    init_ray(load_config(None, ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2, count: 2}]"]))
+    real, fake = calls
+    assert (real["address"], real["num_gpus"], real["resources"]) == ("local", None, None)
+    assert (fake["num_gpus"], fake["resources"]) == (4, None)
