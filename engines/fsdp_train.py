@@ -6,7 +6,9 @@ hal platform gives; the optimizer is AdamW over the sharded (DTensor) parameters
 rank trains on its own rows of the batch; micro-batch losses are weighted by their share
 of the *global* batch's loss tokens or sequences (counted with one all-gather) and the
 gradient reduce-scatter sums instead of averaging, so a step over N ranks equals one
-`TorchTrainEngine` step over all of their rows. Ranks run the same number of forwards and
+`TorchTrainEngine` step over all of their rows. As in that engine, rows whose advantage
+is zero on every loss token get no forward or backward pass when there is no KL term
+(`skipped_rows`; each rank skips its own). Ranks run the same number of forwards and
 backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or one whose
 micro-batch has no loss token, runs a zero-weight dummy pass.
 
@@ -74,6 +76,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tidal.engines.torch_train import rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -83,6 +86,8 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 _HOST = torch.device("cpu")
+_COVERED = "_covered"
+"""A step's internal total: the share of the batch whose micro-batches ran."""
 
 
 def ensure_process_group(platform: Platform) -> None:
@@ -313,17 +318,19 @@ class FSDPTrainEngine:
     def _micro_batches(self, n: int) -> list[slice]:
         return [slice(start, min(start + self.micro_batch_size, n)) for start in range(0, n, self.micro_batch_size)]
 
-    def _global(self, batch: TokenBatch) -> tuple[dict[str, float], int]:
-        """Loss tokens, sequences with a loss token and rows summed over ranks; the most micro-batches of any rank."""
+    def _global(self, batch: TokenBatch, run: int | None = None) -> tuple[dict[str, float], int]:
+        """Loss tokens, sequences with a loss token, rows, and rows that run (`run` of this
+        rank's rows; default all) summed over ranks; the most micro-batches of any rank."""
+        run = len(batch) if run is None else run
         local = torch.tensor(
-            [float(batch.loss_mask.sum()), float((batch.loss_mask.sum(1) > 0).sum()), float(len(batch)), float(len(self._micro_batches(len(batch))))],
+            [float(batch.loss_mask.sum()), float((batch.loss_mask.sum(1) > 0).sum()), float(len(batch)), float(run), float(len(self._micro_batches(run)))],
             dtype=torch.float64,
         )
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
         stacked = torch.stack(parts)
-        tokens, sequences, rows = stacked[:, :3].sum(0).tolist()
-        return {"tokens": tokens, "sequences": sequences, "rows": rows}, int(stacked[:, 3].max())
+        tokens, sequences, rows, ran = stacked[:, :4].sum(0).tolist()
+        return {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran}, int(stacked[:, 4].max())
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
@@ -349,10 +356,13 @@ class FSDPTrainEngine:
 
     # Steps -----------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
+        """One optimizer step; "loss" is the global batch's loss, the other metrics are
+        means over the rows that ran (on every rank). With no rows to run anywhere, one
+        dummy pass gives every parameter a zero gradient, so AdamW still steps."""
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
         slices = self._micro_batches(len(batch))
-        for k in range(num_micro):
+        for k in range(max(num_micro, 1)):
             part = batch.select(slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
             if weight == 0:
@@ -360,6 +370,7 @@ class FSDPTrainEngine:
                 continue
             loss, metrics = micro_loss(part, slices[k])
             (loss * weight).backward()
+            totals[_COVERED] += weight
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + weight * float(value)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -369,6 +380,9 @@ class FSDPTrainEngine:
         torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
         self.optimizer.step()
         summed = self._sum_over_ranks(totals)
+        covered = summed.pop(_COVERED)
+        for key in summed.keys() - {"loss"}:
+            summed[key] /= covered
         summed.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
         return summed
 
@@ -392,12 +406,14 @@ class FSDPTrainEngine:
         if self._leading:
             (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss)
             batch = TokenBatch(*fields)
-        metrics = self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
-        metrics["skipped_rows"] = 0.0  # every row runs (the torch engine skips rows without advantage)
-        return metrics
+        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
 
     def _train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None) -> dict[str, float]:
-        counts, num_micro = self._global(batch)
+        among = rows_with_signal(advantages, batch.loss_mask) if loss.kl_coef == 0 else None  # see the torch engine
+        counts, num_micro = self._global(batch, None if among is None else len(among))  # the whole batch's counts weigh the rows
+        if among is not None:
+            batch, advantages = batch.select(among), advantages[among]
+            proximal_logprobs = None if proximal_logprobs is None else proximal_logprobs[among]
         by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
 
         def weight_of(part: TokenBatch) -> float:
@@ -418,7 +434,7 @@ class FSDPTrainEngine:
             )
 
         metrics = self._step(batch, num_micro, micro_loss, weight_of)
-        metrics["num_tokens"] = counts["tokens"]
+        metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
         self.version += 1
         return metrics
 

@@ -141,7 +141,7 @@ class TorchTrainEngine:
         given: the others must contribute no gradient). "loss" is the batch's loss; the
         other metrics are means over the rows that ran."""
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"loss": 0.0}  # nothing ran: the loss is 0
         covered = 0.0
         for rows, part in self._micro_batches(batch, among):
             weight = weight_of(part)
@@ -186,7 +186,7 @@ class TorchTrainEngine:
 
         among = None
         if loss.kl_coef == 0:  # every other term of the loss is a multiple of the advantage
-            among = _rows_with_signal(advantages, batch.loss_mask)
+            among = rows_with_signal(advantages, batch.loss_mask)
         metrics = self._step(batch, micro_loss, weight_of, among)
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
         self.version += 1
@@ -252,7 +252,7 @@ def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
     return _SharedPrompts(list(distinct), inverse, prompt_lengths, lengths)
 
 
-def _rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Indexes of the rows with a non-zero advantage on a loss token. Every term of the
     policy loss but the KL one is the advantage times something finite, so the other
     rows (a GRPO group whose samples all got the same reward) add exactly zero to the

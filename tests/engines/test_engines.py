@@ -249,12 +249,12 @@ def test_rows_without_advantage_are_skipped_and_the_step_is_the_same(monkeypatch
     batch = _grouped_batch(torch.float64)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.75], dtype=torch.float64)
     config = PolicyLossConfig(aggregation=aggregation, proximal_is_policy=True, tis_cap=2.0)
-    assert torch.equal(torch_train._rows_with_signal(advantages, batch.loss_mask), torch.tensor([0, 1, 2, 3, 8]))
+    assert torch.equal(torch_train.rows_with_signal(advantages, batch.loss_mask), torch.tensor([0, 1, 2, 3, 8]))
     everything = lambda advantages, mask: torch.arange(len(mask))  # noqa: E731
     runs = []
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(torch_train, "_rows_with_signal", everything)
+            monkeypatch.setattr(torch_train, "rows_with_signal", everything)
         engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, weight_decay=0.1, micro_batch_size=2)
         metrics = engine.train_step(batch, advantages, loss=config)
         runs.append((metrics, {n: p.grad.clone() for n, p in engine.model.named_parameters()}, engine))
@@ -269,7 +269,7 @@ def test_rows_without_advantage_are_skipped_and_the_step_is_the_same(monkeypatch
     after = []
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(torch_train, "_rows_with_signal", everything)
+            monkeypatch.setattr(torch_train, "rows_with_signal", everything)
         engine.load_state_dict(copy.deepcopy(state))
         metrics = engine.train_step(batch, torch.zeros_like(advantages), loss=config)
         after.append((metrics["skipped_rows"], {n: t.clone() for n, t in engine.named_weights()}))
