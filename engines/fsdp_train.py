@@ -90,6 +90,11 @@ _COVERED = "_covered"
 """A step's internal total: the share of the batch whose micro-batches ran."""
 
 
+def _counts(batch: TokenBatch) -> dict[str, float]:
+    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
+    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
+
+
 def ensure_process_group(platform: Platform) -> None:
     """Use the initialised default process group, or initialise it through hal from torchrun's variables."""
     if not dist.is_available():
@@ -280,7 +285,7 @@ class FSDPTrainEngine:
             fields = self._receive_rows(command)
             batch = TokenBatch(*fields[:5])
             if op == "train_step":
-                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6])
+                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
             elif op == "sft_step":
                 self._sft_step(batch)
             else:
@@ -322,10 +327,7 @@ class FSDPTrainEngine:
         """Loss tokens, sequences with a loss token, rows, and rows that run (`run` of this
         rank's rows; default all) summed over ranks; the most micro-batches of any rank."""
         run = len(batch) if run is None else run
-        local = torch.tensor(
-            [float(batch.loss_mask.sum()), float((batch.loss_mask.sum(1) > 0).sum()), float(len(batch)), float(run), float(len(self._micro_batches(run)))],
-            dtype=torch.float64,
-        )
+        local = torch.tensor([*_counts(batch).values(), float(run), float(len(self._micro_batches(run)))], dtype=torch.float64)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
         stacked = torch.stack(parts)
@@ -401,16 +403,32 @@ class FSDPTrainEngine:
 
         SPMD: a collective; every rank calls it, each with its own rows (possibly a
         different number of them), advantages and proximal logprobs for those rows.
-        Led by rank 0: `batch` is every row; each rank trains on its share.
+        Led by rank 0: `batch` is every row; rank 0 drops the rows without advantage
+        (see `_train_step`) before it shares out the rest, so every rank gets its part of
+        the rows that run, and sends the whole batch's counts along.
         """
         if self._leading:
-            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss)
-            batch = TokenBatch(*fields)
+            whole = None
+            if loss.kl_coef == 0:
+                whole = _counts(batch)
+                among = rows_with_signal(advantages, batch.loss_mask)
+                batch, advantages = batch.select(among), advantages[among]
+                proximal_logprobs = None if proximal_logprobs is None else proximal_logprobs[among]
+            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss, whole=whole)
+            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole)
         return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
 
-    def _train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None) -> dict[str, float]:
-        among = rows_with_signal(advantages, batch.loss_mask) if loss.kl_coef == 0 else None  # see the torch engine
-        counts, num_micro = self._global(batch, None if among is None else len(among))  # the whole batch's counts weigh the rows
+    def _train_step(
+        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        """Without a KL term, rows whose advantage is zero on every loss token add nothing
+        to the loss or its gradient and get no pass (as in the torch engine); the counts
+        that weigh the micro-batches are still the whole batch's (`whole`, when the leader
+        dropped those rows already)."""
+        among = rows_with_signal(advantages, batch.loss_mask) if loss.kl_coef == 0 and whole is None else None
+        counts, num_micro = self._global(batch, None if among is None else len(among))
+        if whole is not None:
+            counts.update(whole)
         if among is not None:
             batch, advantages = batch.select(among), advantages[among]
             proximal_logprobs = None if proximal_logprobs is None else proximal_logprobs[among]

@@ -416,10 +416,11 @@ def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
     for (name, a), (_, b) in zip(led_run["loaded"], led_run["weights"]):
         assert torch.equal(a, b), name
     _assert_same_weights(led_run["continued"], fsdp_run["continued"])
-    # rank 1 built both engines and took every step on its half of the rows
-    # rank 1 built both engines, took every step on its half of the rows and made every pass over the
-    # weights rank 0 started: 4 exports, the stopped pass and both streamed ones
-    assert led_run["follower"] == {"engines": 2, "steps": len(PLAN) + len(RESUME), "rows": 3 * (len(PLAN) + len(RESUME)), "exports": 6}
+    # rank 1 built both engines, took every step on its half of the rows that ran and made every
+    # pass over the weights rank 0 started: 4 exports, the stopped pass and both streamed ones.
+    # Rank 0 shares out only the rows with advantage (0 and 1: one each), or none, in policy steps.
+    rows = [3 if step == "sft" else 0 if step.get("scale") == 0 else 1 for step in PLAN + RESUME]
+    assert led_run["follower"] == {"engines": 2, "steps": len(PLAN) + len(RESUME), "rows": sum(rows), "exports": 6}
 
 
 def test_weight_source_specs_are_the_unsharded_models(fsdp_run, led_run):
