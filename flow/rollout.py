@@ -14,7 +14,8 @@ the paused groups: it writes each unfinished group back into `prompts` as a resu
 row (the prompt plus the group's trajectories so far, under `RESUME_KEY`), acking the
 rows it took in the same put, and takes new rows only once its seat's turn is back. Any
 worker that gets a resumable row continues those trajectories where they stopped, so the
-group's generation continues elsewhere (`resumable_prompt` / `group_of`).
+group's generation continues elsewhere (`resumable_prompt` / `group_of`); workers take
+resumable rows before fresh prompts (`RESUMED_FIRST`).
 
 The same worker is a thread of the workflow's process under `runtime: local`
 (`LocalRollouts`) and the main loop of each rollout actor under `runtime: ray`, where
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from tidal.flow.protocols import RolloutEngine
+from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory
 
@@ -114,6 +116,9 @@ def trajectories_of(batch: Any) -> list[Trajectory]:
 RESUME_KEY = "resume"
 """The key of a `prompts` row holding a paused group: {"group": the group's id, "samples":
 one {"tokens", "logprobs", "versions", "finish_reason"} per trajectory} (msgpack values)."""
+RESUMED_FIRST = TaggedFirst(RESUME_KEY)
+"""How rollout takes prompts: paused groups (put back tagged `RESUME_KEY`) before fresh
+prompts, so their tokens so far do not grow too old to train on while they wait."""
 
 
 def resumable_prompt(prompt: dict[str, Any], trajectories: list[Trajectory]) -> dict[str, Any]:
@@ -181,7 +186,7 @@ class RolloutWorker:
                 raise Stop
             begin = time.perf_counter()
             try:
-                batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping)
+                batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping, sampler=RESUMED_FIRST)
             finally:
                 self.waits["rollout"] += time.perf_counter() - begin
             rows = list(zip(batch.indexes, batch.columns["prompt"]))
@@ -222,7 +227,7 @@ class RolloutWorker:
         one that dies after has left the groups in the store for the next worker."""
         resumable = [resumable_prompt(prompt, group) for (_, prompt), group in zip(rows, groups)]
         with self.tracer.span("rollout", "hand off", groups=len(groups)):
-            self.store.put("prompts", {"prompt": resumable}, cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
+            self.store.put("prompts", {"prompt": resumable}, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
         self.num_handed_off += len(groups)
 
     def apply_weights(self) -> None:

@@ -11,7 +11,7 @@ and a `RemoteStore` client offers the same API as the in-process `Store`.
 
 from tidal.flow.store.aio import AsyncStore
 from tidal.flow.store.client import RemoteStore
-from tidal.flow.store.samplers import Grouped, RowMeta, SampleContext, Sampler, Selection, SeqlenBalanced, Sequential, StalenessFilter
+from tidal.flow.store.samplers import Grouped, RowMeta, SampleContext, Sampler, Selection, SeqlenBalanced, Sequential, StalenessFilter, TaggedFirst
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.cells import Batch
 from tidal.flow.store.table import Store, StoreError, StoreTimeout
@@ -35,4 +35,5 @@ __all__ = [
     "StoreError",
     "StoreServer",
     "StoreTimeout",
+    "TaggedFirst",
 ]

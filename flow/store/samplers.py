@@ -203,6 +203,25 @@ class SeqlenBalanced:
         return Selection([i for rank in ranks for i in rank], chosen.drop)
 
 
+@dataclasses.dataclass
+class TaggedFirst:
+    """Rows whose `tag` is set (a true value in `put(..., tags=...)`) first, in readiness
+    order; the rest of the batch through `inner`. Reads every ready row's tags, so it suits
+    short queues (a rollout's prompts: resumed groups go before fresh prompts)."""
+
+    tag: str
+    inner: Any = dataclasses.field(default_factory=Sequential)
+
+    def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
+        first = np.fromiter((bool(m.tags.get(self.tag)) for m in rows), dtype=bool, count=len(rows))
+        if not first.any():
+            return self.inner.select(rows, batch_size, partial, ctx)
+        take = rows.indexes[first][:batch_size].tolist()
+        rest = self.inner.select(rows.subset(~first), batch_size - len(take), True, ctx) if len(take) < batch_size else Selection([])
+        take += np.asarray(rest.take, dtype=np.int64).tolist()
+        return Selection(take if len(take) == batch_size or partial else [], rest.drop)
+
+
 def _length(value: Any) -> int:
     shape = getattr(value, "shape", None)
     if shape is not None:
@@ -220,9 +239,11 @@ def to_spec(sampler: Sampler) -> dict[str, Any]:
         return {"kind": "staleness", "max_staleness": sampler.max_staleness, "hold": sampler.hold, "inner": to_spec(sampler.inner)}
     if isinstance(sampler, SeqlenBalanced):
         return {"kind": "seqlen", "num_ranks": sampler.num_ranks, "length_column": sampler.length_column, "inner": to_spec(sampler.inner)}
+    if isinstance(sampler, TaggedFirst):
+        return {"kind": "tagged_first", "tag": sampler.tag, "inner": to_spec(sampler.inner)}
     raise ValueError(
         f"sampler {type(sampler).__name__} cannot be sent to a store server; remote gets take "
-        "Sequential, Grouped, StalenessFilter or SeqlenBalanced (custom samplers run with an in-process Store)"
+        "Sequential, Grouped, StalenessFilter, SeqlenBalanced or TaggedFirst (custom samplers run with an in-process Store)"
     )
 
 
@@ -249,4 +270,9 @@ def from_spec(spec: Any) -> Sampler:
         if not isinstance(column, str):
             raise ValueError(f"sampler 'seqlen' needs a length_column name, got {column!r}")
         return SeqlenBalanced(integer("num_ranks", 1), column, from_spec(spec.get("inner")))
-    raise ValueError(f"unknown sampler kind {kind!r}; kinds: grouped, seqlen, sequential, staleness")
+    if kind == "tagged_first":
+        tag = spec.get("tag")
+        if not isinstance(tag, str):
+            raise ValueError(f"sampler 'tagged_first' needs a tag name, got {tag!r}")
+        return TaggedFirst(tag, from_spec(spec.get("inner")))
+    raise ValueError(f"unknown sampler kind {kind!r}; kinds: grouped, seqlen, sequential, staleness, tagged_first")

@@ -172,6 +172,32 @@ def test_a_reclaimed_borrowed_seat_hands_its_paused_groups_to_another_worker():
     train_seat.close(), borrowed.seat.close()
 
 
+def test_workers_take_handed_off_groups_before_fresh_prompts():
+    store, prompts = _stores(4)
+    turns = Turns()
+    train_seat = _seat(turns, "train")
+    engine_a, engine_b = CountingEngine(3, stall_at=STALL), CountingEngine(4)
+    borrowed = SharedRolloutEngine(engine_a, _seat(turns, "rollout-1"))
+    a, b = _worker(store, borrowed, hand_off=True), _worker(store, engine_b)
+    errors: list[BaseException] = []
+    threads = [_start(a, errors)]
+    assert engine_a.stalled.wait(10)
+    fresh = store.put("prompts", {"prompt": [{"prompt_ids": [2, k], "answer": "x"} for k in range(4)]})  # queued ahead of the hand-off
+    with train_seat.turn():
+        _until(lambda: a.num_handed_off == 3, "A did not hand off its paused groups")
+        threads.append(_start(b, errors))
+        _until(lambda: b.num_samples >= 8, "B did not finish its first batch")
+    for worker in (a, b):
+        worker.stopping.set()
+    store.wake()
+    for thread in threads:
+        thread.join(10)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    first_batch = {t.group for t in engine_b.seen[:8]}  # B's first generate: 4 groups of 2
+    assert first_batch == {*prompts[1:], fresh[0]}  # the three paused groups, then the oldest fresh prompt
+    train_seat.close(), borrowed.seat.close()
+
+
 def test_groups_handed_off_survive_the_worker_that_took_them_dying():
     store, prompts = _stores(2)
     turns = Turns()

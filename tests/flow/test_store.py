@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout
+from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout, TaggedFirst
 from tidal.flow.store.codec import CodecError, decode, encode
 from tidal.flow.store.persist import load, save
 
@@ -144,6 +144,21 @@ def test_seqlen_balanced_sampler_balances_tokens_across_ranks():
     halves = [sum(len(t) for t in batch.columns["tokens"][r * 4 : (r + 1) * 4]) for r in range(2)]
     assert sorted(batch.indexes) == list(range(8))
     assert abs(halves[0] - halves[1]) <= 20, halves  # sequential halves would be 193 vs 157
+
+
+def test_tagged_first_sampler_hands_out_tagged_rows_before_the_rest():
+    store = make(consumers=["c", "whole", "stale"])
+    store.put("p", {"x": [0, 1, 2]}, versions=[0, 0, 5])
+    store.put("p", {"x": [3, 4]}, versions=[5, 5], tags=[{"resume": True}, {"resume": False}])
+    store.put("p", {"x": [5]}, versions=[0], tags=[{"resume": True}])  # tagged and stale: first, unfiltered
+    first = TaggedFirst("resume")
+    assert store.get("c", "p", ["x"], 3, sampler=first, timeout=0).indexes == [3, 5, 0]
+    assert store.get("c", "p", ["x"], 8, sampler=first, partial=True, timeout=0).indexes == [1, 2, 4]
+    with pytest.raises(StoreTimeout, match="6 of 7 rows"):  # a whole batch or nothing, unless partial
+        store.get("whole", "p", ["x"], 7, sampler=first, timeout=0)
+    store.set_version(5)
+    batch = store.get("stale", "p", ["x"], 4, sampler=TaggedFirst("resume", StalenessFilter(max_staleness=1)), timeout=0)
+    assert batch.indexes == [3, 5, 2, 4] and store.metrics()["partitions"]["p"]["consumers"]["stale"]["dropped"] == 2
 
 
 def test_capacity_blocks_put_until_rows_are_consumed():

@@ -15,7 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tidal.flow.store import Grouped, RemoteStore, StalenessFilter, StorageUnit, Store, StoreError, StoreServer, StoreTimeout
+from tidal.flow.store import Grouped, RemoteStore, StalenessFilter, StorageUnit, Store, StoreError, StoreServer, StoreTimeout, TaggedFirst
 from tidal.flow.store.samplers import Sampler, Selection
 
 
@@ -84,6 +84,8 @@ def test_remote_samplers_run_on_the_server(served):
     with pytest.raises(StoreTimeout):
         client.get("train", "train", ["x"], 2, sampler=StalenessFilter(1, Grouped(2)), timeout=0.2)
     assert store.metrics()["partitions"]["train"]["consumers"]["train"]["dropped"] == 3
+    client.put("train", {"x": torch.ones(2, 1)}, tags=[{}, {"resume": True}])
+    assert client.get("train", "train", ["x"], 2, sampler=TaggedFirst("resume"), timeout=0.2).indexes == [4, 3]
 
 
 def test_blocking_get_is_woken_by_another_clients_put(served):
