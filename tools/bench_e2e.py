@@ -58,11 +58,18 @@ def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Seque
     """Every system for every seed; `trl` only when TRL is installed."""
     from tidal.tools import bench_trl  # noqa: PLC0415
 
+    from tidal.flow.placement import PlacementError  # noqa: PLC0415
+
     results: dict[str, list[dict[str, Any]]] = {}
     for system, system_overrides in SYSTEMS.items():
         for seed in seeds:
             progress(f"{system}: seed {seed}, {num_steps} steps")
-            results.setdefault(system, []).append(run_tidal(system_overrides, seed=seed, num_steps=num_steps, overrides=overrides))
+            try:
+                results.setdefault(system, []).append(run_tidal(system_overrides, seed=seed, num_steps=num_steps, overrides=overrides))
+            except PlacementError as e:  # e.g. the Ray system's two roles on a machine with one GPU
+                progress(f"{system}: skipped, its roles do not fit this machine: {e}")
+                results[system] = [{"skipped": f"its roles do not fit this machine: {e}"}]
+                break
     if not bench_trl.available():
         progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
         return results
@@ -84,6 +91,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
         return f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base in results else "-"
 
     rows = [["system", "samples/s", "x sync", "x TRL", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
+    skipped = {system: runs[0]["skipped"] for system, runs in results.items() if runs and "skipped" in runs[0]}
+    results = {system: runs for system, runs in results.items() if system not in skipped}
     for system in results:
         rows.append([
             system,
@@ -95,6 +104,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
             f"{mean(system, 'accuracy_before'):.1%}",
             spread(system, "accuracy_after"),
         ])
+    for system, why in skipped.items():
+        rows.append([system, "-", "-", "-", "-", "-", "-", f"not measured: {why}"])
     if "trl" not in results:
         rows.append(["trl", "-", "-", "-", "-", "-", "-", f"not measured: TRL is not installed ({TRL_INSTALL})"])
     return rows

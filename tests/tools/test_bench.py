@@ -34,3 +34,26 @@ def test_e2e_table_without_trl_says_how_to_install_it():
     header, sync_row, trl = bench_e2e.table({"tidal-sync": [run]})
     assert sync_row[2:4] == ["1.00", "-"]
     assert trl[0] == "trl" and "pip install -c constraints.txt -e '.[bench]'" in trl[-1]
+
+
+def test_e2e_system_whose_roles_do_not_fit_is_skipped_saying_why(monkeypatch):
+    from tidal.flow.placement import PlacementError
+    from tidal.tools import bench_trl
+
+    run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
+    calls = []
+
+    def fake_run(system_overrides, *, seed, num_steps, overrides):
+        calls.append((tuple(system_overrides), seed, tuple(overrides)))
+        if "runtime=ray" in system_overrides:
+            raise PlacementError("role 'rollout' needs 1 device with [cuda]: none is free")
+        return run
+
+    monkeypatch.setattr(bench_e2e, "run_tidal", fake_run)
+    monkeypatch.setattr(bench_trl, "available", lambda: False)
+    results = bench_e2e.run(seeds=[0, 1], num_steps=3, overrides=["device=cuda"], progress=lambda m: None)
+    assert [c for c in calls if "runtime=ray" in c[0]] == [(tuple(bench_e2e.SYSTEMS["tidal-async-ray"]), 0, ("device=cuda",))]  # the second seed is not tried
+    assert len(results["tidal-async"]) == len(results["tidal-sync"]) == 2
+    rows = {row[0]: row for row in bench_e2e.table(results)[1:]}
+    assert rows["tidal-async"][2] == "1.00" and rows["tidal-async-ray"][1] == "-"
+    assert rows["tidal-async-ray"][-1] == "not measured: its roles do not fit this machine: role 'rollout' needs 1 device with [cuda]: none is free"
