@@ -381,5 +381,5 @@ def test_gpu_rollout_and_training_match_the_cpu_engines():
         losses.append(trainer.train_step(batch, advantages, loss=PolicyLossConfig(), proximal_logprobs=trainer.logprobs(batch))["loss"])
         weights.append({name: t.detach().cpu() for name, t in trainer.named_weights()})
     assert losses[0] == pytest.approx(losses[1], abs=1e-12)
-    for name, weight in weights[1].items():
-        torch.testing.assert_close(weights[0][name], weight, atol=1e-10, rtol=0, msg=name)
+    for name, weight in weights[1].items():  # k_proj's bias has no gradient but rounding noise, which AdamW scales up
+        torch.testing.assert_close(weights[0][name], weight, atol=1e-6 if name.endswith("k_proj.bias") else 1e-9, rtol=0, msg=name)
