@@ -371,6 +371,30 @@ class Partition:
                     cell_offset[c][positions] = column.offset[local]
         return versions, groups, {c: self.cut(cell_chunk[c], cell_offset[c]) for c in columns}
 
+    def metrics(self) -> dict[str, Any]:
+        """Rows, bytes, present cells per column, and per consumer its counts and get waits."""
+        by_column: dict[str, int] = {}
+        for seg in self.segments:
+            for name, column in seg.columns.items():
+                by_column[name] = by_column.get(name, 0) + column.num_present()
+        return {
+            "rows": self.num_rows,
+            "bytes": self.nbytes,
+            "evicted": self.num_evicted,
+            "ready_by_column": by_column,
+            "consumers": {
+                s.name: {
+                    "acked": s.num_acked,
+                    "leased": sum(int((seg.lease[s.name] > 0).sum()) for seg in self.segments),
+                    "dropped": s.num_dropped,
+                    "redelivered": s.num_redelivered,
+                    "ready": {",".join(sorted(k)): len(self.ready(s.name, k)) for k in s.keys},
+                    "wait_s": {"count": sum(s.wait_counts), "sum": s.wait_sum, "buckets": dict(zip(map(str, WAIT_BUCKETS), s.wait_counts))},
+                }
+                for s in self.consumers.values()
+            },
+        }
+
     def cut(self, ids: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
         """Cells (chunk ids, offsets) in batch order as blocks of consecutive cells of one chunk."""
         if len(ids) < 2 or (ids[0] == ids[-1] and (ids == ids[0]).all()):

@@ -572,31 +572,7 @@ class Store:
             out: dict[str, Any] = {"version": self._version, "partitions": {}}
             for part in self._parts.values():
                 self._expire_leases(part)
-                by_column: dict[str, int] = {}
-                for seg in part.segments:
-                    for name, column in seg.columns.items():
-                        by_column[name] = by_column.get(name, 0) + column.num_present()
-                out["partitions"][part.name] = {
-                    "rows": part.num_rows,
-                    "bytes": part.nbytes,
-                    "evicted": part.num_evicted,
-                    "ready_by_column": by_column,
-                    "consumers": {
-                        s.name: {
-                            "acked": s.num_acked,
-                            "leased": sum(int((seg.lease[s.name] > 0).sum()) for seg in part.segments),
-                            "dropped": s.num_dropped,
-                            "redelivered": s.num_redelivered,
-                            "ready": {",".join(sorted(k)): len(part.ready(s.name, k)) for k in s.keys},
-                            "wait_s": {
-                                "count": sum(s.wait_counts),
-                                "sum": s.wait_sum,
-                                "buckets": dict(zip(map(str, WAIT_BUCKETS), s.wait_counts)),
-                            },
-                        }
-                        for s in part.consumers.values()
-                    },
-                }
+                out["partitions"][part.name] = part.metrics()
             return out
 
     # Persistence (the work is in `persist`) ----------------------------------------------
