@@ -198,6 +198,9 @@ class FSDPTrainEngine:
 
     distributed = True
     """Needs an initialised process group: `tidal run` makes a one-process group when none exists."""
+    collective = True
+    """Weight passes, `state_dict` and `load_state_dict` are collectives over every rank's shards
+    (a rank that time-shares its devices takes a turn for them: `flow.timeshare`)."""
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch, Trajectory
+from tidal.hal.transfer import LazyWeights
 
 PARK_POLL_S = 10.0
 """The longest a parking thread's `wait_park` blocks before it checks again (a backstop: `leave` wakes it)."""
@@ -248,10 +249,33 @@ class SharedTrainEngine:
         with self.seat.turn():
             return self.engine.sft_step(batch)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # No turn: parking swaps each parameter's storage for an equal copy, so what is
-        # read is this version's weights wherever they sit (device, or host once parked).
-        return self.engine.named_weights()
+    def named_weights(self) -> Any:
+        """The engine's `WeightSource`. A one-process engine's pass takes no turn: parking
+        swaps each parameter's storage for an equal copy, so what is read is this version's
+        weights wherever they sit (device, or host once parked). A multi-rank engine's pass
+        (`engine.collective`) gathers shards with its other ranks, which take a turn for it
+        (`follow()`): its shards must be on the devices too, so each pass runs in a turn."""
+        source = self.engine.named_weights()
+        if not getattr(self.engine, "collective", False):
+            return source
+        return LazyWeights(source.specs, lambda: self._pass_in_turn(source.tensors()))
+
+    def _pass_in_turn(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        with self.seat.turn():
+            yield from tensors  # closing this pass early closes the engine's (finishing its collective)
+
+    # A multi-rank engine's full state is gathered (or scattered) by all ranks too (see `named_weights`).
+    def state_dict(self) -> dict[str, Any]:
+        return self._collective(self.engine.state_dict)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._collective(self.engine.load_state_dict, state)
+
+    def _collective(self, call: Callable[..., Any], *args: Any) -> Any:
+        if not getattr(self.engine, "collective", False):
+            return call(*args)
+        with self.seat.turn():
+            return call(*args)
 
 
 class SharedRolloutEngine:

@@ -11,6 +11,7 @@ import torch
 from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
 from tidal.flow.trajectory import Trajectory
 from tidal.hal import select_platform
+from tidal.hal.transfer import LazyWeights, TensorSpec
 
 
 class Recorder:
@@ -204,3 +205,55 @@ def test_a_seat_that_left_does_not_hold_up_the_next_turn():
     turns.leave("rollout")  # ... until it leaves (its process was killed): nobody waits for it to park
     assert turns.state()["resident"] is None
     assert turns.acquire("train", timeout=1) is True and turns.state()["resident"] == "train"
+
+
+class PassEngine:
+    """A train engine whose weight passes and state are collectives (`collective`) or not."""
+
+    def __init__(self, collective: bool) -> None:
+        self.collective = collective
+        self.passes_closed = 0
+
+    def named_weights(self) -> LazyWeights:
+        return LazyWeights(lambda: [TensorSpec("w", "float32", (2,))], self._pass)
+
+    def _pass(self):
+        try:
+            yield "w", torch.zeros(2)
+            yield "b", torch.zeros(2)
+        finally:
+            self.passes_closed += 1
+
+    def state_dict(self) -> dict:
+        return {"version": 1}
+
+
+@pytest.mark.parametrize("collective", [True, False])
+def test_a_multi_rank_engines_weight_pass_and_state_take_a_turn(collective):
+    """Its other ranks gather their shards in a turn (`follow()`), so rank 0 must have its
+    shards on the devices too; a one-process engine reads parked copies without a turn."""
+    turns, log = Turns(), []
+    guest, _ = seat(turns, "guest", log)
+    train_seat, _ = seat(turns, "train", log)
+    engine = SharedTrainEngine(PassEngine(collective), train_seat)
+    done = threading.Event()
+
+    def export() -> None:
+        source = engine.named_weights()
+        stopped = iter(source)
+        assert next(stopped)[0] == "w"
+        stopped.close()  # a pass stopped early ends its turn (and the engine's pass)
+        assert [name for name, _ in source] == ["w", "b"]
+        assert engine.state_dict() == {"version": 1}
+        done.set()
+
+    with guest.turn():  # the guest holds the devices
+        assert engine.named_weights().specs()[0].name == "w"  # specs need no turn
+        thread = threading.Thread(target=export, daemon=True)
+        thread.start()
+        assert done.wait(0.3) is not collective  # a collective pass waits for the guest's turn to end
+    assert done.wait(10)
+    thread.join(10)
+    with guest.turn():  # every turn the passes took was given back
+        pass
+    assert engine.engine.passes_closed == 2
