@@ -180,6 +180,10 @@ class RolloutActor:
 
             self.sharing = Sharing(TurnsProxy(turns), self.platform)
             self.engine = self.sharing.rollout(self.engine, seat)
+        self.weights_device = None if self.sharing is None else torch.device("cpu")
+        """Where received versions wait for the next safe point: on a shared device, host
+        memory (a version arriving while the trainer computes takes none of its device
+        memory; `load_weights` copies it in during this actor's turn)."""
         self.store = RemoteStore(store_address, token=store_token)
         self.stopping = threading.Event()
         self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, hand_off=hand_off, **settings)
@@ -217,7 +221,7 @@ class RolloutActor:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
 
-        self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token)
+        self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
         self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
         return self._receiver.address
 
@@ -225,7 +229,7 @@ class RolloutActor:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.ipc import IpcReceiver  # noqa: PLC0415
 
-        self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token)
+        self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
         self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
         return self._receiver.address
 
@@ -233,7 +237,7 @@ class RolloutActor:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.collective import CollectiveReceiver  # noqa: PLC0415
 
-        receiver = self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected_specs(self.engine.named_weights()))
+        receiver = self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected_specs(self.engine.named_weights()), device=self.weights_device)
 
         def join_and_receive() -> Any:
             receiver.join()  # once: blocks until every member joined

@@ -152,10 +152,23 @@ class CollectiveSender:
 class CollectiveReceiver:
     """A rollout engine's side (rank >= 1)."""
 
-    def __init__(self, platform: Platform, *, rank: int, num_receivers: int, host: str, port: int, expected: Mapping[str, TensorSpec] | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        rank: int,
+        num_receivers: int,
+        host: str,
+        port: int,
+        expected: Mapping[str, TensorSpec] | None = None,
+        timeout_s: float = 300.0,
+        device: torch.device | None = None,
+    ) -> None:
+        """`device`: where the received tensors go (default the platform's device 0; the
+        broadcast itself lands in buffers on the group's device, freed after `receive`)."""
         self._group = _Group(platform, rank=rank, world_size=num_receivers + 1, host=host, port=port, timeout_s=timeout_s)
         self._expected = expected
-        self._out_device = platform.device(0)
+        self._out_device = device if device is not None else platform.device(0)
 
     def join(self) -> None:
         self._group.join()

@@ -145,11 +145,14 @@ class IpcSender:
 class IpcReceiver:
     """Rollout side: binds a REP socket, copies each announced version out of the shared buffer."""
 
-    def __init__(self, platform: Platform, *, bind: str = "tcp://127.0.0.1:0", expected: Mapping[str, TensorSpec] | None = None, token: str | None = None) -> None:
+    def __init__(
+        self, platform: Platform, *, bind: str = "tcp://127.0.0.1:0", expected: Mapping[str, TensorSpec] | None = None, token: str | None = None, device: torch.device | None = None
+    ) -> None:
+        """`device`: where the received tensors go (default the platform's device 0)."""
         from tidal.hal.transfer.host import check_bind  # noqa: PLC0415
 
         check_bind(bind, token)
-        self._device = platform.device(0)
+        self._device = device if device is not None else platform.device(0)
         self._expected = expected
         self._token = token or ""
         self._sock = zmq.Context.instance().socket(zmq.REP)

@@ -205,6 +205,25 @@ def test_ipc_transport_shares_one_buffer_and_cleans_up():
     assert not Path(path).exists()
 
 
+def test_receivers_deliver_to_the_device_they_are_given():
+    """A rollout guest on shared devices receives into host memory (`device=`); here the
+    "meta" device stands in for one that differs from the platform's."""
+    w = _weights()
+    meta = torch.device("meta")
+    for receiver_cls, sender_cls in ((IpcReceiver, IpcSender), (HostReceiver, HostSender)):
+        receiver, sender = receiver_cls(CpuPlatform(), device=meta), sender_cls(CpuPlatform())
+        sender.connect(receiver.address)
+        try:
+            t, out = _receive_in_thread(receiver, 30)
+            sender.send(1, w.items())
+            t.join(30)
+        finally:
+            sender.close()
+            receiver.close()
+        got = out["weights"].tensors
+        assert {n: (t.device, t.dtype, t.shape) for n, t in got.items()} == {n: (meta, t.dtype, t.shape) for n, t in w.items()}, receiver_cls
+
+
 def test_ipc_receiver_refuses_a_mismatched_version_and_the_sender_hears_why():
     w = _weights()
     receiver = IpcReceiver(CpuPlatform(), expected=expected_specs([(n, t) for n, t in w.items() if n != "step"]))
