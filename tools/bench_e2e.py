@@ -56,9 +56,8 @@ def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, ove
 
 def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), progress: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
     """Every system for every seed; `trl` only when TRL is installed."""
-    from tidal.tools import bench_trl  # noqa: PLC0415
-
     from tidal.flow.placement import PlacementError  # noqa: PLC0415
+    from tidal.tools import bench_trl  # noqa: PLC0415
 
     results: dict[str, list[dict[str, Any]]] = {}
     for system, system_overrides in SYSTEMS.items():
