@@ -19,14 +19,14 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "checkpoint_every=100", "device=cuda", "--no-progress"]
+SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "checkpoint_every=100", "device=cuda"]
 COLOCATED = ["placement.rollout.colocate_with=train"]
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
 
 
 def _run(tidal_cli, tmp_path, *args: str, num_steps: int) -> tuple[Path, list[dict], dict]:
     run_dir = tmp_path / "run"
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *SMALL, f"algorithm.num_steps={num_steps}", *args, env=ENV, cwd=tmp_path, timeout=480)
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *SMALL, f"algorithm.num_steps={num_steps}", *args, "--no-progress", env=ENV, cwd=tmp_path, timeout=480)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == list(range(1, num_steps + 1))
