@@ -34,8 +34,9 @@ Two ways to drive the ranks:
   broadcasts a small command (`broadcast_object_list`), then sends every other rank its
   contiguous share of the batch's rows (`send`/`recv` of CPU tensors, so gloo carries
   them on every platform) and runs its own share; `logprobs` gathers the shares back in
-  order. The other ranks run `follow()`: receive a command, make the same collective
-  calls, repeat, until `stop_followers()`. Building an engine on rank 0 is a command too
+  order. The other ranks run `follow()` (`tidal.engines.fsdp_lead`): receive a command,
+  make the same collective calls, repeat, until `stop_followers()`. Rows with no advantage
+  are dropped before the rows are shared out. Building an engine on rank 0 is a command too
   (the followers rebuild the model from `type(model)(model.config)` and take rank 0's
   weights), so rank 0 may build several engines (a warm start's, then RL's) and the
   followers build them in step. Weights exported by `named_weights()` and the full
@@ -54,7 +55,6 @@ vendor).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -76,6 +76,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tidal.engines.fsdp_lead import model_recipe, send_command
 from tidal.engines.torch_train import rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
@@ -118,78 +119,6 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-# Commands of a group led by rank 0 ---------------------------------------------------------
-def _send_command(op: str, **args: Any) -> None:
-    """Rank 0: tell the followers what to do next (a small pickled dict over the default group)."""
-    dist.broadcast_object_list([{"op": op, **args}], src=0, device=_HOST)
-
-
-def _receive_command() -> dict[str, Any]:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, device=_HOST)
-    return box[0]
-
-
-def _model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
-    """What a follower needs to build a model like rank 0's (the weights come from rank 0)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
-    return type(model), config, next(model.parameters()).dtype
-
-
-def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, int]:
-    """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
-
-    Builds an engine whenever rank 0 builds one and makes the collective calls of each of
-    its method calls. Returns what this rank did: engines built, optimizer steps, rows,
-    passes over the weights (`exports`: one per pass rank 0 started, complete or not).
-
-    `share`: this rank time-shares its devices (a colocated rollout guest on them).
-    `share(engine)` seats each engine this builds and returns its seat (`turn()`, a
-    context manager, and `close()`, called when the engine goes); every command runs in a
-    turn of it, taken once the command arrived. Rank 0 takes its own turn before it
-    sends, so each rank waits only for its own guest.
-    """
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
-    engine: FSDPTrainEngine | None = None
-    seat: Any = None
-    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
-    try:
-        while True:
-            command = _receive_command()
-            if command["op"] == "stop":
-                return done
-            if command["op"] == "init":
-                if seat is not None:
-                    seat.close()
-                engine = seat = None  # the previous engine's shards go before the next one's arrive
-                cls, config, dtype = command["model"]
-                with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
-                    model = cls(config).to(dtype)
-                engine = FSDPTrainEngine(model, rank0_leads=True, **command["options"])
-                seat = share(engine) if share is not None else None
-                done["engines"] += 1
-                continue
-            if engine is None:
-                raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
-            with seat.turn() if seat is not None else contextlib.nullcontext():
-                engine._follow(command)
-            done["steps"] += command["op"] in ("train_step", "sft_step")
-            done["exports"] += command["op"] == "named_weights"
-            done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
-    finally:
-        if seat is not None:
-            seat.close()
-
-
-def stop_followers() -> None:
-    """Rank 0 of a led group: end every other rank's `follow()` (does nothing in a group of one)."""
-    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
-        _send_command("stop")
-
-
 class FSDPTrainEngine:
     """A `TrainEngine` for a transformers-style causal LM, sharded over all ranks with FSDP2.
 
@@ -227,7 +156,7 @@ class FSDPTrainEngine:
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
             options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, version=version)
-            _send_command("init", model=_model_recipe(model), options=options)
+            send_command("init", model=model_recipe(model), options=options)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
@@ -260,7 +189,7 @@ class FSDPTrainEngine:
         bounds = [n * r // self.world_size for r in range(self.world_size + 1)]
         rows = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
         specs = [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
-        _send_command(op, rows=rows, specs=specs, **args)
+        send_command(op, rows=rows, specs=specs, **args)
         for rank in range(1, self.world_size):
             for t in tensors:
                 if t is not None and rows[rank]:
@@ -522,7 +451,7 @@ class FSDPTrainEngine:
 
     def _weight_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._leading:
-            _send_command("named_weights")
+            send_command("named_weights")
         weights = self._named_weights()
         try:
             for item in weights:
@@ -547,7 +476,7 @@ class FSDPTrainEngine:
         ranks get empty model and optimizer state (only rank 0 writes `tidal run`'s checkpoint).
         """
         if self._leading:
-            _send_command("state_dict")
+            send_command("state_dict")
         return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
@@ -577,7 +506,7 @@ class FSDPTrainEngine:
         saved = state["optimizer"]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
         if self._leading:
-            _send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), param_groups=groups, version=int(state["version"]))
+            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), param_groups=groups, version=int(state["version"]))
         names = self._fqns()
         optim = {
             "state": {names[int(i)]: s for i, s in saved["state"].items()},
@@ -599,7 +528,7 @@ class FSDPTrainEngine:
     def save_checkpoint(self, directory: str | Path) -> None:
         """Sharded model + optimizer + version with torch.distributed.checkpoint; every rank, same directory."""
         if self._leading:
-            _send_command("save_checkpoint", directory=str(directory))
+            send_command("save_checkpoint", directory=str(directory))
         self._save_checkpoint(directory)
 
     def _save_checkpoint(self, directory: str | Path) -> None:
@@ -613,7 +542,7 @@ class FSDPTrainEngine:
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load what `save_checkpoint` wrote (any number of ranks may have written it)."""
         if self._leading:
-            _send_command("load_checkpoint", directory=str(directory))
+            send_command("load_checkpoint", directory=str(directory))
         self._load_checkpoint(directory)
 
     def _load_checkpoint(self, directory: str | Path) -> None:

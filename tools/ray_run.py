@@ -229,7 +229,7 @@ class TrainerActor:
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
-        from tidal.engines.fsdp_train import stop_followers  # noqa: PLC0415
+        from tidal.engines.fsdp_lead import stop_followers  # noqa: PLC0415
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -247,7 +247,7 @@ class TrainerActor:
         """A rank other than 0: follow rank 0; with `turns` (a `Turns` actor: a rollout guest
         time-shares this rank's devices) each engine it builds is seated there, and the
         result says what happened on these devices (`timeshare`, as rank 0's summary does)."""
-        from tidal.engines.fsdp_train import follow  # noqa: PLC0415
+        from tidal.engines.fsdp_lead import follow  # noqa: PLC0415
 
         if turns is None:
             return follow()

@@ -116,7 +116,8 @@ LED_WORKER = textwrap.dedent(
 
     import threading
 
-    from tidal.engines.fsdp_train import FSDPTrainEngine, follow, stop_followers
+    from tidal.engines.fsdp_lead import follow, stop_followers
+    from tidal.engines.fsdp_train import FSDPTrainEngine
     from tidal.engines.tiny import build_tiny_qwen2
     from tidal.flow.algorithms import PolicyLossConfig
     from tidal.flow.trajectory import TokenBatch

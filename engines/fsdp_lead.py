@@ -1,0 +1,94 @@
+"""Commands of an `fsdp` train group led by rank 0 (`FSDPTrainEngine(rank0_leads=True)`).
+
+Only rank 0 is called by the program (the workflow); each of its engine's calls first
+broadcasts a small command (`send_command`), and every other rank runs `follow()`:
+receive a command, make the same collective calls, repeat, until `stop_followers()`.
+See `tidal.engines.fsdp_train` for what each command does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from tidal.engines.fsdp_train import FSDPTrainEngine
+
+_HOST = torch.device("cpu")
+
+
+def send_command(op: str, **args: Any) -> None:
+    """Rank 0: tell the followers what to do next (a small pickled dict over the default group)."""
+    dist.broadcast_object_list([{"op": op, **args}], src=0, device=_HOST)
+
+
+def receive_command() -> dict[str, Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, device=_HOST)
+    return box[0]
+
+
+def model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
+    """What a follower needs to build a model like rank 0's (the weights come from rank 0)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
+    return type(model), config, next(model.parameters()).dtype
+
+
+def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, int]:
+    """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
+
+    Builds an engine whenever rank 0 builds one and makes the collective calls of each of
+    its method calls. Returns what this rank did: engines built, optimizer steps, rows,
+    passes over the weights (`exports`: one per pass rank 0 started, complete or not).
+
+    `share`: this rank time-shares its devices (a colocated rollout guest on them).
+    `share(engine)` seats each engine this builds and returns its seat (`turn()`, a
+    context manager, and `close()`, called when the engine goes); every command runs in a
+    turn of it, taken once the command arrived. Rank 0 takes its own turn before it
+    sends, so each rank waits only for its own guest.
+    """
+    from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
+    engine: FSDPTrainEngine | None = None
+    seat: Any = None
+    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
+    try:
+        while True:
+            command = receive_command()
+            if command["op"] == "stop":
+                return done
+            if command["op"] == "init":
+                if seat is not None:
+                    seat.close()
+                engine = seat = None  # the previous engine's shards go before the next one's arrive
+                cls, config, dtype = command["model"]
+                with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
+                    model = cls(config).to(dtype)
+                engine = FSDPTrainEngine(model, rank0_leads=True, **command["options"])
+                seat = share(engine) if share is not None else None
+                done["engines"] += 1
+                continue
+            if engine is None:
+                raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
+            with seat.turn() if seat is not None else contextlib.nullcontext():
+                engine._follow(command)
+            done["steps"] += command["op"] in ("train_step", "sft_step")
+            done["exports"] += command["op"] == "named_weights"
+            done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
+    finally:
+        if seat is not None:
+            seat.close()
+
+
+def stop_followers() -> None:
+    """Rank 0 of a led group: end every other rank's `follow()` (does nothing in a group of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
+        send_command("stop")
