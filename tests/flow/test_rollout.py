@@ -143,16 +143,34 @@ def _check_continued(batch, engine_a: CountingEngine, prompts: list[int]) -> Non
         assert t.finish_reason == "length"
 
 
-def test_a_reclaimed_borrowed_seat_hands_its_paused_groups_to_another_worker():
-    store, prompts = _stores(4, capacity=4)  # full: the hand-off put counts the rows it acks as room
+def _stalled_borrowed_worker(store: Store, errors: list[BaseException]) -> tuple[RolloutWorker, threading.Thread, Seat]:
+    """Worker A on a borrowed seat (hand-off mode), started and stalled mid-generation with
+    version 3, and the trainer's seat at the same `Turns`. A's engine is `a.engine.engine`."""
     turns = Turns()
     train_seat = _seat(turns, "train")
-    engine_a, engine_b = CountingEngine(3, stall_at=STALL), CountingEngine(4)
-    borrowed = SharedRolloutEngine(engine_a, _seat(turns, "rollout-1"))
-    a, b = _worker(store, borrowed, hand_off=True), _worker(store, engine_b)
-    errors: list[BaseException] = []
-    threads = [_start(a, errors)]
+    engine_a = CountingEngine(3, stall_at=STALL)
+    a = _worker(store, SharedRolloutEngine(engine_a, _seat(turns, "rollout-1")), hand_off=True)
+    thread = _start(a, errors)
     assert engine_a.stalled.wait(10)
+    return a, thread, train_seat
+
+
+def _stop(store: Store, workers: list[RolloutWorker], threads: list[threading.Thread], errors: list[BaseException]) -> None:
+    for worker in workers:
+        worker.stopping.set()
+    store.wake()
+    for thread in threads:
+        thread.join(10)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+
+
+def test_a_reclaimed_borrowed_seat_hands_its_paused_groups_to_another_worker():
+    store, prompts = _stores(4, capacity=4)  # full: the hand-off put counts the rows it acks as room
+    errors: list[BaseException] = []
+    a, thread_a, train_seat = _stalled_borrowed_worker(store, errors)
+    borrowed, engine_a, engine_b = a.engine, a.engine.engine, CountingEngine(4)
+    b = _worker(store, engine_b)
+    threads = [thread_a]
     with train_seat.turn():  # the trainer reclaims its devices: A pauses at the next chunk boundary
         assert borrowed.reclaimed
         _until(lambda: (a.num_handed_off, a.num_samples) == (3, 2), "A did not hand off its paused groups")
@@ -160,12 +178,7 @@ def test_a_reclaimed_borrowed_seat_hands_its_paused_groups_to_another_worker():
         threads.append(_start(b, errors))  # B continues them while A waits for its turn
         batch = store.get("check", "train", [*TRAJECTORY_COLUMNS, "meta"], 8, timeout=10)
         assert all(len(t.tokens) in (2, STALL) for t in engine_a.seen)  # A computed nothing during the trainer's turn
-    for worker in (a, b):
-        worker.stopping.set()
-    store.wake()
-    for thread in threads:
-        thread.join(10)
-    assert not errors and not any(thread.is_alive() for thread in threads)
+    _stop(store, [a, b], threads, errors)
     _check_continued(batch, engine_a, prompts)
     assert (a.num_handed_off, a.num_samples, a.num_paused, b.num_handed_off, b.num_samples) == (3, 2, 1, 0, 6)
     assert store.metrics()["partitions"]["prompts"]["rows"] == 0  # every row acked: nothing leased or ready
@@ -174,40 +187,26 @@ def test_a_reclaimed_borrowed_seat_hands_its_paused_groups_to_another_worker():
 
 def test_workers_take_handed_off_groups_before_fresh_prompts():
     store, prompts = _stores(4)
-    turns = Turns()
-    train_seat = _seat(turns, "train")
-    engine_a, engine_b = CountingEngine(3, stall_at=STALL), CountingEngine(4)
-    borrowed = SharedRolloutEngine(engine_a, _seat(turns, "rollout-1"))
-    a, b = _worker(store, borrowed, hand_off=True), _worker(store, engine_b)
     errors: list[BaseException] = []
-    threads = [_start(a, errors)]
-    assert engine_a.stalled.wait(10)
+    a, thread_a, train_seat = _stalled_borrowed_worker(store, errors)
+    engine_b = CountingEngine(4)
+    b = _worker(store, engine_b)
+    threads = [thread_a]
     fresh = store.put("prompts", {"prompt": [{"prompt_ids": [2, k], "answer": "x"} for k in range(4)]})  # queued ahead of the hand-off
     with train_seat.turn():
         _until(lambda: a.num_handed_off == 3, "A did not hand off its paused groups")
         threads.append(_start(b, errors))
         _until(lambda: b.num_samples >= 8, "B did not finish its first batch")
-    for worker in (a, b):
-        worker.stopping.set()
-    store.wake()
-    for thread in threads:
-        thread.join(10)
-    assert not errors and not any(thread.is_alive() for thread in threads)
+    _stop(store, [a, b], threads, errors)
     first_batch = {t.group for t in engine_b.seen[:8]}  # B's first generate: 4 groups of 2
     assert first_batch == {*prompts[1:], fresh[0]}  # the three paused groups, then the oldest fresh prompt
-    train_seat.close(), borrowed.seat.close()
+    train_seat.close(), a.engine.seat.close()
 
 
 def test_groups_handed_off_survive_the_worker_that_took_them_dying():
     store, prompts = _stores(2)
-    turns = Turns()
-    train_seat = _seat(turns, "train")
-    engine_a = CountingEngine(3, stall_at=STALL)
-    borrowed = SharedRolloutEngine(engine_a, _seat(turns, "rollout-1"))
-    a = _worker(store, borrowed, hand_off=True)
     errors: list[BaseException] = []
-    thread = _start(a, errors)
-    assert engine_a.stalled.wait(10)
+    a, thread, train_seat = _stalled_borrowed_worker(store, errors)
     with train_seat.turn():
         _until(lambda: (a.num_handed_off, a.num_samples) == (1, 2), "A did not hand off its paused group")
         a.stopping.set()  # A stops (its process ends) before anyone picks the group up
@@ -221,10 +220,7 @@ def test_groups_handed_off_survive_the_worker_that_took_them_dying():
     b = _worker(store, CountingEngine(4))
     thread = _start(b, errors)
     batch = store.get("check", "train", [*TRAJECTORY_COLUMNS, "meta"], 4, timeout=10)
-    b.stopping.set()
-    store.wake()
-    thread.join(10)
-    assert not errors and not thread.is_alive()
-    _check_continued(batch, engine_a, prompts)
+    _stop(store, [b], [thread], errors)
+    _check_continued(batch, a.engine.engine, prompts)
     assert store.metrics()["partitions"]["prompts"]["rows"] == 0
-    train_seat.close(), borrowed.seat.close()
+    train_seat.close(), a.engine.seat.close()
