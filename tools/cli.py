@@ -294,7 +294,7 @@ COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command in ("run", "config", "plan") and all("=" in x and not x.startswith("-") for x in extra):
+    if extra and args.command in ("run", "config", "plan", "bench") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # key=value overrides that came after an option such as --check
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -213,3 +213,5 @@ def test_plan_reverse_assignment_and_infeasible_request(tidal_cli):
 def test_bench_overrides_are_for_e2e_only(tidal_cli):
     out = tidal_cli("bench", "weights", "device=cuda")
     assert out.returncode == 2 and "weights takes no recipe overrides (got device=cuda); only e2e does" in out.stderr
+    out = tidal_cli("bench", "store", "--repeats", "1", "device=cuda", "seed=2")  # after an option too
+    assert out.returncode == 2 and "store takes no recipe overrides (got device=cuda seed=2)" in out.stderr
