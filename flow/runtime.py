@@ -446,7 +446,7 @@ class RayRollouts:
             except ray.exceptions.ActorUnavailableError:  # still restarting
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rollout actor {i} did not come back within {RESTART_WAIT_S:.0f}s of dying") from None
-                time.sleep(0.2)
+                time.sleep(0.2)  # Ray answers at once while the actor restarts and has no event for "back": ask again (control path, not rows)
 
     def _rejoin(self) -> None:
         """Wire the restarted actors in again."""

@@ -18,6 +18,7 @@ shard buffers) must be pointed at them again after each move (the fsdp train eng
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,19 +27,22 @@ import torch
 _Setter = Callable[[torch.Tensor], None]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor  # noqa: PLC0415 - absent from torch builds without distributed
     except ImportError:
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
 
 
-def _slot(tensor: torch.Tensor, set_tensor: _Setter) -> tuple[torch.Tensor, _Setter]:
-    """A DTensor's local shard (it keeps its metadata and points at the moved shard), else the tensor itself."""
-    if _is_dtensor(tensor):
+def _slot(tensor: torch.Tensor, plain: torch.Tensor, set_tensor: _Setter) -> tuple[torch.Tensor, _Setter]:
+    """A DTensor's local shard (it keeps its metadata and points at the moved shard), else
+    `plain` (the tensor's own storage) with `set_tensor`."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
         return tensor._local_tensor, lambda t, d=tensor: setattr(d, "_local_tensor", t)
-    return tensor, set_tensor
+    return plain, set_tensor
 
 
 def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, _Setter]]:
@@ -46,15 +50,14 @@ def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     slots: list[tuple[torch.Tensor, _Setter]] = []
     if module is not None:
         for p in module.parameters():
-            set_data = lambda t, p=p: setattr(p, "data", t)  # noqa: E731
-            slots.append(_slot(p, set_data) if _is_dtensor(p) else (p.data, set_data))  # a DTensor's `.data` is an alias
+            slots.append(_slot(p, p.data, lambda t, p=p: setattr(p, "data", t)))  # a DTensor's `.data` is an alias: its shard moves
             if p.grad is not None:
-                slots.append(_slot(p.grad, lambda t, p=p: setattr(p, "grad", t)))
+                slots.append(_slot(p.grad, p.grad, lambda t, p=p: setattr(p, "grad", t)))
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    slots.append(_slot(value, lambda t, s=state, k=key: s.__setitem__(k, t)))
+                    slots.append(_slot(value, value, lambda t, s=state, k=key: s.__setitem__(k, t)))
     return slots
 
 

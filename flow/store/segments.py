@@ -52,6 +52,11 @@ class Column:
         self._nbytes: np.ndarray | None = np.zeros(n, dtype=np.int64)
         self.whole, self.full, self.same_stamp, self.row_nbytes = -1, False, -1, -1
 
+    @property
+    def uniform(self) -> bool:
+        """Every live row k has a cell, row k of chunk `whole`, `row_nbytes` bytes each."""
+        return self.full and self.whole >= 0 and self.row_nbytes >= 0
+
     @classmethod
     def lazy(cls, alive: np.ndarray, chunk_id: int, stamp: int, row_nbytes: int) -> Column:
         """Every row k is row k of chunk `chunk_id`, `row_nbytes` each (a put of new rows)."""
@@ -240,7 +245,7 @@ class Partition:
                 local = local[seg.acked[other][local]]
             num_rows += len(local)
             for column in seg.columns.values():
-                if column.full and column.whole >= 0 and column.row_nbytes >= 0:
+                if column.uniform:
                     nbytes += len(local) * column.row_nbytes
                 else:
                     nbytes += int(column.nbytes[local][column.chunk[local] >= 0].sum())

@@ -502,7 +502,7 @@ class Store:
         part.num_rows -= count
         part.num_evicted += count
         for column in seg.columns.values():
-            if column.full and column.whole >= 0 and column.row_nbytes >= 0:  # every live row: row k of one chunk
+            if column.uniform:
                 self._unref_chunk(part, column.whole, count)
                 part.nbytes -= count * column.row_nbytes
                 if not column.is_lazy:
