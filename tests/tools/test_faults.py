@@ -134,21 +134,25 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint_and_the_run_loses_not
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_rank_restarts_the_whole_trainer_group(tmp_path):
-    """Two fsdp ranks: killing rank 1 fails rank 0's next collective; the driver restarts both from the checkpoint."""
-    at_step = random.Random("trainer-rank").randint(6, 13)
-    killed: list[int] = []
+@pytest.mark.parametrize("rank", [0, 1], ids=["lead", "follower"])
+def test_a_killed_trainer_rank_restarts_the_whole_trainer_group(tmp_path, rank):
+    """Two fsdp ranks. Killing the follower fails the lead's next collective; killing the
+    lead (rank 0, which talks to the store and the driver) kills the actor the driver
+    waits on. Either way the driver restarts both ranks from the checkpoint."""
+    at_step = random.Random(f"trainer-rank-{rank}").randint(6, 13)
+    before: list[int] = []
 
-    def follower_pid(info: dict) -> int:
-        killed.append(info["trainer"]["ranks"][1]["pid"])
-        return killed[0]
+    def rank_pid(info: dict) -> int:
+        before.extend(r["pid"] for r in info["trainer"]["ranks"])
+        return before[rank]
 
     ranks = ["cluster.nodes=[{name: gpu, kind: cuda, devices: 4}]", "placement.train.requires=[gpu]", "placement.rollout.requires=[gpu]", "placement.train.count=2", "train.backend=fsdp"]
-    run_dir, err = _run_and_kill(tmp_path, ranks, at_step=at_step, victim=follower_pid)
+    run_dir, err = _run_and_kill(tmp_path, ranks, at_step=at_step, victim=rank_pid)
     assert "the trainer died" in err and "resuming from the last checkpoint" in err
     _check_lineage(run_dir)
     summary = _read_json(run_dir / "summary.json")
     assert summary["trainer_restarts"] == 1 and summary["steps"] == NUM_STEPS
+    after = [r["pid"] for r in summary["trainer_ranks"]]
+    assert not set(after) & set(before), f"a rank of the old group kept running: {before} -> {after}"
     follower = summary["trainer_ranks"][1]
-    assert follower["pid"] != killed[0]
     assert 0 < follower["steps"] <= NUM_STEPS - 5  # the new group resumed from a checkpoint (every 5 steps), no warm start
