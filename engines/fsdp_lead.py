@@ -49,9 +49,10 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
 
     `share`: this rank time-shares its devices (a colocated rollout guest on them).
     `share(engine)` seats each engine this builds and returns its seat (`turn()`, a
-    context manager, and `close()`, called when the engine goes); every command runs in a
-    turn of it, taken once the command arrived. Rank 0 takes its own turn before it
-    sends, so each rank waits only for its own guest.
+    context manager, and `close()`, called when the engine goes); every command runs in
+    `turn()`, entered once the command arrived. Under the Ray runtime rank 0 has taken
+    every rank's turn before it sends (`flow.timeshare.TurnsSpan`), so `turn()` is the
+    seat's `held()`: onload this rank's parked shards, and park only once it is done.
     """
     from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
 

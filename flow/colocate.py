@@ -14,12 +14,16 @@ module puts them where a plan says roles share devices, under both runtimes:
   the trainer asks for them all, its guests for none of them, and get its visible
   devices). One `Turns` per shared bundle runs as a threaded actor (`start_turns`), and
   each process reaches it through a `TurnsProxy`, so `Seat` works unchanged.
-- Any rank of a multi-rank (fsdp) trainer may host guests, one `Turns` per rank's
-  bundle: rank 0 takes turns in its engine's calls, the other ranks in `follow()` for
-  each command rank 0 sends (`engines.fsdp_train`), so each rank waits only for its own
-  guests. A guest spanning several trainer instances is refused (`spots`). Run on CPU
-  with gloo and fake devices only (tests/tools/test_colocate_run.py: two fsdp ranks, a
-  guest on each).
+- Any rank of a multi-rank (fsdp) trainer may host guests, and a guest may span the
+  devices of several ranks (a tensor-parallel instance over two ranks' devices): every
+  rank's bundle then gets a `Turns`. A spanning guest sits on its first rank's bundle,
+  asks Ray for no device (it gets the union of its ranks' visible devices) and takes all
+  its ranks' turns at once (`TurnsSpan`). Rank 0 takes every rank's turn in its engine's
+  calls before it sends the command all ranks run, and the other ranks compute in the
+  turn it took for them (`Seat.held`, in `follow()`), parking their own shards when a
+  guest asks. Turns are always taken in rank order, so no deadlock. Run on CPU with gloo
+  and fake devices only (tests/tools/test_colocate_run.py: two fsdp ranks with a guest
+  each, and with one guest spanning both).
 
 A colocated instance's generation pauses at the next chunk boundary when the trainer asks
 for its turn, and resumes from the same trajectories with its next turn. A borrowed
@@ -72,7 +76,9 @@ class Sharing:
     def summary(self) -> dict[str, Any]:
         """Hand-offs on these devices so far, and each of this process's seats' parks."""
         seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes} for s, o in self._seats}
-        return {"handoffs": self.turns.state()["handoffs"], "seats": seats}
+        state = self.turns.state()
+        spans = {"arbiters": len(state["arbiters"])} if "arbiters" in state else {}  # a `TurnsSpan`: handoffs summed over them
+        return {"handoffs": state["handoffs"], "seats": seats, **spans}
 
     def close(self) -> None:
         for seat, _ in self._seats:
@@ -107,64 +113,69 @@ class Spot:
     """The bundle's index in that group."""
     resources: dict[str, float]
     """What the actor asks of the bundle."""
-    turns: int | None = None
-    """The trainer rank whose devices (and `Turns`) it time-shares; None: it computes alone."""
+    turns: tuple[int, ...] = ()
+    """The trainer ranks whose devices (and `Turns`) it time-shares, in rank order; a
+    trainer rank's own when any guest shares a trainer's devices; empty: it computes alone."""
 
 
 def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
     """Every assignment's spot, keyed by (role, rank).
 
-    A guest may sit on any trainer rank's bundle: each rank takes turns with its own
-    guests (rank 0 in its engine calls, the others in `follow()` for each command).
+    A guest sits on the bundle of the (first) trainer rank whose devices it uses; when it
+    uses devices of several ranks it takes all their turns (see the module docstring).
 
     Raises:
-        PlacementError: a shared layout this runtime cannot run yet: a guest that is not a
-            rollout instance on the trainer's devices, or one that spans several trainer
-            instances (it would need the turns of several ranks at once).
+        PlacementError: a shared layout this runtime cannot run: a guest that is not a
+            rollout instance on the trainer's devices.
     """
     own: dict[str, list[Assignment]] = {}
     for a in plan.assignments:
         if a.mode == "own":
             own.setdefault(a.role, []).append(a)
-    guests: dict[int, list[Assignment]] = {}
+    trainers = own.get("train", [])
+    guests: dict[int, list[Assignment]] = {}  # by the first host rank
+    hosts_of: dict[int, tuple[int, ...]] = {}  # rollout rank -> the trainer ranks whose devices it uses
     for a in plan.assignments:
         if a.mode == "own":
             continue
         if a.role != "rollout":
             raise PlacementError(f"role {a.role!r} ({a.mode}) cannot time-share devices under runtime=ray: only rollout instances time-share the trainer's")
-        host = next((t for t in own.get("train", []) if t.node == a.node and set(a.devices) <= set(t.devices)), None)
-        if host is None:
-            raise PlacementError(f"rollout instance {a.rank} ({a.mode}) spans devices {list(a.devices)} of several trainer instances on {a.node}; give it at most one trainer instance's devices (placement.rollout.devices_each)")
-        guests.setdefault(own["train"].index(host), []).append(a)
+        hosts = tuple(i for i, t in enumerate(trainers) if t.node == a.node and set(a.devices) & set(t.devices))
+        if not hosts or not set(a.devices) <= {d for i in hosts for d in trainers[i].devices}:
+            raise PlacementError(f"rollout instance {a.rank} ({a.mode}) uses devices {list(a.devices)} on {a.node} that no trainer instance holds")
+        hosts_of[a.rank] = hosts
+        guests.setdefault(hosts[0], []).append(a)
     out: dict[tuple[str, int], Spot] = {}
     for role, assignments in own.items():
         for i, a in enumerate(assignments):
-            out[(role, a.rank)] = Spot(group=role, bundle=i, resources={RAY_RESOURCES[a.kind]: float(len(a.devices))}, turns=i if role == "train" and i in guests else None)
+            out[(role, a.rank)] = Spot(group=role, bundle=i, resources={RAY_RESOURCES[a.kind]: float(len(a.devices))}, turns=(i,) if role == "train" and guests else ())
     for index, seated in guests.items():
-        host = own["train"][index]
+        host = trainers[index]
         resource, num_devices = RAY_RESOURCES[host.kind], len(host.devices)
-        if num_devices == 1:  # Ray lets fractions of one device share it
-            each = round(int(1.0 / (len(seated) + 1) / SHARE_UNIT) * SHARE_UNIT, 4)
-            shares = {resource: each}
-            out[("train", host.rank)] = dataclasses.replace(out[("train", host.rank)], resources={resource: round(1.0 - each * len(seated), 4)})
-        else:  # fractions above 1 are not allowed: the trainer holds the devices, guests get its visible devices
-            shares = {}
+        alone = [a for a in seated if hosts_of[a.rank] == (index,)]
+        if num_devices == 1 and alone:  # Ray lets fractions of one device share it
+            each = round(int(1.0 / (len(alone) + 1) / SHARE_UNIT) * SHARE_UNIT, 4)
+            out[("train", host.rank)] = dataclasses.replace(out[("train", host.rank)], resources={resource: round(1.0 - each * len(alone), 4)})
         for a in seated:
-            out[(a.role, a.rank)] = Spot(group="train", bundle=index, resources=dict(shares), turns=index)
+            # fractions above 1 are not allowed, and one actor sits in one bundle: a guest of a
+            # multi-device bundle, or of several, asks for no device and gets the trainers' visible devices
+            shares = {resource: each} if num_devices == 1 and a in alone else {}
+            out[(a.role, a.rank)] = Spot(group="train", bundle=index, resources=shares, turns=hosts_of[a.rank])
     return out
 
 
 def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str, Any]) -> dict[int, Any]:
-    """One `Turns` actor per shared trainer bundle, on that bundle's node (it asks for no resources)."""
+    """One `Turns` actor per trainer bundle of a trainer with guests (`Spot.turns`), on that
+    bundle's node (it asks for no resources); keyed by trainer rank."""
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=TURNS_CONCURRENCY, max_restarts=0)(Turns)
     out = {}
     for (role, _), spot in placements.items():
-        if role == "train" and spot.turns is not None:
+        if role == "train" and spot.turns:
             strategy = PlacementGroupSchedulingStrategy(placement_group=groups["train"], placement_group_bundle_index=spot.bundle)
-            out[spot.turns] = actor_cls.options(scheduling_strategy=strategy).remote()
+            out[spot.turns[0]] = actor_cls.options(scheduling_strategy=strategy).remote()
     return out
 
 

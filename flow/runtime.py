@@ -162,8 +162,9 @@ class RolloutActor:
         make_engine: builds the rollout engine on this process's platform (a picklable function).
         store_address / store_token: the trainer's store server.
         settings: `group_size`, `max_new_tokens`, `prompts_per_generate`.
-        turns / seat: a `Turns` actor and this actor's seat name when it time-shares a
-            trainer's devices (its engine then generates and loads weights in turns).
+        turns / seat: the `Turns` actors (one per trainer rank whose devices it uses, in
+            rank order) and this actor's seat name when it time-shares a trainer's devices
+            (its engine then generates and loads weights in turns).
         hand_off: a borrowed (multiplexed) seat: groups paused because the trainer
             reclaimed the devices go back to the store for another instance to continue.
     """
@@ -175,10 +176,12 @@ class RolloutActor:
         self.platform = current_platform()  # from TIDAL_DEVICE, set by the placement
         self.engine = make_engine()
         self.sharing: Any = None
-        if turns is not None:
+        if turns:
             from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
+            from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
 
-            self.sharing = Sharing(TurnsProxy(turns), self.platform)
+            proxies = [TurnsProxy(t) for t in (turns if isinstance(turns, (list, tuple)) else [turns])]
+            self.sharing = Sharing(proxies[0] if len(proxies) == 1 else TurnsSpan(proxies), self.platform)
             self.engine = self.sharing.rollout(self.engine, seat)
         self.weights_device = None if self.sharing is None else torch.device("cpu")
         """Where received versions wait for the next safe point: on a shared device, host

@@ -146,6 +146,96 @@ class Turns:
             return {"holder": self._holder, "resident": self._resident, "queue": list(self._queue), "handoffs": self.handoffs}
 
 
+class TurnsSpan:
+    """Several `Turns` taken as one, for a seat whose work needs devices of several arbiters.
+
+    Two users under `runtime: ray`, both with one arbiter per trainer rank:
+
+    - a rollout instance spanning the devices of several trainer ranks (tensor-parallel
+      over two ranks' devices, say): its one state sits on all of them, so a park request
+      from any of its arbiters parks it and the park is reported to all (`parks_on`: all);
+    - rank 0 of a multi-rank trainer, which takes *every* rank's turn before it sends a
+      command that all ranks run together, but parks only its own state (`parks_on`: its
+      own arbiter; each other rank parks its own shards, `Seat.held`).
+
+    `acquire` takes the turns one by one in the order given, and every user gives them in
+    trainer-rank order. That order is what keeps a spanning guest and a collective trainer
+    from waiting for each other: if each rank took its own turn, a guest holding rank 0's
+    turn while it waits for rank 1's, and rank 1 holding its own while its collective waits
+    for rank 0, would wait forever. `turns` (and `parks_on`) are `Turns` or proxies to them.
+    """
+
+    def __init__(self, turns: Sequence[Any], parks_on: Sequence[Any] | None = None) -> None:
+        if not turns:
+            raise ValueError("TurnsSpan needs at least one Turns")
+        self.turns = list(turns)
+        self.parks_on = list(turns if parks_on is None else parks_on)
+        self._waits: dict[int, Any] = {}  # arbiter index -> its pending `wait_park` (one each, kept across calls)
+        self._pool: Any = None
+
+    def join(self, seat: str) -> None:
+        for t in self.parks_on:
+            t.join(seat)
+
+    def acquire(self, seat: str, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taken: list[Any] = []
+        onload = False
+        try:
+            for t in self.turns:
+                onload |= bool(t.acquire(seat, None if deadline is None else max(deadline - time.monotonic(), 0.0)))
+                taken.append(t)
+        except BaseException:
+            for t in reversed(taken):
+                t.release(seat)
+            raise
+        return onload
+
+    def release(self, seat: str) -> None:
+        for t in reversed(self.turns):
+            t.release(seat)
+
+    def wanted(self, seat: str) -> bool:
+        return any(t.wanted(seat) for t in self.turns)
+
+    def wait_park(self, seat: str, timeout: float) -> bool:
+        """True once any of `parks_on` asks `seat` to park (each waited on by a thread of a small pool)."""
+        if len(self.parks_on) == 1:
+            return self.parks_on[0].wait_park(seat, timeout)
+        import concurrent.futures  # noqa: PLC0415
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.parks_on), thread_name_prefix=f"park-wait-{seat}")
+        for i, t in enumerate(self.parks_on):
+            if i not in self._waits:
+                self._waits[i] = self._pool.submit(t.wait_park, seat, timeout)
+        done, _ = concurrent.futures.wait(self._waits.values(), timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        asked = False
+        for i, future in list(self._waits.items()):
+            if future in done:
+                del self._waits[i]
+                asked |= bool(future.result())
+        return asked
+
+    def begin_park(self, seat: str) -> bool:
+        return any(t.begin_park(seat) for t in self.parks_on)
+
+    def parked(self, seat: str) -> None:
+        for t in self.parks_on:
+            t.parked(seat)
+
+    def leave(self, seat: str) -> None:
+        for t in self.parks_on:
+            t.leave(seat)  # wakes the pool's waits too
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def state(self) -> dict[str, Any]:
+        """`handoffs`: summed over the arbiters of this seat's state; `arbiters`: each one's state."""
+        states = [t.state() for t in self.parks_on]
+        return {"handoffs": sum(s["handoffs"] for s in states), "arbiters": states}
+
+
 class Seat:
     """One role instance's place at a `Turns`: `park()` moves its state to host memory, `unpark()` back.
 
@@ -177,6 +267,19 @@ class Seat:
                 yield
         finally:
             self.turns.release(self.name)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Compute in a turn another process took under this seat's name: rank 0 of a
+        multi-rank trainer takes every rank's turn (`TurnsSpan`) before it sends the command
+        they all run. Onloads this seat's state if it was parked; parks wait until the end
+        (a guest whose turn comes after rank 0 released asks this seat to park, and that
+        park waits for this computation)."""
+        with self._lock:
+            if self._parked:
+                self._unpark()
+                self._parked = False
+            yield
 
     def wanted(self) -> bool:
         """Another seat waits for the devices: stop at the next safe point."""

@@ -13,8 +13,9 @@ ZeroMQ and receive each version over the chosen weight transport. With several t
 ranks (the `fsdp` backend) the ranks form one process group through hal (rank 0's
 address, a free port); rank 0's engines lead (`rank0_leads=True`) and the other ranks
 run `follow()`, receiving their share of each batch over that group; a rank whose bundle
-hosts a colocated rollout guest takes turns with it at that bundle's `Turns` (rank 0 in
-`train()`, the others in `follow()`). The driver shows
+hosts a colocated rollout guest has a `Turns` there, and rank 0 takes every rank's turn
+(in rank order, as a guest spanning several ranks' devices takes its ranks') before each
+command the ranks run together; the others compute in that turn (`follow()`). The driver shows
 progress from the run directory's metrics.jsonl (the run directory must be reachable
 from the trainer's node).
 """
@@ -99,7 +100,8 @@ def start_rollouts(
     """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights.
 
     A rollout instance that time-shares the trainer's devices goes on the trainer's bundle
-    with its seat at that bundle's `Turns` actor (`turns`, by trainer rank).
+    with its seat at that bundle's `Turns` actor (`turns`, by trainer rank), or at the
+    `Turns` of every rank whose devices it spans.
     """
     import ray  # noqa: PLC0415
 
@@ -122,11 +124,11 @@ def start_rollouts(
     for a in assignments:
         spot = spots[("rollout", a.rank)]
         env = {}
-        if spot.turns is not None and not spot.resources and ranks:  # a guest of a multi-device bundle: the trainer's devices
-            env = {k: v for k, v in ranks[spot.turns].get("visible_devices", {}).items() if v is not None}
+        if spot.turns and not spot.resources and ranks:  # a guest of a multi-device bundle, or of several: the trainers' devices
+            env = _visible_devices([ranks[r] for r in spot.turns])
         options = actor_options(a, groups[spot.group], spot.bundle, fake=fake, env=env, resources=spot.resources)
         # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
-        seat = {"turns": turns[spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns is not None else {}
+        seat = {"turns": [turns[r] for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
         actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
     descriptions = ray.get([a.describe.remote() for a in actors])
     me = current_platform().descriptor
@@ -134,7 +136,7 @@ def start_rollouts(
     kinds = set()
     for a, d in zip(assignments, descriptions):
         theirs = PlatformDescriptor.from_dict(d["platform"])
-        colocated = spots[("rollout", a.rank)].turns == 0  # on the sender's devices: a guest of another rank's is not
+        colocated = spots[("rollout", a.rank)].turns == (0,)  # on the sender's devices only: a guest of other ranks' is not
         kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=cfg.transport.name if cfg.transport.name != "auto" else None))
     transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
     bucket_bytes = cfg.transport.bucket_mb << 20
@@ -158,8 +160,18 @@ def start_rollouts(
     write_info(descriptions)
     rollouts = RayRollouts(actors, wiring, max_restarts=cfg.fault.rollout_restarts, on_change=write_info)
     rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
-    seats = [(turns[spots[("rollout", a.rank)].turns], f"rollout-{a.rank}") for a in assignments if spots[("rollout", a.rank)].turns is not None]
+    seats = [(turns[r], f"rollout-{a.rank}") for a in assignments for r in spots[("rollout", a.rank)].turns]
     return RemoteRollouts(rollouts, server, wiring, actors, info_path, seats)
+
+
+def _visible_devices(ranks: list[dict[str, Any]]) -> dict[str, str]:
+    """The visible-devices variables a guest of these trainer ranks' devices gets: theirs, joined."""
+    out: dict[str, list[str]] = {}
+    for rank in ranks:
+        for var, value in rank.get("visible_devices", {}).items():
+            if value is not None:
+                out.setdefault(var, []).extend(v for v in value.split(",") if v and v not in out.get(var, []))
+    return {var: ",".join(values) for var, values in out.items()}
 
 
 class TrainerActor:
@@ -245,8 +257,9 @@ class TrainerActor:
 
     def _follow(self, turns: Any) -> dict[str, Any]:
         """A rank other than 0: follow rank 0; with `turns` (a `Turns` actor: a rollout guest
-        time-shares this rank's devices) each engine it builds is seated there, and the
-        result says what happened on these devices (`timeshare`, as rank 0's summary does)."""
+        time-shares this rank's devices) each engine it builds is seated there and computes
+        in the turn rank 0 took for it (`Seat.held`), and the result says what happened on
+        these devices (`timeshare`, as rank 0's summary does)."""
         from tidal.engines.fsdp_lead import follow  # noqa: PLC0415
 
         if turns is None:
@@ -261,7 +274,7 @@ class TrainerActor:
 
             def __init__(self, engine: Any) -> None:
                 self.sharing = Sharing(TurnsProxy(turns), current_platform())
-                self.turn = self.sharing.train(engine).seat.turn
+                self.turn = self.sharing.train(engine).seat.held  # rank 0 took this rank's turn before it sent the command
 
             def close(self) -> None:
                 self.sharing.close()
@@ -272,6 +285,7 @@ class TrainerActor:
 
     def _train(self, cfg: Any, run_dir: str, placed: dict[str, Any], rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
         from tidal.flow.colocate import TurnsProxy  # noqa: PLC0415
+        from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
         from tidal.tools.train import train  # noqa: PLC0415
 
         if attempt:
@@ -281,8 +295,11 @@ class TrainerActor:
                 (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
         info_path = str(Path(run_dir) / "runtime.json")
         starter = functools.partial(start_rollouts, assignments=rollout_assignments, fake=fake, info_path=info_path, attempt=attempt, ranks=ranks, **placed)
-        turns = placed["turns"].get(0)  # this rank time-shares its devices with rollout seats
-        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=TurnsProxy(turns) if turns is not None else None)
+        turns = None  # this rank time-shares its devices with rollout seats: it takes every rank's turn, in rank order, and parks its own state
+        if placed["turns"]:
+            every = [TurnsProxy(placed["turns"][r]) for r in sorted(placed["turns"])]
+            turns = every[0] if len(every) == 1 else TurnsSpan(every, parks_on=every[:1])
+        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=turns)
         summary["trainer_platform"] = self.describe()
         summary["trainer_restarts"] = attempt
         (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -19,8 +19,8 @@ def test_colocated_rollout_sits_on_the_trainer_bundle_with_a_fraction_of_its_dev
     plan = schedule(GPUS[:1], [Role(name="train"), Role(name="rollout", colocate_with="train")])
     assert plan.layout == "colocated"
     placed = spots(plan)
-    assert placed[("train", 0)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=0)
-    assert placed[("rollout", 0)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=0)
+    assert placed[("train", 0)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=(0,))
+    assert placed[("rollout", 0)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=(0,))
     assert role_bundles(plan, {"GPU": 2}) == {"train": [{"GPU": 1.0}]}  # no bundle of rollout's own
 
 
@@ -28,15 +28,15 @@ def test_hybrid_and_multiplexed_mix_seats_on_the_trainer_and_devices_of_their_ow
     hybrid = schedule(GPUS[:1], [Role(name="train"), Role(name="rollout", count=2, colocate_with="train")])
     assert hybrid.layout == "hybrid"
     placed = spots(hybrid)
-    assert placed[("rollout", 0)].group == "train" and placed[("rollout", 0)].turns == 0
-    assert placed[("rollout", 1)] == Spot(group="rollout", bundle=0, resources={"GPU": 1.0}, turns=None)
+    assert placed[("rollout", 0)].group == "train" and placed[("rollout", 0)].turns == (0,)
+    assert placed[("rollout", 1)] == Spot(group="rollout", bundle=0, resources={"GPU": 1.0}, turns=())
     assert role_bundles(hybrid, {"GPU": 2}) == {"train": [{"GPU": 1.0}], "rollout": [{"GPU": 1.0}]}
 
     multiplexed = schedule(GPUS[:1], [Role(name="train", lend_to="rollout"), Role(name="rollout")])
     assert multiplexed.layout == "multiplexed"
     placed = spots(multiplexed)
-    assert placed[("rollout", 0)] == Spot(group="rollout", bundle=0, resources={"GPU": 1.0}, turns=None)
-    assert placed[("rollout", 1)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=0)  # borrowed
+    assert placed[("rollout", 0)] == Spot(group="rollout", bundle=0, resources={"GPU": 1.0}, turns=())
+    assert placed[("rollout", 1)] == Spot(group="train", bundle=0, resources={"GPU": 0.5}, turns=(0,))  # borrowed
 
 
 def test_several_guests_split_one_device_and_a_multi_device_trainer_keeps_its_devices():
@@ -45,7 +45,7 @@ def test_several_guests_split_one_device_and_a_multi_device_trainer_keeps_its_de
     assert shares == [0.3334, 0.3333, 0.3333]
     wide = spots(schedule(GPUS[:1], [Role(name="train", devices_each=2), Role(name="rollout", count=2, colocate_with="train")]))
     assert wide[("train", 0)].resources == {"GPU": 2.0}
-    assert wide[("rollout", 0)].resources == {} and wide[("rollout", 1)].resources == {} and wide[("rollout", 1)].turns == 0
+    assert wide[("rollout", 0)].resources == {} and wide[("rollout", 1)].resources == {} and wide[("rollout", 1)].turns == (0,)
 
 
 def test_every_rank_of_a_multi_rank_trainer_hosts_its_own_guest():
@@ -53,14 +53,14 @@ def test_every_rank_of_a_multi_rank_trainer_hosts_its_own_guest():
     assert plan.layout == "colocated" and [a.devices for a in plan.of("rollout")] == [a.devices for a in plan.of("train")]
     placed = spots(plan)
     for rank in (0, 1):  # each guest on its rank's bundle, half of that bundle's device each, at that rank's Turns
-        assert placed[("train", rank)] == Spot(group="train", bundle=rank, resources={"GPU": 0.5}, turns=rank)
-        assert placed[("rollout", rank)] == Spot(group="train", bundle=rank, resources={"GPU": 0.5}, turns=rank)
+        assert placed[("train", rank)] == Spot(group="train", bundle=rank, resources={"GPU": 0.5}, turns=(rank,))
+        assert placed[("rollout", rank)] == Spot(group="train", bundle=rank, resources={"GPU": 0.5}, turns=(rank,))
     assert role_bundles(plan, {"GPU": 2}) == {"train": [{"GPU": 1.0}, {"GPU": 1.0}]}
     # two nodes of two devices, a trainer rank per node: the second rank's guest is on g1, on its bundle
     wide = schedule(GPUS, [Role(name="train", count=2, devices_each=2), Role(name="rollout", count=2, devices_each=2, colocate_with="train")])
     placed = spots(wide)
     assert [wide.of("rollout")[i].node for i in (0, 1)] == ["g0", "g1"]
-    assert placed[("rollout", 1)] == Spot(group="train", bundle=1, resources={}, turns=1) and placed[("train", 1)].turns == 1
+    assert placed[("rollout", 1)] == Spot(group="train", bundle=1, resources={}, turns=(1,)) and placed[("train", 1)].turns == (1,)
 
 
 def test_start_turns_gives_each_shared_trainer_bundle_a_turns_actor(ray_session):
@@ -84,10 +84,15 @@ def test_start_turns_gives_each_shared_trainer_bundle_a_turns_actor(ray_session)
             ray.util.remove_placement_group(pg)
 
 
-def test_shared_layouts_this_runtime_cannot_seat_are_named():
+def test_a_guest_spanning_several_trainer_ranks_takes_all_their_turns():
     spanning = schedule(GPUS[:1], [Role(name="train", count=2), Role(name="rollout", devices_each=2, colocate_with="train")])
-    with pytest.raises(PlacementError, match="rollout instance 0 \\(colocated\\) spans devices \\[0, 1\\] of several trainer instances on g0"):
-        spots(spanning)
+    placed = spots(spanning)
+    # on rank 0's bundle, asking Ray for no device (one actor sits in one bundle): it gets both ranks' visible devices
+    assert placed[("rollout", 0)] == Spot(group="train", bundle=0, resources={}, turns=(0, 1))
+    assert [placed[("train", r)] for r in (0, 1)] == [Spot(group="train", bundle=r, resources={"GPU": 1.0}, turns=(r,)) for r in (0, 1)]
+
+
+def test_shared_layouts_this_runtime_cannot_seat_are_named():
     guest_trainer = schedule(GPUS[:1], [Role(name="train", colocate_with="rollout"), Role(name="rollout")])
     with pytest.raises(PlacementError, match="role 'train' \\(colocated\\) cannot time-share devices under runtime=ray"):
         role_bundles(guest_trainer, {"GPU": 2})

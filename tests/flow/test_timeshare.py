@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
 import pytest
 import torch
 
-from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
+from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns, TurnsSpan
 from tidal.flow.trajectory import Trajectory
 from tidal.hal import select_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
@@ -82,6 +83,93 @@ def test_concurrent_seats_never_compute_together():
     parks = sum(entry.startswith("park") for entry in log)
     assert parks >= 2 and parks == sum(s.num_parks for s, _ in seats)
     assert turns.state()["handoffs"] == parks + 1  # every hand-off but the very first parked someone
+
+
+class RemoteLikeTurns(Turns):
+    """A `Turns` whose acquire answers a little late, as a `Turns` actor's does over Ray."""
+
+    def acquire(self, seat: str, timeout: float | None = None) -> bool:
+        onload = super().acquire(seat, timeout)
+        time.sleep(0.002)
+        return onload
+
+
+def test_guests_spanning_trainer_ranks_and_the_ranks_collectives_take_turns_without_deadlock():
+    """Three trainer ranks, one arbiter each. Rank 0 takes every rank's turn before each
+    command, the other ranks compute in the turn taken for them (`held`) and all three
+    meet in a barrier (their collective). Guests: one on ranks 1 and 2's devices, one on
+    rank 0's and one on rank 2's alone. Were each rank to take its own turn, the spanning
+    guest could hold rank 1's turn while waiting for rank 2's, held by rank 2 waiting in
+    the collective for rank 1: a deadlock. Whoever computes finds every other state that
+    shares its devices parked."""
+    arbiters, log = [RemoteLikeTurns(), RemoteLikeTurns(), RemoteLikeTurns()], []
+    devices = {"rank0": {0}, "rank1": {1}, "rank2": {2}, "wide": {1, 2}, "guest0": {0}, "guest2": {2}}
+    recs = {name: Recorder(name, log) for name in devices}
+
+    def seated(name: str, turns, seat_name: str) -> Seat:
+        return Seat(turns, seat_name, park=recs[name].park, unpark=recs[name].unpark)
+
+    seats = {
+        "rank0": seated("rank0", TurnsSpan(arbiters, parks_on=arbiters[:1]), "train"),
+        "rank1": seated("rank1", arbiters[1], "train"),
+        "rank2": seated("rank2", arbiters[2], "train"),
+        "wide": seated("wide", TurnsSpan(arbiters[1:]), "wide"),
+        "guest0": seated("guest0", arbiters[0], "guest0"),
+        "guest2": seated("guest2", arbiters[2], "guest2"),
+    }
+    computed: set[str] = set()
+    lock, errors, collective = threading.Lock(), [], threading.Barrier(3, timeout=20)
+    commands = {1: queue.Queue(), 2: queue.Queue()}
+
+    def compute(name: str) -> None:
+        with lock:
+            for other, used in devices.items():
+                if other != name and other in computed and used & devices[name]:
+                    assert recs[other].parked, f"{name} computes while {other}'s state is on device(s) {sorted(used & devices[name])}"
+            computed.add(name)
+        time.sleep(0.0005)
+
+    def run(body) -> None:
+        try:
+            body()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            collective.abort()
+
+    def lead() -> None:
+        for step in range(40):
+            with seats["rank0"].turn():
+                for q in commands.values():
+                    q.put(step)
+                compute("rank0")
+                collective.wait()
+        for q in commands.values():
+            q.put(None)
+
+    def follower(rank: int) -> None:
+        while commands[rank].get() is not None:
+            with seats[f"rank{rank}"].held():
+                compute(f"rank{rank}")
+                collective.wait()
+
+    def guest(name: str) -> None:
+        for _ in range(40):
+            with seats[name].turn():
+                compute(name)
+
+    bodies = [lead, lambda: follower(1), lambda: follower(2), *(lambda n=n: guest(n) for n in ("wide", "guest0", "guest2"))]
+    threads = [threading.Thread(target=run, args=(body,)) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    hung = [t for t in threads if t.is_alive()]
+    for s in seats.values():
+        s.close()
+    assert not errors and not hung, (errors, [t.state() for t in arbiters])
+    assert computed == set(devices)
+    assert seats["wide"].num_parks >= 1 and all(seats[f"rank{r}"].num_parks >= 1 for r in range(3))  # the guests did take the trainer's devices
+    assert seats["rank0"].num_parks == log.count("park rank0")  # rank 0 parks only for its own arbiter's requests
 
 
 def test_a_timeout_names_the_holder_and_a_nested_turn_is_refused():

@@ -152,3 +152,33 @@ def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli
     follower_share = follower["timeshare"]  # rank 1 took turns with its own guest, at its own Turns
     assert follower_share["handoffs"] >= 2 and follower_share["seats"]["train"]["parks"] >= 1
     assert follower_share["seats"]["train"]["parked_bytes"] > 0  # its FSDP shards, gradients and AdamW moments
+
+
+def test_ray_rollout_guest_spanning_both_fsdp_ranks_takes_both_turns(tidal_cli, tmp_path, ray_session):
+    """One rollout instance on both trainer ranks' devices (as a tensor-parallel engine over
+    two GPUs would be): it sits on rank 0's bundle, asks Ray for no device, and takes both
+    ranks' turns; rank 0 takes both before each command, so each rank parks for it."""
+    import ray
+
+    run_dir = tmp_path / "run"
+    num_steps = 4
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 2}]"  # fake:cpu: parks copy for real
+    spanning = ["train.backend=fsdp", "placement.train.count=2", "placement.rollout.count=1", "placement.rollout.devices_each=2"]
+    args = [*SMALL, f"algorithm.num_steps={num_steps}", "runtime=ray", "cluster.fake=true", cluster, *spanning, *COLOCATED]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, num_steps + 1)) and all("reward" in m for m in steps)
+    info = json.loads((run_dir / "runtime.json").read_text())
+    assert info["rollout_seating"] == [{"rank": 0, "mode": "colocated", "bundle": ["train", 0], "resources": {}}]
+    (actor,) = info["rollout_actors"]
+    assert actor["platform"]["device_count"] == 2 and actor["placement_group"] == info["trainer"]["ranks"][0]["placement_group"]
+    (rollout,) = info["rollout_summaries"]
+    assert rollout["samples"] > 0 and rollout["versions_received"] == num_steps + 1
+    guest = rollout["timeshare"]
+    assert guest["seats"]["rollout-0"]["parks"] >= 1 and guest["arbiters"] == 2  # its one state, parked for either rank
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == num_steps and summary["timeshare"]["seats"]["train"]["parks"] >= 1  # rank 0 parked its shards
+    follower = summary["trainer_ranks"][1]
+    assert follower["steps"] == 20 + num_steps and follower["timeshare"]["seats"]["train"]["parks"] >= 1  # and rank 1 its own
