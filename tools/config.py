@@ -438,7 +438,10 @@ def check_runnable(cfg: Any) -> None:
 
     Raises:
         ConfigError: naming the key, when `placement.train.count` > 1 with a train backend
-            that trains in one process, or under `runtime: local`.
+            that trains in one process, or under `runtime: local`; when `runtime: local`
+            (one trainer and one rollout engine in this process) is asked for several
+            rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
+            whose borrowed instances continue paused groups on the others).
     """
     from tidal.tools.backends import MULTI_RANK  # noqa: PLC0415
 
@@ -450,6 +453,15 @@ def check_runnable(cfg: Any) -> None:
         )
     if count > 1 and cfg.runtime.value == "local":
         raise ConfigError(f"placement.train.count={count} needs runtime=ray (a process per trainer rank); runtime=local trains in this one process: set runtime=ray or placement.train.count=1")
+    if cfg.runtime.value == "local":
+        rollouts = cfg.placement.rollout.count
+        if rollouts > 1:
+            raise ConfigError(f"placement.rollout.count={rollouts} needs runtime=ray (an actor per rollout instance); runtime=local runs one rollout engine in this process: set runtime=ray or placement.rollout.count=1")
+        if cfg.placement.train.lend_to:
+            raise ConfigError(
+                f"placement.train.lend_to={cfg.placement.train.lend_to} (multiplexed: borrowed rollout instances beside rollout's own) needs runtime=ray; "
+                "runtime=local runs one rollout engine in this process: set runtime=ray, or placement.rollout.colocate_with=train for that engine to take turns on the trainer's device"
+            )
 
 
 def to_yaml(cfg: Any) -> str:

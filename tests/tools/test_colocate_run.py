@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "checkpoint_every=100", "threads=1"]
 COLOCATED = ["placement.rollout.colocate_with=train"]
 
@@ -41,6 +43,21 @@ def test_local_disaggregated_run_takes_no_turns(tidal_cli, tmp_path):
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *SMALL, "sft.steps=2", "algorithm.num_steps=2", "--no-progress", cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "timeshare" not in json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["placement.rollout.count=2"], "placement.rollout.count=2 needs runtime=ray (an actor per rollout instance)"),
+        (["placement.train.lend_to=rollout"], "placement.train.lend_to=rollout (multiplexed: borrowed rollout instances beside rollout's own) needs runtime=ray"),
+    ],
+)
+def test_local_runtime_refuses_several_rollout_instances_naming_the_key(tidal_cli, tmp_path, args, message):
+    """One process runs one rollout engine: more would be silently dropped, so it is an error."""
+    out = tidal_cli("run", "quickstart_cpu", "device=fake:cuda:2", *args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists(), "nothing is written for an invalid config"
 
 
 def test_ray_colocated_rollout_actor_sits_on_the_trainer_bundle(tidal_cli, tmp_path, ray_session):
