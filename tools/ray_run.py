@@ -170,7 +170,8 @@ def _visible_devices(ranks: list[dict[str, Any]]) -> dict[str, str]:
     for rank in ranks:
         for var, value in rank.get("visible_devices", {}).items():
             if value is not None:
-                out.setdefault(var, []).extend(v for v in value.split(",") if v and v not in out.get(var, []))
+                joined = out.setdefault(var, [])
+                joined += [v for v in value.split(",") if v and v not in joined]
     return {var: ",".join(values) for var, values in out.items()}
 
 

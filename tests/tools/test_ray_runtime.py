@@ -85,3 +85,12 @@ def test_a_local_ray_counts_the_machines_own_gpus_unless_the_cluster_is_fake(mon
     real, fake = calls
     assert (real["address"], real["num_gpus"], real["resources"]) == ("local", None, None)
     assert (fake["num_gpus"], fake["resources"]) == (4, None)
+
+
+def test_a_guest_of_several_trainer_ranks_sees_all_their_devices():
+    from tidal.tools.ray_run import _visible_devices
+
+    ranks = [{"visible_devices": {"CUDA_VISIBLE_DEVICES": "0"}}, {"visible_devices": {"CUDA_VISIBLE_DEVICES": "3,1"}}, {"visible_devices": {"CUDA_VISIBLE_DEVICES": None}}]
+    assert _visible_devices(ranks) == {"CUDA_VISIBLE_DEVICES": "0,3,1"}  # in rank order, as the guest's device indexes then follow
+    assert _visible_devices([ranks[1], {"visible_devices": {"CUDA_VISIBLE_DEVICES": "1"}}]) == {"CUDA_VISIBLE_DEVICES": "3,1"}
+    assert _visible_devices([{}, {"visible_devices": {}}]) == {}
