@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tidal.tools import bench_e2e, bench_store
 
 
@@ -57,3 +59,12 @@ def test_e2e_system_whose_roles_do_not_fit_is_skipped_saying_why(monkeypatch):
     rows = {row[0]: row for row in bench_e2e.table(results)[1:]}
     assert rows["tidal-async"][2] == "1.00" and rows["tidal-async-ray"][1] == "-"
     assert rows["tidal-async-ray"][-1] == "not measured: its roles do not fit this machine: role 'rollout' needs 1 device with [cuda]: none is free"
+
+
+def test_store_bench_moves_every_row_through_each_tidal_deployment():
+    """The consumer process returns only once it received every row (or times out)."""
+    work = bench_store.Workload("small", bench_store.SMALL, 64, 16)
+    for split in (False, True):
+        rates = bench_store.tidal_throughput(work, split=split)
+        assert rates["rows_per_s"] > 0 and rates["mb_per_s"] == pytest.approx(rates["rows_per_s"] * work.row_bytes / 1e6), split
+    assert bench_store.embedded_throughput(work)["rows_per_s"] > 0
