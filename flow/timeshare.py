@@ -160,9 +160,10 @@ class TurnsSpan:
 
     `acquire` takes the turns one by one in the order given, and every user gives them in
     trainer-rank order. That order is what keeps a spanning guest and a collective trainer
-    from waiting for each other: if each rank took its own turn, a guest holding rank 0's
-    turn while it waits for rank 1's, and rank 1 holding its own while its collective waits
-    for rank 0, would wait forever. `turns` (and `parks_on`) are `Turns` or proxies to them.
+    from waiting for each other: if each rank took its own turn once rank 0's command
+    arrived, a guest on ranks 1 and 2 holding rank 1's turn while it waits for rank 2's,
+    and rank 2 holding its own while its collective waits for rank 1, would wait forever.
+    `turns` (and `parks_on`) are `Turns` or proxies to them.
     """
 
     def __init__(self, turns: Sequence[Any], parks_on: Sequence[Any] | None = None) -> None:
