@@ -31,7 +31,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -249,6 +249,7 @@ class Seat:
         self._park, self._unpark = park, unpark
         self._lock = threading.Lock()  # held while computing and while parking: never both at once
         self._parked = False
+        self._owner: int | None = None  # the thread computing in this seat's turn
         self._closed = threading.Event()
         self.num_parks = 0
         turns.join(name)
@@ -257,6 +258,11 @@ class Seat:
 
     @contextmanager
     def turn(self) -> Iterator[None]:
+        """Take a turn; inside one this thread holds already, go on in it (a train step and
+        the weight pass after it, see `SharedTrainEngine.turn_for_step`)."""
+        if self._owner == threading.get_ident():
+            yield
+            return
         # Wait for the turn holding no lock of ours: meanwhile our parking thread may
         # have to park our state for the seat ahead of us.
         self.turns.acquire(self.name)
@@ -265,7 +271,11 @@ class Seat:
                 if self._parked:  # our own record, not the arbiter's: it saw the request, we did the work
                     self._unpark()
                     self._parked = False
-                yield
+                self._owner = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    self._owner = None
         finally:
             self.turns.release(self.name)
 
@@ -340,6 +350,13 @@ class SharedTrainEngine:
 
     def __getattr__(self, name: str) -> Any:  # version, model, state_dict, ...: the engine's own
         return getattr(self.engine, name)
+
+    def turn_for_step(self) -> AbstractContextManager[None]:
+        """What a workflow holds from a train step through the weight pass after it. A
+        multi-rank engine's pass takes a turn of its own (see `named_weights`): holding one
+        turn for both hands the devices over once a step instead of twice (a waiting guest
+        would otherwise compute in between). A one-process engine's pass takes none: nothing to hold."""
+        return self.seat.turn() if getattr(self.engine, "collective", False) else nullcontext()
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         with self.seat.turn():

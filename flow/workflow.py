@@ -25,6 +25,7 @@ tokens, dropped rows, and the time each stage spent waiting.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -246,12 +247,14 @@ class Workflow:
                 raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")
             advantages = batch.stack("advantage")[order].to(torch.float32)
             rewards = batch.stack("reward")[order].to(torch.float32)
-            with self.tracer.span("train", "train", version=self.version, rows=len(trajectories)):
-                metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
-            self.store.ack("train", "train", batch.indexes)
-            self._admission.set()  # rows may have been dropped: admission may open
-            self._trained += len(trajectories)
-            self._publish(self.trainer.version)
+            # a trainer that time-shares its devices keeps them from the step through its weight pass
+            with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
+                with self.tracer.span("train", "train", version=self.version, rows=len(trajectories)):
+                    metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
+                self.store.ack("train", "train", batch.indexes)
+                self._admission.set()  # rows may have been dropped: admission may open
+                self._trained += len(trajectories)
+                self._publish(self.trainer.version)
             dropped = self.store.consumer_counts("train", "train")["dropped"]
             step_s = time.perf_counter() - step_begin
             waits, self._waits = dict(self._waits), collections.defaultdict(float)

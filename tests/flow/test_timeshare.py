@@ -345,3 +345,47 @@ def test_a_multi_rank_engines_weight_pass_and_state_take_a_turn(collective):
     with guest.turn():  # every turn the passes took was given back
         pass
     assert engine.engine.passes_closed == 2
+
+
+@pytest.mark.parametrize("collective", [True, False])
+def test_a_train_step_and_its_weight_pass_hand_the_devices_over_once(collective):
+    """`turn_for_step` holds a multi-rank engine's turn from the step through the pass, so a
+    guest waiting meanwhile gets the devices once, after both; nested turns of the same
+    thread go on in the held one. A one-process engine's pass needs no turn: nothing held."""
+    turns, log = Turns(), []
+    guest, _ = seat(turns, "guest", log)
+    train_seat, _ = seat(turns, "train", log)
+    engine = SharedTrainEngine(PassEngine(collective), train_seat)
+    order: list[str] = []
+    waiting = threading.Event()
+
+    def guest_turn() -> None:
+        waiting.set()
+        with guest.turn():
+            order.append("guest")
+
+    try:
+        with engine.turn_for_step():
+            with engine.seat.turn():  # the step's own turn, nested: no second acquire
+                order.append("step")
+            thread = threading.Thread(target=guest_turn, daemon=True)
+            thread.start()
+            waiting.wait(5)
+            _wait_until(lambda: turns.state()["queue"] == ["guest"] or not collective)
+            assert [name for name, _ in engine.named_weights()] == ["w", "b"]
+            order.append("pass")
+        thread.join(10)
+        if collective:
+            assert order == ["step", "pass", "guest"]  # the guest waited for both
+            assert turns.state()["handoffs"] == 2  # to the trainer, then to the guest: once each way
+        else:
+            assert order[0] == "step" and sorted(order) == ["guest", "pass", "step"]
+    finally:
+        guest.close(), train_seat.close()
+
+
+def _wait_until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
