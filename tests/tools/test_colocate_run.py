@@ -138,20 +138,25 @@ def assert_every_group_once(run_dir: Path, steps: list[dict], *, group_size: int
     assert num_admitted * group_size == train["acked_counts"]["train"] + len(untrained) + group_size * len(waiting)
 
 
-def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli, tmp_path, ray_session):
+def _two_fsdp_ranks_colocated(tidal_cli, tmp_path: Path, num_steps: int, *rollout: str) -> tuple[Path, dict]:
+    """Run the quickstart under the session's Ray: two fsdp ranks on a fake two-device node,
+    rollout colocated as `rollout` says; check every step ran; return the run directory and runtime.json."""
     import ray
 
     run_dir = tmp_path / "run"
-    num_steps = 4
     env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 2}]"  # fake:cpu: parks copy for real
-    two_ranks = ["train.backend=fsdp", "placement.train.count=2", "placement.rollout.count=2"]
-    args = [*SMALL, f"algorithm.num_steps={num_steps}", "runtime=ray", "cluster.fake=true", cluster, *two_ranks, *COLOCATED]
+    args = [*SMALL, f"algorithm.num_steps={num_steps}", "runtime=ray", "cluster.fake=true", cluster, "train.backend=fsdp", "placement.train.count=2", *rollout, *COLOCATED]
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == list(range(1, num_steps + 1)) and all("reward" in m for m in steps)
-    info = json.loads((run_dir / "runtime.json").read_text())
+    return run_dir, json.loads((run_dir / "runtime.json").read_text())
+
+
+def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli, tmp_path, ray_session):
+    num_steps = 4
+    run_dir, info = _two_fsdp_ranks_colocated(tidal_cli, tmp_path, num_steps, "placement.rollout.count=2")
     assert info["rollout_seating"] == [{"rank": i, "mode": "colocated", "bundle": ["train", i], "resources": {"CPU": 0.5}} for i in (0, 1)]
     trainers, actors = info["trainer"]["ranks"], info["rollout_actors"]
     for trainer, actor in zip(trainers, actors):  # each guest shares its rank's bundle: half of its device each
@@ -175,19 +180,8 @@ def test_ray_rollout_guest_spanning_both_fsdp_ranks_takes_both_turns(tidal_cli, 
     """One rollout instance on both trainer ranks' devices (as a tensor-parallel engine over
     two GPUs would be): it sits on rank 0's bundle, asks Ray for no device, and takes both
     ranks' turns; rank 0 takes both before each command, so each rank parks for it."""
-    import ray
-
-    run_dir = tmp_path / "run"
     num_steps = 4
-    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 2}]"  # fake:cpu: parks copy for real
-    spanning = ["train.backend=fsdp", "placement.train.count=2", "placement.rollout.count=1", "placement.rollout.devices_each=2"]
-    args = [*SMALL, f"algorithm.num_steps={num_steps}", "runtime=ray", "cluster.fake=true", cluster, *spanning, *COLOCATED]
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress", env=env, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == list(range(1, num_steps + 1)) and all("reward" in m for m in steps)
-    info = json.loads((run_dir / "runtime.json").read_text())
+    run_dir, info = _two_fsdp_ranks_colocated(tidal_cli, tmp_path, num_steps, "placement.rollout.count=1", "placement.rollout.devices_each=2")
     assert info["rollout_seating"] == [{"rank": 0, "mode": "colocated", "bundle": ["train", 0], "resources": {}}]
     (actor,) = info["rollout_actors"]
     assert actor["platform"]["device_count"] == 2 and actor["placement_group"] == info["trainer"]["ranks"][0]["placement_group"]
