@@ -96,6 +96,11 @@ def _counts(batch: TokenBatch) -> dict[str, float]:
     return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
 
 
+def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
+    """The rows `among` of a train step's batch, advantages and proximal logprobs."""
+    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
+
+
 def ensure_process_group(platform: Platform) -> None:
     """Use the initialised default process group, or initialise it through hal from torchrun's variables."""
     if not dist.is_available():
@@ -343,9 +348,7 @@ class FSDPTrainEngine:
             whole = None
             if loss.kl_coef == 0:
                 whole = _counts(batch)
-                among = rows_with_signal(advantages, batch.loss_mask)
-                batch, advantages = batch.select(among), advantages[among]
-                proximal_logprobs = None if proximal_logprobs is None else proximal_logprobs[among]
+                batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
             (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss, whole=whole)
             return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole)
         return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
@@ -362,8 +365,7 @@ class FSDPTrainEngine:
         if whole is not None:
             counts.update(whole)
         if among is not None:
-            batch, advantages = batch.select(among), advantages[among]
-            proximal_logprobs = None if proximal_logprobs is None else proximal_logprobs[among]
+            batch, advantages, proximal_logprobs = _rows(among, batch, advantages, proximal_logprobs)
         by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
 
         def weight_of(part: TokenBatch) -> float:

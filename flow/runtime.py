@@ -169,7 +169,7 @@ class RolloutActor:
             reclaimed the devices go back to the store for another instance to continue.
     """
 
-    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int], turns: Any = None, seat: str = "rollout", hand_off: bool = False) -> None:
+    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int], turns: Sequence[Any] = (), seat: str = "rollout", hand_off: bool = False) -> None:
         from tidal.flow.store.client import RemoteStore  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
 
@@ -180,7 +180,7 @@ class RolloutActor:
             from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
             from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
 
-            proxies = [TurnsProxy(t) for t in (turns if isinstance(turns, (list, tuple)) else [turns])]
+            proxies = [TurnsProxy(t) for t in turns]
             self.sharing = Sharing(proxies[0] if len(proxies) == 1 else TurnsSpan(proxies), self.platform)
             self.engine = self.sharing.rollout(self.engine, seat)
         self.weights_device = None if self.sharing is None else torch.device("cpu")

@@ -267,10 +267,7 @@ class Seat:
         # have to park our state for the seat ahead of us.
         self.turns.acquire(self.name)
         try:
-            with self._lock:  # a park still running finishes first
-                if self._parked:  # our own record, not the arbiter's: it saw the request, we did the work
-                    self._unpark()
-                    self._parked = False
+            with self.held():
                 self._owner = threading.get_ident()
                 try:
                     yield
@@ -281,13 +278,13 @@ class Seat:
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """Compute in a turn another process took under this seat's name: rank 0 of a
-        multi-rank trainer takes every rank's turn (`TurnsSpan`) before it sends the command
-        they all run. Onloads this seat's state if it was parked; parks wait until the end
-        (a guest whose turn comes after rank 0 released asks this seat to park, and that
-        park waits for this computation)."""
-        with self._lock:
-            if self._parked:
+        """Compute in a turn taken under this seat's name: by `turn()`, or by another
+        process (rank 0 of a multi-rank trainer takes every rank's turn, `TurnsSpan`, before
+        it sends the command they all run). Onloads this seat's state if it was parked;
+        parks wait until the end (a guest whose turn comes after rank 0 released asks this
+        seat to park, and that park waits for this computation)."""
+        with self._lock:  # a park still running finishes first
+            if self._parked:  # our own record, not the arbiter's: it saw the request, we did the work
                 self._unpark()
                 self._parked = False
             yield

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,19 @@ def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
     exe = Path(sys.executable).with_name("tidal")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tidal.tools.cli"]
     return subprocess.run([*cmd, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def wait_for():
+    """`wait_for(condition, timeout=5.0)`: poll `condition` until true (for effects that travel asynchronously); fail at the timeout."""
+    return _wait_for
 
 
 @pytest.fixture

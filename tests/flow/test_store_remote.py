@@ -167,7 +167,7 @@ def test_consumer_process_killed_mid_get_loses_nothing(served):
     assert consumer["redelivered"] == 2 and consumer["leased"] == 3
 
 
-def test_a_closed_connection_returns_only_the_leases_it_still_holds():
+def test_a_closed_connection_returns_only_the_leases_it_still_holds(wait_for):
     now = [0.0]
     store = Store(clock=lambda: now[0])
     store.create_partition("train", consumers=["train"], lease_s=10)
@@ -183,14 +183,14 @@ def test_a_closed_connection_returns_only_the_leases_it_still_holds():
             consumer = store.metrics()["partitions"]["train"]["consumers"]["train"]
             assert consumer["leased"] == 2 and consumer["redelivered"] == 2
             second.close()  # this one held them: they come back
-            _wait_for(lambda: store.metrics()["partitions"]["train"]["consumers"]["train"]["leased"] == 0)
+            wait_for(lambda: store.metrics()["partitions"]["train"]["consumers"]["train"]["leased"] == 0)
             assert store.metrics()["partitions"]["train"]["consumers"]["train"]["redelivered"] == 4
         finally:
             first.close()
             second.close()
 
 
-def test_in_process_puts_answer_parked_remote_gets_from_the_putting_thread():
+def test_in_process_puts_answer_parked_remote_gets_from_the_putting_thread(wait_for):
     store = Store()
     store.create_partition("train", consumers=["train"])
     with StoreServer(store) as server:
@@ -201,7 +201,7 @@ def test_in_process_puts_answer_parked_remote_gets_from_the_putting_thread():
         got: list[int] = []
         thread = threading.Thread(target=lambda: got.extend(consumer.get("train", "train", ["x"], 1, timeout=10).indexes))
         thread.start()
-        _wait_for(lambda: bool(server._parked))
+        wait_for(lambda: bool(server._parked))
         store.put("train", {"x": torch.ones(1, 2)})  # answers the parked get here, in this thread
         thread.join(timeout=10)
         assert got == [0] and wakes == []  # the server thread was not needed
@@ -246,7 +246,7 @@ def test_many_in_process_producers_and_remote_consumers_deliver_every_row_once()
         assert store.metrics()["partitions"]["train"]["rows"] == 0
 
 
-def test_split_deployment_keeps_data_on_the_writers_unit():
+def test_split_deployment_keeps_data_on_the_writers_unit(wait_for):
     controller = Store()
     with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit_a, StoreServer(unit=StorageUnit()) as unit_b:
         producer_a = RemoteStore(ctrl.address, unit=unit_a)  # in-process unit: zero-copy put
@@ -264,22 +264,14 @@ def test_split_deployment_keeps_data_on_the_writers_unit():
             assert batch.stack("x").sum(1).tolist() == [4.0, 0.0]
             assert batch.stack("reward").tolist() == [5.0, 6.0]
             consumer.ack("train", "train", batch.indexes)
-            _wait_for(lambda: (len(unit_a.unit), len(unit_b.unit)) == (1, 1))  # the reward chunk is freed
+            wait_for(lambda: (len(unit_a.unit), len(unit_b.unit)) == (1, 1))  # the reward chunk is freed
             rest = consumer.get("train", "train", ["x"], 3, timeout=5)
             assert rest.indexes == [1, 2, 3] and rest.stack("x").sum().item() == 8.0
             consumer.ack("train", "train", rest.indexes)
-            _wait_for(lambda: (len(unit_a.unit), len(unit_b.unit)) == (0, 0))
+            wait_for(lambda: (len(unit_a.unit), len(unit_b.unit)) == (0, 0))
         finally:
             for client in (producer_a, producer_b, consumer):
                 client.close()
-
-
-def _wait_for(condition, timeout: float = 5.0) -> None:
-    """Drops travel asynchronously from the controller to the units."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_non_local_bind_requires_a_token():

@@ -348,7 +348,7 @@ def test_a_multi_rank_engines_weight_pass_and_state_take_a_turn(collective):
 
 
 @pytest.mark.parametrize("collective", [True, False])
-def test_a_train_step_and_its_weight_pass_hand_the_devices_over_once(collective):
+def test_a_train_step_and_its_weight_pass_hand_the_devices_over_once(collective, wait_for):
     """`turn_for_step` holds a multi-rank engine's turn from the step through the pass, so a
     guest waiting meanwhile gets the devices once, after both; nested turns of the same
     thread go on in the held one. A one-process engine's pass needs no turn: nothing held."""
@@ -371,7 +371,7 @@ def test_a_train_step_and_its_weight_pass_hand_the_devices_over_once(collective)
             thread = threading.Thread(target=guest_turn, daemon=True)
             thread.start()
             waiting.wait(5)
-            _wait_until(lambda: turns.state()["queue"] == ["guest"] or not collective)
+            wait_for(lambda: turns.state()["queue"] == ["guest"] or not collective)
             assert [name for name, _ in engine.named_weights()] == ["w", "b"]
             order.append("pass")
         thread.join(10)
@@ -383,9 +383,3 @@ def test_a_train_step_and_its_weight_pass_hand_the_devices_over_once(collective)
     finally:
         guest.close(), train_seat.close()
 
-
-def _wait_until(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
