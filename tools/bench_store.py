@@ -18,7 +18,9 @@ straight from it), `transferqueue` (0.1.11 on Ray, when the
 consumer: the machine's limit for this pattern). Ratios are against TransferQueue and
 raw ZeroMQ measured in the same run. `transport="ipc"` runs tidal and raw ZeroMQ over
 Unix-domain sockets (`ipc://`, for same-machine deployments) instead of loopback TCP.
-Times use `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across processes).
+Before the clock starts, every system moves the whole workload once, untimed (sockets
+open, code paths and allocator warm: a pipeline that has already done a step), as the
+TransferQueue run does. Times use `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across processes).
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class Workload:
 # Store processes -------------------------------------------------------------------------
 def _serve(ready: Any, stop: Any, transport: str = "tcp") -> None:
     from tidal.flow.store import Store
+    from tidal.flow.store.memory import retain_freed_memory
     from tidal.flow.store.server import StoreServer
+
+    retain_freed_memory()  # a store process, as the store actor sets itself up
 
     with StoreServer(Store(), address=endpoint(transport)) as server:
         ready.put(server.address)
@@ -89,8 +94,9 @@ def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any
     unit = StoreServer(unit=StorageUnit(), address=endpoint(transport)) if split else None
     store = RemoteStore(address, unit=unit)
     batches = work.batches()
-    store.put(work.name, batches[0], timeout=60)  # warm-up row set, consumed by the warm-up get
     unit_ready.put(True)
+    for batch in batches:  # the warm-up pass, drained by the consumer before it says go
+        store.put(_warm(work), batch, timeout=60)
     go.wait()
     start = time.perf_counter()
     for batch in batches:
@@ -107,11 +113,13 @@ def _embedded_producer(work: Workload, ready: Any, go: Any, out: Any, stop: Any,
     from tidal.flow.store.server import StoreServer
 
     store = Store()
-    store.create_partition(work.name, consumers=["c"])
+    for name in (_warm(work), work.name):
+        store.create_partition(name, consumers=["c"])
     batches = work.batches()
     with StoreServer(store, address=endpoint(transport)) as server:
-        store.put(work.name, batches[0])  # warm-up row set, consumed by the warm-up get
         ready.put(server.address)
+        for batch in batches:  # the warm-up pass
+            store.put(_warm(work), batch)
         go.wait()
         start = time.perf_counter()
         for batch in batches:
@@ -151,18 +159,28 @@ def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
     from tidal.flow.store.client import RemoteStore
 
     store = RemoteStore(address)
-    columns = list(work.fields)
-    warm = store.get("c", work.name, columns, work.batch_size, timeout=60)
-    store.ack("c", work.name, warm.indexes)
+    _drain(store, _warm(work), work)
     go.set()
+    _drain(store, work.name, work)
+    out.put(("end", time.perf_counter()))
+    store.close()
+
+
+def _drain(store: Any, partition: str, work: Workload) -> None:
+    """Get every row of `partition` in batches as they become ready; each get acks the batch
+    before it (one round trip per batch), the last ack is its own call."""
+    columns = list(work.fields)
     received, previous = 0, []
-    while received < work.num_rows:  # each get acks the batch before it: one round trip per batch
-        batch = store.get("c", work.name, columns, work.batch_size, timeout=60, partial=True, ack=previous)
+    while received < work.num_rows:
+        batch = store.get("c", partition, columns, work.batch_size, timeout=60, partial=True, ack=previous)
         received += len(batch)
         previous = batch.indexes
-    out.put(("end", time.perf_counter()))
-    store.ack("c", work.name, previous)
-    store.close()
+    store.ack("c", partition, previous)
+
+
+def _warm(work: Workload) -> str:
+    """The partition of a workload's untimed warm-up pass (TransferQueue gets the same)."""
+    return f"{work.name}-warmup"
 
 
 def tidal_throughput(work: Workload, *, split: bool, transport: str = "tcp") -> dict[str, float]:
@@ -175,7 +193,8 @@ def tidal_throughput(work: Workload, *, split: bool, transport: str = "tcp") -> 
     from tidal.flow.store.client import RemoteStore
 
     admin = RemoteStore(address)
-    admin.create_partition(work.name, consumers=["c"])
+    for name in (_warm(work), work.name):
+        admin.create_partition(name, consumers=["c"])
     admin.close()
     producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop, transport), daemon=True)
     consumer = ctx.Process(target=_tidal_consumer, args=(address, work, go, out), daemon=True)
@@ -252,7 +271,7 @@ def _time_handoffs(ctx: Any, address: str, put: Callable[..., Any], num_trials: 
 
 
 # Raw ZeroMQ: the same frames straight from producer to consumer ------------------------------
-def _zmq_consumer(port_out: Any, num_messages: int, out: Any, transport: str = "tcp") -> None:
+def _zmq_consumer(port_out: Any, num_messages: int, out: Any, transport: str = "tcp", warm: int = 0, warmed: Any = None) -> None:
     import zmq
 
     ctx = zmq.Context()
@@ -262,6 +281,10 @@ def _zmq_consumer(port_out: Any, num_messages: int, out: Any, transport: str = "
     else:
         sock.bind(endpoint(transport))
         port_out.put(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    for _ in range(warm):  # the warm-up pass, untimed
+        _ = [memoryview(f) for f in sock.recv_multipart(copy=False)]
+    if warmed is not None:
+        warmed.set()
     times = []
     for _ in range(num_messages):
         frames = sock.recv_multipart(copy=False)
@@ -289,13 +312,14 @@ def _frames(batch: dict[str, torch.Tensor]) -> list[Any]:
 
 def zmq_throughput(work: Workload, transport: str = "tcp") -> dict[str, float]:
     ctx = mp.get_context("spawn")
-    port_q, out = ctx.Queue(), ctx.Queue()
+    port_q, out, warmed = ctx.Queue(), ctx.Queue(), ctx.Event()
     batches = work.batches()
-    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, len(batches) + 1, out, transport), daemon=True)
+    consumer = ctx.Process(target=_zmq_consumer, args=(port_q, len(batches), out, transport, len(batches), warmed), daemon=True)
     consumer.start()
     sock = _zmq_connect(port_q.get(timeout=60))
-    sock.send_multipart(_frames(batches[0]), copy=False)  # connection warm-up
-    time.sleep(0.2)
+    for batch in batches:  # the warm-up pass
+        sock.send_multipart(_frames(batch), copy=False)
+    warmed.wait(timeout=60)
     start = time.perf_counter()
     for batch in batches:
         sock.send_multipart(_frames(batch), copy=False)

@@ -85,10 +85,12 @@ BENCH_HELP = """\
 Run a benchmark and print its table (ratios against baselines measured in the same run).
 
   store   the streaming store across processes: small rows (4096 x 4 columns of 256),
-          1 MB rows and one-row hand-off latency, for tidal (one store server), tidal
-          with the data on the producer's storage unit, TransferQueue 0.1.11 (installed
-          with the [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same
-          frames. Takes a few minutes on 2 cores.
+          1 MB rows and one-row hand-off latency, for tidal (one store server process),
+          tidal-embedded (the store in the producer's process), tidal-split (the data
+          on the producer's storage unit), TransferQueue 0.1.11 (installed with the
+          [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same frames.
+          Every system moves the workload once untimed before the clock starts. Takes
+          a few minutes on 2 cores.
   e2e     the quickstart trained with async GRPO (max_staleness=1) in one process and
           on Ray (trainer and rollout actors), and sync GRPO (max_staleness=0), from
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.flow.store import persist
+from tidal.flow.store.memory import retain_freed_memory
 from tidal.flow.store.prometheus import MetricsServer
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.table import Store
@@ -20,12 +21,14 @@ class StoreActor:
     """Body of the Ray actor: a store (controller) or a storage unit behind a server.
 
     `host` is the address to bind; anything but loopback needs `token`. With
-    `metrics_port` set, Prometheus metrics are served on it as well.
+    `metrics_port` set, Prometheus metrics are served on it as well. The actor's process
+    keeps the memory its rows free for the next rows (`memory.retain_freed_memory`).
     """
 
     def __init__(self, *, role: str = "controller", host: str = "127.0.0.1", token: str | None = None, metrics_port: int | None = None) -> None:
         if role not in ("controller", "unit"):
             raise ValueError(f"role must be 'controller' or 'unit', got {role!r}")
+        retain_freed_memory()
         self.store = Store() if role == "controller" else None
         self.server = StoreServer(self.store, unit=StorageUnit() if role == "unit" else None, address=f"tcp://{host}:0", token=token)
         self.metrics_server = MetricsServer(self.store.metrics, host=host, port=metrics_port) if self.store is not None and metrics_port is not None else None

@@ -62,3 +62,37 @@ def test_prometheus_text_and_endpoint():
         assert 'tidal_store_ready{columns="x",partition="train",consumer="train"} 1' in body
     finally:
         server.close()
+
+
+_MAPPED_BYTES_AFTER_8MB = """
+import ctypes, sys
+from tidal.flow.store.memory import retain_freed_memory
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Info, ctypes.c_void_p, [ctypes.c_void_p]
+applied = retain_freed_memory() if sys.argv[1] == "retain" else None
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(8 << 20)
+print(applied, libc.mallinfo2().hblkhd - before)
+libc.free(block)
+"""
+
+
+@pytest.mark.parametrize("mode", ["retain", "default"])
+def test_a_store_process_serves_row_sized_blocks_from_its_heap(mode):
+    """With `retain_freed_memory`, an 8 MB block (a column of 8 rows of 1 MB) comes from the
+    heap, whose freed pages are reused; glibc's default maps it fresh from the kernel."""
+    import ctypes.util
+    import subprocess
+    import sys
+
+    libc = ctypes.util.find_library("c") or ""
+    if "libc.so.6" not in libc or not hasattr(ctypes.CDLL(libc), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", _MAPPED_BYTES_AFTER_8MB, mode], capture_output=True, text=True, check=True).stdout.split()
+    applied, mapped = out[0], int(out[1])
+    if mode == "retain":
+        assert applied == "True" and mapped == 0
+    else:
+        assert mapped >= 8 << 20
