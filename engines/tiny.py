@@ -73,11 +73,13 @@ def build_tiny_qwen2(
     intermediate_size: int = 256,
     max_positions: int = 128,
     seed: int = 0,
+    attention: str = "sdpa",
 ) -> transformers.Qwen2ForCausalLM:
     """A Qwen2 causal LM with tied embeddings, initialised deterministically from `seed`.
 
     With the defaults and the character tokenizer it has about 0.3 M parameters; the
     quickstart's (hidden_size=192, 3 layers, 6 heads, intermediate_size=512) about 1.2 M.
+    `attention` is the transformers attention implementation, "sdpa" or "eager".
     """
     config = transformers.Qwen2Config(
         vocab_size=vocab_size,
@@ -91,6 +93,7 @@ def build_tiny_qwen2(
         pad_token_id=CharTokenizer.pad_id,
         bos_token_id=CharTokenizer.bos_id,
         eos_token_id=CharTokenizer.eos_id,
+        attn_implementation=attention,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -105,6 +108,8 @@ def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, di
     tokenizer.save(directory)
 
 
-def load_model(directory: str | Path) -> tuple[transformers.PreTrainedModel, CharTokenizer]:
-    model = transformers.Qwen2ForCausalLM.from_pretrained(directory)
+def load_model(directory: str | Path, *, attention: str = "sdpa") -> tuple[transformers.PreTrainedModel, CharTokenizer]:
+    """A saved model and tokenizer; `attention` as in `build_tiny_qwen2` (a checkpoint
+    does not record it)."""
+    model = transformers.Qwen2ForCausalLM.from_pretrained(directory, attn_implementation=attention)
     return model, CharTokenizer.load(directory)
