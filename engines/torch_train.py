@@ -55,7 +55,7 @@ class TorchTrainEngine:
         self.platform = platform or current_platform()
         self.device = self.platform.device(0)
         self.model = model.to(self.device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
 
@@ -217,6 +217,8 @@ class TorchTrainEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # how to step is this platform's, not the saver's
+            group.update(self.platform.optimizer_options())
         self.version = int(state["version"])
 
 

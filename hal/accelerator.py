@@ -43,6 +43,8 @@ class Vendor:
     range_end: Callable[[Any], None]
     dtype_support: Callable[[], dict[str, bool]]
     """Support flags keyed `bf16`, `fp16`, `fp64`, `fp8` for the current device."""
+    fused_optimizers: bool
+    """Whether torch's `fused=True` Adam/AdamW kernels run on this vendor's devices."""
     initialized: Callable[[], bool]
     """True once changing the visible-devices variable can no longer take effect."""
 
@@ -172,6 +174,11 @@ class AcceleratorPlatform:
     def dtype_support(self) -> dict[str, bool]:
         self._require()
         return self._vendor.dtype_support()
+
+    # Optimizers ----------------------------------------------------------------------
+    def optimizer_options(self) -> dict[str, Any]:
+        """Keyword arguments for torch's Adam/AdamW on this vendor's devices."""
+        return {"fused": self._vendor.fused_optimizers}
 
     # Environment and collectives -------------------------------------------------------
     def set_visible_devices(self, ids: Sequence[int]) -> None:

@@ -49,6 +49,7 @@ def load() -> AcceleratorPlatform:
         range_start=lambda name: mod.nvtx.range_push(name),
         range_end=lambda _token: mod.nvtx.range_pop(),
         dtype_support=_dtype_support,
+        fused_optimizers=True,  # torch's fused Adam/AdamW CUDA kernels
         initialized=mod.is_initialized,
     )
     return AcceleratorPlatform(vendor)

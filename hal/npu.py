@@ -81,6 +81,9 @@ def load() -> AcceleratorPlatform:
         range_start=lambda name: mstx.range_start(name, None),
         range_end=mstx.range_end,
         dtype_support=_dtype_support,
+        # torch_npu brings its own fused optimizers (torch_npu.optim); whether torch's
+        # `fused=True` kernels run on an NPU is not verified here, so they are not asked for
+        fused_optimizers=False,
         initialized=lambda: "torch_npu" in sys.modules,
     )
     return AcceleratorPlatform(vendor)

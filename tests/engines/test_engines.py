@@ -308,6 +308,25 @@ def test_trainer_state_round_trip(tmp_path):
     assert other.version == 1
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_weights(), other.named_weights()))
     assert [n for n, _ in engine.named_weights()] == list(engine.model.state_dict())
+    assert engine.optimizer.param_groups[0]["fused"] is True  # the CPU platform's optimizer_options
+
+
+def test_a_resumed_optimizer_steps_the_way_its_platform_does(tmp_path):
+    """A checkpoint saved where AdamW was not fused (another platform, an older tidal) is
+    resumed with this platform's optimizer options, and steps as an unfused AdamW would."""
+    batch = _batch()
+    unfused = TorchTrainEngine(tiny(), lr=1e-2)
+    for group in unfused.optimizer.param_groups:
+        group["fused"] = False
+    unfused.train_step(batch, torch.ones(4), loss=PolicyLossConfig())
+    state = copy.deepcopy(unfused.state_dict())  # as through a checkpoint file: no tensors shared
+    assert state["optimizer"]["param_groups"][0]["fused"] is False
+    resumed = TorchTrainEngine(tiny(5), lr=1e-2)
+    resumed.load_state_dict(state)
+    assert resumed.optimizer.param_groups[0]["fused"] is True
+    unfused.train_step(batch, -torch.ones(4), loss=PolicyLossConfig())
+    resumed.train_step(batch, -torch.ones(4), loss=PolicyLossConfig())
+    assert all(torch.allclose(a, b, atol=1e-6) for (_, a), (_, b) in zip(unfused.named_weights(), resumed.named_weights()))
 
 
 def test_verifiers():

@@ -95,6 +95,7 @@ def test_dtype_support(fake_npu, monkeypatch):
     assert p.dtype_support() == {"bf16": True, "fp16": True, "fp64": False, "fp8": False}
     monkeypatch.setattr(fake_npu, "device_name", "Ascend950PR")
     assert p.dtype_support()["fp8"] is True
+    assert p.optimizer_options() == {"fused": False}  # torch's fused kernels are not asked for on NPUs
 
 
 def test_comm_env_defaults_never_override_the_user(fake_npu, monkeypatch):

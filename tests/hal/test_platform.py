@@ -91,6 +91,18 @@ def test_import_touches_no_vendor_and_no_cuda_context():
 
 
 # Descriptors ----------------------------------------------------------------------------
+@pytest.mark.parametrize("platform", [CpuPlatform(), fake_platform("npu", 2)])
+def test_cpu_and_fake_platforms_step_adamw_fused(platform):
+    """A fake NPU computes on CPU tensors, so it takes the CPU's optimizer options."""
+    assert platform.optimizer_options() == {"fused": True}
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, **platform.optimizer_options())
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    assert optimizer.param_groups[0]["fused"] is True
+    assert torch.allclose(weight.detach(), torch.full((3,), 1 - 0.1 * 0.01 - 0.1), atol=1e-6)  # decay lr*wd*w, then Adam's first step is lr
+
+
 def test_descriptor_round_trips_through_json():
     d = fake_platform("npu", 8).descriptor
     again = hal.PlatformDescriptor.from_dict(json.loads(json.dumps(d.to_dict())))
