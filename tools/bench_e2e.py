@@ -14,6 +14,12 @@ transformers generation (no vLLM), on-policy, on the same prompts in the same or
 the same reward function and the same greedy held-out evaluation (`bench_trl.py` says
 how the recipe maps onto `GRPOConfig`); its wall time is `trainer.train()`. TRL comes
 with the `[bench]` extra; without it the `trl` row says how to install it.
+
+torch threads: `tidal-async` runs its rollout and train stages at once, as two threads
+of one process, with the recipe's `threads` (1 in the quickstart: one core each);
+`tidal-async-ray` gives each actor one thread; `tidal-sync` and `trl` run one stage at a
+time and get every thread torch would use by default (`ALL_CORES`), set explicitly for
+each run since all systems share this process.
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 TRL_INSTALL = "pip install -c constraints.txt -e '.[bench]'"
 
+ALL_CORES = torch.get_num_threads()
+"""torch's default intra-op threads in this process, read before any run changes them."""
 SYSTEMS = {
     "tidal-async": ["algorithm.max_staleness=1"],
-    "tidal-sync": ["algorithm.max_staleness=0"],
+    "tidal-sync": ["algorithm.max_staleness=0", f"threads={ALL_CORES}"],
     "tidal-async-ray": ["algorithm.max_staleness=1", "runtime=ray", "threads=1"],
 }
 
@@ -74,7 +84,7 @@ def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Seque
         return results
     for seed in seeds:
         progress(f"trl: seed {seed}, {num_steps} steps")
-        results.setdefault("trl", []).append(bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=overrides))
+        results.setdefault("trl", []).append(bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[f"threads={ALL_CORES}", *overrides]))
     return results
 
 

@@ -20,7 +20,8 @@ raw ZeroMQ measured in the same run. `transport="ipc"` runs tidal and raw ZeroMQ
 Unix-domain sockets (`ipc://`, for same-machine deployments) instead of loopback TCP.
 Before the clock starts, every system moves the whole workload once, untimed (sockets
 open, code paths and allocator warm: a pipeline that has already done a step), as the
-TransferQueue run does. Times use `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across processes).
+TransferQueue run does. Times use `time.perf_counter` (CLOCK_MONOTONIC on Linux, so
+comparable across processes).
 """
 
 from __future__ import annotations
