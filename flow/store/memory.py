@@ -7,7 +7,7 @@ on free, so every batch pays page faults on memory the kernel has to zero again;
 2-vCPU benchmark machine that caps a store process at about 1 GB/s for 1 MB rows. Asking
 glibc to serve blocks up to 32 MB from its heap and not to trim the heap lets freed rows'
 pages carry the next rows (`tidal bench store`: 1 MB rows through a store process
-~0.9 -> ~1.2 GB/s, docs/benchmarks.md).
+~0.9 -> ~1.1 GB/s, docs/benchmarks.md).
 
 The cost: the process's resident memory stays at its high-water mark (for a store, the
 partitions' capacity) instead of shrinking when it drains. So this is for processes that
