@@ -33,8 +33,11 @@ class Runtime(enum.Enum):
     ray = "ray"
 
 
-ATTENTIONS = ("sdpa", "eager")
-"""`model.attention` values: transformers attention implementations the tiny model runs with."""
+class Attention(enum.Enum):
+    """transformers attention implementations the tiny model runs with."""
+
+    sdpa = "sdpa"
+    eager = "eager"
 
 
 @dataclasses.dataclass
@@ -53,7 +56,7 @@ class ModelConfig:
     """MLP width."""
     max_positions: int = 64
     """Longest sequence (prompt + answer) in tokens."""
-    attention: str = "sdpa"
+    attention: Attention = Attention.sdpa
     """transformers attention implementation: sdpa (torch's fused kernels) or eager (plain
     matmuls: faster on CPU for sequences of a few tokens, where the fused CPU kernel's
     per-call cost dominates)."""
@@ -430,8 +433,6 @@ def _check_values(cfg: Any) -> None:
             check_spec(cfg.device, source="device")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if "model" in cfg and cfg.model.attention not in ATTENTIONS:
-        raise ConfigError(f"model.attention={cfg.model.attention!r} is not one of {', '.join(ATTENTIONS)}")
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
     for key in ("rollout_restarts", "trainer_restarts"):

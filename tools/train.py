@@ -224,7 +224,7 @@ def build_policy(cfg: Any, tokenizer: CharTokenizer) -> torch.nn.Module:
         intermediate_size=m.intermediate_size,
         max_positions=m.max_positions,
         seed=cfg.seed,
-        attention=m.attention,
+        attention=m.attention.value,
     )
 
 
@@ -298,7 +298,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
 
     if cfg.resume:
         checkpoint = latest_checkpoint(Path(cfg.resume))
-        model, tokenizer = load_model(checkpoint, attention=cfg.model.attention)
+        model, tokenizer = load_model(checkpoint, attention=cfg.model.attention.value)
         saved = torch.load(checkpoint / "trainer.pt", weights_only=False)
         state = json.loads((checkpoint / "state.json").read_text())
         store = persist.load(checkpoint / "store.bin")

@@ -59,7 +59,7 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("seed", "override 'seed' is not key=value"),
         ("=3", "is not key=value"),
         ("fault.rollout_restarts=-1", "fault.rollout_restarts=-1 must be >= 0"),
-        ("model.attention=flash", "model.attention='flash' is not one of sdpa, eager"),
+        ("model.attention=flash", "key 'model.attention' in the command-line overrides expects one of sdpa | eager, got 'flash'"),
     ],
 )
 def test_override_errors_name_the_key(override, expected):
