@@ -165,7 +165,6 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
     step metrics do) over the wall time of `trainer.train()` alone.
     """
     import datasets  # noqa: PLC0415
-    import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
     from trl import GRPOTrainer  # noqa: PLC0415
 
@@ -173,13 +172,11 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
     from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
-    from tidal.tools.train import Prompts, evaluate  # noqa: PLC0415
+    from tidal.tools.train import Prompts, evaluate, torch_threads  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-trl-") as tmp:
         args = ["algorithm.max_staleness=0", f"seed={seed}", f"algorithm.num_steps={num_steps}", f"run_dir={Path(tmp) / 'run'}", *overrides]
         cfg, _ = prepare_run(resolve_recipe("quickstart_cpu"), args)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         start = warm_started(cfg)
         model, tokenizer, reward, held_items = start["model"], start["tokenizer"], start["reward"], start["held_items"]
         budget = cfg.rollout.max_new_tokens
@@ -206,7 +203,8 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
             trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=grpo_config(cfg, Path(tmp) / "trl"), train_dataset=dataset, processing_class=hf_tokenizer(tokenizer))
             trainer.remove_callback(transformers.PrinterCallback)  # it prints the final metrics dict even with logging off
             started = time.perf_counter()
-            trainer.train()
+            with torch_threads(cfg.threads):  # as tidal's RL stages get them
+                trainer.train()
             rl_seconds = time.perf_counter() - started
         accuracy_after = evaluate(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_items, reward, max_new_tokens=budget)
 

@@ -247,7 +247,8 @@ class RecipeConfig:
     checkpoint_every: int = 10
     """Save a checkpoint every this many RL steps (and always at the end)."""
     threads: int = 0
-    """torch intra-op threads; 0 = leave torch's default."""
+    """torch intra-op threads of the RL stages (rollout and training, which run at once); 0 = torch's
+    default. The warm start and the evaluations run alone and always get torch's default."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy model."""
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)

@@ -244,7 +244,7 @@ class TrainerActor:
 
         from tidal.engines.fsdp_lead import stop_followers  # noqa: PLC0415
 
-        if cfg.threads:
+        if cfg.threads and rank:  # followers only take RL steps; rank 0's `train()` sets them for its RL phase
             torch.set_num_threads(cfg.threads)
         current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S)
         try:

@@ -9,6 +9,7 @@ optimizer and store state for resume) and `summary.json` (accuracy before and af
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -212,6 +213,20 @@ def plot(metrics: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch intra-op threads `n` inside the block (0: unchanged), then as before. The RL
+    stages run at once and share the cores; the warm start and evaluations run alone and
+    keep every thread torch would use."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def build_policy(cfg: Any, tokenizer: CharTokenizer) -> torch.nn.Module:
     """The recipe's policy model, freshly initialised from its seed."""
     m = cfg.model
@@ -287,8 +302,6 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     platform = current_platform()
     engine_options = engine_options or {}
     made_group = _one_process_group(train_cls, platform)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     tokenizer = CharTokenizer()
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
     held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
@@ -392,7 +405,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
     started = time.perf_counter()
     try:
-        with bar:
+        with bar, torch_threads(cfg.threads):
             workflow.run()
     finally:
         if remote is not None:
