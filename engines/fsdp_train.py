@@ -2,7 +2,8 @@
 
 One process per rank. Every decoder layer (the model's `_no_split_modules` classes) and
 the root are sharded with `fully_shard` over a 1-D mesh of all ranks, on the device the
-hal platform gives; the optimizer is AdamW over the sharded (DTensor) parameters. Each
+hal platform gives; the optimizer is AdamW over the sharded (DTensor) parameters, with
+the platform's `optimizer_options()` (fused where its kernels allow). Each
 rank trains on its own rows of the batch; micro-batch losses are weighted by their share
 of the *global* batch's loss tokens or sequences (counted with one all-gather) and the
 gradient reduce-scatter sums instead of averaging, so a step over N ranks equals one
@@ -178,7 +179,7 @@ class FSDPTrainEngine:
         if self.led:
             set_model_state_dict(self.model, weights, options=_FROM_RANK0)  # the followers built theirs from random weights
         del weights
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
 
@@ -525,6 +526,7 @@ class FSDPTrainEngine:
             self.optimizer.state.clear()
         for group, saved_group in zip(self.optimizer.param_groups, param_groups):
             group.update(saved_group)
+            group.update(self.platform.optimizer_options())  # this platform's kernels, whatever saved the state
         self.version = version
 
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -561,5 +563,7 @@ class FSDPTrainEngine:
         else:
             set_model_state_dict(self.model, state["model"])
             self.optimizer.state.clear()
+        for group in self.optimizer.param_groups:
+            group.update(self.platform.optimizer_options())  # the checkpoint's groups say how its saver stepped
         self.version = int(state["version"])
 

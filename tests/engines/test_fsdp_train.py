@@ -78,6 +78,7 @@ WORKER = textwrap.dedent(
         return [(name, tensor.clone()) for name, tensor in e.named_weights()]
 
     e = engine(0)
+    fused = {"built": e.optimizer.param_groups[0]["fused"]}
     out = {"metrics": run(e, data["plan"]), "version": e.version}
     out["logprobs"] = e.logprobs(batch)
     out["weights"] = export(e)
@@ -89,11 +90,14 @@ WORKER = textwrap.dedent(
     fresh = engine(5)
     fresh.load_checkpoint(work / "ckpt")
     out["loaded_version"] = fresh.version
+    fused["checkpoint"] = fresh.optimizer.param_groups[0]["fused"]
     out["reloaded_metrics"] = run(fresh, data["resume"])
     out["reloaded"] = export(fresh)
     other = engine(7)
     other.load_state_dict(data["torch_state"])
     out["from_torch_version"] = other.version
+    fused["torch_state"] = other.optimizer.param_groups[0]["fused"]
+    out["fused"] = fused
     run(other, data["resume"])
     out["from_torch"] = export(other)
     if rank == 0:
@@ -296,6 +300,8 @@ def _write_data(work, reference: dict, shards: list[list[int]] = SHARDS) -> None
     batch, advantages = reference["batch"], reference["advantages"]
     data = dict(batch=tuple(vars(batch).values()), advantages=advantages, shards=shards, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size)
     data["torch_state"] = reference["engine"].state_dict()  # copied now, by torch.save
+    for group in data["torch_state"]["optimizer"]["param_groups"]:
+        group["fused"] = False  # as a platform without fused AdamW (an NPU) saves it
     torch.save(data, work / "data.pt")
 
 
@@ -363,6 +369,12 @@ def test_torch_engine_state_loads_into_fsdp(fsdp_run):
     """The other way round: FSDP engines that loaded the torch engine's state continue as FSDP did."""
     assert fsdp_run["from_torch_version"] == 4
     _assert_same_weights(fsdp_run["from_torch"], fsdp_run["continued"])
+
+
+def test_adamw_is_fused_where_the_platform_says_so_whatever_saved_the_state(fsdp_run):
+    """The CPU platform's optimizer options (fused AdamW, on the sharded parameters too), kept
+    through a checkpoint and through a state saved where AdamW was not fused."""
+    assert fsdp_run["fused"] == {"built": True, "checkpoint": True, "torch_state": True}
 
 
 def _assert_same_weights(got: list, want: list) -> None:
