@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 from tidal.hal.versions import PACKAGES
 
@@ -48,7 +50,9 @@ An RL recipe then warm-starts the policy, measures held-out accuracy, runs the a
 staleness-bounded GRPO workflow with a progress bar, measures accuracy again and writes
 metrics.jsonl, timeline.json (Chrome trace, open in Perfetto), progress.png, checkpoints/
 and summary.json. resume=<previous run_dir> continues from its last checkpoint (weights,
-optimizer, data position, version, RNG and the store's in-flight rows).
+optimizer, data position, version, RNG and the store's in-flight rows); a run that stops
+early (Ctrl-C: exit 130, or an error) prints that command for itself when it has a
+checkpoint.
 """
 
 DOCTOR_HELP = textwrap.fill(f"""\
@@ -214,20 +218,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"tidal: resolved config written to {run_dir / 'config.yaml'}")
     if args.check:
         return 0
-    if cfg.runtime.value == "ray":
-        from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415 - imports ray
+    try:
+        if cfg.runtime.value == "ray":
+            from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415 - imports ray
 
-        summary = run_on_ray(cfg, run_dir, progress=not args.no_progress)
-    else:
-        from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
+            summary = run_on_ray(cfg, run_dir, progress=not args.no_progress)
+        else:
+            from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
 
-        summary = train(cfg, run_dir, progress=not args.no_progress)
+            summary = train(cfg, run_dir, progress=not args.no_progress)
+    except (Exception, KeyboardInterrupt):
+        _print_resume_hint(args, run_dir)
+        raise
     print(
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
     )
     print(f"tidal: run directory {run_dir} (metrics.jsonl, timeline.json, progress.png, checkpoints/)")
     return 0
+
+
+def _print_resume_hint(args: argparse.Namespace, run_dir: Path) -> None:
+    """A run that stopped early (interrupted, or failed): the command that continues it from
+    its last checkpoint, when it wrote one - the same recipe and overrides, `resume=` it."""
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return
+    kept = [o for o in args.overrides if o.split("=", 1)[0] not in ("run_dir", "resume")]
+    command = shlex.join(["tidal", "run", args.recipe, *kept, f"resume={run_dir}"])
+    print(f"tidal run: stopped early; its last checkpoint is {pointer.read_text().strip()}, continue with:\n  {command}", file=sys.stderr)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -3,3 +3,20 @@
 
 def starts_with_seven(trajectory, text: str) -> float:
     return float(text.startswith("7"))
+
+
+
+_calls = 0
+
+
+def starts_with_seven_until_interrupted(trajectory, text: str) -> float:
+    """`starts_with_seven`; when TIDAL_TEST_INTERRUPT_AFTER=N is set, the N+1st call sends
+    this process SIGINT, as Ctrl-C does."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    global _calls
+    _calls += 1
+    if _calls == int(os.environ.get("TIDAL_TEST_INTERRUPT_AFTER", "-1")) + 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    return starts_with_seven(trajectory, text)
