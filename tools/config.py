@@ -246,6 +246,8 @@ class RecipeConfig:
     """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store)."""
     checkpoint_every: int = 10
     """Save a checkpoint every this many RL steps (and always at the end)."""
+    keep_checkpoints: int = 0
+    """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete. 0 = keep all."""
     threads: int = 0
     """torch intra-op threads of the RL stages (rollout and training, which run at once); 0 = torch's
     default. The warm start and the evaluations run alone and always get torch's default."""
@@ -436,6 +438,10 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
+    if "checkpoint_every" in cfg and cfg.checkpoint_every < 1:
+        raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 1 (RL steps between checkpoints)")
+    if "keep_checkpoints" in cfg and cfg.keep_checkpoints < 0:
+        raise ConfigError(f"keep_checkpoints={cfg.keep_checkpoints} must be >= 0 (0 keeps every checkpoint)")
     for key in ("rollout_restarts", "trainer_restarts"):
         if "fault" in cfg and cfg.fault[key] < 0:
             raise ConfigError(f"fault.{key}={cfg.fault[key]} must be >= 0")

@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import socket
 import time
 from collections.abc import Iterable, Iterator
@@ -150,11 +151,12 @@ def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torc
     return model
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, store: Store, prompts: Prompts, extra: dict[str, Any]) -> Path:
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, store: Store, prompts: Prompts, extra: dict[str, Any], keep: int = 0) -> Path:
     """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint).
 
     The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
-    engine's sharding), so any train engine resumes from any engine's checkpoint.
+    engine's sharding), so any train engine resumes from any engine's checkpoint. `keep` > 0:
+    once this one is complete and `latest` names it, all but the newest `keep` are deleted.
     """
     final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -174,7 +176,21 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     pointer = run_dir / "checkpoints" / "latest"
     pointer.with_suffix(".tmp").write_text(final.name + "\n")
     os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
+    if keep:
+        prune_checkpoints(run_dir / "checkpoints", keep=keep, latest=final.name)
     return final
+
+
+def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints (by step) in `folder`, never
+    `latest`; returns the names deleted. Unfinished `.tmp` folders are left alone."""
+    done = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    deleted = []
+    for old in done[: max(len(done) - keep, 0)]:
+        if old.name != latest:
+            shutil.rmtree(old)
+            deleted.append(old.name)
+    return deleted
 
 
 def truncate_metrics(path: Path, version: int) -> None:
@@ -396,7 +412,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         bar.update(task_id, completed=m["step"], info=f"reward {m['reward']:.2f}  {rate:.0f} samples/s  staleness<={gap}")
         if m["step"] % cfg.checkpoint_every == 0 and m["step"] < algo.num_steps:
             with tracer.span("train", "checkpoint", step=m["step"]):
-                save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
+                save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
 
     remote = None
     if start_rollouts is not None:
@@ -414,7 +430,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if sharing is not None:
             sharing.close()
     rl_seconds = time.perf_counter() - started
-    save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before})
+    save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
     accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
     tracer.save(run_dir / "timeline.json")
     if history:

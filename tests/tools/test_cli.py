@@ -115,7 +115,7 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     import json
 
     env = {"PYTHONPATH": str(Path(__file__).parent)}
-    small = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=20", "checkpoint_every=10", "task.reward=tidal_test_rewards:starts_with_seven"]
+    small = ["keep_checkpoints=1", "task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=20", "checkpoint_every=10", "task.reward=tidal_test_rewards:starts_with_seven"]
     run_dir = tmp_path / "run"
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, "--no-progress", env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -132,6 +132,7 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     assert (run_dir / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert checkpoint.name == "step-000020"
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["latest", "step-000020"]  # keep_checkpoints=1: step 10's is gone
     assert {"model.safetensors", "config.json", "tokenizer.json", "trainer.pt", "store.bin", "state.json"} <= {p.name for p in checkpoint.iterdir()}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20 and 0.0 <= summary["accuracy_after"] <= 1.0

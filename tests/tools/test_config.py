@@ -59,6 +59,8 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("seed", "override 'seed' is not key=value"),
         ("=3", "is not key=value"),
         ("fault.rollout_restarts=-1", "fault.rollout_restarts=-1 must be >= 0"),
+        ("checkpoint_every=0", "checkpoint_every=0 must be >= 1"),
+        ("keep_checkpoints=-1", "keep_checkpoints=-1 must be >= 0"),
         ("model.attention=flash", "key 'model.attention' in the command-line overrides expects one of sdpa | eager, got 'flash'"),
     ],
 )
