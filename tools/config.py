@@ -425,6 +425,27 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
     return cfg
 
 
+_AT_LEAST = {
+    "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0,
+    "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
+    "task.num_eval_prompts": 1, "sft.steps": 0, "sft.batch_size": 1,
+    "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1,
+    "train.micro_batch_size": 1, "train.weight_decay": 0,
+    "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
+    "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0,
+    "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0,
+}
+"""Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run)."""
+_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap")
+"""Recipe keys that must be > 0 when set."""
+_WHY = {
+    "algorithm.group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",
+    "rollout.temperature": "rollout samples, and its behavior logprobs are taken at this temperature",
+    "train.grad_clip": "gradients are clipped to this norm",
+    "algorithm.tis_cap": "the importance weight is truncated at it; null for no cap",
+}
+
+
 def _check_values(cfg: Any) -> None:
     """Checks a type cannot express, each naming its key."""
     from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
@@ -438,13 +459,24 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
-    if "checkpoint_every" in cfg and cfg.checkpoint_every < 1:
-        raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 1 (RL steps between checkpoints)")
-    if "keep_checkpoints" in cfg and cfg.keep_checkpoints < 0:
-        raise ConfigError(f"keep_checkpoints={cfg.keep_checkpoints} must be >= 0 (0 keeps every checkpoint)")
-    for key in ("rollout_restarts", "trainer_restarts"):
-        if "fault" in cfg and cfg.fault[key] < 0:
-            raise ConfigError(f"fault.{key}={cfg.fault[key]} must be >= 0")
+    for key, least in _AT_LEAST.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < least:
+            raise ConfigError(f"{key}={value} must be >= {least}" + (f": {_WHY[key]}" if key in _WHY else ""))
+    for key in _POSITIVE:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0" + (f": {_WHY[key]}" if key in _WHY else ""))
+    if "model" in cfg:
+        m = cfg.model
+        if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size}, model.num_heads={m.num_heads}, model.num_kv_heads={m.num_kv_heads}: hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads")
+    if "algorithm" in cfg:
+        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS  # noqa: PLC0415
+
+        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS)):
+            if cfg.algorithm[key] not in names:
+                raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
     for key in REGISTRIES:
         section, _, field = key.partition(".")
         if section in cfg and (message := unknown(key, cfg[section][field])):

@@ -61,6 +61,13 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("fault.rollout_restarts=-1", "fault.rollout_restarts=-1 must be >= 0"),
         ("checkpoint_every=0", "checkpoint_every=0 must be >= 1"),
         ("keep_checkpoints=-1", "keep_checkpoints=-1 must be >= 0"),
+        ("algorithm.num_steps=0", "algorithm.num_steps=0 must be >= 1"),
+        ("algorithm.group_size=1", "algorithm.group_size=1 must be >= 2: every advantage estimator compares"),
+        ("rollout.temperature=0", "rollout.temperature=0.0 must be > 0"),
+        ("algorithm.tis_cap=0", "algorithm.tis_cap=0.0 must be > 0"),
+        ("model.num_heads=5", "hidden_size must be a multiple of num_heads"),
+        ("algorithm.advantage=ppo", "algorithm.advantage='ppo' is not one of grpo, grpo_no_std, rloo, dr_grpo"),
+        ("algorithm.aggregation=sum", "algorithm.aggregation='sum' is not one of token_mean"),
         ("model.attention=flash", "key 'model.attention' in the command-line overrides expects one of sdpa | eager, got 'flash'"),
     ],
 )
