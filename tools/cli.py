@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import textwrap
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -227,9 +228,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
 
             summary = train(cfg, run_dir, progress=not args.no_progress)
-    except (Exception, KeyboardInterrupt):
+    except KeyboardInterrupt:
+        print("tidal run: interrupted", file=sys.stderr)
         _print_resume_hint(args, run_dir)
-        raise
+        return 130
+    except Exception:  # noqa: BLE001 - the traceback, then how to continue (the last lines a user sees)
+        traceback.print_exc()
+        _print_resume_hint(args, run_dir)
+        return 1
     print(
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
