@@ -467,7 +467,7 @@ def _check_values(cfg: Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{key}={value} must be > 0" + (f": {_WHY[key]}" if key in _WHY else ""))
-    if "model" in cfg:
+    if "model" in cfg and "num_kv_heads" in cfg.model:
         m = cfg.model
         if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.hidden_size={m.hidden_size}, model.num_heads={m.num_heads}, model.num_kv_heads={m.num_kv_heads}: hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads")
@@ -475,7 +475,7 @@ def _check_values(cfg: Any) -> None:
         from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS  # noqa: PLC0415
 
         for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS)):
-            if cfg.algorithm[key] not in names:
+            if key in cfg.algorithm and cfg.algorithm[key] not in names:
                 raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
     for key in REGISTRIES:
         section, _, field = key.partition(".")
