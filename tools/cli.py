@@ -219,23 +219,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"tidal: resolved config written to {run_dir / 'config.yaml'}")
     if args.check:
         return 0
-    try:
-        if cfg.runtime.value == "ray":
-            from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415 - imports ray
+    args.made_run_dir = run_dir  # a run that stops early: `main` says how to continue it
+    if cfg.runtime.value == "ray":
+        import ray  # noqa: PLC0415
 
+        from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415
+
+        try:
             summary = run_on_ray(cfg, run_dir, progress=not args.no_progress)
-        else:
-            from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
+        finally:
+            ray.shutdown()  # now, not at exit: the actors' last log lines come before what this prints
+    else:
+        from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
 
-            summary = train(cfg, run_dir, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        print("tidal run: interrupted", file=sys.stderr)
-        _print_resume_hint(args, run_dir)
-        return 130
-    except Exception:  # noqa: BLE001 - the traceback, then how to continue (the last lines a user sees)
-        traceback.print_exc()
-        _print_resume_hint(args, run_dir)
-        return 1
+        summary = train(cfg, run_dir, progress=not args.no_progress)
     print(
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
@@ -244,11 +241,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_resume_hint(args: argparse.Namespace, run_dir: Path) -> None:
-    """A run that stopped early (interrupted, or failed): the command that continues it from
-    its last checkpoint, when it wrote one - the same recipe and overrides, `resume=` it."""
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
+def _print_resume_hint(args: argparse.Namespace) -> None:
+    """After a run that stopped early (interrupted, or failed): the command that continues it
+    from its last checkpoint, when it wrote one - the same recipe and overrides, `resume=` it."""
+    run_dir: Path | None = getattr(args, "made_run_dir", None)
+    pointer = None if run_dir is None else run_dir / "checkpoints" / "latest"
+    if pointer is None or not pointer.is_file():
         return
     kept = [o for o in args.overrides if o.split("=", 1)[0] not in ("run_dir", "resume")]
     command = shlex.join(["tidal", "run", args.recipe, *kept, f"resume={run_dir}"])
@@ -339,16 +337,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         print(f"tidal {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print(f"tidal {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except RuntimeError as e:
-        # PlatformError and friends: an actionable message, no traceback.
-        if type(e).__module__.startswith("tidal."):
-            print(f"tidal {args.command}: error: {e}", file=sys.stderr)
-            return 1
-        raise
+        code = 130
+    except Exception as e:  # noqa: BLE001 - printed here, so the resume command below comes last
+        if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal."):
+            print(f"tidal {args.command}: error: {e}", file=sys.stderr)  # PlatformError and friends: actionable, no traceback
+        else:
+            traceback.print_exc()
+        code = 1
+    _print_resume_hint(args)
+    return code
 
 
 if __name__ == "__main__":
