@@ -147,36 +147,42 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
 
 
 def test_an_interrupted_run_says_how_to_continue_it_and_that_command_does(tidal_cli, tmp_path):
-    """Ctrl-C after the step-10 checkpoint: exit 130, and the printed command (same recipe and
-    overrides, `resume=` the run) continues from step 10 to the end."""
+    """Ctrl-C after the step-5 checkpoint: exit 130, and the printed command (same recipe and
+    overrides, `resume=` the run) continues from step 5 to the end."""
     import shlex
 
     env = {"PYTHONPATH": str(Path(__file__).parent)}
-    small = ["task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=20", "checkpoint_every=10", "task.reward=tidal_test_rewards:starts_with_seven_until_interrupted"]
+    small = ["task.num_eval_prompts=20", "sft.steps=20", "algorithm.num_steps=12", "checkpoint_every=5", "task.reward=tidal_test_rewards:starts_with_seven_until_interrupted"]
     run_dir = tmp_path / "run"
-    interrupt = {**env, "TIDAL_TEST_INTERRUPT_AFTER": str(80 + 15 * 128)}  # two evaluations of 40, then 15 steps of 128 samples
+    interrupt = {**env, "TIDAL_TEST_INTERRUPT_AFTER": str(40 + 8 * 128)}  # two evaluations of 20, then 8 steps of 128 samples
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, "--no-progress", env=interrupt, cwd=tmp_path)
     assert out.returncode == 130, out.stderr
     assert "tidal run: interrupted" in out.stderr and "Traceback" not in out.stderr
-    assert "its last checkpoint is step-000010, continue with:" in out.stderr
+    assert "its last checkpoint is step-000005, continue with:" in out.stderr
     hint = out.stderr.split("continue with:")[1].strip().splitlines()[0]
     assert shlex.split(hint) == ["tidal", "run", "quickstart_cpu", *small, f"resume={run_dir}"]
 
     out = tidal_cli(*shlex.split(hint)[1:], "--no-progress", env=env, cwd=tmp_path)  # into a new timestamped run directory
     assert out.returncode == 0, out.stderr
-    assert "at version 10" in out.stderr
+    assert "at version 5" in out.stderr
     (resumed,) = (tmp_path / "runs").iterdir()
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(11, 21))
+    assert steps == list(range(6, 13))
 
 
-def test_a_run_that_stops_before_its_first_checkpoint_prints_no_resume_command(tidal_cli, tmp_path):
-    env = {"PYTHONPATH": str(Path(__file__).parent)}
-    small = ["task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=20", "checkpoint_every=100", "task.reward=tidal_test_rewards:starts_with_seven_until_interrupted"]
-    env["TIDAL_TEST_INTERRUPT_AFTER"] = str(80 + 15 * 128)
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={tmp_path / 'run'}", *small, "--no-progress", env=env, cwd=tmp_path)
-    assert out.returncode == 130 and "tidal run: interrupted" in out.stderr
-    assert "continue with" not in out.stderr
+def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
+    """A run stopped before its first checkpoint has nothing to continue from: no command."""
+    import argparse
+
+    from tidal.tools.cli import _print_resume_hint
+
+    args = argparse.Namespace(recipe="quickstart_cpu", overrides=["seed=3"], made_run_dir=tmp_path)
+    _print_resume_hint(args)
+    assert capsys.readouterr().err == ""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-000007\n")
+    _print_resume_hint(args)
+    assert f"its last checkpoint is step-000007, continue with:\n  tidal run quickstart_cpu seed=3 resume={tmp_path}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
