@@ -5,7 +5,6 @@ def starts_with_seven(trajectory, text: str) -> float:
     return float(text.startswith("7"))
 
 
-
 _calls = 0
 
 
