@@ -78,7 +78,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import rows_with_signal
+from tidal.engines.torch_train import rows_with_signal, use_platform_options
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -526,7 +526,7 @@ class FSDPTrainEngine:
             self.optimizer.state.clear()
         for group, saved_group in zip(self.optimizer.param_groups, param_groups):
             group.update(saved_group)
-            group.update(self.platform.optimizer_options())  # this platform's kernels, whatever saved the state
+        use_platform_options(self.optimizer, self.platform)
         self.version = version
 
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -563,7 +563,6 @@ class FSDPTrainEngine:
         else:
             set_model_state_dict(self.model, state["model"])
             self.optimizer.state.clear()
-        for group in self.optimizer.param_groups:
-            group.update(self.platform.optimizer_options())  # the checkpoint's groups say how its saver stepped
+        use_platform_options(self.optimizer, self.platform)
         self.version = int(state["version"])
 

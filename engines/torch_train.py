@@ -217,8 +217,7 @@ class TorchTrainEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for group in self.optimizer.param_groups:  # how to step is this platform's, not the saver's
-            group.update(self.platform.optimizer_options())
+        use_platform_options(self.optimizer, self.platform)
         self.version = int(state["version"])
 
 
@@ -252,6 +251,14 @@ def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
     if response == 0 or shared_tokens > 0.8 * len(ids) * max(lengths):
         return None
     return _SharedPrompts(list(distinct), inverse, prompt_lengths, lengths)
+
+
+def use_platform_options(optimizer: torch.optim.Optimizer, platform: Platform) -> None:
+    """Set `platform.optimizer_options()` on every param group: a loaded optimizer state
+    carries its saver's (`fused` where another platform could not fuse), but how to step is
+    this platform's."""
+    for group in optimizer.param_groups:
+        group.update(platform.optimizer_options())
 
 
 def rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -400,6 +400,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress)
     task_id = bar.add_task("rl", total=algo.num_steps, completed=trainer.version, info="waiting for the first batch")
 
+    def checkpoint() -> None:
+        save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+
     def on_step(m: dict[str, Any]) -> None:
         if sharing is not None:
             m["handoffs"] = sharing.turns.state()["handoffs"]  # so far, on the trainer's devices
@@ -412,7 +415,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         bar.update(task_id, completed=m["step"], info=f"reward {m['reward']:.2f}  {rate:.0f} samples/s  staleness<={gap}")
         if m["step"] % cfg.checkpoint_every == 0 and m["step"] < algo.num_steps:
             with tracer.span("train", "checkpoint", step=m["step"]):
-                save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+                checkpoint()
 
     remote = None
     if start_rollouts is not None:
@@ -430,7 +433,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if sharing is not None:
             sharing.close()
     rl_seconds = time.perf_counter() - started
-    save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+    checkpoint()
     accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
     tracer.save(run_dir / "timeline.json")
     if history:
