@@ -168,14 +168,15 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state()}, tmp / "trainer.pt")
     persist.save(store, tmp / "store.bin")
     (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": prompts.position, **extra}, indent=2))
-    if final.exists():
-        for f in final.iterdir():
-            f.unlink()
-        final.rmdir()
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
+        shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
+        final.rename(old)
     tmp.rename(final)
     pointer = run_dir / "checkpoints" / "latest"
     pointer.with_suffix(".tmp").write_text(final.name + "\n")
     os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
+    shutil.rmtree(old, ignore_errors=True)
     if keep:
         prune_checkpoints(run_dir / "checkpoints", keep=keep, latest=final.name)
     return final
@@ -205,7 +206,11 @@ def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.exists():
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (no checkpoints/latest)")
-    return run_dir / "checkpoints" / pointer.read_text().strip()
+    named = run_dir / "checkpoints" / pointer.read_text().strip()
+    set_aside = named.with_name(named.name + ".old")
+    if not named.exists() and set_aside.exists():  # a save of the same step stopped between its renames
+        return set_aside
+    return named
 
 
 def plot(metrics: list[dict[str, Any]], path: Path) -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import threading
+import types
+from pathlib import Path
 
+import pytest
 import torch
 
-from tidal.tools.train import prune_checkpoints, torch_threads
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.store import Store
+from tidal.tools.train import latest_checkpoint, prune_checkpoints, save_checkpoint, torch_threads
 
 
 def test_torch_threads_reach_stage_threads_started_inside_and_are_restored_after():
@@ -38,3 +45,39 @@ def test_prune_checkpoints_keeps_the_newest_and_never_the_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000030", "step-000040.tmp", "step-000100"]
     assert prune_checkpoints(tmp_path, keep=1, latest="step-000030") == []  # the one `latest` names stays, whatever its age
     assert (tmp_path / "step-000030").is_dir() and (tmp_path / "step-000100").is_dir()
+
+
+def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkpoint(tmp_path, monkeypatch):
+    """A resumed finished run saves the step `latest` names once more: the old folder is
+    set aside until the new one is in place, so a crash between the renames still resumes."""
+    tokenizer = CharTokenizer()
+    template = build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    trainer = TorchTrainEngine(build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), version=5)
+
+    def save(n: int) -> Path:
+        return save_checkpoint(tmp_path, trainer=trainer, template=template, tokenizer=tokenizer, store=Store(), prompts=types.SimpleNamespace(position=n), extra={})
+
+    def saved_position() -> int:
+        return json.loads((latest_checkpoint(tmp_path) / "state.json").read_text())["prompt_position"]
+
+    save(1)
+    save(2)
+    assert saved_position() == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000005"]
+
+    rename = Path.rename
+
+    def crash_on_the_new_one(self: Path, target: Path) -> Path:
+        if self.name.endswith(".tmp"):
+            raise OSError("killed between the renames")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_on_the_new_one)
+    with pytest.raises(OSError, match="between the renames"):
+        save(3)
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path).name == "step-000005.old"  # the one set aside, complete
+    assert saved_position() == 2 and (latest_checkpoint(tmp_path) / "trainer.pt").is_file()
+    save(4)  # the next save completes and removes what was set aside
+    assert saved_position() == 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000005"]
