@@ -213,10 +213,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
-    from tidal.tools.run import prepare_run  # noqa: PLC0415
+    from tidal.tools.run import prepare_run, resume_changes  # noqa: PLC0415
 
     cfg, run_dir = prepare_run(resolve_recipe(args.recipe), args.overrides)
     print(f"tidal: resolved config written to {run_dir / 'config.yaml'}")
+    if changes := resume_changes(cfg):
+        print(f"tidal: resuming {cfg.resume} with these keys changed (the others as it ran):\n  " + "\n  ".join(changes))
     if args.check:
         return 0
     args.made_run_dir = run_dir  # a run that stops early: `main` says how to continue it

@@ -243,7 +243,7 @@ class RecipeConfig:
     run_dir: Optional[str] = None
     """Directory for this run's files (resolved config, metrics, checkpoints); must be new or empty."""
     resume: Optional[str] = None
-    """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store)."""
+    """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store); its model's shape is kept."""
     checkpoint_every: int = 10
     """Save a checkpoint every this many RL steps (and always at the end)."""
     keep_checkpoints: int = 0

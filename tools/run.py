@@ -14,7 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from tidal.tools.config import ConfigError, check_runnable, load_config, to_yaml
+
+FIXED_ON_RESUME = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "model.max_positions")
+"""Keys a resumed run takes from its checkpoint (the model's shape): `resume=` with another value is an error."""
+_NOT_COMPARED = ("run_dir", "resume", "output_dir")
+_NO_EFFECT_ON_RESUME = "sft."
+"""Keys a resumed run does not use: its warm start is done."""
 
 
 def _new_run_dir(cfg: Any) -> Path:
@@ -34,6 +42,66 @@ def _new_run_dir(cfg: Any) -> Path:
     return run_dir
 
 
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint folder `run_dir/checkpoints/latest` names.
+
+    Raises:
+        FileNotFoundError: the run has no checkpoint.
+    """
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (no checkpoints/latest)")
+    named = run_dir / "checkpoints" / pointer.read_text().strip()
+    set_aside = named.with_name(named.name + ".old")
+    if not named.exists() and set_aside.exists():  # a save of the same step stopped between its renames
+        return set_aside
+    return named
+
+
+def _flat(cfg: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    return out
+
+
+def resume_changes(cfg: Any) -> list[str]:
+    """For `resume=<run_dir>`: each key whose value differs from that run's `config.yaml`,
+    as "key: old -> new" (empty without `resume`, or when the run kept no readable config).
+
+    Raises:
+        ConfigError: `resume` names no run with a checkpoint, or a key of FIXED_ON_RESUME differs.
+    """
+    if not cfg.resume:
+        return []
+    previous = Path(cfg.resume)
+    try:
+        latest_checkpoint(previous)
+    except FileNotFoundError as e:
+        raise ConfigError(f"resume={cfg.resume!r}: {e}") from None
+    try:
+        before = _flat(load_config(previous / "config.yaml"))
+    except ConfigError:  # missing, or written by a tidal whose keys differ: the checkpoint still loads
+        return []
+    now = _flat(cfg)
+    changed = [key for key in now if key in before and key not in _NOT_COMPARED and now[key] != before[key]]
+    fixed = [key for key in changed if key in FIXED_ON_RESUME]
+    if fixed:
+        raise ConfigError(
+            f"resume={cfg.resume!r} continues that run's model, but "
+            + ", ".join(f"{key}={now[key]} (the run's: {before[key]})" for key in fixed)
+            + ": drop the override, or start a new run without resume"
+        )
+    return [f"{key}: {before[key]} -> {now[key]}" + (" (no effect: the warm start is done)" if key.startswith(_NO_EFFECT_ON_RESUME) else "") for key in changed]
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -44,14 +112,15 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     """Validate `recipe` + `overrides`, select the platform, write the run directory.
 
     Raises:
-        ConfigError: a bad key or value, or a combination `tidal run` cannot run (the CLI
-            exits with code 2).
+        ConfigError: a bad key or value, a combination `tidal run` cannot run, or a
+            `resume` that cannot continue (`resume_changes`); the CLI exits with code 2.
         PlatformError: the platform the recipe or TIDAL_DEVICE asks for cannot load.
     """
     from tidal.hal import init_platform  # noqa: PLC0415 - imports torch
 
     cfg = load_config(recipe, overrides)
     check_runnable(cfg)
+    resume_changes(cfg)
     selection = init_platform(cfg.device)
     selection.platform.seed_all(cfg.seed)
     run_dir = _new_run_dir(cfg)

@@ -36,6 +36,7 @@ from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import current_platform
 from tidal.tools import backends
+from tidal.tools.run import latest_checkpoint
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -200,17 +201,6 @@ def truncate_metrics(path: Path, version: int) -> None:
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= version]
         path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
         os.replace(path.with_suffix(".tmp"), path)
-
-
-def latest_checkpoint(run_dir: Path) -> Path:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (no checkpoints/latest)")
-    named = run_dir / "checkpoints" / pointer.read_text().strip()
-    set_aside = named.with_name(named.name + ".old")
-    if not named.exists() and set_aside.exists():  # a save of the same step stopped between its renames
-        return set_aside
-    return named
 
 
 def plot(metrics: list[dict[str, Any]], path: Path) -> None:

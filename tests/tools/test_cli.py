@@ -141,9 +141,14 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={run_dir}", *small[:-3], "algorithm.num_steps=24", small[-1], "--no-progress", env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stderr and "at version 20" in out.stderr
+    assert f"resuming {run_dir} with these keys changed (the others as it ran):\n  checkpoint_every: 10 -> 100\n  algorithm.num_steps: 20 -> 24\n" in out.stdout
     more = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in more] == [21, 22, 23, 24]
     assert sum(m["reward"] for m in more) / 4 > first  # it continued from the trained weights
+
+    out = tidal_cli("run", "quickstart_cpu", f"resume={run_dir}", *small, "model.num_layers=2", "--check", env=env, cwd=tmp_path)
+    assert out.returncode == 2 and "model.num_layers=2 (the run's: 3): drop the override" in out.stderr
+    assert not (tmp_path / "runs").exists(), "nothing is written for a resume that cannot continue"
 
 
 def test_an_interrupted_run_says_how_to_continue_it_and_that_command_does(tidal_cli, tmp_path):
@@ -193,6 +198,7 @@ def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
         (["device=tpu"], "valid values"),
         (["bogus"], "is not key=value"),
         (["rollout.backend=vllm"], "rollout.backend='vllm' is not available in this version; choices: hf"),
+        (["resume=no_such_run"], "resume='no_such_run': no_such_run has no checkpoint to resume from"),
     ],
 )
 def test_run_user_errors_exit_2_without_traceback(tidal_cli, tmp_path, args, message):

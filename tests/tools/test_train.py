@@ -13,7 +13,8 @@ import torch
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store
-from tidal.tools.train import latest_checkpoint, prune_checkpoints, save_checkpoint, torch_threads
+from tidal.tools.run import latest_checkpoint
+from tidal.tools.train import prune_checkpoints, save_checkpoint, torch_threads
 
 
 def test_torch_threads_reach_stage_threads_started_inside_and_are_restored_after():
