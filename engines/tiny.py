@@ -111,5 +111,6 @@ def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, di
 def load_model(directory: str | Path, *, attention: str = "sdpa") -> tuple[transformers.PreTrainedModel, CharTokenizer]:
     """A saved model and tokenizer; `attention` as in `build_tiny_qwen2` (a checkpoint
     does not record it)."""
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar in a resumed run's output
     model = transformers.Qwen2ForCausalLM.from_pretrained(directory, attn_implementation=attention)
     return model, CharTokenizer.load(directory)
