@@ -50,7 +50,7 @@ def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, ove
     from tidal.tools.train import train  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-e2e-") as tmp:
-        args = [*system_overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", *overrides]
+        args = [*system_overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", "tensorboard=false", *overrides]  # TRL's run logs nowhere either
         cfg, run_dir = prepare_run(resolve_recipe("quickstart_cpu"), args)
         if cfg.runtime.value == "ray":
             import ray  # noqa: PLC0415

@@ -239,7 +239,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
     )
-    print(f"tidal: run directory {run_dir} (metrics.jsonl, timeline.json, progress.png, checkpoints/)")
+    tensorboard = ", tensorboard/" if (run_dir / "tensorboard").is_dir() else ""
+    print(f"tidal: run directory {run_dir} (metrics.jsonl{tensorboard}, timeline.json, progress.png, checkpoints/)")
     return 0
 
 

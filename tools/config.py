@@ -248,6 +248,8 @@ class RecipeConfig:
     """Save a checkpoint every this many RL steps (and always at the end)."""
     keep_checkpoints: int = 0
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete. 0 = keep all."""
+    tensorboard: bool = True
+    """Also write each step's metrics as TensorBoard scalars to run_dir/tensorboard, when the tensorboard package is installed."""
     threads: int = 0
     """torch intra-op threads of the RL stages (rollout and training, which run at once); 0 = torch's
     default. The warm start and the evaluations run alone and always get torch's default."""

@@ -36,6 +36,7 @@ from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import current_platform
 from tidal.tools import backends
+from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -385,7 +386,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         loss=loss,
         decoupled=algo.decoupled,
     )
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, first_step=trainer.version + 1)
     history: list[dict[str, Any]] = []
 
     def texts_and_score(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
@@ -402,8 +403,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if sharing is not None:
             m["handoffs"] = sharing.turns.state()["handoffs"]  # so far, on the trainer's devices
         history.append(m)
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
+        metrics.write(m)
         recent = history[-5:]
         rate = sum(x["samples"] for x in recent) / max(sum(x["step_s"] for x in recent), 1e-9)
         gap = max(m["version_gap"]) if m["version_gap"] else 0
@@ -421,6 +421,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     try:
         with bar, torch_threads(cfg.threads):
             workflow.run()
+    except BaseException:
+        metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
+        raise
     finally:
         if remote is not None:
             remote.close()
@@ -430,6 +433,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     rl_seconds = time.perf_counter() - started
     checkpoint()
     accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
+    metrics.write_final({"held_out_accuracy": {"before_rl": accuracy_before, "after_rl": accuracy_after}}, step=trainer.version)
+    metrics.close()
     tracer.save(run_dir / "timeline.json")
     if history:
         plot(history, run_dir / "progress.png")

@@ -130,6 +130,7 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     assert {"rollout", "reward", "advantage", "train"} <= tracks
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generate", "reward", "train", "weight update"}
     assert (run_dir / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "(metrics.jsonl, tensorboard/," in out.stdout and any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert checkpoint.name == "step-000020"
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["latest", "step-000020"]  # keep_checkpoints=1: step 10's is gone
