@@ -40,8 +40,11 @@ def tensorboard_writer_class() -> Any:
 class MetricsLog:
     """Appends each step's metrics to `run_dir/metrics.jsonl` (written per step, so a
     crash keeps every finished step) and, when `tensorboard` and the package is
-    installed, to TensorBoard (written every few seconds, and at `close`). `first_step`: the step the run starts at; TensorBoard
-    drops what an earlier attempt in the same run directory wrote from there on."""
+    installed, to TensorBoard (written every few seconds, and at `close`).
+
+    `first_step` is the step the run starts at: TensorBoard drops what an earlier
+    attempt in the same run directory wrote from there on.
+    """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, first_step: int = 1) -> None:
         self.path = run_dir / "metrics.jsonl"
