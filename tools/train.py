@@ -338,8 +338,10 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         accuracy_start = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         if cfg.sft.steps:
             sft = train_cls(copy.deepcopy(model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform, **engine_options)
-            with tracer.span("warm start", "supervised", steps=cfg.sft.steps):
-                losses = warm_start(sft, cfg, tokenizer, held_out)
+            sft_bar = Progress(TextColumn("[bold]warm start[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress, transient=True)
+            sft_task = sft_bar.add_task("sft", total=cfg.sft.steps, info="")
+            with tracer.span("warm start", "supervised", steps=cfg.sft.steps), sft_bar:
+                losses = warm_start(sft, cfg, tokenizer, held_out, on_step=lambda step, loss: sft_bar.update(sft_task, completed=step, info=f"loss {loss:.3f}"))
             console.print(f"tidal: warm start: {cfg.sft.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             model = unsharded(model, sft.named_weights())
             del sft

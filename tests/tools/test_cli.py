@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import re
 import subprocess
 import sys
 
@@ -117,9 +118,11 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     env = {"PYTHONPATH": str(Path(__file__).parent)}
     small = ["keep_checkpoints=1", "task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "algorithm.num_steps=20", "checkpoint_every=10", "task.reward=tidal_test_rewards:starts_with_seven"]
     run_dir = tmp_path / "run"
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, "--no-progress", env=env, cwd=tmp_path)
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, env=env | {"TTY_COMPATIBLE": "1"}, cwd=tmp_path)  # progress bars as on a terminal
     assert out.returncode == 0, out.stderr
     assert "held-out accuracy" in out.stdout and "before RL ->" in out.stdout
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.stderr)
+    assert "warm start step 20/20" in shown and "RL step 20/20" in shown, shown[-2000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == list(range(1, 21))
     first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
