@@ -235,6 +235,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from tidal.tools.train import train  # noqa: PLC0415 - imports torch and transformers
 
         summary = train(cfg, run_dir, progress=not args.no_progress)
+    if summary.get("stopped_early"):
+        from tidal.tools.stopping import RunStopped  # noqa: PLC0415
+
+        raise RunStopped(summary["stopped_early"])  # its checkpoint is written: `main` prints how to continue
     print(
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
@@ -341,9 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tidal {args.command}: error: {e}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
-        print(f"tidal {args.command}: interrupted", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or a run that stopped early on SIGINT / SIGTERM (RunStopped)
+        reason = getattr(e, "reason", None)
+        print(f"tidal {args.command}: interrupted" + (f" ({reason}), after saving a checkpoint" if reason else ""), file=sys.stderr)
+        code = getattr(e, "exit_code", 130)
     except Exception as e:  # noqa: BLE001 - printed here, so the resume command below comes last
         if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal."):
             print(f"tidal {args.command}: error: {e}", file=sys.stderr)  # PlatformError and friends: actionable, no traceback

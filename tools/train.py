@@ -38,6 +38,7 @@ from tidal.hal import current_platform
 from tidal.tools import backends
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
+from tidal.tools.stopping import StopRequest, stop_on_signals
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -289,7 +290,7 @@ def local_turns(cfg: Any) -> Any:
     return Turns() if plan.of("rollout")[0].mode != "own" else None
 
 
-def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None) -> dict[str, Any]:
+def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
     `start_rollouts(cfg, store, trainer, settings)` puts the rollout stage elsewhere
@@ -301,6 +302,10 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     devices it time-shares with rollout; without it and without `start_rollouts`, a
     plan that puts rollout on the trainer's devices gets an in-process `Turns` for both
     engines (`local_turns`). The summary's `timeshare` says what happened.
+
+    `stop` (or, in the main thread, a first SIGINT / SIGTERM during RL) ends the run after
+    its current RL step: a checkpoint is written, the final evaluation skipped, and the
+    summary's `stopped_early` names the reason (`RunStopped` is the CLI's to raise).
 
     The engines never see the un-sharded model this keeps (`template`, on the host): each
     gets a copy, and evaluation, checkpoints and rollout's weights go through the engine's
@@ -398,8 +403,12 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress)
     task_id = bar.add_task("rl", total=algo.num_steps, completed=trainer.version, info="waiting for the first batch")
 
+    checkpointed = [trainer.version] if cfg.resume else []  # versions this run's state is saved at
+
     def checkpoint() -> None:
-        save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+        if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
+            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+            checkpointed.append(trainer.version)
 
     def on_step(m: dict[str, Any]) -> None:
         if sharing is not None:
@@ -419,9 +428,16 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         settings = {"group_size": wf_cfg.group_size, "max_new_tokens": wf_cfg.max_new_tokens, "prompts_per_generate": wf_cfg.prompts_per_generate}
         remote = start_rollouts(cfg, store, trainer, settings)
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
+
+    def stop_workflow(reason: str) -> None:
+        console.print(f"tidal: {reason}: stopping after the current step and saving a checkpoint (again to stop at once)")
+        workflow.stop()
+
+    stop = stop or StopRequest()
+    stop.on_request(stop_workflow)
     started = time.perf_counter()
     try:
-        with bar, torch_threads(cfg.threads):
+        with bar, torch_threads(cfg.threads), stop_on_signals(stop):
             workflow.run()
     except BaseException:
         metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
@@ -434,8 +450,10 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
             sharing.close()
     rl_seconds = time.perf_counter() - started
     checkpoint()
-    accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
-    metrics.write_final({"held_out_accuracy": {"before_rl": accuracy_before, "after_rl": accuracy_after}}, step=trainer.version)
+    accuracy_after = None
+    if stop.reason is None:
+        accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
+        metrics.write_final({"held_out_accuracy": {"before_rl": accuracy_before, "after_rl": accuracy_after}}, step=trainer.version)
     metrics.close()
     tracer.save(run_dir / "timeline.json")
     if history:
@@ -455,6 +473,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     }
     if timeshare is not None:
         summary["timeshare"] = timeshare
+    if stop.reason is not None:
+        summary["stopped_early"] = stop.reason
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if made_group:
         torch.distributed.destroy_process_group()

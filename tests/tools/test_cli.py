@@ -155,9 +155,10 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     assert not (tmp_path / "runs").exists(), "nothing is written for a resume that cannot continue"
 
 
-def test_an_interrupted_run_says_how_to_continue_it_and_that_command_does(tidal_cli, tmp_path):
-    """Ctrl-C after the step-5 checkpoint: exit 130, and the printed command (same recipe and
-    overrides, `resume=` the run) continues from step 5 to the end."""
+def test_an_interrupted_run_saves_a_checkpoint_says_how_to_continue_and_that_command_does(tidal_cli, tmp_path):
+    """Ctrl-C during step 8 or 9 (checkpoints every 5): the run finishes the step it is on,
+    saves a checkpoint there, exits 130, and the printed command (same recipe and overrides,
+    `resume=` the run) continues from that step to the end, every step once."""
     import shlex
 
     env = {"PYTHONPATH": str(Path(__file__).parent)}
@@ -166,17 +167,22 @@ def test_an_interrupted_run_says_how_to_continue_it_and_that_command_does(tidal_
     interrupt = {**env, "TIDAL_TEST_INTERRUPT_AFTER": str(40 + 8 * 128)}  # two evaluations of 20, then 8 steps of 128 samples
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, "--no-progress", env=interrupt, cwd=tmp_path)
     assert out.returncode == 130, out.stderr
-    assert "tidal run: interrupted" in out.stderr and "Traceback" not in out.stderr
-    assert "its last checkpoint is step-000005, continue with:" in out.stderr
+    assert "tidal run: interrupted (SIGINT), after saving a checkpoint" in out.stderr and "Traceback" not in out.stderr
+    stopped_at = int(re.search(r"its last checkpoint is step-(\d+), continue with:", out.stderr).group(1))
+    assert 7 <= stopped_at < 12, out.stderr  # not the periodic step-5 one: where the run stopped
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped_at + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] == "SIGINT" and summary["steps"] == stopped_at and summary["accuracy_after"] is None
     hint = out.stderr.split("continue with:")[1].strip().splitlines()[0]
     assert shlex.split(hint) == ["tidal", "run", "quickstart_cpu", *small, f"resume={run_dir}"]
 
     out = tidal_cli(*shlex.split(hint)[1:], "--no-progress", env=env, cwd=tmp_path)  # into a new timestamped run directory
     assert out.returncode == 0, out.stderr
-    assert "at version 5" in out.stderr
+    assert f"at version {stopped_at}" in out.stderr
     (resumed,) = (tmp_path / "runs").iterdir()
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(6, 13))
+    assert steps == list(range(stopped_at + 1, 13))
 
 
 def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
