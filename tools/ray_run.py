@@ -28,11 +28,13 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from tidal.tools.config import ConfigError, check_runnable, to_yaml
+from tidal.tools.stopping import RunStopped, StopRequest, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,53 @@ def _visible_devices(ranks: list[dict[str, Any]]) -> dict[str, str]:
     return {var: ",".join(values) for var, values in out.items()}
 
 
+class StopSignal:
+    """Body of an async actor that carries the driver's request to stop (Ctrl-C or SIGTERM
+    at `tidal run`) to trainer rank 0, whose `train()` then ends after its current RL step
+    with a checkpoint. One per trainer attempt; rank 0 waits on it from a thread."""
+
+    def __init__(self) -> None:
+        import asyncio  # noqa: PLC0415
+
+        self._done = asyncio.Event()
+        self._reason: str | None = None
+
+    async def request(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+        self._done.set()
+
+    async def release(self) -> None:
+        """The attempt is over: a waiting `wait` returns None."""
+        self._done.set()
+
+    async def wait(self) -> str | None:
+        await self._done.wait()
+        return self._reason
+
+
+def _relay_stop(stopper: Any) -> Any:
+    """Rank 0: a `StopRequest` that `stopper`'s request reaches (through a waiting thread)."""
+    import threading  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    from tidal.tools.stopping import StopRequest  # noqa: PLC0415
+
+    stop = StopRequest()
+
+    def relay() -> None:
+        try:
+            reason = ray.get(stopper.wait.remote())
+        except ray.exceptions.RayError:  # the driver is gone: its Ray shutdown ends this process too
+            return
+        if reason is not None:
+            stop.request(reason)
+
+    threading.Thread(target=relay, name="tidal-stop-relay", daemon=True).start()
+    return stop
+
+
 class TrainerActor:
     """Body of a trainer actor: one rank of the trainer. Rank 0 runs `train()` (rollout on
     actors); the other ranks, when there are several, follow rank 0's engines."""
@@ -226,11 +275,13 @@ class TrainerActor:
         group_address: str | None = None,
         spots: dict[Any, Any] | None = None,
         turns: dict[int, Any] | None = None,
+        stopper: Any = None,
     ) -> dict[str, Any]:
         """Train (rank 0) or follow rank 0 (the others); after a restart (`attempt` > 0) resume from the run's last checkpoint.
 
         `groups` are the placement groups by role, `spots` every actor's bundle
-        (`flow.colocate.spots`), `turns` the `Turns` actors of shared trainer bundles.
+        (`flow.colocate.spots`), `turns` the `Turns` actors of shared trainer bundles,
+        `stopper` the `StopSignal` actor through which the driver asks rank 0 to stop early.
         """
         from tidal.hal import current_platform  # noqa: PLC0415
 
@@ -238,7 +289,7 @@ class TrainerActor:
         world_size = len(ranks or ()) or 1
         placed = {"groups": groups, "spots": spots or {}, "turns": turns or {}}
         if world_size == 1:
-            return self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks)
+            return self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks, stopper=stopper)
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -250,7 +301,7 @@ class TrainerActor:
         try:
             if rank:
                 return {"rank": rank, **self.where(), **self._follow(placed["turns"].get(rank))}
-            summary = self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True})
+            summary = self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True}, stopper=stopper)
             stop_followers()
             return summary
         finally:
@@ -284,7 +335,7 @@ class TrainerActor:
 
         return {**follow(Seated), "timeshare": last.get("timeshare")}
 
-    def _train(self, cfg: Any, run_dir: str, placed: dict[str, Any], rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _train(self, cfg: Any, run_dir: str, placed: dict[str, Any], rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None, stopper: Any = None) -> dict[str, Any]:
         from tidal.flow.colocate import TurnsProxy  # noqa: PLC0415
         from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
         from tidal.tools.train import train  # noqa: PLC0415
@@ -300,7 +351,12 @@ class TrainerActor:
         if placed["turns"]:
             every = [TurnsProxy(placed["turns"][r]) for r in sorted(placed["turns"])]
             turns = every[0] if len(every) == 1 else TurnsSpan(every, parks_on=every[:1])
-        summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=turns)
+        stop = _relay_stop(stopper) if stopper is not None else None
+        try:
+            summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=turns, stop=stop)
+        finally:
+            if stopper is not None:
+                stopper.release.remote()  # the relay thread's wait returns
         summary["trainer_platform"] = self.describe()
         summary["trainer_restarts"] = attempt
         (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -368,32 +424,40 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
         raise ConfigError(f"placement: {e}") from None
     fake = bool(cfg.cluster.fake)
     trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
+    stopper_cls = ray.remote(num_cpus=0)(StopSignal)
     placed = spots(plan)  # checked by placement_groups already
+    stop = StopRequest()  # Ctrl-C / SIGTERM here: rank 0 stops after its current step, with a checkpoint
+    stop.on_request(lambda reason: print(f"tidal: {reason}: the run stops after the trainer's current step, with a checkpoint (again to stop at once)", file=sys.stderr))
     try:
         for attempt in range(cfg.fault.trainer_restarts + 1):
             # fresh each attempt: no claim (or blocked call) of the last attempt's dead seats stays
             turns = start_turns(placed, groups)
+            stopper = stopper_cls.remote()
+            stop.on_request(lambda reason, stopper=stopper: stopper.request.remote(reason))
             ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources)).remote() for i, a in enumerate(plan.of("train"))]
             try:
                 where = ray.get([r.where.remote() for r in ranks])
                 address = ray.get(ranks[0].group_address.remote()) if num_ranks > 1 else None
                 refs = [
-                    r.run.remote(to_yaml(cfg), str(run_dir), groups, plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address, spots=placed, turns=turns)
+                    r.run.remote(to_yaml(cfg), str(run_dir), groups, plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address, spots=placed, turns=turns, stopper=stopper)
                     for i, r in enumerate(ranks)
                 ]
-                summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
+                with stop_on_signals(stop):
+                    summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
                 if followers:
                     summary["trainer_ranks"] = [{"rank": 0, **where[0]}, *followers]
                     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
                 return summary
             except ray.exceptions.RayActorError as e:  # a trainer process died (rank 0's rollout actors with it)
+                if stop.reason is not None:  # asked to stop: no restart
+                    raise RunStopped(stop.reason) from None
                 if attempt == cfg.fault.trainer_restarts:
                     raise RuntimeError(f"the trainer died {attempt + 1} times (fault.trainer_restarts={cfg.fault.trainer_restarts}): {e}") from None
                 log.warning("the trainer died (%s); resuming from the last checkpoint (restart %d of %d)", type(e).__name__, attempt + 1, cfg.fault.trainer_restarts)
             finally:
                 for r in ranks:
                     ray.kill(r)
-                for actor in turns.values():
+                for actor in [*turns.values(), stopper]:
                     ray.kill(actor)
         raise AssertionError("unreachable")
     finally:

@@ -303,9 +303,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     plan that puts rollout on the trainer's devices gets an in-process `Turns` for both
     engines (`local_turns`). The summary's `timeshare` says what happened.
 
-    `stop` (or, in the main thread, a first SIGINT / SIGTERM during RL) ends the run after
-    its current RL step: a checkpoint is written, the final evaluation skipped, and the
-    summary's `stopped_early` names the reason (`RunStopped` is the CLI's to raise).
+    `stop` (without one: a first SIGINT / SIGTERM during RL, in the main thread) ends the
+    run after its current RL step: a checkpoint is written, the final evaluation skipped,
+    and the summary's `stopped_early` names the reason (`RunStopped` is the CLI's to raise).
 
     The engines never see the un-sharded model this keeps (`template`, on the host): each
     gets a copy, and evaluation, checkpoints and rollout's weights go through the engine's
@@ -433,11 +433,14 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         console.print(f"tidal: {reason}: stopping after the current step and saving a checkpoint (again to stop at once)")
         workflow.stop()
 
-    stop = stop or StopRequest()
+    signals: Any = contextlib.nullcontext()  # a caller that passes `stop` handles its own signals
+    if stop is None:
+        stop = StopRequest()
+        signals = stop_on_signals(stop)
     stop.on_request(stop_workflow)
     started = time.perf_counter()
     try:
-        with bar, torch_threads(cfg.threads), stop_on_signals(stop):
+        with bar, torch_threads(cfg.threads), signals:
             workflow.run()
     except BaseException:
         metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)

@@ -94,3 +94,40 @@ def test_a_guest_of_several_trainer_ranks_sees_all_their_devices():
     assert _visible_devices(ranks) == {"CUDA_VISIBLE_DEVICES": "0,3,1"}  # in rank order, as the guest's device indexes then follow
     assert _visible_devices([ranks[1], {"visible_devices": {"CUDA_VISIBLE_DEVICES": "1"}}]) == {"CUDA_VISIBLE_DEVICES": "3,1"}
     assert _visible_devices([{}, {"visible_devices": {}}]) == {}
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_the_driver_stops_the_ray_run_after_the_trainers_step_with_a_checkpoint(tmp_path):
+    """SIGINT to `tidal run` (as Ctrl-C sends it): the driver relays it to trainer rank 0,
+    which ends after its current step and saves a checkpoint there; exit 130 and the
+    resume command names that checkpoint, and the run's steps are exactly those before it."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "run"
+    small = [o for o in SMALL if not o.startswith("algorithm.num_steps")] + ["algorithm.num_steps=200"]
+    cmd = [str(Path(sys.executable).parent / "tidal"), "run", "quickstart_cpu", "runtime=ray", f"run_dir={run_dir}", *small, "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"} | ENV | {"HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 3"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "tidal run: interrupted (SIGINT), after saving a checkpoint" in err and "Traceback" not in err
+    stopped_at = int(re.search(r"its last checkpoint is step-(\d+), continue with:", err).group(1))
+    assert 3 <= stopped_at < 200
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, stopped_at + 1))
+    assert json.loads((run_dir / "summary.json").read_text())["stopped_early"] == "SIGINT"
