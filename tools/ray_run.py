@@ -22,6 +22,7 @@ from the trainer's node).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -97,9 +98,11 @@ class RemoteRollouts:
 
 
 def start_rollouts(
-    cfg: Any, store: Any, trainer: Any, settings: dict[str, int], *, groups: dict[str, Any], assignments: list[Any], spots: dict[Any, Any], turns: dict[int, Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None
-) -> RemoteRollouts:
-    """Runs inside the trainer actor: serve the store, start the rollout actors, connect the weights.
+    cfg: Any, store: Any, settings: dict[str, int], *, groups: dict[str, Any], assignments: list[Any], spots: dict[Any, Any], turns: dict[int, Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None
+) -> StartedRollouts:
+    """Runs inside the trainer actor: serve the store and start the rollout actors, which
+    build their engines in their own processes meanwhile; `.connect(trainer)` then wires
+    the weights.
 
     A rollout instance that time-shares the trainer's devices goes on the trainer's bundle
     with its seat at that bundle's `Turns` actor (`turns`, by trainer rank), or at the
@@ -107,12 +110,8 @@ def start_rollouts(
     """
     import ray  # noqa: PLC0415
 
-    from tidal.flow.colocate import IpcWiring  # noqa: PLC0415
-    from tidal.flow.runtime import CollectiveWiring, HostWiring, RayRollouts, RolloutActor, actor_options  # noqa: PLC0415
+    from tidal.flow.runtime import RolloutActor, actor_options  # noqa: PLC0415
     from tidal.flow.store.server import StoreServer  # noqa: PLC0415
-    from tidal.hal import current_platform  # noqa: PLC0415
-    from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
-    from tidal.hal.transfer import choose_transport  # noqa: PLC0415
 
     one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
     host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
@@ -132,38 +131,68 @@ def start_rollouts(
         # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
         seat = {"turns": [turns[r] for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
         actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
-    descriptions = ray.get([a.describe.remote() for a in actors])
-    me = current_platform().descriptor
-    my_node = ray.get_runtime_context().get_node_id()
-    kinds = set()
-    for a, d in zip(assignments, descriptions):
-        theirs = PlatformDescriptor.from_dict(d["platform"])
-        colocated = spots[("rollout", a.rank)].turns == (0,)  # on the sender's devices only: a guest of other ranks' is not
-        kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=cfg.transport.name if cfg.transport.name != "auto" else None))
-    transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
-    bucket_bytes = cfg.transport.bucket_mb << 20
-    if transport == "ipc":
-        wiring: Any = IpcWiring(current_platform(), host=host, token=token)
-    elif transport == "collective":
-        wiring = CollectiveWiring(current_platform(), host=host, bucket_bytes=bucket_bytes)
-    else:
-        wiring = HostWiring(current_platform(), host=host, token=token, bucket_bytes=bucket_bytes)
-    trainer_info = {"pid": os.getpid(), "attempt": attempt, "ranks": ranks or [], "node": my_node}
-    seating = [{"rank": a.rank, "mode": a.mode, "bundle": [spots[("rollout", a.rank)].group, spots[("rollout", a.rank)].bundle], "resources": spots[("rollout", a.rank)].resources} for a in assignments]
-    info = {"transport": transport, "store": address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(actors)}
+    return StartedRollouts(cfg, server, address, actors, host, token, assignments, spots, turns, info_path, attempt, ranks)
 
-    def write_info(descriptions: list[dict[str, Any]]) -> None:
-        info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
-        tmp = Path(info_path + ".tmp")
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(tmp, info_path)
 
-    rollouts = None
-    write_info(descriptions)
-    rollouts = RayRollouts(actors, wiring, max_restarts=cfg.fault.rollout_restarts, on_change=write_info)
-    rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
-    seats = [(turns[r], f"rollout-{a.rank}") for a in assignments for r in spots[("rollout", a.rank)].turns]
-    return RemoteRollouts(rollouts, server, wiring, actors, info_path, seats)
+@dataclasses.dataclass
+class StartedRollouts:
+    """Rollout actors started by `start_rollouts`, and the store server they reach at `address`."""
+
+    cfg: Any
+    server: Any
+    address: str
+    actors: list[Any]
+    host: str
+    token: str | None
+    assignments: list[Any]
+    spots: dict[Any, Any]
+    turns: dict[int, Any]
+    info_path: str
+    attempt: int
+    ranks: list[dict[str, Any]] | None
+
+    def connect(self, trainer: Any) -> RemoteRollouts:
+        """Wait for the actors, choose the weight transport, send them the trainer's weights."""
+        import ray  # noqa: PLC0415
+
+        from tidal.flow.colocate import IpcWiring  # noqa: PLC0415
+        from tidal.flow.runtime import CollectiveWiring, HostWiring, RayRollouts  # noqa: PLC0415
+        from tidal.hal import current_platform  # noqa: PLC0415
+        from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
+        from tidal.hal.transfer import choose_transport  # noqa: PLC0415
+
+        descriptions = ray.get([a.describe.remote() for a in self.actors])
+        me = current_platform().descriptor
+        my_node = ray.get_runtime_context().get_node_id()
+        kinds = set()
+        for a, d in zip(self.assignments, descriptions):
+            theirs = PlatformDescriptor.from_dict(d["platform"])
+            colocated = self.spots[("rollout", a.rank)].turns == (0,)  # on the sender's devices only: a guest of other ranks' is not
+            kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=self.cfg.transport.name if self.cfg.transport.name != "auto" else None))
+        transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
+        bucket_bytes = self.cfg.transport.bucket_mb << 20
+        if transport == "ipc":
+            wiring: Any = IpcWiring(current_platform(), host=self.host, token=self.token)
+        elif transport == "collective":
+            wiring = CollectiveWiring(current_platform(), host=self.host, bucket_bytes=bucket_bytes)
+        else:
+            wiring = HostWiring(current_platform(), host=self.host, token=self.token, bucket_bytes=bucket_bytes)
+        trainer_info = {"pid": os.getpid(), "attempt": self.attempt, "ranks": self.ranks or [], "node": my_node}
+        seating = [{"rank": a.rank, "mode": a.mode, "bundle": [self.spots[("rollout", a.rank)].group, self.spots[("rollout", a.rank)].bundle], "resources": self.spots[("rollout", a.rank)].resources} for a in self.assignments]
+        info = {"transport": transport, "store": self.address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(self.actors)}
+
+        def write_info(descriptions: list[dict[str, Any]]) -> None:
+            info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
+            tmp = Path(self.info_path + ".tmp")
+            tmp.write_text(json.dumps(info, indent=2) + "\n")
+            os.replace(tmp, self.info_path)
+
+        rollouts = None
+        write_info(descriptions)
+        rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info)
+        rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
+        seats = [(self.turns[r], f"rollout-{a.rank}") for a in self.assignments for r in self.spots[("rollout", a.rank)].turns]
+        return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, seats)
 
 
 def _visible_devices(ranks: list[dict[str, Any]]) -> dict[str, str]:

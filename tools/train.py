@@ -293,10 +293,13 @@ def local_turns(cfg: Any) -> Any:
 def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
-    `start_rollouts(cfg, store, trainer, settings)` puts the rollout stage elsewhere
-    (the Ray runtime's actors); it returns a `RolloutGroup` with a `close()`. Without it
-    rollout is a thread of this process. `engine_options` go to every train engine this
-    builds (the Ray runtime's rank 0 of an fsdp group passes `rank0_leads=True`).
+    `start_rollouts(cfg, store, settings)` puts the rollout stage elsewhere (the Ray
+    runtime's actors): it starts them and returns what `.connect(trainer)` turns into a
+    `RolloutGroup` with a `close()`; rollout on devices of its own is started before the
+    warm start, so its engines get built meanwhile, one that time-shares the trainer's
+    devices (`turns`) after it. Without it rollout is a thread of this process.
+    `engine_options` go to every train engine this builds (the Ray runtime's rank 0 of an
+    fsdp group passes `rank0_leads=True`).
 
     `turns` (a `flow.timeshare.Turns`, or a proxy to one) seats the RL train engine at
     devices it time-shares with rollout; without it and without `start_rollouts`, a
@@ -326,12 +329,16 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     tracer = Tracer()
     budget = cfg.rollout.max_new_tokens
 
-    if cfg.resume:
-        checkpoint = latest_checkpoint(Path(cfg.resume))
+    checkpoint = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
+    store = persist.load(checkpoint / "store.bin") if checkpoint is not None else Store()
+    settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": budget, "prompts_per_generate": cfg.rollout.prompts_per_generate}
+    launched = None
+    if start_rollouts is not None and turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
+        launched = start_rollouts(cfg, store, settings)
+    if checkpoint is not None:
         model, tokenizer = load_model(checkpoint, attention=cfg.model.attention.value)
         saved = torch.load(checkpoint / "trainer.pt", weights_only=False)
         state = json.loads((checkpoint / "state.json").read_text())
-        store = persist.load(checkpoint / "store.bin")
         prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
         if Path(cfg.resume).resolve() == run_dir.resolve():
             truncate_metrics(run_dir / "metrics.jsonl", state["version"])
@@ -353,7 +360,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
             save_model(model, tokenizer, run_dir / "cache" / "warm_start")
         accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {accuracy_before:.1%} after the warm start")
-        saved, store, prompts = None, Store(), Prompts(cfg, tokenizer, held_out)
+        saved, prompts = None, Prompts(cfg, tokenizer, held_out)
 
     template = model
     trainer = train_cls(
@@ -425,8 +432,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
 
     remote = None
     if start_rollouts is not None:
-        settings = {"group_size": wf_cfg.group_size, "max_new_tokens": wf_cfg.max_new_tokens, "prompts_per_generate": wf_cfg.prompts_per_generate}
-        remote = start_rollouts(cfg, store, trainer, settings)
+        remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
 
     def stop_workflow(reason: str) -> None:
