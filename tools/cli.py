@@ -49,11 +49,14 @@ how it was chosen. tidal never writes into a run directory that already holds fi
 
 An RL recipe then warm-starts the policy, measures held-out accuracy, runs the async
 staleness-bounded GRPO workflow with a progress bar, measures accuracy again and writes
-metrics.jsonl, timeline.json (Chrome trace, open in Perfetto), progress.png, checkpoints/
-and summary.json. resume=<previous run_dir> continues from its last checkpoint (weights,
-optimizer, data position, version, RNG and the store's in-flight rows); a run that stops
-early (Ctrl-C: exit 130, or an error) prints that command for itself when it has a
-checkpoint.
+metrics.jsonl (and TensorBoard scalars in tensorboard/ when it is installed),
+timeline.json (Chrome trace, open in Perfetto), progress.png, checkpoints/ and
+summary.json. resume=<previous run_dir> continues from its last checkpoint (weights,
+optimizer, data position, version, RNG and the store's in-flight rows); the keys that
+differ from that run are listed, and the model's shape cannot change. The first Ctrl-C
+or SIGTERM during RL finishes the current step and saves a checkpoint there (exit 130 or
+143; a second one stops at once); a run that stops early, so or with an error, prints
+the command that continues it.
 """
 
 DOCTOR_HELP = textwrap.fill(f"""\

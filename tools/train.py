@@ -329,21 +329,21 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     tracer = Tracer()
     budget = cfg.rollout.max_new_tokens
 
-    checkpoint = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
-    store = persist.load(checkpoint / "store.bin") if checkpoint is not None else Store()
+    resume_from = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
+    store = persist.load(resume_from / "store.bin") if resume_from is not None else Store()
     settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": budget, "prompts_per_generate": cfg.rollout.prompts_per_generate}
     launched = None
     if start_rollouts is not None and turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
         launched = start_rollouts(cfg, store, settings)
-    if checkpoint is not None:
-        model, tokenizer = load_model(checkpoint, attention=cfg.model.attention.value)
-        saved = torch.load(checkpoint / "trainer.pt", weights_only=False)
-        state = json.loads((checkpoint / "state.json").read_text())
+    if resume_from is not None:
+        model, tokenizer = load_model(resume_from, attention=cfg.model.attention.value)
+        saved = torch.load(resume_from / "trainer.pt", weights_only=False)
+        state = json.loads((resume_from / "state.json").read_text())
         prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
         if Path(cfg.resume).resolve() == run_dir.resolve():
             truncate_metrics(run_dir / "metrics.jsonl", state["version"])
         accuracy_before = state["accuracy_before"]
-        console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({checkpoint.name})")
+        console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({resume_from.name})")
     else:
         model = build_policy(cfg, tokenizer)
         save_model(model, tokenizer, run_dir / "cache" / "initial")
@@ -410,7 +410,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress)
     task_id = bar.add_task("rl", total=algo.num_steps, completed=trainer.version, info="waiting for the first batch")
 
-    checkpointed = [trainer.version] if cfg.resume else []  # versions this run's state is saved at
+    resumed_here = resume_from is not None and Path(cfg.resume).resolve() == run_dir.resolve()
+    checkpointed = [trainer.version] if resumed_here else []  # versions whose state run_dir holds
 
     def checkpoint() -> None:
         if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint

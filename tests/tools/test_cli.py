@@ -150,6 +150,11 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     assert [m["step"] for m in more] == [21, 22, 23, 24]
     assert sum(m["reward"] for m in more) / 4 > first  # it continued from the trained weights
 
+    again = tmp_path / "again"  # a finished run resumed: no step left, its new directory still gets the checkpoint
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={again}", f"resume={resumed}", *small[:-3], "algorithm.num_steps=24", small[-1], "--no-progress", env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (again / "checkpoints" / "latest").read_text().strip() == "step-000024" and (again / "checkpoints" / "step-000024" / "trainer.pt").is_file()
+
     out = tidal_cli("run", "quickstart_cpu", f"resume={run_dir}", *small, "model.num_layers=2", "--check", env=env, cwd=tmp_path)
     assert out.returncode == 2 and "model.num_layers=2 (the run's: 3): drop the override" in out.stderr
     assert not (tmp_path / "runs").exists(), "nothing is written for a resume that cannot continue"
