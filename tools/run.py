@@ -7,6 +7,7 @@ any work starts, so every run can be reproduced from its own folder.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tidal.tools.config import ConfigError, check_runnable, load_config, to_yaml
+from tidal.tools.config import ConfigError, RecipeConfig, check_runnable, iter_keys, load_config, to_yaml
 
 FIXED_ON_RESUME = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "model.max_positions")
 """Keys a resumed run takes from its checkpoint (the model's shape): `resume=` with another value is an error."""
@@ -58,18 +59,13 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return named
 
 
-def _flat(cfg: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _values(cfg: Any) -> dict[str, Any]:
+    """Every schema key a resume compares, with its value in `cfg`."""
+    return {k.key: OmegaConf.select(cfg, k.key) for k in iter_keys(RecipeConfig) if "[]" not in k.key and k.key not in _NOT_COMPARED}
 
-    def walk(node: Any, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                out[f"{prefix}{key}"] = value
 
-    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
-    return out
+def _shown(value: Any) -> Any:
+    return value.name if isinstance(value, enum.Enum) else value
 
 
 def resume_changes(cfg: Any) -> list[str]:
@@ -87,19 +83,19 @@ def resume_changes(cfg: Any) -> list[str]:
     except FileNotFoundError as e:
         raise ConfigError(f"resume={cfg.resume!r}: {e}") from None
     try:
-        before = _flat(load_config(previous / "config.yaml"))
+        before = _values(load_config(previous / "config.yaml"))
     except ConfigError:  # missing, or written by a tidal whose keys differ: the checkpoint still loads
         return []
-    now = _flat(cfg)
-    changed = [key for key in now if key in before and key not in _NOT_COMPARED and now[key] != before[key]]
+    now = _values(cfg)
+    changed = [key for key in now if now[key] != before[key]]
     fixed = [key for key in changed if key in FIXED_ON_RESUME]
     if fixed:
         raise ConfigError(
             f"resume={cfg.resume!r} continues that run's model, but "
-            + ", ".join(f"{key}={now[key]} (the run's: {before[key]})" for key in fixed)
+            + ", ".join(f"{key}={_shown(now[key])} (the run's: {_shown(before[key])})" for key in fixed)
             + ": drop the override, or start a new run without resume"
         )
-    return [f"{key}: {before[key]} -> {now[key]}" + (" (no effect: the warm start is done)" if key.startswith(_NO_EFFECT_ON_RESUME) else "") for key in changed]
+    return [f"{key}: {_shown(before[key])} -> {_shown(now[key])}" + (" (no effect: the warm start is done)" if key.startswith(_NO_EFFECT_ON_RESUME) else "") for key in changed]
 
 
 def _write(path: Path, text: str) -> None:
