@@ -275,7 +275,9 @@ def reference() -> dict:
 
 def _spawn(work, script: str, world: int = 2, device: str | None = None) -> None:
     """Run `script` as ranks 0 .. world-1 of one group (gloo on CPU, or the `device` platform's
-    backend); fail with a rank's log if one fails."""
+    backend); fail with every rank's exit code and log if one fails. The ranks run with
+    faulthandler on, so a crash in native code (a SIGABRT from a C++ thread at exit, say)
+    leaves each thread's Python stack in its rank's log."""
     (work / "worker.py").write_text(script)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_DEVICE", *TORCHRUN_VARS)}
@@ -284,11 +286,12 @@ def _spawn(work, script: str, world: int = 2, device: str | None = None) -> None
     procs = []
     for rank, log in enumerate(logs):
         with log.open("w") as out:
-            procs.append(subprocess.Popen([sys.executable, str(work / "worker.py"), str(rank), str(world), str(port), str(work)], env=env, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", str(work / "worker.py"), str(rank), str(world), str(port), str(work)], env=env, stdout=out, stderr=subprocess.STDOUT))
     try:
-        for p, log in zip(procs, logs):
+        for p in procs:
             p.wait(timeout=300)
-            assert p.returncode == 0, log.read_text()[-4000:]
+        codes = [p.returncode for p in procs]
+        assert codes == [0] * world, "\n".join(f"rank {rank} exited {code}:\n{log.read_text()[-3000:]}" for rank, (code, log) in enumerate(zip(codes, logs)))
     finally:
         for p in procs:  # only the processes this fixture started
             if p.poll() is None:
