@@ -354,9 +354,12 @@ def _key_type(cls: type, key: str) -> str | None:
 # Loading.
 
 
-def _explain(err: OmegaConfBaseException, schema: type, origin: str) -> ConfigError:
+def _explain(err: OmegaConfBaseException, schema: type, origin: str, given: DictConfig) -> ConfigError:
+    """A `ConfigError` for OmegaConf's `err` while merging `given` (the recipe file's or
+    the overrides' keys, as the user wrote them) into `schema`."""
     key = str(getattr(err, "full_key", "") or getattr(err, "key", "") or "")
     if isinstance(err, ConfigKeyError) or "not in" in str(err):
+        key = _first_written_leaf(given, key)  # OmegaConf names the unknown node: `algoritm` of `algoritm.num_steps`
         known = [k.key for k in iter_keys(schema)]
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         if not close:  # A typo in the last part only: compare leaf names too.
@@ -368,6 +371,15 @@ def _explain(err: OmegaConfBaseException, schema: type, origin: str) -> ConfigEr
         expected = _key_type(schema, key) or "another type"
         return ConfigError(f"key {key!r} in {origin} expects {expected}, got {_given_value(err)}")
     return ConfigError(f"{origin}: {err}")
+
+
+def _first_written_leaf(given: DictConfig, key: str) -> str:
+    """The first full key the user wrote at or under `key` (`key` itself when it is a value)."""
+    node = OmegaConf.select(given, key, default=None, throw_on_missing=False) if key else None
+    while isinstance(node, DictConfig) and len(node):
+        name = next(iter(node))
+        key, node = f"{key}.{name}", node._get_node(name)
+    return key
 
 
 def _given_value(err: ValidationError) -> str:
@@ -414,12 +426,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as e:
-            raise _explain(e, schema, f"recipe {str(path)!r}") from None
+            raise _explain(e, schema, f"recipe {str(path)!r}", data) from None
     if overrides:
+        given = parse_overrides(overrides)
         try:
-            cfg = OmegaConf.merge(cfg, parse_overrides(overrides))
+            cfg = OmegaConf.merge(cfg, given)
         except OmegaConfBaseException as e:
-            raise _explain(e, schema, "the command-line overrides") from None
+            raise _explain(e, schema, "the command-line overrides", given) from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required keys have no value: {missing}")

@@ -52,6 +52,8 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
     [
         ("sed=1", "unknown key 'sed' in the command-line overrides; did you mean 'seed'?"),
         ("runtim=ray", "did you mean 'runtime'"),
+        ("algoritm.num_steps=3", "unknown key 'algoritm.num_steps' in the command-line overrides; did you mean 'algorithm.num_steps' or"),
+        ("algorithm.num_stps=3", "unknown key 'algorithm.num_stps' in the command-line overrides; did you mean 'algorithm.num_steps' or"),
         ("seed=abc", "key 'seed' in the command-line overrides expects int, got 'abc' of type str"),
         ("seed=1.5", "expects int, got '1.5' of type float"),
         ("runtime=rey", "key 'runtime' in the command-line overrides expects one of local | ray, got 'rey'"),
@@ -81,6 +83,9 @@ def test_unknown_key_in_recipe_file_names_the_file(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("name: x\nruntiem: ray\n")
     with pytest.raises(ConfigError, match=r"unknown key 'runtiem' in recipe '.*bad.yaml'; did you mean 'runtime'"):
+        load_config(recipe)
+    recipe.write_text("name: x\nalgoritm:\n  group_size: 4\n")  # a misspelt section: the key the user wrote under it
+    with pytest.raises(ConfigError, match=r"unknown key 'algoritm.group_size' in recipe '.*bad.yaml'; did you mean 'algorithm.group_size'"):
         load_config(recipe)
 
 
