@@ -375,10 +375,14 @@ def _explain(err: OmegaConfBaseException, schema: type, origin: str, given: Dict
 
 def _first_written_leaf(given: DictConfig, key: str) -> str:
     """The first full key the user wrote at or under `key` (`key` itself when it is a value)."""
-    node = OmegaConf.select(given, key, default=None, throw_on_missing=False) if key else None
-    while isinstance(node, DictConfig) and len(node):
-        name = next(iter(node))
-        key, node = f"{key}.{name}", node._get_node(name)
+    try:
+        node = OmegaConf.select(given, key, default=None, throw_on_missing=False) if key else None
+    except OmegaConfBaseException:  # e.g. an interpolation that does not resolve: name the node
+        return key
+    tree = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
+    while isinstance(tree, dict) and tree:
+        name, tree = next(iter(tree.items()))
+        key = f"{key}.{name}"
     return key
 
 
