@@ -1,1 +1,1 @@
-"""tidal.tools: the `tidal` command line, recipe configuration, benchmarks and the simulator."""
+"""tidal.tools: the `tidal` command line, recipe configuration, placement plans (`tidal plan`) and benchmarks."""
