@@ -17,9 +17,12 @@ with the `[bench]` extra; without it the `trl` row says how to install it.
 
 torch threads: `tidal-async` runs its rollout and train stages at once, as two threads
 of one process, with the recipe's `threads` (1 in the quickstart: one core each);
-`tidal-async-ray` gives each actor one thread; `tidal-sync` and `trl` run one stage at a
-time and get every thread torch would use by default (`ALL_CORES`), set explicitly for
-each run since all systems share this process.
+`tidal-async-ray` gives each actor one thread. `tidal-sync` and `trl` run one stage at a
+time, so each runs twice: with every thread torch would use by default (`ALL_CORES`)
+and, as `tidal-sync-1t` / `trl-1t`, with one (set explicitly for each run since all
+systems share this process). Which is faster varies with the machine (on one 2-vCPU VM
+two threads made sync a third slower on one day and did nothing the day before), so the
+"x sync" and "x TRL" baselines are the faster variant of each, measured in the same run.
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ ALL_CORES = torch.get_num_threads()
 SYSTEMS = {
     "tidal-async": ["algorithm.max_staleness=1"],
     "tidal-sync": ["algorithm.max_staleness=0", f"threads={ALL_CORES}"],
+    **({"tidal-sync-1t": ["algorithm.max_staleness=0", "threads=1"]} if ALL_CORES > 1 else {}),
     "tidal-async-ray": ["algorithm.max_staleness=1", "runtime=ray", "threads=1"],
 }
+TRL_THREADS = {"trl": ALL_CORES, **({"trl-1t": 1} if ALL_CORES > 1 else {})}
+BASELINES = {"sync": ("tidal-sync", "tidal-sync-1t"), "TRL": ("trl", "trl-1t")}
+"""Each ratio's baseline: the faster of these systems in the run (one-stage systems at all threads and at one)."""
 
 
 def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -82,10 +89,17 @@ def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Seque
     if not bench_trl.available():
         progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
         return results
-    for seed in seeds:
-        progress(f"trl: seed {seed}, {num_steps} steps")
-        results.setdefault("trl", []).append(bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[f"threads={ALL_CORES}", *overrides]))
+    for system, threads in TRL_THREADS.items():
+        for seed in seeds:
+            progress(f"{system}: seed {seed}, {num_steps} steps")
+            results.setdefault(system, []).append(bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[f"threads={threads}", *overrides]))
     return results
+
+
+def baseline(results: dict[str, list[dict[str, Any]]], name: str) -> str | None:
+    """The system the `name` ratio ("sync" or "TRL") is taken against: its fastest measured variant."""
+    measured = [s for s in BASELINES[name] if results.get(s) and "skipped" not in results[s][0]]
+    return max(measured, key=lambda s: statistics.mean(r["samples_per_s"] for r in results[s]), default=None)
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
@@ -96,18 +110,19 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
         values = [r[key] for r in results[system]]
         return f"{statistics.mean(values):.1%} (+-{statistics.pstdev(values):.1%})"
 
-    def ratio(system: str, base: str) -> str:
-        return f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base in results else "-"
+    def ratio(system: str, base: str | None) -> str:
+        return f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base is not None else "-"
 
-    rows = [["system", "samples/s", "x sync", "x TRL", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
+    sync, trl = baseline(results, "sync"), baseline(results, "TRL")
+    rows = [["system", "samples/s", f"x sync ({sync or '-'})", f"x TRL ({trl or '-'})", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
     skipped = {system: runs[0]["skipped"] for system, runs in results.items() if runs and "skipped" in runs[0]}
     results = {system: runs for system, runs in results.items() if system not in skipped}
     for system in results:
         rows.append([
             system,
             f"{mean(system, 'samples_per_s'):.1f}",
-            ratio(system, "tidal-sync"),
-            ratio(system, "trl"),
+            ratio(system, sync),
+            ratio(system, trl),
             f"{mean(system, 'tokens_per_s'):.1f}",
             f"{mean(system, 'rl_seconds'):.1f}",
             f"{mean(system, 'accuracy_before'):.1%}",
@@ -115,6 +130,6 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
         ])
     for system, why in skipped.items():
         rows.append([system, "-", "-", "-", "-", "-", "-", f"not measured: {why}"])
-    if "trl" not in results:
+    if trl is None:
         rows.append(["trl", "-", "-", "-", "-", "-", "-", f"not measured: TRL is not installed ({TRL_INSTALL})"])
     return rows

@@ -104,8 +104,10 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and
           held-out accuracy, with ratios against sync and against TRL 1.16's
           GRPOTrainer on the same warm start and prompts (installed with the [bench]
-          extra; skipped otherwise). --steps and --seeds size it; key=value
-          arguments override the recipe for every system, e.g. device=cuda.
+          extra; skipped otherwise). Sync and TRL run with torch's default threads
+          and with one (-1t); each ratio is against the faster of the two. --steps
+          and --seeds size it; key=value arguments override the recipe for every
+          system, e.g. device=cuda.
 
   weights the weight transports (host, collective, ipc) moving a model of 4 MB .. 1 GB
           between two processes, in GB/s, against the raw channel under each: one

@@ -25,10 +25,39 @@ def test_e2e_table_means_over_seeds_and_ratios_against_sync_and_trl():
 
     results = {"tidal-async": [run(300.0, 0.4), run(340.0, 0.5)], "tidal-sync": [run(200.0, 0.45), run(200.0, 0.45)], "trl": [run(80.0, 0.4), run(80.0, 0.4)]}
     header, async_row, sync_row, trl = bench_e2e.table(results)
-    assert header[:4] == ["system", "samples/s", "x sync", "x TRL"]
+    assert header[:4] == ["system", "samples/s", "x sync (tidal-sync)", "x TRL (trl)"]
     assert async_row[:6] == ["tidal-async", "320.0", "1.60", "4.00", "640.0", "10.0"]
     assert async_row[7] == "45.0% (+-5.0%)" and sync_row[2:4] == ["1.00", "2.50"]
     assert trl[:4] == ["trl", "80.0", "0.40", "1.00"]
+
+
+def test_e2e_ratios_are_against_the_faster_thread_setting_of_each_baseline():
+    """sync and TRL run with all threads and with one; a ratio is against the faster of the two."""
+    def run(samples_per_s: float) -> dict:
+        return {"samples_per_s": samples_per_s, "tokens_per_s": samples_per_s, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
+
+    results = {"tidal-async": [run(300.0)], "tidal-sync": [run(150.0)], "tidal-sync-1t": [run(200.0)], "trl": [run(100.0)], "trl-1t": [run(50.0)]}
+    header, *rows = bench_e2e.table(results)
+    rows = {row[0]: row for row in rows}
+    assert header[2:4] == ["x sync (tidal-sync-1t)", "x TRL (trl)"]
+    assert rows["tidal-async"][2:4] == ["1.50", "3.00"]  # not 2.00 against the slower sync
+    assert rows["tidal-sync"][2] == "0.75" and rows["trl-1t"][3] == "0.50"
+
+
+def test_e2e_runs_each_one_stage_system_with_all_threads_and_with_one(monkeypatch):
+    from tidal.tools import bench_trl
+
+    run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
+    tidal_runs, trl_runs = [], []
+    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, **_: tidal_runs.append(tuple(system_overrides)) or run)
+    monkeypatch.setattr(bench_trl, "available", lambda: True)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: trl_runs.append(overrides[0]) or run)
+    results = bench_e2e.run(seeds=[0], num_steps=3, progress=lambda m: None)
+    assert set(results) == {*bench_e2e.SYSTEMS, *bench_e2e.TRL_THREADS}
+    assert trl_runs == [f"threads={bench_e2e.ALL_CORES}", "threads=1"][: len(bench_e2e.TRL_THREADS)]
+    assert ("algorithm.max_staleness=0", f"threads={bench_e2e.ALL_CORES}") in tidal_runs
+    if bench_e2e.ALL_CORES > 1:  # one core has no second setting to try
+        assert ("algorithm.max_staleness=0", "threads=1") in tidal_runs and set(bench_e2e.TRL_THREADS) == {"trl", "trl-1t"}
 
 
 def test_e2e_table_without_trl_says_how_to_install_it():
