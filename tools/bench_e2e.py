@@ -39,15 +39,16 @@ TRL_INSTALL = "pip install -c constraints.txt -e '.[bench]'"
 
 ALL_CORES = torch.get_num_threads()
 """torch's default intra-op threads in this process, read before any run changes them."""
+THREAD_VARIANTS = {"": ALL_CORES, **({"-1t": 1} if ALL_CORES > 1 else {})}
+"""Name suffix -> torch threads, for the systems that run one stage at a time."""
 SYSTEMS = {
     "tidal-async": ["algorithm.max_staleness=1"],
-    "tidal-sync": ["algorithm.max_staleness=0", f"threads={ALL_CORES}"],
-    **({"tidal-sync-1t": ["algorithm.max_staleness=0", "threads=1"]} if ALL_CORES > 1 else {}),
+    **{f"tidal-sync{suffix}": ["algorithm.max_staleness=0", f"threads={n}"] for suffix, n in THREAD_VARIANTS.items()},
     "tidal-async-ray": ["algorithm.max_staleness=1", "runtime=ray", "threads=1"],
 }
-TRL_THREADS = {"trl": ALL_CORES, **({"trl-1t": 1} if ALL_CORES > 1 else {})}
-BASELINES = {"sync": ("tidal-sync", "tidal-sync-1t"), "TRL": ("trl", "trl-1t")}
-"""Each ratio's baseline: the faster of these systems in the run (one-stage systems at all threads and at one)."""
+TRL_THREADS = {f"trl{suffix}": n for suffix, n in THREAD_VARIANTS.items()}
+BASELINES = {"sync": [f"tidal-sync{suffix}" for suffix in THREAD_VARIANTS], "TRL": list(TRL_THREADS)}
+"""Each ratio's baseline: the faster of these systems in the run."""
 
 
 def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -36,13 +36,13 @@ and a step whose advantages are all zero (no row runs anywhere; AdamW still step
 RESUME = [{"aggregation": "token_mean"}, "sft"]
 """The steps taken after the checkpoint, once by the saver and once by a fresh engine that loaded it."""
 
-_EXIT_NOTE = """Both worker scripts end with `os._exit(0)` once rank 0 has written its results
-and the group is destroyed. CI saw rank 1 abort once after the final barrier with
-'terminate called without an active exception' (not reproduced in 31 tries since). The
-likely cause: engines and DTensors the script still holds keep FSDP's gloo group alive
-past `destroy_process_group()`, so it is torn down during interpreter finalization, after
-rank 0 (the TCPStore's host) may have exited (cf. pytorch PR 179291 on gloo objects
-destroyed during finalization). Nothing the tests check happens after that point."""
+# Both worker scripts end with `os._exit(0)` once rank 0 has written its results and the
+# group is destroyed. CI saw rank 1 abort once after the final barrier with 'terminate
+# called without an active exception' (not reproduced in 31 tries since). The likely cause:
+# engines and DTensors the script still holds keep FSDP's gloo group alive past
+# `destroy_process_group()`, so it is torn down during interpreter finalization, after rank
+# 0 (the TCPStore's host) may have exited (cf. pytorch PR 179291 on gloo objects destroyed
+# during finalization). Nothing the tests check happens after that point.
 
 WORKER = textwrap.dedent(
     """
@@ -114,7 +114,7 @@ WORKER = textwrap.dedent(
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # see _EXIT_NOTE
+    os._exit(0)  # skip interpreter teardown: see the comment above WORKER
     """
 )
 
@@ -230,7 +230,7 @@ LED_WORKER = textwrap.dedent(
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # see _EXIT_NOTE
+    os._exit(0)  # skip interpreter teardown: see the comment above WORKER
     """
 )
 
