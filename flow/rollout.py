@@ -46,13 +46,26 @@ class WeightInbox:
     """The newest published weights a rollout worker has not applied yet (newer replaces older)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._item: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def offer(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         with self._lock:
             if self._item is None or version > self._item[0]:
                 self._item = (version, weights)
+                self._lock.notify_all()
+
+    def wait(self, version: int, cancel: threading.Event) -> bool:
+        """Wait until weights of `version` or newer are here; False once `cancel` is set
+        (whoever sets it calls `wake`)."""
+        with self._lock:
+            self._lock.wait_for(lambda: cancel.is_set() or (self._item is not None and self._item[0] >= version))
+            return not cancel.is_set()
+
+    def wake(self) -> None:
+        """Wake a `wait` so it sees its `cancel`."""
+        with self._lock:
+            self._lock.notify_all()
 
     @property
     def waiting(self) -> bool:
@@ -193,6 +206,7 @@ class RolloutWorker:
             groups = [group_of(index, prompt, self.group_size) for index, prompt in rows]
             trajectories = [t for group in groups for t in group]
             self.apply_weights()  # safe point: before generating
+            self._catch_up([v for v in batch.versions if v is not None])
             while True:
                 with self.tracer.span("rollout", "generate", samples=len(trajectories), version=self.engine.version):
                     self.engine.generate(
@@ -229,6 +243,29 @@ class RolloutWorker:
         with self.tracer.span("rollout", "hand off", groups=len(groups)):
             self.store.put("prompts", {"prompt": resumable}, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
         self.num_handed_off += len(groups)
+
+    def _catch_up(self, admitted: list[int]) -> None:
+        """Wait for the newest version that admitted these prompts (the loader tags each
+        with it), if the engine is older: a version reaches a remote worker some time after
+        `publish` returned and admission opened, and rows generated with older weights
+        would be too old to train (dropped at consume time; with `max_staleness: 0`, every
+        one of them)."""
+        needed = max(admitted, default=None)
+        if needed is None or self.engine.version >= needed:
+            return
+        begin = time.perf_counter()
+        try:
+            while self.engine.version < needed:
+                if not self.inbox.wait(needed, self.stopping):
+                    raise Stop
+                self.apply_weights()
+        finally:
+            self.waits["weights"] += time.perf_counter() - begin
+
+    def stop(self) -> None:
+        """Stop the loop at its next check, including a wait for weights."""
+        self.stopping.set()
+        self.inbox.wake()
 
     def apply_weights(self) -> None:
         item = self.inbox.take()
@@ -268,7 +305,7 @@ class LocalRollouts:
         self.worker.inbox.offer(version, {name: tensor.detach().clone() for name, tensor in named_weights})
 
     def stop(self) -> None:
-        self.worker.stopping.set()
+        self.worker.stop()
 
     def metrics(self) -> dict[str, Any]:
         waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)

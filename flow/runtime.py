@@ -261,7 +261,7 @@ class RolloutActor:
                         return  # retired: its group was torn down on purpose
                     if not self.stopping.is_set():
                         self._errors.append(e)
-                        self.stopping.set()
+                        self.worker.stop()
                     self._first.set()
                     return
                 if generation != self._generation:
@@ -299,7 +299,7 @@ class RolloutActor:
         }
 
     def stop(self) -> None:
-        self.stopping.set()
+        self.worker.stop()
 
     def metrics(self) -> dict[str, Any]:
         waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)

@@ -112,6 +112,8 @@ class Workflow:
                 capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
                 store.create_partition(name, consumers=consumers, capacity_rows=max(capacity, config.batch_size))
         self._admission = threading.Event()  # set when the trainer drops rows or bumps the version
+        self._dropped_seen = store.consumer_counts("train", "train")["dropped"]
+        store.add_change_listener(self._on_store_change)
         self._stopping = threading.Event()
         self.rollouts: RolloutGroup = rollouts or LocalRollouts(
             RolloutWorker(
@@ -164,6 +166,14 @@ class Workflow:
             self._errors.append(e)
             self.stop()
 
+    def _on_store_change(self) -> None:
+        """Store listener (store lock held): rows the trainer's sampler dropped free room
+        for more prompts, and the trainer may be waiting for those very rows."""
+        dropped = self.store.consumer_counts("train", "train")["dropped"]
+        if dropped != self._dropped_seen:
+            self._dropped_seen = dropped
+            self._admission.set()
+
     def _check(self) -> None:
         if self._stopping.is_set():
             raise _Stop
@@ -181,7 +191,8 @@ class Workflow:
         """Admission control: put prompts only while the staleness bound admits their groups.
 
         All prompts admitted at once go in one put, so a rollout worker's batches do not
-        depend on timing. Woken when the trainer drops rows or bumps the version.
+        depend on timing. Woken when the trainer's sampler drops rows (a store change) or
+        the trainer bumps the version.
         """
         while True:
             self._admission.clear()
@@ -194,7 +205,8 @@ class Workflow:
             if not prompts:
                 return
             self._check()
-            self.store.put("prompts", {"prompt": prompts}, cancel=self._stopping)  # waits for room (back-pressure)
+            # each prompt carries the version that admitted it: rollout generates it with no older weights
+            self.store.put("prompts", {"prompt": prompts}, versions=[self.version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
             self._started += len(prompts) * self.config.group_size
 
     def _admitted(self) -> int:

@@ -98,7 +98,7 @@ class Store:
 
     def add_change_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` whenever waiters are woken: after puts, acks, releases, lease
-        expiries, version changes and `close`. It runs in the thread that made the change,
+        expiries, rows a sampler dropped, version changes and `close`. It runs in the thread that made the change,
         with the lock held; it may call the store (the lock is reentrant) but must not
         wait for another thread that needs the lock."""
         with self._cond:
@@ -357,6 +357,7 @@ class Store:
                 choice = sampler.select(rows, batch_size, partial, ctx)
                 if len(choice.drop):
                     state.num_dropped += self._ack_many(part, consumer, np.asarray(choice.drop, dtype=np.int64))
+                    self._notify()  # the drops freed room, and whoever counts them (admission) must hear
                 if len(choice.take):
                     break
                 if deadline is not None and self._clock() >= deadline:

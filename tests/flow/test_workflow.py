@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 
@@ -131,3 +132,66 @@ def test_partial_rollout_resumes_with_new_weights_inside_the_workflow():
     Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append).run()
     assert all(len(v) <= 2 and (len(v) < 2 or v[1] == v[0] + 1) for v in seen)
     assert all(max(m["version_gap"], default=0) <= 1 for m in steps)
+
+
+def _run_or_fail(workflow: Workflow, timeout_s: float = 60.0) -> None:
+    """Run `workflow`; fail (after stopping it) if it has not finished within `timeout_s`."""
+    errors = []
+    thread = threading.Thread(target=lambda: _capture(workflow.run, errors), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        workflow.stop()
+        thread.join(30)
+        raise AssertionError(f"the workflow hung: {workflow.trainer.version} of {workflow.config.num_steps} steps after {timeout_s:.0f}s")
+    if errors:
+        raise errors[0]
+
+
+def _capture(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - re-raised by the test
+        errors.append(e)
+
+
+def test_rollout_waits_for_the_version_that_admitted_its_prompts():
+    # A remote worker's version lands a while after publish() returned (and admission opened):
+    # with max_staleness=0, rows generated meanwhile with the old weights would all be dropped,
+    # and the trainer would wait for rows that admission never lets rollout start.
+    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 4})
+    trainer, rollout = _engines()
+    steps = []
+    workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
+    inbox = workflow.rollouts.worker.inbox
+
+    def publish_late(version, named_weights):
+        snapshot = {name: tensor.detach().clone() for name, tensor in named_weights}
+        threading.Timer(0.3, inbox.offer, args=(version, snapshot)).start()
+
+    workflow.rollouts.publish = publish_late
+    _run_or_fail(workflow)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert sum(m["dropped"] for m in steps) == 0
+    assert all(set(m["version_gap"]) <= {0} for m in steps)
+    assert rollout.version == 3  # generated step 4's rows with version 3, the newest it needed
+    assert sum(m["wait_s"].get("weights", 0.0) for m in steps) > 0.2  # it did wait for them
+
+
+def test_rows_dropped_at_consumption_let_admission_start_replacements():
+    # One group the trainer counts as started is too old to train: dropping it must let the
+    # loader start a replacement while the trainer waits for a full batch (nothing else wakes it).
+    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 5})
+    trainer, rollout = _engines()
+    store = Store()
+    steps = []
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
+    old = [Trajectory(prompt_ids=[1, 5], group="old", meta={"answer": "1", "prompt": "x"}) for _ in range(cfg.group_size)]
+    for t in old:
+        t.extend([6, TOKENIZER.eos_id], [-1.0, -1.0], 3)
+    workflow._put_trajectories(old)
+    workflow._started += len(old)  # admitted for this step, as if generated just before a version bump
+    trainer.version = rollout.version = 4
+    _run_or_fail(workflow)
+    assert [m["step"] for m in steps] == [5]
+    assert steps[0]["dropped"] == cfg.group_size and steps[0]["samples"] == cfg.batch_size
