@@ -62,6 +62,17 @@ def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
     assert "held-out accuracy" in out.stdout
 
 
+@pytest.mark.slow
+def test_synchronous_training_on_ray_generates_each_step_with_the_newest_weights(tidal_cli, tmp_path):
+    # The weights reach the rollout actor after the trainer's publish returned: rollout must
+    # wait for them, or max_staleness=0 drops every row it generates and the run hangs.
+    run_dir, steps, info, out = _run(tidal_cli, tmp_path, "quickstart_cpu", "runtime=ray", "algorithm.max_staleness=0")
+    assert [m["step"] for m in steps] == list(range(1, 25))
+    assert all(set(map(int, m["version_gap"])) <= {0} for m in steps)
+    assert sum(m["dropped"] for m in steps) == 0
+    assert info["rollout_summaries"][0]["versions_applied"][:24] == list(range(24))  # each step's batch with that step's weights
+
+
 def test_infeasible_ray_placement_fails_fast_naming_the_role(tidal_cli, tmp_path):
     cluster = "cluster.nodes=[{name: npu, kind: npu, devices: 1}, {name: gpu, kind: cuda, devices: 1}]"
     out = tidal_cli("run", "mixed_npu_gpu", f"run_dir={tmp_path / 'run'}", "cluster.fake=true", cluster, "placement.train.count=1", "placement.rollout.count=3", "placement.rollout.devices_each=1", env=ENV, cwd=tmp_path, timeout=120)
