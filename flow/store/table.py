@@ -98,9 +98,9 @@ class Store:
 
     def add_change_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` whenever waiters are woken: after puts, acks, releases, lease
-        expiries, rows a sampler dropped, version changes and `close`. It runs in the thread that made the change,
-        with the lock held; it may call the store (the lock is reentrant) but must not
-        wait for another thread that needs the lock."""
+        expiries, rows a sampler dropped, version changes and `close`. It runs in the
+        thread that made the change, with the lock held; it may call the store (the lock is
+        reentrant) but must not wait for another thread that needs the lock."""
         with self._cond:
             self._change_listeners.append(listener)
 
