@@ -97,6 +97,14 @@ def test_async_bound_holds_at_admission_and_consumption():
     assert trainer.version == 4
 
 
+def _group_of_version(version: int, size: int) -> list[Trajectory]:
+    """One finished group whose tokens version `version` generated."""
+    group = [Trajectory(prompt_ids=[1, 5], group="old", meta={"answer": "1", "prompt": "x"}) for _ in range(size)]
+    for t in group:
+        t.extend([6, TOKENIZER.eos_id], [-1.0, -1.0], version)
+    return group
+
+
 def test_rows_older_than_the_bound_are_dropped_at_consumption():
     cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6})
     trainer, rollout = _engines()
@@ -104,10 +112,7 @@ def test_rows_older_than_the_bound_are_dropped_at_consumption():
     steps = []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
     # Rows produced by version 0, as if left over from long ago: the trainer (at version 4) must never use them.
-    old = [Trajectory(prompt_ids=[1, 5], group="old", meta={"answer": "1", "prompt": "x"}) for _ in range(cfg.group_size)]
-    for t in old:
-        t.extend([6, TOKENIZER.eos_id], [-1.0, -1.0], 0)
-    workflow._put_trajectories(old)
+    workflow._put_trajectories(_group_of_version(0, cfg.group_size))
     trainer.version = 4
     rollout.version = 4
     workflow.run()
@@ -186,9 +191,7 @@ def test_rows_dropped_at_consumption_let_admission_start_replacements():
     store = Store()
     steps = []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
-    old = [Trajectory(prompt_ids=[1, 5], group="old", meta={"answer": "1", "prompt": "x"}) for _ in range(cfg.group_size)]
-    for t in old:
-        t.extend([6, TOKENIZER.eos_id], [-1.0, -1.0], 3)
+    old = _group_of_version(3, cfg.group_size)
     workflow._put_trajectories(old)
     workflow._started += len(old)  # admitted for this step, as if generated just before a version bump
     trainer.version = rollout.version = 4
