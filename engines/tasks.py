@@ -21,18 +21,23 @@ def arithmetic(num_prompts: int, *, seed: int, min_value: int = 0, max_value: in
 
 
 def countdown(num_prompts: int, *, seed: int, num_numbers: int = 3, max_number: int = 10) -> list[dict[str, Any]]:
-    """`{"prompt": "3 5 7>22:", "numbers": [3, 5, 7], "target": 22}`: reach the target with + - *."""
+    """`{"prompt": "3 5 7>22:", "numbers": [3, 5, 7], "target": 22, "answer": "5*3+7"}`:
+    reach the target with + - * and each number once. `answer` is one solution (the one
+    the target was built from), for a supervised warm start; the verifier accepts any."""
     rng = random.Random(seed)
     out = []
     while len(out) < num_prompts:
         numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
         order = rng.sample(numbers, len(numbers))
-        target = order[0]
+        target, answer = order[0], str(order[0])
         for n in order[1:]:
-            target = rng.choice([target + n, target - n, target * n])
+            op = rng.choice("+-*")
+            target = target + n if op == "+" else target - n if op == "-" else target * n
+            # applied left to right: a product of a sum needs its brackets
+            answer = f"({answer}){op}{n}" if op == "*" and ("+" in answer or "-" in answer) else f"{answer}{op}{n}"
         if target <= 0:
             continue
-        out.append({"prompt": f"{' '.join(map(str, numbers))}>{target}:", "numbers": numbers, "target": target})
+        out.append({"prompt": f"{' '.join(map(str, numbers))}>{target}:", "numbers": numbers, "target": target, "answer": answer})
     return out
 
 

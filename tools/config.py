@@ -74,6 +74,10 @@ class TaskConfig:
     """Largest operand of arithmetic prompts."""
     ops: str = "+-"
     """Operators arithmetic prompts use."""
+    num_numbers: int = 3
+    """Numbers in a countdown prompt (each used once to reach its target)."""
+    max_number: int = 10
+    """Largest number of countdown prompts (numbers are 1..max_number)."""
     num_eval_prompts: int = 200
     """Held-out prompts (drawn with another seed) for the accuracy reported before and after RL."""
     exclude_eval_prompts: bool = False

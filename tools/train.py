@@ -76,6 +76,8 @@ def task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
         raise ValueError(f"task.name {cfg.task.name!r} is unknown; tasks: {sorted(TASKS)}")
     if cfg.task.name == "arithmetic":
         return task(n, seed=seed, max_value=cfg.task.max_value, ops=cfg.task.ops)
+    if cfg.task.name == "countdown":
+        return task(n, seed=seed, num_numbers=cfg.task.num_numbers, max_number=cfg.task.max_number)
     return task(n, seed=seed)
 
 

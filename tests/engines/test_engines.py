@@ -369,6 +369,11 @@ def test_tasks_are_deterministic_and_correct():
     for item in countdown_prompts(20, seed=3):
         expression_exists = any(countdown(Trajectory(prompt_ids=[1], meta=item), e) == 1.0 for e in _expressions(item["numbers"]))
         assert expression_exists and item["target"] > 0
+        assert countdown(Trajectory(prompt_ids=[1], meta=item), item["answer"]) == 1.0  # the warm start's reference solves it
+    small = countdown_prompts(200, seed=4, num_numbers=2, max_number=5)
+    assert all(len(item["numbers"]) == 2 and max(item["numbers"]) <= 5 for item in small)
+    assert all(countdown(Trajectory(prompt_ids=[1], meta=item), item["answer"]) == 1.0 for item in small)
+    assert any("(" in item["answer"] for item in countdown_prompts(50, seed=5))  # a product of a sum keeps its brackets
 
 
 def _expressions(numbers):

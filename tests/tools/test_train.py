@@ -14,7 +14,8 @@ from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store
 from tidal.tools.run import latest_checkpoint
-from tidal.tools.train import prune_checkpoints, save_checkpoint, torch_threads
+from tidal.tools.config import load_config
+from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, warm_start
 
 
 def test_torch_threads_reach_stage_threads_started_inside_and_are_restored_after():
@@ -82,3 +83,13 @@ def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkp
     save(4)  # the next save completes and removes what was set aside
     assert saved_position() == 4
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000005"]
+
+
+def test_countdown_prompts_follow_the_recipe_and_warm_start_on_their_reference_solutions():
+    cfg = load_config(None, ["task.name=countdown", "task.num_numbers=2", "task.max_number=4", "sft.steps=3", "sft.batch_size=8"])
+    items = task_prompts(cfg, 50, seed=0)
+    assert all(len(item["numbers"]) == 2 and max(item["numbers"]) <= 4 for item in items)
+    tokenizer = CharTokenizer()
+    engine = TorchTrainEngine(build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), lr=1e-2)
+    losses = warm_start(engine, cfg, tokenizer, held_out=set())  # countdown items carry an `answer` to imitate
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
