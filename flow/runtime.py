@@ -372,6 +372,64 @@ RESTART_WAIT_S = 90.0
 """How long a dead rollout actor may take to restart (build its engine) before the run fails."""
 
 
+class QueuedSends:
+    """Weight versions sent by a thread of their own, in order, the newest replacing one not
+    sent yet: `put` returns at once. A send's error is raised by the next `put` or `flush`,
+    and no later version is sent after it."""
+
+    def __init__(self, send: Callable[[int, Any], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._queued: tuple[int, Any] | None = None
+        self._sending = self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def put(self, version: int, source: Any) -> None:
+        with self._cond:
+            self._raise()
+            self._queued = (version, source)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="tidal-weight-sends", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until nothing is queued or being sent."""
+        with self._cond:
+            self._cond.wait_for(lambda: (self._queued is None and not self._sending) or self._error is not None or self._closed)
+            self._raise()
+
+    def close(self) -> None:
+        """End the thread once its send in progress ends; a version still queued is not sent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sending weights to rollout failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closed)
+                if self._closed:
+                    return
+                (version, source), self._queued = self._queued, None
+                self._sending = True
+            error = None
+            try:
+                self._send(version, source)
+            except BaseException as e:  # noqa: BLE001 - raised in the publisher's thread, at its next put
+                error = e
+            with self._cond:
+                self._sending, self._error = False, error
+                self._cond.notify_all()
+                if error is not None:
+                    return
+
+
 class RayRollouts:
     """`RolloutGroup` over rollout actors: runs their loops, sends them each version's weights.
 
@@ -381,7 +439,7 @@ class RayRollouts:
     `on_change(descriptions)` is told each actor's description after a restart.
     """
 
-    def __init__(self, actors: Sequence[Any], wiring: Any, *, max_restarts: int = 0, on_change: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+    def __init__(self, actors: Sequence[Any], wiring: Any, *, max_restarts: int = 0, on_change: Callable[[list[dict[str, Any]]], None] | None = None, overlap: bool = False) -> None:
         import ray  # noqa: PLC0415
 
         self.actors, self.wiring, self.max_restarts = list(actors), wiring, max_restarts
@@ -394,6 +452,7 @@ class RayRollouts:
         self._restarted_lock = threading.Lock()
         self._died = threading.Event()
         self._stopping = threading.Event()
+        self._queued = QueuedSends(self._send) if overlap else None
         self.wiring.attach(self.actors, range(len(self.actors)))
 
     def run(self) -> None:
@@ -423,10 +482,30 @@ class RayRollouts:
     def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send `version` to every actor. A `WeightSource` (what the train engines'
         `named_weights()` return) streams bucket by bucket, and a send that failed because an
-        actor died makes a second pass over it; a plain iterable is listed first."""
+        actor died makes a second pass over it; a plain iterable is listed first.
+
+        With `overlap`, the weights are copied here (one pass over the source, in the
+        caller's thread, so a sharded engine's ranks stay in step) and `QueuedSends`' thread
+        sends the copy while the caller trains on: rollout still generates each
+        prompt with the version that admitted it or a newer one (it waits for it:
+        `RolloutWorker._catch_up`), so only the trainer's wait for the receivers goes. A
+        version not sent yet when a newer one comes is replaced by it. A failed send is
+        raised by the next `publish` or `flush`. The copy costs one model's memory on the
+        trainer's device.
+        """
         from tidal.hal.transfer import weight_source  # noqa: PLC0415
 
-        source = weight_source(named_weights)
+        if self._queued is None:
+            self._send(version, weight_source(named_weights))
+            return
+        self._queued.put(version, weight_source([(name, tensor.detach().clone()) for name, tensor in weight_source(named_weights)]))
+
+    def flush(self) -> None:
+        """Wait until every published version has been sent (with `overlap`); raise a send's error."""
+        if self._queued is not None:
+            self._queued.flush()
+
+    def _send(self, version: int, source: Any) -> None:
         with self._lock:
             if self._died.is_set():
                 self._rejoin()
@@ -461,6 +540,8 @@ class RayRollouts:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self._queued is not None:
+            self._queued.close()
         for a in self.actors:
             a.stop.remote()
 

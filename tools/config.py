@@ -206,6 +206,11 @@ class TransportConfig:
     """auto | ipc | collective | host; auto picks from the two platforms (host for NPU <-> GPU)."""
     bucket_mb: int = 16
     """Bucket size in MB: the unit that is copied off the device while the previous one is sent."""
+    overlap: bool = False
+    """Send each version from a copy on a thread of its own while the trainer takes its next step
+    (the trainer stops waiting for the rollout actors to receive; rollout still waits for the
+    version its prompts need). Costs one copy of the model on the trainer's device. Not with a
+    rollout that time-shares the trainer's devices (a weight pass must end inside its turn)."""
 
 
 @dataclasses.dataclass

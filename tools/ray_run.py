@@ -179,7 +179,11 @@ class StartedRollouts:
             wiring = HostWiring(current_platform(), host=self.host, token=self.token, bucket_bytes=bucket_bytes)
         trainer_info = {"pid": os.getpid(), "attempt": self.attempt, "ranks": self.ranks or [], "node": my_node}
         seating = [{"rank": a.rank, "mode": a.mode, "bundle": [self.spots[("rollout", a.rank)].group, self.spots[("rollout", a.rank)].bundle], "resources": self.spots[("rollout", a.rank)].resources} for a in self.assignments]
-        info = {"transport": transport, "store": self.address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(self.actors)}
+        shared = any(self.spots[("rollout", a.rank)].turns for a in self.assignments)  # time-shares a trainer rank's devices
+        overlap = self.cfg.transport.overlap and not shared
+        if self.cfg.transport.overlap and shared:
+            log.warning("transport.overlap is off: a rollout instance time-shares the trainer's devices, so each weight pass must end inside the trainer's turn")
+        info = {"transport": transport, "overlap": overlap, "store": self.address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(self.actors)}
 
         def write_info(descriptions: list[dict[str, Any]]) -> None:
             info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
@@ -189,8 +193,9 @@ class StartedRollouts:
 
         rollouts = None
         write_info(descriptions)
-        rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info)
+        rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info, overlap=overlap)
         rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
+        rollouts.flush()  # ... and have them before any prompt is admitted
         seats = [(self.turns[r], f"rollout-{a.rank}") for a in self.assignments for r in self.spots[("rollout", a.rank)].turns]
         return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, seats)
 

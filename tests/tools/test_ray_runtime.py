@@ -63,10 +63,13 @@ def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_synchronous_training_on_ray_generates_each_step_with_the_newest_weights(tidal_cli, tmp_path):
-    # The weights reach the rollout actor after the trainer's publish returned: rollout must
-    # wait for them, or max_staleness=0 drops every row it generates and the run hangs.
-    run_dir, steps, info, out = _run(tidal_cli, tmp_path, "quickstart_cpu", "runtime=ray", "algorithm.max_staleness=0")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_synchronous_training_on_ray_generates_each_step_with_the_newest_weights(tidal_cli, tmp_path, overlap):
+    # The weights reach the rollout actor after the trainer's publish returned (with
+    # transport.overlap, the trainer does not even wait for the send): rollout must wait for
+    # them, or max_staleness=0 drops every row it generates and the run hangs.
+    run_dir, steps, info, out = _run(tidal_cli, tmp_path, "quickstart_cpu", "runtime=ray", "algorithm.max_staleness=0", f"transport.overlap={str(overlap).lower()}")
+    assert info["overlap"] is overlap
     assert [m["step"] for m in steps] == list(range(1, 25))
     assert all(set(map(int, m["version_gap"])) <= {0} for m in steps)
     assert sum(m["dropped"] for m in steps) == 0
