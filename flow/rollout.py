@@ -288,7 +288,8 @@ class RolloutGroup(Protocol):
     def stop(self) -> None: ...
 
     def metrics(self) -> dict[str, Any]:
-        """`paused_generations`, `handed_off` (groups; both so far) and `wait_s` since the last call."""
+        """`paused_generations`, `handed_off` (groups; both so far) and `wait_s` since the last
+        report (remote workers' may come a step late: the trainer does not wait for them)."""
 
 
 class LocalRollouts:

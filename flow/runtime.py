@@ -368,6 +368,8 @@ class CollectiveWiring:
 
 DEATH_NOTICE_S = 120.0
 """How long a failed weight send waits for a dead rollout actor to be back (then it is retried)."""
+SEND_ON_STOP_S = 10.0
+"""How long stopping waits for a version still being sent (`transport.overlap`) before it stops the actors."""
 RESTART_WAIT_S = 90.0
 """How long a dead rollout actor may take to restart (build its engine) before the run fails."""
 
@@ -396,9 +398,14 @@ class QueuedSends:
 
     def flush(self) -> None:
         """Wait until nothing is queued or being sent."""
+        self.drain()
         with self._cond:
-            self._cond.wait_for(lambda: (self._queued is None and not self._sending) or self._error is not None or self._closed)
             self._raise()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or being sent (or a send failed, or `close`); False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: (self._queued is None and not self._sending) or self._error is not None or self._closed, timeout)
 
     def close(self) -> None:
         """End the thread once its send in progress ends; a version still queued is not sent."""
@@ -453,6 +460,8 @@ class RayRollouts:
         self._died = threading.Event()
         self._stopping = threading.Event()
         self._queued = QueuedSends(self._send) if overlap else None
+        self._metrics_asked: list[Any] = []  # requests not answered yet
+        self._counts = {"paused_generations": 0, "handed_off": 0}
         self.wiring.attach(self.actors, range(len(self.actors)))
 
     def run(self) -> None:
@@ -539,24 +548,35 @@ class RayRollouts:
         self._on_change(self.descriptions)
 
     def stop(self) -> None:
-        self._stopping.set()
         if self._queued is not None:
+            self._queued.drain(SEND_ON_STOP_S)  # the last version reaches rollout, as it does without overlap
             self._queued.close()
+        self._stopping.set()
         for a in self.actors:
             a.stop.remote()
 
     def metrics(self) -> dict[str, Any]:
+        """The actors' metrics without waiting for them: each call asks the actors (once the
+        previous request is answered) and returns the answers that are in, so the trainer's
+        step never waits on an actor busy generating (that cost 4-7 ms a step on 2 cores).
+        The counts are the latest answered; wait times show up a step or so late."""
         import ray  # noqa: PLC0415
 
-        out: dict[str, Any] = {"paused_generations": 0, "handed_off": 0, "wait_s": collections.defaultdict(float)}
-        try:
-            answers = ray.get([a.metrics.remote() for a in self.actors])
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            answers = []  # one is restarting: no rollout metrics this step
+        answers: list[dict[str, Any]] = []
+        if self._metrics_asked:
+            ready, _ = ray.wait(self._metrics_asked, num_returns=len(self._metrics_asked), timeout=0)
+            if len(ready) == len(self._metrics_asked):
+                try:
+                    answers = ray.get(self._metrics_asked)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    answers = []  # one is restarting: its metrics since the last answer are lost
+                self._metrics_asked = []
+        if not self._metrics_asked:
+            self._metrics_asked = [a.metrics.remote() for a in self.actors]
+        wait_s: dict[str, float] = collections.defaultdict(float)
+        if answers:
+            self._counts = {key: sum(m[key] for m in answers) for key in ("paused_generations", "handed_off")}
         for m in answers:
-            out["paused_generations"] += m["paused_generations"]
-            out["handed_off"] += m["handed_off"]
             for k, v in m["wait_s"].items():
-                out["wait_s"][k] += v / len(self.actors)
-        out["wait_s"] = dict(out["wait_s"])
-        return out
+                wait_s[k] += v / len(self.actors)
+        return {**self._counts, "wait_s": dict(wait_s)}
