@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -264,18 +263,20 @@ def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: CharTokeni
     return rollout_cls(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=version)
 
 
-def _one_process_group(train_cls: Any, platform: Any) -> bool:
+def _one_process_group(train_cls: Any, platform: Any) -> Path | None:
     """Initialise a one-process group through hal when the engine needs one (`distributed`) and
-    none exists (`runtime: local`); True when this call made it."""
+    none exists (`runtime: local`); returns the rendezvous file this call made, else None. A file,
+    not a free TCP port: a port picked here can be taken by another process before the group binds it."""
+    import tempfile  # noqa: PLC0415
+
     import torch.distributed as dist  # noqa: PLC0415
 
     if not getattr(train_cls, "distributed", False) or dist.is_initialized():
-        return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    platform.init_process_group(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    return True
+        return None
+    fd, name = tempfile.mkstemp(prefix="tidal-group-")
+    os.close(fd)
+    platform.init_process_group(rank=0, world_size=1, init_method=f"file://{name}")
+    return Path(name)
 
 
 def local_turns(cfg: Any) -> Any:
@@ -323,7 +324,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     train_cls = backends.load("train.backend", cfg.train.backend)
     platform = current_platform()
     engine_options = engine_options or {}
-    made_group = _one_process_group(train_cls, platform)
+    group_file = _one_process_group(train_cls, platform)
     tokenizer = CharTokenizer()
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
     held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
@@ -488,6 +489,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     if stop.reason is not None:
         summary["stopped_early"] = stop.reason
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if made_group:
+    if group_file is not None:
         torch.distributed.destroy_process_group()
+        group_file.unlink(missing_ok=True)
     return summary
