@@ -17,7 +17,6 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 
 from tidal.hal import rng
 from tidal.hal.offload import OffloadHandle
-from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, describe
+from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, describe, join_default_group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,17 +206,11 @@ class AcceleratorPlatform:
         return f"cpu:gloo,{self.kind}:{self.descriptor.dist_backend}"
 
     def init_process_group(
-        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None
+        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None, store: Any = None
     ) -> None:
         self._require()
         self.apply_comm_env()
-        torch.distributed.init_process_group(
-            backend=self.process_group_backend,
-            init_method=init_method or "env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-        )
+        join_default_group(self.process_group_backend, rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s, store=store)
 
     # Profiling -----------------------------------------------------------------------
     @contextlib.contextmanager

@@ -14,7 +14,6 @@ import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from typing import Any
 
 import psutil
@@ -22,7 +21,7 @@ import torch
 
 from tidal.hal import rng
 from tidal.hal.offload import OffloadHandle
-from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, describe
+from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, describe, join_default_group
 
 _CPU = torch.device("cpu")
 
@@ -180,15 +179,9 @@ class CpuPlatform:
         return "gloo"
 
     def init_process_group(
-        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None
+        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None, store: Any = None
     ) -> None:
-        torch.distributed.init_process_group(
-            backend=self.process_group_backend,
-            init_method=init_method or "env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-        )
+        join_default_group(self.process_group_backend, rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s, store=store)
 
     # Profiling -----------------------------------------------------------------------
     def profile_range(self, name: str) -> AbstractContextManager[None]:

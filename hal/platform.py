@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -170,8 +171,10 @@ class Platform(Protocol):
     @property
     def process_group_backend(self) -> str: ...
     def init_process_group(
-        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None
-    ) -> None: ...
+        self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None, store: Any = None
+    ) -> None:
+        """Join the default process group with this platform's backend (`init_method`, default
+        `env://`; or a `torch.distributed.Store` the caller made, e.g. one bound to port 0)."""
 
     # Profiling.
     def profile_range(self, name: str) -> AbstractContextManager[None]: ...
@@ -241,3 +244,17 @@ def as_device(device: torch.device | str, *, device_type: str) -> torch.device:
         raise ValueError(f"device {device} is not a {device_type} device")
     return device
 
+
+def join_default_group(backend: str, *, rank: int, world_size: int, init_method: str | None, timeout_s: float | None, store: Any) -> None:
+    """`torch.distributed.init_process_group` by `init_method` (default `env://`) or through
+    `store`, a store the caller made (rank 0's, bound to a port the OS picked). The store is
+    keyed as torch keys the store it makes from an address (prefix `default_pg`), so ranks
+    joining by address and a rank joining through the store meet."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    if store is not None:
+        if timeout is not None:
+            store.set_timeout(timeout)
+        store = torch.distributed.PrefixStore("default_pg", store)
+    torch.distributed.init_process_group(
+        backend=backend, init_method=None if store is not None else init_method or "env://", store=store, rank=rank, world_size=world_size, timeout=timeout
+    )

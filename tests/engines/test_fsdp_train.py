@@ -473,10 +473,10 @@ def test_led_weight_source_streams_through_a_transport_twice(led_run):
             assert torch.equal(tensors[name], want), name
 
 
-def test_a_sharded_model_is_not_wrapped_twice():
+def test_a_sharded_model_is_not_wrapped_twice(tmp_path):
     from tidal.hal import current_platform
 
-    current_platform().init_process_group(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    current_platform().init_process_group(rank=0, world_size=1, init_method=f"file://{tmp_path / 'group'}")
     try:
         engine = FSDPTrainEngine(_model(0))
         with pytest.raises(ValueError, match="sharded already"):

@@ -112,19 +112,14 @@ def test_cpu_platform_moves_nothing():
     handle.onload()
 
 
-def test_a_dtensor_moves_its_local_shard_and_stays_a_dtensor():
+def test_a_dtensor_moves_its_local_shard_and_stays_a_dtensor(tmp_path):
     """Sharded parameters (FSDP2's DTensors), their gradients and AdamW state: the local shard moves."""
-    import socket
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     platform = hal.select_platform("fake:cuda:1").platform
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'group'}")
     try:
         mesh = init_device_mesh("cpu", (1,))
         weight = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
