@@ -195,6 +195,8 @@ class RolloutActor:
         self._generation = 0  # of the weight receiver; a retired one's errors are expected
         self._errors: list[BaseException] = []
         self.num_versions = 0
+        self.last_version: int | None = None
+        self._received = threading.Condition()
 
     def describe(self) -> dict[str, Any]:
         """This actor's platform, node and process, as it sees them."""
@@ -267,7 +269,10 @@ class RolloutActor:
                 if generation != self._generation:
                     return
                 self.worker.inbox.offer(weights.version, weights.tensors)
-                self.num_versions += 1
+                with self._received:
+                    self.num_versions += 1
+                    self.last_version = weights.version
+                    self._received.notify_all()
                 self._first.set()
 
         threading.Thread(target=loop, name="tidal-weights", daemon=True).start()
@@ -292,13 +297,20 @@ class RolloutActor:
             "paused_generations": self.worker.num_paused,
             "handed_off": self.worker.num_handed_off,
             "versions_received": self.num_versions,
+            "last_version_received": self.last_version,
             "versions_applied": self.worker.versions_applied,
             "version": self.engine.version,
             "platform": self.platform.descriptor.to_dict(),
             "timeshare": self.sharing.summary() if self.sharing is not None else None,
         }
 
-    def stop(self) -> None:
+    def stop(self, last_version: int | None = None) -> None:
+        """Stop generating. With `last_version` (the last version the trainer sent), first wait
+        up to `SEND_ON_STOP_S` for it to arrive: a send can complete at the trainer's end while
+        this end still reads it, and the run's last update should be received, not cut off."""
+        if last_version is not None:
+            with self._received:
+                self._received.wait_for(lambda: (self.last_version or -1) >= last_version or bool(self._errors), SEND_ON_STOP_S)
         self.worker.stop()
 
     def metrics(self) -> dict[str, Any]:
@@ -386,10 +398,13 @@ class QueuedSends:
         self._sending = self._closed = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.replaced = 0
+        """Versions replaced by a newer one before they were sent."""
 
     def put(self, version: int, source: Any) -> None:
         with self._cond:
             self._raise()
+            self.replaced += self._queued is not None
             self._queued = (version, source)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="tidal-weight-sends", daemon=True)
@@ -460,6 +475,7 @@ class RayRollouts:
         self._died = threading.Event()
         self._stopping = threading.Event()
         self._queued = QueuedSends(self._send) if overlap else None
+        self._last_sent: int | None = None  # the last version every actor was sent
         self._metrics_asked: list[Any] = []  # requests not answered yet
         self._counts = {"paused_generations": 0, "handed_off": 0}
         self.wiring.attach(self.actors, range(len(self.actors)))
@@ -509,6 +525,11 @@ class RayRollouts:
             return
         self._queued.put(version, weight_source([(name, tensor.detach().clone()) for name, tensor in weight_source(named_weights)]))
 
+    @property
+    def versions_replaced(self) -> int:
+        """Published versions not sent because a newer one came first (`overlap` only)."""
+        return 0 if self._queued is None else self._queued.replaced
+
     def flush(self) -> None:
         """Wait until every published version has been sent (with `overlap`); raise a send's error."""
         if self._queued is not None:
@@ -525,6 +546,7 @@ class RayRollouts:
                     raise
                 self._rejoin()
                 self.wiring.sender.send(version, source)
+            self._last_sent = version
 
     def _back(self, i: int) -> dict[str, Any]:
         """Actor `i`'s description once Ray has restarted it."""
@@ -553,7 +575,7 @@ class RayRollouts:
             self._queued.close()
         self._stopping.set()
         for a in self.actors:
-            a.stop.remote()
+            a.stop.remote(self._last_sent)
 
     def metrics(self) -> dict[str, Any]:
         """The actors' metrics without waiting for them: each call asks the actors (once the

@@ -28,9 +28,9 @@ import json
 import logging
 import os
 import secrets
-import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,7 @@ class RemoteRollouts:
         info = json.loads(self._info_path.read_text())
         info["rollout_summaries"] = self._rollouts.summaries  # filled when the actors returned
         info["rollout_restarts"] = self._rollouts.restarts
+        info["versions_replaced"] = self._rollouts.versions_replaced
         self._info_path.write_text(json.dumps(info, indent=2) + "\n")
         for actor in self._actors:
             ray.kill(actor)
@@ -262,6 +263,8 @@ class TrainerActor:
     """Body of a trainer actor: one rank of the trainer. Rank 0 runs `train()` (rollout on
     actors); the other ranks, when there are several, follow rank 0's engines."""
 
+    _group_store: Any = None  # rank 0's rendezvous store, made by `group_address`
+
     def describe(self) -> dict[str, Any]:
         from tidal.hal import current_platform  # noqa: PLC0415
 
@@ -286,14 +289,16 @@ class TrainerActor:
         }
 
     def group_address(self) -> str:
-        """Rank 0: where the trainer ranks meet to form their process group (this node, a free port)."""
+        """Rank 0: where the trainer ranks meet to form their process group (this node). The
+        rendezvous store is made here, on a port the OS picks, and kept for `run`: a port
+        probed free and bound later can be taken by another process in between."""
         import ray  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
 
         one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
         host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return f"tcp://{host}:{s.getsockname()[1]}"
+        self._group_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        return f"tcp://{host}:{self._group_store.port}"
 
     def run(
         self,
@@ -331,7 +336,8 @@ class TrainerActor:
 
         if cfg.threads and rank:  # followers only take RL steps; rank 0's `train()` sets them for its RL phase
             torch.set_num_threads(cfg.threads)
-        current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S)
+        store = self._group_store if rank == 0 else None
+        current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S, store=store)
         try:
             if rank:
                 return {"rank": rank, **self.where(), **self._follow(placed["turns"].get(rank))}

@@ -27,6 +27,7 @@ def test_put_returns_while_a_send_runs_and_the_newest_version_replaces_one_not_s
     release.set()
     sends.flush()
     assert sent == [(1, "weights 1"), (3, "weights 3")]
+    assert sends.replaced == 1
     sends.close()
 
 
