@@ -13,14 +13,14 @@ versions into its worker's inbox, applied at the next safe point.
 
 Each actor selects its own hal platform from the `TIDAL_DEVICE` its placement gives it
 (`fake:<kind>:<n>` when the recipe's cluster is fake), so one run holds NPU, GPU and
-CPU processes. Ray is imported only here and only when the runtime is used.
+CPU processes. The placement groups and actor options come from `flow.ray_placement`.
+Ray is imported only when the runtime is used.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,133 +28,11 @@ from typing import Any
 
 import torch
 
-from tidal.flow.placement import KIND_TAGS, RAY_RESOURCES, Assignment, Plan, PlacementError
 from tidal.flow.rollout import RolloutWorker, Stop
 
 log = logging.getLogger(__name__)
 
-KIND_TAG_NAMES = frozenset(t for tags in KIND_TAGS.values() for t in tags)
-"""Tags a device has by its kind; any other tag a role requires is a custom Ray resource."""
 
-RESOURCE_WAIT_S = 30.0
-"""How long a placement group may wait for its resources before the run fails naming the role."""
-
-
-class RuntimeUnavailable(RuntimeError):
-    """The Ray cluster the recipe needs cannot be reached; the message says how to start one."""
-
-
-def connected_ray_nodes() -> Sequence[Mapping[str, Any]]:
-    """`ray.nodes()` of the cluster at RAY_ADDRESS (or a running local one), without starting one."""
-    import ray  # noqa: PLC0415
-
-    if not ray.is_initialized():
-        try:
-            ray.init(address="auto", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-        except ConnectionError as e:
-            raise RuntimeUnavailable(
-                f"no Ray cluster is running here ({e}); start one with `ray start --head` or list the nodes in cluster.nodes"
-            ) from None
-    return ray.nodes()
-
-
-# Placement groups ------------------------------------------------------------------------
-TAG_AMOUNT = 0.001
-"""How much of a custom-tag resource one bundle asks for: the tag is a label, not a quantity."""
-
-
-def bundle_of(assignment: Assignment, tags: Mapping[str, float] | None = None) -> dict[str, float]:
-    """The Ray resources of one role instance: its devices, counted by its kind's resource,
-    plus a sliver of each custom tag resource its role requires (so Ray picks a node carrying it)."""
-    return {RAY_RESOURCES[assignment.kind]: float(len(assignment.devices)), **(tags or {})}
-
-
-def role_bundles(plan: Plan, have: Mapping[str, float]) -> dict[str, list[dict[str, float]]]:
-    """Each role's bundles, checked against the cluster's resources `have`.
-
-    A tag a role requires beyond its kind's (`requires: [gpu, fast]`) must be a custom
-    resource of the Ray nodes that carry it (`fast`, or `accelerator_type:fast`).
-
-    Only instances with devices of their own have bundles: one that time-shares a
-    trainer's devices (colocated, borrowed) sits on that trainer's bundle (`flow.colocate.spots`).
-
-    Raises:
-        PlacementError: a role needs more than the cluster has, a tag no node declares, or
-            a shared layout `flow.colocate.spots` cannot seat.
-    """
-    from tidal.flow.colocate import spots  # noqa: PLC0415
-
-    spots(plan)  # a shared layout this runtime cannot seat fails here, before anything starts
-    out: dict[str, list[dict[str, float]]] = {}
-    for role in plan.roles:
-        if not plan.of(role.name, mode="own"):
-            continue
-        tags: dict[str, float] = {}
-        for tag in role.requires:
-            if tag in KIND_TAG_NAMES:
-                continue
-            key = tag if tag in have else f"accelerator_type:{tag}"
-            if key not in have:
-                raise PlacementError(f"cannot place role {role.name!r}: it requires tag {tag!r}, and no Ray node declares a resource {tag!r} (start the nodes with --resources '{{\"{tag}\": 1}}')")
-            tags[key] = TAG_AMOUNT
-        bundles = [bundle_of(a, tags) for a in plan.of(role.name, mode="own")]
-        need: dict[str, float] = collections.Counter()
-        for b in bundles:
-            need.update(b)
-        short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) < v - 1e-9}
-        if short:
-            what = ", ".join(f"{v:g} {k} (the cluster has {h:g})" for k, (v, h) in short.items())
-            raise PlacementError(f"cannot place role {role.name!r} on this Ray cluster: it needs {what}")
-        out[role.name] = bundles
-    return out
-
-
-def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str, Any]:
-    """One placement group per role (a bundle per instance, packed); fails fast naming the role.
-
-    Raises:
-        PlacementError: the cluster lacks the resources (checked against
-            `ray.cluster_resources()` first, see `role_bundles`), or a group is not ready
-            within `wait_s`.
-    """
-    import ray  # noqa: PLC0415
-    from ray.util.placement_group import placement_group  # noqa: PLC0415
-
-    groups: dict[str, Any] = {}
-    for role, bundles in role_bundles(plan, ray.cluster_resources()).items():
-        pg = placement_group(bundles, strategy="PACK", name=f"tidal-{role}-{secrets.token_hex(3)}")
-        ready, _ = ray.wait([pg.ready()], timeout=wait_s)
-        if not ready:
-            ray.util.remove_placement_group(pg)
-            for other in groups.values():
-                ray.util.remove_placement_group(other)
-            raise PlacementError(f"cannot place role {role!r}: its {len(bundles)} bundle(s) {bundles[0]} were not granted within {wait_s:.0f}s (other runs may hold them)")
-        groups[role] = pg
-    return groups
-
-
-def actor_options(assignment: Assignment, pg: Any, index: int, *, fake: bool, env: Mapping[str, str] | None = None, resources: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """`.options(...)` for the actor of one assignment: its bundle, and the platform it must select.
-
-    `resources`: what it asks of the bundle (a time-shared bundle's seats ask for a part,
-    see `flow.colocate.spots`); by default all of the assignment's devices.
-    """
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
-
-    resources = dict(resources) if resources is not None else bundle_of(assignment)  # the tags' slivers stay with the bundle: they only steer where it goes
-    options: dict[str, Any] = {
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
-        "runtime_env": {"env_vars": {"TIDAL_DEVICE": assignment.platform_spec(fake=fake), **(env or {})}},
-        "num_cpus": resources.pop("CPU", 0.0),
-    }
-    if "GPU" in resources:
-        options["num_gpus"] = resources.pop("GPU")
-    if resources:
-        options["resources"] = resources
-    return options
-
-
-# Rollout actors --------------------------------------------------------------------------
 class RolloutActor:
     """Body of a rollout actor: one engine, its `RolloutWorker` loop, and a weight receiver.
 

@@ -299,7 +299,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(resolve_recipe(args.recipe), args.overrides)
     ray_nodes = None
     if cfg.runtime.value == "ray" and not cfg.cluster.nodes:
-        from tidal.flow.runtime import connected_ray_nodes  # noqa: PLC0415
+        from tidal.flow.ray_placement import connected_ray_nodes  # noqa: PLC0415
 
         ray_nodes = connected_ray_nodes
     plan, source = make_plan(cfg, ray_nodes=ray_nodes)

@@ -111,7 +111,8 @@ def start_rollouts(
     """
     import ray  # noqa: PLC0415
 
-    from tidal.flow.runtime import RolloutActor, actor_options  # noqa: PLC0415
+    from tidal.flow.ray_placement import actor_options  # noqa: PLC0415
+    from tidal.flow.runtime import RolloutActor  # noqa: PLC0415
     from tidal.flow.store.server import StoreServer  # noqa: PLC0415
 
     one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
@@ -449,7 +450,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
 
     from tidal.flow.colocate import spots, start_turns  # noqa: PLC0415
     from tidal.flow.placement import PlacementError  # noqa: PLC0415
-    from tidal.flow.runtime import actor_options, placement_groups  # noqa: PLC0415
+    from tidal.flow.ray_placement import actor_options, placement_groups  # noqa: PLC0415
     from tidal.tools.plan import make_plan  # noqa: PLC0415
 
     if not cfg.cluster.nodes:

@@ -106,7 +106,7 @@ def test_resources_from_ray_nodes():
 
 
 def test_role_bundles_carry_required_custom_tags_as_ray_resources():
-    from tidal.flow.runtime import TAG_AMOUNT, role_bundles
+    from tidal.flow.ray_placement import TAG_AMOUNT, role_bundles
 
     nodes = [Resource(node="g0", kind="cuda", capacity=4, tags=frozenset({"fast"})), Resource(node="n0", kind="npu", capacity=2)]
     plan = schedule(nodes, [Role(name="train", requires=("npu",), devices_each=2), Role(name="rollout", requires=("gpu", "fast"), count=2, devices_each=2)])
@@ -122,7 +122,7 @@ def test_role_bundles_carry_required_custom_tags_as_ray_resources():
 def test_ray_placement_groups_fail_fast_naming_the_role(ray_session):
     import time
 
-    from tidal.flow.runtime import placement_groups
+    from tidal.flow.ray_placement import placement_groups
 
     plan = schedule(MIXED, [TRAIN, Role(name="rollout", requires=("gpu",), count=8, devices_each=2)])
     begin = time.monotonic()
@@ -138,7 +138,7 @@ def test_ray_placement_groups_fail_fast_naming_the_role(ray_session):
 def test_ray_placement_groups_for_a_plan_the_cluster_holds(ray_session):
     import ray
 
-    from tidal.flow.runtime import actor_options, placement_groups
+    from tidal.flow.ray_placement import actor_options, placement_groups
 
     cpu = [Resource(node="local", kind="cpu", capacity=2)]
     plan = schedule(cpu, [Role(name="train"), Role(name="rollout")])
