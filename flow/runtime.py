@@ -140,7 +140,9 @@ class RolloutActor:
                     if generation != self._generation:
                         return  # retired: its group was torn down on purpose
                     if not self.stopping.is_set():
-                        self._errors.append(e)
+                        with self._received:
+                            self._errors.append(e)
+                            self._received.notify_all()
                         self.worker.stop()
                     self._first.set()
                     return
@@ -188,7 +190,7 @@ class RolloutActor:
         this end still reads it, and the run's last update should be received, not cut off."""
         if last_version is not None:
             with self._received:
-                self._received.wait_for(lambda: (self.last_version or -1) >= last_version or bool(self._errors), SEND_ON_STOP_S)
+                self._received.wait_for(lambda: (self.last_version is not None and self.last_version >= last_version) or bool(self._errors), SEND_ON_STOP_S)
         self.worker.stop()
 
     def metrics(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tidal.flow.runtime import QueuedSends, RayRollouts
+from tidal.flow import runtime
+from tidal.flow.runtime import QueuedSends, RayRollouts, RolloutActor
 
 
 def test_put_returns_while_a_send_runs_and_the_newest_version_replaces_one_not_sent_yet():
@@ -103,3 +104,48 @@ def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wai
     assert answered[-1] == {"paused_generations": 1, "handed_off": 2, "wait_s": {"weights": 0.25}}
     assert rollouts.metrics() == {"paused_generations": 1, "handed_off": 2, "wait_s": {}}  # asked again: the counts stand, no wait counted twice
     ray.kill(actor)
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _bare_actor() -> RolloutActor:
+    """A `RolloutActor` with only what `stop` touches (no engine, store or receiver)."""
+    actor = RolloutActor.__new__(RolloutActor)
+    actor.worker, actor.last_version, actor._errors, actor._received = _Worker(), None, [], threading.Condition()
+    return actor
+
+
+def _arrive(actor: RolloutActor, version: int) -> None:
+    with actor._received:  # as the receiver thread records a version
+        actor.last_version = version
+        actor._received.notify_all()
+
+
+def test_a_rollout_actor_told_to_stop_first_takes_the_last_version_sent(monkeypatch):
+    monkeypatch.setattr(runtime, "SEND_ON_STOP_S", 10.0)
+    actor = _bare_actor()
+    stopping = threading.Thread(target=actor.stop, args=(0,))  # version 0: the warm start, still on its way
+    stopping.start()
+    time.sleep(0.1)
+    assert not actor.worker.stopped.is_set()  # waits for it ...
+    _arrive(actor, 0)
+    stopping.join(5)
+    assert actor.worker.stopped.is_set() and not stopping.is_alive()  # ... and stops once it arrived
+
+
+def test_a_rollout_actor_stops_at_once_without_a_version_to_wait_for_and_gives_up_at_the_timeout(monkeypatch):
+    monkeypatch.setattr(runtime, "SEND_ON_STOP_S", 0.2)
+    actor = _bare_actor()
+    actor.stop()
+    assert actor.worker.stopped.is_set()
+    actor = _bare_actor()
+    _arrive(actor, 3)
+    start = time.monotonic()
+    actor.stop(4)  # never arrives
+    assert actor.worker.stopped.is_set() and 0.15 < time.monotonic() - start < 5
