@@ -308,6 +308,11 @@ class QueuedSends:
             self._closed = True
             self._cond.notify_all()
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended sending, if one did."""
+        return self._error
+
     def _raise(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"sending weights to rollout failed: {type(self._error).__name__}: {self._error}") from self._error
@@ -451,7 +456,10 @@ class RayRollouts:
 
     def stop(self) -> None:
         if self._queued is not None:
-            self._queued.drain(SEND_ON_STOP_S)  # the last version reaches rollout, as it does without overlap
+            if not self._queued.drain(SEND_ON_STOP_S):  # the last version reaches rollout, as it does without overlap
+                log.warning("a weight version was still being sent to rollout %.0fs after the run ended; stopping without it", SEND_ON_STOP_S)
+            elif self._queued.error is not None:
+                log.warning("the last weight send to rollout failed as the run ended: %s", self._queued.error)
             self._queued.close()
         self._stopping.set()
         for a in self.actors:

@@ -49,6 +49,7 @@ def test_a_failed_send_is_raised_by_the_next_put_and_flush_and_nothing_later_is_
     with pytest.raises(RuntimeError, match="receiver gone"):
         sends.put(3, None)
     assert sent == [1]
+    assert isinstance(sends.error, ConnectionError) and sends.drain(1) is True  # stopping sees the error, does not wait
 
 
 def test_drain_waits_for_the_send_in_progress_and_gives_up_at_its_timeout():
