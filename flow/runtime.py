@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tidal.flow.rollout import RolloutWorker, Stop
+from tidal.flow.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class RolloutActor:
         memory; `load_weights` copies it in during this actor's turn)."""
         self.store = RemoteStore(store_address, token=store_token)
         self.stopping = threading.Event()
-        self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, hand_off=hand_off, **settings)
+        self.tracer = Tracer()  # its spans go back with the summary, into the run's timeline
+        self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, hand_off=hand_off, tracer=self.tracer, **settings)
         self._first = threading.Event()
         self._receiver: Any = None
         self._generation = 0  # of the weight receiver; a retired one's errors are expected
@@ -182,6 +184,7 @@ class RolloutActor:
             "version": self.engine.version,
             "platform": self.platform.descriptor.to_dict(),
             "timeshare": self.sharing.summary() if self.sharing is not None else None,
+            "timeline": self.tracer.export(),
         }
 
     def stop(self, last_version: int | None = None) -> None:

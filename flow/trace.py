@@ -1,7 +1,10 @@
 """A pipeline timeline in Chrome trace format (opens in Perfetto or chrome://tracing).
 
 Each stage is a track; `with tracer.span("rollout", "generate"):` records one span.
-Thread-safe; spans are kept in memory and written once with `save`.
+Thread-safe; spans are kept in memory and written once with `save`. Another process's
+spans (a Ray rollout actor's) join as a process of their own: it sends `export()`, this
+side calls `merge(...)`, aligned by wall clock (exact on one host, as close as the
+nodes' clocks elsewhere).
 """
 
 from __future__ import annotations
@@ -10,17 +13,19 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 
 class Tracer:
-    def __init__(self) -> None:
+    def __init__(self, process: str = "tidal") -> None:
         self._lock = threading.Lock()
         self._start = time.perf_counter()
+        self._epoch = time.time()  # wall clock at `_start`: where another process's spans line up
         self._tracks: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
+        self._processes: dict[int, tuple[str, dict[str, int]]] = {1: (process, self._tracks)}
 
     def _track(self, name: str) -> int:
         with self._lock:
@@ -49,10 +54,26 @@ class Tracer:
     def spans(self, track: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             tid = self._tracks.get(track) if track is not None else None
-            return [e for e in self._events if e["ph"] == "X" and (track is None or e["tid"] == tid)]
+            return [e for e in self._events if e["ph"] == "X" and e["pid"] == 1 and (track is None or e["tid"] == tid)]
+
+    def export(self) -> dict[str, Any]:
+        """This tracer's spans, to `merge` into another process's tracer (plain data: picklable, JSON-able)."""
+        with self._lock:
+            return {"epoch": self._epoch, "tracks": dict(self._tracks), "events": [e for e in self._events if e["pid"] == 1]}
+
+    def merge(self, exported: Mapping[str, Any], *, process: str) -> None:
+        """Add another tracer's `export()` as the process `process`, its times moved onto this
+        tracer's clock by the two tracers' wall-clock starts."""
+        shift = (exported["epoch"] - self._epoch) * 1e6
+        with self._lock:
+            pid = max(self._processes) + 1
+            self._processes[pid] = (process, dict(exported["tracks"]))
+            self._events.extend({**e, "pid": pid, "ts": e["ts"] + shift} for e in exported["events"])
 
     def save(self, path: str | Path) -> None:
         with self._lock:
-            names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": track}} for track, tid in self._tracks.items()]
-            process = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "tidal"}}]
-            Path(path).write_text(json.dumps({"traceEvents": process + names + self._events, "displayTimeUnit": "ms"}))
+            meta = []
+            for pid, (process, tracks) in self._processes.items():
+                meta.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}})
+                meta.extend({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}} for track, tid in tracks.items())
+            Path(path).write_text(json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}))

@@ -76,6 +76,7 @@ class RemoteRollouts:
         self._rollouts, self._server, self._wiring, self._actors = rollouts, server, wiring, actors
         self._info_path = Path(info_path)
         self._seats = seats  # (Turns actor, seat name) of each actor that time-shares a trainer rank's devices
+        self.timelines: list[dict[str, Any] | None] = []  # each actor's spans (`Tracer.export`), once closed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rollouts, name)
@@ -85,6 +86,7 @@ class RemoteRollouts:
 
         self._rollouts.stop()
         info = json.loads(self._info_path.read_text())
+        self.timelines = [summary.pop("timeline", None) for summary in self._rollouts.summaries]  # for the run's timeline.json
         info["rollout_summaries"] = self._rollouts.summaries  # filled when the actors returned
         info["rollout_restarts"] = self._rollouts.restarts
         info["versions_replaced"] = self._rollouts.versions_replaced

@@ -458,6 +458,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     finally:
         if remote is not None:
             remote.close()
+            for i, timeline in enumerate(remote.timelines):
+                if timeline is not None:  # an actor that died last has none
+                    tracer.merge(timeline, process=f"rollout actor {i}")
         timeshare = sharing.summary() if sharing is not None else None
         if sharing is not None:
             sharing.close()

@@ -61,6 +61,19 @@ def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
     assert [d["platform"]["kind"] for d in info["rollout_actors"]] == ["cpu"]
     _learned(steps)
     assert "held-out accuracy" in out.stdout
+    # the rollout actor's spans are in the run's timeline, as a process of their own, on the trainer's clock
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert sorted(processes.values()) == ["rollout actor 0", "tidal"]
+    (actor_pid,) = [pid for pid, name in processes.items() if name == "rollout actor 0"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    generates = [e for e in spans if e["pid"] == actor_pid and e["name"] == "generate"]
+    assert generates and all(tracks[(actor_pid, e["tid"])] == "rollout" for e in generates)
+    assert {e["name"] for e in spans if e["pid"] == actor_pid} >= {"generate", "weight update"}
+    trains = [e for e in spans if e["pid"] != actor_pid and e["name"] == "train"]
+    # rollout ran while the trainer trained: their spans overlap on the common clock
+    assert min(e["ts"] for e in generates) < max(e["ts"] for e in trains) and max(e["ts"] for e in generates) > min(e["ts"] for e in trains)
 
 
 @pytest.mark.slow

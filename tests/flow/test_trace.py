@@ -1,0 +1,44 @@
+"""`Tracer`: spans in Chrome trace format, and another process's spans merged onto its clock."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tidal.flow.trace import Tracer
+
+
+def test_spans_are_saved_as_tracks_of_one_process(tmp_path):
+    tracer = Tracer()
+    with tracer.span("train", "train", step=1):
+        pass
+    tracer.instant("rollout", "paused")
+    tracer.save(tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == ["tidal"]
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"train", "rollout"}
+    (span,) = [e for e in events if e["ph"] == "X"]
+    assert span["name"] == "train" and span["args"] == {"step": 1} and span["dur"] >= 0
+
+
+def test_a_merged_tracer_becomes_a_process_of_its_own_on_this_clock(tmp_path):
+    here = Tracer()
+    time.sleep(0.05)
+    there = Tracer()  # started 50 ms later: its zero is 50 ms into `here`'s timeline
+    with there.span("rollout", "generate", samples=8):
+        time.sleep(0.01)
+    with here.span("train", "train"):
+        pass
+    exported = json.loads(json.dumps(there.export()))  # what travels back from an actor: plain data
+    here.merge(exported, process="rollout actor 0")
+    assert [e["name"] for e in here.spans()] == ["train"]  # `spans` are this process's own
+    here.save(tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {1: "tidal", 2: "rollout actor 0"}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert tracks == {(1, 1): "train", (2, 1): "rollout"}
+    (generate,) = [e for e in events if e["ph"] == "X" and e["pid"] == 2]
+    assert generate["name"] == "generate" and generate["args"] == {"samples": 8}
+    assert 40e3 < generate["ts"] < 1e6  # shifted by the 50 ms between the two starts
+    assert generate["dur"] >= 10e3
