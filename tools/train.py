@@ -329,7 +329,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
     held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
     held_out = {item["prompt"] for item in held_items} if cfg.task.exclude_eval_prompts else set()
-    tracer = Tracer()
+    tracer = Tracer(process="trainer" if start_rollouts is not None else "tidal")  # on Ray, rollout actors' spans join as processes of their own
     budget = cfg.rollout.max_new_tokens
 
     resume_from = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None

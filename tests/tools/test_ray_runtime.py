@@ -64,7 +64,7 @@ def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
     # the rollout actor's spans are in the run's timeline, as a process of their own, on the trainer's clock
     trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
-    assert sorted(processes.values()) == ["rollout actor 0", "tidal"]
+    assert sorted(processes.values()) == ["rollout actor 0", "trainer"]
     (actor_pid,) = [pid for pid, name in processes.items() if name == "rollout actor 0"]
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
     spans = [e for e in trace if e["ph"] == "X"]
