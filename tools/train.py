@@ -9,6 +9,7 @@ optimizer and store state for resume) and `summary.json` (accuracy before and af
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import itertools
@@ -275,6 +276,7 @@ def _one_process_group(train_cls: Any, platform: Any) -> Path | None:
         return None
     fd, name = tempfile.mkstemp(prefix="tidal-group-")
     os.close(fd)
+    atexit.register(Path(name).unlink, missing_ok=True)  # gone even when the run raises (train() removes it when it ends)
     platform.init_process_group(rank=0, world_size=1, init_method=f"file://{name}")
     return Path(name)
 
