@@ -264,7 +264,8 @@ class CollectiveWiring:
 DEATH_NOTICE_S = 120.0
 """How long a failed weight send waits for a dead rollout actor to be back (then it is retried)."""
 SEND_ON_STOP_S = 10.0
-"""How long stopping waits for a version still being sent (`transport.overlap`) before it stops the actors."""
+"""How long stopping waits for the last version to be sent (`transport.overlap`) and, at
+each rollout actor, to arrive, before it stops anyway."""
 RESTART_WAIT_S = 90.0
 """How long a dead rollout actor may take to restart (build its engine) before the run fails."""
 

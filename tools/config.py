@@ -456,7 +456,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
 _AT_LEAST = {
     "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0,
     "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
-    "task.num_eval_prompts": 1, "sft.steps": 0, "sft.batch_size": 1,
+    "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
     "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1,
     "train.micro_batch_size": 1, "train.weight_decay": 0,
     "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
