@@ -9,13 +9,17 @@ Every system moves the same rows between a producer process and a consumer proce
 - hand-off latency: a consumer already waits in `get`; the time from the producer's
   `put` call to that `get` returning the row (p50, p99).
 
-Systems: `tidal` (a store server process holds metadata and data), `tidal-embedded`
+Systems: `tidal` (a store server process holds metadata and data; on one host, large
+buffers go through shared memory, see `flow/store/shm.py`), `tidal-socket` (the same with
+shared memory off: every byte crosses the store's sockets), `tidal-embedded`
 (the store and its server live in the producer's process: a put is a local call and
 rows cross one process boundary, to the consumer), `tidal-split` (the controller in the
 server process, the data on a storage unit inside the producer, read by the consumer
 straight from it), `transferqueue` (0.1.11 on Ray, when the
 `[bench]` extra is installed) and `raw-zmq` (the same frames PUSHed from producer to
-consumer: the machine's limit for this pattern). Ratios are against TransferQueue and
+consumer: the machine's limit for socket transfers). The tidal producers keep up to
+`put_window` puts in flight (`RemoteStore.submit_put`; 1: each put waits for its reply,
+as TransferQueue's does). Ratios are against TransferQueue and
 raw ZeroMQ measured in the same run. `transport="ipc"` runs tidal and raw ZeroMQ over
 Unix-domain sockets (`ipc://`, for same-machine deployments) instead of loopback TCP.
 Before the clock starts, every system moves the whole workload once, untimed (sockets
@@ -26,6 +30,7 @@ comparable across processes).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import multiprocessing as mp
@@ -41,7 +46,9 @@ import torch
 SMALL = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "logprobs": ("float32", (256,)), "reward": ("float32", (1,))}
 LARGE = {"blob": ("uint8", (1 << 20,))}
 LATENCY = {"logprobs": ("float32", (256,))}
-SYSTEMS = ("tidal", "tidal-embedded", "tidal-split", "raw-zmq", "transferqueue")
+SYSTEMS = ("tidal", "tidal-socket", "tidal-embedded", "tidal-split", "raw-zmq", "transferqueue")
+PUT_WINDOW = 4
+"""Puts a tidal producer keeps in flight by default (`submit_put`)."""
 TRANSPORTS = ("tcp", "ipc")
 _endpoints = itertools.count()
 
@@ -87,26 +94,35 @@ def _serve(ready: Any, stop: Any, transport: str = "tcp") -> None:
         stop.wait()
 
 
-def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any, unit_ready: Any, stop: Any, transport: str = "tcp") -> None:
+def _tidal_producer(address: str, split: bool, work: Workload, go: Any, out: Any, unit_ready: Any, stop: Any, transport: str = "tcp", shm: bool = True, window: int = PUT_WINDOW) -> None:
     from tidal.flow.store import StorageUnit
     from tidal.flow.store.client import RemoteStore
     from tidal.flow.store.server import StoreServer
 
     unit = StoreServer(unit=StorageUnit(), address=endpoint(transport)) if split else None
-    store = RemoteStore(address, unit=unit)
+    store = RemoteStore(address, unit=unit, shm=shm)
     batches = work.batches()
     unit_ready.put(True)
-    for batch in batches:  # the warm-up pass, drained by the consumer before it says go
-        store.put(_warm(work), batch, timeout=60)
+    _put_all(store, _warm(work), batches, window)  # the warm-up pass, drained by the consumer before it says go
     go.wait()
     start = time.perf_counter()
-    for batch in batches:
-        store.put(work.name, batch, timeout=60)
+    _put_all(store, work.name, batches, window)
     out.put(("start", start))
     stop.wait()  # a split producer serves its unit until the consumer is done
     store.close()
     if unit is not None:
         unit.close()
+
+
+def _put_all(store: Any, partition: str, batches: list[dict[str, torch.Tensor]], window: int) -> None:
+    """Put every batch, with up to `window` puts in flight."""
+    pending: collections.deque[Any] = collections.deque()
+    for batch in batches:
+        pending.append(store.submit_put(partition, batch, timeout=60))
+        if len(pending) >= window:
+            pending.popleft().result()
+    for put in pending:
+        put.result()
 
 
 def _embedded_producer(work: Workload, ready: Any, go: Any, out: Any, stop: Any, transport: str = "tcp") -> None:
@@ -156,10 +172,10 @@ def embedded_latency(num_trials: int, transport: str = "tcp") -> list[float]:
         return _time_handoffs(ctx, server.address, store.put, num_trials)
 
 
-def _tidal_consumer(address: str, work: Workload, go: Any, out: Any) -> None:
+def _tidal_consumer(address: str, work: Workload, go: Any, out: Any, shm: bool = True) -> None:
     from tidal.flow.store.client import RemoteStore
 
-    store = RemoteStore(address)
+    store = RemoteStore(address, shm=shm)
     _drain(store, _warm(work), work)
     go.set()
     _drain(store, work.name, work)
@@ -184,7 +200,7 @@ def _warm(work: Workload) -> str:
     return f"{work.name}-warmup"
 
 
-def tidal_throughput(work: Workload, *, split: bool, transport: str = "tcp") -> dict[str, float]:
+def tidal_throughput(work: Workload, *, split: bool, transport: str = "tcp", shm: bool = True, window: int = PUT_WINDOW) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     ready, out, unit_ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop, go = ctx.Event(), ctx.Event()
@@ -197,8 +213,8 @@ def tidal_throughput(work: Workload, *, split: bool, transport: str = "tcp") -> 
     for name in (_warm(work), work.name):
         admin.create_partition(name, consumers=["c"])
     admin.close()
-    producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop, transport), daemon=True)
-    consumer = ctx.Process(target=_tidal_consumer, args=(address, work, go, out), daemon=True)
+    producer = ctx.Process(target=_tidal_producer, args=(address, split, work, go, out, unit_ready, stop, transport, shm, window), daemon=True)
+    consumer = ctx.Process(target=_tidal_consumer, args=(address, work, go, out, shm), daemon=True)
     producer.start()
     try:
         unit_ready.get(timeout=60)
@@ -358,9 +374,12 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3}
 
 
-def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: int = 3, transport: str = "tcp", progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: int = 3, transport: str = "tcp", put_window: int = PUT_WINDOW, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
     """Measure every system; each throughput is the best of `repeats` runs. `transport`
-    ("tcp" or "ipc") is what tidal and raw ZeroMQ run over (TransferQueue uses Ray's)."""
+    ("tcp" or "ipc") is what tidal and raw ZeroMQ run over (TransferQueue uses Ray's);
+    `put_window` is how many puts a tidal producer keeps in flight."""
+    if put_window < 1:
+        raise ValueError(f"put_window must be >= 1, got {put_window}")
     endpoint(transport)  # fails early on an unknown transport
     small = Workload("small", SMALL, 4096, 256)
     large = Workload("large", LARGE, 64, 8)
@@ -380,10 +399,10 @@ def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 100, repeats: i
         elif system == "tidal-embedded":
             throughput = lambda w: embedded_throughput(w, transport)  # noqa: E731
             latency = lambda n: embedded_latency(n, transport)  # noqa: E731
-        elif system in ("tidal", "tidal-split"):
-            split = system == "tidal-split"
-            throughput = lambda w, split=split: tidal_throughput(w, split=split, transport=transport)  # noqa: E731
-            latency = (lambda n: tidal_latency(n, transport)) if not split else None  # type: ignore[assignment]
+        elif system in ("tidal", "tidal-socket", "tidal-split"):
+            split, shm = system == "tidal-split", system != "tidal-socket"
+            throughput = lambda w, split=split, shm=shm: tidal_throughput(w, split=split, transport=transport, shm=shm, window=put_window)  # noqa: E731
+            latency = (lambda n: tidal_latency(n, transport)) if system == "tidal" else None  # type: ignore[assignment]  # one-row puts never use shared memory
         else:
             raise ValueError(f"unknown system {system!r}; systems: {', '.join(SYSTEMS)}")
         progress(f"{system}: small rows")

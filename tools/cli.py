@@ -93,12 +93,13 @@ BENCH_HELP = """\
 Run a benchmark and print its table (ratios against baselines measured in the same run).
 
   store   the streaming store across processes: small rows (4096 x 4 columns of 256),
-          1 MB rows and one-row hand-off latency, for tidal (one store server process),
-          tidal-embedded (the store in the producer's process), tidal-split (the data
-          on the producer's storage unit), TransferQueue 0.1.11 (installed with the
+          1 MB rows and one-row hand-off latency, for tidal (one store server process;
+          large buffers through shared memory), tidal-socket (the same, every byte over
+          its sockets), tidal-embedded (the store in the producer's process), tidal-split
+          (the data on the producer's storage unit), TransferQueue 0.1.11 (installed with the
           [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same frames.
-          Every system moves the workload once untimed before the clock starts. Takes
-          a few minutes on 2 cores.
+          Every system moves the workload once untimed before the clock starts; tidal's
+          producers keep --put-window puts in flight. Takes a few minutes on 2 cores.
   e2e     the quickstart trained with async GRPO (max_staleness=1) in one process and
           on Ray (trainer and rollout actors), and sync GRPO (max_staleness=0), from
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and
@@ -151,10 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights)", description=BENCH_HELP, formatter_class=fmt)
     bench.add_argument("name", choices=["store", "e2e", "weights"], help="which benchmark")
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
-    bench.add_argument("--systems", default="tidal,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
+    bench.add_argument("--systems", default="tidal,tidal-socket,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
+    bench.add_argument("--put-window", type=int, default=4, help="store: puts a tidal producer keeps in flight; 1 waits for each reply (default: 4)")
     bench.add_argument("--steps", type=int, default=200, help="e2e: RL steps per run (default: 200)")
     bench.add_argument("--seeds", default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
     bench.add_argument("--sizes", default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
@@ -208,7 +210,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"tidal bench: error: unknown system(s) {unknown}; systems: {', '.join(bench_store.SYSTEMS)}", file=sys.stderr)
         return 2
-    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, transport=args.transport, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, transport=args.transport, put_window=args.put_window, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

@@ -30,6 +30,21 @@ def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | Non
     return ok, why
 
 
+def shared_memory() -> dict[str, Any]:
+    """`/dev/shm`, where the store and the weight transport put large buffers: whether it
+    is usable, its free bytes, and tidal's files in it now (with no tidal process running,
+    these were left by killed processes and can be deleted)."""
+    from tidal.flow.store import shm  # noqa: PLC0415
+
+    files = shm.leftovers()
+    try:
+        st = os.statvfs(shm.DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    return {"dir": shm.DIR, "usable": shm.host_id() is not None, "free_bytes": free, "files": files, "files_bytes": sum(files.values())}
+
+
 def report() -> tuple[dict[str, Any], int]:
     """Everything doctor shows, as plain data, and the exit code (0, or 1 if no platform)."""
     from tidal.hal import PlatformError, select  # noqa: PLC0415
@@ -38,7 +53,7 @@ def report() -> tuple[dict[str, Any], int]:
 
     from tidal.hal.versions import package_versions  # noqa: PLC0415
 
-    data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": []}
+    data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": [], "shared_memory": shared_memory()}
     code = 0
     try:
         sel = select.select_platform()
@@ -110,3 +125,12 @@ def render(data: dict[str, Any]) -> None:
         ok = "[green]yes[/]" if r["runs_here"] else "[red]no[/]"
         recipes.add_row(escape(r["recipe"]), escape(r["device"]), r["runtime"], ok, escape(r["why"]))
     console.print(recipes)
+
+    shared = data["shared_memory"]
+    if not shared["usable"]:
+        console.print(f"shared memory: {shared['dir']} is not usable; the store sends every row over its sockets")
+    else:
+        line = f"shared memory: {shared['dir']}, {shared['free_bytes'] / 2**30:.1f} GiB free"
+        if shared["files"]:
+            line += f"; {len(shared['files'])} tidal files ({shared['files_bytes'] / 2**20:.1f} MiB): delete them if no tidal process runs"
+        console.print(escape(line))

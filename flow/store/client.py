@@ -10,6 +10,10 @@ Split deployment: give `unit=` a `StoreServer` that serves a local `StorageUnit`
 address of one). Then `put` writes each column into that unit as one chunk - in process,
 zero copy - and sends the controller only where it lives and its rows' sizes; `get` asks
 the controller which rows to take and reads them straight from the units that hold them.
+
+Shared memory: with a server on the same host (same `/dev/shm`, checked with one ping
+per server), large buffers go through shared-memory segments instead of the socket, both
+ways (see `shm`): a put writes its rows once, a get maps them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 import zmq
 
+from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of
@@ -49,6 +54,7 @@ class RemoteStore:
     `token` defaults to the `TIDAL_STORE_TOKEN` environment variable. Calls that do not
     wait for data fail with `StoreError` when the server has not replied within
     `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that.
+    `shm=False` keeps every byte on the socket even when the server shares this host.
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class RemoteStore:
         token: str | None = None,
         unit: StoreServer | str | None = None,
         rpc_timeout_s: float = 60.0,
+        shm: bool = True,
     ) -> None:
         self.address = address
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -74,6 +81,10 @@ class RemoteStore:
         self._keys = itertools.count()
         self._uid = uuid.uuid4().hex[:12]
         self._closed = False
+        self._host = _shm.host_id() if shm else None
+        self._writer = _shm.Writer()
+        self._segments = _shm.Segments(own=False)
+        self._shared: dict[str, bool] = {}  # server address -> shares our /dev/shm
 
     # Plumbing ---------------------------------------------------------------------------
     def _socket(self, address: str) -> zmq.Socket:
@@ -94,8 +105,31 @@ class RemoteStore:
     def _send(self, address: str, op: str, args: dict[str, Any]) -> tuple[zmq.Socket, int]:
         sock = self._socket(address)
         request_id = next(self._ids)
-        sock.send_multipart(pack({"op": op, "id": request_id, "token": self.token, "args": args}), copy=False)
+        message = {"op": op, "id": request_id, "token": self.token, "args": args}
+        if self._shares_host(address):
+            message["host"] = self._host
+            frames = pack(message, writer=self._writer)
+        else:
+            frames = pack(message)
+        sock.send_multipart(frames, copy=False)
         return sock, request_id
+
+    def shares_host(self, address: str | None = None) -> bool:
+        """Whether large buffers to and from the server at `address` (default: the store's)
+        go through shared memory."""
+        return self._shares_host(address or self.address)
+
+    def _shares_host(self, address: str) -> bool:
+        shared = self._shared.get(address)
+        if shared is None:
+            shared = False
+            if self._host is not None:  # one ping per server: does it see our /dev/shm?
+                sock = self._socket(address)
+                request_id = next(self._ids)
+                sock.send_multipart(pack({"op": "ping", "id": request_id, "token": self.token, "args": {}}))
+                shared = self._receive(sock, request_id, address, "ping", self.rpc_timeout_s).get("host") == self._host
+            self._shared[address] = shared
+        return shared
 
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
         timeout_ms = -1 if wait_s is None else int(wait_s * 1000) + 1
@@ -103,19 +137,24 @@ class RemoteStore:
         if timeouts.get(sock) != timeout_ms:  # one blocking receive with a timeout, not a poll and then a receive
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             timeouts[sock] = timeout_ms
-        while True:  # one blocking wait per reply; skips late replies to abandoned requests
+        stash = self._tls.__dict__.setdefault("stash", {})  # replies to this thread's other submitted puts
+        reply = stash.pop(request_id, None)
+        while reply is None:  # one blocking wait per reply; skips late replies to abandoned requests
             try:
-                reply = unpack(sock.recv_multipart(copy=False))
+                reply = unpack(sock.recv_multipart(copy=False), segments=self._segments)
             except zmq.Again:
                 raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:.0f}s; is it running?") from None
             except WireError as e:
                 raise StoreError(f"malformed reply from store server {address}: {e}") from e
-            if reply.get("id") != request_id and reply.get("id") is not None:
-                continue
-            if reply.get("ok"):
-                return reply.get("result")
-            kind, message = reply.get("error"), reply.get("message")
-            raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
+            reply_id = reply.get("id")
+            if reply_id != request_id and reply_id is not None:
+                if reply_id in self._tls.__dict__.get("submitted", ()):
+                    stash[reply_id] = reply
+                reply = None
+        if reply.get("ok"):
+            return reply.get("result")
+        kind, message = reply.get("error"), reply.get("message")
+        raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
 
     def _call(self, op: str, args: dict[str, Any], *, wait: float | None = 0.0, address: str | None = None) -> Any:
         """`wait`: how long the server may legitimately wait (None: without bound)."""
@@ -166,29 +205,50 @@ class RemoteStore:
         unit the data goes there and the controller gets references."""
         if cancel is not None:
             return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=t, ack=ack))
+        return self.submit_put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=timeout, ack=ack).result()
+
+    def submit_put(
+        self,
+        partition: str,
+        columns: Mapping[str, Any],
+        indexes: Sequence[int] | None = None,
+        *,
+        groups: Sequence[Any] | None = None,
+        versions: Sequence[int | None] | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        timeout: float | None = None,
+        ack: tuple[str, str, Sequence[int]] | None = None,
+    ) -> PendingPut:
+        """Send a put and return before its reply: a producer keeps several in flight
+        (pipelined on this thread's connection, applied by the server in the order sent)
+        and reads each one's indexes, or error, with `PendingPut.result()` in this thread.
+        The columns must not change until then. `Store.submit_put` is the same call."""
         if not columns:
             raise ValueError("put needs at least one column")
         then_ack = None if ack is None else {"consumer": ack[0], "partition": ack[1], "indexes": as_indexes(ack[2])}
         meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout, "ack": then_ack}
-        if self.unit_address is None:
-            args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
-            return list(self._call("put", args, wait=timeout))
-        num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
-        keys, remote = [], {}
+        keys: list[str] = []
         try:
-            for name, value in columns.items():
-                chunk = check_column(name, value, num_rows)
-                key = f"{self._uid}-{next(self._keys)}"
-                if self._local_unit is not None:
-                    self._local_unit.unit.write(key, chunk)  # in process: zero copy
-                else:
-                    self._call("unit_write", {"key": key, "chunk": encode_column(chunk) if isinstance(chunk, list) else {"stacked": chunk}}, address=self.unit_address)
-                keys.append(key)
-                remote[name] = RemoteChunk(self.unit_address, key, cell_sizes(chunk)).wire
-            return list(self._call("put", {"partition": partition, "remote": remote, "indexes": _plain(indexes), **meta}, wait=timeout))
+            if self.unit_address is None:
+                args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
+            else:
+                num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
+                remote = {}
+                for name, value in columns.items():
+                    chunk = check_column(name, value, num_rows)
+                    key = f"{self._uid}-{next(self._keys)}"
+                    if self._local_unit is not None:
+                        self._local_unit.unit.write(key, chunk)  # in process: zero copy
+                    else:
+                        self._call("unit_write", {"key": key, "chunk": encode_column(chunk) if isinstance(chunk, list) else {"stacked": chunk}}, address=self.unit_address)
+                    keys.append(key)
+                    remote[name] = RemoteChunk(self.unit_address, key, cell_sizes(chunk)).wire
+                args = {"partition": partition, "remote": remote, "indexes": _plain(indexes), **meta}
+            sock, request_id = self._send(self.address, "put", args)
         except BaseException:
             self._drop_chunks(keys)  # the controller never took them: free them on the unit
             raise
+        return PendingPut(self, sock, request_id, None if timeout is None else timeout + self.rpc_timeout_s, keys)
 
     def _drop_chunks(self, keys: list[str]) -> None:
         if not keys:
@@ -290,6 +350,45 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PendingPut:
+    """A put sent by `RemoteStore.submit_put`; `result()` waits for its reply."""
+
+    def __init__(self, client: RemoteStore, sock: zmq.Socket, request_id: int, wait_s: float | None, keys: list[str]) -> None:
+        self._client, self._sock, self._id, self._wait_s, self._keys = client, sock, request_id, wait_s, keys
+        self._thread = threading.current_thread()
+        self._outcome: tuple[bool, Any] | None = None
+        tls = client._tls.__dict__  # noqa: SLF001 - its own client's per-thread state
+        self._submitted, self._stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
+        self._submitted.add(request_id)  # its reply is kept if another request's wait reads it
+
+    def result(self) -> list[int]:
+        """The new rows' indexes; raises what `put` would have raised. Call it in the
+        thread that submitted the put (its connection is that thread's)."""
+        if self._outcome is None:
+            if threading.current_thread() is not self._thread:
+                raise RuntimeError(f"read a pending put's result in the thread that submitted it ({self._thread.name})")
+            client = self._client
+            try:
+                self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001 - its own client
+            except BaseException as e:
+                self._outcome = (False, e)
+                client._drop_chunks(self._keys)  # noqa: SLF001 - the controller never took them
+            finally:
+                self._forget()
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _forget(self) -> None:
+        self._submitted.discard(self._id)
+        self._stash.pop(self._id, None)
+
+    def __del__(self) -> None:
+        if self._outcome is None:  # never read: its reply, when it comes, is dropped
+            self._forget()
 
 
 CANCEL_CHECK_S = 1.0

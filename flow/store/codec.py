@@ -94,9 +94,18 @@ def _raw(arr: np.ndarray, buffers: list[Any]) -> dict[str, Any]:
 def encode(value: Any) -> tuple[bytes, list[Any]]:
     """Return (msgpack header, raw buffers). Buffers share memory with the input; each is
     a contiguous 1-D array or memoryview (anything with the buffer protocol and `nbytes`)."""
+    tree, buffers = encode_tree(value)
+    return pack_header(tree), buffers
+
+
+def encode_tree(value: Any) -> tuple[Any, list[Any]]:
+    """`encode` before msgpack: the header as plain data (to add to), and the buffers."""
     buffers: list[Any] = []
-    header = msgpack.packb(_encode(value, buffers), use_bin_type=True)
-    return header, buffers
+    return _encode(value, buffers), buffers
+
+
+def pack_header(tree: Any) -> bytes:
+    return msgpack.packb(tree, use_bin_type=True)
 
 
 def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
@@ -167,8 +176,16 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
 
 def decode(header: bytes, buffers: Sequence[Any], *, copy: bool = False) -> Any:
     """Inverse of `encode`. With `copy=False` arrays share memory with writable buffers."""
+    return decode_tree(unpack_header(header), buffers, copy=copy)
+
+
+def unpack_header(header: bytes) -> Any:
     try:
-        obj = msgpack.unpackb(header, raw=False, strict_map_key=False)
+        return msgpack.unpackb(header, raw=False, strict_map_key=False)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
         raise CodecError(f"header is not valid msgpack: {e}") from e
-    return _decode(obj, buffers, copy)
+
+
+def decode_tree(tree: Any, buffers: Sequence[Any], *, copy: bool = False) -> Any:
+    """Inverse of `encode_tree`."""
+    return _decode(tree, buffers, copy)

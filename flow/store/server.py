@@ -38,6 +38,7 @@ import zmq
 import zmq.utils.monitor
 
 from tidal.flow.store import persist
+from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.table import Store, StoreTimeout
@@ -63,6 +64,8 @@ class _Peer:
         self.fd = fd
         self.alive = True
         self.holder = next(_holders)
+        self.shm = False
+        """Whether it shares this server's `/dev/shm`: replies may name segments."""
 
 
 @dataclasses.dataclass
@@ -80,6 +83,8 @@ class StoreServer:
 
     `address` is a ZeroMQ endpoint; port 0 picks a free port (read `server.address`).
     Binding anything but loopback requires `token`, which every request must carry.
+    With `shm` (the default), clients on this host send large buffers through shared
+    memory and get rows that arrived that way as references to it (see `shm`).
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class StoreServer:
         unit: StorageUnit | None = None,
         address: str = "tcp://127.0.0.1:0",
         token: str | None = None,
+        shm: bool = True,
     ) -> None:
         if store is None and unit is None:
             raise ValueError("StoreServer needs a store, a storage unit, or both")
@@ -96,6 +102,9 @@ class StoreServer:
         self.store, self.unit, self.token = store, unit, token
         self.num_malformed = 0
         self.num_errors = 0
+        self.host = _shm.host_id() if shm else None
+        self.segments = _shm.Segments(own=True) if self.host is not None else None
+        """Shared-memory segments this server has mapped (and unlinks when it lets go)."""
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -153,6 +162,8 @@ class StoreServer:
             self._closed = True
             self._waker.send(_STOP)
         self._thread.join(timeout=10)
+        if self.segments is not None:
+            self.segments.unlink_all()  # no client can ask for them now; mappings stay valid
         self._waker.close(linger=0)
         self._ctx.destroy(linger=0)
 
@@ -282,7 +293,8 @@ class StoreServer:
             peer = self._peers[identity] = self._by_fd[fd] = _Peer(identity, fd)
         request_id = None
         try:
-            message = unpack(frames[1:])
+            message = unpack(frames[1:], segments=self.segments, token=self.token)
+            peer.shm = self.host is not None and message.get("host") == self.host
             request_id = message.get("id") if isinstance(message.get("id"), int) else None
             op, request_id, args = check_request(message, self._ops)
             args.pop("waiting_since", None)  # set only by the server itself
@@ -358,7 +370,7 @@ class StoreServer:
             self._reply(peer, request_id, result)
 
     def _reply(self, peer: _Peer, request_id: int, result: Any) -> None:
-        frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result})]
+        frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result}, owned=self.segments if peer.shm else None)]
         with self._lock:
             if not self._closed:
                 self._router.send_multipart(frames, copy=False)
@@ -375,7 +387,7 @@ class StoreServer:
 
     # Store ops --------------------------------------------------------------------------
     def _ping(self, peer: _Peer, args: dict[str, Any]) -> dict[str, Any]:
-        return {"store": self.store is not None, "unit": self.unit is not None}
+        return {"store": self.store is not None, "unit": self.unit is not None, "host": self.host}
 
     def _create_partition(self, peer: _Peer, a: dict[str, Any]) -> None:
         assert self.store is not None

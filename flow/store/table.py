@@ -51,6 +51,16 @@ def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> Non
             raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
 
 
+class Done:
+    """A put that has already happened: `result()` returns its indexes."""
+
+    def __init__(self, indexes: list[int]) -> None:
+        self._indexes = indexes
+
+    def result(self) -> list[int]:
+        return self._indexes
+
+
 class Store:
     """A thread-safe in-process store. `runtime: local` uses it directly (zero copy)."""
 
@@ -203,6 +213,10 @@ class Store:
                 self._ack_many(*then_ack)
             self._notify()
             return result if as_range or isinstance(result, list) else list(result)
+
+    def submit_put(self, partition: str, columns: Mapping[str, Any], indexes: Sequence[int] | None = None, **kwargs: Any) -> Done:
+        """`put`, in the form `RemoteStore.submit_put` has (in process it is done already)."""
+        return Done(self.put(partition, columns, indexes, **kwargs))
 
     def _put_cells(self, part: Partition, name: str, chunk: Any, sizes: np.ndarray, where: np.ndarray, num_rows: int) -> None:
         """Column `name` of existing rows `where` becomes rows 0.. of `chunk`."""

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.flow.store.codec import CodecError, decode, encode
+from tidal.flow.store import shm
+from tidal.flow.store.codec import CodecError, decode_tree, encode_tree, pack_header, unpack_header
 from tidal.flow.store.cells import Batch, as_indexes, rows_of
 from tidal.flow.store.units import RemoteChunk
 
@@ -37,22 +38,51 @@ class WireError(ValueError):
     """A message that is not a valid request or reply."""
 
 
-def pack(message: Mapping[str, Any]) -> list[Any]:
-    header, buffers = encode(message)
-    return [header, *buffers]
+def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned: shm.Segments | None = None) -> list[Any]:
+    """`[header, *buffers]`. With `writer` and/or `owned`, large buffers go by shared
+    memory (see `shm`): the header's `shm` entry says where, their frames are empty."""
+    tree, buffers = encode_tree(message)
+    if (writer is not None or owned is not None) and buffers:
+        placed = shm.place(buffers, writer=writer, owned=owned)
+        if placed:
+            tree["shm"] = placed
+            for i, *_ in placed:
+                buffers[i] = b""
+    return [pack_header(tree), *buffers]
 
 
-def unpack(frames: Sequence[Any]) -> dict[str, Any]:
-    """Decode `[header, *buffers]`; raises `WireError` for anything malformed."""
+def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token: str | None = None) -> dict[str, Any]:
+    """Decode `[header, *buffers]`; raises `WireError` for anything malformed. Buffers in
+    shared memory are mapped through `segments`, and only for a message carrying `token`;
+    without `segments` such a message is refused."""
     if not frames:
         raise WireError("empty message")
     try:
-        message = decode(bytes(frames[0]), [memoryview(f) for f in frames[1:]])
-    except CodecError as e:
+        message = unpack_header(bytes(frames[0]))
+        if not isinstance(message, dict):
+            raise WireError(f"message must be a map, got {type(message).__name__}")
+        buffers: list[Any] = [memoryview(f) for f in frames[1:]]
+        placed = message.pop("shm", None)
+        if placed is not None:
+            _map_placed(placed, buffers, segments, token, message)
+        return decode_tree(message, buffers)
+    except (CodecError, shm.ShmError) as e:
         raise WireError(str(e)) from e
-    if not isinstance(message, dict):
-        raise WireError(f"message must be a map, got {type(message).__name__}")
-    return message
+
+
+def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, token: str | None, message: Mapping[str, Any]) -> None:
+    if segments is None:
+        raise WireError("this end takes no shared-memory buffers (another host, or shared memory is off)")
+    if not token_ok(token, message.get("token")):
+        raise WireError("shared-memory buffers need the store token: missing or wrong")
+    if not isinstance(placed, list):
+        raise WireError("shm must be a list of [buffer, segment, offset, nbytes]")
+    mapped: dict[str, Any] = {}
+    for entry in placed:
+        if not (isinstance(entry, list) and len(entry) == 4 and type(entry[0]) is int and 0 <= entry[0] < len(buffers)):
+            raise WireError(f"bad shared-memory entry {entry!r}")
+        i, name, offset, nbytes = entry
+        buffers[i] = segments.map(name, offset, nbytes, mapped)
 
 
 def check_request(message: Mapping[str, Any], ops: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]]:

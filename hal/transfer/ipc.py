@@ -19,6 +19,7 @@ import hmac
 import itertools
 import os
 import tempfile
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class IpcSender:
         self._sockets: dict[str, zmq.Socket] = {}
         self._buffer: torch.Tensor | None = None
         self._path: Path | None = None
+        self._unlink: weakref.finalize | None = None  # the file goes when this sender does, or at exit
 
     def connect(self, address: str) -> None:
         sock = zmq.Context.instance().socket(zmq.REQ)
@@ -118,6 +120,7 @@ class IpcSender:
         if device.type == "cpu":
             self._path = _SHM / f"tidal-weights-{os.getpid()}-{next(_names)}"
             self._path.touch()
+            self._unlink = weakref.finalize(self, self._path.unlink, missing_ok=True)
             os.truncate(self._path, max(nbytes, 1))
             self._buffer = torch.from_file(str(self._path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         else:
@@ -131,9 +134,10 @@ class IpcSender:
 
     def _release_file(self) -> None:
         self._buffer = None
-        if self._path is not None:
-            self._path.unlink(missing_ok=True)
-            self._path = None
+        if self._unlink is not None:
+            self._unlink()  # unlinks once, and no more at exit
+            self._unlink = None
+        self._path = None
 
     def close(self) -> None:
         for sock in self._sockets.values():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -203,6 +206,19 @@ def test_ipc_transport_shares_one_buffer_and_cleans_up():
         sender.close()
         receiver.close()
     assert not Path(path).exists()
+
+
+def test_ipc_sender_never_closed_removes_its_file_when_dropped_or_at_exit():
+    sender = IpcSender(CpuPlatform())
+    sender._ensure(4096, torch.device("cpu"))
+    path = sender._path
+    assert path is not None and path.exists()
+    del sender
+    gc.collect()
+    assert not path.exists()
+    code = "import torch; from tidal.hal.cpu import CpuPlatform; from tidal.hal.transfer.ipc import IpcSender; s = IpcSender(CpuPlatform()); s._ensure(4096, torch.device('cpu')); print(s._path)"
+    left = Path(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+    assert left.name.startswith("tidal-weights-") and not left.exists()
 
 
 def test_receivers_deliver_to_the_device_they_are_given():

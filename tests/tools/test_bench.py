@@ -93,7 +93,9 @@ def test_e2e_system_whose_roles_do_not_fit_is_skipped_saying_why(monkeypatch):
 def test_store_bench_moves_every_row_through_each_tidal_deployment():
     """The consumer process returns only once it received every row (or times out)."""
     work = bench_store.Workload("small", bench_store.SMALL, 64, 16)
-    for split in (False, True):
-        rates = bench_store.tidal_throughput(work, split=split)
-        assert rates["rows_per_s"] > 0 and rates["mb_per_s"] == pytest.approx(rates["rows_per_s"] * work.row_bytes / 1e6), split
+    for split, shm, window in ((False, True, 4), (True, True, 4), (False, False, 1)):  # tidal, tidal-split, tidal-socket one put at a time
+        rates = bench_store.tidal_throughput(work, split=split, shm=shm, window=window)
+        assert rates["rows_per_s"] > 0 and rates["mb_per_s"] == pytest.approx(rates["rows_per_s"] * work.row_bytes / 1e6), (split, shm, window)
+    with pytest.raises(ValueError, match="put_window must be >= 1"):
+        bench_store.run(systems=("tidal",), put_window=0)
     assert bench_store.embedded_throughput(work)["rows_per_s"] > 0

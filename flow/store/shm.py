@@ -1,0 +1,264 @@
+"""Shared memory for a message's large buffers between processes on one host.
+
+Over a socket, every byte of a row is copied four times between a producer and a
+consumer that talk through a store process (into the kernel and out, twice). When the
+three share a host, a message's buffers of at least `MIN_BYTES` go instead into one
+segment, a file under `/dev/shm` (RAM): the sender writes them once (`pwrite`), and the
+message carries only (segment, offset, length) for each. The store server maps the
+segment and keeps its rows as tensors over that mapping, so an in-process consumer gets
+views; when it hands those rows to a consumer on the same host, the reply names the same
+segment again and that consumer maps it too. Nothing is copied after the sender's write.
+
+Ownership: the receiver that keeps the rows (the store server) owns a segment once it
+has mapped it: the file is unlinked when the last tensor over that mapping is freed, so
+it lives exactly as long as the store holds one of its rows. Consumers map what they are
+handed after the server has mapped it and before they ack those rows; the store lets go
+of rows only when every consumer has acked them, so a segment is never unlinked before a
+consumer has opened it. Consumers map privately (copy on write): a consumer writing into
+its tensors changes only its own pages. A process killed between writing a segment and
+the server mapping it, or a store server killed before it let go of its rows, leaves the
+file behind (`/dev/shm/tidal-*`); `tidal doctor` lists them. Segment names are checked (`tidal-<hex>-<n>`, nothing else under `/dev/shm` is
+ever opened or unlinked).
+
+A sender falls back to socket frames when `/dev/shm` is missing or full; the peers'
+`host_id`s, compared once per connection, decide whether they share one `/dev/shm`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import itertools
+import logging
+import mmap
+import os
+import re
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DIR = "/dev/shm"
+MIN_BYTES = 64 * 1024
+"""Buffers from this size go into shared memory; smaller ones stay socket frames."""
+_ALIGN = 64
+_NAME = re.compile(r"tidal-[0-9a-f]{12}-[0-9]+")
+_PAGE = mmap.ALLOCATIONGRANULARITY
+_host_id: list[str | None] = []
+
+
+class ShmError(ValueError):
+    """A segment reference that cannot be followed (bad name, gone, out of range)."""
+
+
+def host_id() -> str | None:
+    """Who shares this process's `/dev/shm`: the boot and the mount, or None without one."""
+    if not _host_id:
+        try:
+            st = os.stat(DIR)
+            if not os.access(DIR, os.W_OK):
+                raise PermissionError(DIR)
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            _host_id.append(f"{boot}:{st.st_dev}:{st.st_ino}")
+        except OSError:
+            _host_id.append(None)
+    return _host_id[0]
+
+
+def _path(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ShmError(f"not a tidal shared-memory segment name: {name!r}")
+    return os.path.join(DIR, name)
+
+
+def leftovers() -> dict[str, int]:
+    """tidal's files now under `/dev/shm` and their sizes: store segments and weight
+    buffers of running processes, and any that a killed process left behind."""
+    out = {}
+    try:
+        with os.scandir(DIR) as entries:
+            for entry in entries:
+                if entry.name.startswith("tidal-") and entry.is_file(follow_symlinks=False):
+                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return dict(sorted(out.items()))
+
+
+class Writer:
+    """Writes a message's large buffers into a new segment (the sender's side)."""
+
+    def __init__(self) -> None:
+        self._prefix = f"tidal-{uuid.uuid4().hex[:12]}-"
+        self._count = itertools.count()
+        self._failed = False
+
+    def write(self, buffers: Sequence[Any]) -> tuple[str, list[int]] | None:
+        """Write `buffers` (contiguous arrays) into one new segment; return its name and
+        each buffer's offset, or None when shared memory is unavailable (use frames)."""
+        if self._failed:
+            return None
+        offsets, size = [], 0
+        for buf in buffers:
+            offsets.append(size)
+            size += -(-buf.nbytes // _ALIGN) * _ALIGN
+        name = f"{self._prefix}{next(self._count)}"
+        path = os.path.join(DIR, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError as e:
+            return self._give_up(e)
+        try:
+            os.ftruncate(fd, size)
+            for buf, offset in zip(buffers, offsets):
+                view = memoryview(buf).cast("B")
+                while view:  # pwrite may write less than asked
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise
+            return self._give_up(e)
+        os.close(fd)
+        return name, offsets
+
+    def _give_up(self, error: OSError) -> None:
+        log.warning("store: shared memory unavailable (%s); sending rows over the socket", error)
+        self._failed = True
+        return None
+
+
+class Segments:
+    """Segments this process maps; with `own`, each is unlinked when its mapping dies.
+
+    `find` says whether a buffer lies in one of the owned segments, so a reply can name
+    the segment instead of sending the bytes again.
+    """
+
+    def __init__(self, *, own: bool) -> None:
+        self.own = own
+        self._lock = threading.Lock()
+        self._bases: list[int] = []  # sorted start addresses of the owned mappings
+        self._spans: dict[int, tuple[int, str]] = {}  # start -> (size, name)
+        self.num_mapped = 0
+        self.num_referred = 0
+
+    def map(self, name: str, offset: int, nbytes: int, cache: dict[str, Any]) -> memoryview:
+        """The `nbytes` at `offset` of segment `name`. `cache` holds this message's mappings
+        (an owner maps a segment once, whole; a consumer maps each buffer's pages)."""
+        path = _path(name)
+        if not (isinstance(offset, int) and isinstance(nbytes, int)) or offset < 0 or nbytes < 0:
+            raise ShmError(f"bad range ({offset!r}, {nbytes!r}) in segment {name}")
+        if self.own:
+            mm = cache.get(name)
+            if mm is None:
+                mm = cache[name] = self._map_owned(name, path)
+            if offset + nbytes > len(mm):
+                raise ShmError(f"segment {name} holds {len(mm)} bytes; asked for {nbytes} at {offset}")
+            return memoryview(mm)[offset : offset + nbytes]
+        start = offset - offset % _PAGE
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShmError(f"segment {name} is gone: its rows were acked by every consumer, or the store restarted") from None
+        try:
+            if offset + nbytes > os.fstat(fd).st_size:
+                raise ShmError(f"segment {name} holds {os.fstat(fd).st_size} bytes; asked for {nbytes} at {offset}")
+            length = offset + nbytes - start
+            if length == 0:
+                return memoryview(bytearray())
+            mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        finally:
+            os.close(fd)
+        self.num_mapped += 1
+        return memoryview(mm)[offset - start :]
+
+    def _map_owned(self, name: str, path: str) -> mmap.mmap:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShmError(f"segment {name} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                os.unlink(path)
+                raise ShmError(f"segment {name} is empty")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        with self._lock:
+            bisect.insort(self._bases, base)
+            self._spans[base] = (size, name)
+        weakref.finalize(mm, self._unmapped, base, path)
+        self.num_mapped += 1
+        return mm
+
+    def _unmapped(self, base: int, path: str) -> None:
+        """The last tensor over an owned segment is gone (before its pages are unmapped)."""
+        with self._lock:
+            self._spans.pop(base, None)
+            k = bisect.bisect_left(self._bases, base)
+            if k < len(self._bases) and self._bases[k] == base:
+                del self._bases[k]
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def find(self, buf: np.ndarray) -> tuple[str, int] | None:
+        """(segment, offset) when `buf` lies inside an owned segment, else None."""
+        address = buf.__array_interface__["data"][0]
+        with self._lock:
+            k = bisect.bisect_right(self._bases, address) - 1
+            if k < 0:
+                return None
+            base = self._bases[k]
+            size, name = self._spans[base]
+        if address + buf.nbytes > base + size:
+            return None
+        self.num_referred += 1
+        return name, address - base
+
+    def __len__(self) -> int:
+        """How many owned segments are mapped now."""
+        return len(self._spans)
+
+    def unlink_all(self) -> None:
+        """Unlink every owned segment now (the server is closing; mappings stay valid)."""
+        with self._lock:
+            names = [name for _, name in self._spans.values()]
+        for name in names:
+            try:
+                os.unlink(os.path.join(DIR, name))
+            except FileNotFoundError:
+                pass
+
+
+def place(buffers: Sequence[Any], *, writer: Writer | None = None, owned: Segments | None = None) -> list[list[Any]]:
+    """Which of a message's buffers go by shared memory: `[[index, segment, offset, nbytes],
+    ...]`. A buffer already inside an `owned` segment is named where it lies; the others of
+    at least `MIN_BYTES` go into one new segment by `writer` (when given)."""
+    placed, fresh = [], []
+    for i, buf in enumerate(buffers):
+        if buf.nbytes < MIN_BYTES:
+            continue
+        where = owned.find(buf) if owned is not None else None
+        if where is not None:
+            placed.append([i, where[0], where[1], buf.nbytes])
+        elif writer is not None:
+            fresh.append(i)
+    if fresh:
+        written = writer.write([buffers[i] for i in fresh])  # type: ignore[union-attr]
+        if written is not None:
+            name, offsets = written
+            placed += [[i, name, offset, buffers[i].nbytes] for i, offset in zip(fresh, offsets)]
+    return placed

@@ -1,0 +1,233 @@
+"""Large buffers through shared memory between a store server and clients on one host,
+and pipelined puts (`submit_put`)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from tidal.flow.store import RemoteStore, Store, StoreError, StoreServer, StoreTimeout, shm
+from tidal.flow.store.wire import pack
+
+pytestmark = pytest.mark.skipif(shm.host_id() is None, reason="needs a writable /dev/shm")
+
+BIG = shm.MIN_BYTES // 4  # float32 elements: one row of this many is exactly MIN_BYTES
+
+
+def _ours(client: RemoteStore) -> list[str]:
+    """The segment files this client wrote that still exist."""
+    prefix = client._writer._prefix
+    return [name for name in shm.leftovers() if name.startswith(prefix)]
+
+
+@pytest.fixture
+def served():
+    store = Store()
+    store.create_partition("train", consumers=["a", "b"])
+    with StoreServer(store) as server:
+        clients = [RemoteStore(server.address, rpc_timeout_s=10) for _ in range(3)]
+        yield store, server, clients
+        for client in clients:
+            client.close()
+
+
+def test_large_rows_go_through_one_segment_and_it_goes_when_every_consumer_acked(served):
+    store, server, (producer, a, b) = served
+    x, small = torch.randn(4, BIG), torch.arange(4)
+    producer.put("train", {"x": x, "small": small})
+    assert producer.shares_host() and len(_ours(producer)) == 1  # x went by shared memory, small by the socket
+    assert len(server.segments) == 1
+    got_a = a.get("a", "train", ["x", "small"], 4, timeout=5)
+    assert torch.equal(got_a.stack("x"), x) and torch.equal(got_a.stack("small"), small)
+    assert server.segments.num_referred == 1  # the reply named the segment, it did not resend the rows
+    got_a.stack("x")[0, 0] = 1234.0  # a consumer writing into its rows changes only its own pages
+    got_b = b.get("b", "train", ["x"], 4, timeout=5)
+    assert torch.equal(got_b.stack("x"), x)  # b mapped the same segment and sees the rows as put
+    a.ack("a", "train", got_a.indexes)
+    assert len(_ours(producer)) == 1  # b has not acked: the segment stays
+    b.ack("b", "train", got_b.indexes)
+    gc.collect()
+    assert _ours(producer) == [] and len(server.segments) == 0
+    assert torch.equal(got_b.stack("x"), x)  # what a consumer holds stays valid after the unlink
+
+
+def test_a_consumer_in_another_process_maps_the_rows():
+    store = Store()
+    store.create_partition("train", consumers=["c"])
+    script = textwrap.dedent("""
+        import sys
+        from tidal.flow.store import RemoteStore
+        client = RemoteStore(sys.argv[1])
+        batch = client.get("c", "train", ["x"], 3, timeout=30)
+        print(client.shares_host(), float(batch.stack("x").sum()), client._segments.num_mapped)
+        client.ack("c", "train", batch.indexes)
+        client.close()
+    """)
+    with StoreServer(store) as server:
+        producer = RemoteStore(server.address)
+        x = torch.randn(3, BIG, dtype=torch.float64)
+        producer.put("train", {"x": x})
+        out = subprocess.run([sys.executable, "-c", script, server.address], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        shared, total, mapped = out.stdout.split()
+        assert shared == "True" and float(total) == pytest.approx(float(x.sum())) and int(mapped) == 1
+        assert server.segments.num_referred == 1
+        gc.collect()
+        assert _ours(producer) == []
+        producer.close()
+
+
+def test_shm_off_or_another_host_keeps_every_byte_on_the_socket(served, monkeypatch):
+    store, server, (producer, a, b) = served
+    off = RemoteStore(server.address, shm=False)
+    elsewhere = RemoteStore(server.address)
+    elsewhere._host = "another-boot:1:2"  # a client whose /dev/shm is not the server's
+    try:
+        x = torch.randn(2, BIG)
+        for client in (off, elsewhere):
+            client.put("train", {"x": x})
+            assert not client.shares_host() and _ours(client) == []
+        assert server.segments.num_mapped == 0
+        batch = elsewhere.get("a", "train", ["x"], 4, timeout=5)  # rows that came by socket go back by socket
+        assert torch.equal(batch.stack("x"), torch.cat([x, x])) and elsewhere._segments.num_mapped == 0
+    finally:
+        off.close()
+        elsewhere.close()
+
+
+def test_rows_in_a_segment_go_by_socket_to_a_consumer_on_another_host(served):
+    store, server, (producer, a, b) = served
+    x = torch.randn(2, BIG)
+    producer.put("train", {"x": x})
+    a._shared[server.address] = False  # as if its ping had found another /dev/shm
+    got = a.get("a", "train", ["x"], 2, timeout=5)
+    assert torch.equal(got.stack("x"), x) and a._segments.num_mapped == 0 and server.segments.num_referred == 0
+
+
+def test_a_full_dev_shm_falls_back_to_the_socket_and_leaves_nothing(served, monkeypatch):
+    store, server, (producer, a, b) = served
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "pwrite", full)
+    x = torch.randn(2, BIG)
+    producer.put("train", {"x": x})
+    assert _ours(producer) == [] and server.segments.num_mapped == 0
+    assert torch.equal(a.get("a", "train", ["x"], 2, timeout=5).stack("x"), x)
+
+
+def test_failed_and_timed_out_puts_leave_no_segment():
+    store = Store()
+    store.create_partition("train", consumers=["c"], capacity_rows=1)
+    with StoreServer(store) as server:
+        producer = RemoteStore(server.address, rpc_timeout_s=10)
+        try:
+            with pytest.raises(ValueError, match="no partition 'val'"):
+                producer.put("val", {"x": torch.randn(1, BIG)})
+            producer.put("train", {"x": torch.randn(1, BIG)})
+            with pytest.raises(StoreTimeout):  # full: parked, then given up
+                producer.put("train", {"x": torch.randn(1, BIG)}, timeout=0.2)
+            gc.collect()
+            assert len(_ours(producer)) == 1 and len(server.segments) == 1  # only the row the store holds
+        finally:
+            producer.close()
+    gc.collect()
+    assert _ours(producer) == []  # closing the server unlinks what it still held
+
+
+def test_segments_need_the_token_and_a_tidal_name():
+    with StoreServer(Store(), address="tcp://0.0.0.0:0", token="s3cret") as server:
+        address = server.address.replace("0.0.0.0", "127.0.0.1")
+        writer = shm.Writer()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(address)
+        try:
+            x = torch.randn(1, BIG)
+            for token in ("nope", "s3cret"):
+                message = {"op": "put", "id": 1, "token": token, "host": shm.host_id(), "args": {"partition": "nope", "columns": {"x": x}}}
+                sock.send_multipart(pack(message, writer=writer))
+                assert sock.poll(5000)
+                answer = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+                if token == "nope":
+                    assert not answer["ok"] and "token" in answer["message"]
+                    assert len([n for n in shm.leftovers() if n.startswith(writer._prefix)]) == 1  # never mapped, never unlinked
+                else:
+                    assert not answer["ok"] and "no partition 'nope'" in answer["message"]
+            gc.collect()
+            assert len([n for n in shm.leftovers() if n.startswith(writer._prefix)]) == 1  # the refused one is still the sender's
+        finally:
+            for name in shm.leftovers():
+                if name.startswith(writer._prefix):
+                    os.unlink(os.path.join(shm.DIR, name))
+            sock.close(linger=0)
+    segments = shm.Segments(own=True)
+    for name in ("../etc/passwd", "tidal-weights-1-0", "tidal-xyz-0", ""):
+        with pytest.raises(shm.ShmError, match="not a tidal shared-memory segment name"):
+            segments.map(name, 0, 1, {})
+
+
+def test_submitted_puts_are_pipelined_and_each_reads_its_own_outcome(served):
+    store, server, (producer, a, b) = served
+    pending = [producer.submit_put("train", {"x": torch.full((2, BIG), float(k))}) for k in range(4)]
+    bad = producer.submit_put("val", {"x": torch.zeros(1, 1)})
+    late = producer.submit_put("train", {"x": torch.full((1, 1), 9.0)})
+    assert late.result() == [8]  # read out of order: the others' replies are kept for them
+    with pytest.raises(ValueError, match="no partition 'val'"):
+        bad.result()
+    assert [p.result() for p in pending] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="no partition 'val'"):
+        bad.result()  # the outcome is kept
+    got = a.get("a", "train", ["x"], 8, timeout=5)
+    assert [float(row[0]) for row in got.columns["x"]] == [0, 0, 1, 1, 2, 2, 3, 3]
+    other = producer.submit_put("train", {"x": torch.zeros(1, 1)})
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, other.result).value))
+    thread.start()
+    thread.join()
+    assert "thread that submitted it" in str(errors[0])
+    assert other.result() == [9]
+    assert Store.submit_put(store, "train", {"x": torch.zeros(1, 1)}).result() == [10]  # in process: done already
+    assert not producer._tls.submitted and not producer._tls.stash
+
+
+def test_an_unread_submitted_put_leaves_nothing_behind(served):
+    store, server, (producer, a, b) = served
+    producer.submit_put("train", {"x": torch.zeros(1, 1)})  # dropped unread
+    gc.collect()
+    assert producer.put("train", {"x": torch.zeros(1, 1)}) == [1]
+    assert not producer._tls.submitted and not producer._tls.stash
+    with pytest.raises(StoreError, match="closed"):
+        closed = RemoteStore(server.address)
+        closed.close()
+        closed.submit_put("train", {"x": torch.zeros(1, 1)})
+
+
+def test_a_real_segment_named_with_a_bad_range_gets_an_error_reply(served):
+    store, server, (producer, a, b) = served
+    writer = shm.Writer()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.address)
+    try:
+        frames = pack({"op": "put", "id": 3, "token": None, "host": shm.host_id(), "args": {"partition": "train", "columns": {"x": torch.randn(2, BIG)}}}, writer=writer)
+        header = msgpack.unpackb(frames[0], raw=False)
+        header["shm"][0][3] *= 4  # more bytes than the segment holds
+        sock.send_multipart([msgpack.packb(header), *frames[1:]])
+        assert sock.poll(5000)
+        answer = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+        assert not answer["ok"] and answer["error"] == "WireError" and "holds" in answer["message"]
+        gc.collect()
+        assert [n for n in shm.leftovers() if n.startswith(writer._prefix)] == []  # mapped, refused, unlinked
+        assert producer.ping()["store"] is True and store.metrics()["partitions"]["train"]["rows"] == 0
+    finally:
+        sock.close(linger=0)
