@@ -62,8 +62,8 @@ the command that continues it.
 DOCTOR_HELP = textwrap.fill(f"""\
 Show the platform tidal would choose here and how it was chosen (TIDAL_DEVICE, the
 recipe, or detection), its device count, collective backend and visible-devices
-variable; the installed versions of {", ".join(PACKAGES)}; and which shipped
-recipes can run on this machine. Nothing vendor-specific is imported unless that
+variable; the installed versions of {", ".join(PACKAGES)}; which shipped
+recipes can run on this machine; and /dev/shm (usable, free space, tidal's files in it). Nothing vendor-specific is imported unless that
 platform is selected. Exits with 1 if the selected platform cannot load (the message
 says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
 """, width=88)

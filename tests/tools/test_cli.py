@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -41,6 +42,19 @@ def test_doctor_detects_cpu_here(tidal_cli):
     assert data["versions"]["torch"].startswith("2.")
     quick = next(r for r in data["recipes"] if r["recipe"] == "quickstart_cpu")
     assert quick["runs_here"] is True
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm")
+def test_doctor_lists_tidal_files_left_in_shared_memory(tidal_cli):
+    left = Path("/dev/shm") / f"tidal-weights-{os.getpid()}-999"  # as a killed sender leaves it
+    left.write_bytes(b"x" * 3000)
+    try:
+        data = json.loads(tidal_cli("doctor", "--json").stdout)["shared_memory"]
+        assert data["usable"] is True and data["free_bytes"] > 0
+        assert data["files"][left.name] == 3000 and data["files_bytes"] >= 3000
+        assert "delete them if no tidal process runs" in " ".join(tidal_cli("doctor").stdout.split())
+    finally:
+        left.unlink()
 
 
 def test_doctor_fake_npu_reports_eight_devices_with_hccl(tidal_cli):
