@@ -17,8 +17,9 @@ of rows only when every consumer has acked them, so a segment is never unlinked 
 consumer has opened it. Consumers map privately (copy on write): a consumer writing into
 its tensors changes only its own pages. A process killed between writing a segment and
 the server mapping it, or a store server killed before it let go of its rows, leaves the
-file behind (`/dev/shm/tidal-*`); `tidal doctor` lists them. Segment names are checked (`tidal-<hex>-<n>`, nothing else under `/dev/shm` is
-ever opened or unlinked).
+file behind (`/dev/shm/tidal-*`); `tidal doctor` lists them. Segment names are checked:
+nothing but `tidal-<hex>-<n>` under `/dev/shm` is ever opened or unlinked. Segments are
+created mode 0600, so the store server must run as the same user as its clients.
 
 A sender falls back to socket frames when `/dev/shm` is missing or full; the peers'
 `host_id`s, compared once per connection, decide whether they share one `/dev/shm`.
@@ -145,7 +146,7 @@ class Segments:
 
     def __init__(self, *, own: bool) -> None:
         self.own = own
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer run by the garbage collector may take it inside our own critical section
         self._bases: list[int] = []  # sorted start addresses of the owned mappings
         self._spans: dict[int, tuple[int, str]] = {}  # start -> (size, name)
         self.num_mapped = 0
@@ -169,6 +170,8 @@ class Segments:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ShmError(f"segment {name} is gone: its rows were acked by every consumer, or the store restarted") from None
+        except OSError as e:
+            raise ShmError(f"cannot open segment {name}: {e}") from e
         try:
             if offset + nbytes > os.fstat(fd).st_size:
                 raise ShmError(f"segment {name} holds {os.fstat(fd).st_size} bytes; asked for {nbytes} at {offset}")
@@ -176,6 +179,8 @@ class Segments:
             if length == 0:
                 return memoryview(bytearray())
             mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except OSError as e:  # e.g. ENOMEM: vm.max_map_count mappings already
+            raise ShmError(f"cannot map segment {name}: {e}") from e
         finally:
             os.close(fd)
         self.num_mapped += 1
@@ -186,12 +191,17 @@ class Segments:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ShmError(f"segment {name} does not exist") from None
+        except OSError as e:
+            raise ShmError(f"cannot open segment {name}: {e}") from e
         try:
             size = os.fstat(fd).st_size
             if size == 0:
-                os.unlink(path)
+                _unlink(path)
                 raise ShmError(f"segment {name} is empty")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:  # e.g. ENOMEM: vm.max_map_count mappings already; the sender's put fails
+            _unlink(path)  # the request was ours to serve, so was its segment
+            raise ShmError(f"cannot map segment {name}: {e}") from e
         finally:
             os.close(fd)
         base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
@@ -209,10 +219,7 @@ class Segments:
             k = bisect.bisect_left(self._bases, base)
             if k < len(self._bases) and self._bases[k] == base:
                 del self._bases[k]
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink(path)
 
     def find(self, buf: np.ndarray) -> tuple[str, int] | None:
         """(segment, offset) when `buf` lies inside an owned segment, else None."""
@@ -237,10 +244,14 @@ class Segments:
         with self._lock:
             names = [name for _, name in self._spans.values()]
         for name in names:
-            try:
-                os.unlink(os.path.join(DIR, name))
-            except FileNotFoundError:
-                pass
+            _unlink(os.path.join(DIR, name))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def place(buffers: Sequence[Any], *, writer: Writer | None = None, owned: Segments | None = None) -> list[list[Any]]:

@@ -231,3 +231,18 @@ def test_a_real_segment_named_with_a_bad_range_gets_an_error_reply(served):
         assert producer.ping()["store"] is True and store.metrics()["partitions"]["train"]["rows"] == 0
     finally:
         sock.close(linger=0)
+
+
+def test_a_segment_the_server_cannot_map_fails_that_put_with_an_error_reply(served, monkeypatch):
+    store, server, (producer, a, b) = served
+
+    def no_more_mappings(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(shm.mmap, "mmap", no_more_mappings)  # as when vm.max_map_count is reached
+    with pytest.raises(StoreError, match="cannot map segment"):
+        producer.put("train", {"x": torch.randn(1, BIG)})
+    monkeypatch.undo()
+    assert _ours(producer) == []  # the server unlinked the segment it could not take
+    assert producer.put("train", {"x": torch.ones(1, BIG)}) == [0]  # and kept serving
+    assert torch.equal(a.get("a", "train", ["x"], 1, timeout=5).stack("x"), torch.ones(1, BIG))
