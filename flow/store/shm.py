@@ -21,8 +21,11 @@ file behind (`/dev/shm/tidal-*`); `tidal doctor` lists them. Segment names are c
 nothing but `tidal-<hex>-<n>` under `/dev/shm` is ever opened or unlinked. Segments are
 created mode 0600, so the store server must run as the same user as its clients.
 
-A sender falls back to socket frames when `/dev/shm` is missing or full; the peers'
-`host_id`s, compared once per connection, decide whether they share one `/dev/shm`.
+A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
+leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and `RESERVE_FRACTION`
+of it, for NCCL, DataLoader workers and others that need it): a 64 MB Docker default is
+never used. The peers' `host_id`s, compared once per connection, decide whether they
+share one `/dev/shm`.
 """
 
 from __future__ import annotations
@@ -92,29 +95,43 @@ def leftovers() -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+RESERVE_FRACTION = 0.25
+RESERVE_MIN_BYTES = 256 << 20
+"""Writers leave the larger of these free in `/dev/shm` for everything else that needs
+it (NCCL, DataLoader workers, the weight transport); past that, rows go by socket."""
+
+
 class Writer:
     """Writes a message's large buffers into a new segment (the sender's side)."""
 
     def __init__(self) -> None:
         self._prefix = f"tidal-{uuid.uuid4().hex[:12]}-"
         self._count = itertools.count()
-        self._failed = False
+        self._failed = False  # /dev/shm cannot be written at all
+        self._full = False  # the last write found too little room (logged once per episode)
+        self.num_by_socket = 0
+        """Messages whose large buffers went by socket because `/dev/shm` was short of room."""
 
     def write(self, buffers: Sequence[Any]) -> tuple[str, list[int]] | None:
         """Write `buffers` (contiguous arrays) into one new segment; return its name and
-        each buffer's offset, or None when shared memory is unavailable (use frames)."""
+        each buffer's offset, or None to send them as socket frames: shared memory is
+        unusable, or writing would leave less than the reserve free."""
         if self._failed:
             return None
         offsets, size = [], 0
         for buf in buffers:
             offsets.append(size)
             size += -(-buf.nbytes // _ALIGN) * _ALIGN
+        if not has_room(size):
+            return self._short_of_room(f"{size} bytes would leave less than the reserve free")
         name = f"{self._prefix}{next(self._count)}"
         path = os.path.join(DIR, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except OSError as e:
-            return self._give_up(e)
+            log.warning("store: cannot write shared memory in %s (%s); sending rows over the socket", DIR, e)
+            self._failed = True
+            return None
         try:
             os.ftruncate(fd, size)
             for buf, offset in zip(buffers, offsets):
@@ -127,14 +144,27 @@ class Writer:
             os.unlink(path)
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise
-            return self._give_up(e)
+            return self._short_of_room(str(e))
         os.close(fd)
+        self._full = False
         return name, offsets
 
-    def _give_up(self, error: OSError) -> None:
-        log.warning("store: shared memory unavailable (%s); sending rows over the socket", error)
-        self._failed = True
+    def _short_of_room(self, why: str) -> None:
+        if not self._full:
+            log.warning("store: %s is short of room (%s); sending rows over the socket until it has room", DIR, why)
+            self._full = True
+        self.num_by_socket += 1
         return None
+
+
+def has_room(size: int) -> bool:
+    """Whether `size` more bytes in `/dev/shm` leave the reserve free."""
+    try:
+        st = os.statvfs(DIR)
+    except OSError:
+        return False
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    return free - size >= max(RESERVE_MIN_BYTES, RESERVE_FRACTION * total)
 
 
 class Segments:

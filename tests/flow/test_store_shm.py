@@ -19,7 +19,7 @@ import zmq
 from tidal.flow.store import RemoteStore, Store, StoreError, StoreServer, StoreTimeout, shm
 from tidal.flow.store.wire import pack
 
-pytestmark = pytest.mark.skipif(shm.host_id() is None, reason="needs a writable /dev/shm")
+pytestmark = pytest.mark.skipif(shm.host_id() is None or not shm.has_room(64 << 20), reason="needs a writable /dev/shm with room beyond the store's reserve")
 
 BIG = shm.MIN_BYTES // 4  # float32 elements: one row of this many is exactly MIN_BYTES
 
@@ -125,6 +125,26 @@ def test_a_full_dev_shm_falls_back_to_the_socket_and_leaves_nothing(served, monk
     producer.put("train", {"x": x})
     assert _ours(producer) == [] and server.segments.num_mapped == 0
     assert torch.equal(a.get("a", "train", ["x"], 2, timeout=5).stack("x"), x)
+
+
+def test_a_small_or_nearly_full_dev_shm_is_left_alone(served, monkeypatch):
+    """The reserve: a 64 MB /dev/shm (Docker's default) is never used; a large one is used
+    until a segment would leave less than a quarter of it free, and again once there is room."""
+    store, server, (producer, a, b) = served
+    real = os.statvfs(shm.DIR)
+    sizes = {"total": 64 << 20, "free": 64 << 20}
+    fake = lambda path: os.statvfs_result((4096, 4096, sizes["total"] // 4096, sizes["free"] // 4096, sizes["free"] // 4096, *real[5:]))  # noqa: E731
+    monkeypatch.setattr(shm.os, "statvfs", fake)
+    x = torch.randn(2, BIG)
+    producer.put("train", {"x": x})
+    assert _ours(producer) == [] and producer._writer.num_by_socket == 1
+    sizes.update(total=8 << 30, free=(2 << 30) + 100)  # 8 GB with just over a quarter free: this put would cross it
+    producer.put("train", {"x": x})
+    assert _ours(producer) == [] and producer._writer.num_by_socket == 2
+    sizes["free"] = 4 << 30
+    producer.put("train", {"x": x})
+    assert len(_ours(producer)) == 1 and producer._writer.num_by_socket == 2
+    assert torch.equal(a.get("a", "train", ["x"], 6, timeout=5).stack("x"), torch.cat([x, x, x]))
 
 
 def test_failed_and_timed_out_puts_leave_no_segment():
