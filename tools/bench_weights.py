@@ -100,7 +100,7 @@ def _receiver(system: str, size: int, repeats: int, ready: Any, done: Any) -> No
         port = ready.get()
         import torch.distributed as dist  # noqa: PLC0415
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+        dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 2, is_master=False), rank=1, world_size=2)
         shapes = [t.shape for t in model_of(size).values()]
         receive = lambda: [dist.broadcast(torch.empty(s), src=0) for s in shapes]  # noqa: E731
     elif system == "raw-shm":
@@ -145,15 +145,11 @@ def _sender(system: str, size: int, repeats: int, ready: Any, done: Any, out: An
         sock.connect(ready.get())
         send = lambda v: [sock.send(t.view(torch.uint8).numpy(), copy=False) for t in weights.values()]  # noqa: E731
     elif system == "raw-gloo":
-        import socket  # noqa: PLC0415
-
         import torch.distributed as dist  # noqa: PLC0415
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        ready.put(port)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        rendezvous = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # port 0: the kernel picks, nothing probed
+        ready.put(rendezvous.port)
+        dist.init_process_group("gloo", store=rendezvous, rank=0, world_size=2)
         send = lambda v: [dist.broadcast(t, src=0) for t in weights.values()]  # noqa: E731
     elif system == "raw-shm":
         path = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / f"tidal-bench-{os.getpid()}"
