@@ -162,6 +162,9 @@ class StoreServer:
             self._closed = True
             self._waker.send(_STOP)
         self._thread.join(timeout=10)
+        if self.store is not None:  # a store that outlives its server no longer calls it
+            self.store.remove_listener(self._on_change)
+            self.store.remove_listener(self._on_free)
         if self.segments is not None:
             self.segments.unlink_all()  # no client can ask for them now; mappings stay valid
         self._waker.close(linger=0)

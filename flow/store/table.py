@@ -114,6 +114,13 @@ class Store:
         with self._cond:
             self._change_listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[..., None]) -> None:
+        """Stop calling `listener` (a change or free listener); unknown ones are ignored."""
+        with self._cond:
+            for listeners in (self._change_listeners, self._free_listeners):
+                if listener in listeners:
+                    listeners.remove(listener)
+
     def _notify(self) -> None:
         self._cond.notify_all()
         for listener in self._change_listeners:

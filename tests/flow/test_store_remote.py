@@ -376,3 +376,17 @@ def test_put_acks_its_prompts_atomically_even_when_it_waits_for_room(served):
     worker.close()  # its connection ends: nothing was leased any more, nothing comes back
     time.sleep(0.3)
     assert store.metrics()["partitions"]["prompts"]["consumers"]["rollout"]["redelivered"] == 0
+
+
+def test_a_store_that_outlives_its_server_stops_calling_it():
+    store = Store()
+    store.create_partition("train", consumers=["c"])
+    for _ in range(2):  # a run that restarts its server keeps one store
+        with StoreServer(store) as server:
+            client = RemoteStore(server.address)
+            client.put("train", {"x": torch.zeros(1, 2)})
+            assert len(store._change_listeners) == 1
+            client.close()
+    assert store._change_listeners == [] and store._free_listeners == []
+    store.put("train", {"x": torch.ones(1, 2)})
+    assert store.get("c", "train", ["x"], 3, timeout=0).indexes == [0, 1, 2]
