@@ -60,9 +60,17 @@ class ShmError(ValueError):
     """A segment reference that cannot be followed (bad name, gone, out of range)."""
 
 
+ENV_VAR = "TIDAL_STORE_SHM"
+"""Set to 0 to keep every store byte on the sockets (read once per process)."""
+
+
 def host_id() -> str | None:
-    """Who shares this process's `/dev/shm`: the boot and the mount, or None without one."""
+    """Who shares this process's `/dev/shm`: the boot and the mount; None without one, or
+    with shared memory turned off (`TIDAL_STORE_SHM=0`)."""
     if not _host_id:
+        if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+            _host_id.append(None)
+            return None
         try:
             st = os.stat(DIR)
             if not os.access(DIR, os.W_OK):

@@ -105,6 +105,21 @@ def test_shm_off_or_another_host_keeps_every_byte_on_the_socket(served, monkeypa
         elsewhere.close()
 
 
+def test_the_environment_variable_turns_shared_memory_off(served, monkeypatch):
+    store, server, _ = served
+    monkeypatch.setattr(shm, "_host_id", [])
+    monkeypatch.setenv(shm.ENV_VAR, "0")
+    client = RemoteStore(server.address)
+    try:
+        client.put("train", {"x": torch.randn(1, BIG)})
+        assert not client.shares_host() and _ours(client) == [] and server.segments.num_mapped == 0
+    finally:
+        client.close()
+    monkeypatch.setattr(shm, "_host_id", [])  # a server started with it set takes no segments either
+    with StoreServer(Store()) as off:
+        assert off.host is None and off.segments is None
+
+
 def test_rows_in_a_segment_go_by_socket_to_a_consumer_on_another_host(served):
     store, server, (producer, a, b) = served
     x = torch.randn(2, BIG)
