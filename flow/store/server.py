@@ -245,6 +245,9 @@ class StoreServer:
                 for peer, request_id, result in deferred:
                     self._reply(peer, request_id, result)
             self._flush_drops()
+            if not more:  # the replies just sent may have taken the fd's edge for a request that came meanwhile
+                with self._lock:
+                    more = self._readable(self._router)
 
     @staticmethod
     def _readable(sock: zmq.Socket) -> bool:

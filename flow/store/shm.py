@@ -186,7 +186,7 @@ class Segments:
         self.own = own
         self._lock = threading.RLock()  # a finalizer run by the garbage collector may take it inside our own critical section
         self._bases: list[int] = []  # sorted start addresses of the owned mappings
-        self._spans: dict[int, tuple[int, str]] = {}  # start -> (size, name)
+        self._spans: dict[int, tuple[int, str, weakref.ref]] = {}  # start -> (size, name, the mapping while it lives)
         self.num_mapped = 0
         self.num_referred = 0
 
@@ -242,33 +242,39 @@ class Segments:
             raise ShmError(f"cannot map segment {name}: {e}") from e
         finally:
             os.close(fd)
-        base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
+        alive = weakref.ref(mm)
         with self._lock:
-            bisect.insort(self._bases, base)
-            self._spans[base] = (size, name)
-        weakref.finalize(mm, self._unmapped, base, path)
+            if base not in self._spans:  # else a dead mapping's entry at this address, not yet finalized
+                bisect.insort(self._bases, base)
+            self._spans[base] = (size, name, alive)
+        weakref.finalize(mm, self._unmapped, base, path, alive)
         self.num_mapped += 1
         return mm
 
-    def _unmapped(self, base: int, path: str) -> None:
-        """The last tensor over an owned segment is gone (before its pages are unmapped)."""
+    def _unmapped(self, base: int, path: str, alive: weakref.ref) -> None:
+        """The last tensor over an owned segment is gone. CPython unmaps the pages first,
+        with the GIL released, so a new mapping may already sit at this address: only
+        the entry of this mapping (`alive`) is removed."""
         with self._lock:
-            self._spans.pop(base, None)
-            k = bisect.bisect_left(self._bases, base)
-            if k < len(self._bases) and self._bases[k] == base:
-                del self._bases[k]
+            entry = self._spans.get(base)
+            if entry is not None and entry[2] is alive:
+                del self._spans[base]
+                k = bisect.bisect_left(self._bases, base)
+                if k < len(self._bases) and self._bases[k] == base:
+                    del self._bases[k]
         _unlink(path)
 
     def find(self, buf: np.ndarray) -> tuple[str, int] | None:
-        """(segment, offset) when `buf` lies inside an owned segment, else None."""
+        """(segment, offset) when `buf` lies inside a live owned segment, else None."""
         address = buf.__array_interface__["data"][0]
         with self._lock:
             k = bisect.bisect_right(self._bases, address) - 1
             if k < 0:
                 return None
             base = self._bases[k]
-            size, name = self._spans[base]
-        if address + buf.nbytes > base + size:
+            size, name, alive = self._spans[base]
+        if alive() is None or address + buf.nbytes > base + size:  # a dying mapping reads as dead
             return None
         self.num_referred += 1
         return name, address - base
@@ -280,7 +286,7 @@ class Segments:
     def unlink_all(self) -> None:
         """Unlink every owned segment now (the server is closing; mappings stay valid)."""
         with self._lock:
-            names = [name for _, name in self._spans.values()]
+            names = [name for _, name, _ in self._spans.values()]
         for name in names:
             _unlink(os.path.join(DIR, name))
 

@@ -390,3 +390,31 @@ def test_a_store_that_outlives_its_server_stops_calling_it():
     assert store._change_listeners == [] and store._free_listeners == []
     store.put("train", {"x": torch.ones(1, 2)})
     assert store.get("c", "train", ["x"], 3, timeout=0).indexes == [0, 1, 2]
+
+
+def test_pipelined_puts_and_a_waiting_consumer_never_stall_the_server():
+    """Replies the server sends after reading its socket dry can take the edge of its file
+    descriptor for a request that arrived meanwhile; the server must look again."""
+    store = Store()
+    with StoreServer(store) as server:
+        for round_ in range(40):
+            store.create_partition(f"p{round_}", consumers=["c"])
+            producer, consumer = RemoteStore(server.address, rpc_timeout_s=5), RemoteStore(server.address, rpc_timeout_s=5)
+            got: list[int] = []
+
+            def consume() -> None:
+                previous: list[int] = []
+                while len(got) < 64:
+                    batch = consumer.get("c", f"p{round_}", ["x"], 8, timeout=5, partial=True, ack=previous)
+                    got.extend(batch.indexes)
+                    previous = batch.indexes
+                consumer.ack("c", f"p{round_}", previous)
+
+            thread = threading.Thread(target=consume)
+            thread.start()
+            pending = [producer.submit_put(f"p{round_}", {"x": torch.zeros(4, 8)}, timeout=5) for _ in range(16)]
+            assert [p.result() for p in pending] == [[4 * k + j for j in range(4)] for k in range(16)]
+            thread.join(30)
+            assert not thread.is_alive() and sorted(got) == list(range(64)), round_
+            producer.close()
+            consumer.close()

@@ -10,8 +10,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -281,3 +283,30 @@ def test_a_segment_the_server_cannot_map_fails_that_put_with_an_error_reply(serv
     assert _ours(producer) == []  # the server unlinked the segment it could not take
     assert producer.put("train", {"x": torch.ones(1, BIG)}) == [0]  # and kept serving
     assert torch.equal(a.get("a", "train", ["x"], 1, timeout=5).stack("x"), torch.ones(1, BIG))
+
+
+def test_a_late_finalizer_leaves_a_new_mapping_at_the_same_address_alone():
+    """CPython unmaps a dying mmap (GIL released) before its finalizer runs, so a new
+    segment can be mapped at that address first: the old finalizer must not drop the new
+    entry, and a dying mapping must never be named in a reply."""
+    segments, writer = shm.Segments(own=True), shm.Writer()
+    name, _ = writer.write([np.ones(shm.MIN_BYTES, np.uint8)])
+    arr = np.frombuffer(segments.map(name, 0, shm.MIN_BYTES, {}), np.uint8)
+    base = arr.__array_interface__["data"][0]
+    assert segments.find(arr) == (name, 0)
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    dead = weakref.ref(gone)
+    del gone
+    segments._unmapped(base, os.path.join(shm.DIR, "tidal-000000000000-999999"), dead)  # the previous mapping's finalizer, late
+    assert segments.find(arr) == (name, 0) and len(segments) == 1
+    size, _, alive = segments._spans[base]
+    segments._spans[base] = (size, name, dead)  # as while this mapping is being unmapped
+    assert segments.find(arr) is None
+    segments._spans[base] = (size, name, alive)
+    del arr
+    gc.collect()
+    assert len(segments) == 0 and name not in shm.leftovers()
