@@ -128,7 +128,7 @@ def render(data: dict[str, Any]) -> None:
 
     shared = data["shared_memory"]
     if not shared["usable"]:
-        console.print(f"shared memory: {shared['dir']} is not usable; the store sends every row over its sockets")
+        console.print(f"shared memory: {shared['dir']} is not usable or is turned off (TIDAL_STORE_SHM=0); the store sends every row over its sockets")
     else:
         line = f"shared memory: {shared['dir']}, {shared['free_bytes'] / 2**30:.1f} GiB free"
         if shared["files"]:
