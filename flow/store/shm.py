@@ -23,7 +23,7 @@ created mode 0600, so the store server must run as the same user as its clients.
 
 A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
 leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and `RESERVE_FRACTION`
-of it, for NCCL, DataLoader workers and others that need it): a 64 MB Docker default is
+of it, for collective libraries, DataLoader workers and others that need it): a 64 MB Docker default is
 never used. The peers' `host_id`s, compared once per connection, decide whether they
 share one `/dev/shm`.
 """
@@ -106,7 +106,7 @@ def leftovers() -> dict[str, int]:
 RESERVE_FRACTION = 0.25
 RESERVE_MIN_BYTES = 256 << 20
 """Writers leave the larger of these free in `/dev/shm` for everything else that needs
-it (NCCL, DataLoader workers, the weight transport); past that, rows go by socket."""
+it (collective libraries, DataLoader workers, the weight transport); past that, rows go by socket."""
 
 
 class Writer:
