@@ -204,12 +204,7 @@ class Segments:
                 raise ShmError(f"segment {name} holds {len(mm)} bytes; asked for {nbytes} at {offset}")
             return memoryview(mm)[offset : offset + nbytes]
         start = offset - offset % _PAGE
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ShmError(f"segment {name} is gone: its rows were acked by every consumer, or the store restarted") from None
-        except OSError as e:
-            raise ShmError(f"cannot open segment {name}: {e}") from e
+        fd = _open(name, path)
         try:
             if offset + nbytes > os.fstat(fd).st_size:
                 raise ShmError(f"segment {name} holds {os.fstat(fd).st_size} bytes; asked for {nbytes} at {offset}")
@@ -225,12 +220,7 @@ class Segments:
         return memoryview(mm)[offset - start :]
 
     def _map_owned(self, name: str, path: str) -> mmap.mmap:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ShmError(f"segment {name} does not exist") from None
-        except OSError as e:
-            raise ShmError(f"cannot open segment {name}: {e}") from e
+        fd = _open(name, path)
         try:
             size = os.fstat(fd).st_size
             if size == 0:
@@ -289,6 +279,15 @@ class Segments:
             names = [name for _, name, _ in self._spans.values()]
         for name in names:
             _unlink(os.path.join(DIR, name))
+
+
+def _open(name: str, path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ShmError(f"segment {name} does not exist: its rows were acked by every consumer, or the store restarted") from None
+    except OSError as e:
+        raise ShmError(f"cannot open segment {name}: {e}") from e
 
 
 def _unlink(path: str) -> None:
