@@ -106,7 +106,7 @@ class RemoteStore:
         sock = self._socket(address)
         request_id = next(self._ids)
         message = {"op": op, "id": request_id, "token": self.token, "args": args}
-        if self._shares_host(address):
+        if self._shares_host(address, op):
             message["host"] = self._host
             frames = pack(message, writer=self._writer)
         else:
@@ -117,9 +117,9 @@ class RemoteStore:
     def shares_host(self, address: str | None = None) -> bool:
         """Whether large buffers to and from the server at `address` (default: the store's)
         go through shared memory."""
-        return self._shares_host(address or self.address)
+        return self._shares_host(address or self.address, "ping")
 
-    def _shares_host(self, address: str) -> bool:
+    def _shares_host(self, address: str, op: str) -> bool:
         shared = self._shared.get(address)
         if shared is None:
             shared = False
@@ -127,7 +127,8 @@ class RemoteStore:
                 sock = self._socket(address)
                 request_id = next(self._ids)
                 sock.send_multipart(pack({"op": "ping", "id": request_id, "token": self.token, "args": {}}))
-                shared = self._receive(sock, request_id, address, "ping", self.rpc_timeout_s).get("host") == self._host
+                what = "ping" if op == "ping" else f"ping (before {op!r})"
+                shared = self._receive(sock, request_id, address, what, self.rpc_timeout_s).get("host") == self._host
             self._shared[address] = shared
         return shared
 
@@ -203,9 +204,10 @@ class RemoteStore:
     ) -> list[int]:
         """As `Store.put` (`ack=` included: the server does both in one step). With a storage
         unit the data goes there and the controller gets references."""
+        rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack}
         if cancel is not None:
-            return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=t, ack=ack))
-        return self.submit_put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=timeout, ack=ack).result()
+            return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.submit_put(partition, columns, indexes, timeout=t, **rows).result())
+        return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
 
     def submit_put(
         self,

@@ -213,7 +213,7 @@ class Segments:
                 return memoryview(bytearray())
             mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
         except OSError as e:  # e.g. ENOMEM: vm.max_map_count mappings already
-            raise ShmError(f"cannot map segment {name}: {e}") from e
+            raise ShmError(_cannot_map(name, e)) from e
         finally:
             os.close(fd)
         self.num_mapped += 1
@@ -229,7 +229,7 @@ class Segments:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:  # e.g. ENOMEM: vm.max_map_count mappings already; the sender's put fails
             _unlink(path)  # the request was ours to serve, so was its segment
-            raise ShmError(f"cannot map segment {name}: {e}") from e
+            raise ShmError(_cannot_map(name, e)) from e
         finally:
             os.close(fd)
         base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
@@ -279,6 +279,10 @@ class Segments:
             names = [name for _, name, _ in self._spans.values()]
         for name in names:
             _unlink(os.path.join(DIR, name))
+
+
+def _cannot_map(name: str, error: OSError) -> str:
+    return f"cannot map segment {name}: {error} (too many mappings? raise vm.max_map_count, or set {ENV_VAR}=0 to send rows over the socket)"
 
 
 def _open(name: str, path: str) -> int:

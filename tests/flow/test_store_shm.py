@@ -310,3 +310,14 @@ def test_a_late_finalizer_leaves_a_new_mapping_at_the_same_address_alone():
     del arr
     gc.collect()
     assert len(segments) == 0 and name not in shm.leftovers()
+
+
+def test_a_server_that_is_not_there_is_named_with_the_call_that_found_out():
+    with StoreServer(Store()) as server:
+        address = server.address
+    client = RemoteStore(address, rpc_timeout_s=0.3)  # its first request asks whether the server shares /dev/shm
+    try:
+        with pytest.raises(StoreError, match=r"did not answer 'ping \(before 'put'\)'.*is it running"):
+            client.put("train", {"x": torch.zeros(1, 1)})
+    finally:
+        client.close()
