@@ -127,7 +127,7 @@ class RemoteStore:
                 sock = self._socket(address)
                 request_id = next(self._ids)
                 sock.send_multipart(pack({"op": "ping", "id": request_id, "token": self.token, "args": {}}))
-                what = "ping" if op == "ping" else f"ping (before {op!r})"
+                what = "ping" if op == "ping" else f"ping (before {op})"
                 shared = self._receive(sock, request_id, address, what, self.rpc_timeout_s).get("host") == self._host
             self._shared[address] = shared
         return shared
@@ -144,7 +144,7 @@ class RemoteStore:
             try:
                 reply = unpack(sock.recv_multipart(copy=False), segments=self._segments)
             except zmq.Again:
-                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:.0f}s; is it running?") from None
+                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?") from None
             except WireError as e:
                 raise StoreError(f"malformed reply from store server {address}: {e}") from e
             reply_id = reply.get("id")
