@@ -63,7 +63,8 @@ DOCTOR_HELP = textwrap.fill(f"""\
 Show the platform tidal would choose here and how it was chosen (TIDAL_DEVICE, the
 recipe, or detection), its device count, collective backend and visible-devices
 variable; the installed versions of {", ".join(PACKAGES)}; which shipped
-recipes can run on this machine; and /dev/shm (usable, free space, tidal's files in it). Nothing vendor-specific is imported unless that
+recipes can run on this machine; and /dev/shm (usable, free space, tidal's files in it and
+which of them killed processes left; --clean deletes those). Nothing vendor-specific is imported unless that
 platform is selected. Exits with 1 if the selected platform cannot load (the message
 says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
 """, width=88)
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="show platform, versions and runnable recipes", description=DOCTOR_HELP, formatter_class=fmt)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    doctor.add_argument("--clean", action="store_true", help="delete the files killed tidal processes left in /dev/shm (never those of running ones)")
 
     config = sub.add_parser("config", help="print a resolved recipe or every config key", description=CONFIG_HELP, formatter_class=fmt)
     config.add_argument("recipe", nargs="?", help="recipe YAML file or shipped recipe name (default: schema defaults)")
@@ -285,7 +287,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             check_spec(os.environ[ENV_VAR])
         except ValueError as e:
             raise ConfigError(str(e)) from None  # a usage error: exit 2
-    data, code = report()
+    data, code = report(clean=args.clean)
     if args.json:
         print(json.dumps(data, indent=2))
     else:

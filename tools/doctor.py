@@ -30,30 +30,44 @@ def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | Non
     return ok, why
 
 
-def shared_memory() -> dict[str, Any]:
+def shared_memory(*, clean: bool = False) -> dict[str, Any]:
     """`/dev/shm`, where the store and the weight transport put large buffers: whether it
-    is usable, its free bytes, and tidal's files in it now (with no tidal process running,
-    these were left by killed processes and can be deleted)."""
+    is usable, its free bytes, tidal's files in it now, and which of those killed
+    processes left behind (`orphans`; `unknown`: files whose holder cannot be told, from
+    another pid namespace or an older tidal). With `clean`, the orphans are deleted first
+    and listed as `removed`."""
     from tidal.flow.store import shm  # noqa: PLC0415
+    from tidal.hal import owner  # noqa: PLC0415
 
+    removed = owner.sweep(shm.DIR) if clean else []
     files = shm.leftovers()
     try:
         st = os.statvfs(shm.DIR)
         free = st.f_bavail * st.f_frsize
     except OSError:
         free = 0
-    return {"dir": shm.DIR, "usable": shm.host_id() is not None, "free_bytes": free, "files": files, "files_bytes": sum(files.values())}
+    return {
+        "dir": shm.DIR,
+        "usable": shm.host_id() is not None,
+        "free_bytes": free,
+        "files": files,
+        "files_bytes": sum(files.values()),
+        "orphans": [name for name in files if owner.is_orphan(name)],
+        "unknown": [name for name in files if not owner.TAG.search(name)],
+        "removed": removed,
+    }
 
 
-def report() -> tuple[dict[str, Any], int]:
-    """Everything doctor shows, as plain data, and the exit code (0, or 1 if no platform)."""
+def report(*, clean: bool = False) -> tuple[dict[str, Any], int]:
+    """Everything doctor shows, as plain data, and the exit code (0, or 1 if no platform);
+    `clean` deletes the files killed processes left in `/dev/shm` first."""
     from tidal.hal import PlatformError, select  # noqa: PLC0415
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
     from tidal.tools.recipes import shipped_recipes  # noqa: PLC0415
 
     from tidal.hal.versions import package_versions  # noqa: PLC0415
 
-    data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": [], "shared_memory": shared_memory()}
+    data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": [], "shared_memory": shared_memory(clean=clean)}
     code = 0
     try:
         sel = select.select_platform()
@@ -131,6 +145,14 @@ def render(data: dict[str, Any]) -> None:
         console.print(f"shared memory: {shared['dir']} is not usable or is turned off (TIDAL_STORE_SHM=0); the store sends every row over its sockets")
     else:
         line = f"shared memory: {shared['dir']}, {shared['free_bytes'] / 2**30:.1f} GiB free"
+        if shared["removed"]:
+            line += f"; removed {len(shared['removed'])} files that killed tidal processes left"
         if shared["files"]:
-            line += f"; {len(shared['files'])} tidal files ({shared['files_bytes'] / 2**20:.1f} MiB): delete them if no tidal process runs"
+            orphans, unknown = len(shared["orphans"]), len(shared["unknown"])
+            held = len(shared["files"]) - orphans - unknown
+            line += f"; {len(shared['files'])} tidal files ({shared['files_bytes'] / 2**20:.1f} MiB): {held} held by running processes"
+            if orphans:
+                line += f", {orphans} left by killed processes (`tidal doctor --clean` deletes them)"
+            if unknown:
+                line += f", {unknown} whose holder cannot be told: delete them if no tidal process runs"
         console.print(escape(line))

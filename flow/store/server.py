@@ -44,6 +44,7 @@ from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.table import Store, StoreTimeout
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
+from tidal.hal import owner
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -105,6 +106,8 @@ class StoreServer:
         self.host = _shm.host_id() if shm else None
         self.segments = _shm.Segments(own=True) if self.host is not None else None
         """Shared-memory segments this server has mapped (and unlinks when it lets go)."""
+        if self.segments is not None:
+            owner.sweep(_shm.DIR)  # segments of killed senders and servers: nothing else frees them
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)

@@ -15,10 +15,13 @@ it lives exactly as long as the store holds one of its rows. Consumers map what 
 handed after the server has mapped it and before they ack those rows; the store lets go
 of rows only when every consumer has acked them, so a segment is never unlinked before a
 consumer has opened it. Consumers map privately (copy on write): a consumer writing into
-its tensors changes only its own pages. A process killed between writing a segment and
-the server mapping it, or a store server killed before it let go of its rows, leaves the
-file behind (`/dev/shm/tidal-*`); `tidal doctor` lists them. Segment names are checked:
-nothing but `tidal-<hex>-<n>` under `/dev/shm` is ever opened or unlinked. Segments are
+its tensors changes only its own pages. A segment's name ends in the tag of the process
+holding it (`tidal.hal.owner`): the sender's until the server maps it, then, renamed,
+the server's. A sender killed before the server mapped its segment, or a store server
+killed before it let go of its rows, leaves the file behind; the next store server to
+start on the host deletes it (`owner.sweep`), as does `tidal doctor --clean`. Segment
+names are checked: nothing but `tidal-<hex>-<n>[@<tag>]` under `/dev/shm` is ever
+opened or unlinked. Segments are
 created mode 0600, so the store server must run as the same user as its clients.
 
 A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
@@ -45,13 +48,15 @@ from typing import Any
 
 import numpy as np
 
+from tidal.hal import owner
+
 log = logging.getLogger(__name__)
 
 DIR = "/dev/shm"
 MIN_BYTES = 64 * 1024
 """Buffers from this size go into shared memory; smaller ones stay socket frames."""
 _ALIGN = 64
-_NAME = re.compile(r"tidal-[0-9a-f]{12}-[0-9]+")
+_NAME = re.compile(r"tidal-[0-9a-f]{12}-[0-9]+(?:@[0-9a-f]+\.[0-9]+\.[0-9]+)?")  # the tag: see `tidal.hal.owner`
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _host_id: list[str | None] = []
 
@@ -132,7 +137,7 @@ class Writer:
             size += -(-buf.nbytes // _ALIGN) * _ALIGN
         if not has_room(size):
             return self._short_of_room(f"{size} bytes would leave less than the reserve free")
-        name = f"{self._prefix}{next(self._count)}"
+        name = owner.tagged(f"{self._prefix}{next(self._count)}")
         path = os.path.join(DIR, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -220,6 +225,15 @@ class Segments:
         return memoryview(mm)[offset - start :]
 
     def _map_owned(self, name: str, path: str) -> mmap.mmap:
+        held = owner.retag(name)  # ours now: a sweep tells by the name whether its holder is gone
+        if held != name:
+            try:
+                os.rename(path, os.path.join(DIR, held))
+            except FileNotFoundError:
+                raise ShmError(f"segment {name} does not exist: its sender was killed, or the file was deleted") from None
+            except OSError as e:
+                raise ShmError(f"cannot take over segment {name}: {e}") from e
+            name, path = held, os.path.join(DIR, held)
         fd = _open(name, path)
         try:
             size = os.fstat(fd).st_size

@@ -4,7 +4,8 @@ The trainer writes a version into one shared buffer, pulling its tensors from th
 `WeightSource` one at a time, and tells each receiver where it is over a REQ/REP
 socket; the receiver copies its tensors out and replies, and only after every reply may
 the trainer write the next version. Host tensors (cpu and fake
-platforms) share an mmap'd file in /dev/shm; CUDA tensors share a device buffer through
+platforms) share an mmap'd file in /dev/shm, named for its sender (`tidal.hal.owner`):
+a killed sender's file is deleted by the next sender to start on the host; CUDA tensors share a device buffer through
 CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
 weights never leave the device. NPUs have no such path here (`choose_transport` picks
 `collective` for them).
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import zmq
 
+from tidal.hal import owner
 from tidal.hal.platform import Platform
 from tidal.hal.transfer import (
     Manifest,
@@ -118,7 +120,8 @@ class IpcSender:
             return self._buffer
         self._release_file()
         if device.type == "cpu":
-            self._path = _SHM / f"tidal-weights-{os.getpid()}-{next(_names)}"
+            owner.sweep(str(_SHM))  # what killed senders left behind (their exit handlers never ran)
+            self._path = _SHM / owner.tagged(f"tidal-weights-{os.getpid()}-{next(_names)}")
             self._path.touch()
             self._unlink = weakref.finalize(self, self._path.unlink, missing_ok=True)
             os.truncate(self._path, max(nbytes, 1))

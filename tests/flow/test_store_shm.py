@@ -20,6 +20,7 @@ import zmq
 
 from tidal.flow.store import RemoteStore, Store, StoreError, StoreServer, StoreTimeout, shm
 from tidal.flow.store.wire import pack
+from tidal.hal import owner
 
 pytestmark = pytest.mark.skipif(shm.host_id() is None or not shm.has_room(64 << 20), reason="needs a writable /dev/shm with room beyond the store's reserve")
 
@@ -321,3 +322,45 @@ def test_a_server_that_is_not_there_is_named_with_the_call_that_found_out():
             client.put("train", {"x": torch.zeros(1, 1)})
     finally:
         client.close()
+
+
+def test_the_server_holds_a_segment_under_its_own_name_and_a_killed_servers_are_deleted_by_the_next(served):
+    store, server, (producer, a, b) = served
+    producer.put("train", {"x": torch.randn(2, BIG)})
+    (held,) = _ours(producer)
+    assert held.endswith("@" + owner.tag())  # renamed to the server's tag (here, this process)
+    script = textwrap.dedent("""
+        import os, signal, sys, torch
+        from tidal.flow.store import RemoteStore, Store, StoreServer
+        store = Store()
+        store.create_partition("train", consumers=["c"])
+        server = StoreServer(store)
+        client = RemoteStore(server.address)
+        client.put("train", {"x": torch.randn(2, int(sys.argv[1]))})
+        print(client._writer._prefix, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # as Ray stops an actor: no exit handler runs
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(BIG)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr
+    prefix = out.stdout.strip()
+    (left,) = [name for name in shm.leftovers() if name.startswith(prefix)]
+    assert owner.is_orphan(left)
+    with StoreServer(Store()):
+        assert not [name for name in shm.leftovers() if name.startswith(prefix)]
+    assert held in shm.leftovers()  # a live server's segment is never swept
+
+
+def test_a_sender_killed_before_the_server_mapped_its_segment_leaves_a_file_the_next_server_deletes():
+    script = textwrap.dedent("""
+        import os, signal, numpy as np
+        from tidal.flow.store import shm
+        name, _ = shm.Writer().write([np.ones(shm.MIN_BYTES, dtype=np.uint8)])
+        print(name, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr
+    left = out.stdout.strip()
+    assert left in shm.leftovers()
+    with StoreServer(Store()):
+        assert left not in shm.leftovers()

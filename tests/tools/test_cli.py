@@ -13,6 +13,8 @@ import sys
 import pytest
 import yaml
 
+from tidal.hal import owner
+
 
 def test_help_documents_every_command(tidal_cli):
     top = tidal_cli("--help")
@@ -55,6 +57,23 @@ def test_doctor_lists_tidal_files_left_in_shared_memory(tidal_cli):
         assert "delete them if no tidal process runs" in " ".join(tidal_cli("doctor").stdout.split())
     finally:
         left.unlink()
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK) or owner.tag() is None, reason="needs a writable /dev/shm and /proc")
+def test_doctor_tells_what_killed_processes_left_in_shared_memory_and_clean_deletes_only_that(tidal_cli):
+    dead = subprocess.run([sys.executable, "-c", "from tidal.hal import owner; print(owner.tag())"], capture_output=True, text=True, check=True).stdout.strip()
+    left, held = Path("/dev/shm") / f"tidal-weights-1-999@{dead}", Path("/dev/shm") / owner.tagged("tidal-weights-1-998")
+    left.write_bytes(b"x" * 100)
+    held.write_bytes(b"x" * 100)
+    try:
+        data = json.loads(tidal_cli("doctor", "--json").stdout)["shared_memory"]
+        assert left.name in data["orphans"] and held.name not in data["orphans"] and data["removed"] == []
+        assert "left by killed processes (`tidal doctor --clean` deletes them)" in " ".join(tidal_cli("doctor").stdout.split())
+        data = json.loads(tidal_cli("doctor", "--clean", "--json").stdout)["shared_memory"]
+        assert left.name in data["removed"] and not left.exists() and held.exists()
+    finally:
+        left.unlink(missing_ok=True)
+        held.unlink()
 
 
 def test_doctor_fake_npu_reports_eight_devices_with_hccl(tidal_cli):
