@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Iterable, Mapping
@@ -122,9 +123,19 @@ class IpcSender:
         if device.type == "cpu":
             owner.sweep(str(_SHM))  # what killed senders left behind (their exit handlers never ran)
             self._path = _SHM / owner.tagged(f"tidal-weights-{os.getpid()}-{next(_names)}")
-            self._path.touch()
+            fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             self._unlink = weakref.finalize(self, self._path.unlink, missing_ok=True)
-            os.truncate(self._path, max(nbytes, 1))
+            try:  # the pages are taken now: a full /dev/shm fails here, not as SIGBUS on a write into the mapping
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except OSError as e:
+                self._release_file()
+                free = shutil.disk_usage(_SHM).free
+                raise TransferError(
+                    f"cannot hold {nbytes / 2**20:.1f} MiB of weights in {_SHM} ({free / 2**20:.1f} MiB free: {e.strerror}): "
+                    "give it more room (e.g. docker run --shm-size) or set transport.name=host"
+                ) from None
+            finally:
+                os.close(fd)
             self._buffer = torch.from_file(str(self._path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         else:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -297,3 +299,29 @@ def test_large_tensors_get_buckets_of_their_own_when_asked():
     tensors = [("a", torch.zeros(10)), ("big", torch.zeros(1000)), ("b", torch.zeros(10)), ("c", torch.zeros(10))]
     assert make_manifest(1, tensors, bucket_bytes=1 << 20).buckets == ((0, 1, 2, 3),)
     assert make_manifest(1, tensors, bucket_bytes=1 << 20, solo_bytes=4000).buckets == ((0,), (1,), (2, 3))
+
+
+def test_ipc_sender_on_a_full_dev_shm_says_so_and_leaves_no_file(monkeypatch):
+    """tmpfs refuses the pages at fallocate (ENOSPC) instead of killing the trainer with
+    SIGBUS on its first write into the mapping."""
+    from tidal.hal.transfer import ipc  # noqa: PLC0415
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    receiver, sender = IpcReceiver(CpuPlatform(), expected=None), IpcSender(CpuPlatform(), reply_timeout_s=30)
+    sender.connect(receiver.address)
+    monkeypatch.setattr(ipc.os, "posix_fallocate", full)
+    before = set(os.listdir(ipc._SHM))
+    try:
+        with pytest.raises(TransferError, match=r"cannot hold .* MiB of weights in .*No space left on device.*transport.name=host"):
+            sender.send(1, _weights().items())
+        assert set(os.listdir(ipc._SHM)) - before == set() and sender._path is None
+        monkeypatch.undo()  # room again: the next version goes through
+        t, out = _receive_in_thread(receiver, 30)
+        sender.send(2, _weights().items())
+        t.join(30)
+        assert out["weights"].version == 2
+    finally:
+        sender.close()
+        receiver.close()
