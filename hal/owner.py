@@ -69,17 +69,24 @@ def retag(name: str) -> str:
     return tagged(TAG.sub("", name))
 
 
-def is_orphan(name: str) -> bool:
-    """Whether the file `name` was held by a process of this pid namespace that is gone."""
+def holder(name: str) -> str:
+    """Whose the file `name` is: "running" (its holder runs), "gone" (its holder, of this
+    pid namespace, is not running, is a zombie, or its pid was reused), or "unknown" (no
+    tag, another pid namespace, or no `/proc` to tell)."""
     match = TAG.search(name)
     namespace = _namespace()
     if match is None or namespace is None or int(match[1], 16) != namespace:
-        return False
+        return "unknown"
     try:
         running = _started(match[2])
     except (OSError, ValueError, IndexError):
-        return False  # cannot tell: keep it
-    return running is None or running[1] in ("Z", "X") or running[0] != int(match[3])
+        return "unknown"
+    return "gone" if running is None or running[1] in ("Z", "X") or running[0] != int(match[3]) else "running"
+
+
+def is_orphan(name: str) -> bool:
+    """Whether the file `name` was held by a process of this pid namespace that is gone."""
+    return holder(name) == "gone"
 
 
 def sweep(directory: str = DIR, prefix: str = "tidal-") -> list[str]:

@@ -33,7 +33,7 @@ def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | Non
 def shared_memory(*, clean: bool = False) -> dict[str, Any]:
     """`/dev/shm`, where the store and the weight transport put large buffers: whether it
     is usable, its free bytes, tidal's files in it now, and which of those killed
-    processes left behind (`orphans`; `unknown`: files whose holder cannot be told, from
+    processes left behind (`orphans`; `unknown`: files whose holder cannot be told, of
     another pid namespace or an older tidal). With `clean`, the orphans are deleted first
     and listed as `removed`."""
     from tidal.flow.store import shm  # noqa: PLC0415
@@ -41,6 +41,7 @@ def shared_memory(*, clean: bool = False) -> dict[str, Any]:
 
     removed = owner.sweep(shm.DIR) if clean else []
     files = shm.leftovers()
+    holders = {name: owner.holder(name) for name in files}
     try:
         st = os.statvfs(shm.DIR)
         free = st.f_bavail * st.f_frsize
@@ -52,8 +53,8 @@ def shared_memory(*, clean: bool = False) -> dict[str, Any]:
         "free_bytes": free,
         "files": files,
         "files_bytes": sum(files.values()),
-        "orphans": [name for name in files if owner.is_orphan(name)],
-        "unknown": [name for name in files if not owner.TAG.search(name)],
+        "orphans": [name for name, who in holders.items() if who == "gone"],
+        "unknown": [name for name, who in holders.items() if who == "unknown"],
         "removed": removed,
     }
 

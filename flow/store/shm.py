@@ -21,8 +21,8 @@ the server's. A sender killed before the server mapped its segment, or a store s
 killed before it let go of its rows, leaves the file behind; the next store server to
 start on the host deletes it (`owner.sweep`), as does `tidal doctor --clean`. Segment
 names are checked: nothing but `tidal-<hex>-<n>[@<tag>]` under `/dev/shm` is ever
-opened or unlinked. Segments are
-created mode 0600, so the store server must run as the same user as its clients.
+opened or unlinked. Segments are created mode 0600, so the store server must run as the
+same user as its clients.
 
 A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
 leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and `RESERVE_FRACTION`

@@ -3,10 +3,10 @@
 The trainer writes a version into one shared buffer, pulling its tensors from the
 `WeightSource` one at a time, and tells each receiver where it is over a REQ/REP
 socket; the receiver copies its tensors out and replies, and only after every reply may
-the trainer write the next version. Host tensors (cpu and fake
-platforms) share an mmap'd file in /dev/shm, named for its sender (`tidal.hal.owner`):
-a killed sender's file is deleted by the next sender to start on the host; CUDA tensors share a device buffer through
-CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
+the trainer write the next version. Host tensors (cpu and fake platforms) share an
+mmap'd file in /dev/shm, named for its sender (`tidal.hal.owner`): a killed sender's
+file is deleted by the next sender to start on the host. CUDA tensors share a device
+buffer through CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
 weights never leave the device. NPUs have no such path here (`choose_transport` picks
 `collective` for them).
 

@@ -47,6 +47,9 @@ def test_only_files_of_gone_holders_in_this_namespace_are_swept(tmp_path):
     }
     for name in names.values():
         (tmp_path / name).write_bytes(b"x")
+    assert {k: owner.holder(v) for k, v in names.items()} == {
+        "dead": "gone", "reused pid": "gone", "alive": "running", "other namespace": "unknown", "untagged": "unknown", "not ours": "gone"
+    }
     removed = owner.sweep(str(tmp_path))
     assert sorted(removed) == sorted([names["dead"], names["reused pid"]])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k not in ("dead", "reused pid"))
