@@ -156,10 +156,10 @@ def test_host_sender_times_out_naming_an_absent_receiver():
     sender.close()
 
 
-def test_host_send_blocked_on_a_dead_receiver_gives_up_when_aborted_until_receivers_change():
+def test_host_send_blocked_on_a_dead_receiver_gives_up_when_aborted_until_receivers_change(tmp_path):
     w = _weights()
-    gone = HostReceiver(CpuPlatform())
-    sender = HostSender(CpuPlatform(), send_timeout_s=60)
+    gone = HostReceiver(CpuPlatform(), bind=f"ipc://{tmp_path}/gone", token="t")  # a TCP port could be bound again by another process meanwhile
+    sender = HostSender(CpuPlatform(), send_timeout_s=60, token="t")
     sender.connect(gone.address)
     gone.close()  # the receiver's process died
     try:
@@ -174,7 +174,7 @@ def test_host_send_blocked_on_a_dead_receiver_gives_up_when_aborted_until_receiv
         with pytest.raises(TransferError, match="aborted"):
             sender.send(2, w.items())  # still aborted: the receivers did not change
         sender.disconnect(gone.address)
-        back = HostReceiver(CpuPlatform(), expected=expected_specs(w.items()))
+        back = HostReceiver(CpuPlatform(), expected=expected_specs(w.items()), token="t")
         sender.connect(back.address)
         t, got = _receive_in_thread(back, 30)
         sender.send(3, w.items())
