@@ -22,8 +22,10 @@ import re
 log = logging.getLogger(__name__)
 
 DIR = "/dev/shm"
-TAG = re.compile(r"@([0-9a-f]+)\.([0-9]+)\.([0-9]+)$")
-"""The end of a held file's name: `@<pid namespace, hex>.<pid>.<start time, clock ticks>`."""
+TAG_PATTERN = r"@([0-9a-f]+)\.([0-9]+)\.([0-9]+)"
+"""A holder's tag: `@<pid namespace, hex>.<pid>.<start time, clock ticks>`."""
+TAG = re.compile(TAG_PATTERN + "$")
+"""The tag at the end of a held file's name."""
 _tags: dict[int, str | None] = {}  # pid -> its tag (a forked child computes its own)
 
 

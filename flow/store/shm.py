@@ -26,9 +26,9 @@ same user as its clients.
 
 A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
 leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and `RESERVE_FRACTION`
-of it, for collective libraries, DataLoader workers and others that need it): a 64 MB Docker default is
-never used. The peers' `host_id`s, compared once per connection, decide whether they
-share one `/dev/shm`.
+of it, for collective libraries, DataLoader workers and others that need it): a 64 MB
+Docker default is never used. The peers' `host_id`s, compared once per connection,
+decide whether they share one `/dev/shm`.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from tidal.hal import owner
 
 log = logging.getLogger(__name__)
 
-DIR = "/dev/shm"
+DIR = owner.DIR
 MIN_BYTES = 64 * 1024
 """Buffers from this size go into shared memory; smaller ones stay socket frames."""
 _ALIGN = 64
-_NAME = re.compile(r"tidal-[0-9a-f]{12}-[0-9]+(?:@[0-9a-f]+\.[0-9]+\.[0-9]+)?")  # the tag: see `tidal.hal.owner`
+_NAME = re.compile(rf"tidal-[0-9a-f]{{12}}-[0-9]+(?:{owner.TAG_PATTERN})?")
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _host_id: list[str | None] = []
 

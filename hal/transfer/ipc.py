@@ -46,7 +46,7 @@ from tidal.hal.transfer import (
     weight_source,
 )
 
-_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_SHM = Path(owner.DIR) if Path(owner.DIR).is_dir() else Path(tempfile.gettempdir())
 _names = itertools.count()
 
 
