@@ -61,7 +61,10 @@ class HFRolloutEngine:
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.version = version
         # Only the last position's logits are needed: models that can skip the others do.
-        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
+        forward = inspect.signature(type(model).forward).parameters
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40)
+        self._cache_name = "cache" if "cache" in forward else "past_key_values"
 
     @torch.no_grad()
     def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
@@ -96,8 +99,8 @@ class HFRolloutEngine:
         live = torch.arange(n)  # original row of each row still in the batch
         cache = None
         for step in range(num_steps):
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **self._last_logits)
-            cache = out.past_key_values
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_name: cache}, **self._last_logits)
+            cache = getattr(out, self._cache_name)
             scores = out.logits[:, -1].float() / self.temperature
             if shared is not None and step == 0:  # every row gets its own copy of its prefill
                 scores, mask, positions = scores[shared], mask[shared], positions[shared]

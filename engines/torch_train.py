@@ -10,7 +10,8 @@ micro-batches hold rows of similar length (the batch's rows sorted by length, st
 each cut to its longest row; a right-padded micro-batch (every `to_token_batch`'s) runs
 without a padding mask, since under causal attention a real token only sees earlier,
 real, tokens; and when rows share prompts (a GRPO group's samples) each distinct prompt
-goes through the model once and the rows continue from its KV cache. Rows whose
+goes through the model once, followed by the responses of its rows in one packed
+sequence (an attention mask keeps each response to its prompt and itself). Rows whose
 advantage is zero on every loss token (a GRPO group whose samples all got the same
 reward) add nothing to the loss or its gradient when there is no KL term, so they get no
 forward or backward pass (`skipped_rows` in the step's metrics; the other metrics, such
@@ -58,13 +59,15 @@ class TorchTrainEngine:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
+        # packed rows need a custom 4D attention mask, which these implementations take
+        self._packs = getattr(getattr(self.model, "config", None), "_attn_implementation", None) in ("eager", "sdpa")
 
     def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[rows, seq - 1] logprob of each next token; with grad when grad is enabled."""
         batch = batch.to(self.device)
         mask = batch.attention_mask
         right_padded = bool((mask[:, :1] != 0).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
-        if right_padded:
+        if right_padded and self._packs:
             shared = _shared_prompts(batch)
             if shared is not None:
                 return self._shared_prompt_logprobs(batch, shared)
@@ -75,37 +78,24 @@ class TorchTrainEngine:
     def _shared_prompt_logprobs(self, batch: TokenBatch, shared: _SharedPrompts) -> torch.Tensor:
         """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).
 
-        The prompts go through the model once, left-padded, keeping their keys and values;
-        every row then gets its prompt's cache (an index, so in backward the rows'
-        gradients add up in the one prompt computation) and runs its response tokens on it.
-        The same function of the weights as the plain forward, on fewer tokens; prompt
-        positions (never in a loss) come out as 0.
+        One forward over packed rows: each distinct prompt followed by the responses of
+        its rows (`_pack`), under an attention mask that lets a response token see its
+        prompt and the earlier tokens of its own response, nothing else, at the positions
+        it has in its own row. The same function of the weights as the plain forward, on
+        fewer tokens and without padding to the longest response; prompt positions (never
+        in a loss) come out as 0.
         """
-        device, temperature = self.device, self.temperature
-        num_prompt = max(map(len, shared.prompts))
-        prompt_ids = torch.tensor([[0] * (num_prompt - len(x)) + list(x) for x in shared.prompts], dtype=torch.long, device=device)
-        prompt_mask = (torch.arange(num_prompt)[None, :] >= torch.tensor([num_prompt - len(x) for x in shared.prompts])[:, None]).long().to(device)
-        prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
-        inverse = torch.tensor(shared.inverse, dtype=torch.long, device=device)
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse)
-        first = out.logits[:, -1][inverse]  # predicts each row's first response token
+        device = self.device
+        packed = _pack(batch, shared)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
+        logits = self.model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
+        logits = logits.flatten(0, 1)[packed.predictors.to(device)]  # [rows, width, vocab]: predicts each row's response token j
         starts = torch.tensor(shared.prompt_lengths, device=device)  # each row's first response token
         num_response = torch.tensor(shared.lengths, device=device) - starts
-        width = int(num_response.max())
-        offsets = torch.arange(width, device=device)[None, :]
-        response_mask = offsets < num_response[:, None]
-        response = batch.input_ids.gather(1, (starts[:, None] + offsets).clamp(max=batch.input_ids.shape[1] - 1)) * response_mask
-        out = self.model(
-            input_ids=response,
-            attention_mask=torch.cat([prompt_mask[inverse], response_mask.long()], dim=1),
-            position_ids=starts[:, None] + offsets,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = torch.cat([first[:, None], out.logits[:, :-1]], dim=1)  # [rows, width]: predicts response[:, j]
-        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, response[..., None]).squeeze(-1)
+        width = logits.shape[1]
+        response = batch.input_ids.gather(1, (starts[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=batch.input_ids.shape[1] - 1))
+        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(-1, response[..., None]).squeeze(-1)
         # position t of the batch layout predicts input_ids[:, t + 1]: response token j is at t = start - 1 + j
         j = torch.arange(batch.loss_mask.shape[1], device=device)[None, :] - (starts[:, None] - 1)
         placed = (j >= 0) & (j < num_response[:, None])
@@ -127,9 +117,10 @@ class TorchTrainEngine:
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token under the current weights.
 
-        Defined where a row's continuation is predicted (its loss and environment tokens);
-        positions that predict padding are 0, and so are prompt positions of rows whose
-        prompt was computed once for several rows.
+        Defined where a row's response is predicted (its tokens from the first loss token
+        on, environment tokens among them); positions that predict padding are 0, and so
+        are prompt positions (everything before the first loss token: all of a row without
+        one) when the rows went through the model packed (`_pack`).
         """
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         for rows, part in self._micro_batches(batch):
@@ -246,11 +237,74 @@ def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
     prompt_lengths = [f + 1 if any_loss else n for f, any_loss, n in zip(first, has_loss.any(1).tolist(), lengths)]
     distinct: dict[tuple[int, ...], int] = {}
     inverse = [distinct.setdefault(tuple(row[:p]), len(distinct)) for row, p in zip(ids, prompt_lengths)]
-    response = max(n - p for n, p in zip(lengths, prompt_lengths))
-    shared_tokens = len(distinct) * max(prompt_lengths) + len(ids) * response
-    if response == 0 or shared_tokens > 0.8 * len(ids) * max(lengths):
+    num_response_tokens = sum(n - p for n, p in zip(lengths, prompt_lengths))
+    if num_response_tokens == 0 or sum(map(len, distinct)) + num_response_tokens > 0.8 * len(ids) * max(lengths):
         return None
     return _SharedPrompts(list(distinct), inverse, prompt_lengths, lengths)
+
+
+@dataclasses.dataclass
+class _Packed:
+    """Rows that share prompts, laid out for one forward (see `_pack`)."""
+
+    input_ids: torch.Tensor
+    """[packed, width] each distinct prompt followed by its rows' responses, right-padded."""
+    position_ids: torch.Tensor
+    """[packed, width] each token's position in its own batch row."""
+    allowed: torch.Tensor
+    """[packed, width, width] bool: query token i may attend to key token k."""
+    predictors: torch.Tensor
+    """[rows, response width] where, in the flattened [packed * width] layout, the token
+    predicting each row's response token j is (0 past a row's response)."""
+
+
+def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
+    """Lay out `batch`'s rows by prompt: a unit is a distinct prompt followed by the
+    responses of the rows that share it; units go, longest first, into the first packed
+    row with room, rows as wide as the longest unit. A response token attends to its
+    prompt and to the earlier tokens of its own response, and keeps its batch position.
+    Rows without a response are left out (nothing of theirs is predicted)."""
+    ids = batch.input_ids.tolist()
+    rows_of: list[list[int]] = [[] for _ in shared.prompts]
+    for r, p in enumerate(shared.inverse):
+        if shared.lengths[r] > shared.prompt_lengths[r]:
+            rows_of[p].append(r)
+    units = [(p, rows, len(shared.prompts[p]) + sum(shared.lengths[r] - shared.prompt_lengths[r] for r in rows)) for p, rows in enumerate(rows_of) if rows]
+    units.sort(key=lambda unit: -unit[2])
+    width = units[0][2]
+    tokens: list[list[int]] = []
+    positions: list[list[int]] = []
+    unit_ids: list[list[int]] = []  # -1 on padding
+    parts: list[list[int]] = []  # 0 on a prompt, k on the unit's k-th response, -1 on padding
+    num_response = max(shared.lengths[r] - shared.prompt_lengths[r] for r in range(len(ids)))
+    predictors = [[0] * num_response for _ in ids]
+    for u, (p, rows, length) in enumerate(units):
+        k = next((k for k, row in enumerate(tokens) if len(row) + length <= width), len(tokens))
+        if k == len(tokens):
+            tokens.append([]), positions.append([]), unit_ids.append([]), parts.append([])
+        prompt = shared.prompts[p]
+        last_prompt = k * width + len(tokens[k]) + len(prompt) - 1
+        tokens[k] += prompt
+        positions[k] += range(len(prompt))
+        unit_ids[k] += [u] * len(prompt)
+        parts[k] += [0] * len(prompt)
+        for part, r in enumerate(rows, start=1):
+            start, end = shared.prompt_lengths[r], shared.lengths[r]
+            first = k * width + len(tokens[k])
+            predictors[r][: end - start] = [last_prompt] + list(range(first, first + end - start - 1))
+            tokens[k] += ids[r][start:end]
+            positions[k] += range(start, end)
+            unit_ids[k] += [u] * (end - start)
+            parts[k] += [part] * (end - start)
+
+    def padded(rows: list[list[int]], value: int) -> torch.Tensor:
+        return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
+
+    unit, part = padded(unit_ids, -1), padded(parts, -1)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same_unit = unit[:, :, None] == unit[:, None, :]
+    sees = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])  # the prompt, or its own response (padding: other padding)
+    return _Packed(padded(tokens, 0), padded(positions, 0), causal & same_unit & sees, torch.tensor(predictors, dtype=torch.long))
 
 
 def use_platform_options(optimizer: torch.optim.Optimizer, platform: Platform) -> None:

@@ -232,6 +232,40 @@ def test_shared_prompt_forward_equals_the_plain_forward(monkeypatch, attention, 
     assert all(torch.allclose(a, b, atol=atol) for a, b in zip(shared_grads, plain_grads))
 
 
+def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatch):
+    """Two short groups share a packed row beside a long one; a row without a loss token
+    is left out of the packing and gets logprobs of 0 there."""
+    rows = []
+    for prompt, responses in [("13-4=", [[5, 6, 7, 8, 9], [5, 6, 7, 8], [5, 6, 7]]), ("7=", [[5], [5]]), ("8=", [[6], [6]])]:
+        for response in responses:
+            t = Trajectory(prompt_ids=T.encode(prompt))
+            t.extend(response, [-1.0] * len(response), 0)
+            rows.append(t)
+    env_only = Trajectory(prompt_ids=T.encode("9="))
+    env_only.append_env([5, 6])
+    batch = to_token_batch([*rows, env_only], pad_id=T.pad_id)
+    shared = torch_train._shared_prompts(batch)
+    packed = torch_train._pack(batch, shared)
+    # units: "13-4=" with 12 response tokens (18 wide), "7=" and "8=" with 2 each (5 wide): two packed rows
+    assert packed.input_ids.shape == (2, 18)
+    assert packed.input_ids[1, :10].tolist() == [*T.encode("7="), 5, 5, *T.encode("8="), 6, 6]
+    assert packed.position_ids[1, :10].tolist() == [0, 1, 2, 3, 3, 0, 1, 2, 3, 3]
+    assert not packed.allowed[1, 4, 3] and packed.allowed[1, 4, 2] and not packed.allowed[1, 7, 4]  # a sibling's token; its prompt; another unit
+    results = []
+    for pack in (True, False):
+        if not pack:
+            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
+        engine = TorchTrainEngine(tiny(attention="eager"), micro_batch_size=16)
+        logprobs = engine._token_logprobs(batch)
+        (logprobs * batch.loss_mask).sum().backward()
+        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
+    (packed_lp, packed_grads), (plain_lp, plain_grads) = results
+    mask = batch.loss_mask != 0
+    assert torch.allclose(packed_lp[mask], plain_lp[mask], atol=1e-6)
+    assert (packed_lp[~mask] == 0).all()
+    assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(packed_grads, plain_grads))
+
+
 def test_proximal_is_policy_step_equals_recomputing_the_proximal_logprobs():
     # Behavior logprobs from other weights (a stale sample): the decoupled step against
     # recomputed proximal logprobs and the one that reuses its own forward are the same step.
