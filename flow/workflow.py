@@ -166,9 +166,11 @@ class Workflow:
             self._errors.append(e)
             self.stop()
 
-    def _on_store_change(self) -> None:
+    def _on_store_change(self, partition: str | None) -> None:
         """Store listener (store lock held): rows the trainer's sampler dropped free room
         for more prompts, and the trainer may be waiting for those very rows."""
+        if partition not in (None, "train"):
+            return
         dropped = self.store.consumer_counts("train", "train")["dropped"]
         if dropped != self._dropped_seen:
             self._dropped_seen = dropped

@@ -173,15 +173,17 @@ class StoreServer:
         self._waker.close(linger=0)
         self._ctx.destroy(linger=0)
 
-    def _on_change(self) -> None:
+    def _on_change(self, partition: str | None) -> None:
         """Store listener (store lock held): a change made outside the server thread retries
-        the parked requests here and now; the server thread is woken only if something is
-        left for it (requests still parked, whose timer may have moved; requests that
-        arrived meanwhile; chunks to drop on storage units)."""
+        the parked requests here and now (those on the changed partition; every one after
+        a change to the whole store); the server thread is woken only if something is left
+        for it (requests still parked, whose timer may have moved; requests that arrived
+        meanwhile; chunks to drop on storage units)."""
         if threading.current_thread() is self._thread or getattr(self._local, "retrying", False):
             return
         wake = False
-        if self._parked:  # stable: requests are parked only with the store lock held
+        concerned = partition is None or any(p.args.get("partition") == partition for p in self._parked)
+        if self._parked and concerned:  # stable: requests are parked only with the store lock held
             self._local.retrying = True
             try:
                 with self._lock:

@@ -28,6 +28,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -68,8 +69,13 @@ class Store:
         """`clock` times leases and timeouts; tests pass a fake one to expire leases at will."""
         self._clock = clock
         self._free_listeners: list[Callable[[str, Any], None]] = []
-        self._change_listeners: list[Callable[[], None]] = []
-        self._cond = threading.Condition()
+        self._change_listeners: list[Callable[[str | None], None]] = []
+        self._lock = threading.RLock()
+        # Waiters wait on conditions of this lock by what they wait for, and a change wakes
+        # only those it may concern: a get for rows of (partition, consumer), a put for room
+        # in a partition.
+        self._readers: dict[tuple[str, str], threading.Condition] = {}
+        self._room: dict[str, threading.Condition] = {}
         self._parts: dict[str, Partition] = {}
         self._version = 0
         self._stamp = 0
@@ -79,14 +85,14 @@ class Store:
     # Setup ------------------------------------------------------------------------------
     def create_partition(self, name: str, *, consumers: Sequence[str], capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float = 300.0) -> None:
         """Create a table. Every row stays until each of `consumers` has acked it."""
-        with self._cond:
+        with self._lock:
             if name in self._parts:
                 raise ValueError(f"partition {name!r} already exists")
             self._parts[name] = Partition(name, consumers, capacity_rows, capacity_bytes, lease_s)
 
     def add_consumer(self, partition: str, consumer: str) -> None:
         """A new consumer of `partition`; it will see every row not yet evicted."""
-        with self._cond:
+        with self._lock:
             part = self._part(partition)
             if consumer in part.consumers:
                 raise ValueError(f"consumer {consumer!r} of partition {partition!r} already exists")
@@ -95,46 +101,71 @@ class Store:
                 seg.add_consumer(consumer)
 
     @property
-    def lock(self) -> threading.Condition:
+    def lock(self) -> AbstractContextManager[Any]:
         """The store's (reentrant) lock: hold it to make several calls one atomic step."""
-        return self._cond
+        return self._lock
 
     def add_free_listener(self, listener: Callable[[str, Any], None]) -> None:
         """Call `listener(partition, chunk)` when the store lets go of a chunk (every row
         using it evicted or overwritten); a controller whose chunks live on storage units
         uses it to free them there. Called with the lock held: it must not call back."""
-        with self._cond:
+        with self._lock:
             self._free_listeners.append(listener)
 
-    def add_change_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` whenever waiters are woken: after puts, acks, releases, lease
-        expiries, rows a sampler dropped, version changes and `close`. It runs in the
+    def add_change_listener(self, listener: Callable[[str | None], None]) -> None:
+        """Call `listener(partition)` whenever waiters are woken: after puts, acks,
+        releases, lease expiries and rows a sampler dropped, with the partition that
+        changed (None: version changes, releases, expiries, `wake` and `close`, which may
+        concern every partition). It runs in the
         thread that made the change, with the lock held; it may call the store (the lock is
         reentrant) but must not wait for another thread that needs the lock."""
-        with self._cond:
+        with self._lock:
             self._change_listeners.append(listener)
 
     def remove_listener(self, listener: Callable[..., None]) -> None:
         """Stop calling `listener` (a change or free listener); unknown ones are ignored."""
-        with self._cond:
+        with self._lock:
             for listeners in (self._change_listeners, self._free_listeners):
                 if listener in listeners:
                     listeners.remove(listener)
 
-    def _notify(self) -> None:
-        self._cond.notify_all()
+    def _notify(self, part: Partition | None = None, *, columns: Iterable[str] | None = None, room: bool = False) -> None:
+        """Wake the waiters a change may concern, then call the change listeners (lock held).
+
+        No `part`: every waiter (version, releases, lease expiries, `wake`, `close`). With
+        `columns`, the readers of `part` that asked for one of them (or for none): a put
+        makes rows ready only for the keys it completes. With `room`, the puts waiting for
+        room in `part` (acks and drops evict rows).
+        """
+        if part is None:
+            for cond in (*self._readers.values(), *self._room.values()):
+                cond.notify_all()
+        else:
+            if columns is not None:
+                written = set(columns)
+                for (name, consumer), cond in self._readers.items():  # a reader's get added its key before waiting
+                    if name == part.name and any(not key or key & written for key in part.consumers[consumer].keys):
+                        cond.notify_all()
+            if room and part.name in self._room:
+                self._room[part.name].notify_all()
         for listener in self._change_listeners:
-            listener()
+            listener(None if part is None else part.name)
+
+    def _reader(self, part: Partition, consumer: str) -> threading.Condition:
+        cond = self._readers.get((part.name, consumer))
+        if cond is None:
+            cond = self._readers[(part.name, consumer)] = threading.Condition(self._lock)
+        return cond
 
     def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
         """Cheap counters of one consumer: rows acked, dropped by its sampler, redelivered."""
-        with self._cond:
+        with self._lock:
             state = self._part(partition).consumers[consumer]
             return {"acked": state.num_acked, "dropped": state.num_dropped, "redelivered": state.num_redelivered}
 
     def next_lease_expiry(self) -> float | None:
         """When the earliest outstanding lease expires (store clock), or None."""
-        with self._cond:
+        with self._lock:
             for part in self._parts.values():
                 self._expire_leases(part)  # also drops heap entries of leases acked since
             deadlines = [part.leases[0][0] for part in self._parts.values() if part.leases]
@@ -146,7 +177,7 @@ class Store:
 
     def set_version(self, version: int) -> None:
         """The current policy version, read by staleness-aware samplers."""
-        with self._cond:
+        with self._lock:
             self._version = version
             self._notify()
 
@@ -185,7 +216,7 @@ class Store:
         sizes = {name: cell_sizes(chunk) for name, chunk in chunks.items() if row_sizes[name] < 0 or indexes is not None}
         _check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
-        with self._cond:
+        with self._lock:
             then_ack = self._check_ack(ack)
             part = self._part(partition)
             if indexes is None:
@@ -218,7 +249,9 @@ class Store:
                 result = where.tolist()
             if then_ack is not None:
                 self._ack_many(*then_ack)
-            self._notify()
+                if then_ack[0] is not part:
+                    self._notify(then_ack[0], room=True)
+            self._notify(part, columns=chunks, room=then_ack is not None and then_ack[0] is part)
             return result if as_range or isinstance(result, list) else list(result)
 
     def submit_put(self, partition: str, columns: Mapping[str, Any], indexes: Sequence[int] | None = None, **kwargs: Any) -> Done:
@@ -320,7 +353,7 @@ class Store:
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
             # Only evictions (acks) free room, and they notify: wait for them or the deadline.
-            self._cond.wait(None if deadline is None else max(deadline - self._clock(), 0.0))
+            self._room.setdefault(part.name, threading.Condition(self._lock)).wait(None if deadline is None else max(deadline - self._clock(), 0.0))
 
     # Get / ack --------------------------------------------------------------------------
     def get(
@@ -357,7 +390,7 @@ class Store:
         start = self._clock()
         since = start if waiting_since is None else waiting_since
         deadline = None if timeout is None else start + timeout
-        with self._cond:
+        with self._lock:
             part = self._part(partition)
             state = part.consumers.get(consumer)
             if state is None:
@@ -367,7 +400,7 @@ class Store:
                 where = as_indexes(ack)
                 if len(where):
                     self._ack_many(part, consumer, where)
-                    self._notify()
+                    self._notify(part, room=True)
             while True:
                 self._check_open()
                 if cancel is not None and cancel.is_set():
@@ -378,7 +411,7 @@ class Store:
                 choice = sampler.select(rows, batch_size, partial, ctx)
                 if len(choice.drop):
                     state.num_dropped += self._ack_many(part, consumer, np.asarray(choice.drop, dtype=np.int64))
-                    self._notify()  # the drops freed room, and whoever counts them (admission) must hear
+                    self._notify(part, room=True)  # the drops freed room, and whoever counts them (admission) must hear
                 if len(choice.take):
                     break
                 if deadline is not None and self._clock() >= deadline:
@@ -386,7 +419,7 @@ class Store:
                         f"get({consumer!r}, {partition!r}, {sorted(key)}) timed out after {timeout}s: "
                         f"{len(rows)} of {batch_size} rows were ready"
                     )
-                self._cond.wait(self._wait_time(part, deadline))
+                self._reader(part, consumer).wait(self._wait_time(part, deadline))
             take = choice.take if isinstance(choice.take, range) and choice.take.step == 1 else as_indexes(choice.take)
             expiry = self._clock() + part.lease_s
             self._lease_seq += 1
@@ -414,7 +447,7 @@ class Store:
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         """Mark rows done for `consumer`; return how many were newly acked (idempotent)."""
         where = as_indexes(indexes)
-        with self._cond:
+        with self._lock:
             part = self._part(partition)
             if consumer not in part.consumers:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
@@ -422,7 +455,7 @@ class Store:
             if len(bad):
                 raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
             newly = self._ack_many(part, consumer, where)
-            self._notify()
+            self._notify(part, room=True)
             return newly
 
     def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
@@ -431,7 +464,7 @@ class Store:
         By default every row it holds in every partition; `partition` and `indexes` narrow
         it. Rows already acked or no longer leased are skipped. Returns how many came back.
         """
-        with self._cond:
+        with self._lock:
             parts = [self._part(partition)] if partition else list(self._parts.values())
             released = 0
             for part in parts:
@@ -447,7 +480,7 @@ class Store:
 
     def release_holder(self, holder: int) -> int:
         """Return every row still leased to `holder` (see `get`) to its consumer's ready set."""
-        with self._cond:
+        with self._lock:
             released = 0
             for part in self._parts.values():
                 for consumer in part.consumers:
@@ -590,7 +623,7 @@ class Store:
     # Introspection ----------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counts per partition, column and consumer, and each consumer's get wait times."""
-        with self._cond:
+        with self._lock:
             out: dict[str, Any] = {"version": self._version, "partitions": {}}
             for part in self._parts.values():
                 self._expire_leases(part)
@@ -605,7 +638,7 @@ class Store:
         """
         from tidal.flow.store.persist import state_of  # noqa: PLC0415 - persist imports this module
 
-        with self._cond:
+        with self._lock:
             return state_of(self._version, self._parts.values())
 
     @classmethod
@@ -618,11 +651,11 @@ class Store:
 
     def wake(self) -> None:
         """Wake every waiter so it rechecks its `cancel` event."""
-        with self._cond:
+        with self._lock:
             self._notify()
 
     def close(self) -> None:
         """Wake every waiter with `StoreError`; later calls fail."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._notify()

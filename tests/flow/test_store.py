@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout, TaggedFirst
+from tidal.flow.store.samplers import Sequential
 from tidal.flow.store.codec import CodecError, decode, encode
 from tidal.flow.store.persist import load, save
 
@@ -78,6 +79,45 @@ def test_get_wakes_on_put_without_polling():
     thread.join(5)
     assert got["batch"].columns["x"] == [1, 2]
     assert got["t"] - t_put < 0.5
+
+
+def test_a_change_wakes_only_the_waiters_it_concerns():
+    """A waiting get rechecks (its sampler runs) only after a put of a column it asked for,
+    or a change to the whole store; listeners hear which partition changed."""
+    store = Store()
+    store.create_partition("p", consumers=["reader", "other"])
+    store.create_partition("q", consumers=["c"])
+    changed = []
+    store.add_change_listener(changed.append)
+    checks = []
+
+    class Counting(Sequential):
+        def select(self, rows, batch_size, partial, ctx):
+            checks.append(len(rows))
+            return super().select(rows, batch_size, partial, ctx)
+
+    got = {}
+    thread = threading.Thread(target=lambda: got.update(batch=store.get("reader", "p", ["reward"], 2, sampler=Counting(), timeout=10)))
+    thread.start()
+    _wait_until(lambda: checks == [0])
+    indexes = store.put("p", {"tokens": [1, 2]})  # rows, but not the column it waits for
+    store.put("q", {"tokens": [3]})  # another partition
+    store.ack("other", "p", indexes)  # room, not rows
+    time.sleep(0.05)
+    assert checks == [0] and thread.is_alive()
+    store.set_version(1)  # may concern every waiter (a staleness filter)
+    _wait_until(lambda: len(checks) == 2)
+    store.put("p", {"reward": [0.5, 1.0]}, indexes)
+    thread.join(5)
+    assert got["batch"].columns["reward"] == [0.5, 1.0] and checks[-1] == 2
+    assert changed == ["p", "q", "p", None, "p"]
+
+
+def _wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def test_lease_expiry_redelivers_and_acks_are_idempotent():
