@@ -9,9 +9,9 @@ Less work per step, the same function of the weights (up to float rounding; test
 micro-batches hold rows of similar length (the batch's rows sorted by length, stable),
 each cut to its longest row; a right-padded micro-batch (every `to_token_batch`'s) runs
 without a padding mask, since under causal attention a real token only sees earlier,
-real, tokens; and when rows share prompts (a GRPO group's samples) each distinct prompt
-goes through the model once, followed by the responses of its rows in one packed
-sequence (an attention mask keeps each response to its prompt and itself). Rows whose
+real, tokens; and rows go through the model packed (`_pack`): each distinct prompt once
+(a GRPO group's samples share theirs), followed by the responses of its rows, under an
+attention mask that keeps each response to its prompt and itself. Rows whose
 advantage is zero on every loss token (a GRPO group whose samples all got the same
 reward) add nothing to the loss or its gradient when there is no KL term, so they get no
 forward or backward pass (`skipped_rows` in the step's metrics; the other metrics, such
@@ -69,13 +69,14 @@ class TorchTrainEngine:
         right_padded = bool((mask[:, :1] != 0).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
         if right_padded and self._packs:
             shared = _shared_prompts(batch)
-            if shared is not None:
-                return self._shared_prompt_logprobs(batch, shared)
+            packed = _pack(batch, shared) if shared is not None else None
+            if packed is not None:
+                return self._packed_logprobs(batch, shared, packed)
         logits = self.model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
-    def _shared_prompt_logprobs(self, batch: TokenBatch, shared: _SharedPrompts) -> torch.Tensor:
+    def _packed_logprobs(self, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed) -> torch.Tensor:
         """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).
 
         One forward over packed rows: each distinct prompt followed by the responses of
@@ -86,7 +87,6 @@ class TorchTrainEngine:
         in a loss) come out as 0.
         """
         device = self.device
-        packed = _pack(batch, shared)
         dtype = next(self.model.parameters()).dtype
         mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
         logits = self.model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
@@ -258,13 +258,16 @@ class _Packed:
     predicting each row's response token j is (0 past a row's response)."""
 
 
-def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
+def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed | None:
     """Lay out `batch`'s rows by prompt: a unit is a distinct prompt followed by the
     responses of the rows that share it; units go, longest first, into the first packed
     row with room, rows as wide as the longest unit. A response token attends to its
     prompt and to the earlier tokens of its own response, and keeps its batch position.
-    Rows without a response are left out (nothing of theirs is predicted)."""
-    ids = batch.input_ids.tolist()
+    Rows without a response are left out (nothing of theirs is predicted).
+
+    None when the packed rows' attention (width squared each, under a dense mask) would
+    cost over twice the rows' own: long responses, whose unit grows with every row.
+    """
     rows_of: list[list[int]] = [[] for _ in shared.prompts]
     for r, p in enumerate(shared.inverse):
         if shared.lengths[r] > shared.prompt_lengths[r]:
@@ -272,16 +275,25 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     units = [(p, rows, len(shared.prompts[p]) + sum(shared.lengths[r] - shared.prompt_lengths[r] for r in rows)) for p, rows in enumerate(rows_of) if rows]
     units.sort(key=lambda unit: -unit[2])
     width = units[0][2]
-    tokens: list[list[int]] = []
-    positions: list[list[int]] = []
-    unit_ids: list[list[int]] = []  # -1 on padding
-    parts: list[list[int]] = []  # 0 on a prompt, k on the unit's k-th response, -1 on padding
+    used: list[int] = []  # each packed row's tokens so far
+    placed = []  # (packed row, offset) of each unit
+    for _, _, length in units:
+        k = next((k for k, n in enumerate(used) if n + length <= width), len(used))
+        if k == len(used):
+            used.append(0)
+        placed.append((k, used[k]))
+        used[k] += length
+    if len(used) * width**2 > 2 * len(shared.lengths) * max(shared.lengths) ** 2:
+        return None
+    ids = batch.input_ids.tolist()
+    tokens: list[list[int]] = [[] for _ in used]
+    positions: list[list[int]] = [[] for _ in used]
+    unit_ids: list[list[int]] = [[] for _ in used]  # -1 on padding
+    parts: list[list[int]] = [[] for _ in used]  # 0 on a prompt, k on the unit's k-th response, -1 on padding
     num_response = max(shared.lengths[r] - shared.prompt_lengths[r] for r in range(len(ids)))
     predictors = [[0] * num_response for _ in ids]
-    for u, (p, rows, length) in enumerate(units):
-        k = next((k for k, row in enumerate(tokens) if len(row) + length <= width), len(tokens))
-        if k == len(tokens):
-            tokens.append([]), positions.append([]), unit_ids.append([]), parts.append([])
+    for u, ((p, rows, _), (k, offset)) in enumerate(zip(units, placed)):
+        assert len(tokens[k]) == offset  # units go into their rows in placement order
         prompt = shared.prompts[p]
         last_prompt = k * width + len(tokens[k]) + len(prompt) - 1
         tokens[k] += prompt

@@ -266,6 +266,23 @@ def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatc
     assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(packed_grads, plain_grads))
 
 
+def test_long_responses_are_not_packed():
+    """A prompt's unit grows with every response: a 10-token prompt and eight 8-token
+    responses would make one 74-token packed row (74^2 = 5,476 attention scores), over twice
+    the eight 18-token rows' own (2 x 8 x 18^2 = 5,184), though it would save tokens."""
+    rows = []
+    for k in range(8):
+        t = Trajectory(prompt_ids=T.encode("12+34-56="))
+        t.extend([5 + (j + k) % 5 for j in range(8)], [-1.0] * 8, 0)
+        rows.append(t)
+    batch = to_token_batch(rows, pad_id=T.pad_id)
+    shared = torch_train._shared_prompts(batch)
+    assert shared is not None and torch_train._pack(batch, shared) is None
+    engine = TorchTrainEngine(tiny(attention="eager"), micro_batch_size=16)
+    logprobs = engine._token_logprobs(batch)
+    assert (logprobs[:, 1:] != 0).all()  # the plain forward: prompt positions too
+
+
 def test_proximal_is_policy_step_equals_recomputing_the_proximal_logprobs():
     # Behavior logprobs from other weights (a stale sample): the decoupled step against
     # recomputed proximal logprobs and the one that reuses its own forward are the same step.
