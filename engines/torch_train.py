@@ -69,9 +69,8 @@ class TorchTrainEngine:
         right_padded = bool((mask[:, :1] != 0).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
         if right_padded and self._packs:
             shared = _shared_prompts(batch)
-            packed = _pack(batch, shared) if shared is not None else None
-            if packed is not None:
-                return self._packed_logprobs(batch, shared, packed)
+            if shared is not None:
+                return self._packed_logprobs(batch, shared, _pack(batch, shared))
         logits = self.model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
@@ -243,6 +242,10 @@ def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
     return _SharedPrompts(list(distinct), inverse, prompt_lengths, lengths)
 
 
+UNIT_ROWS_WIDE = 4
+"""A packed unit (a prompt and its rows' responses) is at most this many longest rows wide."""
+
+
 @dataclasses.dataclass
 class _Packed:
     """Rows that share prompts, laid out for one forward (see `_pack`)."""
@@ -258,21 +261,31 @@ class _Packed:
     predicting each row's response token j is (0 past a row's response)."""
 
 
-def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed | None:
+def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     """Lay out `batch`'s rows by prompt: a unit is a distinct prompt followed by the
     responses of the rows that share it; units go, longest first, into the first packed
     row with room, rows as wide as the longest unit. A response token attends to its
     prompt and to the earlier tokens of its own response, and keeps its batch position.
     Rows without a response are left out (nothing of theirs is predicted).
 
-    None when the packed rows' attention (width squared each, under a dense mask) would
-    cost over twice the rows' own: long responses, whose unit grows with every row.
+    A unit holds at most `UNIT_ROWS_WIDE` times the longest row's tokens: the rest of its
+    prompt's rows go into another unit with the prompt again. Without that bound a
+    prompt's unit would grow with every response, and so would its dense attention mask
+    and scores (the square of its width).
     """
-    rows_of: list[list[int]] = [[] for _ in shared.prompts]
+    cap = UNIT_ROWS_WIDE * max(shared.lengths)
+    units: list[tuple[int, list[int], int]] = []  # (prompt, rows, tokens)
+    filling: dict[int, int] = {}  # prompt -> its unit that takes more rows
     for r, p in enumerate(shared.inverse):
-        if shared.lengths[r] > shared.prompt_lengths[r]:
-            rows_of[p].append(r)
-    units = [(p, rows, len(shared.prompts[p]) + sum(shared.lengths[r] - shared.prompt_lengths[r] for r in rows)) for p, rows in enumerate(rows_of) if rows]
+        num_response = shared.lengths[r] - shared.prompt_lengths[r]
+        if num_response == 0:
+            continue
+        u = filling.get(p)
+        if u is None or units[u][2] + num_response > cap:
+            u = filling[p] = len(units)
+            units.append((p, [], len(shared.prompts[p])))
+        _, rows, length = units[u]
+        units[u] = (p, [*rows, r], length + num_response)
     units.sort(key=lambda unit: -unit[2])
     width = units[0][2]
     used: list[int] = []  # each packed row's tokens so far
@@ -283,8 +296,6 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed | None:
             used.append(0)
         placed.append((k, used[k]))
         used[k] += length
-    if len(used) * width**2 > 2 * len(shared.lengths) * max(shared.lengths) ** 2:
-        return None
     ids = batch.input_ids.tolist()
     tokens: list[list[int]] = [[] for _ in used]
     positions: list[list[int]] = [[] for _ in used]

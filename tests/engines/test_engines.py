@@ -266,21 +266,34 @@ def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatc
     assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(packed_grads, plain_grads))
 
 
-def test_long_responses_are_not_packed():
-    """A prompt's unit grows with every response: a 10-token prompt and eight 8-token
-    responses would make one 74-token packed row (74^2 = 5,476 attention scores), over twice
-    the eight 18-token rows' own (2 x 8 x 18^2 = 5,184), though it would save tokens."""
+def test_a_prompt_with_long_responses_is_packed_in_several_units(monkeypatch):
+    """A unit is at most 4 longest rows wide: a 10-token prompt and eight 12-token
+    responses (rows of 22) make units of 10 + 6 x 12 = 82 and 10 + 2 x 12 = 34 tokens,
+    not one of 106, whose attention scores would be 106^2 = 11,236 against 8 x 22^2 = 3,872
+    for the rows unpacked."""
     rows = []
     for k in range(8):
         t = Trajectory(prompt_ids=T.encode("12+34-56="))
-        t.extend([5 + (j + k) % 5 for j in range(8)], [-1.0] * 8, 0)
+        t.extend([5 + (j + k) % 5 for j in range(12)], [-1.0] * 12, 0)
         rows.append(t)
     batch = to_token_batch(rows, pad_id=T.pad_id)
-    shared = torch_train._shared_prompts(batch)
-    assert shared is not None and torch_train._pack(batch, shared) is None
-    engine = TorchTrainEngine(tiny(attention="eager"), micro_batch_size=16)
-    logprobs = engine._token_logprobs(batch)
-    assert (logprobs[:, 1:] != 0).all()  # the plain forward: prompt positions too
+    packed = torch_train._pack(batch, torch_train._shared_prompts(batch))
+    assert packed.input_ids.shape == (2, 82)
+    prompt = T.encode("12+34-56=")
+    assert packed.input_ids[0, :10].tolist() == prompt and packed.input_ids[1, :10].tolist() == prompt
+    assert (packed.input_ids[1, 34:] == 0).all() and (packed.position_ids[1, 10:22] == torch.arange(10, 22)).all()
+    results = []
+    for pack in (True, False):
+        if not pack:
+            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
+        engine = TorchTrainEngine(tiny(attention="eager"), micro_batch_size=16)
+        logprobs = engine._token_logprobs(batch)
+        (logprobs * batch.loss_mask).sum().backward()
+        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
+    (packed_lp, packed_grads), (plain_lp, plain_grads) = results
+    mask = batch.loss_mask != 0
+    assert torch.allclose(packed_lp[mask], plain_lp[mask], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(packed_grads, plain_grads))
 
 
 def test_proximal_is_policy_step_equals_recomputing_the_proximal_logprobs():
