@@ -113,12 +113,12 @@ class Store:
             self._free_listeners.append(listener)
 
     def add_change_listener(self, listener: Callable[[str | None], None]) -> None:
-        """Call `listener(partition)` whenever waiters are woken: after puts, acks,
-        releases, lease expiries and rows a sampler dropped, with the partition that
-        changed (None: version changes, releases, expiries, `wake` and `close`, which may
-        concern every partition). It runs in the
-        thread that made the change, with the lock held; it may call the store (the lock is
-        reentrant) but must not wait for another thread that needs the lock."""
+        """Call `listener(partition)` whenever waiters are woken: after puts, acks and rows
+        a sampler dropped with the partition that changed, after version changes,
+        releases, lease expiries, `wake` and `close` with None (they may concern every
+        partition). It runs in the thread that made the change, with the lock held; it may
+        call the store (the lock is reentrant) but must not wait for another thread that
+        needs the lock."""
         with self._lock:
             self._change_listeners.append(listener)
 
@@ -152,9 +152,17 @@ class Store:
             listener(None if part is None else part.name)
 
     def _reader(self, part: Partition, consumer: str) -> threading.Condition:
+        """What a get for `consumer`'s rows of `part` waits on."""
         cond = self._readers.get((part.name, consumer))
         if cond is None:
             cond = self._readers[(part.name, consumer)] = threading.Condition(self._lock)
+        return cond
+
+    def _room_in(self, part: Partition) -> threading.Condition:
+        """What a put waiting for room in `part` waits on."""
+        cond = self._room.get(part.name)
+        if cond is None:
+            cond = self._room[part.name] = threading.Condition(self._lock)
         return cond
 
     def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
@@ -353,7 +361,7 @@ class Store:
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
             # Only evictions (acks) free room, and they notify: wait for them or the deadline.
-            self._room.setdefault(part.name, threading.Condition(self._lock)).wait(None if deadline is None else max(deadline - self._clock(), 0.0))
+            self._room_in(part).wait(None if deadline is None else max(deadline - self._clock(), 0.0))
 
     # Get / ack --------------------------------------------------------------------------
     def get(
