@@ -212,21 +212,27 @@ def _grouped_batch(dtype=torch.float32):
     return to_token_batch([*trajectories, turns], pad_id=T.pad_id)
 
 
+def _packed_and_plain(monkeypatch, batch, **model):
+    """(logprobs, gradients of their sum on loss tokens) packed, then plain: the same
+    model built twice, the second time with packing off."""
+    results = []
+    for pack in (True, False):
+        if not pack:
+            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
+        engine = TorchTrainEngine(tiny(**model), micro_batch_size=16)
+        logprobs = engine._token_logprobs(batch)
+        (logprobs * batch.loss_mask).sum().backward()
+        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
+    return results
+
+
 # eager in float32: transformers' eager attention turns the fully masked rows of left
 # padding into NaN in float64 (not in float32, bf16 or fp16)
 @pytest.mark.parametrize("attention, dtype, atol", [("sdpa", torch.float64, 1e-5), ("eager", torch.float32, 2e-5)])
 def test_shared_prompt_forward_equals_the_plain_forward(monkeypatch, attention, dtype, atol):
     batch = _grouped_batch(dtype)
     assert torch_train._shared_prompts(batch) is not None  # 3 distinct prompts for 9 rows
-    results = []
-    for shared in (True, False):
-        if not shared:
-            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
-        engine = TorchTrainEngine(tiny(dtype=dtype, attention=attention), micro_batch_size=16)
-        logprobs = engine._token_logprobs(batch)
-        (logprobs * batch.loss_mask).sum().backward()
-        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
-    (shared_lp, shared_grads), (plain_lp, plain_grads) = results
+    (shared_lp, shared_grads), (plain_lp, plain_grads) = _packed_and_plain(monkeypatch, batch, dtype=dtype, attention=attention)
     mask = batch.loss_mask != 0
     assert torch.allclose(shared_lp[mask], plain_lp[mask], atol=1e-6)
     assert all(torch.allclose(a, b, atol=atol) for a, b in zip(shared_grads, plain_grads))
@@ -251,15 +257,7 @@ def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatc
     assert packed.input_ids[1, :10].tolist() == [*T.encode("7="), 5, 5, *T.encode("8="), 6, 6]
     assert packed.position_ids[1, :10].tolist() == [0, 1, 2, 3, 3, 0, 1, 2, 3, 3]
     assert not packed.allowed[1, 4, 3] and packed.allowed[1, 4, 2] and not packed.allowed[1, 7, 4]  # a sibling's token; its prompt; another unit
-    results = []
-    for pack in (True, False):
-        if not pack:
-            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
-        engine = TorchTrainEngine(tiny(attention="eager"), micro_batch_size=16)
-        logprobs = engine._token_logprobs(batch)
-        (logprobs * batch.loss_mask).sum().backward()
-        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
-    (packed_lp, packed_grads), (plain_lp, plain_grads) = results
+    (packed_lp, packed_grads), (plain_lp, plain_grads) = _packed_and_plain(monkeypatch, batch, attention="eager")
     mask = batch.loss_mask != 0
     assert torch.allclose(packed_lp[mask], plain_lp[mask], atol=1e-6)
     assert (packed_lp[~mask] == 0).all()
@@ -282,15 +280,7 @@ def test_a_prompt_with_long_responses_is_packed_in_several_units(monkeypatch):
     prompt = T.encode("12+34-56=")
     assert packed.input_ids[0, :10].tolist() == prompt and packed.input_ids[1, :10].tolist() == prompt
     assert (packed.input_ids[1, 34:] == 0).all() and (packed.position_ids[1, 10:22] == torch.arange(10, 22)).all()
-    results = []
-    for pack in (True, False):
-        if not pack:
-            monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
-        engine = TorchTrainEngine(tiny(attention="eager"), micro_batch_size=16)
-        logprobs = engine._token_logprobs(batch)
-        (logprobs * batch.loss_mask).sum().backward()
-        results.append((logprobs, [p.grad for p in engine.model.parameters()]))
-    (packed_lp, packed_grads), (plain_lp, plain_grads) = results
+    (packed_lp, packed_grads), (plain_lp, plain_grads) = _packed_and_plain(monkeypatch, batch, attention="eager")
     mask = batch.loss_mask != 0
     assert torch.allclose(packed_lp[mask], plain_lp[mask], atol=1e-6)
     assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(packed_grads, plain_grads))
