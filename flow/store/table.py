@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, num_rows_of, row_nbytes, unique_sorted
+from tidal.flow.store.evict import ack_rows, unref
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
 
@@ -280,7 +281,7 @@ class Store:
             old = column.chunk[local]
             replaced = old >= 0
             if replaced.any():
-                self._unref(part, old[replaced])
+                unref(part, old[replaced], self._chunk_freed)
                 freed = int(column.nbytes[local][replaced].sum())
                 part.nbytes -= freed
             column.chunk[local] = chunk_id
@@ -519,82 +520,11 @@ class Store:
         raise StoreError(f"partition {part.name!r} has no row {index}")
 
     def _ack_many(self, part: Partition, consumer: str, where: np.ndarray) -> int:
-        span = part.span(int(where[0]), len(where)) if len(where) and contiguous(where) else None
-        if span is not None:  # the usual case: a batch of consecutive rows of one segment
-            seg, first = span
-            pieces: Iterable[tuple[Segment, Any]] = [(seg, slice(first, first + len(where)))]
-        else:
-            pieces = ((seg, local) for seg, local, _ in part.locate(unique_sorted(where)))
-        newly, evicted = 0, []
-        only = len(part.consumers) == 1
-        for seg, rows in pieces:
-            acked = seg.acked[consumer]
-            new = seg.alive[rows] & ~acked[rows]
-            if isinstance(rows, slice) and new.all():
-                local: Any = rows
-                count = rows.stop - rows.start
-            else:
-                local = np.flatnonzero(new) + rows.start if isinstance(rows, slice) else rows[new]
-                count = len(local)
-                if not count:
-                    continue
-            seg.fresh[consumer] = False
-            acked[local] = True
-            seg.lease[consumer][local] = 0
-            newly += count
-            if only:
-                done = local
-            else:
-                both = np.logical_and.reduce([seg.acked[c][local] for c in part.consumers])
-                done = local if both.all() else (np.flatnonzero(both) + local.start if isinstance(local, slice) else local[both])
-            self._evict(part, seg, done)
-            if seg.num_alive == 0:
-                evicted.append(seg)
-        part.consumers[consumer].num_acked += newly
-        if evicted:
-            part.reindex(evicted)
-        return newly
+        return ack_rows(part, consumer, where, self._chunk_freed)
 
-    def _evict(self, part: Partition, seg: Segment, local: Any) -> None:
-        """Rows `local` (a slice or offsets) of `seg` leave: every consumer has acked them."""
-        count = local.stop - local.start if isinstance(local, slice) else len(local)
-        if not count:
-            return
-        seg.alive[local] = False
-        seg.num_alive -= count
-        part.num_rows -= count
-        part.num_evicted += count
-        for column in seg.columns.values():
-            if column.uniform:
-                self._unref_chunk(part, column.whole, count)
-                part.nbytes -= count * column.row_nbytes
-                if not column.is_lazy:
-                    column.chunk[local] = -1
-            else:
-                ids = column.chunk[local]
-                present = ids >= 0
-                self._unref(part, ids[present])
-                part.nbytes -= int(column.nbytes[local][present].sum())
-                column.chunk[local] = -1
-
-    def _unref(self, part: Partition, ids: np.ndarray) -> None:
-        if not len(ids):
-            return
-        if ids[0] == ids[-1] and (len(ids) < 3 or (ids == ids[0]).all()):
-            pairs = [(int(ids[0]), len(ids))]
-        else:
-            unique, counts = np.unique(ids, return_counts=True)
-            pairs = list(zip(unique.tolist(), counts.tolist()))
-        for chunk_id, n in pairs:
-            self._unref_chunk(part, chunk_id, n)
-
-    def _unref_chunk(self, part: Partition, chunk_id: int, n: int) -> None:
-        part.chunk_refs[chunk_id] -= n
-        if part.chunk_refs[chunk_id] == 0:
-            del part.chunk_refs[chunk_id]
-            chunk = part.chunks.pop(chunk_id)
-            for listener in self._free_listeners:
-                listener(part.name, chunk)
+    def _chunk_freed(self, partition: str, chunk: Any) -> None:
+        for listener in self._free_listeners:
+            listener(partition, chunk)
 
     def _redeliver(self, part: Partition, consumer: str, pieces: Iterable[tuple[Segment, np.ndarray]]) -> int:
         count = 0

@@ -1,0 +1,103 @@
+"""Acks, eviction and chunk references of a partition's rows (the store's lock held).
+
+A row leaves once every consumer has acked it; a chunk (the object one put handed over)
+is freed once no live row uses it, and `on_free(partition, chunk)` hears of it (a
+controller whose chunks live on storage units frees them there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from tidal.flow.store.cells import unique_sorted
+from tidal.flow.store.segments import Partition, Segment, contiguous
+
+OnFree = Callable[[str, Any], None]
+
+
+def ack_rows(part: Partition, consumer: str, where: np.ndarray, on_free: OnFree) -> int:
+    """Mark rows `where` of `part` acked by `consumer`; evict those every consumer has
+    acked. Returns how many were newly acked."""
+    span = part.span(int(where[0]), len(where)) if len(where) and contiguous(where) else None
+    if span is not None:  # the usual case: a batch of consecutive rows of one segment
+        seg, first = span
+        pieces: Iterable[tuple[Segment, Any]] = [(seg, slice(first, first + len(where)))]
+    else:
+        pieces = ((seg, local) for seg, local, _ in part.locate(unique_sorted(where)))
+    newly, evicted = 0, []
+    only = len(part.consumers) == 1
+    for seg, rows in pieces:
+        acked = seg.acked[consumer]
+        new = seg.alive[rows] & ~acked[rows]
+        if isinstance(rows, slice) and new.all():
+            local: Any = rows
+            count = rows.stop - rows.start
+        else:
+            local = np.flatnonzero(new) + rows.start if isinstance(rows, slice) else rows[new]
+            count = len(local)
+            if not count:
+                continue
+        seg.fresh[consumer] = False
+        acked[local] = True
+        seg.lease[consumer][local] = 0
+        newly += count
+        if only:
+            done = local
+        else:
+            both = np.logical_and.reduce([seg.acked[c][local] for c in part.consumers])
+            done = local if both.all() else (np.flatnonzero(both) + local.start if isinstance(local, slice) else local[both])
+        evict(part, seg, done, on_free)
+        if seg.num_alive == 0:
+            evicted.append(seg)
+    part.consumers[consumer].num_acked += newly
+    if evicted:
+        part.reindex(evicted)
+    return newly
+
+
+def evict(part: Partition, seg: Segment, local: Any, on_free: OnFree) -> None:
+    """Rows `local` (a slice or offsets) of `seg` leave: every consumer has acked them."""
+    count = local.stop - local.start if isinstance(local, slice) else len(local)
+    if not count:
+        return
+    seg.alive[local] = False
+    seg.num_alive -= count
+    part.num_rows -= count
+    part.num_evicted += count
+    for column in seg.columns.values():
+        if column.uniform:
+            unref_chunk(part, column.whole, count, on_free)
+            part.nbytes -= count * column.row_nbytes
+            if not column.is_lazy:
+                column.chunk[local] = -1
+        else:
+            ids = column.chunk[local]
+            present = ids >= 0
+            unref(part, ids[present], on_free)
+            part.nbytes -= int(column.nbytes[local][present].sum())
+            column.chunk[local] = -1
+
+
+def unref(part: Partition, ids: np.ndarray, on_free: OnFree) -> None:
+    """Drop one reference per id in `ids` (chunk ids, repeats allowed)."""
+    if not len(ids):
+        return
+    if ids[0] == ids[-1] and (len(ids) < 3 or (ids == ids[0]).all()):
+        pairs = [(int(ids[0]), len(ids))]
+    else:
+        unique, counts = np.unique(ids, return_counts=True)
+        pairs = list(zip(unique.tolist(), counts.tolist()))
+    for chunk_id, n in pairs:
+        unref_chunk(part, chunk_id, n, on_free)
+
+
+def unref_chunk(part: Partition, chunk_id: int, n: int, on_free: OnFree) -> None:
+    """Drop `n` references to a chunk; a chunk left with none is freed (`on_free`)."""
+    part.chunk_refs[chunk_id] -= n
+    if part.chunk_refs[chunk_id] == 0:
+        del part.chunk_refs[chunk_id]
+        chunk = part.chunks.pop(chunk_id)
+        on_free(part.name, chunk)
