@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -161,7 +162,17 @@ def test_host_send_blocked_on_a_dead_receiver_gives_up_when_aborted_until_receiv
     gone = HostReceiver(CpuPlatform(), bind=f"ipc://{tmp_path}/gone", token="t")  # a TCP port could be bound again by another process meanwhile
     sender = HostSender(CpuPlatform(), send_timeout_s=60, token="t")
     sender.connect(gone.address)
+    sock = sender._sockets[gone.address]
+    assert sock.poll(10_000, zmq.POLLOUT)  # connected: ZeroMQ connects in its I/O thread
     gone.close()  # the receiver's process died
+    # ZeroMQ notices the closed peer a moment later (frames sent before that are lost, as a
+    # dead receiver's would be); wait until the socket has been unwritable for 0.5 s, longer
+    # than ZeroMQ's 0.1 s reconnect interval
+    deadline, quiet_since = time.monotonic() + 10, time.monotonic()
+    while time.monotonic() - quiet_since < 0.5 and time.monotonic() < deadline:
+        if sock.poll(0, zmq.POLLOUT):
+            quiet_since = time.monotonic()
+        time.sleep(0.01)
     try:
         out: dict = {}
         thread = threading.Thread(target=lambda: out.update(error=pytest.raises(TransferError, sender.send, 1, w.items())))
