@@ -33,15 +33,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig, compute_advantages
 from tidal.flow.protocols import RolloutEngine, TrainEngine
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, trajectories_of
+from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, token_batch_of, trajectories_of
 from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.store import Grouped, StalenessFilter, Store, StoreError
 from tidal.flow.trace import Tracer
-from tidal.flow.trajectory import ENV_VERSION, Trajectory, to_token_batch
+from tidal.flow.trajectory import ENV_VERSION, Trajectory
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -251,10 +252,9 @@ class Workflow:
             step_begin = time.perf_counter()
             dropped_before = self.store.consumer_counts("train", "train")["dropped"]
             batch = self._get("train", "train", "train", [*TRAJECTORY_COLUMNS, "reward", "advantage"], cfg.batch_size, sampler=sampler)
-            order = sorted(range(len(batch)), key=lambda k: batch.indexes[k])  # deterministic row order
-            unordered = trajectories_of(batch)
-            trajectories = [unordered[k] for k in order]
-            tokens = to_token_batch(trajectories, pad_id=pad_id)
+            order = torch.from_numpy(np.argsort(batch.index_array, kind="stable"))  # deterministic row order
+            tokens = token_batch_of(batch, pad_id=pad_id, order=order)
+            num_rows = len(batch)
             gap, count = torch.unique(self.version - tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
             gaps = dict(zip(gap.tolist(), count.tolist()))
             if gaps and max(gaps) > cfg.max_staleness:
@@ -263,11 +263,11 @@ class Workflow:
             rewards = batch.stack("reward")[order].to(torch.float32)
             # a trainer that time-shares its devices keeps them from the step through its weight pass
             with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
-                with self.tracer.span("train", "train", version=self.version, rows=len(trajectories)):
+                with self.tracer.span("train", "train", version=self.version, rows=num_rows):
                     metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
                 self.store.ack("train", "train", batch.indexes)
                 self._admission.set()  # rows may have been dropped: admission may open
-                self._trained += len(trajectories)
+                self._trained += num_rows
                 self._publish(self.trainer.version)
             dropped = self.store.consumer_counts("train", "train")["dropped"]
             step_s = time.perf_counter() - step_begin
@@ -277,7 +277,7 @@ class Workflow:
             metrics.update(
                 step=self.version,
                 reward=float(rewards.mean()),
-                samples=len(trajectories),
+                samples=num_rows,
                 tokens=int(tokens.loss_mask.sum()),
                 step_s=step_s,
                 time=time.time(),
@@ -287,8 +287,8 @@ class Workflow:
                 handed_off=rollout_metrics.get("handed_off", 0),
                 version_gap=gaps,
                 wait_s={k: round(v, 4) for k, v in waits.items()},
-                response_len=float(tokens.loss_mask.sum()) / len(trajectories),
-                groups=sorted({t.group for t in trajectories}),  # the prompts trained: each once per run
+                response_len=float(tokens.loss_mask.sum()) / num_rows,
+                groups=sorted(set(batch.groups)),  # the prompts trained: each once per run
             )
             self.on_step(metrics)
 

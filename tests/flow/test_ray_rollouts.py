@@ -107,6 +107,37 @@ def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wai
     ray.kill(actor)
 
 
+def test_rollout_metrics_call_ray_at_most_every_metrics_every_s(ray_session, wait_for):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Counting:
+        def __init__(self):
+            self.calls = 0
+
+        def describe(self):
+            return {}
+
+        def metrics(self):
+            self.calls += 1
+            return {"paused_generations": self.calls, "handed_off": 0, "wait_s": {"rollout": 0.5}}
+
+        def num_calls(self):
+            return self.calls
+
+    actor = Counting.remote()
+    rollouts = RayRollouts([actor], _NoWiring())
+    begin = time.monotonic()
+    steps = []
+    while time.monotonic() - begin < 2.2 * runtime.METRICS_EVERY_S:  # a trainer stepping as fast as it can
+        steps.append(rollouts.metrics())
+    asked = ray.get(actor.num_calls.remote())
+    assert len(steps) > 100 and 2 <= asked <= 3  # at 0, METRICS_EVERY_S and 2 * METRICS_EVERY_S
+    assert sum(m["wait_s"].get("rollout", 0.0) for m in steps) == 0.5 * (asked - 1)  # each answer counted once; the last is not in yet
+    assert steps[-1]["paused_generations"] == asked - 1
+    ray.kill(actor)
+
+
 class _Worker:
     def __init__(self) -> None:
         self.stopped = threading.Event()

@@ -7,11 +7,13 @@ import collections
 import threading
 import time
 
-from tidal.flow.rollout import RESUME_KEY, TRAJECTORY_COLUMNS, RolloutWorker, Stop, group_of, put_trajectories, resumable_prompt, trajectories_of
+import torch
+
+from tidal.flow.rollout import RESUME_KEY, TRAJECTORY_COLUMNS, RolloutWorker, Stop, group_of, put_trajectories, resumable_prompt, token_batch_of, trajectories_of
 from tidal.flow.store import Store, StoreError
 from tidal.flow.store.codec import decode, encode
 from tidal.flow.timeshare import Seat, SharedRolloutEngine, Turns
-from tidal.flow.trajectory import Trajectory
+from tidal.flow.trajectory import Trajectory, to_token_batch
 
 
 def _trajectory(prompt, tokens, version, *, group, env=()):
@@ -36,6 +38,23 @@ def test_trajectories_round_trip_through_the_store_whatever_the_puts_widths():
             assert (have.prompt_ids, have.tokens, have.logprobs, have.versions) == (want.prompt_ids, want.tokens, want.logprobs, want.versions)
             assert (have.group, have.finish_reason, have.meta) == (want.group, want.finish_reason, want.meta)
         assert len(batch) == num_rows and batch.versions == [3, 3, 4, None][:num_rows]  # a row's version is its oldest token's
+
+
+def test_token_batch_of_the_stored_columns_is_the_trajectories_token_batch():
+    store = Store()
+    store.create_partition("train", consumers=["c", "d", "e"])
+    first = [_trajectory([1, 5], [7, 8, 2], 3, group="a"), _trajectory([1, 5, 6, 6], [9], 3, group="a", env=[4, 4])]
+    second = [_trajectory([1], [7], 4, group="b"), Trajectory(prompt_ids=[1, 2, 3], group="b", finish_reason="length")]
+    put_trajectories(store, first)  # continuations 5 wide, environment tokens among them
+    put_trajectories(store, second)  # 1 wide; with a row of no continuation at all
+    put_trajectories(store, [Trajectory(prompt_ids=[1, 2], group="c", finish_reason="length")])  # 0 wide
+    for consumer, num_rows, order in (("c", 5, [4, 2, 0, 3, 1]), ("d", 2, None), ("e", 1, None)):
+        batch = store.get(consumer, "train", list(TRAJECTORY_COLUMNS), num_rows)
+        trajectories = trajectories_of(batch)
+        want = to_token_batch([trajectories[k] for k in order] if order else trajectories, pad_id=0)
+        have = token_batch_of(batch, pad_id=0, order=order)
+        for name, a, b in zip(("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "versions"), have.tensors(), want.tensors(), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def test_a_resumable_row_is_plain_data_and_gives_back_the_group_as_it_was():
