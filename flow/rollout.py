@@ -36,6 +36,7 @@ from tidal.flow.protocols import RolloutEngine
 from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory
+from tidal.hal.transfer import snapshot
 
 
 class Stop(Exception):
@@ -348,7 +349,7 @@ class LocalRollouts:
 
     def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # A snapshot: the trainer keeps changing its own tensors.
-        self.worker.inbox.offer(version, {name: tensor.detach().clone() for name, tensor in named_weights})
+        self.worker.inbox.offer(version, dict(snapshot(named_weights)))
 
     def stop(self) -> None:
         self.worker.stop()

@@ -411,12 +411,12 @@ class RayRollouts:
         raised by the next `publish` or `flush`. The copy costs one model's memory on the
         trainer's device.
         """
-        from tidal.hal.transfer import weight_source  # noqa: PLC0415
+        from tidal.hal.transfer import snapshot, weight_source  # noqa: PLC0415
 
         if self._queued is None:
             self._send(version, weight_source(named_weights))
             return
-        self._queued.put(version, weight_source([(name, tensor.detach().clone()) for name, tensor in weight_source(named_weights)]))
+        self._queued.put(version, weight_source(snapshot(weight_source(named_weights))))
 
     @property
     def versions_replaced(self) -> int:

@@ -25,6 +25,7 @@ tokens, dropped rows, and the time each stage spent waiting.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -245,52 +246,89 @@ class Workflow:
 
     def _train_stage(self) -> None:
         cfg = self.config
-        sampler = StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size))
-        pad_id = getattr(self.rollout, "pad_id", 0)
         loss = dataclasses.replace(cfg.loss, proximal_is_policy=True) if cfg.decoupled else cfg.loss
-        while self.version < cfg.num_steps:
-            step_begin = time.perf_counter()
-            dropped_before = self.store.consumer_counts("train", "train")["dropped"]
-            batch = self._get("train", "train", "train", [*TRAJECTORY_COLUMNS, "reward", "advantage"], cfg.batch_size, sampler=sampler)
-            order = torch.from_numpy(np.argsort(batch.index_array, kind="stable"))  # deterministic row order
-            tokens = token_batch_of(batch, pad_id=pad_id, order=order)
-            num_rows = len(batch)
-            gap, count = torch.unique(self.version - tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
-            gaps = dict(zip(gap.tolist(), count.tolist()))
-            if gaps and max(gaps) > cfg.max_staleness:
-                raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")
-            advantages = batch.stack("advantage")[order].to(torch.float32)
-            rewards = batch.stack("reward")[order].to(torch.float32)
-            # a trainer that time-shares its devices keeps them from the step through its weight pass
-            with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
-                with self.tracer.span("train", "train", version=self.version, rows=num_rows):
-                    metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
-                self.store.ack("train", "train", batch.indexes)
-                self._admission.set()  # rows may have been dropped: admission may open
-                self._trained += num_rows
-                self._publish(self.trainer.version)
-            dropped = self.store.consumer_counts("train", "train")["dropped"]
-            step_s = time.perf_counter() - step_begin
-            waits, self._waits = dict(self._waits), collections.defaultdict(float)
-            rollout_metrics = self.rollouts.metrics()
-            waits.update(rollout_metrics.pop("wait_s", {}))
-            metrics.update(
-                step=self.version,
-                reward=float(rewards.mean()),
-                samples=num_rows,
-                tokens=int(tokens.loss_mask.sum()),
-                step_s=step_s,
-                time=time.time(),
-                dropped=dropped - dropped_before,
-                failed_rewards=self._num_failed_rewards,
-                paused_generations=rollout_metrics.get("paused_generations", 0),
-                handed_off=rollout_metrics.get("handed_off", 0),
-                version_gap=gaps,
-                wait_s={k: round(v, 4) for k, v in waits.items()},
-                response_len=float(tokens.loss_mask.sum()) / num_rows,
-                groups=sorted(set(batch.groups)),  # the prompts trained: each once per run
-            )
-            self.on_step(metrics)
+        # With max_staleness >= 1, step v+1's rows are taken (and made into tensors) by a
+        # thread while step v trains, mostly while its backward pass has let go of the GIL;
+        # they are judged stale or not at version v+1, when they are trained. (With 0 they
+        # are generated only after step v's weights are out.)
+        prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-prefetch") if cfg.max_staleness > 0 else None
+        upcoming: concurrent.futures.Future[_TrainRows] | None = None
+        try:
+            while self.version < cfg.num_steps:
+                step_begin = time.perf_counter()
+                dropped_before = self.store.consumer_counts("train", "train")["dropped"]
+                if upcoming is None:
+                    rows = self._train_rows(StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size)))
+                else:
+                    rows = upcoming.result()
+                    self._waits["train"] += time.perf_counter() - step_begin
+                if prefetcher is not None and self.version + 1 < cfg.num_steps:
+                    upcoming = prefetcher.submit(self._train_rows, StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size), at_version=self.version + 1), timed=False)
+                else:
+                    upcoming = None
+                self._train_on(rows, loss, step_begin, dropped_before)
+        finally:
+            if prefetcher is not None:
+                prefetcher.shutdown(wait=False, cancel_futures=True)  # a get in flight ends with the workflow's stop
+
+    def _train_rows(self, sampler: Any, *, timed: bool = True) -> _TrainRows:
+        """The next step's rows from the store, as the tensors the trainer takes."""
+        columns, pad_id = [*TRAJECTORY_COLUMNS, "reward", "advantage"], getattr(self.rollout, "pad_id", 0)
+        if timed:
+            batch = self._get("train", "train", "train", columns, self.config.batch_size, sampler=sampler)
+        else:
+            batch = self.store.get("train", "train", columns, self.config.batch_size, sampler=sampler, cancel=self._stopping)
+        order = torch.from_numpy(np.argsort(batch.index_array, kind="stable"))  # deterministic row order
+        tokens = token_batch_of(batch, pad_id=pad_id, order=order)
+        versions, counts = torch.unique(tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
+        return _TrainRows(
+            indexes=batch.indexes,
+            groups=sorted(set(batch.groups)),
+            tokens=tokens,
+            advantages=batch.stack("advantage")[order].to(torch.float32),
+            mean_reward=float(batch.stack("reward").to(torch.float32).mean()),
+            num_tokens=int(tokens.loss_mask.sum()),
+            token_versions=dict(zip(versions.tolist(), counts.tolist())),
+        )
+
+    def _train_on(self, rows: _TrainRows, loss: PolicyLossConfig, step_begin: float, dropped_before: int) -> None:
+        """One optimizer step on `rows`, the publish of its weights, and the step's metrics."""
+        cfg = self.config
+        tokens, num_rows = rows.tokens, len(rows.indexes)
+        gaps = {self.version - v: n for v, n in sorted(rows.token_versions.items(), reverse=True)}
+        if gaps and max(gaps) > cfg.max_staleness:
+            raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")
+        # a trainer that time-shares its devices keeps them from the step through its weight pass
+        with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
+            with self.tracer.span("train", "train", version=self.version, rows=num_rows):
+                metrics = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
+            self.store.ack("train", "train", rows.indexes)
+            self._admission.set()  # rows may have been dropped: admission may open
+            self._trained += num_rows
+            self._publish(self.trainer.version)
+        dropped = self.store.consumer_counts("train", "train")["dropped"]
+        step_s = time.perf_counter() - step_begin
+        waits, self._waits = dict(self._waits), collections.defaultdict(float)
+        rollout_metrics = self.rollouts.metrics()
+        waits.update(rollout_metrics.pop("wait_s", {}))
+        # (no tensor ops from here: each would give the GIL to the threads the publish woke)
+        metrics.update(
+            step=self.version,
+            reward=rows.mean_reward,
+            samples=num_rows,
+            tokens=rows.num_tokens,
+            step_s=step_s,
+            time=time.time(),
+            dropped=dropped - dropped_before,
+            failed_rewards=self._num_failed_rewards,
+            paused_generations=rollout_metrics.get("paused_generations", 0),
+            handed_off=rollout_metrics.get("handed_off", 0),
+            version_gap=gaps,
+            wait_s={k: round(v, 4) for k, v in waits.items()},
+            response_len=rows.num_tokens / num_rows,
+            groups=rows.groups,  # the prompts trained: each once per run
+        )
+        self.on_step(metrics)
 
     def _dtype(self) -> torch.dtype:
         model = getattr(self.trainer, "model", None)
@@ -306,3 +344,20 @@ class Workflow:
         self.store.set_version(version)
         self._admission.set()
 
+
+@dataclasses.dataclass(kw_only=True)
+class _TrainRows:
+    """A step's rows, taken from the store and made into the tensors the trainer takes,
+    with what the step's metrics say of them."""
+
+    indexes: list[int]
+    groups: list[Any]
+    """The prompts (groups) among them, sorted."""
+    tokens: Any
+    """`TokenBatch`, rows in index order, as are `advantages`."""
+    advantages: torch.Tensor
+    mean_reward: float
+    num_tokens: int
+    """Loss tokens."""
+    token_versions: dict[int, int]
+    """Loss tokens by the version that generated them."""

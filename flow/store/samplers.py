@@ -158,14 +158,18 @@ class StalenessFilter:
     A row produced by version v may be consumed while the store's version is at most
     v + max_staleness. Older rows are dropped for this consumer (`hold=False`, counted as
     dropped) or left in place (`hold=True`). Rows without a version are never stale.
+    `at_version` judges rows as if the store were at that version (a trainer taking the
+    next step's rows while this step trains), whatever version the store reaches meanwhile.
     """
 
     max_staleness: int
     inner: Any = dataclasses.field(default_factory=Sequential)
     hold: bool = False
+    at_version: int | None = None
 
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
-        old = (rows.versions != NO_VERSION) & (rows.versions < ctx.version - self.max_staleness)
+        version = ctx.version if self.at_version is None else self.at_version
+        old = (rows.versions != NO_VERSION) & (rows.versions < version - self.max_staleness)
         if not old.any():
             return self.inner.select(rows, batch_size, partial, ctx)
         stale = [] if self.hold else rows.indexes[old].tolist()
@@ -236,7 +240,7 @@ def to_spec(sampler: Sampler) -> dict[str, Any]:
     if isinstance(sampler, Grouped):
         return {"kind": "grouped", "group_size": sampler.group_size}
     if isinstance(sampler, StalenessFilter):
-        return {"kind": "staleness", "max_staleness": sampler.max_staleness, "hold": sampler.hold, "inner": to_spec(sampler.inner)}
+        return {"kind": "staleness", "max_staleness": sampler.max_staleness, "hold": sampler.hold, "at_version": sampler.at_version, "inner": to_spec(sampler.inner)}
     if isinstance(sampler, SeqlenBalanced):
         return {"kind": "seqlen", "num_ranks": sampler.num_ranks, "length_column": sampler.length_column, "inner": to_spec(sampler.inner)}
     if isinstance(sampler, TaggedFirst):
@@ -264,7 +268,10 @@ def from_spec(spec: Any) -> Sampler:
     if kind == "grouped":
         return Grouped(integer("group_size", 1))
     if kind == "staleness":
-        return StalenessFilter(integer("max_staleness", 0), from_spec(spec.get("inner")), bool(spec.get("hold", False)))
+        at_version = spec.get("at_version")
+        if at_version is not None and (not isinstance(at_version, int) or isinstance(at_version, bool)):
+            raise ValueError(f"sampler 'staleness' needs an integer at_version or none, got {at_version!r}")
+        return StalenessFilter(integer("max_staleness", 0), from_spec(spec.get("inner")), bool(spec.get("hold", False)), at_version)
     if kind == "seqlen":
         column = spec.get("length_column")
         if not isinstance(column, str):

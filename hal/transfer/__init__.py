@@ -190,6 +190,28 @@ class LazyWeights:
         return self._tensors()
 
 
+def snapshot(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A copy of every tensor (detached), as views into one new buffer per dtype and device
+    filled by one copy op each: a clone per tensor would give up the GIL once per tensor,
+    and a trainer publishing weights would wait for the threads its publish just woke."""
+    listed = [(name, tensor.detach()) for name, tensor in weights]
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, (_, tensor) in enumerate(listed):
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(i)
+    out: list[tuple[str, torch.Tensor]] = list(listed)
+    for (dtype, device), members in kinds.items():
+        flat = torch.empty(sum(listed[i][1].numel() for i in members), dtype=dtype, device=device)
+        views, offset = [], 0
+        for i in members:
+            shape = listed[i][1].shape
+            views.append(flat[offset : offset + listed[i][1].numel()].view(shape))
+            offset += listed[i][1].numel()
+        torch._foreach_copy_(views, [listed[i][1] for i in members])
+        for i, view in zip(members, views):
+            out[i] = (listed[i][0], view)
+    return out
+
+
 def weight_source(weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> WeightSource:
     """`weights` as a `WeightSource`: a source as it is; anything else listed here (detached),
     so its tensors stay alive until the source goes (the old behaviour: one full copy when

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout, TaggedFirst
-from tidal.flow.store.samplers import Sequential
+from tidal.flow.store.samplers import Sequential, from_spec, to_spec
 from tidal.flow.store.codec import CodecError, decode, encode
 from tidal.flow.store.persist import load, save
 
@@ -174,6 +174,20 @@ def test_staleness_filter():
     assert held.versions == [2, 3] and store.metrics()["partitions"]["p"]["consumers"]["hold"]["dropped"] == 0
     with pytest.raises(StoreTimeout, match="2 of 1"):  # two old rows remain, held
         store.get("hold", "p", ["x"], 1, sampler=StalenessFilter(max_staleness=1, hold=True), timeout=0)
+
+
+def test_staleness_filter_at_a_version_judges_rows_as_of_that_version():
+    store = make(consumers=["next", "later"])
+    store.put("p", {"x": [0, 1, 2, 3]}, versions=[0, 1, 2, 3])
+    store.set_version(2)  # at 2 with max_staleness 1, rows of version 1 would be trainable
+    batch = store.get("next", "p", ["x"], 2, sampler=StalenessFilter(1, at_version=3), timeout=0)
+    assert batch.versions == [2, 3] and store.metrics()["partitions"]["p"]["consumers"]["next"]["dropped"] == 2
+    store.set_version(9)  # the store moved on: the version asked for still decides
+    assert store.get("later", "p", ["x"], 2, sampler=StalenessFilter(1, at_version=3), timeout=0).versions == [2, 3]
+    spec = to_spec(StalenessFilter(1, Grouped(2), at_version=3))
+    assert from_spec(spec) == StalenessFilter(1, Grouped(2), at_version=3) and from_spec({**spec, "at_version": None}).at_version is None
+    with pytest.raises(ValueError, match="at_version"):
+        from_spec({**spec, "at_version": "3"})
 
 
 def test_seqlen_balanced_sampler_balances_tokens_across_ranks():

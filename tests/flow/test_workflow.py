@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import pytest
 import torch
 
 from tidal.engines.hf_rollout import HFRolloutEngine
@@ -95,6 +96,29 @@ def test_async_bound_holds_at_admission_and_consumption():
     for m in steps:
         assert max(m["version_gap"], default=0) <= cfg.max_staleness  # no token older than the bound was trained
     assert trainer.version == 4
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_the_next_steps_rows_are_taken_while_a_step_trains_when_the_bound_allows(max_staleness):
+    cfg = WorkflowConfig(max_staleness=max_staleness, **{**CONFIG, "num_steps": 4})
+    trainer, rollout = _engines()
+    store, steps, gets = Store(), [], []
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
+    original = store.get
+
+    def get(consumer, *args, **kwargs):
+        if consumer == "train":
+            gets.append((threading.current_thread().name.startswith("tidal-prefetch"), store.version))
+        return original(consumer, *args, **kwargs)
+
+    store.get = get
+    workflow.run()
+    if max_staleness == 0:  # step v's rows are generated with v's weights: nothing to take before then
+        assert gets == [(False, v) for v in range(4)]
+    else:  # step 0's rows when it starts, step v+1's while step v trains (not for a step after the last)
+        assert gets == [(False, 0)] + [(True, v) for v in range(3)]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(max(m["version_gap"], default=0) <= max_staleness for m in steps)
+    assert store.consumer_counts("train", "train")["acked"] == 4 * cfg.batch_size
 
 
 def _group_of_version(version: int, size: int) -> list[Trajectory]:

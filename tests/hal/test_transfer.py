@@ -18,7 +18,7 @@ import zmq
 
 from tidal.hal.cpu import CpuPlatform, fake_platform
 from tidal.hal.platform import describe
-from tidal.hal.transfer import Manifest, TransferError, choose_transport, expected_specs, make_manifest, pack_header
+from tidal.hal.transfer import Manifest, TransferError, choose_transport, expected_specs, make_manifest, pack_header, snapshot
 from tidal.hal.transfer.host import HostReceiver, HostSender
 from tidal.hal.transfer.ipc import IpcReceiver, IpcSender
 
@@ -194,6 +194,27 @@ def test_host_send_blocked_on_a_dead_receiver_gives_up_when_aborted_until_receiv
         back.close()
     finally:
         sender.close()
+
+
+def test_snapshot_copies_every_tensor_and_shares_nothing_with_the_originals():
+    weights = [
+        ("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("b", torch.arange(4, dtype=torch.int64)),
+        ("c", torch.arange(12, dtype=torch.float32).reshape(3, 4).t()),  # not contiguous
+        ("d", torch.ones(2, dtype=torch.bfloat16, requires_grad=True)),
+        ("e", torch.zeros(0, 5)),
+    ]
+    copies = snapshot(weights)
+    assert [n for n, _ in copies] == ["a", "b", "c", "d", "e"]
+    for (_, original), (_, copy) in zip(weights, copies, strict=True):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original.detach())
+        assert not copy.requires_grad and copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+    with torch.no_grad():
+        for _, original in weights:
+            original.add_(1)  # the trainer's next step
+    assert torch.equal(copies[0][1], torch.arange(6, dtype=torch.float32).reshape(2, 3)) and copies[1][1].tolist() == [0, 1, 2, 3]
+    assert torch.equal(copies[2][1], torch.arange(12, dtype=torch.float32).reshape(3, 4).t())
+    assert copies[0][1].untyped_storage().data_ptr() == copies[2][1].untyped_storage().data_ptr()  # one buffer per dtype
 
 
 def test_receiver_beyond_localhost_needs_a_token():
