@@ -263,10 +263,11 @@ class _Packed:
 
 def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     """Lay out `batch`'s rows by prompt: a unit is a distinct prompt followed by the
-    responses of the rows that share it; units go, longest first, into the first packed
-    row with room, rows as wide as the longest unit. A response token attends to its
-    prompt and to the earlier tokens of its own response, and keeps its batch position.
-    Rows without a response are left out (nothing of theirs is predicted).
+    responses of the rows that share it, each without its last token (it predicts
+    nothing: a response of 2-3 tokens is a third shorter); units go, longest first, into
+    the first packed row with room, rows as wide as the longest unit. A response token
+    attends to its prompt and to the earlier tokens of its own response, and keeps its
+    batch position. Rows without a response are left out (nothing of theirs is predicted).
 
     A unit holds at most `UNIT_ROWS_WIDE` times the longest row's tokens: the rest of its
     prompt's rows go into another unit with the prompt again. Without that bound a
@@ -281,11 +282,11 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
         if num_response == 0:
             continue
         u = filling.get(p)
-        if u is None or units[u][2] + num_response > cap:
+        if u is None or units[u][2] + num_response - 1 > cap:
             u = filling[p] = len(units)
             units.append((p, [], len(shared.prompts[p])))
         _, rows, length = units[u]
-        units[u] = (p, [*rows, r], length + num_response)
+        units[u] = (p, [*rows, r], length + num_response - 1)
     units.sort(key=lambda unit: -unit[2])
     width = units[0][2]
     used: list[int] = []  # each packed row's tokens so far
@@ -315,10 +316,10 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
             start, end = shared.prompt_lengths[r], shared.lengths[r]
             first = k * width + len(tokens[k])
             predictors[r][: end - start] = [last_prompt] + list(range(first, first + end - start - 1))
-            tokens[k] += ids[r][start:end]
-            positions[k] += range(start, end)
-            unit_ids[k] += [u] * (end - start)
-            parts[k] += [part] * (end - start)
+            tokens[k] += ids[r][start : end - 1]
+            positions[k] += range(start, end - 1)
+            unit_ids[k] += [u] * (end - start - 1)
+            parts[k] += [part] * (end - start - 1)
 
     def padded(rows: list[list[int]], value: int) -> torch.Tensor:
         return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)

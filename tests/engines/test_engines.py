@@ -242,7 +242,7 @@ def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatc
     """Two short groups share a packed row beside a long one; a row without a loss token
     is left out of the packing and gets logprobs of 0 there."""
     rows = []
-    for prompt, responses in [("13-4=", [[5, 6, 7, 8, 9], [5, 6, 7, 8], [5, 6, 7]]), ("7=", [[5], [5]]), ("8=", [[6], [6]])]:
+    for prompt, responses in [("13-4=", [[5, 6, 7, 8, 9], [5, 6, 7, 8], [5, 6, 7]]), ("7=", [[5, 9], [5, 8]]), ("8=", [[6, 9], [6, 8]]), ("9=", [[7]])]:
         for response in responses:
             t = Trajectory(prompt_ids=T.encode(prompt))
             t.extend(response, [-1.0] * len(response), 0)
@@ -252,10 +252,12 @@ def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatc
     batch = to_token_batch([*rows, env_only], pad_id=T.pad_id)
     shared = torch_train._shared_prompts(batch)
     packed = torch_train._pack(batch, shared)
-    # units: "13-4=" with 12 response tokens (18 wide), "7=" and "8=" with 2 each (5 wide): two packed rows
-    assert packed.input_ids.shape == (2, 18)
-    assert packed.input_ids[1, :10].tolist() == [*T.encode("7="), 5, 5, *T.encode("8="), 6, 6]
-    assert packed.position_ids[1, :10].tolist() == [0, 1, 2, 3, 3, 0, 1, 2, 3, 3]
+    # a response's last token predicts nothing and is left out: units "13-4=" with 9 of its
+    # 12 response tokens (15 wide), "7=" and "8=" with 2 (5 wide), "9=" its prompt alone
+    # (its one-token response is predicted by the prompt's last token): two packed rows
+    assert packed.input_ids.shape == (2, 15)
+    assert packed.input_ids[1, :13].tolist() == [*T.encode("7="), 5, 5, *T.encode("8="), 6, 6, *T.encode("9=")]
+    assert packed.position_ids[1, :13].tolist() == [0, 1, 2, 3, 3, 0, 1, 2, 3, 3, 0, 1, 2]
     assert not packed.allowed[1, 4, 3] and packed.allowed[1, 4, 2] and not packed.allowed[1, 7, 4]  # a sibling's token; its prompt; another unit
     (packed_lp, packed_grads), (plain_lp, plain_grads) = _packed_and_plain(monkeypatch, batch, attention="eager")
     mask = batch.loss_mask != 0
@@ -266,9 +268,9 @@ def test_packed_rows_hold_several_prompts_and_match_the_plain_forward(monkeypatc
 
 def test_a_prompt_with_long_responses_is_packed_in_several_units(monkeypatch):
     """A unit is at most 4 longest rows wide: a 10-token prompt and eight 12-token
-    responses (rows of 22) make units of 10 + 6 x 12 = 82 and 10 + 2 x 12 = 34 tokens,
-    not one of 106, whose attention scores would be 106^2 = 11,236 against 8 x 22^2 = 3,872
-    for the rows unpacked."""
+    responses (rows of 22; 11 tokens of each go in, the last predicts nothing) make units
+    of 10 + 7 x 11 = 87 and 10 + 11 = 21 tokens, not one of 98, whose attention scores
+    would be 98^2 = 9,604 against 8 x 22^2 = 3,872 for the rows unpacked."""
     rows = []
     for k in range(8):
         t = Trajectory(prompt_ids=T.encode("12+34-56="))
@@ -276,10 +278,10 @@ def test_a_prompt_with_long_responses_is_packed_in_several_units(monkeypatch):
         rows.append(t)
     batch = to_token_batch(rows, pad_id=T.pad_id)
     packed = torch_train._pack(batch, torch_train._shared_prompts(batch))
-    assert packed.input_ids.shape == (2, 82)
+    assert packed.input_ids.shape == (2, 87)
     prompt = T.encode("12+34-56=")
     assert packed.input_ids[0, :10].tolist() == prompt and packed.input_ids[1, :10].tolist() == prompt
-    assert (packed.input_ids[1, 34:] == 0).all() and (packed.position_ids[1, 10:22] == torch.arange(10, 22)).all()
+    assert (packed.input_ids[1, 21:] == 0).all() and (packed.position_ids[1, 10:21] == torch.arange(10, 21)).all()
     (packed_lp, packed_grads), (plain_lp, plain_grads) = _packed_and_plain(monkeypatch, batch, attention="eager")
     mask = batch.loss_mask != 0
     assert torch.allclose(packed_lp[mask], plain_lp[mask], atol=1e-6)
