@@ -79,11 +79,13 @@ class _NoWiring:
         pass
 
 
-def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wait_for):
+def _metrics_actor(answer_s: float):
+    """A rollout actor stand-in whose `metrics` takes `answer_s` to answer (its process busy
+    generating) and counts the calls."""
     import ray
 
     @ray.remote(num_cpus=0)
-    class SlowToAnswer:
+    class Answering:
         def __init__(self):
             self.calls = 0
 
@@ -92,10 +94,19 @@ def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wai
 
         def metrics(self):
             self.calls += 1
-            time.sleep(0.5)  # the actor's process is busy generating
+            time.sleep(answer_s)
             return {"paused_generations": self.calls, "handed_off": 2, "wait_s": {"weights": 0.25}}
 
-    actor = SlowToAnswer.remote()
+        def num_calls(self):
+            return self.calls
+
+    return Answering.remote()
+
+
+def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wait_for):
+    import ray
+
+    actor = _metrics_actor(0.5)
     rollouts = RayRollouts([actor], _NoWiring())
     begin = time.perf_counter()
     assert rollouts.metrics() == {"paused_generations": 0, "handed_off": 0, "wait_s": {}}  # asked, not answered yet
@@ -107,25 +118,10 @@ def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wai
     ray.kill(actor)
 
 
-def test_rollout_metrics_call_ray_at_most_every_metrics_every_s(ray_session, wait_for):
+def test_rollout_metrics_call_ray_at_most_every_metrics_every_s(ray_session):
     import ray
 
-    @ray.remote(num_cpus=0)
-    class Counting:
-        def __init__(self):
-            self.calls = 0
-
-        def describe(self):
-            return {}
-
-        def metrics(self):
-            self.calls += 1
-            return {"paused_generations": self.calls, "handed_off": 0, "wait_s": {"rollout": 0.5}}
-
-        def num_calls(self):
-            return self.calls
-
-    actor = Counting.remote()
+    actor = _metrics_actor(0.0)
     rollouts = RayRollouts([actor], _NoWiring())
     begin = time.monotonic()
     steps = []
@@ -133,7 +129,7 @@ def test_rollout_metrics_call_ray_at_most_every_metrics_every_s(ray_session, wai
         steps.append(rollouts.metrics())
     asked = ray.get(actor.num_calls.remote())
     assert len(steps) > 100 and 2 <= asked <= 3  # at 0, METRICS_EVERY_S and 2 * METRICS_EVERY_S
-    assert sum(m["wait_s"].get("rollout", 0.0) for m in steps) == 0.5 * (asked - 1)  # each answer counted once; the last is not in yet
+    assert sum(m["wait_s"].get("weights", 0.0) for m in steps) == 0.25 * (asked - 1)  # each answer counted once; the last is not in yet
     assert steps[-1]["paused_generations"] == asked - 1
     ray.kill(actor)
 
