@@ -101,8 +101,13 @@ def leftovers() -> dict[str, int]:
     try:
         with os.scandir(DIR) as entries:
             for entry in entries:
-                if entry.name.startswith("tidal-") and entry.is_file(follow_symlinks=False):
-                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                if not entry.name.startswith("tidal-"):
+                    continue
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    continue  # deleted meanwhile (its holder freed it): the others still count
     except OSError:
         pass
     return dict(sorted(out.items()))

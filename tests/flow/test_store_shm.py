@@ -3,6 +3,7 @@ and pipelined puts (`submit_put`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
@@ -182,6 +183,24 @@ def test_failed_and_timed_out_puts_leave_no_segment():
             producer.close()
     gc.collect()
     assert _ours(producer) == []  # closing the server unlinks what it still held
+
+
+def test_leftovers_skip_a_file_deleted_while_they_list(monkeypatch):
+    class Entry:
+        def __init__(self, name, size):
+            self.name, self._size = name, size
+
+        def is_file(self, follow_symlinks=True):
+            return True
+
+        def stat(self, follow_symlinks=True):
+            if self._size is None:
+                raise FileNotFoundError(self.name)  # its holder unlinked it after the listing
+            return os.stat_result((0o600, 0, 0, 1, 0, 0, self._size, 0, 0, 0))
+
+    entries = [Entry("tidal-a-0", 10), Entry("tidal-b-0", None), Entry("other", 1), Entry("tidal-c-0", 30)]
+    monkeypatch.setattr(shm.os, "scandir", lambda directory: contextlib.nullcontext(iter(entries)))
+    assert shm.leftovers() == {"tidal-a-0": 10, "tidal-c-0": 30}  # before: {"tidal-a-0": 10}, the rest lost
 
 
 def test_segments_need_the_token_and_a_tidal_name():
