@@ -111,7 +111,7 @@ def trajectories_of(batch: Any) -> list[Trajectory]:
     """The trajectories in a batch of `train` rows (`TRAJECTORY_COLUMNS`, and `meta` if fetched)."""
     columns = batch.columns
     sizes = batch.stack("sizes").tolist()
-    rows = {name: _padded_rows(batch, name) for name in ("prompt_ids", "tokens", "logprobs", "token_versions")}
+    rows = {name: _padded(batch, name).tolist() for name in ("prompt_ids", "tokens", "logprobs", "token_versions")}
     metas = columns["meta"] if "meta" in columns else None
     return [
         Trajectory(
@@ -198,14 +198,6 @@ def group_of(index: int, prompt: dict[str, Any], group_size: int) -> list[Trajec
         Trajectory(prompt_ids=list(prompt_ids), group=resume["group"], tokens=list(s["tokens"]), logprobs=list(s["logprobs"]), versions=list(s["versions"]), finish_reason=s["finish_reason"], meta=meta)
         for s in resume["samples"]
     ]
-
-
-def _padded_rows(batch: Any, name: str) -> list[list[Any]]:
-    """Each row's values of a padded column, as lists (padding kept)."""
-    try:
-        return batch.stack(name).tolist()  # rows of puts padded to the same width: slices, no per-row work
-    except RuntimeError:  # puts padded to different widths
-        return [cell.tolist() for cell in batch.columns[name]]
 
 
 class RolloutWorker:

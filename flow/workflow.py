@@ -257,13 +257,10 @@ class Workflow:
             while self.version < cfg.num_steps:
                 step_begin = time.perf_counter()
                 dropped_before = self.store.consumer_counts("train", "train")["dropped"]
-                if upcoming is None:
-                    rows = self._train_rows(StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size)))
-                else:
-                    rows = upcoming.result()
-                    self._waits["train"] += time.perf_counter() - step_begin
+                rows = self._train_rows(self.version) if upcoming is None else upcoming.result()
+                self._waits["train"] += time.perf_counter() - step_begin
                 if prefetcher is not None and self.version + 1 < cfg.num_steps:
-                    upcoming = prefetcher.submit(self._train_rows, StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size), at_version=self.version + 1), timed=False)
+                    upcoming = prefetcher.submit(self._train_rows, self.version + 1)
                 else:
                     upcoming = None
                 self._train_on(rows, loss, step_begin, dropped_before)
@@ -271,13 +268,11 @@ class Workflow:
             if prefetcher is not None:
                 prefetcher.shutdown(wait=False, cancel_futures=True)  # a get in flight ends with the workflow's stop
 
-    def _train_rows(self, sampler: Any, *, timed: bool = True) -> _TrainRows:
-        """The next step's rows from the store, as the tensors the trainer takes."""
-        columns, pad_id = [*TRAJECTORY_COLUMNS, "reward", "advantage"], getattr(self.rollout, "pad_id", 0)
-        if timed:
-            batch = self._get("train", "train", "train", columns, self.config.batch_size, sampler=sampler)
-        else:
-            batch = self.store.get("train", "train", columns, self.config.batch_size, sampler=sampler, cancel=self._stopping)
+    def _train_rows(self, version: int) -> _TrainRows:
+        """The rows version `version` trains, from the store, as the tensors the trainer takes."""
+        cfg, pad_id = self.config, getattr(self.rollout, "pad_id", 0)
+        sampler = StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size), at_version=version)
+        batch = self.store.get("train", "train", [*TRAJECTORY_COLUMNS, "reward", "advantage"], cfg.batch_size, sampler=sampler, cancel=self._stopping)
         order = torch.from_numpy(np.argsort(batch.index_array, kind="stable"))  # deterministic row order
         tokens = token_batch_of(batch, pad_id=pad_id, order=order)
         versions, counts = torch.unique(tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
