@@ -177,31 +177,3 @@ def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str,
             strategy = PlacementGroupSchedulingStrategy(placement_group=groups["train"], placement_group_bundle_index=spot.bundle)
             out[spot.turns[0]] = actor_cls.options(scheduling_strategy=strategy).remote()
     return out
-
-
-class IpcWiring:
-    """Weights to rollout actors colocated with the trainer over the `ipc` transport (a socket each)."""
-
-    def __init__(self, platform: Any, *, host: str, token: str | None) -> None:
-        from tidal.hal.transfer.ipc import IpcSender  # noqa: PLC0415
-
-        self.sender = IpcSender(platform, token=token)
-        self._host, self._token = host, token
-        self._addresses: dict[int, str] = {}
-
-    def attach(self, actors: Any, which: Any) -> None:
-        import ray  # noqa: PLC0415
-
-        which = list(which)
-        for i in which:
-            if i in self._addresses:  # a restarted actor: its old receiver is gone
-                self.sender.disconnect(self._addresses.pop(i))
-        for i, address in zip(which, ray.get([actors[i].open_ipc_receiver.remote(bind_host=self._host, token=self._token) for i in which])):
-            self.sender.connect(address)
-            self._addresses[i] = address
-
-    def abort(self) -> None:
-        pass  # a dead receiver's reply times out by itself
-
-    def close(self) -> None:
-        self.sender.close()

@@ -232,6 +232,45 @@ class HostWiring:
         self.sender.close()
 
 
+class IpcWiring:
+    """Weights to rollout actors on the trainer's node over the `ipc` transport: one shared
+    buffer, a socket per receiver. An actor that restarted gets a new receiver."""
+
+    def __init__(self, platform: Any, *, host: str, token: str | None) -> None:
+        from tidal.hal.transfer.ipc import IpcSender  # noqa: PLC0415
+
+        self.sender = IpcSender(platform, token=token)
+        self._host, self._token = host, token
+        self._addresses: dict[int, str] = {}
+
+    def attach(self, actors: Any, which: Any) -> None:
+        import ray  # noqa: PLC0415
+
+        which = list(which)
+        for i in which:
+            if i in self._addresses:  # a restarted actor: its old receiver is gone
+                self.sender.disconnect(self._addresses.pop(i))
+        for i, address in zip(which, ray.get([actors[i].open_ipc_receiver.remote(bind_host=self._host, token=self._token) for i in which])):
+            self.sender.connect(address)
+            self._addresses[i] = address
+
+    def post(self, version: int, source: Any) -> None:
+        """Write `version` and announce it; the answers come with `collect` (`RayRollouts` with `overlap`)."""
+        self.sender.post(version, source)
+
+    def post_again(self) -> None:
+        self.sender.post_again()
+
+    def collect(self) -> None:
+        self.sender.collect()
+
+    def abort(self) -> None:
+        self.sender.abort()  # a wait for a dead receiver's answer gives up
+
+    def close(self) -> None:
+        self.sender.close()
+
+
 class CollectiveWiring:
     """Weights to every rollout actor in one broadcast group (the platform's collective backend).
 
@@ -366,7 +405,9 @@ class RayRollouts:
         self._restarted_lock = threading.Lock()
         self._died = threading.Event()
         self._stopping = threading.Event()
-        self._queued = QueuedSends(self._send) if overlap else None
+        self._posts = overlap and hasattr(wiring, "post")
+        """Sends are posted (`ipc`): written and announced, the answers collected on the next send."""
+        self._queued = QueuedSends(self._send) if overlap and not self._posts else None
         self._last_sent: int | None = None  # the last version every actor was sent
         self._metrics_asked: list[Any] = []  # requests not answered yet
         self._metrics_next = 0.0  # when `metrics` next calls Ray (time.monotonic)
@@ -394,6 +435,11 @@ class RayRollouts:
                 with self._restarted_lock:
                     self._restarted.add(i)
                 self._died.set()  # the next publish wires it in again
+                if self._posts:  # ... or this thread, at once: the buffer holds the last version, and a lone actor needs it to generate the rows that step waits for
+                    with self._lock:
+                        if self._died.is_set():
+                            self._rejoin()
+                            self.wiring.post_again()
                 running[self.actors[i].run.remote()] = i  # generates once the next version reaches it
         raise Stop  # the actors return only when stopped
 
@@ -402,21 +448,24 @@ class RayRollouts:
         `named_weights()` return) streams bucket by bucket, and a send that failed because an
         actor died makes a second pass over it; a plain iterable is listed first.
 
-        With `overlap`, the weights are copied here (one pass over the source, in the
-        caller's thread, so a sharded engine's ranks stay in step) and `QueuedSends`' thread
-        sends the copy while the caller trains on: rollout still generates each
-        prompt with the version that admitted it or a newer one (it waits for it:
-        `RolloutWorker._catch_up`), so only the trainer's wait for the receivers goes. A
-        version not sent yet when a newer one comes is replaced by it. A failed send is
-        raised by the next `publish` or `flush`. The copy costs one model's memory on the
-        trainer's device.
+        With `overlap`, the caller does not wait for the receivers: rollout still generates
+        each prompt with the version that admitted it or a newer one (it waits for it:
+        `RolloutWorker._catch_up`), so only the trainer's wait for the receivers goes.
+        Over a transport that can post (`ipc`) the weights are written into the shared
+        buffer here and announced, and the receivers' answers are collected before the
+        next version is written. Otherwise they are copied here (one pass over the source,
+        in the caller's thread, so a sharded engine's ranks stay in step) and
+        `QueuedSends`' thread sends the copy while the caller trains on; a version not sent
+        yet when a newer one comes is replaced by it, and the copy costs one model's
+        memory on the trainer's device. Either way a failed send is raised by the next
+        `publish` or `flush`.
         """
         from tidal.hal.transfer import snapshot, weight_source  # noqa: PLC0415
 
         if self._queued is None:
-            self._send(version, weight_source(named_weights))
-            return
-        self._queued.put(version, weight_source(snapshot(weight_source(named_weights))))
+            self._send(version, weight_source(named_weights), post=self._posts)
+        else:
+            self._queued.put(version, weight_source(snapshot(weight_source(named_weights))))
 
     @property
     def versions_replaced(self) -> int:
@@ -424,22 +473,39 @@ class RayRollouts:
         return 0 if self._queued is None else self._queued.replaced
 
     def flush(self) -> None:
-        """Wait until every published version has been sent (with `overlap`); raise a send's error."""
+        """Wait until every published version has been received (with `overlap`); raise a send's error."""
         if self._queued is not None:
             self._queued.flush()
+        elif self._posts:
+            with self._lock:
+                self._collect()
 
-    def _send(self, version: int, source: Any) -> None:
+    def _send(self, version: int, source: Any, *, post: bool = False) -> None:
         with self._lock:
+            if post:
+                self._collect()  # the version before is in: the shared buffer may be written again
             if self._died.is_set():
                 self._rejoin()
             try:
-                self.wiring.sender.send(version, source)
+                (self.wiring.post if post else self.wiring.sender.send)(version, source)
             except Exception:
                 if not self._died.wait(DEATH_NOTICE_S):
                     raise
                 self._rejoin()
-                self.wiring.sender.send(version, source)
+                (self.wiring.post if post else self.wiring.sender.send)(version, source)
             self._last_sent = version
+
+    def _collect(self) -> None:
+        """The answers to the version posted last; a receiver that died meanwhile is
+        replaced and the new one is sent that version (still in the buffer)."""
+        try:
+            self.wiring.collect()
+        except Exception:
+            if not self._died.wait(DEATH_NOTICE_S):
+                raise
+            self._rejoin()
+            self.wiring.post_again()
+            self.wiring.collect()
 
     def _back(self, i: int) -> dict[str, Any]:
         """Actor `i`'s description once Ray has restarted it."""
@@ -463,6 +529,12 @@ class RayRollouts:
         self._on_change(self.descriptions)
 
     def stop(self) -> None:
+        if self._posts:
+            try:
+                with self._lock:
+                    self._collect()  # the last version reaches rollout, as it does without overlap
+            except Exception as e:  # noqa: BLE001 - the run is over; the next run starts from a checkpoint
+                log.warning("the last weight send to rollout failed as the run ended: %s", e)
         if self._queued is not None:
             if not self._queued.drain(SEND_ON_STOP_S):  # the last version reaches rollout, as it does without overlap
                 log.warning("a weight version was still being sent to rollout %.0fs after the run ended; stopping without it", SEND_ON_STOP_S)

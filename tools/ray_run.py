@@ -159,8 +159,7 @@ class StartedRollouts:
         """Wait for the actors, choose the weight transport, send them the trainer's weights."""
         import ray  # noqa: PLC0415
 
-        from tidal.flow.colocate import IpcWiring  # noqa: PLC0415
-        from tidal.flow.runtime import CollectiveWiring, HostWiring, RayRollouts  # noqa: PLC0415
+        from tidal.flow.runtime import CollectiveWiring, HostWiring, IpcWiring, RayRollouts  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
         from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
         from tidal.hal.transfer import choose_transport  # noqa: PLC0415

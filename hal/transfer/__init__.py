@@ -3,8 +3,9 @@
 Three transports, chosen from the two sides' `PlatformDescriptor`s (`choose_transport`)
 and overridable in the recipe:
 
-- `ipc`: same node, same device kind, colocated: the receiver maps the sender's buffer
-  (OS shared memory for host tensors, the device's IPC handles for CUDA) and copies once;
+- `ipc`: same node and device kind: the receiver maps the sender's buffer (OS shared
+  memory for host tensors, between any two processes of the node; the device's IPC
+  handles for CUDA, colocated only) and copies once;
 - `collective`: same collective backend (NCCL, HCCL, or gloo on CPU): a broadcast group
   of trainer + receivers, built once and reused;
 - `host`: any pair, including NPU trainer -> GPU rollout: device -> pinned host buckets
@@ -310,20 +311,22 @@ def from_bytes(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 def choose_transport(sender: PlatformDescriptor, receiver: PlatformDescriptor, *, same_node: bool, colocated: bool, override: str | None = None) -> str:
     """The transport between a trainer on `sender` and a rollout on `receiver`.
 
-    ipc when colocated on one node with the same device kind (and the kind supports it),
-    else collective when both use the same collective backend, else host. An `override`
-    that cannot work for this pair is a ValueError that says why.
+    ipc on one node with the same device kind, when the kind supports it: host memory
+    (cpu) is shared by every process of a node, device memory (cuda) only when the two
+    are colocated; else collective when both use the same collective backend, else host.
+    An `override` that cannot work for this pair is a ValueError that says why.
     """
     same_backend = sender.dist_backend == receiver.dist_backend  # a fake platform decides as its kind would
-    ipc_ok = colocated and same_node and sender.kind == receiver.kind and (sender.fake or sender.kind in ("cpu", "cuda"))
+    shareable = sender.kind == "cpu" or (colocated and (sender.fake or sender.kind == "cuda"))  # fake devices hold CPU tensors, but place as their kind would
+    ipc_ok = same_node and sender.kind == receiver.kind and shareable
     if override is None or override == "auto":
         return "ipc" if ipc_ok else "collective" if same_backend else "host"
     if override not in TRANSPORTS:
         raise ValueError(f"transport={override!r} is not one of auto, {', '.join(TRANSPORTS)}")
     if override == "ipc" and not ipc_ok:
         raise ValueError(
-            f"transport=ipc needs trainer and rollout colocated on one node with the same device kind "
-            f"(and cpu or cuda devices); here: {sender.kind} -> {receiver.kind}, colocated={colocated}, same_node={same_node}"
+            f"transport=ipc needs trainer and rollout on one node with the same device kind: cpu, or cuda "
+            f"devices they are colocated on; here: {sender.kind} -> {receiver.kind}, colocated={colocated}, same_node={same_node}"
         )
     if override == "collective" and not same_backend:
         raise ValueError(f"transport=collective needs one collective backend on both sides; here: {sender.dist_backend} -> {receiver.dist_backend} (use host)")

@@ -21,6 +21,8 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -45,36 +47,48 @@ from tidal.hal.transfer import (
     unpack_header,
     weight_source,
 )
+from tidal.hal.transfer.host import POLL_S, check_bind
 
 _SHM = Path(owner.DIR) if Path(owner.DIR).is_dir() else Path(tempfile.gettempdir())
 _names = itertools.count()
 
 
 class IpcSender:
-    """Trainer side: one shared buffer, grown as needed, reused for every version."""
+    """Trainer side: one shared buffer, grown as needed, reused for every version.
+
+    `send` writes a version and returns once every receiver copied it out. `post` writes
+    and announces it and returns at once; the receivers' answers are collected by
+    `collect`, which the next `post` (or `send`) calls first, so the buffer is never
+    written while a receiver may still be reading it. `abort` makes a `collect` waiting on
+    a receiver that died give up.
+    """
 
     def __init__(self, platform: Platform, *, reply_timeout_s: float = 120.0, token: str | None = None) -> None:
         self._platform = platform
-        self._timeout_ms = int(reply_timeout_s * 1000)
+        self._timeout_s = reply_timeout_s
         self._token = token or ""
         self._sockets: dict[str, zmq.Socket] = {}
         self._buffer: torch.Tensor | None = None
         self._path: Path | None = None
         self._unlink: weakref.finalize | None = None  # the file goes when this sender does, or at exit
+        self._posted: tuple[Manifest, list[bytes]] | None = None  # the version in the buffer, and its announcement
+        self._waiting: set[str] = set()  # receivers announced to that have not answered yet
+        self._aborted = threading.Event()
 
     def connect(self, address: str) -> None:
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
         sock.connect(address)
         self._sockets[address] = sock
+        self._aborted.clear()
 
     def disconnect(self, address: str) -> None:
         """Stop sending to `address` (a receiver that is gone, e.g. a restarted actor's old one)."""
         sock = self._sockets.pop(address, None)
+        self._waiting.discard(address)
         if sock is not None:
             sock.close(linger=0)
+        self._aborted.clear()
 
     def send(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
         """Write `weights` into the shared buffer one tensor at a time (each dropped once
@@ -84,8 +98,17 @@ class IpcSender:
             TransferError: a receiver did not answer or refused the version, or a tensor did
                 not match its spec (named; then nothing is announced).
         """
+        manifest = self.post(version, weights)
+        self.collect()
+        return manifest
+
+    def post(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """`send` without waiting for the receivers: first collects the answers to the
+        version posted before (raising its error, if any), then writes and announces this one."""
         if not self._sockets:
             raise TransferError("no weight receiver is connected")
+        self.collect()
+        self._posted = None
         source = weight_source(weights)
         manifest = plan_manifest(version, source.specs(), bucket_bytes=1 << 62)  # one bucket: the whole buffer
         device, buf, offset = torch.device("cpu"), None, 0
@@ -104,17 +127,55 @@ class IpcSender:
         if device.type != "cpu":
             self._platform.synchronize()  # the copies finished before the receiver reads
         where = {"path": str(self._path)} if device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
-        header = pack_header(kind="ipc", version=version, token=self._token, **where)
-        for address, sock in self._sockets.items():
-            try:
-                sock.send_multipart([header, manifest.pack()])
-                reply = sock.recv()
-            except zmq.Again:
-                self._reset(address)
-                raise TransferError(f"weight receiver {address} did not answer within {self._timeout_ms / 1000:.0f}s") from None
-            if reply != b"ok":
-                raise TransferError(f"weight receiver {address} refused version {version}: {reply.decode(errors='replace')}")
+        self._posted = (manifest, [pack_header(kind="ipc", version=version, token=self._token, **where), manifest.pack()])
+        self.post_again()
         return manifest
+
+    def post_again(self) -> None:
+        """Announce the version in the buffer again to every receiver not waited on (after a
+        receiver was replaced: the new one gets it, the others take it twice, harmlessly).
+        Nothing to announce before the first `post`, or after one that failed."""
+        if self._posted is None:
+            return
+        for address, sock in self._sockets.items():
+            if address not in self._waiting:
+                sock.send_multipart(self._posted[1])  # a REQ socket with no request out: never blocks
+                self._waiting.add(address)
+
+    def collect(self) -> None:
+        """Wait until every receiver answered the posted version (nothing to do when none
+        is out). Raises `TransferError` when one refused it, did not answer within the reply
+        timeout, or `abort` was called; the sockets still waiting are then reset."""
+        if not self._waiting:
+            return
+        version = self._posted[0].version if self._posted is not None else None
+        poller = zmq.Poller()
+        for address in self._waiting:
+            poller.register(self._sockets[address], zmq.POLLIN)
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while self._waiting:
+                if self._aborted.is_set():
+                    raise TransferError(f"weight version {version} aborted: a receiver went away")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"weight receiver {', '.join(sorted(self._waiting))} did not answer within {self._timeout_s:g}s")
+                for sock, _ in poller.poll(int(POLL_S * 1000)):
+                    address = next(a for a, s in self._sockets.items() if s is sock)
+                    reply = sock.recv()
+                    self._waiting.discard(address)
+                    poller.unregister(sock)
+                    if reply != b"ok":
+                        raise TransferError(f"weight receiver {address} refused version {version}: {reply.decode(errors='replace')}")
+        except TransferError:
+            for address in list(self._waiting):
+                self._reset(address)
+            raise
+
+    def abort(self) -> None:
+        """Make a `collect` in progress in another thread, and every later one, give up with
+        `TransferError` (a receiver died) until the receivers change (`connect` or
+        `disconnect`). Thread-safe."""
+        self._aborted.set()
 
     def _ensure(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if self._buffer is not None and self._buffer.numel() >= nbytes and self._buffer.device == device:
@@ -142,9 +203,13 @@ class IpcSender:
         return self._buffer
 
     def _reset(self, address: str) -> None:
-        """A REQ socket that timed out cannot send again: replace it."""
+        """A REQ socket whose answer never came cannot send again: replace it."""
+        self._waiting.discard(address)
         self._sockets.pop(address).close(linger=0)
-        self.connect(address)
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._sockets[address] = sock
 
     def _release_file(self) -> None:
         self._buffer = None
@@ -157,6 +222,8 @@ class IpcSender:
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
+        self._waiting.clear()
+        self._posted = None
         self._release_file()
 
 
@@ -167,8 +234,6 @@ class IpcReceiver:
         self, platform: Platform, *, bind: str = "tcp://127.0.0.1:0", expected: Mapping[str, TensorSpec] | None = None, token: str | None = None, device: torch.device | None = None
     ) -> None:
         """`device`: where the received tensors go (default the platform's device 0)."""
-        from tidal.hal.transfer.host import check_bind  # noqa: PLC0415
-
         check_bind(bind, token)
         self._device = device if device is not None else platform.device(0)
         self._expected = expected

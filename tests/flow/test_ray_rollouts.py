@@ -134,6 +134,65 @@ def test_rollout_metrics_call_ray_at_most_every_metrics_every_s(ray_session):
     ray.kill(actor)
 
 
+class _PostingWiring:
+    """A wiring that posts (as `IpcWiring` does); `collect` fails once while `fail_collect` is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.fail_collect = False
+
+    def attach(self, actors, which):
+        self.calls.append(("attach", list(which)))
+
+    def post(self, version, source):
+        self.calls.append(("post", version, [name for name, _ in source.tensors()]))
+
+    def post_again(self):
+        self.calls.append(("post_again",))
+
+    def collect(self):
+        self.calls.append(("collect",))
+        if self.fail_collect:
+            self.fail_collect = False
+            raise RuntimeError("a receiver went away")
+
+
+def test_with_overlap_a_posting_transport_is_written_in_the_callers_thread_and_answered_before_the_next_version(ray_session):
+    import torch
+
+    wiring = _PostingWiring()
+    rollouts = RayRollouts([], wiring, overlap=True)
+    assert rollouts._queued is None  # no copy, no send thread: the post is the copy
+    weights = [("w", torch.ones(2))]
+    rollouts.publish(1, weights)
+    assert wiring.calls == [("attach", []), ("collect",), ("post", 1, ["w"])]  # returned without waiting for the answers
+    rollouts.publish(2, weights)
+    assert wiring.calls[3:] == [("collect",), ("post", 2, ["w"])]  # version 1's answers first: the buffer is free again
+    rollouts.flush()
+    assert wiring.calls[5:] == [("collect",)]
+    # a receiver died with version 2 out: Ray restarted it; it is wired in again and sent version 2 (still in the buffer)
+    wiring.fail_collect = True
+    rollouts._restarted.add(0)
+    rollouts._died.set()
+    rollouts.publish(3, weights)
+    assert wiring.calls[6:] == [("collect",), ("attach", [0]), ("post_again",), ("collect",), ("post", 3, ["w"])]
+    rollouts.stop()
+    assert wiring.calls[-1] == ("collect",)  # the last version is in before the actors are told to stop
+
+
+def test_a_failed_collect_with_no_actor_dead_is_raised_by_the_next_publish(ray_session, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(runtime, "DEATH_NOTICE_S", 0.1)
+    wiring = _PostingWiring()
+    rollouts = RayRollouts([], wiring, overlap=True)
+    rollouts.publish(1, [("w", torch.ones(2))])
+    wiring.fail_collect = True
+    with pytest.raises(RuntimeError, match="a receiver went away"):
+        rollouts.publish(2, [("w", torch.ones(2))])
+    assert ("post", 2, ["w"]) not in wiring.calls
+
+
 class _Worker:
     def __init__(self) -> None:
         self.stopped = threading.Event()

@@ -63,6 +63,10 @@ def test_manifest_buckets_round_trip_and_checks():
     ("sender", "receiver", "colocated", "same_node", "want"),
     [
         (("cpu", False), ("cpu", False), True, True, "ipc"),
+        (("cpu", False), ("cpu", False), False, True, "ipc"),  # host memory: any two processes of a node
+        (("cpu", False), ("cpu", False), False, False, "collective"),
+        (("cpu", True), ("cpu", True), False, True, "ipc"),
+        (("cuda", False), ("cuda", False), False, True, "collective"),  # device memory: colocated only
         (("npu", True), ("npu", True), True, True, "ipc"),  # fake NPUs hold CPU tensors
         (("npu", False), ("npu", False), True, True, "collective"),  # no NPU IPC path
         (("cuda", False), ("cuda", False), True, True, "ipc"),
@@ -285,6 +289,80 @@ def test_ipc_receiver_refuses_a_mismatched_version_and_the_sender_hears_why():
             sender.send(4, w.items())
         t.join(30)
         assert isinstance(out["error"], TransferError) and "nothing went live" in str(out["error"])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_post_returns_before_the_receiver_answers_and_the_next_post_waits_for_it():
+    w, w2 = _weights(), _weights(seed=1)
+    receiver = IpcReceiver(CpuPlatform(), expected=None)
+    sender = IpcSender(CpuPlatform())
+    sender.connect(receiver.address)
+    try:
+        sender.post(1, w.items())  # nobody receives yet: it returns all the same
+        assert sender._waiting == {receiver.address}
+        posted = threading.Thread(target=sender.post, args=(2, w2.items()), daemon=True)
+        posted.start()  # must not write version 2 over version 1 before the receiver copied it out
+        posted.join(0.3)
+        assert posted.is_alive()
+        got = receiver.receive(30)
+        _assert_same(got.tensors, w)
+        posted.join(30)
+        assert not posted.is_alive()
+        t, out = _receive_in_thread(receiver, 30)
+        sender.collect()
+        t.join(30)
+        assert out["weights"].version == 2 and not sender._waiting
+        _assert_same(out["weights"].tensors, w2)
+        sender.collect()  # nothing out: returns at once
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_collect_gives_up_on_abort_and_a_new_receiver_gets_the_version_posted_again():
+    w = _weights()
+    gone = IpcReceiver(CpuPlatform(), expected=None)  # a receiver that never answers: its process died
+    sender = IpcSender(CpuPlatform(), reply_timeout_s=60)
+    sender.connect(gone.address)
+    try:
+        sender.post(3, w.items())
+        threading.Timer(0.2, sender.abort).start()  # as `RayRollouts.run` does when Ray reports the actor dead
+        begin = time.monotonic()
+        with pytest.raises(TransferError, match="version 3 aborted: a receiver went away"):
+            sender.collect()
+        assert time.monotonic() - begin < 5 and not sender._waiting
+        gone.close()
+        sender.disconnect(gone.address)
+        replacement = IpcReceiver(CpuPlatform(), expected=None)
+        sender.connect(replacement.address)
+        t, out = _receive_in_thread(replacement, 30)
+        sender.post_again()
+        sender.collect()
+        t.join(30)
+        assert out["weights"].version == 3
+        _assert_same(out["weights"].tensors, w)
+        replacement.close()
+    finally:
+        sender.close()
+        gone.close()
+
+
+def test_ipc_collect_gives_up_at_the_reply_timeout_and_the_socket_can_send_again():
+    w = _weights()
+    receiver = IpcReceiver(CpuPlatform(), expected=None)
+    sender = IpcSender(CpuPlatform(), reply_timeout_s=0.3)
+    sender.connect(receiver.address)
+    try:
+        sender.post(1, w.items())
+        with pytest.raises(TransferError, match="did not answer within 0.3s"):
+            sender.collect()
+        receiver.receive(30)  # version 1 was still announced; a late answer goes to the replaced socket, nowhere
+        t, out = _receive_in_thread(receiver, 30)
+        sender.send(2, w.items())  # the replaced socket sends again
+        t.join(30)
+        assert out["weights"].version == 2
     finally:
         sender.close()
         receiver.close()

@@ -99,7 +99,7 @@ def test_ray_multiplexed_lends_the_trainer_device_to_a_borrowed_rollout_seat(tid
     assert (own["mode"], own["bundle"], borrowed["mode"], borrowed["bundle"]) == ("own", ["rollout", 0], "borrowed", ["train", 0])
     (trainer,), actors = info["trainer"]["ranks"], info["rollout_actors"]
     assert actors[1]["placement_group"] == trainer["placement_group"] != actors[0]["placement_group"]
-    assert info["transport"] == "host"  # one sender for both: ipc to the borrowed seat, collective to the other
+    assert info["transport"] == "ipc"  # both seats on the trainer's node, in host memory
     own_summary, borrowed_summary = info["rollout_summaries"]
     assert own_summary["timeshare"] is None and own_summary["samples"] > 0
     # the borrowed seat took groups and generated in its turns: it finished some (88-216
@@ -166,7 +166,7 @@ def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli
     for trainer, actor in zip(trainers, actors):  # each guest shares its rank's bundle: half of its device each
         assert actor["node"] == trainer["node"] and actor["placement_group"] == trainer["placement_group"] is not None
         assert actor["resources"].get("CPU") == trainer["resources"].get("CPU") == 0.5
-    assert info["transport"] == "host"  # rank 1's guest is not on the sender's (rank 0's) devices: no ipc to it
+    assert info["transport"] == "ipc"  # host memory: rank 1's guest maps rank 0's buffer too
     for i, rollout in enumerate(info["rollout_summaries"]):
         assert rollout["samples"] > 0 and rollout["timeshare"]["seats"][f"rollout-{i}"]["parks"] >= 1
         assert rollout["versions_received"] == num_steps + 1  # every version reached both guests

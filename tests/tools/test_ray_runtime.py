@@ -57,7 +57,7 @@ def test_mixed_npu_trainer_and_gpu_rollout_on_fake_platforms(tidal_cli, tmp_path
 
 def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
     run_dir, steps, info, out = _run(tidal_cli, tmp_path, "quickstart_cpu", "runtime=ray")
-    assert info["transport"] == "collective"  # cpu -> cpu: a gloo broadcast group
+    assert info["transport"] == "ipc"  # cpu -> cpu on one node: a shared buffer
     assert [d["platform"]["kind"] for d in info["rollout_actors"]] == ["cpu"]
     _learned(steps)
     assert "held-out accuracy" in out.stdout
