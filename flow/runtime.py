@@ -473,7 +473,8 @@ class RayRollouts:
         return 0 if self._queued is None else self._queued.replaced
 
     def flush(self) -> None:
-        """Wait until every published version has been received (with `overlap`); raise a send's error."""
+        """Wait until every published version has been sent (with `overlap`; a posted one:
+        taken by every receiver); raise a send's error."""
         if self._queued is not None:
             self._queued.flush()
         elif self._posts:
