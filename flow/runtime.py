@@ -20,6 +20,7 @@ Ray is imported only when the runtime is used.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import threading
 import time
@@ -70,6 +71,8 @@ class RolloutActor:
         self.stopping = threading.Event()
         self.tracer = Tracer()  # its spans go back with the summary, into the run's timeline
         self.worker = RolloutWorker(store=self.store, engine=self.engine, stopping=self.stopping, hand_off=hand_off, tracer=self.tracer, **settings)
+        gc.collect()
+        gc.freeze()  # the engine and what building it left are never scanned by the cyclic GC again (as the trainer does before its run)
         self._first = threading.Event()
         self._receiver: Any = None
         self._generation = 0  # of the weight receiver; a retired one's errors are expected

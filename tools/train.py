@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import gc
 import itertools
 import json
 import os
@@ -450,6 +451,12 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         stop = StopRequest()
         signals = stop_on_signals(stop)
     stop.on_request(stop_workflow)
+    # What setup made (model, optimizer, data, the warm start's leftovers) is never scanned by
+    # the cyclic GC again: without this, a run's full collections paused every thread of
+    # the trainer for up to 0.25 s, and its GC took 0.53 s of a 300-step quickstart on Ray
+    # (0.09 s with it).
+    gc.collect()
+    gc.freeze()
     started = time.perf_counter()
     try:
         with bar, torch_threads(cfg.threads), signals:
