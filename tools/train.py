@@ -465,6 +465,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
         raise
     finally:
+        gc.unfreeze()  # a caller that runs again in this process (tests, the benchmark) can free this run's objects
         if remote is not None:
             remote.close()
             for i, timeline in enumerate(remote.timelines):

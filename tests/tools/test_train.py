@@ -93,3 +93,19 @@ def test_countdown_prompts_follow_the_recipe_and_warm_start_on_their_reference_s
     engine = TorchTrainEngine(build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), lr=1e-2)
     losses = warm_start(engine, cfg, tokenizer, held_out=set())  # countdown items carry an `answer` to imitate
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
+
+
+def test_a_run_freezes_what_setup_made_for_the_cyclic_gc_and_unfreezes_it_after(monkeypatch):
+    import gc
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the recipe names the reward by module, as a user's would be
+    import tidal_test_rewards
+
+    from tidal.tools.bench_e2e import run_tidal
+
+    tidal_test_rewards.frozen_counts.clear()
+    small = ["task.num_eval_prompts=8", "sft.steps=2", "algorithm.prompts_per_step=2", "algorithm.group_size=2", "threads=1", "task.reward=tidal_test_rewards:records_gc_freeze"]
+    summary = run_tidal(["algorithm.max_staleness=1"], seed=0, num_steps=2, overrides=small)
+    assert summary["steps"] == 2
+    assert max(tidal_test_rewards.frozen_counts) > 1000  # the model, optimizer, tokenizer...: frozen during the run (the held-out evaluations before and after score with it too)
+    assert gc.get_freeze_count() == 0  # and free to be collected after it

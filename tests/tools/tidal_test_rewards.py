@@ -19,3 +19,15 @@ def starts_with_seven_until_interrupted(trajectory, text: str) -> float:
     if _calls == int(os.environ.get("TIDAL_TEST_INTERRUPT_AFTER", "-1")) + 1:
         os.kill(os.getpid(), signal.SIGINT)
     return starts_with_seven(trajectory, text)
+
+
+frozen_counts: list[int] = []
+"""`gc.get_freeze_count()` at each call of `records_gc_freeze`."""
+
+
+def records_gc_freeze(trajectory, text: str) -> float:
+    """`starts_with_seven`, noting how many objects the cyclic GC has frozen meanwhile."""
+    import gc  # noqa: PLC0415
+
+    frozen_counts.append(gc.get_freeze_count())
+    return starts_with_seven(trajectory, text)
