@@ -264,8 +264,8 @@ class IpcWiring:
     def post_again(self) -> None:
         self.sender.post_again()
 
-    def collect(self) -> None:
-        self.sender.collect()
+    def collect(self, timeout_s: float | None = None) -> None:
+        self.sender.collect(timeout_s)
 
     def abort(self) -> None:
         self.sender.abort()  # a wait for a dead receiver's answer gives up
@@ -486,6 +486,8 @@ class RayRollouts:
 
     def _send(self, version: int, source: Any, *, post: bool = False) -> None:
         with self._lock:
+            if post and self._stopping.is_set():
+                return  # the actors were told to stop: none would take it, and `stop` waited for the last one
             if post:
                 self._collect()  # the version before is in: the shared buffer may be written again
             if self._died.is_set():
@@ -533,12 +535,12 @@ class RayRollouts:
         self._on_change(self.descriptions)
 
     def stop(self) -> None:
-        if self._posts:
-            try:
-                with self._lock:
-                    self._collect()  # the last version reaches rollout, as it does without overlap
-            except Exception as e:  # noqa: BLE001 - the run is over; the next run starts from a checkpoint
-                log.warning("the last weight send to rollout failed as the run ended: %s", e)
+        if self._posts and not self._stopping.is_set():
+            with self._lock:
+                try:
+                    self.wiring.collect(timeout_s=SEND_ON_STOP_S)  # the last version reaches rollout, as it does without overlap
+                except Exception as e:  # noqa: BLE001 - the run is over; the next run starts from a checkpoint
+                    log.warning("the last weight version posted to rollout was not taken as the run ended: %s", e)
         if self._queued is not None:
             if not self._queued.drain(SEND_ON_STOP_S):  # the last version reaches rollout, as it does without overlap
                 log.warning("a weight version was still being sent to rollout %.0fs after the run ended; stopping without it", SEND_ON_STOP_S)

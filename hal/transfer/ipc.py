@@ -1,9 +1,11 @@
-"""The `ipc` transport: colocated trainer and rollout on one node and device kind.
+"""The `ipc` transport: trainer and rollout on one node and device kind (host memory:
+any two processes of the node; CUDA memory: colocated ones).
 
 The trainer writes a version into one shared buffer, pulling its tensors from the
 `WeightSource` one at a time, and tells each receiver where it is over a REQ/REP
 socket; the receiver copies its tensors out and replies, and only after every reply may
-the trainer write the next version. Host tensors (cpu and fake platforms) share an
+the trainer write the next version (`send` waits for the replies; `post` returns once the
+version is announced, and the replies are collected before the next write). Host tensors (cpu and fake platforms) share an
 mmap'd file in /dev/shm, named for its sender (`tidal.hal.owner`): a killed sender's
 file is deleted by the next sender to start on the host. CUDA tensors share a device
 buffer through CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
@@ -76,10 +78,7 @@ class IpcSender:
         self._aborted = threading.Event()
 
     def connect(self, address: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self._sockets[address] = sock
+        self._sockets[address] = _request_socket(address)
         self._aborted.clear()
 
     def disconnect(self, address: str) -> None:
@@ -142,23 +141,25 @@ class IpcSender:
                 sock.send_multipart(self._posted[1])  # a REQ socket with no request out: never blocks
                 self._waiting.add(address)
 
-    def collect(self) -> None:
+    def collect(self, timeout_s: float | None = None) -> None:
         """Wait until every receiver answered the posted version (nothing to do when none
-        is out). Raises `TransferError` when one refused it, did not answer within the reply
-        timeout, or `abort` was called; the sockets still waiting are then reset."""
+        is out). Raises `TransferError` when one refused it, did not answer within
+        `timeout_s` (default: the reply timeout), or `abort` was called; the sockets still
+        waiting are then reset."""
         if not self._waiting:
             return
         version = self._posted[0].version if self._posted is not None else None
         poller = zmq.Poller()
         for address in self._waiting:
             poller.register(self._sockets[address], zmq.POLLIN)
-        deadline = time.monotonic() + self._timeout_s
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
             while self._waiting:
                 if self._aborted.is_set():
                     raise TransferError(f"weight version {version} aborted: a receiver went away")
                 if time.monotonic() > deadline:
-                    raise TransferError(f"weight receiver {', '.join(sorted(self._waiting))} did not answer within {self._timeout_s:g}s")
+                    raise TransferError(f"weight receiver {', '.join(sorted(self._waiting))} did not answer within {timeout_s:g}s")
                 for sock, _ in poller.poll(int(POLL_S * 1000)):
                     address = next(a for a, s in self._sockets.items() if s is sock)
                     reply = sock.recv()
@@ -206,10 +207,7 @@ class IpcSender:
         """A REQ socket whose answer never came cannot send again: replace it."""
         self._waiting.discard(address)
         self._sockets.pop(address).close(linger=0)
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self._sockets[address] = sock
+        self._sockets[address] = _request_socket(address)  # an abort stands until the receivers change
 
     def _release_file(self) -> None:
         self._buffer = None
@@ -280,6 +278,13 @@ class IpcReceiver:
     def close(self) -> None:
         self._sock.close(linger=0)
         self._mapped = None
+
+
+def _request_socket(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
 
 
 def _cuda_handle(buf: torch.Tensor) -> tuple[Any, ...]:

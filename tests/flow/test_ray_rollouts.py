@@ -150,8 +150,8 @@ class _PostingWiring:
     def post_again(self):
         self.calls.append(("post_again",))
 
-    def collect(self):
-        self.calls.append(("collect",))
+    def collect(self, timeout_s=None):
+        self.calls.append(("collect",) if timeout_s is None else ("collect", timeout_s))
         if self.fail_collect:
             self.fail_collect = False
             raise RuntimeError("a receiver went away")
@@ -177,7 +177,25 @@ def test_with_overlap_a_posting_transport_is_written_in_the_callers_thread_and_a
     rollouts.publish(3, weights)
     assert wiring.calls[6:] == [("collect",), ("attach", [0]), ("post_again",), ("collect",), ("post", 3, ["w"])]
     rollouts.stop()
-    assert wiring.calls[-1] == ("collect",)  # the last version is in before the actors are told to stop
+    assert wiring.calls[-1] == ("collect", runtime.SEND_ON_STOP_S)  # the last version is in before the actors are told to stop
+    # the trainer's step in progress publishes once more: the actors were told to stop, so nothing is posted, and stopping again waits for nothing
+    rollouts.publish(4, weights)
+    rollouts.stop()
+    assert wiring.calls[-1] == ("collect", runtime.SEND_ON_STOP_S) and ("post", 4, ["w"]) not in wiring.calls
+    assert len([c for c in wiring.calls if c[0] == "collect" and len(c) == 2]) == 1
+
+
+def test_stopping_gives_up_on_a_posted_version_nobody_takes_with_a_warning(ray_session, caplog):
+    import torch
+
+    wiring = _PostingWiring()
+    rollouts = RayRollouts([], wiring, overlap=True)
+    rollouts.publish(1, [("w", torch.ones(2))])
+    wiring.fail_collect = True  # as the real collect does at SEND_ON_STOP_S when a receiver does not answer
+    begin = time.monotonic()
+    rollouts.stop()
+    assert time.monotonic() - begin < 5  # no wait for a dead actor to come back
+    assert "was not taken as the run ended" in caplog.text
 
 
 def test_a_failed_collect_with_no_actor_dead_is_raised_by_the_next_publish(ray_session, monkeypatch):
