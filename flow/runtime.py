@@ -204,6 +204,21 @@ class RolloutActor:
         return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": waits, "samples": self.worker.num_samples}
 
 
+def _attach_receivers(wiring: Any, actors: Sequence[Any], which: Iterable[int], open_receiver: str) -> None:
+    """Have actors `which` open a receiver (their method `open_receiver`) and connect the
+    wiring's sender to each; a restarted actor's old receiver is gone, so it is dropped."""
+    import ray  # noqa: PLC0415
+
+    which = list(which)
+    for i in which:
+        if i in wiring._addresses:
+            wiring.sender.disconnect(wiring._addresses.pop(i))
+    opened = ray.get([getattr(actors[i], open_receiver).remote(bind_host=wiring._host, token=wiring._token) for i in which])
+    for i, address in zip(which, opened):
+        wiring.sender.connect(address)
+        wiring._addresses[i] = address
+
+
 class HostWiring:
     """Weights to every rollout actor over the host transport: a socket per receiver.
 
@@ -218,15 +233,7 @@ class HostWiring:
         self._addresses: dict[int, str] = {}
 
     def attach(self, actors: Sequence[Any], which: Iterable[int]) -> None:
-        import ray  # noqa: PLC0415
-
-        which = list(which)
-        for i in which:
-            if i in self._addresses:
-                self.sender.disconnect(self._addresses.pop(i))
-        for i, address in zip(which, ray.get([actors[i].open_host_receiver.remote(bind_host=self._host, token=self._token) for i in which])):
-            self.sender.connect(address)
-            self._addresses[i] = address
+        _attach_receivers(self, actors, which, "open_host_receiver")
 
     def abort(self) -> None:
         self.sender.abort()
@@ -246,16 +253,8 @@ class IpcWiring:
         self._host, self._token = host, token
         self._addresses: dict[int, str] = {}
 
-    def attach(self, actors: Any, which: Any) -> None:
-        import ray  # noqa: PLC0415
-
-        which = list(which)
-        for i in which:
-            if i in self._addresses:  # a restarted actor: its old receiver is gone
-                self.sender.disconnect(self._addresses.pop(i))
-        for i, address in zip(which, ray.get([actors[i].open_ipc_receiver.remote(bind_host=self._host, token=self._token) for i in which])):
-            self.sender.connect(address)
-            self._addresses[i] = address
+    def attach(self, actors: Sequence[Any], which: Iterable[int]) -> None:
+        _attach_receivers(self, actors, which, "open_ipc_receiver")
 
     def post(self, version: int, source: Any) -> None:
         """Write `version` and announce it; the answers come with `collect` (`RayRollouts` with `overlap`)."""

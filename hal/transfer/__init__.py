@@ -326,7 +326,8 @@ def choose_transport(sender: PlatformDescriptor, receiver: PlatformDescriptor, *
     if override == "ipc" and not ipc_ok:
         raise ValueError(
             f"transport=ipc needs trainer and rollout on one node with the same device kind: cpu, or cuda "
-            f"devices they are colocated on; here: {sender.kind} -> {receiver.kind}, colocated={colocated}, same_node={same_node}"
+            f"devices they are colocated on; here: {sender.kind} -> {receiver.kind}, colocated={colocated}, same_node={same_node} "
+            f"(set transport.name=auto to let tidal choose)"
         )
     if override == "collective" and not same_backend:
         raise ValueError(f"transport=collective needs one collective backend on both sides; here: {sender.dist_backend} -> {receiver.dist_backend} (use host)")
