@@ -315,7 +315,12 @@ class RolloutWorker:
 
 
 class RolloutGroup(Protocol):
-    """The rollout side of a workflow: local worker threads or remote rollout actors."""
+    """The rollout side of a workflow: local worker threads or remote rollout actors.
+
+    A group whose workers can lose their weights (a rollout actor that restarted) may also
+    have `weights_wanted() -> concurrent.futures.Future`, completed when one of them needs
+    a version before it can generate: a trainer waiting for rows then publishes its
+    current version again (`Workflow._await_rows`)."""
 
     def run(self) -> None:
         """Run until stopped (raises `Stop`), or raise the first worker's error."""

@@ -20,6 +20,7 @@ Ray is imported only when the runtime is used.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import gc
 import logging
 import threading
@@ -153,6 +154,8 @@ class RolloutActor:
                     return
                 if generation != self._generation:
                     return
+                if self.last_version is not None and weights.version <= self.last_version:
+                    continue  # sent again for an actor that restarted: this one has it (applying it again would pause a generation for nothing)
                 self.worker.inbox.offer(weights.version, weights.tensors)
                 with self._received:
                     self.num_versions += 1
@@ -390,7 +393,9 @@ class RayRollouts:
 
     A rollout actor that dies is restarted by Ray (up to `max_restarts` times, counted per
     actor); its store connection closes, so the prompts it held are redelivered, and it
-    rejoins the weight transport and generates again once the next version reaches it.
+    rejoins the weight transport and generates again once a version reaches it: the next
+    one published, or the current one sent again when the trainer waits for rows
+    (`weights_wanted`; posted `ipc` re-sends the version in its buffer at once).
     `on_change(descriptions)` is told each actor's description after a restart.
     """
 
@@ -411,6 +416,8 @@ class RayRollouts:
         """Sends are posted (`ipc`): written and announced, the answers collected on the next send."""
         self._queued = QueuedSends(self._send) if overlap and not self._posts else None
         self._last_sent: int | None = None  # the last version every actor was sent
+        self._wanted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._wanted_lock = threading.Lock()
         self._metrics_asked: list[Any] = []  # requests not answered yet
         self._metrics_next = 0.0  # when `metrics` next calls Ray (time.monotonic)
         self._counts = {"paused_generations": 0, "handed_off": 0}
@@ -442,6 +449,10 @@ class RayRollouts:
                         if self._died.is_set():
                             self._rejoin()
                             self.wiring.post_again()
+                else:  # ... or a publish of the current version by a trainer waiting for rows
+                    with self._wanted_lock:
+                        if not self._wanted.done():
+                            self._wanted.set_result(None)
                 running[self.actors[i].run.remote()] = i  # generates once the next version reaches it
         raise Stop  # the actors return only when stopped
 
@@ -464,10 +475,21 @@ class RayRollouts:
         """
         from tidal.hal.transfer import snapshot, weight_source  # noqa: PLC0415
 
+        with self._wanted_lock:
+            if self._wanted.done():  # this send wires the restarted actors in
+                self._wanted = concurrent.futures.Future()
         if self._queued is None:
             self._send(version, weight_source(named_weights), post=self._posts)
         else:
             self._queued.put(version, weight_source(snapshot(weight_source(named_weights))))
+
+    def weights_wanted(self) -> concurrent.futures.Future[None]:
+        """Completes when a rollout actor came back from a restart and has no version to
+        generate with until one is published (the workflow's trainer, waiting for rows,
+        then publishes its current version again); the next `publish` starts a new one.
+        Posted `ipc` never needs it: the restart itself re-sends the buffered version."""
+        with self._wanted_lock:
+            return self._wanted
 
     @property
     def versions_replaced(self) -> int:

@@ -250,16 +250,21 @@ class Workflow:
         # With max_staleness >= 1, step v+1's rows are taken (and made into tensors) by a
         # thread while step v trains, mostly while its backward pass has let go of the GIL;
         # they are judged stale or not at version v+1, when they are trained. (With 0 they
-        # are generated only after step v's weights are out.)
-        prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-prefetch") if cfg.max_staleness > 0 else None
+        # are generated only after step v's weights are out.) Rollout actors that can ask
+        # for weights again (`weights_wanted`) get the rows taken by that thread with 0 too,
+        # so the trainer can answer while it waits (`_await_rows`).
+        resends = getattr(self.rollouts, "weights_wanted", None) is not None
+        prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-prefetch") if cfg.max_staleness > 0 or resends else None
         upcoming: concurrent.futures.Future[_TrainRows] | None = None
         try:
             while self.version < cfg.num_steps:
                 step_begin = time.perf_counter()
                 dropped_before = self.store.consumer_counts("train", "train")["dropped"]
-                rows = self._train_rows(self.version) if upcoming is None else upcoming.result()
+                if upcoming is None and resends:
+                    upcoming = prefetcher.submit(self._train_rows, self.version)
+                rows = self._train_rows(self.version) if upcoming is None else self._await_rows(upcoming)
                 self._waits["train"] += time.perf_counter() - step_begin
-                if prefetcher is not None and self.version + 1 < cfg.num_steps:
+                if prefetcher is not None and cfg.max_staleness > 0 and self.version + 1 < cfg.num_steps:
                     upcoming = prefetcher.submit(self._train_rows, self.version + 1)
                 else:
                     upcoming = None
@@ -267,6 +272,21 @@ class Workflow:
         finally:
             if prefetcher is not None:
                 prefetcher.shutdown(wait=False, cancel_futures=True)  # a get in flight ends with the workflow's stop
+
+    def _await_rows(self, upcoming: concurrent.futures.Future[_TrainRows]) -> _TrainRows:
+        """The rows `upcoming` takes. Meanwhile, when a rollout actor that restarted has no
+        weights to generate with (`weights_wanted()` completes), this version's weights go
+        out again: the trainer is not training, so its weights are still this version's,
+        and a lone rollout actor could otherwise wait for the next version while the
+        trainer waits for the rows it generates."""
+        weights_wanted = getattr(self.rollouts, "weights_wanted", None)
+        while weights_wanted is not None:
+            done, _ = concurrent.futures.wait([upcoming, weights_wanted()], return_when=concurrent.futures.FIRST_COMPLETED)
+            if upcoming in done:
+                break
+            with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
+                self._publish(self.version)
+        return upcoming.result()
 
     def _train_rows(self, version: int) -> _TrainRows:
         """The rows version `version` trains, from the store, as the tensors the trainer takes."""

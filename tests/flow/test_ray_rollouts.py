@@ -254,3 +254,77 @@ def test_a_rollout_actor_stops_at_once_without_a_version_to_wait_for_and_gives_u
     start = time.monotonic()
     actor.stop(4)  # never arrives
     assert actor.worker.stopped.is_set() and 0.15 < time.monotonic() - start < 5
+
+
+class _SendingWiring:
+    """A wiring whose sender sends in the caller's thread (as `collective` and `host` do)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.sender = self
+
+    def attach(self, actors, which):
+        self.calls.append(("attach", list(which)))
+
+    def send(self, version, source):
+        self.calls.append(("send", version))
+
+    def abort(self):
+        pass
+
+
+def _dies_once(marker: str):
+    """A rollout actor stand-in whose first `run` kills its process; Ray restarts it once,
+    and the new process runs until stopped."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=1)
+    class DiesOnce:
+        def __init__(self):
+            self.stopped = threading.Event()
+
+        def describe(self):
+            return {}
+
+        def run(self):
+            import os
+            from pathlib import Path
+
+            if not Path(marker).exists():
+                Path(marker).touch()
+                os._exit(1)
+            self.stopped.wait(60)
+            return {"samples": 0}
+
+        def stop(self, last_version=None):
+            self.stopped.set()
+
+    return DiesOnce.options(max_concurrency=2).remote()
+
+
+def test_a_restarted_actor_over_a_transport_without_a_buffer_asks_for_the_current_version(ray_session, tmp_path):
+    import torch
+
+    wiring = _SendingWiring()
+    rollouts = RayRollouts([_dies_once(str(tmp_path / "died"))], wiring, max_restarts=1)
+    rollouts.publish(1, [("w", torch.ones(2))])
+    wanted = rollouts.weights_wanted()
+    assert wiring.calls == [("attach", [0]), ("send", 1)] and not wanted.done()
+    ended: list[BaseException] = []
+    supervisor = threading.Thread(target=lambda: _capture(rollouts.run, ended))
+    supervisor.start()
+    wanted.result(timeout=60)  # the actor died with version 1 and is back without it
+    assert wiring.calls == [("attach", [0]), ("send", 1)] and rollouts.restarts == [1]
+    rollouts.publish(1, [("w", torch.ones(2))])  # the trainer, waiting for rows, sends it again
+    assert wiring.calls[2:] == [("attach", [0]), ("send", 1)]  # wired in again first
+    assert not rollouts.weights_wanted().done()  # answered: the next restart completes a new one
+    rollouts.stop()
+    supervisor.join(30)
+    assert not supervisor.is_alive() and [type(e).__name__ for e in ended] == ["Stop"]
+
+
+def _capture(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - checked by the test
+        errors.append(e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import threading
 
@@ -205,6 +206,54 @@ def test_rollout_waits_for_the_version_that_admitted_its_prompts():
     assert all(set(m["version_gap"]) <= {0} for m in steps)
     assert workflow.rollouts.worker.versions_applied[:3] == [1, 2, 3]  # each step's rows with the weights of the step before
     assert sum(m["wait_s"].get("weights", 0.0) for m in steps) > 0.2  # it did wait for them
+
+
+class _LosesAVersion:
+    """Local rollouts whose worker never gets version `lost` the first time it is sent (as a
+    rollout actor that died with it on the way) and asks for weights again, as
+    `RayRollouts.weights_wanted` does once Ray restarted it."""
+
+    def __init__(self, local, lost: int) -> None:
+        self.local, self.lost = local, lost
+        self.wanted: concurrent.futures.Future = concurrent.futures.Future()
+        self.published: list[int] = []
+
+    def run(self):
+        self.local.run()
+
+    def stop(self):
+        self.local.stop()
+
+    def metrics(self):
+        return self.local.metrics()
+
+    def weights_wanted(self):
+        return self.wanted
+
+    def publish(self, version, named_weights):
+        self.published.append(version)
+        if self.wanted.done():
+            self.wanted = concurrent.futures.Future()
+        if version == self.lost and self.published.count(version) == 1:
+            self.wanted.set_result(None)
+            return
+        self.local.publish(version, named_weights)
+
+
+def test_a_trainer_waiting_for_rows_sends_its_version_again_to_a_rollout_that_asks():
+    # Synchronous: the only prompts are admitted by version 2, which rollout never got; without
+    # a second send, rollout waits for version 2 and the trainer for the rows it would generate.
+    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 4})
+    trainer, rollout = _engines()
+    steps = []
+    workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
+    local = workflow.rollouts
+    workflow.rollouts = rollouts = _LosesAVersion(local, lost=2)
+    _run_or_fail(workflow, timeout_s=30)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert rollouts.published == [1, 2, 2, 3, 4]  # version 2 again, once, before step 3 trained
+    assert local.worker.versions_applied[:3] == [1, 2, 3] and all(set(m["version_gap"]) <= {0} for m in steps)
+    assert sum(m["dropped"] for m in steps) == 0
 
 
 def test_rows_dropped_at_consumption_let_admission_start_replacements():

@@ -37,6 +37,10 @@ ONE_NODE_CPU = ["cluster.nodes=[{name: box, kind: cpu, devices: 2}]", "placement
 through a shared buffer, posted (the trainer does not wait for the answers); the killed
 actor is the only one, so the run goes on only if its replacement is sent the version out."""
 
+LONE = ["placement.rollout.count=1", "algorithm.max_staleness=0"]
+"""One rollout actor, synchronous: when it dies, the trainer waits for the rows it was
+generating, and only a second send of the current version lets its replacement make them."""
+
 
 def _read_json(path: Path) -> dict | None:
     try:
@@ -93,7 +97,11 @@ def _check_lineage(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cluster, transport", [(ONE_VENDOR, "collective"), (MIXED, "host"), (ONE_NODE_CPU, "ipc")], ids=["collective", "host", "ipc"])
+@pytest.mark.parametrize(
+    "cluster, transport",
+    [(ONE_VENDOR, "collective"), (MIXED, "host"), (ONE_NODE_CPU, "ipc"), ([*ONE_VENDOR, *LONE], "collective")],
+    ids=["collective", "host", "ipc", "collective-lone"],
+)
 def test_a_killed_rollout_actor_is_restarted_and_the_run_loses_nothing(tmp_path, cluster, transport):
     at_step = random.Random(f"rollout-{transport}").randint(3, 12)
     killed: list[int] = []
