@@ -513,7 +513,7 @@ class RayRollouts:
                 self._collect()  # the version before is in: the shared buffer may be written again
             if self._died.is_set():
                 self._rejoin()
-            try:
+            try:  # `wiring.sender` is read after each `_rejoin`: `CollectiveWiring.attach` replaces it
                 (self.wiring.post if post else self.wiring.sender.send)(version, source)
             except Exception:
                 if not self._died.wait(DEATH_NOTICE_S):
