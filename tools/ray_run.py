@@ -159,7 +159,8 @@ class StartedRollouts:
         """Wait for the actors, choose the weight transport, send them the trainer's weights."""
         import ray  # noqa: PLC0415
 
-        from tidal.flow.runtime import CollectiveWiring, HostWiring, IpcWiring, RayRollouts  # noqa: PLC0415
+        from tidal.flow.runtime import RayRollouts  # noqa: PLC0415
+        from tidal.flow.wiring import CollectiveWiring, HostWiring, IpcWiring  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
         from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
         from tidal.hal.transfer import choose_transport  # noqa: PLC0415
