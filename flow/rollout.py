@@ -301,9 +301,10 @@ class RolloutWorker:
             self.waits["weights"] += time.perf_counter() - begin
 
     def stop(self) -> None:
-        """Stop the loop at its next check, including a wait for weights."""
+        """Stop the loop at its next check, including a wait for weights or for the store."""
         self.stopping.set()
         self.inbox.wake()
+        self.store.wake()  # a get or put waiting on the store ends now (a remote one: withdrawn at the server)
 
     def apply_weights(self) -> None:
         item = self.inbox.take()

@@ -84,6 +84,13 @@ class RemoteStore:
         self._host = _shm.host_id() if shm else None
         self._writer = _shm.Writer()
         self._segments = _shm.Segments(own=False)
+        # `wake()` publishes here; a thread in a cancellable wait listens (`_wake_listener`)
+        self._waker = self._ctx.socket(zmq.PUB)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._wake_address = f"inproc://tidal-store-wake-{uuid.uuid4().hex}"
+        self._waker.bind(self._wake_address)
+        self._wake_lock = threading.Lock()
+        self._sockets.append(self._waker)
         self._shared: dict[str, bool] = {}  # server address -> shares our /dev/shm
 
     # Plumbing ---------------------------------------------------------------------------
@@ -132,7 +139,66 @@ class RemoteStore:
             self._shared[address] = shared
         return shared
 
+    def _wake_listener(self) -> zmq.Socket:
+        """This thread's subscription to `wake()`."""
+        listener = getattr(self._tls, "wake_listener", None)
+        if listener is None:
+            listener = self._tls.wake_listener = self._ctx.socket(zmq.SUB)
+            listener.setsockopt(zmq.LINGER, 0)
+            listener.setsockopt(zmq.SUBSCRIBE, b"")
+            listener.connect(self._wake_address)
+            with self._sockets_lock:
+                self._sockets.append(listener)
+        return listener
+
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
+        cancel = getattr(self._tls, "cancel", None)
+        if cancel is not None and op in ("get", "put") and request_id not in self._tls.__dict__.get("stash", {}):  # the requests a server parks
+            return self._receive_or_withdraw(sock, request_id, address, op, wait_s, cancel)
+        return self._receive_reply(sock, request_id, address, op, wait_s)
+
+    def _receive_or_withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: threading.Event) -> Any:
+        """`_receive` in a cancellable call: also wakes on `wake()`, and once `cancel` is set
+        withdraws the request (`_withdraw`) instead of waiting on."""
+        listener = self._wake_listener()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(listener, zmq.POLLIN)
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready = dict(poller.poll(-1 if left is None else int(left * 1000) + 1))
+            if sock in ready:
+                return self._receive_reply(sock, request_id, address, op, left)
+            if listener in ready:
+                while listener.poll(0):
+                    listener.recv()
+            elif left is not None and time.monotonic() >= deadline:
+                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
+            if cancel.is_set():
+                return self._withdraw(sock, request_id, address, op)
+
+    def _withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str) -> Any:
+        """Ask the server to drop a request whose wait was cancelled. Still parked: nothing
+        was done for it, and this raises `StoreError`. Answered already: that answer, as if
+        the wait had not been cancelled (rows it took or put are the caller's)."""
+        tls = self._tls.__dict__
+        submitted, stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
+        kept = request_id in submitted
+        submitted.add(request_id)  # its answer, read while waiting for the withdraw's, is kept
+        cancel, self._tls.cancel = self._tls.cancel, None
+        try:
+            _, withdraw_id = self._send(address, "withdraw", {"request": request_id})
+            if self._receive_reply(sock, withdraw_id, address, "withdraw", self.rpc_timeout_s):
+                stash.pop(request_id, None)
+                raise StoreError(f"{op} was cancelled")
+            return self._receive_reply(sock, request_id, address, op, self.rpc_timeout_s)
+        finally:
+            self._tls.cancel = cancel
+            if not kept:
+                submitted.discard(request_id)
+
+    def _receive_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
         timeout_ms = -1 if wait_s is None else int(wait_s * 1000) + 1
         timeouts = self._tls.__dict__.setdefault("timeouts", {})
         if timeouts.get(sock) != timeout_ms:  # one blocking receive with a timeout, not a poll and then a receive
@@ -206,7 +272,7 @@ class RemoteStore:
         unit the data goes there and the controller gets references."""
         rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack}
         if cancel is not None:
-            return _until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.submit_put(partition, columns, indexes, timeout=t, **rows).result())
+            return _until_cancelled(self, cancel, timeout, f"put into {partition!r}", lambda t: self.submit_put(partition, columns, indexes, timeout=t, **rows).result())
         return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
 
     def submit_put(
@@ -278,11 +344,12 @@ class RemoteStore:
     ) -> Batch:
         """As `Store.get`; rows on storage units are read from them before returning.
 
-        Setting `cancel` ends the wait with `StoreError` within `CANCEL_CHECK_S` (the
-        request is re-sent at that interval: a long poll, it returns at once when rows are ready).
+        Setting `cancel` ends the wait with `StoreError`: at once after `wake()`, else within
+        `CANCEL_CHECK_S` (the request is re-sent at that interval: a long poll, it returns at
+        once when rows are ready). A request the server answered first is returned as usual.
         """
         if cancel is not None:
-            return _until_cancelled(cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
+            return _until_cancelled(self, cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
         args = {
             "ack": None if ack is None else as_indexes(ack),
             "consumer": consumer,
@@ -338,9 +405,17 @@ class RemoteStore:
         """Save the server's store to `path` on the server's machine (see `persist.save`)."""
         self._call("save", {"path": str(path)})
 
+    def wake(self) -> None:
+        """End the cancellable waits of this client's threads (`get`/`put` with `cancel`)
+        whose event is set now, rather than at their next re-check (`CANCEL_CHECK_S`)."""
+        with self._wake_lock:
+            if not self._closed:
+                self._waker.send(b"")
+
     def close(self) -> None:
         """Close every socket of this client (their connections end: unacked leases return)."""
-        self._closed = True
+        with self._wake_lock:
+            self._closed = True
         with self._sockets_lock:
             for sock in self._sockets:
                 sock.close(linger=0)
@@ -394,20 +469,24 @@ class PendingPut:
 
 
 CANCEL_CHECK_S = 1.0
-"""How often a cancellable remote get/put re-checks its cancel event."""
+"""How often a cancellable remote get/put re-checks its cancel event when nobody calls
+`RemoteStore.wake()` (the request is re-sent at that interval: a long poll)."""
 
 
-def _until_cancelled(cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
+def _until_cancelled(client: RemoteStore, cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if cancel.is_set():
             raise StoreError(f"{what} was cancelled")
         left = None if deadline is None else deadline - time.monotonic()
+        client._tls.cancel = cancel  # noqa: SLF001 - its waits wake on `wake()` (`_receive`)
         try:
             return call(CANCEL_CHECK_S if left is None else max(min(CANCEL_CHECK_S, left), 0.0))
         except StoreTimeout:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
+        finally:
+            client._tls.cancel = None  # noqa: SLF001
 
 
 def _plain(values: Sequence[Any] | None) -> list[Any] | np.ndarray | None:

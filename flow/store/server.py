@@ -145,6 +145,7 @@ class StoreServer:
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
                 metrics=lambda peer, a: store.metrics(),
                 save=lambda peer, a: persist.save(store, a["path"]),
+                withdraw=self._withdraw,
             )
         if unit is not None:
             self._ops.update(unit_write=self._unit_write, unit_read=self._unit_read, unit_drop=self._unit_drop)
@@ -343,6 +344,15 @@ class StoreServer:
         except Exception as e:  # noqa: BLE001 - as above
             self._fail(peer, request_id, e)
         return op in _MUTATING
+
+    def _withdraw(self, peer: _Peer, a: dict[str, Any]) -> bool:
+        """Drop `peer`'s parked request `a["request"]` (its client stopped waiting: the wait
+        was cancelled). True when it was still parked: it gets no reply and nothing was
+        taken or put for it; False when it was answered (or its answer is on its way)."""
+        with self._lock:
+            kept = [p for p in self._parked if not (p.peer is peer and p.request_id == a["request"])]
+            withdrawn, self._parked = len(kept) < len(self._parked), kept
+        return withdrawn
 
     def _retry_parked(self) -> None:
         """Retry parked requests in arrival order; answer those that succeed or expire."""

@@ -418,3 +418,74 @@ def test_pipelined_puts_and_a_waiting_consumer_never_stall_the_server():
             assert not thread.is_alive() and sorted(got) == list(range(64)), round_
             producer.close()
             consumer.close()
+
+
+def _wait_in_thread(call) -> tuple[threading.Thread, list]:
+    """Run `call` in a thread of its own (a remote store's waits are per thread); its outcome lands in the list."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_cancelled_remote_get_ends_on_wake_and_is_withdrawn_at_the_server(served, monkeypatch):
+    from tidal.flow.store import client as client_module
+
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)  # only wake() can end the wait in time
+    store, _, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    time.sleep(0.3)  # parked at the server
+    assert thread.is_alive()
+    cancel.set()
+    begin = time.monotonic()
+    client.wake()
+    thread.join(5)
+    assert time.monotonic() - begin < 2 and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
+    # withdrawn, not merely abandoned: a row put now is not leased to the waiting thread's
+    # connection (still open), so a get from another thread takes it
+    store.put("prompts", {"x": torch.ones(1, 1)})
+    assert client.get("rollout", "prompts", ["x"], 1, timeout=5).indexes == [0]
+
+
+def test_a_cancelled_remote_put_into_a_full_partition_ends_on_wake_and_puts_nothing(served, monkeypatch):
+    from tidal.flow.store import client as client_module
+
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
+    store, _, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=1)
+    client.put("train", {"x": torch.zeros(1, 1)})
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, 1)}, cancel=cancel))
+    time.sleep(0.3)
+    cancel.set()
+    client.wake()
+    thread.join(5)
+    assert not thread.is_alive() and isinstance(outcome[0], StoreError)
+    batch = store.get("train", "train", ["x"], 1, timeout=1)
+    store.ack("train", "train", batch.indexes)
+    with pytest.raises(StoreTimeout):  # the cancelled put did not go in once room was made
+        store.get("train", "train", ["x"], 1, timeout=0.3)
+
+
+def test_a_wake_without_a_cancel_leaves_waits_alone_and_withdrawing_an_answered_request_says_so(served):
+    store, _, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    time.sleep(0.2)
+    client.wake()  # nothing to cancel: the get waits on
+    time.sleep(0.2)
+    assert thread.is_alive()
+    store.put("prompts", {"x": torch.ones(1, 1)})
+    thread.join(5)
+    assert outcome[0].indexes == [0]
+    assert client._call("withdraw", {"request": 10**9}) is False  # no such request parked
