@@ -297,7 +297,7 @@ class RayRollouts:
     actor); its store connection closes, so the prompts it held are redelivered, and it
     rejoins the weight transport and generates again once a version reaches it: the next
     one published, or the current one sent again when the trainer waits for rows
-    (`weights_wanted`; posted `ipc` re-sends the version in its buffer at once).
+    (`weights_wanted`).
     `on_change(descriptions)` is told each actor's description after a restart.
     """
 
@@ -345,16 +345,10 @@ class RayRollouts:
                 self.descriptions[i] = self._back(i)
                 with self._restarted_lock:
                     self._restarted.add(i)
-                self._died.set()  # the next publish wires it in again
-                if self._posts:  # ... or this thread, at once: the buffer holds the last version, and a lone actor needs it to generate the rows that step waits for
-                    with self._lock:
-                        if self._died.is_set():
-                            self._rejoin()
-                            self.wiring.post_again()
-                else:  # ... or a publish of the current version by a trainer waiting for rows
-                    with self._wanted_lock:
-                        if not self._wanted.done():
-                            self._wanted.set_result(None)
+                self._died.set()  # the next publish wires it in again ...
+                with self._wanted_lock:  # ... which a trainer waiting for rows makes at once, of its current version
+                    if not self._wanted.done():
+                        self._wanted.set_result(None)
                 running[self.actors[i].run.remote()] = i  # generates once the next version reaches it
         raise Stop  # the actors return only when stopped
 
@@ -388,8 +382,7 @@ class RayRollouts:
     def weights_wanted(self) -> concurrent.futures.Future[None]:
         """Completes when a rollout actor came back from a restart and has no version to
         generate with until one is published (the workflow's trainer, waiting for rows,
-        then publishes its current version again); the next `publish` starts a new one.
-        Posted `ipc` never needs it: the restart itself re-sends the buffered version."""
+        then publishes its current version again); the next `publish` starts a new one."""
         with self._wanted_lock:
             return self._wanted
 

@@ -284,7 +284,7 @@ class Workflow:
             done, _ = concurrent.futures.wait([upcoming, weights_wanted()], return_when=concurrent.futures.FIRST_COMPLETED)
             if upcoming in done:
                 break
-            with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
+            with self._trainer_turn():
                 self._publish(self.version)
         return upcoming.result()
 
@@ -313,8 +313,7 @@ class Workflow:
         gaps = {self.version - v: n for v, n in sorted(rows.token_versions.items(), reverse=True)}
         if gaps and max(gaps) > cfg.max_staleness:
             raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")
-        # a trainer that time-shares its devices keeps them from the step through its weight pass
-        with getattr(self.trainer, "turn_for_step", contextlib.nullcontext)():
+        with self._trainer_turn():
             with self.tracer.span("train", "train", version=self.version, rows=num_rows):
                 metrics = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
             self.store.ack("train", "train", rows.indexes)
@@ -344,6 +343,10 @@ class Workflow:
             groups=rows.groups,  # the prompts trained: each once per run
         )
         self.on_step(metrics)
+
+    def _trainer_turn(self) -> contextlib.AbstractContextManager[Any]:
+        """A trainer that time-shares its devices keeps them from a step through its weight pass."""
+        return getattr(self.trainer, "turn_for_step", contextlib.nullcontext)()
 
     def _dtype(self) -> torch.dtype:
         model = getattr(self.trainer, "model", None)
