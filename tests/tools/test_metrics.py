@@ -29,6 +29,7 @@ def test_every_step_reaches_jsonl_and_tensorboard_and_a_restart_replaces_the_ste
     log = MetricsLog(tmp_path)
     for step in range(1, 6):
         log.write(_step(step, reward=step / 10))
+        assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step  # on disk before close: a crash keeps it
     log.write_final({"held_out_accuracy": {"before_rl": 0.25, "after_rl": 0.75}}, step=5)
     log.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
