@@ -165,7 +165,7 @@ class RemoteStore:
         poller.register(sock, zmq.POLLIN)
         poller.register(listener, zmq.POLLIN)
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        while True:
+        while not cancel.is_set():
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             ready = dict(poller.poll(-1 if left is None else int(left * 1000) + 1))
             if sock in ready:
@@ -175,8 +175,7 @@ class RemoteStore:
                     listener.recv()
             elif left is not None and time.monotonic() >= deadline:
                 raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
-            if cancel.is_set():
-                return self._withdraw(sock, request_id, address, op)
+        return self._withdraw(sock, request_id, address, op)
 
     def _withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str) -> Any:
         """Ask the server to drop a request whose wait was cancelled. Still parked: nothing
@@ -474,6 +473,9 @@ CANCEL_CHECK_S = 1.0
 
 
 def _until_cancelled(client: RemoteStore, cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
+    # Subscribe to `wake()` before the first look at `cancel`: a stop that sets it and wakes
+    # in between is then seen either way (set at the look, or its wake heard in the wait).
+    client._wake_listener()  # noqa: SLF001
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if cancel.is_set():

@@ -476,6 +476,30 @@ def test_a_cancelled_remote_put_into_a_full_partition_ends_on_wake_and_puts_noth
         store.get("train", "train", ["x"], 1, timeout=0.3)
 
 
+def test_a_stop_just_before_a_threads_first_cancellable_wait_is_not_missed(served, monkeypatch):
+    # The stop sets the event and wakes before the thread has subscribed to wakes: that
+    # wake reaches nobody, so only a look at the event after subscribing can see the stop.
+    from tidal.flow.store import client as client_module
+
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
+    _, _, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    cancel = threading.Event()
+    subscribe = client._wake_listener
+
+    def stopped_first():
+        if not cancel.is_set():
+            cancel.set()
+            client.wake()
+        return subscribe()
+
+    monkeypatch.setattr(client, "_wake_listener", stopped_first)
+    begin = time.monotonic()
+    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    thread.join(5)
+    assert time.monotonic() - begin < 2 and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
+
+
 def test_a_wake_without_a_cancel_leaves_waits_alone_and_withdrawing_an_answered_request_says_so(served):
     store, _, client = served
     client.create_partition("prompts", consumers=["rollout"])
