@@ -68,8 +68,8 @@ class MetricsLog:
     installed, to TensorBoard (written every few seconds, and at `close`).
 
     The JSONL file stays open, line-buffered, until `close`: opening and closing it for
-    every step took the trainer 0.55 ms a step on average in a Ray quickstart (up to 2 ms
-    when its other threads took the GIL at the open or the close).
+    every step took the trainer 0.55 ms a step on average in a Ray quickstart (1.6-2 ms in
+    one step of ten, when its other threads took the GIL at the open or the close).
 
     `first_step` is the step the run starts at: TensorBoard drops what an earlier
     attempt in the same run directory wrote from there on.
