@@ -139,6 +139,27 @@ class RemoteStore:
             self._shared[address] = shared
         return shared
 
+    def _until_cancelled(self, cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
+        """`call(wait_s)` (a get or put) again and again, each waiting at most
+        `CANCEL_CHECK_S`, until it returns, `timeout` passes or `cancel` is set; while one
+        waits, `wake()` makes it look at `cancel` at once (`_receive_or_withdraw`)."""
+        # Subscribe to `wake()` before the first look at `cancel`: a stop that sets it and
+        # wakes in between is then seen either way (set at the look, or its wake heard).
+        self._wake_listener()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if cancel.is_set():
+                raise StoreError(f"{what} was cancelled")
+            left = None if deadline is None else deadline - time.monotonic()
+            self._tls.cancel = cancel
+            try:
+                return call(CANCEL_CHECK_S if left is None else max(min(CANCEL_CHECK_S, left), 0.0))
+            except StoreTimeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            finally:
+                self._tls.cancel = None
+
     def _wake_listener(self) -> zmq.Socket:
         """This thread's subscription to `wake()`."""
         listener = getattr(self._tls, "wake_listener", None)
@@ -271,7 +292,7 @@ class RemoteStore:
         unit the data goes there and the controller gets references."""
         rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack}
         if cancel is not None:
-            return _until_cancelled(self, cancel, timeout, f"put into {partition!r}", lambda t: self.submit_put(partition, columns, indexes, timeout=t, **rows).result())
+            return self._until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.submit_put(partition, columns, indexes, timeout=t, **rows).result())
         return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
 
     def submit_put(
@@ -348,7 +369,7 @@ class RemoteStore:
         once when rows are ready). A request the server answered first is returned as usual.
         """
         if cancel is not None:
-            return _until_cancelled(self, cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
+            return self._until_cancelled(cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
         args = {
             "ack": None if ack is None else as_indexes(ack),
             "consumer": consumer,
@@ -470,25 +491,6 @@ class PendingPut:
 CANCEL_CHECK_S = 1.0
 """How often a cancellable remote get/put re-checks its cancel event when nobody calls
 `RemoteStore.wake()` (the request is re-sent at that interval: a long poll)."""
-
-
-def _until_cancelled(client: RemoteStore, cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
-    # Subscribe to `wake()` before the first look at `cancel`: a stop that sets it and wakes
-    # in between is then seen either way (set at the look, or its wake heard in the wait).
-    client._wake_listener()  # noqa: SLF001
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        if cancel.is_set():
-            raise StoreError(f"{what} was cancelled")
-        left = None if deadline is None else deadline - time.monotonic()
-        client._tls.cancel = cancel  # noqa: SLF001 - its waits wake on `wake()` (`_receive`)
-        try:
-            return call(CANCEL_CHECK_S if left is None else max(min(CANCEL_CHECK_S, left), 0.0))
-        except StoreTimeout:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise
-        finally:
-            client._tls.cancel = None  # noqa: SLF001
 
 
 def _plain(values: Sequence[Any] | None) -> list[Any] | np.ndarray | None:
