@@ -24,7 +24,7 @@ on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,39 @@ class TorchTrainEngine:
         self.version = version
         # packed rows need a custom 4D attention mask, which these implementations take
         self._packs = getattr(getattr(self.model, "config", None), "_attn_implementation", None) in ("eager", "sdpa")
+        self._before_change: Callable[[], None] = lambda: None
+
+    def share_weights(self, place: Callable[[list[TensorSpec], dict[str, str], torch.device], Sequence[torch.Tensor]], *, before_change: Callable[[], None]) -> None:
+        """Keep the weights, from now on, in the memory `place(specs, ties, device)` gives:
+        one tensor per spec of `named_weights()` on this engine's device, a tied name
+        (`ties[name] = other`) given `other`'s (a weight transport's shared memory:
+        `IpcSender.place`). Then call
+        `before_change()` every time before the weights change (each optimizer step, and
+        `load_state_dict`), so a reader of that memory in another process finishes first.
+
+        Raises:
+            ValueError: a weight is a buffer, not a parameter, or a place does not match
+                its weight; nothing moved.
+        """
+        params = self.model.state_dict(keep_vars=True)
+        first: dict[int, str] = {}
+        ties = {}
+        for name, p in params.items():
+            if not isinstance(p, torch.nn.Parameter):
+                raise ValueError(f"weight {name!r} is a buffer, not a parameter: it cannot move")
+            if id(p) in first:
+                ties[name] = first[id(p)]
+            first.setdefault(id(p), name)
+        places = dict(zip(params, place([TensorSpec.of(n, p) for n, p in params.items()], ties, self.device)))
+        for name, p in params.items():
+            if (places[name].dtype, places[name].shape, places[name].device) != (p.dtype, p.shape, p.device):
+                raise ValueError(f"the place for {name!r} is {places[name].dtype}{list(places[name].shape)} on {places[name].device}, the weight {p.dtype}{list(p.shape)} on {p.device}")
+        with torch.no_grad():
+            for name, p in params.items():
+                if name not in ties:
+                    places[name].copy_(p)
+                    p.data = places[name]
+        self._before_change = before_change
 
     def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[rows, seq - 1] logprob of each next token; with grad when grad is enabled."""
@@ -148,6 +181,7 @@ class TorchTrainEngine:
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self._before_change()
         self.optimizer.step()
         totals.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"], num_tokens=float(batch.loss_mask.sum()))
         return totals
@@ -205,6 +239,7 @@ class TorchTrainEngine:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._before_change()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         use_platform_options(self.optimizer, self.platform)

@@ -198,10 +198,31 @@ class StartedRollouts:
         rollouts = None
         write_info(descriptions)
         rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info, overlap=overlap)
+        if transport == "ipc" and overlap:
+            info["weights_in_place"] = _share_weights(trainer, wiring, rollouts)
+            write_info(rollouts.descriptions)
         rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
         rollouts.flush()  # ... and have them before any prompt is admitted
         seats = [(self.turns[r], f"rollout-{a.rank}") for a in self.assignments for r in self.spots[("rollout", a.rank)].turns]
         return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, seats)
+
+
+def _share_weights(trainer: Any, wiring: Any, rollouts: Any) -> bool:
+    """Keep the trainer's weights in the `ipc` transport's shared buffer, when its engine
+    can (`share_weights`): a publish then copies nothing in the trainer's process (each
+    rollout actor copies the version out of the trainer's own weights), and before its
+    weights next change the engine waits for every actor to have taken the version
+    (`rollouts.flush`; on this path it has, long before: a train step's forward and
+    backward passes come first). False when the weights stay where they are."""
+    share = getattr(trainer, "share_weights", None)
+    if share is None:
+        return False
+    try:
+        share(wiring.sender.place, before_change=rollouts.flush)
+    except ValueError as e:  # raised before anything moved: each publish copies the weights instead
+        log.info("the trainer's weights stay in its own memory (each publish copies them): %s", e)
+        return False
+    return True
 
 
 def _visible_devices(ranks: list[dict[str, Any]]) -> dict[str, str]:

@@ -12,8 +12,14 @@ buffer through CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multipr
 weights never leave the device. NPUs have no such path here (`choose_transport` picks
 `collective` for them).
 
-Run for real: the shared-file path on CPU (tests, `tidal bench weights`). The CUDA path
-is written against torch's CUDA IPC API and was not run on this project's machines.
+A trainer on the host can keep its weights in the shared buffer itself (`place`, which
+the torch train engine's `share_weights` takes): a `post` then writes nothing, each
+receiver copies straight from the trainer's own tensors, and the trainer `collect`s the
+answers before its next optimizer step changes them.
+
+Run for real: the shared-file path on CPU (tests, `tidal bench weights`), weights placed
+in it too (tests, the quickstart on Ray). The CUDA path is written against torch's CUDA
+IPC API and was not run on this project's machines, placed weights neither.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +62,8 @@ _names = itertools.count()
 
 
 class IpcSender:
-    """Trainer side: one shared buffer, grown as needed, reused for every version.
+    """Trainer side: one shared buffer, grown as needed, reused for every version (or
+    holding the trainer's own weights: `place`).
 
     `send` writes a version and returns once every receiver copied it out. `post` writes
     and announces it and returns at once; the receivers' answers are collected by
@@ -76,6 +83,7 @@ class IpcSender:
         self._posted: tuple[Manifest, list[bytes]] | None = None  # the version in the buffer, and its announcement
         self._waiting: set[str] = set()  # receivers announced to that have not answered yet
         self._aborted = threading.Event()
+        self._placed: tuple[tuple[TensorSpec, ...], list[int]] | None = None  # the specs living in the buffer (`place`), and their addresses
 
     def connect(self, address: str) -> None:
         self._sockets[address] = _request_socket(address)
@@ -110,6 +118,18 @@ class IpcSender:
         self._posted = None
         source = weight_source(weights)
         manifest = plan_manifest(version, source.specs(), bucket_bytes=1 << 62)  # one bucket: the whole buffer
+        buf = self._check_placed(manifest, source) if self._placed is not None else self._write(manifest, source)
+        if buf.device.type != "cpu":
+            self._platform.synchronize()  # the copies finished before the receiver reads
+        where = {"path": str(self._path)} if buf.device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
+        if self._placed is not None:
+            where["offsets"] = self._placed[2]  # a tied tensor is read from the place of the one it is tied to
+        self._posted = (manifest, [pack_header(kind="ipc", version=version, token=self._token, **where), manifest.pack()])
+        self.post_again()
+        return manifest
+
+    def _write(self, manifest: Manifest, source: WeightSource) -> torch.Tensor:
+        """Copy the source's tensors into the buffer, in the manifest's order; the buffer."""
         device, buf, offset = torch.device("cpu"), None, 0
         with Puller(manifest, source) as puller:
             for _ in manifest.specs:
@@ -121,14 +141,63 @@ class IpcSender:
                 offset += src.numel()
                 del src
             puller.finish()
-        if buf is None:
-            buf = self._ensure(manifest.nbytes, device)
-        if device.type != "cpu":
-            self._platform.synchronize()  # the copies finished before the receiver reads
-        where = {"path": str(self._path)} if device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
-        self._posted = (manifest, [pack_header(kind="ipc", version=version, token=self._token, **where), manifest.pack()])
-        self.post_again()
-        return manifest
+        return buf if buf is not None else self._ensure(manifest.nbytes, device)
+
+    def _check_placed(self, manifest: Manifest, source: WeightSource) -> torch.Tensor:
+        """The buffer, once every tensor of the source is the one `place` put there (nothing to copy)."""
+        specs, addresses, _ = self._placed
+        if manifest.specs != specs:
+            diff = next((f"{a.name!r} {a.dtype}{list(a.shape)} where {b.name!r} {b.dtype}{list(b.shape)} was placed" for a, b in zip(manifest.specs, specs) if a != b), f"{len(manifest.specs)} tensors where {len(specs)} were placed")
+            raise TransferError(f"version {manifest.version}: the shared buffer holds placed weights, and these differ: {diff}; nothing went live")
+        with Puller(manifest, source) as puller:
+            for spec, address in zip(specs, addresses):
+                if puller.pull().data_ptr() != address:
+                    raise TransferError(f"version {manifest.version}: tensor {spec.name!r} is not the one placed in the shared buffer (it moved, or is a copy); nothing went live")
+            puller.finish()
+        return self._buffer
+
+    def place(self, specs: Sequence[TensorSpec], ties: Mapping[str, str] | None = None, device: torch.device | None = None) -> list[torch.Tensor]:
+        """Tensors for these specs inside the shared buffer (on `device`, default the
+        host; device memory as `post` shares it, not run here), for the caller to keep
+        those weights in (copy them in, then use the views as the weights: the torch train
+        engine's `share_weights`). A `post` of those very tensors then writes nothing:
+        every receiver copies straight from them. In return the caller changes them only
+        after `collect` (no version out), and every later `post` must be of them (anything
+        else raises `TransferError`). `ties[name] = other`: `name` is the very tensor
+        `other` is (tied weights), so it gets `other`'s view and no room of its own.
+        Waits for a version still out first.
+
+        Raises:
+            TransferError: a tie names an unknown tensor, a tied one, or one of another
+                dtype or shape; or a tensor would start at an offset its dtype cannot be
+                viewed at (it follows an odd-sized one). Nothing is placed.
+        """
+        self.collect()
+        ties = dict(ties or {})
+        manifest = plan_manifest(0, specs, bucket_bytes=1 << 62)  # checks the names are unique
+        index = {spec.name: i for i, spec in enumerate(manifest.specs)}
+        for name, other in ties.items():
+            if name not in index or other not in index or other in ties or name == other:
+                raise TransferError(f"cannot tie {name!r} to {other!r}: each must be a tensor placed here, and {other!r} not tied itself")
+            a, b = manifest.specs[index[name]], manifest.specs[index[other]]
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise TransferError(f"cannot tie {name!r} {a.dtype}{list(a.shape)} to {other!r} {b.dtype}{list(b.shape)}")
+        offsets: list[int] = []
+        end = 0
+        for spec in manifest.specs:
+            if spec.name in ties:
+                offsets.append(-1)  # the tensor's it is tied to, below
+                continue
+            if end % spec.torch_dtype.itemsize:
+                raise TransferError(f"cannot place {spec.name!r} ({spec.dtype}) at byte {end} of the shared buffer: the tensors before it end unaligned")
+            offsets.append(end)
+            end += spec.nbytes
+        offsets = [offsets[index[ties[spec.name]]] if spec.name in ties else offset for spec, offset in zip(manifest.specs, offsets)]
+        self._placed = None
+        buf = self._ensure(end, device if device is not None else torch.device("cpu"))
+        views = [from_bytes(buf[offset : offset + spec.nbytes], spec) for offset, spec in zip(offsets, manifest.specs)]
+        self._placed = (manifest.specs, [v.data_ptr() for v in views], offsets)
+        return views
 
     def post_again(self) -> None:
         """Announce the version in the buffer again to every receiver not waited on (after a
@@ -222,6 +291,7 @@ class IpcSender:
         self._sockets.clear()
         self._waiting.clear()
         self._posted = None
+        self._placed = None  # placed tensors keep their mapping (the file's name goes)
         self._release_file()
 
 
@@ -252,12 +322,14 @@ class IpcReceiver:
                 raise TransferError("weights arrived with a wrong token")
             manifest = Manifest.unpack(frames[1])
             manifest.check_against(self._expected)
-            buf = self._open(header, manifest.nbytes)
-            tensors, offset = {}, 0
-            for spec in manifest.specs:
+            offsets = header.get("offsets") or list(itertools.accumulate((spec.nbytes for spec in manifest.specs), initial=0))[:-1]
+            if len(offsets) != len(manifest.specs) or min(offsets, default=0) < 0:
+                raise TransferError(f"version {manifest.version}: the announcement gives {len(offsets)} offsets for {len(manifest.specs)} tensors")
+            buf = self._open(header, max((offset + spec.nbytes for offset, spec in zip(offsets, manifest.specs)), default=0))
+            tensors = {}
+            for offset, spec in zip(offsets, manifest.specs):
                 raw = buf[offset : offset + spec.nbytes].clone()  # aligned copy; the trainer may overwrite the buffer after our reply
                 tensors[spec.name] = from_bytes(raw, spec).to(self._device)
-                offset += spec.nbytes
         except Exception as e:
             self._sock.send(str(e).encode())
             raise TransferError(f"{e}; nothing went live") from None
@@ -272,6 +344,8 @@ class IpcReceiver:
             if self._mapped is None or self._mapped[0] != path or self._mapped[1].numel() < nbytes:
                 size = os.path.getsize(path)
                 self._mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+            if self._mapped[1].numel() < nbytes:
+                raise TransferError(f"shared weight buffer {path!r} holds {self._mapped[1].numel()} bytes, the version needs {nbytes}")
             return self._mapped[1]
         return _open_cuda_handle(header["cuda"])[:nbytes]
 

@@ -199,6 +199,57 @@ def test_micro_batches_give_the_same_step_as_one_batch():
         assert torch.allclose(results[0][name], results[1][name], atol=1e-8), name
 
 
+def test_torch_engine_keeps_its_weights_where_it_is_told_and_lets_readers_finish_before_they_change():
+    """`share_weights` (a transport's shared buffer, here a plain tensor): the weights move
+    there (the tied head with the embedding), a step is the same step, and the hook runs
+    before the weights change, every time, while they still hold the version a reader takes."""
+    batch = _batch()
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    plain, shared = (TorchTrainEngine(tiny(), lr=1e-2, micro_batch_size=2) for _ in range(2))
+    arena = torch.zeros(1 << 20)
+    asked: list = []
+
+    def place(specs, ties, device):
+        asked.append((len(specs), ties, device))
+        views, offset, at = [], 0, {}
+        for spec in specs:
+            if spec.name in ties:
+                views.append(at[ties[spec.name]])
+                continue
+            n = math.prod(spec.shape)
+            at[spec.name] = arena[offset : offset + n].view(spec.shape)
+            views.append(at[spec.name])
+            offset += n
+        return views
+
+    seen = []  # what a reader would take when the hook runs
+    shared.share_weights(place, before_change=lambda: seen.append({n: t.clone() for n, t in shared.named_weights()}))
+    names = list(dict(shared.named_weights()))
+    assert asked == [(len(names), {"lm_head.weight": "model.embed_tokens.weight"}, torch.device("cpu"))]
+    start = arena.data_ptr()
+    assert all(start <= t.data_ptr() < start + arena.numel() * 4 for _, t in shared.named_weights())
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain.named_weights(), shared.named_weights()))
+    for step in range(2):
+        before = {n: t.clone() for n, t in shared.named_weights()}
+        for engine in (plain, shared):
+            engine.train_step(batch, advantages, loss=PolicyLossConfig())
+        assert len(seen) == step + 1 and all(torch.equal(seen[-1][n], before[n]) for n in names)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain.named_weights(), shared.named_weights()))
+        assert not torch.equal(before["model.norm.weight"], dict(shared.named_weights())["model.norm.weight"])
+    shared.load_state_dict(plain.state_dict())
+    assert len(seen) == 3
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+            self.register_buffer("scale", torch.ones(2))
+
+    with pytest.raises(ValueError, match="weight 'scale' is a buffer, not a parameter"):
+        TorchTrainEngine(WithBuffer()).share_weights(place, before_change=lambda: None)
+    assert len(asked) == 1  # refused before anything was placed
+
+
 def _grouped_batch(dtype=torch.float32):
     """Two groups of 4 (shared prompts of different lengths) and a row with an environment turn."""
     torch.manual_seed(0)

@@ -349,6 +349,69 @@ def test_ipc_collect_gives_up_on_abort_and_a_new_receiver_gets_the_version_poste
         gone.close()
 
 
+def test_ipc_placed_weights_go_out_without_a_copy_and_a_tied_one_takes_no_room(monkeypatch):
+    """A trainer keeps its weights in the buffer (`place`): a post writes nothing, each
+    receiver reads the trainer's own tensors (a tied name from the place of the one it is
+    tied to), and what the trainer changes after `collect` is what the next version carries."""
+    from tidal.hal.transfer import TensorSpec  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(10, 4, generator=g)
+    want = {"embed.weight": embed, "norm.weight": torch.randn(4, generator=g).half(), "head.weight": embed, "step": torch.tensor([1, 2])}
+    receiver = IpcReceiver(CpuPlatform(), expected=expected_specs(want.items()))
+    sender = IpcSender(CpuPlatform())
+    sender.connect(receiver.address)
+    try:
+        views = sender.place([TensorSpec.of(n, t) for n, t in want.items()], {"head.weight": "embed.weight"})
+        placed = dict(zip(want, views))
+        assert placed["head.weight"].data_ptr() == placed["embed.weight"].data_ptr()
+        assert sender._buffer.numel() == 10 * 4 * 4 + 4 * 2 + 2 * 8  # the tied one has no bytes of its own
+        for name, t in want.items():
+            placed[name].copy_(t)
+
+        def no_copy(*args):
+            raise AssertionError("a post of the placed tensors copied them")
+
+        monkeypatch.setattr(sender, "_write", no_copy)
+        for version in (1, 2):
+            t, out = _receive_in_thread(receiver, 30)
+            sender.post(version, list(placed.items()))
+            t.join(30)
+            assert out["weights"].version == version
+            _assert_same(out["weights"].tensors, {n: v.clone() for n, v in placed.items()})
+            sender.collect()  # every receiver took it: the trainer may change its weights
+            placed["embed.weight"].mul_(2)  # as an optimizer step does, in place
+            placed["step"].add_(1)
+        assert torch.equal(out["weights"].tensors["head.weight"], want["embed.weight"] * 2)
+
+        copies = {**placed, "norm.weight": placed["norm.weight"].clone()}
+        with pytest.raises(TransferError, match="version 3: tensor 'norm.weight' is not the one placed"):
+            sender.post(3, list(copies.items()))
+        with pytest.raises(TransferError, match=r"version 4: .*these differ: 'norm.weight' float32\[4\] where 'norm.weight' float16\[4\] was placed"):
+            sender.post(4, [(n, v.float() if n == "norm.weight" else v) for n, v in placed.items()])
+        assert not sender._waiting  # nothing was announced
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_place_refuses_unaligned_tensors_and_bad_ties():
+    from tidal.hal.transfer import TensorSpec  # noqa: PLC0415
+
+    specs = [TensorSpec.of(n, t) for n, t in _weights().items()]  # 'step' (int64) would follow 5,166 bytes
+    sender = IpcSender(CpuPlatform())
+    try:
+        with pytest.raises(TransferError, match=r"cannot place 'step' \(int64\) at byte 5166"):
+            sender.place(specs)
+        with pytest.raises(TransferError, match=r"cannot tie 'norm.weight' bfloat16\[7\] to 'embed.weight' float32\[64, 16\]"):
+            sender.place(specs, {"norm.weight": "embed.weight"})
+        with pytest.raises(TransferError, match="cannot tie 'embed.weight' to 'nothing'"):
+            sender.place(specs, {"embed.weight": "nothing"})
+        assert sender._placed is None
+    finally:
+        sender.close()
+
+
 def test_ipc_collect_gives_up_at_the_reply_timeout_and_the_socket_can_send_again():
     w = _weights()
     receiver = IpcReceiver(CpuPlatform(), expected=None)

@@ -58,6 +58,7 @@ def test_mixed_npu_trainer_and_gpu_rollout_on_fake_platforms(tidal_cli, tmp_path
 def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
     run_dir, steps, info, out = _run(tidal_cli, tmp_path, "quickstart_cpu", "runtime=ray")
     assert info["transport"] == "ipc"  # cpu -> cpu on one node: a shared buffer
+    assert info["weights_in_place"] is True  # ... holding the trainer's own weights (`transport.overlap`, the recipe's)
     assert [d["platform"]["kind"] for d in info["rollout_actors"]] == ["cpu"]
     _learned(steps)
     assert "held-out accuracy" in out.stdout
@@ -84,6 +85,7 @@ def test_synchronous_training_on_ray_generates_each_step_with_the_newest_weights
     # them, or max_staleness=0 drops every row it generates and the run hangs.
     run_dir, steps, info, out = _run(tidal_cli, tmp_path, "quickstart_cpu", "runtime=ray", "algorithm.max_staleness=0", f"transport.overlap={str(overlap).lower()}")
     assert info["overlap"] is overlap
+    assert info.get("weights_in_place", False) is overlap  # the actor copied each version straight out of the trainer's weights
     assert [m["step"] for m in steps] == list(range(1, 25))
     assert all(set(map(int, m["version_gap"])) <= {0} for m in steps)
     assert sum(m["dropped"] for m in steps) == 0
