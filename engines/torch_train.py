@@ -67,13 +67,14 @@ class TorchTrainEngine:
         """Keep the weights, from now on, in the memory `place(specs, ties, device)` gives:
         one tensor per spec of `named_weights()` on this engine's device, a tied name
         (`ties[name] = other`) given `other`'s (a weight transport's shared memory:
-        `IpcSender.place`). Then call
-        `before_change()` every time before the weights change (each optimizer step, and
-        `load_state_dict`), so a reader of that memory in another process finishes first.
+        `IpcSender.place`). Then call `before_change()` every time before the weights
+        change (each optimizer step, and `load_state_dict`), so a reader of that memory in
+        another process finishes first.
 
         Raises:
-            ValueError: a weight is a buffer, not a parameter, or a place does not match
-                its weight; nothing moved.
+            ValueError: a weight is a buffer, not a parameter (before `place` is called;
+                nothing moved).
+            RuntimeError: `place` gave a tensor unlike its spec (nothing moved).
         """
         params = self.model.state_dict(keep_vars=True)
         first: dict[int, str] = {}
@@ -87,7 +88,7 @@ class TorchTrainEngine:
         places = dict(zip(params, place([TensorSpec.of(n, p) for n, p in params.items()], ties, self.device)))
         for name, p in params.items():
             if (places[name].dtype, places[name].shape, places[name].device) != (p.dtype, p.shape, p.device):
-                raise ValueError(f"the place for {name!r} is {places[name].dtype}{list(places[name].shape)} on {places[name].device}, the weight {p.dtype}{list(p.shape)} on {p.device}")
+                raise RuntimeError(f"the place for {name!r} is {places[name].dtype}{list(places[name].shape)} on {places[name].device}, the weight {p.dtype}{list(p.shape)} on {p.device}")
         with torch.no_grad():
             for name, p in params.items():
                 if name not in ties:

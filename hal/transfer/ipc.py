@@ -83,7 +83,7 @@ class IpcSender:
         self._posted: tuple[Manifest, list[bytes]] | None = None  # the version in the buffer, and its announcement
         self._waiting: set[str] = set()  # receivers announced to that have not answered yet
         self._aborted = threading.Event()
-        self._placed: tuple[tuple[TensorSpec, ...], list[int]] | None = None  # the specs living in the buffer (`place`), and their addresses
+        self._placed: tuple[tuple[TensorSpec, ...], list[int], list[int]] | None = None  # the specs living in the buffer (`place`), their addresses and byte offsets
 
     def connect(self, address: str) -> None:
         self._sockets[address] = _request_socket(address)
@@ -193,7 +193,7 @@ class IpcSender:
             offsets.append(end)
             end += spec.nbytes
         offsets = [offsets[index[ties[spec.name]]] if spec.name in ties else offset for spec, offset in zip(manifest.specs, offsets)]
-        self._placed = None
+        self._placed = self._posted = None  # what the buffer held is gone: nothing to announce again
         buf = self._ensure(end, device if device is not None else torch.device("cpu"))
         views = [from_bytes(buf[offset : offset + spec.nbytes], spec) for offset, spec in zip(offsets, manifest.specs)]
         self._placed = (manifest.specs, [v.data_ptr() for v in views], offsets)

@@ -248,6 +248,10 @@ def test_torch_engine_keeps_its_weights_where_it_is_told_and_lets_readers_finish
     with pytest.raises(ValueError, match="weight 'scale' is a buffer, not a parameter"):
         TorchTrainEngine(WithBuffer()).share_weights(place, before_change=lambda: None)
     assert len(asked) == 1  # refused before anything was placed
+    other = TorchTrainEngine(torch.nn.Linear(2, 3))
+    with pytest.raises(RuntimeError, match=r"the place for 'weight' is torch.float32\[6\] on cpu, the weight torch.float32\[3, 2\]"):
+        other.share_weights(lambda specs, ties, device: [torch.zeros(6), torch.zeros(3)], before_change=lambda: None)
+    assert other.model.weight.shape == (3, 2) and other.model.weight.abs().sum() > 0  # nothing moved
 
 
 def _grouped_batch(dtype=torch.float32):
