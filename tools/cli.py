@@ -111,10 +111,11 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           and --seeds size it; key=value arguments override the recipe for every
           system, e.g. device=cuda.
 
-  weights the weight transports (host, collective, ipc) moving a model of 4 MB .. 1 GB
-          between two processes, in GB/s, against the raw channel under each: one
-          ZeroMQ PUSH of the flat buffer, one gloo broadcast, one shared-memory copy.
-          --sizes (MB) and --repeats size it.
+  weights the weight transports (host, collective, ipc, and ipc-placed: the sender's
+          weights kept in the shared buffer) moving a model of 4 MB .. 1 GB between two
+          processes, in GB/s, against the raw channel under each: one ZeroMQ PUSH of
+          the flat buffer, one gloo broadcast, one shared-memory copy. --sizes (MB) and
+          --repeats size it.
 
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.
