@@ -115,7 +115,7 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           weights kept in the shared buffer) moving a model of 4 MB .. 1 GB between two
           processes, in GB/s, against the raw channel under each: one ZeroMQ PUSH of
           the flat buffer, one gloo broadcast, one shared-memory copy. --sizes (MB) and
-          --repeats size it.
+          --repeats size it; --systems picks some.
 
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights)", description=BENCH_HELP, formatter_class=fmt)
     bench.add_argument("name", choices=["store", "e2e", "weights"], help="which benchmark")
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
-    bench.add_argument("--systems", default="tidal,tidal-socket,tidal-embedded,tidal-split,raw-zmq,transferqueue", help="comma-separated systems to measure (default: all)")
+    bench.add_argument("--systems", default=None, help="store, weights: comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
@@ -180,11 +180,27 @@ def _print_table(title: str, header_and_rows: list[list[str]]) -> None:
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
+def _systems(given: str | None, known: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The systems `--systems` names (all of `known` without it); None, said why, when one is unknown."""
+    if given is None:
+        return known
+    systems = tuple(s.strip() for s in given.split(",") if s.strip())
+    unknown = sorted(set(systems) - set(known))
+    if unknown:
+        print(f"tidal bench: error: unknown system(s) {unknown}; systems: {', '.join(known)}", file=sys.stderr)
+        return None
+    return systems
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tidal.tools import bench_store  # noqa: PLC0415
 
     if args.name == "e2e":
         from tidal.tools import bench_e2e  # noqa: PLC0415
+
+        if args.systems is not None:
+            print("tidal bench: error: e2e runs every system; --systems is for store and weights", file=sys.stderr)
+            return 2
 
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         results = bench_e2e.run(seeds=seeds, num_steps=args.steps, overrides=args.overrides, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
@@ -201,17 +217,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from tidal.tools import bench_weights  # noqa: PLC0415
 
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-        results = bench_weights.run(sizes_mb=sizes, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        systems = _systems(args.systems, bench_weights.SYSTEMS)
+        if systems is None:
+            return 2
+        results = bench_weights.run(sizes_mb=sizes, systems=systems, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))
         else:
             _print_table("tidal bench weights (GB/s, trainer process -> rollout process)", bench_weights.table(results))
         return 0
 
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = sorted(set(systems) - set(bench_store.SYSTEMS))
-    if unknown:
-        print(f"tidal bench: error: unknown system(s) {unknown}; systems: {', '.join(bench_store.SYSTEMS)}", file=sys.stderr)
+    systems = _systems(args.systems, bench_store.SYSTEMS)
+    if systems is None:
         return 2
     results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, transport=args.transport, put_window=args.put_window, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
     if args.json:

@@ -305,6 +305,18 @@ def test_plan_reverse_assignment_and_infeasible_request(tidal_cli):
     assert "cannot place role 'rollout'" in out.stderr and "1 more do not fit" in out.stderr
 
 
+def test_bench_systems_choose_what_store_and_weights_measure_and_name_an_unknown_one(tidal_cli):
+    out = tidal_cli("bench", "weights", "--systems", "ipc,ipc-placed", "--sizes", "1", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    assert sorted(json.loads(out.stdout)) == ["ipc", "ipc-placed"]
+    out = tidal_cli("bench", "weights", "--systems", "ipc,shm")
+    assert out.returncode == 2 and "unknown system(s) ['shm']; systems: host, collective, ipc, ipc-placed" in out.stderr
+    out = tidal_cli("bench", "store", "--systems", "tidal,nats")
+    assert out.returncode == 2 and "unknown system(s) ['nats']" in out.stderr
+    out = tidal_cli("bench", "e2e", "--systems", "tidal-async")
+    assert out.returncode == 2 and "e2e runs every system; --systems is for store and weights" in out.stderr
+
+
 def test_bench_overrides_are_for_e2e_only(tidal_cli):
     out = tidal_cli("bench", "weights", "device=cuda")
     assert out.returncode == 2 and "weights takes no recipe overrides (got device=cuda); only e2e does" in out.stderr

@@ -115,6 +115,7 @@ def test_a_killed_rollout_actor_is_restarted_and_the_run_loses_nothing(tmp_path,
     _check_lineage(run_dir)
     info = _read_json(run_dir / "runtime.json")
     assert info["transport"] == transport and info["trainer"]["attempt"] == 0
+    assert info.get("weights_in_place", False) is (transport == "ipc")  # the new actor copied from the trainer's own weights too
     assert info["rollout_restarts"] == [1] + [0] * (len(info["rollout_actors"]) - 1)
     assert info["rollout_actors"][0]["pid"] != killed[0]  # a new process
     restarted, *kept = info["rollout_summaries"]
