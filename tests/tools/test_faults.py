@@ -99,8 +99,8 @@ def _check_lineage(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "cluster, transport",
-    [(ONE_VENDOR, "collective"), (MIXED, "host"), (ONE_NODE_CPU, "ipc"), ([*ONE_VENDOR, *LONE], "collective")],
-    ids=["collective", "host", "ipc", "collective-lone"],
+    [(ONE_VENDOR, "collective"), (MIXED, "host"), (ONE_NODE_CPU, "ipc"), ([*ONE_NODE_CPU, "train.backend=torch"], "ipc"), ([*ONE_VENDOR, *LONE], "collective")],
+    ids=["collective", "host", "ipc", "ipc-weights-in-place", "collective-lone"],
 )
 def test_a_killed_rollout_actor_is_restarted_and_the_run_loses_nothing(tmp_path, cluster, transport):
     at_step = random.Random(f"rollout-{transport}").randint(3, 12)
@@ -115,7 +115,8 @@ def test_a_killed_rollout_actor_is_restarted_and_the_run_loses_nothing(tmp_path,
     _check_lineage(run_dir)
     info = _read_json(run_dir / "runtime.json")
     assert info["transport"] == transport and info["trainer"]["attempt"] == 0
-    assert info.get("weights_in_place", False) is (transport == "ipc")  # the new actor copied from the trainer's own weights too
+    # the torch engine keeps its weights in the ipc buffer (the new actor copied from them too); the fsdp engine copies them there
+    assert info.get("weights_in_place", False) is ("train.backend=torch" in cluster)
     assert info["rollout_restarts"] == [1] + [0] * (len(info["rollout_actors"]) - 1)
     assert info["rollout_actors"][0]["pid"] != killed[0]  # a new process
     restarted, *kept = info["rollout_summaries"]
