@@ -57,6 +57,8 @@ from tidal.hal.transfer import (
 )
 from tidal.hal.transfer.host import POLL_S, check_bind
 
+PLACE_ALIGN = 64
+"""Byte alignment of each tensor `IpcSender.place` lays out (a cache line; any dtype's itemsize divides it)."""
 _SHM = Path(owner.DIR) if Path(owner.DIR).is_dir() else Path(tempfile.gettempdir())
 _names = itertools.count()
 
@@ -167,10 +169,11 @@ class IpcSender:
         `other` is (tied weights), so it gets `other`'s view and no room of its own.
         Waits for a version still out first.
 
+        Each tensor starts at a multiple of `PLACE_ALIGN` bytes, so any dtype can be viewed there.
+
         Raises:
             TransferError: a tie names an unknown tensor, a tied one, or one of another
-                dtype or shape; or a tensor would start at an offset its dtype cannot be
-                viewed at (it follows an odd-sized one). Nothing is placed.
+                dtype or shape. Nothing is placed.
         """
         self.collect()
         ties = dict(ties or {})
@@ -182,17 +185,13 @@ class IpcSender:
             a, b = manifest.specs[index[name]], manifest.specs[index[other]]
             if (a.dtype, a.shape) != (b.dtype, b.shape):
                 raise TransferError(f"cannot tie {name!r} {a.dtype}{list(a.shape)} to {other!r} {b.dtype}{list(b.shape)}")
-        offsets: list[int] = []
+        own: dict[str, int] = {}  # byte offset of each tensor with room of its own
         end = 0
         for spec in manifest.specs:
-            if spec.name in ties:
-                offsets.append(-1)  # the tensor's it is tied to, below
-                continue
-            if end % spec.torch_dtype.itemsize:
-                raise TransferError(f"cannot place {spec.name!r} ({spec.dtype}) at byte {end} of the shared buffer: the tensors before it end unaligned")
-            offsets.append(end)
-            end += spec.nbytes
-        offsets = [offsets[index[ties[spec.name]]] if spec.name in ties else offset for spec, offset in zip(manifest.specs, offsets)]
+            if spec.name not in ties:
+                own[spec.name] = end = -(-end // PLACE_ALIGN) * PLACE_ALIGN  # the announcement carries the offsets: padding costs nothing
+                end += spec.nbytes
+        offsets = [own[ties.get(spec.name, spec.name)] for spec in manifest.specs]
         self._placed = self._posted = None  # what the buffer held is gone: nothing to announce again
         buf = self._ensure(end, device if device is not None else torch.device("cpu"))
         views = [from_bytes(buf[offset : offset + spec.nbytes], spec) for offset, spec in zip(offsets, manifest.specs)]

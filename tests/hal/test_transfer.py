@@ -354,6 +354,7 @@ def test_ipc_placed_weights_go_out_without_a_copy_and_a_tied_one_takes_no_room(m
     receiver reads the trainer's own tensors (a tied name from the place of the one it is
     tied to), and what the trainer changes after `collect` is what the next version carries."""
     from tidal.hal.transfer import TensorSpec  # noqa: PLC0415
+    from tidal.hal.transfer.ipc import PLACE_ALIGN  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(10, 4, generator=g)
@@ -365,7 +366,8 @@ def test_ipc_placed_weights_go_out_without_a_copy_and_a_tied_one_takes_no_room(m
         views = sender.place([TensorSpec.of(n, t) for n, t in want.items()], {"head.weight": "embed.weight"})
         placed = dict(zip(want, views))
         assert placed["head.weight"].data_ptr() == placed["embed.weight"].data_ptr()
-        assert sender._buffer.numel() == 10 * 4 * 4 + 4 * 2 + 2 * 8  # the tied one has no bytes of its own
+        # embed 160 bytes, norm 8 and step 16, each at a multiple of PLACE_ALIGN; the tied head has no bytes of its own
+        assert sender._placed[2] == [0, 3 * PLACE_ALIGN, 0, 4 * PLACE_ALIGN] and sender._buffer.numel() == 4 * PLACE_ALIGN + 16
         for name, t in want.items():
             placed[name].copy_(t)
 
@@ -395,21 +397,31 @@ def test_ipc_placed_weights_go_out_without_a_copy_and_a_tied_one_takes_no_room(m
         receiver.close()
 
 
-def test_ipc_place_refuses_unaligned_tensors_and_bad_ties():
+def test_ipc_place_aligns_every_tensor_and_refuses_bad_ties():
     from tidal.hal.transfer import TensorSpec  # noqa: PLC0415
+    from tidal.hal.transfer.ipc import PLACE_ALIGN  # noqa: PLC0415
 
-    specs = [TensorSpec.of(n, t) for n, t in _weights().items()]  # 'step' (int64) would follow 5,166 bytes
+    w = _weights()  # 'norm.weight' has an odd byte count: packed, 'step' (int64) would start at byte 5,166
+    receiver = IpcReceiver(CpuPlatform(), expected=expected_specs(w.items()))
     sender = IpcSender(CpuPlatform())
+    sender.connect(receiver.address)
     try:
-        with pytest.raises(TransferError, match=r"cannot place 'step' \(int64\) at byte 5166"):
-            sender.place(specs)
+        views = sender.place([TensorSpec.of(n, t) for n, t in w.items()])
+        assert all(offset % PLACE_ALIGN == 0 for offset in sender._placed[2])
+        for view, t in zip(views, w.values()):
+            view.copy_(t)
+        t, out = _receive_in_thread(receiver, 30)
+        sender.send(1, list(zip(w, views)))
+        t.join(30)
+        _assert_same(out["weights"].tensors, w)
+        specs = [TensorSpec.of(n, t) for n, t in w.items()]
         with pytest.raises(TransferError, match=r"cannot tie 'norm.weight' bfloat16\[7\] to 'embed.weight' float32\[64, 16\]"):
             sender.place(specs, {"norm.weight": "embed.weight"})
         with pytest.raises(TransferError, match="cannot tie 'embed.weight' to 'nothing'"):
             sender.place(specs, {"embed.weight": "nothing"})
-        assert sender._placed is None
     finally:
         sender.close()
+        receiver.close()
 
 
 def test_ipc_collect_gives_up_at_the_reply_timeout_and_the_socket_can_send_again():
