@@ -17,8 +17,11 @@ that could not be trained in time: a group may start only while
 the trainer's sampler drops any row older than `max_staleness` versions (counted).
 `max_staleness: 0` is synchronous on-policy training.
 
-In `runtime: local` each stage is a thread of one process; rows stay in the in-process
-store (zero copy). Per step the loop reports the version-gap histogram of the trained
+The loader, reward and advantage stages are `flow.stages.Stages`, threads of the process
+that holds the store; this module is the trainer's side (and the rollout stage's thread).
+In `runtime: local` every stage is a thread of one process and rows stay in the
+in-process store (zero copy); under `runtime: ray` the store and those three stages are
+an actor of their own, and `store` here is a client of it. Per step the loop reports the version-gap histogram of the trained
 tokens, dropped rows, and the time each stage spent waiting.
 """
 
@@ -28,19 +31,19 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tidal.flow.algorithms import PolicyLossConfig, compute_advantages
+from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.protocols import RolloutEngine, TrainEngine
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, token_batch_of, trajectories_of
+from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, token_batch_of
 from tidal.flow.rollout import Stop as _Stop
+from tidal.flow.stages import StageGroup, Stages
 from tidal.flow.store import Grouped, StalenessFilter, Store, StoreError
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory
@@ -78,13 +81,16 @@ class Workflow:
     """One run of the loop. `run()` blocks until `num_steps` steps are done (or a stage fails).
 
     Args:
-        store: the store the stages talk through; the workflow creates its partitions.
+        store: the store the stages talk through (in this process, or a client of it).
         rollout: the rollout engine (generates with the weights it was last given).
         trainer: the train engine (its `version` is the policy version).
-        prompts: an iterator of prompt dicts with "prompt_ids" (list[int]) and any other
-            keys (kept in each trajectory's `meta`, e.g. the reference answer).
-        score: scores a list of finished trajectories: (rewards, indexes of failed rows).
         config: the loop's settings.
+        prompts: prompt dicts with "prompt_ids" (list[int]) and any other keys (kept in
+            each trajectory's `meta`, e.g. the reference answer); with `score`, the
+            loader, reward and advantage stages run in this process (`Stages` over `store`).
+        score: scores a list of finished trajectories: (rewards, indexes of failed rows).
+        stages: instead of `prompts` and `score`: those stages, run elsewhere (a `StageGroup`
+            that has set up `store`, e.g. the Ray runtime's stages actor).
         on_step: called with each step's metrics dict (after the step).
         tracer: records a span per generate / reward / advantage / train / weight update.
     """
@@ -95,27 +101,24 @@ class Workflow:
         store: Store,
         rollout: RolloutEngine,
         trainer: TrainEngine,
-        prompts: Iterator[dict[str, Any]],
-        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]],
         config: WorkflowConfig,
+        prompts: Iterable[dict[str, Any]] | None = None,
+        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]] | None = None,
+        stages: StageGroup | None = None,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         tracer: Tracer | None = None,
         start_version: int | None = None,
         rollouts: RolloutGroup | None = None,
     ) -> None:
-        self.store, self.rollout, self.trainer = store, rollout, trainer
-        self.prompts, self.score, self.config = prompts, score, config
+        self.store, self.rollout, self.trainer, self.config = store, rollout, trainer, config
         self.on_step = on_step or (lambda metrics: None)
         self.tracer = tracer or Tracer()
         self.version = trainer.version if start_version is None else start_version
-        self.store.set_version(self.version)
-        for name, consumers in (("prompts", ["rollout"]), ("train", ["reward", "advantage", "train"])):
-            if name not in store.metrics()["partitions"]:
-                capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
-                store.create_partition(name, consumers=consumers, capacity_rows=max(capacity, config.batch_size))
-        self._admission = threading.Event()  # set when the trainer drops rows or bumps the version
-        self._dropped_seen = store.consumer_counts("train", "train")["dropped"]
-        store.add_change_listener(self._on_store_change)
+        if stages is None:
+            if prompts is None or score is None:
+                raise ValueError("Workflow needs `stages`, or `prompts` and `score` to run them in this process")
+            stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer)
+        self.stages = stages
         self._stopping = threading.Event()
         self.rollouts: RolloutGroup = rollouts or LocalRollouts(
             RolloutWorker(
@@ -129,17 +132,15 @@ class Workflow:
             )
         )
         self._errors: list[BaseException] = []
-        # As if every earlier step's samples were started in time (a resumed store's dropped rows count as started).
-        self._started = self.version * config.batch_size + store.consumer_counts("train", "train")["dropped"]
         self._trained = 0
         self._waits: dict[str, float] = collections.defaultdict(float)
-        self._num_failed_rewards = 0
+        self._dropped = store.consumer_counts("train", "train")["dropped"]  # rows the trainer's sampler found too old, so far
 
     # Control ------------------------------------------------------------------------------
     def run(self) -> None:
         """Run the stages until `num_steps` optimizer steps are done; re-raise a stage's error."""
-        stages = [("loader", self._loader), ("rollouts", self._rollouts_stage), ("reward", self._reward_stage), ("advantage", self._advantage_stage)]
-        threads = [threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True) for name, fn in stages]
+        self.stages.start()
+        threads = [threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True) for name, fn in (("rollouts", self._rollouts_stage), ("stages", self._stages_watch))]
         for thread in threads:
             thread.start()
         try:
@@ -153,7 +154,7 @@ class Workflow:
 
     def stop(self) -> None:
         self._stopping.set()
-        self._admission.set()
+        self.stages.stop()
         self.rollouts.stop()
         self.store.wake()
 
@@ -168,81 +169,16 @@ class Workflow:
             self._errors.append(e)
             self.stop()
 
-    def _on_store_change(self, partition: str | None) -> None:
-        """Store listener (store lock held): rows the trainer's sampler dropped free room
-        for more prompts, and the trainer may be waiting for those very rows."""
-        if partition not in (None, "train"):
-            return
-        dropped = self.store.consumer_counts("train", "train")["dropped"]
-        if dropped != self._dropped_seen:
-            self._dropped_seen = dropped
-            self._admission.set()
-
-    def _check(self) -> None:
-        if self._stopping.is_set():
-            raise _Stop
-
-    def _get(self, stage: str, *args: Any, **kwargs: Any) -> Any:
-        """A store get that ends when the workflow stops, and counts the wait."""
-        begin = time.perf_counter()
-        try:
-            return self.store.get(*args, cancel=self._stopping, **kwargs)
-        finally:
-            self._waits[stage] += time.perf_counter() - begin
+    def _stages_watch(self) -> None:
+        """Wait for the loader, reward and advantage stages: their error ends the run (they end only when stopped)."""
+        self.stages.wait()
 
     # Stages -------------------------------------------------------------------------------
-    def _loader(self) -> None:
-        """Admission control: put prompts only while the staleness bound admits their groups.
-
-        All prompts admitted at once go in one put, so a rollout worker's batches do not
-        depend on timing. Woken when the trainer's sampler drops rows (a store change) or
-        the trainer bumps the version.
-        """
-        while True:
-            self._admission.clear()
-            allowed = self._admitted()
-            if not allowed:
-                self._check()
-                self._admission.wait()
-                continue
-            prompts = list(itertools.islice(self.prompts, allowed))
-            if not prompts:
-                return
-            self._check()
-            # each prompt carries the version that admitted it: rollout generates it with no older weights
-            self.store.put("prompts", {"prompt": prompts}, versions=[self.version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
-            self._started += len(prompts) * self.config.group_size
-
-    def _admitted(self) -> int:
-        """How many more groups may start now (AReaL's staleness bound)."""
-        cfg = self.config
-        dropped = self.store.consumer_counts("train", "train")["dropped"]
-        room = (cfg.max_staleness + self.version + 1) * cfg.batch_size - (self._started - dropped)
-        return max(room // cfg.group_size, 0)
-
     def _rollouts_stage(self) -> None:
         self.rollouts.run()
 
     def _put_trajectories(self, trajectories: list[Trajectory]) -> None:
         put_trajectories(self.store, trajectories, cancel=self._stopping)
-
-    def _reward_stage(self) -> None:
-        while True:  # every row that is ready, up to a step's worth
-            batch = self._get("reward", "reward", "train", [*TRAJECTORY_COLUMNS, "meta"], self.config.batch_size, partial=True)
-            trajectories = trajectories_of(batch)
-            with self.tracer.span("reward", "reward", rows=len(trajectories)):
-                rewards, failed = self.score(trajectories)
-            self._num_failed_rewards += len(failed)
-            self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes, ack=("reward", "train", batch.indexes))
-
-    def _advantage_stage(self) -> None:
-        cfg = self.config
-        while True:  # every complete group that is ready, up to a step's worth, in one call
-            batch = self._get("advantage", "advantage", "train", ["reward"], cfg.batch_size, sampler=Grouped(cfg.group_size), partial=True)
-            with self.tracer.span("advantage", "advantage", rows=len(batch)):
-                rewards = batch.stack("reward").to(torch.float32)
-                advantages = compute_advantages(cfg.advantage, rewards, batch.groups)
-            self.store.put("train", {"advantage": advantages}, batch.indexes, ack=("advantage", "train", batch.indexes))
 
     def _train_stage(self) -> None:
         cfg = self.config
@@ -259,7 +195,6 @@ class Workflow:
         try:
             while self.version < cfg.num_steps:
                 step_begin = time.perf_counter()
-                dropped_before = self.store.consumer_counts("train", "train")["dropped"]
                 if upcoming is None and resends:
                     upcoming = prefetcher.submit(self._train_rows, self.version)
                 rows = self._train_rows(self.version) if upcoming is None else self._await_rows(upcoming)
@@ -268,7 +203,7 @@ class Workflow:
                     upcoming = prefetcher.submit(self._train_rows, self.version + 1)
                 else:
                     upcoming = None
-                self._train_on(rows, loss, step_begin, dropped_before)
+                self._train_on(rows, loss, step_begin)
         finally:
             if prefetcher is not None:
                 prefetcher.shutdown(wait=False, cancel_futures=True)  # a get in flight ends with the workflow's stop
@@ -306,7 +241,7 @@ class Workflow:
             token_versions=dict(zip(versions.tolist(), counts.tolist())),
         )
 
-    def _train_on(self, rows: _TrainRows, loss: PolicyLossConfig, step_begin: float, dropped_before: int) -> None:
+    def _train_on(self, rows: _TrainRows, loss: PolicyLossConfig, step_begin: float) -> None:
         """One optimizer step on `rows`, the publish of its weights, and the step's metrics."""
         cfg = self.config
         tokens, num_rows = rows.tokens, len(rows.indexes)
@@ -317,13 +252,14 @@ class Workflow:
             with self.tracer.span("train", "train", version=self.version, rows=num_rows):
                 metrics = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
             self.store.ack("train", "train", rows.indexes)
-            self._admission.set()  # rows may have been dropped: admission may open
             self._trained += num_rows
             self._publish(self.trainer.version)
-        dropped = self.store.consumer_counts("train", "train")["dropped"]
+        dropped, self._dropped = self._dropped, self.store.consumer_counts("train", "train")["dropped"]
         step_s = time.perf_counter() - step_begin
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
+        stage_metrics = self.stages.metrics()
         rollout_metrics = self.rollouts.metrics()
+        waits.update(stage_metrics["wait_s"])
         waits.update(rollout_metrics.pop("wait_s", {}))
         # (no tensor ops from here: each would give the GIL to the threads the publish woke)
         metrics.update(
@@ -333,8 +269,8 @@ class Workflow:
             tokens=rows.num_tokens,
             step_s=step_s,
             time=time.time(),
-            dropped=dropped - dropped_before,
-            failed_rewards=self._num_failed_rewards,
+            dropped=self._dropped - dropped,
+            failed_rewards=stage_metrics["failed_rewards"],
             paused_generations=rollout_metrics.get("paused_generations", 0),
             handed_off=rollout_metrics.get("handed_off", 0),
             version_gap=gaps,
@@ -359,8 +295,7 @@ class Workflow:
         with self.tracer.span("train", "publish weights", version=version):
             self.rollouts.publish(version, self.trainer.named_weights())
         self.version = version
-        self.store.set_version(version)
-        self._admission.set()
+        self.store.set_version(version)  # the loader hears it (a store change)
 
 
 @dataclasses.dataclass(kw_only=True)

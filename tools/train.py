@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from tidal.engines.tasks import TASK_REWARDS, TASKS
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.stages import Stages
 from tidal.flow.store import Store, persist
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -80,6 +81,41 @@ def task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
     if cfg.task.name == "countdown":
         return task(n, seed=seed, num_numbers=cfg.task.num_numbers, max_number=cfg.task.max_number)
     return task(n, seed=seed)
+
+
+def held_out_prompts(cfg: Any) -> tuple[list[dict[str, Any]], set[str]]:
+    """The held-out evaluation items, and the prompt texts training leaves out for them
+    (none unless `task.exclude_eval_prompts`)."""
+    items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
+    return items, ({item["prompt"] for item in items} if cfg.task.exclude_eval_prompts else set())
+
+
+def make_score(cfg: Any, tokenizer: CharTokenizer) -> Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]]:
+    """The recipe's reward over finished trajectories: (rewards, indexes of failed rows)."""
+    reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
+
+    def texts_and_score(trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int]]:
+        texts = [tokenizer.decode([t for t in traj.tokens if t != tokenizer.eos_id]) for traj in trajectories]
+        return score(reward, trajectories, texts)
+
+    return texts_and_score
+
+
+def workflow_config(cfg: Any) -> WorkflowConfig:
+    """The recipe's RL loop settings."""
+    algo = cfg.algorithm
+    loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
+    return WorkflowConfig(
+        num_steps=algo.num_steps,
+        prompts_per_step=algo.prompts_per_step,
+        group_size=algo.group_size,
+        max_staleness=algo.max_staleness,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        prompts_per_generate=cfg.rollout.prompts_per_generate,
+        advantage=algo.advantage,
+        loss=loss,
+        decoupled=algo.decoupled,
+    )
 
 
 def _answer_trajectories(items: list[dict[str, Any]], tokenizer: CharTokenizer) -> list[Trajectory]:
@@ -157,12 +193,14 @@ def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torc
     return model
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, store: Store, prompts: Prompts, extra: dict[str, Any], keep: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], int | None], extra: dict[str, Any], keep: int = 0) -> Path:
     """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint).
 
     The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
-    engine's sharding), so any train engine resumes from any engine's checkpoint. `keep` > 0:
-    once this one is complete and `latest` names it, all but the newest `keep` are deleted.
+    engine's sharding), so any train engine resumes from any engine's checkpoint.
+    `save_data(path)` saves the store to `path` and returns the prompt stream's position
+    then (`StageGroup.save`, wherever the store is). `keep` > 0: once this one is complete
+    and `latest` names it, all but the newest `keep` are deleted.
     """
     final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -172,8 +210,8 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     model.load_state_dict(state["model"])
     save_model(model, tokenizer, tmp)
     torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state()}, tmp / "trainer.pt")
-    persist.save(store, tmp / "store.bin")
-    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": prompts.position, **extra}, indent=2))
+    position = save_data(tmp / "store.bin")
+    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": position, **extra}, indent=2))
     old = final.with_name(final.name + ".old")
     if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
         shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
@@ -296,14 +334,31 @@ def local_turns(cfg: Any) -> Any:
     return Turns() if plan.of("rollout")[0].mode != "own" else None
 
 
-def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None, stop: StopRequest | None = None) -> dict[str, Any]:
+def train(
+    cfg: Any,
+    run_dir: Path,
+    *,
+    progress: bool = True,
+    start_stages: Any = None,
+    start_rollouts: Any = None,
+    engine_options: dict[str, Any] | None = None,
+    turns: Any = None,
+    stop: StopRequest | None = None,
+) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
-    `start_rollouts(cfg, store, settings)` puts the rollout stage elsewhere (the Ray
-    runtime's actors): it starts them and returns what `.connect(trainer)` turns into a
-    `RolloutGroup` with a `close()`; rollout on devices of its own is started before the
-    warm start, so its engines get built meanwhile, one that time-shares the trainer's
-    devices (`turns`) after it. Without it rollout is a thread of this process.
+    `start_stages(cfg, store_path)` puts the store, and the loader, reward and advantage
+    stages, elsewhere (the Ray runtime's stages actor; `store_path`: the store to resume,
+    or None): it returns a `StageGroup` with `.store` (this process's client of the store),
+    `.prepare(version, position)` and `.close()` (which returns its timeline). Without it
+    they are threads of this process over an in-process store.
+
+    `start_rollouts(cfg, stages, settings)` puts the rollout stage elsewhere (the Ray
+    runtime's actors, which reach the store `start_stages` made): it starts them and
+    returns what `.connect(trainer)` turns into a `RolloutGroup` with a `close()`; rollout
+    on devices of its own is started before the warm start, so its engines get built
+    meanwhile, one that time-shares the trainer's devices (`turns`) after it. Without it
+    rollout is a thread of this process.
     `engine_options` go to every train engine this builds (the Ray runtime's rank 0 of an
     fsdp group passes `rank0_leads=True`).
 
@@ -330,17 +385,18 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     group_file = _one_process_group(train_cls, platform)
     tokenizer = CharTokenizer()
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
-    held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
-    held_out = {item["prompt"] for item in held_items} if cfg.task.exclude_eval_prompts else set()
+    held_items, held_out = held_out_prompts(cfg)
     tracer = Tracer(process="trainer" if start_rollouts is not None else "tidal")  # on Ray, rollout actors' spans join as processes of their own
     budget = cfg.rollout.max_new_tokens
 
     resume_from = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
-    store = persist.load(resume_from / "store.bin") if resume_from is not None else Store()
+    store_path = resume_from / "store.bin" if resume_from is not None else None
+    remote_stages = start_stages(cfg, store_path) if start_stages is not None else None
+    store = remote_stages.store if remote_stages is not None else persist.load(store_path) if store_path is not None else Store()
     settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": budget, "prompts_per_generate": cfg.rollout.prompts_per_generate}
     launched = None
     if start_rollouts is not None and turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
-        launched = start_rollouts(cfg, store, settings)
+        launched = start_rollouts(cfg, remote_stages, settings)
     if resume_from is not None:
         model, tokenizer = load_model(resume_from, attention=cfg.model.attention.value)
         saved = torch.load(resume_from / "trainer.pt", weights_only=False)
@@ -394,24 +450,14 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if start_rollouts is None:
             rollout = sharing.rollout(rollout)
     algo = cfg.algorithm
-    loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
-    wf_cfg = WorkflowConfig(
-        num_steps=algo.num_steps,
-        prompts_per_step=algo.prompts_per_step,
-        group_size=algo.group_size,
-        max_staleness=algo.max_staleness,
-        max_new_tokens=budget,
-        prompts_per_generate=cfg.rollout.prompts_per_generate,
-        advantage=algo.advantage,
-        loss=loss,
-        decoupled=algo.decoupled,
-    )
+    wf_cfg = workflow_config(cfg)
+    if remote_stages is not None:
+        remote_stages.prepare(trainer.version, prompts.position)
+        stages = remote_stages
+    else:
+        stages = Stages(store=store, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, version=trainer.version, tracer=tracer)
     metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, first_step=trainer.version + 1)
     history: list[dict[str, Any]] = []
-
-    def texts_and_score(trajectories: list[Trajectory]) -> tuple[list[float], list[int]]:
-        texts = [tokenizer.decode([t for t in traj.tokens if t != tokenizer.eos_id]) for traj in trajectories]
-        return score(reward, trajectories, texts)
 
     bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress)
     task_id = bar.add_task("rl", total=algo.num_steps, completed=trainer.version, info="waiting for the first batch")
@@ -421,7 +467,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
 
     def checkpoint() -> None:
         if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
-            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, store=store, prompts=prompts, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=stages.save, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
             checkpointed.append(trainer.version)
 
     def on_step(m: dict[str, Any]) -> None:
@@ -439,8 +485,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
 
     remote = None
     if start_rollouts is not None:
-        remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)
-    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(prompts), score=texts_and_score, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
+        remote = (launched or start_rollouts(cfg, remote_stages, settings)).connect(trainer)
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, stages=stages, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
 
     def stop_workflow(reason: str) -> None:
         console.print(f"tidal: {reason}: stopping after the current step and saving a checkpoint (again to stop at once)")
@@ -463,6 +509,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
             workflow.run()
     except BaseException:
         metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
+        if remote_stages is not None:
+            remote_stages.close()
         raise
     finally:
         gc.unfreeze()  # a caller that runs again in this process (tests, the benchmark) can free this run's objects
@@ -475,7 +523,11 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if sharing is not None:
             sharing.close()
     rl_seconds = time.perf_counter() - started
-    checkpoint()
+    try:
+        checkpoint()
+    finally:
+        if remote_stages is not None and (timeline := remote_stages.close()) is not None:
+            tracer.merge(timeline, process="stages")
     accuracy_after = None
     if stop.reason is None:
         accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)

@@ -421,6 +421,10 @@ class RemoteStore:
     def metrics(self) -> dict[str, Any]:
         return self._call("metrics", {})
 
+    def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
+        """As `Store.consumer_counts`: rows `consumer` acked, dropped and had redelivered in `partition`."""
+        return self._call("consumer_counts", {"partition": partition, "consumer": consumer})
+
     def save(self, path: str) -> None:
         """Save the server's store to `path` on the server's machine (see `persist.save`)."""
         self._call("save", {"path": str(path)})

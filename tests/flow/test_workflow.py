@@ -83,14 +83,15 @@ def test_async_bound_holds_at_admission_and_consumption():
     steps = []
     workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
     admitted = []
-    original = workflow._admitted
+    stages = workflow.stages
+    original = stages._admitted
 
     def spy() -> int:
         n = original()
-        admitted.append((workflow._started, workflow.version, n))
+        admitted.append((stages._started, stages.store.version, n))
         return n
 
-    workflow._admitted = spy
+    stages._admitted = spy
     workflow.run()
     for started, version, n in admitted:
         assert started + n * cfg.group_size <= (cfg.max_staleness + version + 1) * cfg.batch_size
@@ -266,7 +267,7 @@ def test_rows_dropped_at_consumption_let_admission_start_replacements():
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
     old = _group_of_version(3, cfg.group_size)
     workflow._put_trajectories(old)
-    workflow._started += len(old)  # admitted for this step, as if generated just before a version bump
+    workflow.stages._started += len(old)  # admitted for this step, as if generated just before a version bump
     trainer.version = rollout.version = 4
     _run_or_fail(workflow)
     assert [m["step"] for m in steps] == [5]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import types
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.store import Store
+from tidal.flow.store import Store, persist
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.config import load_config
 from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, warm_start
@@ -57,7 +56,11 @@ def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkp
     trainer = TorchTrainEngine(build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), version=5)
 
     def save(n: int) -> Path:
-        return save_checkpoint(tmp_path, trainer=trainer, template=template, tokenizer=tokenizer, store=Store(), prompts=types.SimpleNamespace(position=n), extra={})
+        def save_data(path: Path) -> int:  # the store, and the prompt position then
+            persist.save(Store(), path)
+            return n
+
+        return save_checkpoint(tmp_path, trainer=trainer, template=template, tokenizer=tokenizer, save_data=save_data, extra={})
 
     def saved_position() -> int:
         return json.loads((latest_checkpoint(tmp_path) / "state.json").read_text())["prompt_position"]

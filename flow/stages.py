@@ -1,0 +1,215 @@
+"""The stages around the trainer: the loader (admission control), reward and advantage.
+
+They talk to the rollout stage and the trainer only through the store, as threads of the
+process that holds it: in `runtime: local` the one process of the run; under `runtime:
+ray` an actor of their own (`tools/ray_stages.py`), so that the trainer's process only
+trains (their Python, and the store server's, would otherwise take the GIL from the
+train step). The trainer's side of the loop is `Workflow`; it starts, stops and watches
+these stages through the `StageGroup` protocol, which `Stages` and its Ray proxy share.
+
+    prompts --put--> [prompts]                         (the loader, while admission allows)
+    reward   <-get tokens--   --put reward--> [train]
+    advantage<-get complete groups with reward-- --put advantage--> [train]
+
+Admission (AReaL's bound): a group may start only while `started - dropped <=
+(max_staleness + version + 1) * batch_size`, where `version` is the store's (the trainer
+sets it with each new version) and `dropped` counts the rows the trainer's sampler found
+too old. The loader wakes when either changes (a store change listener).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from tidal.flow.algorithms import compute_advantages
+from tidal.flow.rollout import TRAJECTORY_COLUMNS, trajectories_of
+from tidal.flow.rollout import Stop as _Stop
+from tidal.flow.store import Grouped, Store, StoreError, persist
+from tidal.flow.trace import Tracer
+from tidal.flow.trajectory import Trajectory
+
+
+class StageGroup(Protocol):
+    """What the trainer's loop (`Workflow`) needs of the stages around it."""
+
+    def start(self) -> None:
+        """Start the stages (threads; they run until `stop`)."""
+
+    def wait(self) -> None:
+        """Block until the stages have ended; raise the first error one of them raised."""
+
+    def stop(self) -> None:
+        """Ask the stages to end (at once: waits in the store are cancelled)."""
+
+    def metrics(self) -> dict[str, Any]:
+        """{"failed_rewards": rows whose reward failed so far, "wait_s": {stage: seconds
+        waited since the last call}} (a proxy may answer with what it last heard)."""
+
+    def save(self, path: str | Path) -> int | None:
+        """Save the store to `path` (`persist.save`) with no prompt between the prompt
+        source and the store; return the prompt source's position then (None: it has none)."""
+
+
+class Stages:
+    """The loader, reward and advantage stages of a run, as threads over `store`.
+
+    Args:
+        store: the run's store (in this process); the partitions are created here.
+        prompts: prompt dicts with "prompt_ids" (list[int]) and any other keys (kept in
+            each trajectory's `meta`); an iterable with a `position` (tools' `Prompts`)
+            lets `save` record where it is.
+        score: scores finished trajectories: (rewards, indexes of failed rows).
+        config: the run's `WorkflowConfig`.
+        version: the policy version the run starts at (set on the store).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        prompts: Iterable[dict[str, Any]],
+        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]],
+        config: Any,
+        version: int,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.store, self.prompts, self.score, self.config = store, prompts, score, config
+        self._prompt_iter = iter(prompts)
+        self.tracer = tracer or Tracer()
+        store.set_version(version)
+        for name, consumers in (("prompts", ["rollout"]), ("train", ["reward", "advantage", "train"])):
+            if name not in store.metrics()["partitions"]:
+                capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
+                store.create_partition(name, consumers=consumers, capacity_rows=max(capacity, config.batch_size))
+        self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
+        self._stopping = threading.Event()
+        self._loading = threading.Lock()  # held while prompts go from the source into the store
+        self._dropped_seen = self._dropped()
+        self._version_seen = version
+        store.add_change_listener(self._on_store_change)
+        # As if every earlier step's samples were started in time (a resumed store's dropped rows count as started).
+        self._started = version * config.batch_size + self._dropped_seen
+        self._waits: dict[str, float] = collections.defaultdict(float)
+        self._num_failed_rewards = 0
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    # StageGroup ---------------------------------------------------------------------------
+    def start(self) -> None:
+        for name, fn in (("loader", self._loader), ("reward", self._reward_stage), ("advantage", self._advantage_stage)):
+            thread = threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._admission.set()
+        self.store.wake()
+
+    def metrics(self) -> dict[str, Any]:
+        waits, self._waits = dict(self._waits), collections.defaultdict(float)
+        return {"failed_rewards": self._num_failed_rewards, "wait_s": waits}
+
+    def save(self, path: str | Path) -> int | None:
+        with self._loading:
+            persist.save(self.store, path)
+            return getattr(self.prompts, "position", None)
+
+    # Internals ----------------------------------------------------------------------------
+    def _guard(self, stage: Callable[[], None]) -> None:
+        try:
+            stage()
+        except (_Stop, StoreError):
+            if not self._stopping.is_set():
+                self._errors.append(RuntimeError(f"stage {stage.__name__} lost its store"))
+                self.stop()
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self._errors.append(e)
+            self.stop()
+
+    def _dropped(self) -> int:
+        return self.store.consumer_counts("train", "train")["dropped"]
+
+    def _on_store_change(self, partition: str | None) -> None:
+        """Store listener (store lock held): rows the trainer's sampler dropped free room
+        for more prompts, and so does a new version."""
+        if partition not in (None, "train"):
+            return
+        dropped = self._dropped()
+        version = self.store.version if partition is None else self._version_seen
+        if dropped != self._dropped_seen or version != self._version_seen:
+            self._dropped_seen, self._version_seen = dropped, version
+            self._admission.set()
+
+    def _check(self) -> None:
+        if self._stopping.is_set():
+            raise _Stop
+
+    def _get(self, stage: str, *args: Any, **kwargs: Any) -> Any:
+        """A store get that ends when the stages stop, and counts the wait."""
+        begin = time.perf_counter()
+        try:
+            return self.store.get(*args, cancel=self._stopping, **kwargs)
+        finally:
+            self._waits[stage] += time.perf_counter() - begin
+
+    def _loader(self) -> None:
+        """Admission control: put prompts only while the staleness bound admits their groups.
+
+        All prompts admitted at once go in one put, so a rollout worker's batches do not
+        depend on timing.
+        """
+        while True:
+            self._admission.clear()
+            version = self.store.version
+            allowed = self._admitted()
+            if not allowed:
+                self._check()
+                self._admission.wait()
+                continue
+            with self._loading:
+                prompts = list(itertools.islice(self._prompt_iter, allowed))
+                if not prompts:
+                    return
+                self._check()
+                # each prompt carries the version that admitted it: rollout generates it with no older weights
+                self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
+                self._started += len(prompts) * self.config.group_size
+
+    def _admitted(self) -> int:
+        """How many more groups may start now (AReaL's staleness bound)."""
+        cfg = self.config
+        room = (cfg.max_staleness + self.store.version + 1) * cfg.batch_size - (self._started - self._dropped())
+        return max(room // cfg.group_size, 0)
+
+    def _reward_stage(self) -> None:
+        while True:  # every row that is ready, up to a step's worth
+            batch = self._get("reward", "reward", "train", [*TRAJECTORY_COLUMNS, "meta"], self.config.batch_size, partial=True)
+            trajectories = trajectories_of(batch)
+            with self.tracer.span("reward", "reward", rows=len(trajectories)):
+                rewards, failed = self.score(trajectories)
+            self._num_failed_rewards += len(failed)
+            self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes, ack=("reward", "train", batch.indexes))
+
+    def _advantage_stage(self) -> None:
+        cfg = self.config
+        while True:  # every complete group that is ready, up to a step's worth, in one call
+            batch = self._get("advantage", "advantage", "train", ["reward"], cfg.batch_size, sampler=Grouped(cfg.group_size), partial=True)
+            with self.tracer.span("advantage", "advantage", rows=len(batch)):
+                rewards = batch.stack("reward").to(torch.float32)
+                advantages = compute_advantages(cfg.advantage, rewards, batch.groups)
+            self.store.put("train", {"advantage": advantages}, batch.indexes, ack=("advantage", "train", batch.indexes))
