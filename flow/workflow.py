@@ -220,7 +220,7 @@ class Workflow:
             if upcoming in done:
                 break
             with self._trainer_turn():
-                self._publish(self.version)
+                self._publish(self.version).result()
         return upcoming.result()
 
     def _train_rows(self, version: int) -> _TrainRows:
@@ -251,10 +251,13 @@ class Workflow:
         with self._trainer_turn():
             with self.tracer.span("train", "train", version=self.version, rows=num_rows):
                 metrics = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
-            self.store.ack("train", "train", rows.indexes)
+            acked = self.store.submit_ack("train", "train", rows.indexes)  # a remote store answers while the weights go out
             self._trained += num_rows
-            self._publish(self.trainer.version)
+            versioned = self._publish(self.trainer.version)
+        # (a remote store's three replies in one round trip: this thread's requests are served in order)
         dropped, self._dropped = self._dropped, self.store.consumer_counts("train", "train")["dropped"]
+        acked.result()
+        versioned.result()
         step_s = time.perf_counter() - step_begin
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
         stage_metrics = self.stages.metrics()
@@ -288,14 +291,15 @@ class Workflow:
         model = getattr(self.trainer, "model", None)
         return next(model.parameters()).dtype if model is not None else torch.float32
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, version: int) -> Any:
         """Hand the new weights to rollout (a snapshot: the trainer keeps changing its own),
         then open admission for the new version: rollout never starts a sample the new
-        version admits with older weights."""
+        version admits with older weights. Returns the store's `submit_set_version`, whose
+        `result()` the caller reads."""
         with self.tracer.span("train", "publish weights", version=version):
             self.rollouts.publish(version, self.trainer.named_weights())
         self.version = version
-        self.store.set_version(version)  # the loader hears it (a store change)
+        return self.store.submit_set_version(version)  # the loader hears it (a store change)
 
 
 @dataclasses.dataclass(kw_only=True)
