@@ -1,11 +1,10 @@
 """The stages around the trainer: the loader (admission control), reward and advantage.
 
 They talk to the rollout stage and the trainer only through the store, as threads of the
-process that holds it: in `runtime: local` the one process of the run; under `runtime:
-ray` an actor of their own (`tools/ray_stages.py`), so that the trainer's process only
-trains (their Python, and the store server's, would otherwise take the GIL from the
-train step). The trainer's side of the loop is `Workflow`; it starts, stops and watches
-these stages through the `StageGroup` protocol, which `Stages` and its Ray proxy share.
+process that holds it. The trainer's side of the loop is `Workflow`; it starts, stops and
+watches these stages through the `StageGroup` protocol, and a checkpoint saves the store
+through it (`save`: the store and the prompt position taken together, with no prompt
+between the prompt source and the store, so a resumed run neither skips nor repeats one).
 
     prompts --put--> [prompts]                         (the loader, while admission allows)
     reward   <-get tokens--   --put reward--> [train]

@@ -19,9 +19,8 @@ the trainer's sampler drops any row older than `max_staleness` versions (counted
 
 The loader, reward and advantage stages are `flow.stages.Stages`, threads of the process
 that holds the store; this module is the trainer's side (and the rollout stage's thread).
-In `runtime: local` every stage is a thread of one process and rows stay in the
-in-process store (zero copy); under `runtime: ray` the store and those three stages are
-an actor of their own, and `store` here is a client of it. Per step the loop reports the version-gap histogram of the trained
+In `runtime: local` every stage is a thread of one process; rows stay in the in-process
+store (zero copy). Per step the loop reports the version-gap histogram of the trained
 tokens, dropped rows, and the time each stage spent waiting.
 """
 
@@ -89,8 +88,8 @@ class Workflow:
             each trajectory's `meta`, e.g. the reference answer); with `score`, the
             loader, reward and advantage stages run in this process (`Stages` over `store`).
         score: scores a list of finished trajectories: (rewards, indexes of failed rows).
-        stages: instead of `prompts` and `score`: those stages, run elsewhere (a `StageGroup`
-            that has set up `store`, e.g. the Ray runtime's stages actor).
+        stages: instead of `prompts` and `score`: those stages, made by the caller (a
+            `StageGroup` that has set up `store`).
         on_step: called with each step's metrics dict (after the step).
         tracer: records a span per generate / reward / advantage / train / weight update.
     """
@@ -220,7 +219,7 @@ class Workflow:
             if upcoming in done:
                 break
             with self._trainer_turn():
-                self._publish(self.version).result()
+                self._publish(self.version)
         return upcoming.result()
 
     def _train_rows(self, version: int) -> _TrainRows:
@@ -251,13 +250,10 @@ class Workflow:
         with self._trainer_turn():
             with self.tracer.span("train", "train", version=self.version, rows=num_rows):
                 metrics = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
-            acked = self.store.submit_ack("train", "train", rows.indexes)  # a remote store answers while the weights go out
+            self.store.ack("train", "train", rows.indexes)
             self._trained += num_rows
-            versioned = self._publish(self.trainer.version)
-        # (a remote store's three replies in one round trip: this thread's requests are served in order)
+            self._publish(self.trainer.version)
         dropped, self._dropped = self._dropped, self.store.consumer_counts("train", "train")["dropped"]
-        acked.result()
-        versioned.result()
         step_s = time.perf_counter() - step_begin
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
         stage_metrics = self.stages.metrics()
@@ -291,15 +287,14 @@ class Workflow:
         model = getattr(self.trainer, "model", None)
         return next(model.parameters()).dtype if model is not None else torch.float32
 
-    def _publish(self, version: int) -> Any:
+    def _publish(self, version: int) -> None:
         """Hand the new weights to rollout (a snapshot: the trainer keeps changing its own),
         then open admission for the new version: rollout never starts a sample the new
-        version admits with older weights. Returns the store's `submit_set_version`, whose
-        `result()` the caller reads."""
+        version admits with older weights."""
         with self.tracer.span("train", "publish weights", version=version):
             self.rollouts.publish(version, self.trainer.named_weights())
         self.version = version
-        return self.store.submit_set_version(version)  # the loader hears it (a store change)
+        self.store.set_version(version)  # the loader hears it (a store change)
 
 
 @dataclasses.dataclass(kw_only=True)

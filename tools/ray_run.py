@@ -5,13 +5,11 @@ instance it starts; with `cluster.fake: true` that instance declares the recipe'
 and GPUs as resources so the plan runs on CPU), schedules the plan, creates one
 placement group per role (failing within seconds, naming the role, when the cluster
 cannot hold it) and starts one trainer actor per `placement.train` instance on its
-bundle. Trainer rank 0 runs the same `train()` as the local runtime. The store, with the
-loader, reward and advantage stages, is an actor of rank 0's on its node
-(`tools/ray_stages.py`: the trainer's process only trains); the rollout stage is the
-rollout actors, started on their bundles (a rollout instance that time-shares the
+bundle. Trainer rank 0 runs the same `train()` as the local runtime; its rollout stage
+is the rollout actors, started on their bundles (a rollout instance that time-shares the
 trainer's devices on the trainer's bundle, taking turns through that bundle's `Turns`
-actor, which the driver starts: `flow.colocate`), which reach that store over ZeroMQ and
-receive each version over the chosen weight transport. With several trainer
+actor, which the driver starts: `flow.colocate`), which reach the trainer's store over
+ZeroMQ and receive each version over the chosen weight transport. With several trainer
 ranks (the `fsdp` backend) the ranks form one process group through hal (rank 0's
 address, a free port); rank 0's engines lead (`rank0_leads=True`) and the other ranks
 run `follow()`, receiving their share of each batch over that group; a rank whose bundle
@@ -29,6 +27,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 from datetime import timedelta
@@ -73,8 +72,8 @@ def make_rollout_engine(cfg_yaml: str) -> Any:
 class RemoteRollouts:
     """What `train()` gets back from `start_rollouts`: the `RolloutGroup`, plus `close()`."""
 
-    def __init__(self, rollouts: Any, wiring: Any, actors: list[Any], info_path: str, seats: list[tuple[Any, str]]) -> None:
-        self._rollouts, self._wiring, self._actors = rollouts, wiring, actors
+    def __init__(self, rollouts: Any, server: Any, wiring: Any, actors: list[Any], info_path: str, seats: list[tuple[Any, str]]) -> None:
+        self._rollouts, self._server, self._wiring, self._actors = rollouts, server, wiring, actors
         self._info_path = Path(info_path)
         self._seats = seats  # (Turns actor, seat name) of each actor that time-shares a trainer rank's devices
         self.timelines: list[dict[str, Any] | None] = []  # each actor's spans (`Tracer.export`), once closed
@@ -98,14 +97,15 @@ class RemoteRollouts:
         # checkpoint and evaluation) must not wait for a seat that will never park
         ray.get([turns.leave.remote(seat) for turns, seat in self._seats])
         self._wiring.close()
+        self._server.close()
 
 
 def start_rollouts(
-    cfg: Any, stages: Any, settings: dict[str, int], *, groups: dict[str, Any], assignments: list[Any], spots: dict[Any, Any], turns: dict[int, Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None
+    cfg: Any, store: Any, settings: dict[str, int], *, groups: dict[str, Any], assignments: list[Any], spots: dict[Any, Any], turns: dict[int, Any], fake: bool, info_path: str, attempt: int = 0, ranks: list[dict[str, Any]] | None = None
 ) -> StartedRollouts:
-    """Runs inside the trainer actor: start the rollout actors, which build their engines
-    in their own processes meanwhile and reach the store that `stages` (`RayStages`)
-    serves; `.connect(trainer)` then wires the weights.
+    """Runs inside the trainer actor: serve the store and start the rollout actors, which
+    build their engines in their own processes meanwhile; `.connect(trainer)` then wires
+    the weights.
 
     A rollout instance that time-shares the trainer's devices goes on the trainer's bundle
     with its seat at that bundle's `Turns` actor (`turns`, by trainer rank), or at the
@@ -115,10 +115,13 @@ def start_rollouts(
 
     from tidal.flow.ray_placement import actor_options  # noqa: PLC0415
     from tidal.flow.runtime import RolloutActor  # noqa: PLC0415
+    from tidal.flow.store.server import StoreServer  # noqa: PLC0415
 
     one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
     host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
-    address, token = stages.address, stages.token
+    token = None if one_node else secrets.token_hex(16)
+    server = StoreServer(store, address=f"tcp://{'127.0.0.1' if one_node else '0.0.0.0'}:0", token=token)
+    address = server.address.replace("0.0.0.0", host)
     # Ray restarts a dead rollout actor (running __init__ again); a call in flight when it died fails.
     actor_cls = ray.remote(max_concurrency=4, max_restarts=cfg.fault.rollout_restarts, max_task_retries=0)(RolloutActor)
     make_engine = functools.partial(make_rollout_engine, to_yaml(cfg))
@@ -132,15 +135,15 @@ def start_rollouts(
         # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
         seat = {"turns": [turns[r] for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
         actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
-    return StartedRollouts(cfg, stages, address, actors, host, token, assignments, spots, turns, info_path, attempt, ranks)
+    return StartedRollouts(cfg, server, address, actors, host, token, assignments, spots, turns, info_path, attempt, ranks)
 
 
 @dataclasses.dataclass
 class StartedRollouts:
-    """Rollout actors started by `start_rollouts`, and the store they reach at `address` (`stages` serves it)."""
+    """Rollout actors started by `start_rollouts`, and the store server they reach at `address`."""
 
     cfg: Any
-    stages: Any
+    server: Any
     address: str
     actors: list[Any]
     host: str
@@ -184,7 +187,7 @@ class StartedRollouts:
         overlap = self.cfg.transport.overlap and not shared
         if self.cfg.transport.overlap and shared:
             log.warning("transport.overlap is off: a rollout instance time-shares the trainer's devices, so each weight pass must end inside the trainer's turn")
-        info = {"transport": transport, "overlap": overlap, "store": self.address, "stages_pid": self.stages.pid, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(self.actors)}
+        info = {"transport": transport, "overlap": overlap, "store": self.address, "trainer": trainer_info, "rollout_actors": descriptions, "rollout_seating": seating, "rollout_restarts": [0] * len(self.actors)}
 
         def write_info(descriptions: list[dict[str, Any]]) -> None:
             info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
@@ -201,7 +204,7 @@ class StartedRollouts:
         rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
         rollouts.flush()  # ... and have them before any prompt is admitted
         seats = [(self.turns[r], f"rollout-{a.rank}") for a in self.assignments for r in self.spots[("rollout", a.rank)].turns]
-        return RemoteRollouts(rollouts, wiring, self.actors, self.info_path, seats)
+        return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, seats)
 
 
 def _share_weights(trainer: Any, wiring: Any, rollouts: Any) -> bool:
@@ -399,7 +402,6 @@ class TrainerActor:
     def _train(self, cfg: Any, run_dir: str, placed: dict[str, Any], rollout_assignments: list[Any], fake: bool, attempt: int, *, ranks: Any, engine_options: dict[str, Any] | None = None, stopper: Any = None) -> dict[str, Any]:
         from tidal.flow.colocate import TurnsProxy  # noqa: PLC0415
         from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
-        from tidal.tools.ray_stages import start_stages  # noqa: PLC0415
         from tidal.tools.train import train  # noqa: PLC0415
 
         if attempt:
@@ -414,21 +416,8 @@ class TrainerActor:
             every = [TurnsProxy(placed["turns"][r]) for r in sorted(placed["turns"])]
             turns = every[0] if len(every) == 1 else TurnsSpan(every, parks_on=every[:1])
         stop = _relay_stop(stopper) if stopper is not None else None
-        made: list[Any] = []
-
-        def stages_starter(*args: Any) -> Any:
-            made.append(start_stages(*args))
-            return made[-1]
-
         try:
-            summary = train(cfg, Path(run_dir), progress=False, start_stages=stages_starter, start_rollouts=starter, engine_options=engine_options, turns=turns, stop=stop)
-        except Exception:
-            if made and made[-1].lost():
-                # The store died with the stages actor: this process ends too, so the driver
-                # sees the trainer die and restarts the run from its last checkpoint.
-                print("tidal: the stages actor (the run's store) died; ending the trainer so the run resumes from its last checkpoint", file=sys.stderr, flush=True)
-                os._exit(1)
-            raise
+            summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=turns, stop=stop)
         finally:
             if stopper is not None:
                 stopper.release.remote()  # the relay thread's wait returns

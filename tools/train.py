@@ -334,31 +334,14 @@ def local_turns(cfg: Any) -> Any:
     return Turns() if plan.of("rollout")[0].mode != "own" else None
 
 
-def train(
-    cfg: Any,
-    run_dir: Path,
-    *,
-    progress: bool = True,
-    start_stages: Any = None,
-    start_rollouts: Any = None,
-    engine_options: dict[str, Any] | None = None,
-    turns: Any = None,
-    stop: StopRequest | None = None,
-) -> dict[str, Any]:
+def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
-    `start_stages(cfg, store_path)` puts the store, and the loader, reward and advantage
-    stages, elsewhere (the Ray runtime's stages actor; `store_path`: the store to resume,
-    or None): it returns a `StageGroup` with `.store` (this process's client of the store),
-    `.prepare(version, position)` and `.close()` (which returns its timeline). Without it
-    they are threads of this process over an in-process store.
-
-    `start_rollouts(cfg, stages, settings)` puts the rollout stage elsewhere (the Ray
-    runtime's actors, which reach the store `start_stages` made): it starts them and
-    returns what `.connect(trainer)` turns into a `RolloutGroup` with a `close()`; rollout
-    on devices of its own is started before the warm start, so its engines get built
-    meanwhile, one that time-shares the trainer's devices (`turns`) after it. Without it
-    rollout is a thread of this process.
+    `start_rollouts(cfg, store, settings)` puts the rollout stage elsewhere (the Ray
+    runtime's actors): it starts them and returns what `.connect(trainer)` turns into a
+    `RolloutGroup` with a `close()`; rollout on devices of its own is started before the
+    warm start, so its engines get built meanwhile, one that time-shares the trainer's
+    devices (`turns`) after it. Without it rollout is a thread of this process.
     `engine_options` go to every train engine this builds (the Ray runtime's rank 0 of an
     fsdp group passes `rank0_leads=True`).
 
@@ -390,13 +373,11 @@ def train(
     budget = cfg.rollout.max_new_tokens
 
     resume_from = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
-    store_path = resume_from / "store.bin" if resume_from is not None else None
-    remote_stages = start_stages(cfg, store_path) if start_stages is not None else None
-    store = remote_stages.store if remote_stages is not None else persist.load(store_path) if store_path is not None else Store()
+    store = persist.load(resume_from / "store.bin") if resume_from is not None else Store()
     settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": budget, "prompts_per_generate": cfg.rollout.prompts_per_generate}
     launched = None
     if start_rollouts is not None and turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
-        launched = start_rollouts(cfg, remote_stages, settings)
+        launched = start_rollouts(cfg, store, settings)
     if resume_from is not None:
         model, tokenizer = load_model(resume_from, attention=cfg.model.attention.value)
         saved = torch.load(resume_from / "trainer.pt", weights_only=False)
@@ -451,11 +432,7 @@ def train(
             rollout = sharing.rollout(rollout)
     algo = cfg.algorithm
     wf_cfg = workflow_config(cfg)
-    if remote_stages is not None:
-        remote_stages.prepare(trainer.version, prompts.position)
-        stages = remote_stages
-    else:
-        stages = Stages(store=store, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, version=trainer.version, tracer=tracer)
+    stages = Stages(store=store, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, version=trainer.version, tracer=tracer)
     metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, first_step=trainer.version + 1)
     history: list[dict[str, Any]] = []
 
@@ -485,7 +462,7 @@ def train(
 
     remote = None
     if start_rollouts is not None:
-        remote = (launched or start_rollouts(cfg, remote_stages, settings)).connect(trainer)
+        remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, stages=stages, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
 
     def stop_workflow(reason: str) -> None:
@@ -509,8 +486,6 @@ def train(
             workflow.run()
     except BaseException:
         metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
-        if remote_stages is not None:
-            remote_stages.close()
         raise
     finally:
         gc.unfreeze()  # a caller that runs again in this process (tests, the benchmark) can free this run's objects
@@ -523,11 +498,7 @@ def train(
         if sharing is not None:
             sharing.close()
     rl_seconds = time.perf_counter() - started
-    try:
-        checkpoint()
-    finally:
-        if remote_stages is not None and (timeline := remote_stages.close()) is not None:
-            tracer.merge(timeline, process="stages")
+    checkpoint()
     accuracy_after = None
     if stop.reason is None:
         accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)

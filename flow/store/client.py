@@ -414,30 +414,12 @@ class RemoteStore:
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         return self._call("ack", {"consumer": consumer, "partition": partition, "indexes": as_indexes(indexes)})
 
-    def submit_ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> PendingReply:
-        """Send an `ack` and return at once; `result()` waits for its reply. This thread's
-        later requests reach the server after it (one connection per thread, served in
-        order), so a call that follows, such as `consumer_counts`, sees it done."""
-        return self._submit("ack", {"consumer": consumer, "partition": partition, "indexes": as_indexes(indexes)})
-
-    def submit_set_version(self, version: int) -> PendingReply:
-        """`set_version`, sent as `submit_ack` sends an ack."""
-        return self._submit("set_version", {"version": version})
-
-    def _submit(self, op: str, args: dict[str, Any]) -> PendingReply:
-        sock, request_id = self._send(self.address, op, args)
-        return PendingReply(self, sock, request_id, op)
-
     def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
         args = {"consumer": consumer, "partition": partition, "indexes": None if indexes is None else [int(i) for i in indexes]}
         return self._call("release", args)
 
     def metrics(self) -> dict[str, Any]:
         return self._call("metrics", {})
-
-    def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
-        """As `Store.consumer_counts`: rows `consumer` acked, dropped and had redelivered in `partition`."""
-        return self._call("consumer_counts", {"partition": partition, "consumer": consumer})
 
     def save(self, path: str) -> None:
         """Save the server's store to `path` on the server's machine (see `persist.save`)."""
@@ -504,38 +486,6 @@ class PendingPut:
     def __del__(self) -> None:
         if self._outcome is None:  # never read: its reply, when it comes, is dropped
             self._forget()
-
-
-class PendingReply:
-    """A request sent by `RemoteStore.submit_ack` or `submit_set_version`; `result()` waits
-    for its reply, in the thread that sent it (its connection is that thread's)."""
-
-    def __init__(self, client: RemoteStore, sock: zmq.Socket, request_id: int, op: str) -> None:
-        self._client, self._sock, self._id, self._op = client, sock, request_id, op
-        tls = client._tls.__dict__  # noqa: SLF001 - its own client's per-thread state
-        self._submitted, self._stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
-        self._submitted.add(request_id)  # its reply is kept if another request's wait reads it
-        self._outcome: tuple[bool, Any] | None = None
-
-    def result(self) -> Any:
-        if self._outcome is None:
-            client = self._client
-            try:
-                self._outcome = (True, client._receive_reply(self._sock, self._id, client.address, self._op, client.rpc_timeout_s))  # noqa: SLF001 - its own client
-            except BaseException as e:
-                self._outcome = (False, e)
-            finally:
-                self._submitted.discard(self._id)
-                self._stash.pop(self._id, None)
-        ok, value = self._outcome
-        if not ok:
-            raise value
-        return value
-
-    def __del__(self) -> None:
-        if self._outcome is None:  # never read: its reply, when it comes, is dropped
-            self._submitted.discard(self._id)
-            self._stash.pop(self._id, None)
 
 
 CANCEL_CHECK_S = 1.0

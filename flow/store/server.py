@@ -144,7 +144,6 @@ class StoreServer:
                 ack=self._ack,
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
                 metrics=lambda peer, a: store.metrics(),
-                consumer_counts=lambda peer, a: store.consumer_counts(a["partition"], a["consumer"]),
                 save=lambda peer, a: persist.save(store, a["path"]),
                 withdraw=self._withdraw,
             )

@@ -54,14 +54,13 @@ def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> Non
 
 
 class Done:
-    """A call that has already happened (`submit_put`, `submit_ack`, `submit_set_version`):
-    `result()` returns what it returned."""
+    """A put that has already happened: `result()` returns its indexes."""
 
-    def __init__(self, value: Any) -> None:
-        self._value = value
+    def __init__(self, indexes: list[int]) -> None:
+        self._indexes = indexes
 
-    def result(self) -> Any:
-        return self._value
+    def result(self) -> list[int]:
+        return self._indexes
 
 
 class Store:
@@ -453,15 +452,6 @@ class Store:
             state.wait_sum += waited
             state.wait_counts[min(bisect.bisect_left(WAIT_BUCKETS, waited), len(WAIT_BUCKETS) - 1)] += 1
             return Batch(partition, take, Cells(blocks), groups, versions, blocks=blocks)
-
-    def submit_ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> Done:
-        """`ack`, in the form `RemoteStore.submit_ack` has (in process it is done already)."""
-        return Done(self.ack(consumer, partition, indexes))
-
-    def submit_set_version(self, version: int) -> Done:
-        """`set_version`, in the form `RemoteStore.submit_set_version` has (done already)."""
-        self.set_version(version)
-        return Done(None)
 
     def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         """Mark rows done for `consumer`; return how many were newly acked (idempotent)."""

@@ -48,28 +48,6 @@ def test_remote_round_trip_matches_local(served):
     assert client.version == 4 == store.version
 
 
-@pytest.mark.parametrize("kind", ["remote", "local"])
-def test_submitted_acks_and_version_changes_are_done_before_the_next_call_and_raise_at_result(served, kind):
-    store, server, client = served
-    target = client if kind == "remote" else store
-    target.create_partition("train", consumers=["train"])
-    indexes = target.put("train", {"x": torch.zeros(3, 2)}, versions=[0, 0, 0])
-    target.get("train", "train", ["x"], 3, timeout=5)
-    acked = target.submit_ack("train", "train", indexes)
-    versioned = target.submit_set_version(7)
-    # sent before it, so served before it: the counts already include the ack
-    assert target.consumer_counts("train", "train") == {"acked": 3, "dropped": 0, "redelivered": 0}
-    assert acked.result() == 3 and versioned.result() is None and store.version == 7
-    bad = target.submit_ack("train", "nowhere", [0]) if kind == "remote" else None
-    if bad is not None:  # remote: the error arrives with the reply; in process `submit_ack` raises at once, as `ack` does
-        assert target.version == 7  # another call in between keeps the failed reply for `result()`
-        with pytest.raises(ValueError, match="no partition 'nowhere'"):
-            bad.result()
-    else:
-        with pytest.raises(ValueError, match="no partition 'nowhere'"):
-            target.submit_ack("train", "nowhere", [0])
-
-
 def test_remote_errors_name_the_problem(served):
     _, _, client = served
     client.create_partition("train", consumers=["train"])

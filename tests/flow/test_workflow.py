@@ -272,3 +272,38 @@ def test_rows_dropped_at_consumption_let_admission_start_replacements():
     _run_or_fail(workflow)
     assert [m["step"] for m in steps] == [5]
     assert steps[0]["dropped"] == cfg.group_size and steps[0]["samples"] == cfg.batch_size
+
+
+def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_the_saved_position(tmp_path):
+    # The loader takes prompts from the source, then puts them: a save in between would record
+    # a position past prompts the saved store never got, and a resumed run would skip them.
+    from tidal.flow.stages import Stages
+    from tidal.flow.store import persist
+
+    taking, go_on = threading.Event(), threading.Event()
+
+    class Source:
+        position = 0
+
+        def __iter__(self):
+            for item in _prompts(40):
+                if self.position == 3:  # the loader is inside its take
+                    taking.set()
+                    go_on.wait(10)
+                self.position += 1
+                yield item
+
+    cfg = WorkflowConfig(max_staleness=1, **CONFIG)
+    stages = Stages(store=Store(), prompts=Source(), score=_score, config=cfg, version=0)
+    stages.start()
+    try:
+        assert taking.wait(10)
+        saving = concurrent.futures.ThreadPoolExecutor(1).submit(stages.save, tmp_path / "store.bin")
+        assert not saving.done() and not concurrent.futures.wait([saving], timeout=0.3).done  # held until the take is in the store
+        go_on.set()
+        position = saving.result(timeout=10)
+    finally:
+        stages.stop()
+        stages.wait()
+    saved = persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]
+    assert position == saved["next_index"] > 3  # every prompt the position counts is in the saved store

@@ -148,27 +148,6 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint_and_the_run_loses_not
 
 
 @pytest.mark.slow
-def test_a_killed_stages_actor_resumes_the_run_from_its_last_checkpoint(tmp_path):
-    # The stages actor holds the run's store: its death ends the trainer, which the driver restarts.
-    at_step = random.Random("stages").randint(6, 13)
-    first: dict = {}
-
-    def stages_pid(info: dict) -> int:
-        first.update(info)
-        return info["stages_pid"]
-
-    run_dir, err = _run_and_kill(tmp_path, MIXED, at_step=at_step, victim=stages_pid)
-    assert "the stages actor (the run's store) died" in err and "resuming from the last checkpoint" in err
-    _check_lineage(run_dir)
-    summary = _read_json(run_dir / "summary.json")
-    assert summary["trainer_restarts"] == 1 and summary["steps"] == NUM_STEPS
-    info = _read_json(run_dir / "runtime.json")
-    assert info["trainer"]["attempt"] == 1 and info["stages_pid"] != first["stages_pid"]
-    resumed_at = min(v for s in info["rollout_summaries"] for v in s["versions_applied"])
-    assert resumed_at % 5 == 0 and 5 <= resumed_at <= at_step + 5
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1], ids=["lead", "follower"])
 def test_a_killed_trainer_rank_restarts_the_whole_trainer_group(tmp_path, rank):
     """Two fsdp ranks. Killing the follower fails the lead's next collective; killing the
