@@ -36,6 +36,20 @@ from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory
 
 
+def guard(stage: Callable[[], None], *, stopping: threading.Event, errors: list[BaseException], stop: Callable[[], None]) -> None:
+    """Run one stage of the loop (a thread's body): its error goes to `errors` and stops the
+    loop (`stop`); a store that ends its wait because the loop is `stopping` is the normal way out."""
+    try:
+        stage()
+    except (_Stop, StoreError):
+        if not stopping.is_set():
+            errors.append(RuntimeError(f"stage {stage.__name__} lost its store"))
+            stop()
+    except BaseException as e:  # noqa: BLE001 - the loop's owner re-raises it
+        errors.append(e)
+        stop()
+
+
 class StageGroup(Protocol):
     """What the trainer's loop (`Workflow`) needs of the stages around it."""
 
@@ -130,15 +144,7 @@ class Stages:
 
     # Internals ----------------------------------------------------------------------------
     def _guard(self, stage: Callable[[], None]) -> None:
-        try:
-            stage()
-        except (_Stop, StoreError):
-            if not self._stopping.is_set():
-                self._errors.append(RuntimeError(f"stage {stage.__name__} lost its store"))
-                self.stop()
-        except BaseException as e:  # noqa: BLE001 - raised by wait()
-            self._errors.append(e)
-            self.stop()
+        guard(stage, stopping=self._stopping, errors=self._errors, stop=self.stop)
 
     def _dropped(self) -> int:
         return self.store.consumer_counts("train", "train")["dropped"]

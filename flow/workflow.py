@@ -41,9 +41,8 @@ import torch
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.protocols import RolloutEngine, TrainEngine
 from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, token_batch_of
-from tidal.flow.rollout import Stop as _Stop
-from tidal.flow.stages import StageGroup, Stages
-from tidal.flow.store import Grouped, StalenessFilter, Store, StoreError
+from tidal.flow.stages import StageGroup, Stages, guard
+from tidal.flow.store import Grouped, StalenessFilter, Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory
 
@@ -158,15 +157,7 @@ class Workflow:
         self.store.wake()
 
     def _guard(self, stage: Callable[[], None]) -> None:
-        try:
-            stage()
-        except (_Stop, StoreError):
-            if not self._stopping.is_set():
-                self._errors.append(RuntimeError(f"stage {stage.__name__} lost its store"))
-                self.stop()
-        except BaseException as e:  # noqa: BLE001 - handed to run(), which re-raises it
-            self._errors.append(e)
-            self.stop()
+        guard(stage, stopping=self._stopping, errors=self._errors, stop=self.stop)
 
     def _stages_watch(self) -> None:
         """Wait for the loader, reward and advantage stages: their error ends the run (they end only when stopped)."""
