@@ -1,10 +1,10 @@
 """The stages around the trainer: the loader (admission control), reward and advantage.
 
 They talk to the rollout stage and the trainer only through the store, as threads of the
-process that holds it. The trainer's side of the loop is `Workflow`; it starts, stops and
-watches these stages through the `StageGroup` protocol, and a checkpoint saves the store
-through it (`save`: the store and the prompt position taken together, with no prompt
-between the prompt source and the store, so a resumed run neither skips nor repeats one).
+process that holds it. The trainer's side of the loop is `Workflow`, which starts, stops
+and watches them; a checkpoint saves the store through them (`Stages.save`: the store and
+the prompt position taken together, with no prompt between the prompt source and the
+store, so a resumed run neither skips nor repeats one).
 
     prompts --put--> [prompts]                         (the loader, while admission allows)
     reward   <-get tokens--   --put reward--> [train]
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -48,27 +48,6 @@ def guard(stage: Callable[[], None], *, stopping: threading.Event, errors: list[
     except BaseException as e:  # noqa: BLE001 - the loop's owner re-raises it
         errors.append(e)
         stop()
-
-
-class StageGroup(Protocol):
-    """What the trainer's loop (`Workflow`) needs of the stages around it."""
-
-    def start(self) -> None:
-        """Start the stages (threads; they run until `stop`)."""
-
-    def wait(self) -> None:
-        """Block until the stages have ended; raise the first error one of them raised."""
-
-    def stop(self) -> None:
-        """Ask the stages to end (at once: waits in the store are cancelled)."""
-
-    def metrics(self) -> dict[str, Any]:
-        """{"failed_rewards": rows whose reward failed so far, "wait_s": {stage: seconds
-        waited since the last call}} (a proxy may answer with what it last heard)."""
-
-    def save(self, path: str | Path) -> int | None:
-        """Save the store to `path` (`persist.save`) with no prompt between the prompt
-        source and the store; return the prompt source's position then (None: it has none)."""
 
 
 class Stages:
@@ -115,29 +94,36 @@ class Stages:
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
 
-    # StageGroup ---------------------------------------------------------------------------
+    # Control ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the stages (threads; they run until `stop`)."""
         for name, fn in (("loader", self._loader), ("reward", self._reward_stage), ("advantage", self._advantage_stage)):
             thread = threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def wait(self) -> None:
+        """Block until the stages have ended; raise the first error one of them raised."""
         for thread in self._threads:
             thread.join()
         if self._errors:
             raise self._errors[0]
 
     def stop(self) -> None:
+        """Ask the stages to end (at once: their waits in the store are cancelled)."""
         self._stopping.set()
         self._admission.set()
         self.store.wake()
 
     def metrics(self) -> dict[str, Any]:
+        """{"failed_rewards": rows whose reward failed so far, "wait_s": {stage: seconds
+        waited since the last call}}."""
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
         return {"failed_rewards": self._num_failed_rewards, "wait_s": waits}
 
     def save(self, path: str | Path) -> int | None:
+        """Save the store to `path` (`persist.save`) with no prompt between the prompt
+        source and the store; return the source's position then (None: it has none)."""
         with self._loading:
             persist.save(self.store, path)
             return getattr(self.prompts, "position", None)

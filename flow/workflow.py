@@ -41,7 +41,7 @@ import torch
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.protocols import RolloutEngine, TrainEngine
 from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, token_batch_of
-from tidal.flow.stages import StageGroup, Stages, guard
+from tidal.flow.stages import Stages, guard
 from tidal.flow.store import Grouped, StalenessFilter, Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory
@@ -79,16 +79,14 @@ class Workflow:
     """One run of the loop. `run()` blocks until `num_steps` steps are done (or a stage fails).
 
     Args:
-        store: the store the stages talk through (in this process, or a client of it).
+        store: the store the stages talk through; the stages create its partitions.
         rollout: the rollout engine (generates with the weights it was last given).
         trainer: the train engine (its `version` is the policy version).
-        config: the loop's settings.
         prompts: prompt dicts with "prompt_ids" (list[int]) and any other keys (kept in
-            each trajectory's `meta`, e.g. the reference answer); with `score`, the
-            loader, reward and advantage stages run in this process (`Stages` over `store`).
+            each trajectory's `meta`, e.g. the reference answer); an iterable with a
+            `position` lets `stages.save` record where it is.
         score: scores a list of finished trajectories: (rewards, indexes of failed rows).
-        stages: instead of `prompts` and `score`: those stages, made by the caller (a
-            `StageGroup` that has set up `store`).
+        config: the loop's settings.
         on_step: called with each step's metrics dict (after the step).
         tracer: records a span per generate / reward / advantage / train / weight update.
     """
@@ -99,10 +97,9 @@ class Workflow:
         store: Store,
         rollout: RolloutEngine,
         trainer: TrainEngine,
+        prompts: Iterable[dict[str, Any]],
+        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]],
         config: WorkflowConfig,
-        prompts: Iterable[dict[str, Any]] | None = None,
-        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]] | None = None,
-        stages: StageGroup | None = None,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         tracer: Tracer | None = None,
         start_version: int | None = None,
@@ -112,11 +109,8 @@ class Workflow:
         self.on_step = on_step or (lambda metrics: None)
         self.tracer = tracer or Tracer()
         self.version = trainer.version if start_version is None else start_version
-        if stages is None:
-            if prompts is None or score is None:
-                raise ValueError("Workflow needs `stages`, or `prompts` and `score` to run them in this process")
-            stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer)
-        self.stages = stages
+        self.stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer)
+        """The loader, reward and advantage stages (`stages.save` saves the store for a checkpoint)."""
         self._stopping = threading.Event()
         self.rollouts: RolloutGroup = rollouts or LocalRollouts(
             RolloutWorker(

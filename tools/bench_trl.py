@@ -77,12 +77,11 @@ def warm_started(cfg: Any) -> dict[str, Any]:
     from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.tools import backends  # noqa: PLC0415
-    from tidal.tools.train import EVAL_SEED_OFFSET, task_prompts, build_policy, warm_start  # noqa: PLC0415
+    from tidal.tools.train import build_policy, held_out_prompts, warm_start  # noqa: PLC0415
 
     tokenizer = CharTokenizer()
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
-    held_items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
-    held_out = {item["prompt"] for item in held_items} if cfg.task.exclude_eval_prompts else set()
+    held_items, held_out = held_out_prompts(cfg)
     model = build_policy(cfg, tokenizer)
     if cfg.sft.steps:
         train_cls = backends.load("train.backend", cfg.train.backend)

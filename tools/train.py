@@ -31,7 +31,6 @@ from tidal.engines.tasks import TASK_REWARDS, TASKS
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.stages import Stages
 from tidal.flow.store import Store, persist
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -199,7 +198,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
     engine's sharding), so any train engine resumes from any engine's checkpoint.
     `save_data(path)` saves the store to `path` and returns the prompt stream's position
-    then (`StageGroup.save`, wherever the store is). `keep` > 0: once this one is complete
+    then (`Stages.save`). `keep` > 0: once this one is complete
     and `latest` names it, all but the newest `keep` are deleted.
     """
     final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
@@ -432,7 +431,6 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
             rollout = sharing.rollout(rollout)
     algo = cfg.algorithm
     wf_cfg = workflow_config(cfg)
-    stages = Stages(store=store, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, version=trainer.version, tracer=tracer)
     metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, first_step=trainer.version + 1)
     history: list[dict[str, Any]] = []
 
@@ -444,7 +442,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
 
     def checkpoint() -> None:
         if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
-            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=stages.save, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=workflow.stages.save, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
             checkpointed.append(trainer.version)
 
     def on_step(m: dict[str, Any]) -> None:
@@ -463,7 +461,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     remote = None
     if start_rollouts is not None:
         remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)
-    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, stages=stages, config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
 
     def stop_workflow(reason: str) -> None:
         console.print(f"tidal: {reason}: stopping after the current step and saving a checkpoint (again to stop at once)")
