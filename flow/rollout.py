@@ -337,12 +337,22 @@ class RolloutGroup(Protocol):
 
 
 class LocalRollouts:
-    """`runtime: local`: one worker in this process; weights are handed over as a snapshot."""
+    """`runtime: local`: one worker in this process; weights are handed over as a snapshot.
 
-    def __init__(self, worker: RolloutWorker) -> None:
+    `threads` (0: unchanged) sets the torch intra-op threads of the thread that calls
+    `run()`, and only of it where torch's intra-op pool is OpenMP (its Linux and macOS
+    builds): each thread has its own count there, so the rollout and the trainer, two
+    threads of one process, can use different counts (with another backend the count is
+    the process's, and the last one set wins).
+    """
+
+    def __init__(self, worker: RolloutWorker, *, threads: int = 0) -> None:
         self.worker = worker
+        self.threads = threads
 
     def run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
         self.worker.run()
 
     def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -61,6 +61,9 @@ class WorkflowConfig:
     """Generated-token budget per sample."""
     prompts_per_generate: int = 4
     """Prompts (times group_size samples) the rollout stage generates in one batch."""
+    rollout_threads: int = 0
+    """torch intra-op threads of the rollout thread (`LocalRollouts`); 0 = what torch gives
+    a new thread (the count last set in this process)."""
     advantage: str = "grpo"
     """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
@@ -121,7 +124,8 @@ class Workflow:
                 prompts_per_generate=config.prompts_per_generate,
                 stopping=self._stopping,
                 tracer=self.tracer,
-            )
+            ),
+            threads=config.rollout_threads,
         )
         self._errors: list[BaseException] = []
         self._trained = 0

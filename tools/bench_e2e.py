@@ -18,11 +18,14 @@ with the `[bench]` extra; without it the `trl` row says how to install it.
 torch threads: `tidal-async` runs its rollout and train stages at once, as two threads
 of one process, with the recipe's `threads` (1 in the quickstart: one core each);
 `tidal-async-ray` gives each actor one thread. `tidal-sync` and `trl` run one stage at a
-time, so each runs twice: with every thread torch would use by default (`ALL_CORES`)
-and, as `tidal-sync-1t` / `trl-1t`, with one (set explicitly for each run since all
-systems share this process). Which is faster varies with the machine (on one 2-vCPU VM
-two threads made sync a third slower on one day and did nothing the day before), so the
-"x sync" and "x TRL" baselines are the faster variant of each, measured in the same run.
+time, so each runs with every thread torch would use by default (`ALL_CORES`) and, as
+`tidal-sync-1t` / `trl-1t`, with one (set explicitly for each run since all systems
+share this process); `tidal-sync-split` gives its rollout stage one thread and its train
+stage all of them (`rollout.threads`, `train.threads`: decoding small batches loses to
+a second thread's overhead where a train step gains from it). Which is fastest varies
+with the machine (on one 2-vCPU VM two threads made sync a third slower on one day and
+did nothing the day before), so the "x sync" and "x TRL" baselines are the fastest
+variant of each, measured in the same run.
 """
 
 from __future__ import annotations
@@ -41,13 +44,17 @@ ALL_CORES = torch.get_num_threads()
 """torch's default intra-op threads in this process, read before any run changes them."""
 THREAD_VARIANTS = {"": ALL_CORES, **({"-1t": 1} if ALL_CORES > 1 else {})}
 """Name suffix -> torch threads, for the systems that run one stage at a time."""
+SYNC_SYSTEMS = {
+    **{f"tidal-sync{suffix}": ["algorithm.max_staleness=0", f"threads={n}"] for suffix, n in THREAD_VARIANTS.items()},
+    **({"tidal-sync-split": ["algorithm.max_staleness=0", "rollout.threads=1", f"train.threads={ALL_CORES}"]} if ALL_CORES > 1 else {}),
+}
 SYSTEMS = {
     "tidal-async": ["algorithm.max_staleness=1"],
-    **{f"tidal-sync{suffix}": ["algorithm.max_staleness=0", f"threads={n}"] for suffix, n in THREAD_VARIANTS.items()},
+    **SYNC_SYSTEMS,
     "tidal-async-ray": ["algorithm.max_staleness=1", "runtime=ray", "threads=1"],
 }
 TRL_THREADS = {f"trl{suffix}": n for suffix, n in THREAD_VARIANTS.items()}
-BASELINES = {"sync": [f"tidal-sync{suffix}" for suffix in THREAD_VARIANTS], "TRL": list(TRL_THREADS)}
+BASELINES = {"sync": list(SYNC_SYSTEMS), "TRL": list(TRL_THREADS)}
 """Each ratio's baseline: the faster of these systems in the run."""
 
 

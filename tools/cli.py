@@ -107,7 +107,8 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           held-out accuracy, with ratios against sync and against TRL 1.16's
           GRPOTrainer on the same warm start and prompts (installed with the [bench]
           extra; skipped otherwise). Sync and TRL run with torch's default threads
-          and with one (-1t); each ratio is against the faster of the two. --steps
+          and with one (-1t), sync also with one for rollout and the default for
+          training (-split); each ratio is against the fastest of them. --steps
           and --seeds size it; key=value arguments override the recipe for every
           system, e.g. device=cuda.
 

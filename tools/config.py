@@ -110,6 +110,8 @@ class RolloutConfig:
     """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
     prompts_per_generate: int = 16
     """Prompts (times group_size samples) per generate batch."""
+    threads: int = 0
+    """torch intra-op threads of the rollout stage; 0 = the run's `threads`."""
 
 
 @dataclasses.dataclass
@@ -126,6 +128,8 @@ class TrainConfig:
     """Gradient norm clip."""
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradients accumulate over a step)."""
+    threads: int = 0
+    """torch intra-op threads of the train stage; 0 = the run's `threads`."""
 
 
 @dataclasses.dataclass
@@ -260,8 +264,9 @@ class RecipeConfig:
     tensorboard: bool = True
     """Also write each step's metrics as TensorBoard scalars to run_dir/tensorboard, when the tensorboard package is installed."""
     threads: int = 0
-    """torch intra-op threads of the RL stages (rollout and training, which run at once); 0 = torch's
-    default. The warm start and the evaluations run alone and always get torch's default."""
+    """torch intra-op threads of the RL stages (rollout and training); 0 = torch's default.
+    `rollout.threads` and `train.threads` set one stage's. The warm start and the evaluations
+    run alone and always get torch's default."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy model."""
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
@@ -453,12 +458,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
     return cfg
 
 
+def stage_threads(cfg: Any, stage: str) -> int:
+    """torch intra-op threads of an RL stage ("rollout" or "train"): its own `threads`, else
+    the run's (0: torch's default)."""
+    return getattr(cfg, stage).threads or cfg.threads
+
+
 _AT_LEAST = {
     "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0,
     "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
     "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
-    "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1,
-    "train.micro_batch_size": 1, "train.weight_decay": 0,
+    "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1, "rollout.threads": 0,
+    "train.micro_batch_size": 1, "train.weight_decay": 0, "train.threads": 0,
     "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
     "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0,
     "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0,

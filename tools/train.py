@@ -37,6 +37,7 @@ from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import current_platform
 from tidal.tools import backends
+from tidal.tools.config import stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest, stop_on_signals
@@ -114,6 +115,7 @@ def workflow_config(cfg: Any) -> WorkflowConfig:
         advantage=algo.advantage,
         loss=loss,
         decoupled=algo.decoupled,
+        rollout_threads=stage_threads(cfg, "rollout"),
     )
 
 
@@ -268,9 +270,9 @@ def plot(metrics: list[dict[str, Any]], path: Path) -> None:
 
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """torch intra-op threads `n` inside the block (0: unchanged), then as before. The RL
-    stages run at once and share the cores; the warm start and evaluations run alone and
-    keep every thread torch would use."""
+    """torch intra-op threads `n` of this thread inside the block (0: unchanged), then as
+    before. The RL stages run at once and share the cores; the warm start and evaluations
+    run alone and keep every thread torch would use."""
     before = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)
@@ -480,7 +482,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     gc.freeze()
     started = time.perf_counter()
     try:
-        with bar, torch_threads(cfg.threads), signals:
+        with bar, torch_threads(stage_threads(cfg, "train")), signals:
             workflow.run()
     except BaseException:
         metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)

@@ -307,3 +307,26 @@ def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_
         stages.wait()
     saved = persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]
     assert position == saved["next_index"] > 3  # every prompt the position counts is in the saved store
+
+
+@pytest.mark.skipif("ATen parallel backend: OpenMP" not in torch.__config__.parallel_info(), reason="per-thread intra-op counts need torch's OpenMP backend")
+def test_the_rollout_thread_keeps_its_own_torch_threads_while_the_trainer_keeps_its_own():
+    cfg = WorkflowConfig(max_staleness=0, rollout_threads=1, **CONFIG)
+    trainer, rollout = _engines()
+    seen: dict[str, set[int]] = {"generate": set(), "train_step": set()}
+    for engine, name in ((rollout, "generate"), (trainer, "train_step")):
+        original = getattr(engine, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            seen[_name].add(torch.get_num_threads())
+            return _original(*args, **kwargs)
+
+        setattr(engine, name, spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the trainer's thread (this one), as `tidal run` sets `train.threads`
+    try:
+        Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg).run()
+        assert torch.get_num_threads() == 2  # the rollout thread's count did not become this thread's
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"generate": {1}, "train_step": {2}}

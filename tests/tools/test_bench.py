@@ -44,7 +44,7 @@ def test_e2e_ratios_are_against_the_faster_thread_setting_of_each_baseline():
     assert rows["tidal-sync"][2] == "0.75" and rows["trl-1t"][3] == "0.50"
 
 
-def test_e2e_runs_each_one_stage_system_with_all_threads_and_with_one(monkeypatch):
+def test_e2e_runs_each_one_stage_system_with_all_threads_with_one_and_sync_split(monkeypatch):
     from tidal.tools import bench_trl
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
@@ -58,6 +58,8 @@ def test_e2e_runs_each_one_stage_system_with_all_threads_and_with_one(monkeypatc
     assert ("algorithm.max_staleness=0", f"threads={bench_e2e.ALL_CORES}") in tidal_runs
     if bench_e2e.ALL_CORES > 1:  # one core has no second setting to try
         assert ("algorithm.max_staleness=0", "threads=1") in tidal_runs and set(bench_e2e.TRL_THREADS) == {"trl", "trl-1t"}
+        assert ("algorithm.max_staleness=0", "rollout.threads=1", f"train.threads={bench_e2e.ALL_CORES}") in tidal_runs
+        assert bench_e2e.BASELINES["sync"] == ["tidal-sync", "tidal-sync-1t", "tidal-sync-split"]
 
 
 def test_e2e_table_without_trl_says_how_to_install_it():

@@ -13,8 +13,8 @@ from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store, persist
 from tidal.tools.run import latest_checkpoint
-from tidal.tools.config import load_config
-from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, warm_start
+from tidal.tools.config import load_config, stage_threads
+from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, warm_start, workflow_config
 
 
 def test_torch_threads_reach_stage_threads_started_inside_and_are_restored_after():
@@ -35,6 +35,16 @@ def test_torch_threads_zero_leaves_the_default():
     with torch_threads(0):
         assert torch.get_num_threads() == before
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rollout", "train"),
+    [([], 0, 0), (["threads=2"], 2, 2), (["threads=2", "rollout.threads=1"], 1, 2), (["train.threads=3"], 0, 3)],
+)
+def test_each_rl_stage_takes_its_own_threads_else_the_runs(overrides, rollout, train):
+    cfg = load_config(None, overrides)
+    assert (stage_threads(cfg, "rollout"), stage_threads(cfg, "train")) == (rollout, train)
+    assert workflow_config(cfg).rollout_threads == rollout
 
 
 def test_prune_checkpoints_keeps_the_newest_and_never_the_latest(tmp_path):
