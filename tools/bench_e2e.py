@@ -55,7 +55,7 @@ SYSTEMS = {
 }
 TRL_THREADS = {f"trl{suffix}": n for suffix, n in THREAD_VARIANTS.items()}
 BASELINES = {"sync": list(SYNC_SYSTEMS), "TRL": list(TRL_THREADS)}
-"""Each ratio's baseline: the faster of these systems in the run."""
+"""Each ratio's baseline: the fastest of these systems in the run."""
 
 
 def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
