@@ -340,10 +340,11 @@ class LocalRollouts:
     """`runtime: local`: one worker in this process; weights are handed over as a snapshot.
 
     `threads` (0: unchanged) sets the torch intra-op threads of the thread that calls
-    `run()`, and only of it where torch's intra-op pool is OpenMP (its Linux and macOS
-    builds): each thread has its own count there, so the rollout and the trainer, two
-    threads of one process, can use different counts (with another backend the count is
-    the process's, and the last one set wins).
+    `run()`, and only of it where torch's intra-op pool is OpenMP (`torch.__config__.
+    parallel_info()` says; torch's Linux wheels are built so): each thread has its own
+    count there, so the rollout and the trainer, two threads of one process, can use
+    different counts (with another backend the count is the process's, and the last one
+    set wins).
     """
 
     def __init__(self, worker: RolloutWorker, *, threads: int = 0) -> None:
