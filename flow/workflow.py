@@ -150,9 +150,8 @@ class Workflow:
 
     def stop(self) -> None:
         self._stopping.set()
-        self.stages.stop()
+        self.stages.stop()  # wakes the store's waiters, this thread's train gets among them (`_stopping` is set)
         self.rollouts.stop()
-        self.store.wake()
 
     def _guard(self, stage: Callable[[], None]) -> None:
         guard(stage, stopping=self._stopping, errors=self._errors, stop=self.stop)

@@ -59,10 +59,11 @@ def make_rollout_engine(cfg_yaml: str) -> Any:
     from tidal.tools.train import build_policy, build_rollout_engine  # noqa: PLC0415
 
     cfg = _config_from_yaml(cfg_yaml)
-    if stage_threads(cfg, "rollout"):
+    threads = stage_threads(cfg, "rollout")
+    if threads:
         import torch  # noqa: PLC0415
 
-        torch.set_num_threads(stage_threads(cfg, "rollout"))
+        torch.set_num_threads(threads)
     tokenizer = CharTokenizer()
     platform = current_platform()
     model = build_policy(cfg, tokenizer).to(platform.device(0))
@@ -358,8 +359,9 @@ class TrainerActor:
 
         from tidal.engines.fsdp_lead import stop_followers  # noqa: PLC0415
 
-        if stage_threads(cfg, "train") and rank:  # followers only take RL steps; rank 0's `train()` sets them for its RL phase
-            torch.set_num_threads(stage_threads(cfg, "train"))
+        threads = stage_threads(cfg, "train")
+        if threads and rank:  # followers only take RL steps; rank 0's `train()` sets them for its RL phase
+            torch.set_num_threads(threads)
         store = self._group_store if rank == 0 else None
         current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S, store=store)
         try:
