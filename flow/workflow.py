@@ -40,7 +40,7 @@ import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.protocols import RolloutEngine, TrainEngine
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, put_trajectories, token_batch_of
+from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, token_batch_of
 from tidal.flow.stages import Stages, guard
 from tidal.flow.store import Grouped, StalenessFilter, Store
 from tidal.flow.trace import Tracer
@@ -163,9 +163,6 @@ class Workflow:
     # Stages -------------------------------------------------------------------------------
     def _rollouts_stage(self) -> None:
         self.rollouts.run()
-
-    def _put_trajectories(self, trajectories: list[Trajectory]) -> None:
-        put_trajectories(self.store, trajectories, cancel=self._stopping)
 
     def _train_stage(self) -> None:
         cfg = self.config

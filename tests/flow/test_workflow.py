@@ -15,6 +15,7 @@ from tidal.engines.tasks import arithmetic
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig, grpo
+from tidal.flow.rollout import put_trajectories
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
@@ -138,7 +139,7 @@ def test_rows_older_than_the_bound_are_dropped_at_consumption():
     steps = []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
     # Rows produced by version 0, as if left over from long ago: the trainer (at version 4) must never use them.
-    workflow._put_trajectories(_group_of_version(0, cfg.group_size))
+    put_trajectories(store, _group_of_version(0, cfg.group_size))
     trainer.version = 4
     rollout.version = 4
     workflow.run()
@@ -266,7 +267,7 @@ def test_rows_dropped_at_consumption_let_admission_start_replacements():
     steps = []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
     old = _group_of_version(3, cfg.group_size)
-    workflow._put_trajectories(old)
+    put_trajectories(store, old)
     workflow.stages._started += len(old)  # admitted for this step, as if generated just before a version bump
     trainer.version = rollout.version = 4
     _run_or_fail(workflow)
