@@ -3,7 +3,10 @@
 One process per rank. Every decoder layer (the model's `_no_split_modules` classes) and
 the root are sharded with `fully_shard` over a 1-D mesh of all ranks, on the device the
 hal platform gives; the optimizer is AdamW over the sharded (DTensor) parameters, with
-the platform's `optimizer_options()` (fused where its kernels allow). Each
+the platform's `optimizer_options()` (fused where its kernels allow). With
+`precision="bf16"` forward passes run under `platform.autocast` (mixed precision by
+autocast, not FSDP2's `MixedPrecisionPolicy`: shards, all-gathers and gradient
+reductions stay fp32, as do the optimizer's state). Each
 rank trains on its own rows of the batch; micro-batch losses are weighted by their share
 of the *global* batch's loss tokens or sequences (counted with one all-gather) and the
 gradient reduce-scatter sums instead of averaging, so a step over N ranks equals one
@@ -147,6 +150,7 @@ class FSDPTrainEngine:
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
         temperature: float = 1.0,
+        precision: str = "fp32",
         platform: Platform | None = None,
         version: int = 0,
         rank0_leads: bool = False,
@@ -156,12 +160,16 @@ class FSDPTrainEngine:
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.platform = platform or current_platform()
+        self.platform.autocast(precision)  # raises before any collective where the platform lacks it
+        self.precision = precision
+        """Forward passes run under `platform.autocast(precision)` (the shards, their
+        all-gathers and the gradients stay fp32); logprobs come from fp32 logits."""
         ensure_process_group(self.platform)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, version=version)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, precision=precision, version=version)
             send_command("init", model=model_recipe(model), options=options)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -247,14 +255,16 @@ class FSDPTrainEngine:
     # Forward passes --------------------------------------------------------------------
     def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         batch = batch.to(self.device)
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        with self.platform.autocast(self.precision):
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
     def _dummy_pass(self, *, backward: bool) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        with self.platform.autocast(self.precision):
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         if backward:
             (logits.float().sum() * 0.0).backward()
 

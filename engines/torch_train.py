@@ -1,7 +1,8 @@
 """The `torch` train engine: plain torch on any hal platform, one process.
 
 AdamW, gradient clipping, micro-batches with gradient accumulation, logprobs recomputed
-with the current weights. The loss is `tidal.flow.algorithms.policy_loss`; micro-batch
+with the current weights, and optional mixed precision (`precision="bf16"`: forward
+passes under `platform.autocast`, fp32 weights, gradients and optimizer state). The loss is `tidal.flow.algorithms.policy_loss`; micro-batch
 losses are weighted by their share of the batch's loss tokens (token aggregations) or
 sequences (sequence aggregations), so a step equals one full-batch step.
 
@@ -48,12 +49,17 @@ class TorchTrainEngine:
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
         temperature: float = 1.0,
+        precision: str = "fp32",
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.platform = platform or current_platform()
+        self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
+        self.precision = precision
+        """Forward passes run under `platform.autocast(precision)`; weights, gradients and
+        optimizer state stay fp32, and logprobs are computed from fp32 logits."""
         self.device = self.platform.device(0)
         self.model = model.to(self.device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
@@ -105,7 +111,8 @@ class TorchTrainEngine:
             shared = _shared_prompts(batch)
             if shared is not None:
                 return self._packed_logprobs(batch, shared, _pack(batch, shared))
-        logits = self.model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
+        with self.platform.autocast(self.precision):
+            logits = self.model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
@@ -122,7 +129,8 @@ class TorchTrainEngine:
         device = self.device
         dtype = next(self.model.parameters()).dtype
         mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
-        logits = self.model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
+        with self.platform.autocast(self.precision):
+            logits = self.model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
         logits = logits.flatten(0, 1)[packed.predictors.to(device)]  # [rows, width, vocab]: predicts each row's response token j
         starts = torch.tensor(shared.prompt_lengths, device=device)  # each row's first response token
         num_response = torch.tensor(shared.lengths, device=device) - starts

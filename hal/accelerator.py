@@ -24,7 +24,7 @@ import torch
 
 from tidal.hal import rng
 from tidal.hal.offload import OffloadHandle
-from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, describe, join_default_group
+from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, autocast, describe, join_default_group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,6 +173,12 @@ class AcceleratorPlatform:
     def dtype_support(self) -> dict[str, bool]:
         self._require()
         return self._vendor.dtype_support()
+
+    def autocast(self, precision: str) -> AbstractContextManager[None]:
+        """`torch.autocast` on this vendor's device type ("cuda", or "npu" once torch_npu
+        has registered it)."""
+        supported = self.dtype_support() if precision != "fp32" else {}
+        return autocast(self.kind, precision, supported=supported, kind=self.kind)
 
     # Optimizers ----------------------------------------------------------------------
     def optimizer_options(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 
 from tidal.hal import rng
 from tidal.hal.offload import OffloadHandle
-from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, describe, join_default_group
+from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, autocast, describe, join_default_group
 
 _CPU = torch.device("cpu")
 
@@ -153,6 +153,11 @@ class CpuPlatform:
     def dtype_support(self) -> dict[str, bool]:
         # float8 tensors exist on CPU but have no arithmetic kernels.
         return {"bf16": True, "fp16": True, "fp64": True, "fp8": False}
+
+    def autocast(self, precision: str) -> AbstractContextManager[None]:
+        """`torch.autocast("cpu")` (a fake platform computes on CPU too). On a CPU with AMX
+        (Sapphire Rapids and later), bf16 matmuls run 2-7x faster than fp32 ones."""
+        return autocast("cpu", precision, supported=self.dtype_support(), kind=self.kind)
 
     # Optimizers ----------------------------------------------------------------------
     def optimizer_options(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ report an accelerator's identity so placement and mixed-cluster logic run in CI)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -161,6 +162,14 @@ class Platform(Protocol):
     # Dtypes.
     def dtype_support(self) -> dict[str, bool]: ...
 
+    def autocast(self, precision: str) -> AbstractContextManager[None]:
+        """Mixed precision for the code inside (`torch.autocast` on this platform's
+        device type): matmuls in `precision` ("bf16" or "fp16"), the ops torch's
+        autocast keeps in fp32 on that device type (losses such as cross-entropy; the
+        list differs by device type) in fp32; parameters stay as they are. "fp32": no
+        change. Raises `PlatformError` where `dtype_support()` says this platform lacks
+        the dtype, and ValueError for another name."""
+
     # Optimizers.
     def optimizer_options(self) -> dict[str, Any]: ...
 
@@ -230,6 +239,22 @@ class NoopStream:
 
     def synchronize(self) -> None:
         return None
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""`Platform.autocast`'s precisions and their compute dtypes."""
+
+
+def autocast(device_type: str, precision: str, *, supported: Mapping[str, bool], kind: str) -> AbstractContextManager[None]:
+    """The body of every `Platform.autocast`, for devices of `device_type` whose
+    platform (`kind`) reports `supported` (`Platform.dtype_support()`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if not supported.get(precision, False):
+        raise PlatformError(f"this {kind} platform has no {precision} arithmetic (dtype_support: {dict(supported)}); use precision fp32")
+    return torch.autocast(device_type, dtype=PRECISIONS[precision])
 
 
 def as_device(device: torch.device | str, *, device_type: str) -> torch.device:

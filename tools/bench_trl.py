@@ -16,8 +16,9 @@ held-out `evaluate`. The recipe maps onto `GRPOConfig` as:
 - clip_low / clip_high -> epsilon / epsilon_high; aggregation -> loss_type (token_mean is
   TRL's "dapo"); advantage -> scale_rewards (grpo divides by the group's std);
   kl_coef 0 -> beta 0 (no reference model);
-- float32 on the CPU, transformers generation (no vLLM), no activation checkpointing, no
-  logging, saving or evaluation during training.
+- train.precision -> bf16 (accelerate's mixed precision: autocast, fp32 weights, as
+  tidal's train engines do), else float32; transformers generation (no vLLM), no
+  activation checkpointing, no logging, saving or evaluation during training.
 
 TRL needs a Hugging Face tokenizer: `hf_tokenizer` wraps `CharTokenizer` (one token per
 character, same ids, BOS prepended) with the `tokenizers` library.
@@ -143,7 +144,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         shuffle_dataset=False,
         use_vllm=False,
         use_cpu=current_platform().device(0).type == "cpu",
-        bf16=False,
+        bf16=cfg.train.precision.value == "bf16",
         fp16=False,
         activation_checkpointing=False,
         logging_strategy="no",

@@ -33,6 +33,14 @@ class Runtime(enum.Enum):
     ray = "ray"
 
 
+class Precision(enum.Enum):
+    """Compute precisions of the train engines (`Platform.autocast`). No fp16: it needs
+    loss scaling, which the engines do not do."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class Attention(enum.Enum):
     """transformers attention implementations the tiny model runs with."""
 
@@ -130,6 +138,8 @@ class TrainConfig:
     """Sequences per forward/backward (gradients accumulate over a step)."""
     threads: int = 0
     """torch intra-op threads of the train stage; 0 = the run's `threads`."""
+    precision: Precision = Precision.fp32
+    """Compute precision of the RL phase's forward passes: fp32 | bf16 (matmuls in bf16 under the platform's autocast; weights, gradients, optimizer state and logprobs stay fp32; the warm start stays fp32)."""
 
 
 @dataclasses.dataclass

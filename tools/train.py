@@ -414,6 +414,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         grad_clip=cfg.train.grad_clip,
         micro_batch_size=cfg.train.micro_batch_size,
         temperature=cfg.rollout.temperature,
+        precision=cfg.train.precision.value,
         platform=platform,
         **engine_options,
     )

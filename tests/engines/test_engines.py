@@ -409,6 +409,49 @@ def test_positive_advantages_raise_the_sampled_tokens_logprob_and_sft_lowers_los
     assert losses[-1] < losses[0] and engine.version == 3
 
 
+def _linear_output_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """A set that fills, from now on, with the dtype of every `nn.Linear` output."""
+    seen: set[torch.dtype] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("batch_of, packs", [(_batch, False), (_grouped_batch, True)], ids=["plain", "packed"])
+def test_bf16_precision_runs_the_matmuls_in_bf16_and_keeps_fp32_state(monkeypatch, batch_of, packs):
+    batch = batch_of()
+    packed = []
+    monkeypatch.setattr(torch_train, "_pack", lambda *args, pack=torch_train._pack: packed.append(1) or pack(*args))
+    advantages = torch.linspace(-1.0, 1.0, len(batch))
+    fp32, bf16 = (TorchTrainEngine(tiny(attention="eager"), lr=1e-2, micro_batch_size=4, precision=p) for p in ("fp32", "bf16"))
+    seen = _linear_output_dtypes(bf16.model)
+    mask = batch.loss_mask != 0
+    want, got = fp32.logprobs(batch), bf16.logprobs(batch)
+    assert seen == {torch.bfloat16} and got.dtype == torch.float32
+    assert 0 < (got - want)[mask].abs().max() < 0.1  # bf16 rounding, nothing more
+    seen.clear()
+    before = (got * batch.loss_mask * advantages[:, None]).sum()
+    for _ in range(3):
+        bf16.train_step(batch, advantages, loss=PolicyLossConfig())
+    assert seen == {torch.bfloat16}
+    assert (bf16.logprobs(batch) * batch.loss_mask * advantages[:, None]).sum() > before  # it still learns
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    assert {t.dtype for state in bf16.optimizer.state.values() for t in state.values() if t.dim()} == {torch.float32}
+    assert bool(packed) == packs  # both forward paths: rows packed by prompt, and plain
+
+
+def test_a_precision_the_platform_lacks_is_refused_when_the_engine_is_built(monkeypatch):
+    from tidal.hal import PlatformError, current_platform
+
+    platform = current_platform()
+    monkeypatch.setattr(platform, "dtype_support", lambda: {"bf16": False, "fp16": True, "fp64": True, "fp8": False})
+    with pytest.raises(PlatformError, match="no bf16 arithmetic"):
+        TorchTrainEngine(tiny(), precision="bf16", platform=platform)
+    with pytest.raises(ValueError, match="unknown precision 'half'"):
+        TorchTrainEngine(tiny(), precision="half")
+
+
 def test_trainer_state_round_trip(tmp_path):
     batch = _batch()
     engine = TorchTrainEngine(tiny(), lr=1e-2)

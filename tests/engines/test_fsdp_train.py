@@ -488,6 +488,27 @@ def test_a_sharded_model_is_not_wrapped_twice(tmp_path):
         dist.destroy_process_group()
 
 
+def test_bf16_precision_runs_the_sharded_models_matmuls_in_bf16(tmp_path):
+    from tidal.hal import current_platform
+
+    current_platform().init_process_group(rank=0, world_size=1, init_method=f"file://{tmp_path / 'group'}")
+    try:
+        batch, advantages = _batch()
+        fp32, bf16 = (FSDPTrainEngine(_model(0), **ENGINE, precision=p) for p in ("fp32", "bf16"))
+        seen: set[torch.dtype] = set()
+        for module in bf16.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
+        mask = batch.loss_mask != 0
+        want, got = fp32.logprobs(batch), bf16.logprobs(batch)
+        assert seen == {torch.bfloat16} and got.dtype == torch.float32
+        assert 0 < (got - want)[mask].abs().max() < 0.1
+        bf16.train_step(batch, advantages, loss=PolicyLossConfig())
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_missing_process_group_is_a_clear_error(monkeypatch):
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)

@@ -98,6 +98,32 @@ def test_dtype_support(fake_npu, monkeypatch):
     assert p.optimizer_options() == {"fused": False}  # torch's fused kernels are not asked for on NPUs
 
 
+def test_autocast_is_torch_autocast_on_npu_devices_and_refuses_missing_bf16(fake_npu, monkeypatch):
+    p = hal.select_platform("npu").platform
+    entered = []
+
+    class Autocast:  # the fake torch_npu registers no "npu" device type with torch
+        def __init__(self, device_type, dtype):
+            entered.append((device_type, dtype))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch, "autocast", Autocast)
+    with p.autocast("bf16"):
+        pass
+    assert entered == [("npu", torch.bfloat16)]
+    monkeypatch.setattr(fake_npu, "is_bf16_supported", lambda: False)  # Ascend 910A
+    with pytest.raises(hal.PlatformError, match="this npu platform has no bf16 arithmetic.*use precision fp32"):
+        p.autocast("bf16")
+    with p.autocast("fp32"):  # asks the device nothing
+        pass
+    assert entered == [("npu", torch.bfloat16)]
+
+
 def test_comm_env_defaults_never_override_the_user(fake_npu, monkeypatch):
     p = hal.select_platform("npu").platform
     assert p.comm_env_defaults() == {

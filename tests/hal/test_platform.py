@@ -202,6 +202,21 @@ def test_dtype_flags(platform):
     assert flags["bf16"] and flags["fp64"] and not flags["fp8"]
 
 
+def test_autocast_runs_matmuls_in_the_precision_and_keeps_parameters(platform):
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    with platform.autocast("bf16"):
+        y = layer(x)
+        loss = torch.nn.functional.cross_entropy(y, torch.tensor([0, 2]))  # an op autocast keeps in fp32
+    assert y.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert layer.weight.dtype == torch.float32
+    with platform.autocast("fp32"):
+        assert layer(x).dtype == torch.float32
+    assert layer(x).dtype == torch.float32  # nothing left on after the block
+    with pytest.raises(ValueError, match="unknown precision 'int8': expected one of fp32, bf16, fp16"):
+        platform.autocast("int8")
+
+
 def test_visible_devices_and_comm_env(platform, monkeypatch):
     assert platform.comm_env_defaults() == {} and platform.apply_comm_env() == {}
     assert platform.process_group_backend == "gloo"

@@ -41,6 +41,8 @@ def test_grpo_config_matches_the_recipe(tmp_path):
     assert (args.max_completion_length, args.temperature, args.top_k, args.top_p) == (6, 1.0, 0, 1.0)
     assert (args.epsilon, args.epsilon_high, args.loss_type, args.scale_rewards, args.beta) == (0.2, 0.28, "dapo", "group", 0.0)
     assert args.use_cpu and not args.bf16 and not args.activation_checkpointing and not args.use_vllm and not args.shuffle_dataset
+    cfg, _ = prepare_run(resolve_recipe("quickstart_cpu"), [f"run_dir={tmp_path / 'run-bf16'}", "train.precision=bf16"])
+    assert bench_trl.grpo_config(cfg, tmp_path / "trl").bf16
 
 
 def test_grpo_config_refuses_what_trl_cannot_match(tmp_path):

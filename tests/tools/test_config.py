@@ -66,6 +66,7 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("task.max_number=0", "task.max_number=0 must be >= 1"),
         ("keep_checkpoints=-1", "keep_checkpoints=-1 must be >= 0"),
         ("train.threads=-1", "train.threads=-1 must be >= 0"),
+        ("train.precision=fp16", "key 'train.precision' in the command-line overrides expects one of fp32 | bf16, got 'fp16'"),
         ("algorithm.num_steps=0", "algorithm.num_steps=0 must be >= 1"),
         ("algorithm.group_size=1", "algorithm.group_size=1 must be >= 2: every advantage estimator compares"),
         ("rollout.temperature=0", "rollout.temperature=0.0 must be > 0"),
