@@ -6,7 +6,7 @@ hal platform gives; the optimizer is AdamW over the sharded (DTensor) parameters
 the platform's `optimizer_options()` (fused where its kernels allow). With
 `precision="bf16"` forward passes run under `platform.autocast` (mixed precision by
 autocast, not FSDP2's `MixedPrecisionPolicy`: shards, all-gathers and gradient
-reductions stay fp32, as do the optimizer's state). Each
+reductions stay fp32, and so does the optimizer's state). Each
 rank trains on its own rows of the batch; micro-batch losses are weighted by their share
 of the *global* batch's loss tokens or sequences (counted with one all-gather) and the
 gradient reduce-scatter sums instead of averaging, so a step over N ranks equals one

@@ -2,9 +2,10 @@
 
 AdamW, gradient clipping, micro-batches with gradient accumulation, logprobs recomputed
 with the current weights, and optional mixed precision (`precision="bf16"`: forward
-passes under `platform.autocast`, fp32 weights, gradients and optimizer state). The loss is `tidal.flow.algorithms.policy_loss`; micro-batch
-losses are weighted by their share of the batch's loss tokens (token aggregations) or
-sequences (sequence aggregations), so a step equals one full-batch step.
+passes under `platform.autocast`, fp32 weights, gradients and optimizer state). The loss
+is `tidal.flow.algorithms.policy_loss`; micro-batch losses are weighted by their share of
+the batch's loss tokens (token aggregations) or sequences (sequence aggregations), so a
+step equals one full-batch step.
 
 Less work per step, the same function of the weights (up to float rounding; tested):
 micro-batches hold rows of similar length (the batch's rows sorted by length, stable),
