@@ -45,6 +45,10 @@ def test_gpu_identity_and_devices(gpu):
     assert gpu.comm_env_defaults() == {"NCCL_CUMEM_ENABLE": "0"}
     flags = gpu.dtype_support()
     assert flags["fp16"] and flags["fp64"] and isinstance(flags["fp8"], bool)
+    layer = torch.nn.Linear(8, 8, device=gpu.device())
+    with gpu.autocast("fp16"):
+        assert layer(torch.randn(2, 8, device=gpu.device())).dtype == torch.float16
+    assert layer.weight.dtype == torch.float32
 
 
 @pytest.mark.gpu
