@@ -132,7 +132,11 @@ class TorchTrainEngine:
         mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
         with self.platform.autocast(self.precision):
             logits = self.model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
-        logits = logits.flatten(0, 1)[packed.predictors.to(device)]  # [rows, width, vocab]: predicts each row's response token j
+        # [rows, width, vocab]: what predicts each row's response token j. Rows share predictors
+        # (a prompt's last token), and `index_select`'s backward sums their gradients in a fixed
+        # order, where advanced indexing's (`index_put_` accumulating) does not on CPU threads.
+        predictors = packed.predictors.to(device)
+        logits = logits.flatten(0, 1).index_select(0, predictors.flatten()).unflatten(0, predictors.shape)
         starts = torch.tensor(shared.prompt_lengths, device=device)  # each row's first response token
         num_response = torch.tensor(shared.lengths, device=device) - starts
         width = logits.shape[1]
