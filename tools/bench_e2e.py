@@ -80,27 +80,37 @@ def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, ove
 
 
 def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), progress: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
-    """Every system for every seed; `trl` only when TRL is installed."""
+    """Every system for every seed; `trl` only when TRL is installed.
+
+    One round per seed runs every system once, in the order of `SYSTEMS` then TRL's on
+    even rounds and in reverse on odd ones. This machine's speed drifts over the minutes
+    a bench takes; rounds spread the drift over every system instead of charging it to
+    the systems that run last, and alternating cancels a steady drift over two rounds.
+    """
     from tidal.flow.placement import PlacementError  # noqa: PLC0415
     from tidal.tools import bench_trl  # noqa: PLC0415
 
+    def run_one(system: str, seed: int) -> dict[str, Any]:
+        if system in SYSTEMS:
+            return run_tidal(SYSTEMS[system], seed=seed, num_steps=num_steps, overrides=overrides)
+        return bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[f"threads={TRL_THREADS[system]}", *overrides])
+
+    systems = list(SYSTEMS)
+    if bench_trl.available():
+        systems += TRL_THREADS
+    else:
+        progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
     results: dict[str, list[dict[str, Any]]] = {}
-    for system, system_overrides in SYSTEMS.items():
-        for seed in seeds:
+    for round_, seed in enumerate(seeds):
+        for system in systems if round_ % 2 == 0 else systems[::-1]:
+            if "skipped" in results.get(system, [{}])[0]:
+                continue
             progress(f"{system}: seed {seed}, {num_steps} steps")
             try:
-                results.setdefault(system, []).append(run_tidal(system_overrides, seed=seed, num_steps=num_steps, overrides=overrides))
+                results.setdefault(system, []).append(run_one(system, seed))
             except PlacementError as e:  # e.g. the Ray system's two roles on a machine with one GPU
                 progress(f"{system}: skipped, its roles do not fit this machine: {e}")
                 results[system] = [{"skipped": f"its roles do not fit this machine: {e}"}]
-                break
-    if not bench_trl.available():
-        progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
-        return results
-    for system, threads in TRL_THREADS.items():
-        for seed in seeds:
-            progress(f"{system}: seed {seed}, {num_steps} steps")
-            results.setdefault(system, []).append(bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[f"threads={threads}", *overrides]))
     return results
 
 

@@ -62,6 +62,22 @@ def test_e2e_runs_each_one_stage_system_with_all_threads_with_one_and_sync_split
         assert bench_e2e.BASELINES["sync"] == ["tidal-sync", "tidal-sync-1t", "tidal-sync-split"]
 
 
+def test_e2e_runs_one_round_per_seed_alternating_the_order(monkeypatch):
+    from tidal.tools import bench_trl
+
+    run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
+    names = {tuple(o): name for name, o in bench_e2e.SYSTEMS.items()}
+    calls = []
+    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, seed, **_: calls.append((names[tuple(system_overrides)], seed)) or run)
+    monkeypatch.setattr(bench_trl, "available", lambda: True)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: calls.append((overrides[0], seed)) or run)
+    results = bench_e2e.run(seeds=[3, 4, 5], num_steps=3, progress=lambda m: None)
+    order = [*bench_e2e.SYSTEMS, *(f"threads={n}" for n in bench_e2e.TRL_THREADS.values())]
+    assert calls == [*((s, 3) for s in order), *((s, 4) for s in reversed(order)), *((s, 5) for s in order)]
+    assert list(results) == [*bench_e2e.SYSTEMS, *bench_e2e.TRL_THREADS]  # the table's rows keep their order
+    assert all(len(runs) == 3 for runs in results.values())
+
+
 def test_e2e_table_without_trl_says_how_to_install_it():
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
     header, sync_row, trl = bench_e2e.table({"tidal-sync": [run]})
