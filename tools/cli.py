@@ -108,9 +108,11 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           GRPOTrainer on the same warm start and prompts (installed with the [bench]
           extra; skipped otherwise). Sync and TRL run with torch's default threads
           and with one (-1t), sync also with one for rollout and the default for
-          training (-split); each ratio is against the fastest of them. --steps
-          and --seeds size it; key=value arguments override the recipe for every
-          system, e.g. device=cuda.
+          training (-split); each ratio is against the fastest of them. Systems
+          run in rounds, one per seed, in reverse every other round, so the
+          machine's drift falls on all of them. --steps and --seeds size it;
+          key=value arguments override the recipe for every system, e.g.
+          device=cuda or train.precision=bf16.
 
   weights the weight transports (host, collective, ipc, and ipc-placed: the sender's
           weights kept in the shared buffer) moving a model of 4 MB .. 1 GB between two
