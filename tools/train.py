@@ -35,9 +35,9 @@ from tidal.flow.store import Store, persist
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
-from tidal.hal import current_platform
+from tidal.hal import PlatformError, current_platform
 from tidal.tools import backends
-from tidal.tools.config import stage_threads
+from tidal.tools.config import ConfigError, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest, stop_on_signals
@@ -365,6 +365,10 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     console = Console(stderr=True)
     train_cls = backends.load("train.backend", cfg.train.backend)
     platform = current_platform()
+    try:  # now, not when the RL engine is built after the warm start
+        platform.autocast(cfg.train.precision.value)
+    except PlatformError as e:
+        raise ConfigError(f"train.precision={cfg.train.precision.value}: {e}") from None
     engine_options = engine_options or {}
     group_file = _one_process_group(train_cls, platform)
     tokenizer = CharTokenizer()

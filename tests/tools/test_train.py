@@ -122,3 +122,17 @@ def test_a_run_freezes_what_setup_made_for_the_cyclic_gc_and_unfreezes_it_after(
     assert summary["steps"] == 2
     assert max(tidal_test_rewards.frozen_counts) > 1000  # the model, optimizer, tokenizer...: frozen during the run (the held-out evaluations before and after score with it too)
     assert gc.get_freeze_count() == 0  # and free to be collected after it
+
+
+def test_a_precision_the_platform_lacks_fails_before_the_warm_start_naming_the_key(tmp_path, monkeypatch):
+    from tidal.hal import current_platform
+    from tidal.tools import train as train_module
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import prepare_run
+
+    cfg, run_dir = prepare_run(resolve_recipe("quickstart_cpu"), [f"run_dir={tmp_path / 'run'}", "train.precision=bf16"])
+    monkeypatch.setattr(current_platform(), "dtype_support", lambda: {"bf16": False, "fp16": True, "fp64": True, "fp8": False})
+    monkeypatch.setattr(train_module, "warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
+    with pytest.raises(ConfigError, match=r"train.precision=bf16: this cpu platform has no bf16 arithmetic .*use precision fp32"):
+        train_module.train(cfg, run_dir, progress=False)
