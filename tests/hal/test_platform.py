@@ -230,9 +230,13 @@ def test_visible_devices_and_comm_env(platform, monkeypatch):
         assert os.environ[var] == "2,3"
 
 
-def test_profile_range_is_a_noop_context(platform):
+def test_profile_range_runs_its_body_and_lets_errors_through(platform):
+    ran = []
     with platform.profile_range("generate"):
-        pass
+        ran.append(True)
+    assert ran == [True]
+    with pytest.raises(KeyError, match="inside"), platform.profile_range("generate"):
+        raise KeyError("inside")
 
 
 def test_zero_devices_report_and_refuse_to_compute():
