@@ -276,7 +276,8 @@ class RecipeConfig:
     threads: int = 0
     """torch intra-op threads of the RL stages (rollout and training); 0 = torch's default.
     `rollout.threads` and `train.threads` set one stage's. The warm start and the evaluations
-    run alone and always get torch's default."""
+    run alone and always get torch's default: every core in one process; under `runtime: ray`
+    the trainer actor's CPUs (Ray sets `OMP_NUM_THREADS` to them, 1 on the CPU quickstart)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy model."""
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
