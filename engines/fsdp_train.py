@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import rows_with_signal, use_platform_options
+from tidal.engines.torch_train import own_settings, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -244,7 +244,7 @@ class FSDPTrainEngine:
         elif op == "state_dict":
             self._state_dict()
         elif op == "load_state_dict":
-            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], param_groups=command["param_groups"], version=command["version"])
+            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], version=command["version"])
         elif op == "save_checkpoint":
             self._save_checkpoint(command["directory"])
         elif op == "load_checkpoint":
@@ -517,26 +517,24 @@ class FSDPTrainEngine:
         0: rank 0 calls it.
         """
         saved = state["optimizer"]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
         if self._leading:
-            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), param_groups=groups, version=int(state["version"]))
+            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]))
         names = self._fqns()
         optim = {
             "state": {names[int(i)]: s for i, s in saved["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
         }
-        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), param_groups=groups, version=int(state["version"]))
+        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]))
 
-    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, param_groups: list[dict[str, Any]], version: int) -> None:
-        """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on other ranks)."""
+    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int) -> None:
+        """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on
+        other ranks). The optimizer keeps this engine's settings (`own_settings`)."""
         set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
         if has_optimizer_state:
-            set_optimizer_state_dict(self.model, self.optimizer, optim if self.rank == 0 else {}, options=_FROM_RANK0)
+            with own_settings(self.optimizer):
+                set_optimizer_state_dict(self.model, self.optimizer, optim if self.rank == 0 else {}, options=_FROM_RANK0)
         else:
             self.optimizer.state.clear()
-        for group, saved_group in zip(self.optimizer.param_groups, param_groups):
-            group.update(saved_group)
-        use_platform_options(self.optimizer, self.platform)
         self.version = version
 
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -569,10 +567,10 @@ class FSDPTrainEngine:
             state["model"] = get_model_state_dict(self.model)
         dcp.load(state, checkpoint_id=str(directory))
         if has_optimizer:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            with own_settings(self.optimizer):
+                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         else:
             set_model_state_dict(self.model, state["model"])
             self.optimizer.state.clear()
-        use_platform_options(self.optimizer, self.platform)
         self.version = int(state["version"])
 

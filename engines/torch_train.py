@@ -25,6 +25,7 @@ on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -255,8 +256,8 @@ class TorchTrainEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._before_change()
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        use_platform_options(self.optimizer, self.platform)
+        with own_settings(self.optimizer):
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
 
 
@@ -380,12 +381,17 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     return _Packed(padded(tokens, 0), padded(positions, 0), causal & same_unit & sees, torch.tensor(predictors, dtype=torch.long))
 
 
-def use_platform_options(optimizer: torch.optim.Optimizer, platform: Platform) -> None:
-    """Set `platform.optimizer_options()` on every param group: a loaded optimizer state
-    carries its saver's (`fused` where another platform could not fuse), but how to step is
-    this platform's."""
-    for group in optimizer.param_groups:
-        group.update(platform.optimizer_options())
+@contextlib.contextmanager
+def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Load an optimizer's state from a checkpoint inside this block; after it, every param
+    group has this engine's settings back (lr, weight decay, betas, and the platform's
+    `optimizer_options()`, such as `fused`). A loaded state brings only its moments and step
+    counts: a run resumed with another `train.lr` trains at that lr, and a state saved
+    where AdamW was not fused steps the way this platform does."""
+    own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    yield
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings)
 
 
 def rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,7 @@ WORKER = textwrap.dedent(
     out["from_torch_version"] = other.version
     fused["torch_state"] = other.optimizer.param_groups[0]["fused"]
     out["fused"] = fused
+    out["from_torch_settings"] = {key: other.optimizer.param_groups[0][key] for key in ("lr", "weight_decay")}
     run(other, data["resume"])
     out["from_torch"] = export(other)
     if rank == 0:
@@ -319,6 +320,7 @@ def _write_data(work, reference: dict, shards: list[list[int]] = SHARDS) -> None
     data["torch_state"] = reference["engine"].state_dict()  # copied now, by torch.save
     for group in data["torch_state"]["optimizer"]["param_groups"]:
         group["fused"] = False  # as a platform without fused AdamW (an NPU) saves it
+        group.update(lr=0.5, weight_decay=0.5)  # as a run with other settings saves it: the engine keeps its own
     torch.save(data, work / "data.pt")
 
 
@@ -392,6 +394,12 @@ def test_adamw_is_fused_where_the_platform_says_so_whatever_saved_the_state(fsdp
     """The CPU platform's optimizer options (fused AdamW, on the sharded parameters too), kept
     through a checkpoint and through a state saved where AdamW was not fused."""
     assert fsdp_run["fused"] == {"built": True, "checkpoint": True, "torch_state": True}
+
+
+def test_a_loaded_state_keeps_the_engines_own_lr_and_weight_decay(fsdp_run):
+    """A state saved with lr and weight decay 0.5 (a run resumed with other `train.*` keys)
+    brings its moments, not its settings: the continued run equals one that never changed."""
+    assert fsdp_run["from_torch_settings"] == {"lr": ENGINE["lr"], "weight_decay": ENGINE["weight_decay"]}
 
 
 def _assert_same_weights(got: list, want: list) -> None:

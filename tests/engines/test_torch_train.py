@@ -357,6 +357,23 @@ def test_trainer_state_round_trip(tmp_path):
     assert engine.optimizer.param_groups[0]["fused"] is True  # the CPU platform's optimizer_options
 
 
+def test_a_loaded_state_brings_moments_not_settings(tmp_path):
+    """A run resumed with another `train.lr` or `train.weight_decay` trains with them: the
+    loaded optimizer state keeps its moments and step counts, the engine its settings."""
+    batch = _batch()
+    engine = TorchTrainEngine(tiny(), lr=1e-2, weight_decay=0.0)
+    engine.train_step(batch, torch.ones(4), loss=PolicyLossConfig())
+    torch.save(engine.state_dict(), tmp_path / "s.pt")
+    other = TorchTrainEngine(tiny(5), lr=3e-3, weight_decay=0.1, betas=(0.8, 0.99))
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert [(g["lr"], g["weight_decay"], g["betas"]) for g in other.optimizer.param_groups] == [(3e-3, 0.1, (0.8, 0.99))]
+    (param, *_) = other.model.parameters()
+    (saved, *_) = engine.model.parameters()
+    assert torch.equal(other.optimizer.state[param]["exp_avg"], engine.optimizer.state[saved]["exp_avg"])
+    assert float(other.optimizer.state[param]["step"]) == 1.0
+    assert other.train_step(batch, torch.ones(4), loss=PolicyLossConfig())["lr"] == 3e-3
+
+
 def test_a_resumed_optimizer_steps_the_way_its_platform_does(tmp_path):
     """A checkpoint saved where AdamW was not fused (another platform, an older tidal) is
     resumed with this platform's optimizer options, and steps as an unfused AdamW would."""

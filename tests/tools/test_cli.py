@@ -176,12 +176,13 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     assert summary["steps"] == 20 and 0.0 <= summary["accuracy_after"] <= 1.0
 
     resumed = tmp_path / "resumed"
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={run_dir}", *small[:-3], "algorithm.num_steps=24", small[-1], "--no-progress", env=env, cwd=tmp_path)
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={run_dir}", *small[:-3], "train.lr=0.0003", "algorithm.num_steps=24", small[-1], "--no-progress", env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stderr and "at version 20" in out.stderr and "Loading weights" not in out.stderr
-    assert f"resuming {run_dir} with these keys changed (the others as it ran):\n  checkpoint_every: 10 -> 100\n  algorithm.num_steps: 20 -> 24\n" in out.stdout
+    assert f"resuming {run_dir} with these keys changed (the others as it ran):\n  checkpoint_every: 10 -> 100\n  train.lr: 0.0002 -> 0.0003\n  algorithm.num_steps: 20 -> 24\n" in out.stdout
     more = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in more] == [21, 22, 23, 24]
+    assert {m["lr"] for m in steps} == {0.0002} and {m["lr"] for m in more} == {0.0003}  # the new lr, not the checkpoint's
     assert sum(m["reward"] for m in more) / 4 > first  # it continued from the trained weights
 
     again = tmp_path / "again"  # a finished run resumed: no step left, its new directory still gets the checkpoint
