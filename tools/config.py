@@ -527,10 +527,28 @@ def _check_values(cfg: Any) -> None:
         for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS)):
             if key in cfg.algorithm and cfg.algorithm[key] not in names:
                 raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
+        if "rollout" in cfg:
+            loss_config(cfg)  # every bound of the loss, now rather than after the warm start
     for key in REGISTRIES:
         section, _, field = key.partition(".")
         if section in cfg and (message := unknown(key, cfg[section][field])):
             raise ConfigError(message)
+
+
+def loss_config(cfg: Any) -> Any:
+    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`); "token_sum_norm"
+    divides by `rollout.max_new_tokens`, the longest response.
+
+    Raises:
+        ConfigError: naming the `algorithm.*` key whose value the loss refuses.
+    """
+    from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415
+
+    algo = cfg.algorithm
+    try:
+        return PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef, max_tokens=cfg.rollout.max_new_tokens)
+    except ValueError as e:  # the loss names its field: clip_low, clip_high, ...
+        raise ConfigError(f"algorithm.{e}") from None
 
 
 def check_runnable(cfg: Any) -> None:

@@ -37,7 +37,7 @@ from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import PlatformError, current_platform
 from tidal.tools import backends
-from tidal.tools.config import ConfigError, stage_threads
+from tidal.tools.config import ConfigError, loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest, stop_on_signals
@@ -104,7 +104,7 @@ def make_score(cfg: Any, tokenizer: CharTokenizer) -> Callable[[Sequence[Traject
 def workflow_config(cfg: Any) -> WorkflowConfig:
     """The recipe's RL loop settings."""
     algo = cfg.algorithm
-    loss = PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef)
+    loss = loss_config(cfg)
     return WorkflowConfig(
         num_steps=algo.num_steps,
         prompts_per_step=algo.prompts_per_step,

@@ -74,6 +74,7 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("model.num_heads=5", "hidden_size must be a multiple of num_heads"),
         ("algorithm.advantage=ppo", "algorithm.advantage='ppo' is not one of grpo, grpo_no_std, rloo, dr_grpo"),
         ("algorithm.aggregation=sum", "algorithm.aggregation='sum' is not one of token_mean"),
+        ("algorithm.clip_low=1", "algorithm.clip_low must be in [0, 1), got 1.0"),  # when the recipe loads, not after the warm start
         ("model.attention=flash", "key 'model.attention' in the command-line overrides expects one of sdpa | eager, got 'flash'"),
     ],
 )
@@ -135,3 +136,11 @@ def test_resolve_recipe_by_name_or_path(tmp_path):
     assert resolve_recipe(str(own)) == own
     with pytest.raises(ConfigError, match="shipped recipes: .*quickstart_cpu"):
         resolve_recipe("nope")
+
+
+def test_the_loss_takes_the_recipes_keys_and_token_sum_norm_the_longest_response():
+    from tidal.tools.config import loss_config
+
+    cfg = load_config(None, ["algorithm.aggregation=token_sum_norm", "rollout.max_new_tokens=7", "algorithm.clip_high=0.3"])
+    loss = loss_config(cfg)
+    assert (loss.aggregation, loss.max_tokens, loss.clip_high, loss.clip_low) == ("token_sum_norm", 7, 0.3, cfg.algorithm.clip_low)
