@@ -214,12 +214,13 @@ class TorchTrainEngine:
 
         def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs = self._token_logprobs(part)
+            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
             return policy_loss(
                 logprobs,
-                advantages[rows].to(self.device),
+                (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(self.device),
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, : logprobs.shape[1]].to(self.device),
+                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
                 config=loss,
             )
 

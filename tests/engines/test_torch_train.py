@@ -33,9 +33,13 @@ def _batch():
     return to_token_batch(trajectories, pad_id=T.pad_id)
 
 
-def test_micro_batches_give_the_same_step_as_one_batch():
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sequence", "per-token"])
+def test_micro_batches_give_the_same_step_as_one_batch(per_token):
+    """Micro-batches are cut to their longest row; per-token advantages are cut with them."""
     batch = _batch()
     advantages = torch.tensor([1.0, -0.5, 0.25, -1.0], dtype=torch.float64)
+    if per_token:
+        advantages = advantages[:, None] * torch.linspace(0.5, 1.5, batch.loss_mask.shape[1], dtype=torch.float64)
     results = []
     for micro in (1, 4):
         engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=micro)
