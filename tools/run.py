@@ -34,13 +34,17 @@ def _new_run_dir(cfg: Any) -> Path:
                 f"run_dir {str(run_dir)!r} already holds files; tidal never writes over a run: "
                 "choose a new run_dir (or leave it unset for a timestamped one)"
             )
-    else:
-        stem = Path(cfg.output_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir, n = stem, 1
-        while run_dir.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    stem = Path(cfg.output_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    run_dir, n = stem, 1
+    while True:  # claimed by creating it: two runs started in the same second get one each
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
             run_dir, n = Path(f"{stem}-{n}"), n + 1
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def latest_checkpoint(run_dir: Path) -> Path:

@@ -240,11 +240,19 @@ def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
 
 
 def truncate_metrics(path: Path, version: int) -> None:
-    """Keep only the steps up to `version` (a run resumed in its own directory redoes the rest)."""
+    """Keep only the steps up to `version` (a run resumed in its own directory redoes the
+    rest), and drop a line cut short (a process killed while writing it)."""
     if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= version]
+        kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= version]
         path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
         os.replace(path.with_suffix(".tmp"), path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def plot(metrics: list[dict[str, Any]], path: Path) -> None:

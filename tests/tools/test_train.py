@@ -12,9 +12,9 @@ import torch
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store, persist
-from tidal.tools.run import latest_checkpoint
+from tidal.tools.run import _new_run_dir, latest_checkpoint
 from tidal.tools.config import load_config, stage_threads
-from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, warm_start, workflow_config
+from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, truncate_metrics, warm_start, workflow_config
 
 
 def test_torch_threads_reach_stage_threads_started_inside_and_are_restored_after():
@@ -136,3 +136,21 @@ def test_a_precision_the_platform_lacks_fails_before_the_warm_start_naming_the_k
     monkeypatch.setattr(train_module, "warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
     with pytest.raises(ConfigError, match=r"train.precision=bf16: this cpu platform has no bf16 arithmetic .*use precision fp32"):
         train_module.train(cfg, run_dir, progress=False)
+
+
+def test_a_run_resumed_in_its_own_directory_keeps_its_steps_and_drops_a_line_cut_short(tmp_path):
+    """A trainer killed while it wrote a step's line leaves half a line; its restart
+    (`resume=` its own run directory) keeps the steps up to its checkpoint and goes on."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "rew')
+    truncate_metrics(path, 3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
+    import tidal.tools.run as run
+
+    monkeypatch.setattr(run.time, "strftime", lambda fmt: "20261125-120000")
+    cfg = load_config(None, [f"output_dir={tmp_path / 'runs'}"])
+    dirs = [_new_run_dir(cfg) for _ in range(3)]
+    assert [d.name for d in dirs] == [f"{cfg.name}-20261125-120000", f"{cfg.name}-20261125-120000-1", f"{cfg.name}-20261125-120000-2"]
