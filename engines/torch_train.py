@@ -26,6 +26,7 @@ on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -52,6 +53,7 @@ class TorchTrainEngine:
         micro_batch_size: int = 8,
         temperature: float = 1.0,
         precision: str = "fp32",
+        kl_reference: bool = False,
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
@@ -64,6 +66,9 @@ class TorchTrainEngine:
         optimizer state stay fp32, and logprobs are computed from fp32 logits."""
         self.device = self.platform.device(0)
         self.model = model.to(self.device).train()
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if kl_reference else None
+        """A frozen copy of the weights the engine was built with, the reference policy of a
+        loss with `kl_coef > 0` (`kl_reference=True`); kept in `state_dict()`."""
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
@@ -104,21 +109,23 @@ class TorchTrainEngine:
                     p.data = places[name]
         self._before_change = before_change
 
-    def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[rows, seq - 1] logprob of each next token; with grad when grad is enabled."""
+    def _token_logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """[rows, seq - 1] logprob of each next token under `model` (the trained one by
+        default); with grad when grad is enabled."""
+        model = self.model if model is None else model
         batch = batch.to(self.device)
         mask = batch.attention_mask
         right_padded = bool((mask[:, :1] != 0).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
         if right_padded and self._packs:
             shared = _shared_prompts(batch)
             if shared is not None:
-                return self._packed_logprobs(batch, shared, _pack(batch, shared))
+                return self._packed_logprobs(model, batch, shared, _pack(batch, shared))
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
+            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
-    def _packed_logprobs(self, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed) -> torch.Tensor:
+    def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed) -> torch.Tensor:
         """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).
 
         One forward over packed rows: each distinct prompt followed by the responses of
@@ -129,10 +136,10 @@ class TorchTrainEngine:
         in a loss) come out as 0.
         """
         device = self.device
-        dtype = next(self.model.parameters()).dtype
+        dtype = next(model.parameters()).dtype
         mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
+            logits = model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
         # [rows, width, vocab]: what predicts each row's response token j. Rows share predictors
         # (a prompt's last token), and `index_select`'s backward sums their gradients in a fixed
         # order, where advanced indexing's (`index_put_` accumulating) does not on CPU threads.
@@ -202,7 +209,10 @@ class TorchTrainEngine:
         return totals
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over `batch`; version += 1."""
+        """One optimizer step over `batch`; version += 1. A loss with `kl_coef > 0` takes its
+        reference logprobs from `self.reference` (an engine built with `kl_reference=True`)."""
+        if loss.kl_coef > 0 and self.reference is None:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
         num_tokens = float(batch.loss_mask.sum())
         num_sequences = float((batch.loss_mask.sum(1) > 0).sum())
         by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
@@ -221,6 +231,7 @@ class TorchTrainEngine:
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
                 proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
+                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
                 config=loss,
             )
 
@@ -231,6 +242,11 @@ class TorchTrainEngine:
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
         self.version += 1
         return metrics
+
+    @torch.no_grad()
+    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+        assert self.reference is not None  # train_step checked it
+        return self._token_logprobs(part, self.reference)
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step: next-token cross-entropy on `loss_mask` tokens (version unchanged)."""
@@ -252,13 +268,18 @@ class TorchTrainEngine:
         return LazyWeights(lambda: [TensorSpec.of(n, t) for n, t in self.model.state_dict().items()], tensors)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._before_change()
         self.model.load_state_dict(state["model"])
         with own_settings(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.reference is not None and "reference" in state:  # else the reference stays the weights the engine was built with
+            self.reference.load_state_dict(state["reference"])
         self.version = int(state["version"])
 
 

@@ -167,7 +167,8 @@ class AlgorithmConfig:
     tis_cap: Optional[float] = 2.0
     """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
     kl_coef: float = 0.0
-    """KL penalty to the initial (warm-started) policy; 0 = none."""
+    """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps
+    (and checkpoints); 0 = none. train.backend=torch only."""
 
 
 @dataclasses.dataclass
@@ -569,6 +570,8 @@ def check_runnable(cfg: Any) -> None:
             f"placement.train.count={count} needs a train.backend that trains over several processes "
             f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
         )
+    if cfg.algorithm.kl_coef > 0 and cfg.train.backend != "torch":
+        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend=torch holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend=torch")
     if count > 1 and cfg.runtime.value == "local":
         raise ConfigError(f"placement.train.count={count} needs runtime=ray (a process per trainer rank); runtime=local trains in this one process: set runtime=ray or placement.train.count=1")
     if cfg.runtime.value == "local":

@@ -210,7 +210,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     model = copy.deepcopy(template)
     model.load_state_dict(state["model"])
     save_model(model, tokenizer, tmp)
-    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state()}, tmp / "trainer.pt")
+    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state(), "reference": state.get("reference")}, tmp / "trainer.pt")
     position = save_data(tmp / "store.bin")
     (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": position, **extra}, indent=2))
     old = final.with_name(final.name + ".old")
@@ -428,10 +428,12 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         temperature=cfg.rollout.temperature,
         precision=cfg.train.precision.value,
         platform=platform,
+        **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
         **engine_options,
     )
     if saved is not None:
-        trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"]})
+        reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights
+        trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], **reference})
         _set_rng_state(saved["rng"])
     rollout = build_rollout_engine(cfg, copy.deepcopy(template), tokenizer, platform=platform, version=trainer.version)  # the trainer's weights too
     if turns is None and start_rollouts is None:

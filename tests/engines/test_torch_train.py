@@ -394,3 +394,33 @@ def test_a_resumed_optimizer_steps_the_way_its_platform_does(tmp_path):
     unfused.train_step(batch, -torch.ones(4), loss=PolicyLossConfig())
     resumed.train_step(batch, -torch.ones(4), loss=PolicyLossConfig())
     assert all(torch.allclose(a, b, atol=1e-6) for (_, a), (_, b) in zip(unfused.named_weights(), resumed.named_weights()))
+
+
+def test_a_kl_term_pulls_toward_the_frozen_reference_and_is_checkpointed(tmp_path):
+    """`kl_coef > 0` takes reference logprobs from the engine's frozen copy of the weights it
+    was built with: 0 KL at the first step, and over steps a strong KL term keeps the policy
+    nearer the reference than no KL term does. The copy survives a state round trip."""
+    batch = _batch()
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    with pytest.raises(ValueError, match="kl_reference=True"):
+        TorchTrainEngine(tiny(), lr=1e-2).train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
+
+    def drift(kl_coef: float) -> tuple[float, list[dict[str, float]]]:
+        engine = TorchTrainEngine(tiny(), lr=3e-2, kl_reference=True)
+        start = {n: t.clone() for n, t in engine.named_weights()}
+        metrics = [engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=kl_coef)) for _ in range(6)]
+        assert all(torch.equal(t, start[n]) for n, t in engine.reference.state_dict().items())  # frozen
+        return float(engine.logprobs(batch).sub(TorchTrainEngine(tiny(), lr=3e-2).logprobs(batch)).abs().mul(batch.loss_mask).sum()), metrics
+
+    free, free_metrics = drift(0.0)
+    held, held_metrics = drift(5.0)
+    assert "kl" not in free_metrics[0] and held_metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert held_metrics[-1]["kl"] > 0 and held < 0.8 * free, (held, free)
+
+    engine = TorchTrainEngine(tiny(), lr=3e-2, kl_reference=True)
+    engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
+    torch.save(engine.state_dict(), tmp_path / "s.pt")
+    other = TorchTrainEngine(tiny(5), lr=3e-2, kl_reference=True)
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(engine.reference.state_dict().values(), other.reference.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(other.reference.state_dict().values(), other.model.state_dict().values()))

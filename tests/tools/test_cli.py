@@ -323,3 +323,30 @@ def test_bench_overrides_are_for_e2e_only(tidal_cli):
     assert out.returncode == 2 and "weights takes no recipe overrides (got device=cuda); only e2e does" in out.stderr
     out = tidal_cli("bench", "store", "--repeats", "1", "device=cuda", "seed=2")  # after an option too
     assert out.returncode == 2 and "store takes no recipe overrides (got device=cuda seed=2)" in out.stderr
+
+
+def test_a_kl_run_keeps_the_warm_start_as_its_reference_through_a_resume(tidal_cli, tmp_path):
+    """`algorithm.kl_coef > 0`: the trainer keeps the warm start's weights as the reference
+    policy (KL 0 at the first step, above 0 later), checkpoints them, and a resumed run goes
+    on against that reference, not against the checkpoint's weights."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    small = ["task.num_eval_prompts=20", "sft.steps=20", "algorithm.kl_coef=0.05", "checkpoint_every=5", "--no-progress"]
+    run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", "algorithm.num_steps=10", *small, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    kl = [json.loads(line)["kl"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and max(kl) > 0
+    saved = torch.load(run_dir / "checkpoints" / "step-000010" / "trainer.pt", weights_only=False)["reference"]
+    warm = load_file(run_dir / "cache" / "warm_start" / "model.safetensors")
+    assert warm.keys() <= saved.keys() and all(torch.equal(saved[k], warm[k]) for k in warm)
+
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={run_dir}", "algorithm.num_steps=12", *small, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    again = [json.loads(line)["kl"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert len(again) == 2 and min(again) > 0  # against the warm start: the checkpoint's own weights would give 0 at step 11
+    saved = torch.load(resumed / "checkpoints" / "step-000012" / "trainer.pt", weights_only=False)["reference"]
+    assert all(torch.equal(saved[k], warm[k]) for k in warm)
