@@ -41,9 +41,11 @@ def guard(stage: Callable[[], None], *, stopping: threading.Event, errors: list[
     loop (`stop`); a store that ends its wait because the loop is `stopping` is the normal way out."""
     try:
         stage()
-    except (_Stop, StoreError):
+    except (_Stop, StoreError) as e:
         if not stopping.is_set():
-            errors.append(RuntimeError(f"stage {stage.__name__} lost its store"))
+            lost = RuntimeError(f"stage {stage.__name__.lstrip('_')} lost its store" + (f": {e}" if str(e) else ""))
+            lost.__cause__ = e
+            errors.append(lost)
             stop()
     except BaseException as e:  # noqa: BLE001 - the loop's owner re-raises it
         errors.append(e)
@@ -166,8 +168,8 @@ class Stages:
         """
         while True:
             self._admission.clear()
-            version = self.store.version
-            allowed = self._admitted()
+            version = self.store.version  # read once: the prompts are tagged with the version whose room admitted them
+            allowed = self._admitted(version)
             if not allowed:
                 self._check()
                 self._admission.wait()
@@ -181,10 +183,10 @@ class Stages:
                 self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
                 self._started += len(prompts) * self.config.group_size
 
-    def _admitted(self) -> int:
-        """How many more groups may start now (AReaL's staleness bound)."""
+    def _admitted(self, version: int) -> int:
+        """How many more groups may start at `version` (AReaL's staleness bound)."""
         cfg = self.config
-        room = (cfg.max_staleness + self.store.version + 1) * cfg.batch_size - (self._started - self._dropped())
+        room = (cfg.max_staleness + version + 1) * cfg.batch_size - (self._started - self._dropped())
         return max(room // cfg.group_size, 0)
 
     def _reward_stage(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -87,9 +88,9 @@ def test_async_bound_holds_at_admission_and_consumption():
     stages = workflow.stages
     original = stages._admitted
 
-    def spy() -> int:
-        n = original()
-        admitted.append((stages._started, stages.store.version, n))
+    def spy(version: int) -> int:
+        n = original(version)
+        admitted.append((stages._started, version, n))
         return n
 
     stages._admitted = spy
@@ -187,14 +188,20 @@ def _capture(fn, errors: list) -> None:
         errors.append(e)
 
 
-def test_rollout_waits_for_the_version_that_admitted_its_prompts():
+@pytest.mark.parametrize("slow_loader", [False, True], ids=["loader", "loader-slow-between-reads"])
+def test_rollout_waits_for_the_version_that_admitted_its_prompts(slow_loader):
     # A remote worker's version lands a while after publish() returned (and admission opened):
     # with max_staleness=0, rows generated meanwhile with the old weights would all be dropped,
     # and the trainer would wait for rows that admission never lets rollout start.
+    # `slow_loader`: a new version lands while the loader works out its room; its prompts
+    # still carry the version that room was for (they once carried the one before).
     cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 4})
     trainer, rollout = _engines()
     steps = []
     workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
+    if slow_loader:
+        admitted = workflow.stages._admitted
+        workflow.stages._admitted = lambda version: (time.sleep(0.1), admitted(version))[1]
     inbox = workflow.rollouts.worker.inbox
 
     def publish_late(version, named_weights):
@@ -331,3 +338,19 @@ def test_the_rollout_thread_keeps_its_own_torch_threads_while_the_trainer_keeps_
     finally:
         torch.set_num_threads(before)
     assert seen == {"generate": {1}, "train_step": {2}}
+
+
+def test_a_stage_that_loses_its_store_says_why():
+    """A store error in a stage ends the run with the store's own message (here: a store
+    restored from a run with fewer prompts per step, whose partition cannot take a step's
+    prompts), not only "lost its store"."""
+    from tidal.flow.stages import Stages
+    from tidal.flow.store import StoreError
+
+    store = Store()
+    Stages(store=store, prompts=[], score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 1}), version=0)
+    trainer, rollout = _engines()
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 5}))
+    with pytest.raises(RuntimeError, match=r"stage loader lost its store: .*can never fit partition 'prompts'") as e:
+        workflow.run()
+    assert isinstance(e.value.__cause__, StoreError)
