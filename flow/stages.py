@@ -80,17 +80,21 @@ class Stages:
         self.tracer = tracer or Tracer()
         store.set_version(version)
         for name, consumers in (("prompts", ["rollout"]), ("train", ["reward", "advantage", "train"])):
+            capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
+            capacity = max(capacity, config.batch_size)
             if name not in store.metrics()["partitions"]:
-                capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
-                store.create_partition(name, consumers=consumers, capacity_rows=max(capacity, config.batch_size))
+                store.create_partition(name, consumers=consumers, capacity_rows=capacity, lease_s=config.lease_s)
+            else:  # a restored store: this run's step size and lease (its rows stay as they were)
+                store.configure_partition(name, capacity_rows=max(capacity, store.metrics()["partitions"][name]["rows"]), lease_s=config.lease_s)
         self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
         self._stopping = threading.Event()
         self._loading = threading.Lock()  # held while prompts go from the source into the store
         self._dropped_seen = self._dropped()
         self._version_seen = version
         store.add_change_listener(self._on_store_change)
-        # As if every earlier step's samples were started in time (a resumed store's dropped rows count as started).
-        self._started = version * config.batch_size + self._dropped_seen
+        # Samples started: every earlier step's (as if in time), the dropped ones, and those a
+        # restored store holds in flight (prompts not yet generated, samples not yet trained).
+        self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
         self._waits: dict[str, float] = collections.defaultdict(float)
         self._num_failed_rewards = 0
         self._threads: list[threading.Thread] = []
@@ -137,6 +141,18 @@ class Stages:
     def _dropped(self) -> int:
         return self.store.consumer_counts("train", "train")["dropped"]
 
+    def _in_flight(self) -> int:
+        """Samples in the store that no step has trained or dropped yet: a group's worth for
+        each prompt row rollout has not acked (fresh, or a paused group handed back), and
+        each sample row the trainer has not acked. 0 in a new store."""
+        partitions = self.store.metrics()["partitions"]
+
+        def unacked(partition: str, consumer: str) -> int:
+            p = partitions[partition]
+            return p["rows"] + p["evicted"] - p["consumers"][consumer]["acked"]
+
+        return self.config.group_size * unacked("prompts", "rollout") + unacked("train", "train")
+
     def _on_store_change(self, partition: str | None) -> None:
         """Store listener (store lock held): rows the trainer's sampler dropped free room
         for more prompts, and so does a new version."""
@@ -166,22 +182,35 @@ class Stages:
         All prompts admitted at once go in one put, so a rollout worker's batches do not
         depend on timing.
         """
+        ran_out = False
         while True:
             self._admission.clear()
             version = self.store.version  # read once: the prompts are tagged with the version whose room admitted them
-            allowed = self._admitted(version)
-            if not allowed:
-                self._check()
-                self._admission.wait()
-                continue
-            with self._loading:
-                prompts = list(itertools.islice(self._prompt_iter, allowed))
-                if not prompts:
-                    return
-                self._check()
-                # each prompt carries the version that admitted it: rollout generates it with no older weights
-                self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
-                self._started += len(prompts) * self.config.group_size
+            allowed = 0 if ran_out else self._admitted(version)
+            if allowed:
+                with self._loading:
+                    prompts = list(itertools.islice(self._prompt_iter, allowed))
+                    if prompts:
+                        self._check()
+                        # each prompt carries the version that admitted it: rollout generates it with no older weights
+                        self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
+                        self._started += len(prompts) * self.config.group_size
+                        continue
+                    ran_out = True
+            if ran_out:
+                self._check_enough()
+            self._check()
+            self._admission.wait()
+
+    def _check_enough(self) -> None:
+        """With the prompt source used up: raise if the samples started, less those dropped,
+        can no longer fill the run's steps (the trainer would wait for them forever)."""
+        cfg, dropped = self.config, self._dropped()
+        if self._started - dropped < cfg.num_steps * cfg.batch_size:
+            raise RuntimeError(
+                f"the prompt source ran out: {cfg.num_steps} steps of {cfg.prompts_per_step} prompts need {cfg.num_steps * cfg.prompts_per_step} groups, "
+                f"and {self._started // cfg.group_size} started, {dropped} samples of them dropped as too stale; give more prompts (or a source that repeats), or fewer steps"
+            )
 
     def _admitted(self, version: int) -> int:
         """How many more groups may start at `version` (AReaL's staleness bound)."""

@@ -61,6 +61,11 @@ class WorkflowConfig:
     """Generated-token budget per sample."""
     prompts_per_generate: int = 4
     """Prompts (times group_size samples) the rollout stage generates in one batch."""
+    lease_s: float = 3600.0
+    """How long a stage may hold rows it took before the store hands them out again. Longer
+    than any generation and two train steps (the trainer takes the next step's rows while
+    one trains): a stage that dies gives its rows back at once (its process disconnects
+    from the store), so this only frees rows a hung one holds."""
     rollout_threads: int = 0
     """torch intra-op threads of the rollout thread (`LocalRollouts`); 0 = what torch gives
     a new thread (the count last set in this process)."""

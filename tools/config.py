@@ -272,6 +272,10 @@ class RecipeConfig:
     """Save a checkpoint every this many RL steps (and always at the end)."""
     keep_checkpoints: int = 0
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete. 0 = keep all."""
+    lease_s: float = 3600.0
+    """Seconds a stage may hold rows it took from the store before they are handed out again.
+    Must outlast any generation and two train steps; a stage that dies gives its rows back
+    at once, so this only frees rows that a hung one holds."""
     tensorboard: bool = True
     """Also write each step's metrics as TensorBoard scalars to run_dir/tensorboard, when the tensorboard package is installed."""
     threads: int = 0
@@ -487,7 +491,7 @@ _AT_LEAST = {
     "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0,
 }
 """Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run)."""
-_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap")
+_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "lease_s")
 """Recipe keys that must be > 0 when set."""
 _WHY = {
     "algorithm.group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",

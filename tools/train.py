@@ -116,6 +116,7 @@ def workflow_config(cfg: Any) -> WorkflowConfig:
         loss=loss,
         decoupled=algo.decoupled,
         rollout_threads=stage_threads(cfg, "rollout"),
+        lease_s=cfg.lease_s,
     )
 
 

@@ -91,6 +91,14 @@ class Store:
                 raise ValueError(f"partition {name!r} already exists")
             self._parts[name] = Partition(name, consumers, capacity_rows, capacity_bytes, lease_s)
 
+    def configure_partition(self, name: str, *, capacity_rows: int | None = None, lease_s: float | None = None) -> None:
+        """Set a partition's row capacity and lease (those given; a resumed run's settings)."""
+        with self._lock:
+            part = self._part(name)
+            part.capacity_rows = part.capacity_rows if capacity_rows is None else capacity_rows
+            part.lease_s = part.lease_s if lease_s is None else lease_s
+            self._notify()  # puts waiting for room look again
+
     def add_consumer(self, partition: str, consumer: str) -> None:
         """A new consumer of `partition`; it will see every row not yet evicted."""
         with self._lock:

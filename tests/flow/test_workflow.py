@@ -341,16 +341,116 @@ def test_the_rollout_thread_keeps_its_own_torch_threads_while_the_trainer_keeps_
 
 
 def test_a_stage_that_loses_its_store_says_why():
-    """A store error in a stage ends the run with the store's own message (here: a store
-    restored from a run with fewer prompts per step, whose partition cannot take a step's
-    prompts), not only "lost its store"."""
-    from tidal.flow.stages import Stages
+    from tidal.flow.stages import guard
     from tidal.flow.store import StoreError
+
+    def _reward_stage():
+        raise StoreError("a put of 10 rows can never fit partition 'train'")
+
+    errors: list = []
+    stopped = []
+    guard(_reward_stage, stopping=threading.Event(), errors=errors, stop=lambda: stopped.append(True))
+    assert stopped == [True] and str(errors[0]) == "stage reward_stage lost its store: a put of 10 rows can never fit partition 'train'"
+    assert isinstance(errors[0].__cause__, StoreError)
+    errors.clear()
+    stopping = threading.Event()
+    stopping.set()
+    guard(_reward_stage, stopping=stopping, errors=errors, stop=lambda: None)
+    assert errors == []  # the loop was stopping: the store's wait ending is the normal way out
+
+
+def test_a_store_restored_from_a_run_with_smaller_steps_takes_this_runs_steps():
+    """A resumed run may change `prompts_per_step` (or `max_staleness`): the restored
+    partitions get this run's capacity (a step's prompts did not fit, or a step's rows)
+    and lease."""
+    from tidal.flow.stages import Stages
 
     store = Store()
     Stages(store=store, prompts=[], score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 1}), version=0)
+    cfg = WorkflowConfig(max_staleness=1, lease_s=7200.0, **{**CONFIG, "prompts_per_step": 5})
     trainer, rollout = _engines()
-    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 5}))
-    with pytest.raises(RuntimeError, match=r"stage loader lost its store: .*can never fit partition 'prompts'") as e:
-        workflow.run()
-    assert isinstance(e.value.__cause__, StoreError)
+    steps = []
+    Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append).run()
+    assert [m["samples"] for m in steps] == [cfg.batch_size] * cfg.num_steps
+    assert store._part("prompts").lease_s == store._part("train").lease_s == 7200.0
+
+
+def test_train_steps_longer_than_the_stores_default_lease_train_each_row_once():
+    """Train steps of 400 s (the store's clock; a large model), with rollout the slower side:
+    the trainer holds the next step's rows for up to two steps. With the store's default
+    300 s lease they went back to the trainer and were trained twice or counted dropped;
+    the workflow's partitions lease for `lease_s` (an hour)."""
+    import collections
+
+    now = [0.0]
+    store = Store(clock=lambda: now[0])
+    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6})
+    trainer, rollout = _engines()
+    step, generate = trainer.train_step, rollout.generate
+
+    def slow_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        for _ in range(40):  # the clock moves while the step runs, as a real one would
+            time.sleep(0.01)
+            now[0] += 10.0
+        return out
+
+    def slow_generate(*args, **kwargs):
+        time.sleep(0.3)
+        return generate(*args, **kwargs)
+
+    trainer.train_step, rollout.generate = slow_step, slow_generate
+    steps = []
+    _run_or_fail(Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append))
+    trained = collections.Counter(group for m in steps for group in m["groups"])
+    assert len(steps) == 6 and set(trained.values()) == {1}
+    assert sum(m["dropped"] for m in steps) == 0 and store.consumer_counts("train", "train")["redelivered"] == 0
+
+
+def test_a_resumed_run_counts_the_restored_stores_samples_in_flight_as_started(tmp_path):
+    """A checkpoint's store holds prompts not yet generated and samples not yet trained. A
+    run resumed from it admits only what the bound leaves beside them (it once admitted a
+    whole window more: 48 samples started against a bound of 32)."""
+    from tidal.flow.stages import Stages
+    from tidal.flow.store import persist
+
+    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 2})
+    trainer, rollout = _engines()
+    workflow = None
+
+    def save_at_the_end(metrics):
+        if metrics["step"] == cfg.num_steps:
+            time.sleep(0.5)  # the loader and rollout fill what the bound admits at the last version
+            workflow.stages.save(tmp_path / "store.bin")
+
+    workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=save_at_the_end)
+    _run_or_fail(workflow)
+    store = persist.load(tmp_path / "store.bin")
+    state = store.state_dict()["partitions"]
+
+    def unacked(partition, consumer):
+        return state[partition]["next_index"] - state[partition]["num_evicted"] - len(state[partition]["consumers"][consumer])
+
+    in_flight = cfg.group_size * unacked("prompts", "rollout") + unacked("train", "train")
+    assert in_flight > 0  # the case this is about
+    version = cfg.num_steps
+    stages = Stages(store=store, prompts=iter(_prompts()), score=_score, config=cfg, version=version)
+    assert stages._started == version * cfg.batch_size + in_flight
+    started = version * cfg.batch_size + in_flight + stages._admitted(version) * cfg.group_size
+    window = (cfg.max_staleness + version + 1) * cfg.batch_size
+    assert window - cfg.group_size < started <= window
+
+
+def test_a_prompt_source_that_runs_out_before_the_last_step_ends_the_run_with_an_error():
+    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 2})  # 2 steps of 2 prompts
+    trainer, rollout = _engines()
+    steps = []
+    workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()[:3]), score=_score, config=cfg, on_step=steps.append)
+    with pytest.raises(RuntimeError, match=r"the prompt source ran out: 2 steps of 2 prompts need 4 groups, and 3 started"):
+        _run_or_fail(workflow)
+    assert [m["step"] for m in steps] == [1]
+
+    trainer, rollout = _engines()  # exactly enough: the run ends as it should
+    steps = []
+    _run_or_fail(Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()[:4]), score=_score, config=cfg, on_step=steps.append))
+    assert [m["step"] for m in steps] == [1, 2]
