@@ -24,7 +24,6 @@ the inbox is filled by the weight transport's receiver.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Iterable
@@ -34,7 +33,7 @@ import torch
 
 from tidal.flow.protocols import RolloutEngine
 from tidal.flow.store.samplers import TaggedFirst
-from tidal.flow.trace import Tracer
+from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory
 from tidal.hal.transfer import snapshot
 
@@ -229,7 +228,7 @@ class RolloutWorker:
         """Groups this worker paused and handed back to `prompts` for another worker to continue."""
         self.num_samples = 0
         self.versions_applied: list[int] = []
-        self.waits: dict[str, float] = collections.defaultdict(float)
+        self.waits = Waits()
 
     def run(self) -> None:
         while True:
@@ -239,7 +238,7 @@ class RolloutWorker:
             try:
                 batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping, sampler=RESUMED_FIRST)
             finally:
-                self.waits["rollout"] += time.perf_counter() - begin
+                self.waits.add("rollout", time.perf_counter() - begin)
             rows = list(zip(batch.indexes, batch.columns["prompt"]))
             groups = [group_of(index, prompt, self.group_size) for index, prompt in rows]
             trajectories = [t for group in groups for t in group]
@@ -298,7 +297,7 @@ class RolloutWorker:
                     raise Stop
                 self.apply_weights()
         finally:
-            self.waits["weights"] += time.perf_counter() - begin
+            self.waits.add("weights", time.perf_counter() - begin)
 
     def stop(self) -> None:
         """Stop the loop at its next check, including a wait for weights or for the store."""
@@ -364,5 +363,4 @@ class LocalRollouts:
         self.worker.stop()
 
     def metrics(self) -> dict[str, Any]:
-        waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)
-        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": waits}
+        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": self.worker.waits.take()}

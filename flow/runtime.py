@@ -203,8 +203,7 @@ class RolloutActor:
         self.worker.stop()
 
     def metrics(self) -> dict[str, Any]:
-        waits, self.worker.waits = dict(self.worker.waits), collections.defaultdict(float)
-        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": waits, "samples": self.worker.num_samples}
+        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": self.worker.waits.take(), "samples": self.worker.num_samples}
 
 
 DEATH_NOTICE_S = 120.0

@@ -18,7 +18,6 @@ too old. The loader wakes when either changes (a store change listener).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
@@ -32,7 +31,7 @@ from tidal.flow.algorithms import compute_advantages
 from tidal.flow.rollout import TRAJECTORY_COLUMNS, trajectories_of
 from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.store import Grouped, Store, StoreError, persist
-from tidal.flow.trace import Tracer
+from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import Trajectory
 
 
@@ -95,7 +94,7 @@ class Stages:
         # Samples started: every earlier step's (as if in time), the dropped ones, and those a
         # restored store holds in flight (prompts not yet generated, samples not yet trained).
         self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
-        self._waits: dict[str, float] = collections.defaultdict(float)
+        self._waits = Waits()
         self._num_failed_rewards = 0
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
@@ -124,8 +123,7 @@ class Stages:
     def metrics(self) -> dict[str, Any]:
         """{"failed_rewards": rows whose reward failed so far, "wait_s": {stage: seconds
         waited since the last call}}."""
-        waits, self._waits = dict(self._waits), collections.defaultdict(float)
-        return {"failed_rewards": self._num_failed_rewards, "wait_s": waits}
+        return {"failed_rewards": self._num_failed_rewards, "wait_s": self._waits.take()}
 
     def save(self, path: str | Path) -> int | None:
         """Save the store to `path` (`persist.save`) with no prompt between the prompt
@@ -174,7 +172,7 @@ class Stages:
         try:
             return self.store.get(*args, cancel=self._stopping, **kwargs)
         finally:
-            self._waits[stage] += time.perf_counter() - begin
+            self._waits.add(stage, time.perf_counter() - begin)
 
     def _loader(self) -> None:
         """Admission control: put prompts only while the staleness bound admits their groups.

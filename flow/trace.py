@@ -77,3 +77,22 @@ class Tracer:
                 meta.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}})
                 meta.extend({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}} for track, tid in tracks.items())
             Path(path).write_text(json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}))
+
+
+class Waits:
+    """Seconds each stage waited: added by the stages' threads, taken (and reset) by the
+    thread that reports a step, without losing an addition made while it takes them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[stage] = self._seconds.get(stage, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        """The seconds added since the last `take`, by stage."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, {}
+            return seconds

@@ -30,7 +30,6 @@ from tidal.engines.rewards import resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS, TASKS
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.store import Store, persist
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch

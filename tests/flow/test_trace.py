@@ -42,3 +42,25 @@ def test_a_merged_tracer_becomes_a_process_of_its_own_on_this_clock(tmp_path):
     assert generate["name"] == "generate" and generate["args"] == {"samples": 8}
     assert 40e3 < generate["ts"] < 1e6  # shifted by the 50 ms between the two starts
     assert generate["dur"] >= 10e3
+
+
+def test_waits_added_while_they_are_taken_are_never_lost():
+    import threading
+
+    from tidal.flow.trace import Waits
+
+    waits, taken, done = Waits(), [], threading.Event()
+
+    def add():
+        for _ in range(20000):
+            waits.add("reward", 1.0)
+        done.set()
+
+    thread = threading.Thread(target=add)
+    thread.start()
+    while not done.is_set():
+        taken.append(waits.take())
+    thread.join()
+    taken.append(waits.take())
+    assert sum(t.get("reward", 0.0) for t in taken) == 20000.0
+    assert waits.take() == {}
