@@ -115,9 +115,11 @@ class Stages:
             raise self._errors[0]
 
     def stop(self) -> None:
-        """Ask the stages to end (at once: their waits in the store are cancelled)."""
+        """Ask the stages to end (at once: their waits in the store are cancelled); the store
+        stops calling them (it may outlive this run)."""
         self._stopping.set()
         self._admission.set()
+        self.store.remove_listener(self._on_store_change)
         self.store.wake()
 
     def metrics(self) -> dict[str, Any]:

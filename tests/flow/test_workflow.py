@@ -366,12 +366,13 @@ def test_a_store_restored_from_a_run_with_smaller_steps_takes_this_runs_steps():
     from tidal.flow.stages import Stages
 
     store = Store()
-    Stages(store=store, prompts=[], score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 1}), version=0)
+    Stages(store=store, prompts=[], score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 1}), version=0).stop()  # the run before
     cfg = WorkflowConfig(max_staleness=1, lease_s=7200.0, **{**CONFIG, "prompts_per_step": 5})
     trainer, rollout = _engines()
     steps = []
     Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append).run()
     assert [m["samples"] for m in steps] == [cfg.batch_size] * cfg.num_steps
+    assert store._change_listeners == []  # both runs' stages let go of the store they leave behind
     assert store._part("prompts").lease_s == store._part("train").lease_s == 7200.0
 
 
