@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import own_settings, rows_with_signal
+from tidal.engines.torch_train import mask_sequences, own_settings, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -353,16 +353,22 @@ class FSDPTrainEngine:
         different number of them), advantages and proximal logprobs for those rows.
         Led by rank 0: `batch` is every row; rank 0 drops the rows without advantage
         (see `_train_step`) before it shares out the rest, so every rank gets its part of
-        the rows that run, and sends the whole batch's counts along.
+        the rows that run, and sends the whole batch's counts along. Sequence masking is
+        decided before any of that (`mask_sequences`; SPMD: by each rank for its rows).
         """
+        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
             whole = None
             if loss.kl_coef == 0:
                 whole = _counts(batch)
                 batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
             (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss, whole=whole)
-            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole)
-        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
+            metrics = self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole)
+        else:
+            metrics = self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
+        if masked is not None:
+            metrics["seq_masked_fraction"] = masked
+        return metrics
 
     def _train_step(
         self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None

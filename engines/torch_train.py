@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss, sequence_keep
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
@@ -213,6 +213,7 @@ class TorchTrainEngine:
         reference logprobs from `self.reference` (an engine built with `kl_reference=True`)."""
         if loss.kl_coef > 0 and self.reference is None:
             raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
+        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         num_tokens = float(batch.loss_mask.sum())
         num_sequences = float((batch.loss_mask.sum(1) > 0).sum())
         by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
@@ -240,6 +241,8 @@ class TorchTrainEngine:
             among = rows_with_signal(advantages, batch.loss_mask)
         metrics = self._step(batch, micro_loss, weight_of, among)
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
+        if masked is not None:
+            metrics["seq_masked_fraction"] = masked
         self.version += 1
         return metrics
 
@@ -414,6 +417,25 @@ def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     yield
     for group, settings in zip(optimizer.param_groups, own, strict=True):
         group.update(settings)
+
+
+def mask_sequences(batch: TokenBatch, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, logprobs: Callable[[TokenBatch], torch.Tensor]) -> tuple[TokenBatch, PolicyLossConfig, float | None]:
+    """Sequence masking decided over the whole batch before it is cut into micro-batches:
+    the dropped rows lose their loss tokens, and the loss goes on without masking. So each
+    micro-batch is weighed by the tokens (or sequences) it keeps, and the step equals one
+    full-batch step; masking inside each micro-batch left the loss short by the dropped share
+    when the drops were not spread evenly. Returns the batch, the loss and the fraction of
+    sequences dropped (None without sequence masking). With `proximal_is_policy` and no
+    `proximal_logprobs`, the decision needs the current policy's logprobs: one pass more."""
+    if loss.seq_mask_low is None and loss.seq_mask_high is None:
+        return batch, loss, None
+    behavior = batch.behavior_logprobs
+    prox = proximal_logprobs if proximal_logprobs is not None else logprobs(batch) if loss.proximal_is_policy else behavior
+    keep = sequence_keep(prox[:, : behavior.shape[1]].cpu(), behavior.cpu(), batch.loss_mask.cpu(), low=loss.seq_mask_low, high=loss.seq_mask_high)
+    has_tokens = (batch.loss_mask.cpu() != 0).any(1)
+    dropped = float((~keep & has_tokens).sum()) / max(int(has_tokens.sum()), 1)
+    batch = dataclasses.replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask.device, batch.loss_mask.dtype))
+    return batch, dataclasses.replace(loss, seq_mask_low=None, seq_mask_high=None), dropped
 
 
 def rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from tidal.flow.algorithms.losses import (
     kl_estimate,
     masked_mean,
     policy_loss,
+    sequence_keep,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "masked_mean",
     "policy_loss",
     "rloo",
+    "sequence_keep",
 ]

@@ -165,6 +165,25 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, *, how: str, max_tokens:
     return masked_mean(per_seq, has_tokens)
 
 
+def _within(seq_log_weight: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    keep = torch.ones_like(seq_log_weight, dtype=torch.bool)
+    if low is not None:
+        keep &= seq_log_weight.exp() >= low
+    if high is not None:
+        keep &= seq_log_weight.exp() <= high
+    return keep
+
+
+def sequence_keep(proximal_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor, *, low: float | None, high: float | None) -> torch.Tensor:
+    """Sequence masking's decision, `[batch]` bool: True where `exp(masked mean of (proximal
+    - behavior))` lies within `[low, high]` (None: unbounded), as `policy_loss` decides it.
+    A train engine that cuts a batch into micro-batches decides it for the whole batch first,
+    so each micro-batch is weighed by the tokens it keeps."""
+    valid = mask != 0
+    log_weight = torch.where(valid, proximal_logprobs.detach() - behavior_logprobs.detach(), 0)
+    return _within(masked_mean(log_weight, mask.to(log_weight.dtype), dim=-1), low, high)
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimates of KL(policy || reference) from samples of the policy.
 
@@ -281,11 +300,7 @@ def policy_loss(
     num_seqs_with_tokens = valid.any(-1).sum()
 
     seq_log_weight = masked_mean(prox_log_weight, mask, dim=-1)
-    keep = torch.ones_like(seq_log_weight, dtype=torch.bool)
-    if config.seq_mask_low is not None:
-        keep &= seq_log_weight.exp() >= config.seq_mask_low
-    if config.seq_mask_high is not None:
-        keep &= seq_log_weight.exp() <= config.seq_mask_high
+    keep = _within(seq_log_weight, config.seq_mask_low, config.seq_mask_high)
     num_dropped = (~keep & valid.any(-1)).sum()
     mask = mask * keep.unsqueeze(-1)
     valid = mask != 0

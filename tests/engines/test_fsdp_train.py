@@ -30,9 +30,11 @@ MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermed
 ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2)
 SHARDS = [[0, 1, 2, 3], [4, 5]]
 """Rows of each rank: rank 0 has 2 micro-batches (the second with no loss token), rank 1 one."""
-PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}, {"aggregation": "token_mean", "scale": 0.0}]
+PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}, {"aggregation": "token_mean", "scale": 0.0}, {"aggregation": "token_mean", "seq_mask_low": 0.5, "seq_mask_high": 2.0}]
 """The steps both engines take: policy losses with three aggregations, a supervised step,
-and a step whose advantages are all zero (no row runs anywhere; AdamW still steps)."""
+a step whose advantages are all zero (no row runs anywhere; AdamW still steps), and one
+with sequence masking (decided before the rows are shared out)."""
+NUM_RL_STEPS = sum(step != "sft" for step in PLAN)
 RESUME = [{"aggregation": "token_mean"}, "sft"]
 """The steps taken after the checkpoint, once by the saver and once by a fresh engine that loaded it."""
 
@@ -344,7 +346,7 @@ def led_run(tmp_path_factory: pytest.TempPathFactory, reference: dict) -> dict:
 
 
 def test_two_rank_steps_equal_one_full_batch_torch_step(fsdp_run, reference):
-    assert fsdp_run["version"] == reference["engine"].version == 4  # sft steps keep the version
+    assert fsdp_run["version"] == reference["engine"].version == NUM_RL_STEPS  # sft steps keep the version
     _assert_same_weights(fsdp_run["weights"], reference["weights"])
     _assert_same_logprobs(fsdp_run["logprobs"], reference["logprobs"][SHARDS[0]], reference["batch"].select(SHARDS[0]))
     for got, want in zip(fsdp_run["metrics"], reference["metrics"], strict=True):
@@ -353,7 +355,7 @@ def test_two_rank_steps_equal_one_full_batch_torch_step(fsdp_run, reference):
         # differ from the ranks' (see the led test): only batch-level values compare.
         for key in ("loss", "grad_norm", "num_tokens", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
-        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 6.0)  # policy steps: rows 2-5 (rank 1 ran none), or all
+        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 5.0, 6.0)  # policy steps: rows 2-5 (rank 1 ran none), and one masked out, or all
 
 
 def test_exported_weights_are_the_unsharded_models(fsdp_run, reference):
@@ -366,7 +368,7 @@ def test_exported_weights_are_the_unsharded_models(fsdp_run, reference):
 
 
 def test_checkpoint_resume_repeats_the_same_steps(fsdp_run):
-    assert fsdp_run["loaded_version"] == 4
+    assert fsdp_run["loaded_version"] == NUM_RL_STEPS
     assert [n for n, _ in fsdp_run["continued"]] == [n for n, _ in fsdp_run["reloaded"]]
     for (name, a), (_, b) in zip(fsdp_run["continued"], fsdp_run["reloaded"]):
         assert torch.equal(a, b), name
@@ -379,14 +381,14 @@ def test_state_dict_loads_into_the_torch_engine(fsdp_run, reference):
     """`state_dict()` is the torch engine's format: a torch engine continues where FSDP stopped."""
     engine = TorchTrainEngine(_model(9), **ENGINE)
     engine.load_state_dict(fsdp_run["state"])
-    assert engine.version == 4
+    assert engine.version == NUM_RL_STEPS
     _run_torch(engine, reference["batch"], reference["advantages"], RESUME)
     _assert_same_weights(list(engine.named_weights()), fsdp_run["continued"])
 
 
 def test_torch_engine_state_loads_into_fsdp(fsdp_run):
     """The other way round: FSDP engines that loaded the torch engine's state continue as FSDP did."""
-    assert fsdp_run["from_torch_version"] == 4
+    assert fsdp_run["from_torch_version"] == NUM_RL_STEPS
     _assert_same_weights(fsdp_run["from_torch"], fsdp_run["continued"])
 
 
@@ -423,7 +425,7 @@ def _assert_same_logprobs(got: torch.Tensor, want: torch.Tensor, batch: TokenBat
 
 def test_led_by_rank0_equals_one_full_batch_torch_step(led_run, reference):
     """Rank 0 alone is called with all six rows; rank 1 trains on its share through `follow()`."""
-    assert led_run["version"] == 4
+    assert led_run["version"] == NUM_RL_STEPS
     _assert_same_weights(led_run["weights"], reference["weights"])
     _assert_same_logprobs(led_run["logprobs"], reference["logprobs"], reference["batch"])  # every row, in order
     _assert_same_logprobs(led_run["one_row"], reference["logprobs"][:1], reference["batch"].select([0]))
@@ -434,7 +436,7 @@ def test_led_by_rank0_equals_one_full_batch_torch_step(led_run, reference):
         # ratio_mean are weighted by micro-batch and do.
         for key in ("loss", "grad_norm", "num_tokens", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
-        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 6.0)
+        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 5.0, 6.0)
 
 
 def test_a_follower_parks_its_shards_between_commands(led_run):
@@ -452,7 +454,7 @@ def test_a_follower_parks_its_shards_between_commands(led_run):
 def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
     """A second engine on rank 0 (the followers build theirs) loads the first one's state and goes on
     exactly as the SPMD engine did after the same steps."""
-    assert led_run["loaded_version"] == 4
+    assert led_run["loaded_version"] == NUM_RL_STEPS
     assert [n for n, _ in led_run["loaded"]] == [n for n, _ in led_run["weights"]]
     for (name, a), (_, b) in zip(led_run["loaded"], led_run["weights"]):
         assert torch.equal(a, b), name
@@ -541,10 +543,10 @@ def test_one_rank_on_a_real_gpu_takes_the_torch_engines_steps(tmp_path, referenc
     _write_data(tmp_path, reference, shards=[[0, 1, 2, 3, 4, 5]])
     _spawn(tmp_path, WORKER, world=1, device="cuda")
     run = torch.load(tmp_path / "result.pt", weights_only=False, map_location="cpu")
-    assert run["version"] == reference["engine"].version == 4
+    assert run["version"] == reference["engine"].version == NUM_RL_STEPS
     got = dict(run["weights"])
     for name, expected in reference["weights"]:  # float32 on another device: sums in another order
         atol = 3e-2 if name.endswith("k_proj.bias") else 1e-4  # see _assert_same_weights
         torch.testing.assert_close(got[name], expected, atol=atol, rtol=0, msg=name)
-    assert run["loaded_version"] == 4
+    assert run["loaded_version"] == NUM_RL_STEPS
     _assert_same_weights(run["reloaded"], run["continued"])  # the checkpoint resumed exactly

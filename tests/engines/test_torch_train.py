@@ -50,6 +50,28 @@ def test_micro_batches_give_the_same_step_as_one_batch(per_token):
         assert torch.allclose(results[0][name], results[1][name], atol=1e-8), name
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["proximal-is-policy", "proximal-given"])
+def test_sequence_masking_over_micro_batches_gives_the_full_batch_step(given):
+    """One of four rows masked out (its behavior logprobs far below the policy's): the
+    loss of micro-batches of one row each is the full batch's, and so is the step.
+    Masking inside each micro-batch once left the loss a quarter short."""
+    batch = _batch()
+    batch.behavior_logprobs[0] -= 5.0 * batch.loss_mask[0]  # exp(proximal - behavior) ~ e^5: above seq_mask_high
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0], dtype=torch.float64)
+    cfg = PolicyLossConfig(seq_mask_high=2.0, tis_cap=None, proximal_is_policy=True)
+    results = []
+    for micro in (1, 4):
+        engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=micro)
+        proximal = engine.logprobs(batch) if given else None
+        full, _ = torch_train.policy_loss(engine._token_logprobs(batch), advantages, behavior_logprobs=batch.behavior_logprobs.double(), mask=batch.loss_mask, config=cfg)
+        metrics = engine.train_step(batch, advantages, loss=cfg, proximal_logprobs=proximal)
+        assert metrics["loss"] == pytest.approx(float(full.detach()), rel=1e-6)
+        assert metrics["seq_masked_fraction"] == 0.25
+        results.append(dict(engine.named_weights()))
+    for name in results[0]:
+        assert torch.allclose(results[0][name], results[1][name], atol=1e-10), name
+
+
 def test_torch_engine_keeps_its_weights_where_it_is_told_and_lets_readers_finish_before_they_change():
     """`share_weights` (a transport's shared buffer, here a plain tensor): the weights move
     there (the tied head with the embedding), a step is the same step, and the hook runs

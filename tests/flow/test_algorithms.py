@@ -18,6 +18,7 @@ from tidal.flow.algorithms import (
     masked_mean,
     policy_loss,
     rloo,
+    sequence_keep,
 )
 
 EPS = 1e-6
@@ -407,3 +408,16 @@ def test_config_is_checked_again_when_used():
     config.aggregation = "sum"
     with pytest.raises(ValueError, match="aggregation"):
         policy_loss(torch.zeros(1, 1), torch.zeros(1), behavior_logprobs=torch.zeros(1, 1), mask=torch.ones(1, 1), config=config)
+
+
+def test_sequence_keep_is_policy_losss_own_decision():
+    # row means of (proximal - behavior) over the mask: 0, ln 2, -ln 4 -> weights 1, 2, 0.25;
+    # the padding of row 0 (nan) is outside the mask and never counts.
+    prox = torch.tensor([[0.3, -0.3, float("nan")], [math.log(2), math.log(2), 0.0], [-math.log(4), 0.0, 0.0]])
+    behavior = torch.zeros(3, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    keep = sequence_keep(prox, behavior, mask, low=0.5, high=1.5)
+    assert keep.tolist() == [True, False, False]
+    assert sequence_keep(prox, behavior, mask, low=None, high=None).tolist() == [True, True, True]
+    _, metrics = policy_loss(torch.zeros(3, 3), torch.ones(3), behavior_logprobs=behavior, mask=mask, proximal_logprobs=prox, config=PolicyLossConfig(seq_mask_low=0.5, seq_mask_high=1.5))
+    assert metrics["seq_masked_fraction"] == pytest.approx(2 / 3)
