@@ -38,13 +38,17 @@ def arithmetic(trajectory: Trajectory, text: str) -> float:
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
-def _evaluate(node: ast.AST, used: list[int]) -> float:
+def _evaluate(node: ast.AST, available: list[int]) -> float:
+    """The expression's value; each number it uses is taken from `available` before any
+    arithmetic, so one that is not there (or a huge literal) fails before it is computed."""
     if isinstance(node, ast.Expression):
-        return _evaluate(node.body, used)
+        return _evaluate(node.body, available)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return _BINARY[type(node.op)](_evaluate(node.left, used), _evaluate(node.right, used))
+        return _BINARY[type(node.op)](_evaluate(node.left, available), _evaluate(node.right, available))
     if isinstance(node, ast.Constant) and type(node.value) is int:
-        used.append(node.value)
+        if node.value not in available:
+            raise ValueError(f"{node.value} is not one of the numbers left")
+        available.remove(node.value)
         return node.value
     raise ValueError(f"not allowed in a countdown expression: {type(node).__name__}")
 
@@ -53,16 +57,10 @@ def countdown(trajectory: Trajectory, text: str) -> float:
     """1.0 for an expression over `meta["numbers"]` (each at most once) equal to `meta["target"]`;
     0.1 for a valid expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd."""
     expression = text.strip().split("\n")[0]
-    used: list[int] = []
     try:
-        value = _evaluate(ast.parse(expression, mode="eval"), used)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        value = _evaluate(ast.parse(expression, mode="eval"), list(trajectory.meta["numbers"]))
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, OverflowError):
         return 0.0
-    available = list(trajectory.meta["numbers"])
-    for n in used:
-        if n not in available:
-            return 0.0
-        available.remove(n)
     return 1.0 if math.isclose(value, trajectory.meta["target"], abs_tol=1e-9) else 0.1
 
 

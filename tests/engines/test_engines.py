@@ -186,6 +186,8 @@ def test_verifiers():
     assert countdown(c, "7+7+8") == 0.0  # 7 twice, 8 not given
     assert countdown(c, "__import__('os')") == 0.0 and countdown(c, "3/0") == 0.0 and countdown(c, "(((") == 0.0
     assert countdown(Trajectory(prompt_ids=[1], meta={"numbers": [6, 3], "target": 2}), "6/3") == 1.0
+    huge = "9" * 400  # not a number given, and too large for a float: 0.0 before any arithmetic, not an error
+    assert countdown(c, f"{huge}/3") == 0.0 and countdown(c, f"(3/5)*{huge}") == 0.0
 
 
 def test_resolve_reward_and_failing_rewards_do_not_crash():
