@@ -157,10 +157,13 @@ def evaluate(model: torch.nn.Module, tokenizer: CharTokenizer, items: list[dict[
         input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(x)) + x for x in ids], device=device)
         mask = (torch.arange(width, device=device)[None, :] >= torch.tensor([width - len(x) for x in ids], device=device)[:, None]).long()
         out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id)
+        trajectories, texts = [], []
         for item, row in zip(chunk, out[:, width:].tolist()):
             tokens = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-            t = Trajectory(prompt_ids=[], meta={k: v for k, v in item.items() if k != "prompt_ids"})
-            correct += reward(t, tokenizer.decode(tokens)) == 1.0
+            trajectories.append(Trajectory(prompt_ids=[], meta={k: v for k, v in item.items() if k != "prompt_ids"}))
+            texts.append(tokenizer.decode(tokens))
+        rewards, _ = score(reward, trajectories, texts)  # a reward that fails scores the answer 0, as in RL
+        correct += sum(r == 1.0 for r in rewards)
     model.train(was_training)
     return correct / max(len(items), 1)
 

@@ -154,3 +154,20 @@ def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypa
     cfg = load_config(None, [f"output_dir={tmp_path / 'runs'}"])
     dirs = [_new_run_dir(cfg) for _ in range(3)]
     assert [d.name for d in dirs] == [f"{cfg.name}-20261125-120000", f"{cfg.name}-20261125-120000-1", f"{cfg.name}-20261125-120000-2"]
+
+
+def test_evaluation_scores_an_answer_whose_reward_fails_as_wrong():
+    """A reward function that raises on some answers scores them 0 in the held-out
+    evaluation too, as in RL (it once stopped the run, after its last step)."""
+    from tidal.tools.train import evaluate
+
+    tokenizer = CharTokenizer()
+    model = build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=0)
+    items = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(4)]
+
+    def picky(trajectory, text):
+        if trajectory.meta["answer"] % 2:
+            raise RuntimeError("cannot score odd answers")
+        return 1.0
+
+    assert evaluate(model, tokenizer, items, picky, max_new_tokens=2) == 0.5
