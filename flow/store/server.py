@@ -125,6 +125,8 @@ class StoreServer:
         self._lock = threading.RLock()  # the router socket and the parked requests; taken after the store's lock, never before
         self._local = threading.local()  # `retrying`: this thread is retrying parked requests already
         self._peers: dict[bytes, _Peer] = {}
+        self._gone: set[bytes] = set()
+        """Identities of clients that disconnected (ROUTER gives each connection its own)."""
         self._by_fd: dict[int, _Peer] = {}
         self._parked: list[_Parked] = []
         self._deferred: list[tuple[_Peer, int, Any]] = []  # replies sent after the parked requests are retried
@@ -286,6 +288,7 @@ class StoreServer:
             return
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
+        self._gone.add(peer.identity)
         peer.alive = False
         with self._lock:
             self._parked = [p for p in self._parked if p.peer is not peer]
@@ -299,6 +302,8 @@ class StoreServer:
     def _handle(self, frames: list[zmq.Frame]) -> bool:
         """Serve one request; True when it changed the store."""
         identity = frames[0].bytes
+        if identity in self._gone:  # queued before its client disconnected: no one would take the reply or release its leases
+            return False
         fd = frames[-1].get(zmq.SRCFD)
         peer = self._peers.get(identity)
         if peer is None or peer.fd != fd:
@@ -391,7 +396,12 @@ class StoreServer:
             self._reply(peer, request_id, result)
 
     def _reply(self, peer: _Peer, request_id: int, result: Any) -> None:
-        frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result}, owned=self.segments if peer.shm else None)]
+        try:
+            frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result}, owned=self.segments if peer.shm else None)]
+        except Exception as e:  # noqa: BLE001 - a result that cannot be sent is that request's error, never the server's end
+            log.exception("store server: the reply to request %s could not be encoded", request_id)
+            self._fail(peer, request_id, e)
+            return
         with self._lock:
             if not self._closed:
                 self._router.send_multipart(frames, copy=False)

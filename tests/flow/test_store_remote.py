@@ -513,3 +513,59 @@ def test_a_wake_without_a_cancel_leaves_waits_alone_and_withdrawing_an_answered_
     thread.join(5)
     assert outcome[0].indexes == [0]
     assert client._call("withdraw", {"request": 10**9}) is False  # no such request parked
+
+
+def test_a_get_queued_by_a_client_that_then_died_leases_nothing(served):
+    """The server is busy when a client sends a get and dies: by the time the server reads
+    the get, the disconnect is handled. The get is dropped, not served to a client that is
+    gone (its rows stayed leased to nobody until the lease ran out)."""
+    from tidal.flow.store.wire import pack, unpack
+
+    store, server, client = served
+    store.create_partition("p", consumers=["c"], lease_s=3600)
+    store.put("p", {"x": torch.arange(4)})
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(server.address)
+        sock.send_multipart(pack({"op": "ping", "id": 1, "token": None, "args": {}}))
+        assert unpack(sock.recv_multipart())["ok"]
+        with server._lock:  # the server thread waits here before it reads the next request
+            sock.send_multipart(pack({"op": "get", "id": 2, "token": None, "args": {"consumer": "c", "partition": "p", "columns": ["x"], "batch_size": 2, "timeout": 5}}))
+            time.sleep(0.3)
+            sock.close()  # dies with its get queued
+            time.sleep(0.5)
+        assert sorted(client.get("c", "p", ["x"], 4, timeout=5).indexes) == [0, 1, 2, 3]
+    finally:
+        ctx.term()
+
+
+def test_a_parked_request_whose_reply_cannot_be_sent_gets_an_error_and_the_server_serves_on(served, monkeypatch):
+    import tidal.flow.store.server as server_module
+
+    store, server, client = served
+    store.create_partition("p", consumers=["c"])
+    real_pack = server_module.pack
+
+    def pack(message, **kwargs):
+        if message.get("ok") and isinstance(message.get("result"), dict) and "indexes" in message["result"]:
+            raise TypeError("cannot encode this batch")
+        return real_pack(message, **kwargs)
+
+    monkeypatch.setattr(server_module, "pack", pack)
+    got: list = []
+    waiter = threading.Thread(target=lambda: _capture_call(got, lambda: RemoteStore(server.address, rpc_timeout_s=10).get("c", "p", ["x"], 2, timeout=5)))
+    waiter.start()
+    time.sleep(0.3)  # parked
+    client.put("p", {"x": torch.arange(2)})
+    waiter.join(10)
+    assert len(got) == 1 and isinstance(got[0], TypeError) and "cannot encode this batch" in str(got[0])  # the error, as the server saw it
+    assert client.ping() is not None and server._thread.is_alive()
+
+
+def _capture_call(out: list, fn) -> None:
+    try:
+        out.append(fn())
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        out.append(e)
