@@ -61,12 +61,12 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
         t = value.detach() if value.requires_grad else value
         if not t.is_contiguous():
             t = t.contiguous()
-        arr = t.view(torch.uint8).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+        arr = t.reshape(-1).view(torch.uint8).numpy() if t.dtype is torch.bfloat16 else t.numpy()  # numpy has no bf16: its bytes (0-d too)
         return {"__": _TENSOR, "d": name, "s": list(value.shape), **_raw(arr, buffers)}
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NUMPY_KINDS:
             raise CodecError(f"numpy dtype {value.dtype} is not supported by the store")
-        arr = np.ascontiguousarray(value)
+        arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # which makes a 0-d array 1-d
         return {"__": _ARRAY, "d": arr.dtype.str, "s": list(arr.shape), **_raw(arr, buffers)}
     if kind is range:
         return {"__": _RANGE, "r": [value.start, value.stop, value.step]}
@@ -76,8 +76,8 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
         return [_encode(v, buffers) for v in value]
     if isinstance(value, dict):
         return _encode(dict(value), buffers)
-    if isinstance(value, np.generic):
-        return value.item()
+    if isinstance(value, np.generic):  # a NumPy scalar keeps its dtype: a 0-d array, read back as the scalar
+        return {**_encode(np.asarray(value), buffers), "g": 1} if value.dtype.kind in _NUMPY_KINDS else value.item()
     if isinstance(value, (bool, int, float, str, bytes)):
         return value
     raise CodecError(f"values of type {type(value).__name__} cannot be stored (tensors, arrays, scalars, str, bytes, lists, dicts)")
@@ -160,6 +160,8 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
             raise CodecError(f"{'inline data' if index is None else f'buffer {index}'} holds {raw.nbytes} bytes, expected {numel * itemsize} for shape {shape}")
         if kind == _ARRAY:
             arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+            if obj.get("g"):
+                return arr[()]
             return arr.copy() if copy or raw.readonly else arr
         if numel == 0:
             return torch.empty(shape, dtype=_TORCH_DTYPES[dtype_name])

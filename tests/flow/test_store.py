@@ -382,3 +382,33 @@ def test_a_put_that_acks_rows_of_its_own_full_partition_counts_the_room_they_fre
         two.put("p", {"x": [3, 4]}, timeout=0.05, ack=("c", "p", rows))
     assert two.put("p", {"x": [3]}, timeout=1, ack=("c", "p", rows)) == [2]
     assert two.metrics()["partitions"]["p"]["rows"] == 2 and two.get("d", "p", ["x"], 2).indexes == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor(1.5, dtype=torch.bfloat16),  # 0-d bf16: numpy has no bf16, so it goes as bytes
+        torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16),
+        np.array(5.0, dtype=np.float32),  # 0-d stays 0-d
+        np.float32(1.5),  # a NumPy scalar keeps its dtype and comes back a scalar
+        np.int16(-7),
+        np.array([[1, 2], [3, 4]], dtype=">i4").T,  # not contiguous, big-endian
+    ],
+    ids=["bf16-0d", "bf16-2d", "np-0d", "np-float32", "np-int16", "np-transposed"],
+)
+def test_codec_keeps_dtype_shape_and_kind(value):
+    header, buffers = encode(value)
+    out = decode(header, buffers)
+    assert type(out) is type(value) and out.dtype == value.dtype and tuple(out.shape) == tuple(value.shape)
+    assert (torch.equal(out, value) if isinstance(value, torch.Tensor) else np.array_equal(out, value))
+
+
+def test_a_saved_store_gives_back_its_numpy_and_bf16_columns_as_they_were(tmp_path):
+    store = Store()
+    store.create_partition("p", consumers=["c"])
+    store.put("p", {"half": torch.tensor([0.5, 1.5], dtype=torch.bfloat16), "np": np.array([1e-300, 2.0])})
+    save(store, tmp_path / "s.bin")
+    before, after = store.get("c", "p", ["half", "np"], 2), load(tmp_path / "s.bin").get("c", "p", ["half", "np"], 2)
+    for name in ("half", "np"):
+        for a, b in zip(before.columns[name], after.columns[name]):
+            assert type(a) is type(b) and a.dtype == b.dtype and float(a) == float(b)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -555,11 +556,13 @@ def test_a_parked_request_whose_reply_cannot_be_sent_gets_an_error_and_the_serve
 
     monkeypatch.setattr(server_module, "pack", pack)
     got: list = []
-    waiter = threading.Thread(target=lambda: _capture_call(got, lambda: RemoteStore(server.address, rpc_timeout_s=10).get("c", "p", ["x"], 2, timeout=5)))
+    consumer = RemoteStore(server.address, rpc_timeout_s=10)
+    waiter = threading.Thread(target=lambda: _capture_call(got, lambda: consumer.get("c", "p", ["x"], 2, timeout=5)))
     waiter.start()
     time.sleep(0.3)  # parked
     client.put("p", {"x": torch.arange(2)})
     waiter.join(10)
+    consumer.close()
     assert len(got) == 1 and isinstance(got[0], TypeError) and "cannot encode this batch" in str(got[0])  # the error, as the server saw it
     assert client.ping() is not None and server._thread.is_alive()
 
@@ -569,3 +572,12 @@ def _capture_call(out: list, fn) -> None:
         out.append(fn())
     except Exception as e:  # noqa: BLE001 - the test looks at it
         out.append(e)
+
+
+def test_numpy_columns_keep_their_dtype_and_values_over_the_wire(served):
+    store, server, client = served
+    store.create_partition("p", consumers=["c"])
+    client.put("p", {"x": np.array([0.1, 0.2, 1e-300]), "i": np.array([1, 2, 3], dtype=np.int32)})
+    remote = client.get("c", "p", ["x", "i"], 3)
+    assert remote.stack("x").dtype == torch.float64 and remote.stack("i").dtype == torch.int32
+    assert remote.stack("x").tolist() == [0.1, 0.2, 1e-300]  # were float32 / int64 / 0.0: cell by cell, as Python scalars
