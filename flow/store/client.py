@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,24 @@ _ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
     "TypeError": TypeError,
 }
+
+
+class _ThreadSockets(dict):
+    """One thread's sockets by address (a `threading.local` value, dropped when the thread ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owned: list[zmq.Socket] = []
+
+
+def _close_sockets(owned: list[zmq.Socket], registry: list[zmq.Socket], lock: threading.Lock) -> None:
+    """Close a finished thread's sockets (no other thread uses them) and forget them."""
+    with lock:
+        for sock in owned:
+            if sock in registry:
+                registry.remove(sock)
+            sock.close(linger=0)
+        owned.clear()
 
 
 class RemoteStore:
@@ -94,10 +113,16 @@ class RemoteStore:
         self._shared: dict[str, bool] = {}  # server address -> shares our /dev/shm
 
     # Plumbing ---------------------------------------------------------------------------
-    def _socket(self, address: str) -> zmq.Socket:
+    def _thread_sockets(self) -> _ThreadSockets:
         sockets = getattr(self._tls, "sockets", None)
         if sockets is None:
-            sockets = self._tls.sockets = {}
+            sockets = self._tls.sockets = _ThreadSockets()
+            # when the thread ends, its sockets close: the server releases the rows it leased
+            weakref.finalize(sockets, _close_sockets, sockets.owned, self._sockets, self._sockets_lock)
+        return sockets
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sockets = self._thread_sockets()
         sock = sockets.get(address)
         if sock is None:
             if self._closed:
@@ -105,6 +130,7 @@ class RemoteStore:
             sock = sockets[address] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
+            sockets.owned.append(sock)
             with self._sockets_lock:
                 self._sockets.append(sock)
         return sock
@@ -168,6 +194,7 @@ class RemoteStore:
             listener.setsockopt(zmq.LINGER, 0)
             listener.setsockopt(zmq.SUBSCRIBE, b"")
             listener.connect(self._wake_address)
+            self._thread_sockets().owned.append(listener)
             with self._sockets_lock:
                 self._sockets.append(listener)
         return listener

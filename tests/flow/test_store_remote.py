@@ -581,3 +581,17 @@ def test_numpy_columns_keep_their_dtype_and_values_over_the_wire(served):
     remote = client.get("c", "p", ["x", "i"], 3)
     assert remote.stack("x").dtype == torch.float64 and remote.stack("i").dtype == torch.int32
     assert remote.stack("x").tolist() == [0.1, 0.2, 1e-300]  # were float32 / int64 / 0.0: cell by cell, as Python scalars
+
+
+def test_a_thread_that_ends_holding_rows_gives_them_back(served):
+    """Leases belong to the connection that took them, and each thread has its own: when a
+    thread ends (here without acking), its sockets close and the server releases its rows."""
+    store, server, client = served
+    store.create_partition("p", consumers=["c"], lease_s=3600)
+    store.put("p", {"x": torch.arange(2)})
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append(client.get("c", "p", ["x"], 2, timeout=5, cancel=threading.Event()).indexes))
+    worker.start()
+    worker.join()
+    assert taken == [[0, 1]]
+    assert sorted(client.get("c", "p", ["x"], 2, timeout=5).indexes) == [0, 1]
