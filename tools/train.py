@@ -15,15 +15,14 @@ import copy
 import gc
 import itertools
 import json
+import logging
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tidal.engines.rewards import resolve_reward, score
@@ -40,6 +39,8 @@ from tidal.tools.config import ConfigError, loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest, stop_on_signals
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -169,13 +170,19 @@ def evaluate(model: torch.nn.Module, tokenizer: CharTokenizer, items: list[dict[
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python's, NumPy's, torch's CPU and every device's generator (rollout samples on the device)."""
+    return current_platform().get_rng_state()
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    """Set what `_rng_state` saved. A checkpoint from another platform (or from before device
+    generators were saved) restores the host generators; the devices keep their seeding."""
+    platform = current_platform()
+    try:
+        platform.set_rng_state({"device": [], **state})
+    except (ValueError, RuntimeError) as e:  # device states from another platform, or another device count
+        log.warning("the checkpoint's device RNG states do not fit this platform (%s); restoring the host generators only", e)
+        platform.set_rng_state({**state, "device": []})
 
 
 def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:

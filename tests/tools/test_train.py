@@ -171,3 +171,20 @@ def test_evaluation_scores_an_answer_whose_reward_fails_as_wrong():
         return 1.0
 
     assert evaluate(model, tokenizer, items, picky, max_new_tokens=2) == 0.5
+
+
+def test_checkpoint_rng_is_the_platforms_and_loads_from_another_platforms_checkpoint(caplog):
+    """The checkpoint's RNG state is the platform's: host generators and one state per device
+    (rollout samples from the device's). A state from a GPU run, resumed on a platform
+    without those devices, restores the host generators and says the rest was not."""
+    import random
+
+    from tidal.tools.train import _rng_state, _set_rng_state
+
+    state = _rng_state()
+    assert set(state) == {"python", "numpy", "torch", "device"}
+    expected_python, expected_torch = random.random(), torch.rand(2)
+    for saved in (state, {k: v for k, v in state.items() if k != "device"}, {**state, "device": [torch.zeros(16, dtype=torch.uint8)]}):
+        _set_rng_state(saved)  # this one, one saved before device states were, one with a GPU's
+        assert random.random() == expected_python and torch.equal(torch.rand(2), expected_torch)
+    assert "device RNG states do not fit this platform" in caplog.text
