@@ -302,6 +302,7 @@ class IpcReceiver:
     ) -> None:
         """`device`: where the received tensors go (default the platform's device 0)."""
         check_bind(bind, token)
+        self._platform = platform
         self._device = device if device is not None else platform.device(0)
         self._expected = expected
         self._token = token or ""
@@ -329,6 +330,8 @@ class IpcReceiver:
             for offset, spec in zip(offsets, manifest.specs):
                 raw = buf[offset : offset + spec.nbytes].clone()  # aligned copy; the trainer may overwrite the buffer after our reply
                 tensors[spec.name] = from_bytes(raw, spec).to(self._device)
+            if buf.device.type != "cpu":  # a device buffer's copies are queued on a stream: done before "ok" frees the buffer
+                self._platform.synchronize(buf.device)
         except Exception as e:
             self._sock.send(str(e).encode())
             raise TransferError(f"{e}; nothing went live") from None
