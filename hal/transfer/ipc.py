@@ -84,6 +84,7 @@ class IpcSender:
         self._unlink: weakref.finalize | None = None  # the file goes when this sender does, or at exit
         self._posted: tuple[Manifest, list[bytes]] | None = None  # the version in the buffer, and its announcement
         self._waiting: set[str] = set()  # receivers announced to that have not answered yet
+        self._unsettled: set[str] = set()  # reset while they may still read the buffer: no new version until they answer or go
         self._aborted = threading.Event()
         self._placed: tuple[tuple[TensorSpec, ...], list[int], list[int]] | None = None  # the specs living in the buffer (`place`), their addresses and byte offsets
 
@@ -95,6 +96,7 @@ class IpcSender:
         """Stop sending to `address` (a receiver that is gone, e.g. a restarted actor's old one)."""
         sock = self._sockets.pop(address, None)
         self._waiting.discard(address)
+        self._unsettled.discard(address)
         if sock is not None:
             sock.close(linger=0)
         self._aborted.clear()
@@ -117,6 +119,11 @@ class IpcSender:
         if not self._sockets:
             raise TransferError("no weight receiver is connected")
         self.collect()
+        if self._unsettled:
+            raise TransferError(
+                f"weight receiver {', '.join(sorted(self._unsettled))} may still be reading version {self._posted[0].version if self._posted else '?'} "
+                "(its answer never came): post_again() and collect() to hear from it, or disconnect() it, before the buffer is written again"
+            )
         self._posted = None
         source = weight_source(weights)
         manifest = plan_manifest(version, source.specs(), bucket_bytes=1 << 62)  # one bucket: the whole buffer
@@ -232,6 +239,7 @@ class IpcSender:
                     address = next(a for a, s in self._sockets.items() if s is sock)
                     reply = sock.recv()
                     self._waiting.discard(address)
+                    self._unsettled.discard(address)
                     poller.unregister(sock)
                     if reply != b"ok":
                         raise TransferError(f"weight receiver {address} refused version {version}: {reply.decode(errors='replace')}")
@@ -272,8 +280,10 @@ class IpcSender:
         return self._buffer
 
     def _reset(self, address: str) -> None:
-        """A REQ socket whose answer never came cannot send again: replace it."""
+        """A REQ socket whose answer never came cannot send again: replace it. Its receiver
+        may still be reading the buffer: it is unsettled until it answers again."""
         self._waiting.discard(address)
+        self._unsettled.add(address)
         self._sockets.pop(address).close(linger=0)
         self._sockets[address] = _request_socket(address)  # an abort stands until the receivers change
 
@@ -289,6 +299,7 @@ class IpcSender:
             sock.close(linger=0)
         self._sockets.clear()
         self._waiting.clear()
+        self._unsettled.clear()
         self._posted = None
         self._placed = None  # placed tensors keep their mapping (the file's name goes)
         self._release_file()

@@ -425,6 +425,8 @@ def test_ipc_place_aligns_every_tensor_and_refuses_bad_ties():
 
 
 def test_ipc_collect_gives_up_at_the_reply_timeout_and_the_socket_can_send_again():
+    """A receiver that did not answer in time may still be reading the buffer: no new
+    version is written until it answers the one posted again (or is disconnected)."""
     w = _weights()
     receiver = IpcReceiver(CpuPlatform(), expected=None)
     sender = IpcSender(CpuPlatform(), reply_timeout_s=0.3)
@@ -434,13 +436,55 @@ def test_ipc_collect_gives_up_at_the_reply_timeout_and_the_socket_can_send_again
         with pytest.raises(TransferError, match="did not answer within 0.3s"):
             sender.collect()
         receiver.receive(30)  # version 1 was still announced; a late answer goes to the replaced socket, nowhere
+        with pytest.raises(TransferError, match=r"may still be reading version 1 .*post_again\(\) and collect\(\)"):
+            sender.post(2, w.items())
         t, out = _receive_in_thread(receiver, 30)
-        sender.send(2, w.items())  # the replaced socket sends again
+        sender.post_again()  # the replaced socket sends again
+        sender.collect()
+        t.join(30)
+        assert out["weights"].version == 1
+        t, out = _receive_in_thread(receiver, 30)
+        sender.send(2, w.items())
         t.join(30)
         assert out["weights"].version == 2
     finally:
         sender.close()
         receiver.close()
+
+
+def test_ipc_a_receiver_reset_by_anothers_refusal_is_not_written_over():
+    """One receiver refuses a version, another has not read it yet: the failed collect
+    resets the second too, and the next version waits for it (a post wrote the buffer under
+    it, which then returned version 1 holding version 2's values)."""
+    v1, v2 = {"w": torch.full((1024,), 1.0)}, {"w": torch.full((1024,), 2.0)}
+    bad = IpcReceiver(CpuPlatform(), expected=expected_specs([("other", torch.zeros(3))]))  # refuses every version
+    slow = IpcReceiver(CpuPlatform(), expected=expected_specs(v1.items()))
+    sender = IpcSender(CpuPlatform())
+    sender.connect(bad.address)
+    sender.connect(slow.address)
+    try:
+        refusal = threading.Thread(target=lambda: pytest.raises(TransferError, bad.receive, 30))
+        refusal.start()
+        with pytest.raises(TransferError, match="refused version 1"):
+            sender.send(1, v1.items())
+        refusal.join(30)
+        sender.disconnect(bad.address)
+        with pytest.raises(TransferError, match=f"{slow.address} may still be reading version 1"):
+            sender.post(2, v2.items())
+        got = slow.receive(30)  # the first announcement, late
+        assert got.version == 1 and got.tensors["w"].unique().tolist() == [1.0]
+        t, out = _receive_in_thread(slow, 30)
+        sender.post_again()
+        sender.collect()
+        t.join(30)
+        t, out = _receive_in_thread(slow, 30)
+        sender.send(2, v2.items())
+        t.join(30)
+        assert out["weights"].version == 2 and out["weights"].tensors["w"].unique().tolist() == [2.0]
+    finally:
+        sender.close()
+        bad.close()
+        slow.close()
 
 
 def _collective_receiver(port: int, rank: int, expect_step: bool, out: dict) -> None:
