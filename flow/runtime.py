@@ -166,18 +166,20 @@ class RolloutActor:
         threading.Thread(target=loop, name="tidal-weights", daemon=True).start()
 
     def run(self) -> dict[str, Any]:
-        """Generate until stopped; returns counts. Waits for the first weights before generating."""
+        """Generate until stopped; returns counts. Waits for the first weights before generating
+        (or for `stop`: an actor restarted as the run ended gets none)."""
         self._first.wait()
         if self._errors:
             raise self._errors[0]
-        self.worker.apply_weights()
-        try:
-            self.worker.run()
-        except Stop:
-            pass
-        except Exception:
-            if not self.stopping.is_set():
-                raise
+        if not self.stopping.is_set():
+            self.worker.apply_weights()
+            try:
+                self.worker.run()
+            except Stop:
+                pass
+            except Exception:
+                if not self.stopping.is_set():
+                    raise
         if self._errors:
             raise self._errors[0]
         return {
@@ -201,6 +203,7 @@ class RolloutActor:
             with self._received:
                 self._received.wait_for(lambda: (self.last_version is not None and self.last_version >= last_version) or bool(self._errors), SEND_ON_STOP_S)
         self.worker.stop()
+        self._first.set()  # a `run` still waiting for its first version returns
 
     def metrics(self) -> dict[str, Any]:
         return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": self.worker.waits.take(), "samples": self.worker.num_samples}
@@ -342,6 +345,9 @@ class RayRollouts:
                 log.warning("rollout actor %d died (%s); Ray restarts it (%d of %d)", i, type(e).__name__, self.restarts[i], self.max_restarts)
                 self.wiring.abort()  # a send blocked on the dead receiver gives up
                 self.descriptions[i] = self._back(i)
+                if self._stopping.is_set():  # the run ended while Ray restarted it: nothing to generate for
+                    self.actors[i].stop.remote()
+                    continue
                 with self._restarted_lock:
                     self._restarted.add(i)
                 self._died.set()  # the next publish wires it in again ...

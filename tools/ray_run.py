@@ -515,6 +515,8 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
                 return summary
             except ray.exceptions.RayActorError as e:  # a trainer process died (rank 0's rollout actors with it)
+                if not rank_died(e):  # a rank raised it (say, a rollout actor that cannot be built): an error, not a death
+                    raise
                 if stop.reason is not None:  # asked to stop: no restart
                     raise RunStopped(stop.reason) from None
                 if attempt == cfg.fault.trainer_restarts:
@@ -557,10 +559,9 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    raise
-                except Exception:  # noqa: BLE001 - a rank failed: was it because another one died?
-                    _raise_if_one_died(pending)
+                except Exception as e:  # noqa: BLE001 - a rank failed: was it because another one died?
+                    if not rank_died(e):
+                        _raise_if_one_died(pending)
                     raise
     return [results[ref] for ref in refs]
 
@@ -575,7 +576,16 @@ def _raise_if_one_died(refs: list[Any]) -> None:
         for ref in done:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError:
-                raise
-            except Exception:  # noqa: BLE001, S110 - another consequence of the same failure
-                pass
+            except Exception as e:  # noqa: BLE001 - another consequence of the same failure, unless it is the death
+                if rank_died(e):
+                    raise
+
+
+def rank_died(error: BaseException) -> bool:
+    """Whether a trainer rank's call failed because its process died. An error raised inside
+    the call (`RayTaskError`) is not a death, even when it is itself a dead actor's error (a
+    rollout actor that could not be built): Ray makes such an error an instance of its cause
+    too."""
+    import ray  # noqa: PLC0415
+
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)

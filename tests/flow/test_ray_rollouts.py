@@ -212,18 +212,42 @@ def test_a_failed_collect_with_no_actor_dead_is_raised_by_the_next_publish(ray_s
 
 
 class _Worker:
-    def __init__(self) -> None:
-        self.stopped = threading.Event()
+    def __init__(self, stopping: threading.Event) -> None:
+        self.stopped = stopping
+        self.num_samples = self.num_paused = self.num_handed_off = 0
+        self.versions_applied: list[int] = []
 
     def stop(self) -> None:
         self.stopped.set()
 
+    def apply_weights(self) -> None:
+        raise AssertionError("a stopped actor applies no weights")
+
 
 def _bare_actor() -> RolloutActor:
-    """A `RolloutActor` with only what `stop` touches (no engine, store or receiver)."""
+    """A `RolloutActor` with only what `stop` and `run` touch (no engine, store or receiver)."""
+    from tidal.flow.trace import Tracer
+    from tidal.hal.cpu import CpuPlatform
+
     actor = RolloutActor.__new__(RolloutActor)
-    actor.worker, actor.last_version, actor._errors, actor._received = _Worker(), None, [], threading.Condition()
+    actor.stopping, actor._first = threading.Event(), threading.Event()
+    actor.worker, actor.last_version, actor._errors, actor._received = _Worker(actor.stopping), None, [], threading.Condition()
+    actor.num_versions, actor.engine, actor.platform, actor.sharing, actor.tracer = 0, type("Engine", (), {"version": 0})(), CpuPlatform(), None, Tracer()
     return actor
+
+
+def test_a_rollout_actor_restarted_as_the_run_ends_returns_from_run_when_told_to_stop():
+    """Restarted by Ray while the run stopped, it never gets a first version: `run` returned
+    only when one came (the run's end waited 60 s for it, and lost its summary)."""
+    actor = _bare_actor()
+    result: list = []
+    running = threading.Thread(target=lambda: result.append(actor.run()))
+    running.start()
+    time.sleep(0.1)
+    assert running.is_alive()  # waits for its first version
+    actor.stop()
+    running.join(5)
+    assert not running.is_alive() and result[0]["samples"] == 0 and result[0]["last_version_received"] is None
 
 
 def _arrive(actor: RolloutActor, version: int) -> None:

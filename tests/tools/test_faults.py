@@ -170,3 +170,17 @@ def test_a_killed_trainer_rank_restarts_the_whole_trainer_group(tmp_path, rank):
     assert not set(after) & set(before), f"a rank of the old group kept running: {before} -> {after}"
     follower = summary["trainer_ranks"][1]
     assert 0 < follower["steps"] <= NUM_STEPS - 5  # the new group resumed from a checkpoint (every 5 steps), no warm start
+
+
+def test_only_a_dead_trainer_process_counts_as_a_death_not_an_error_it_raised():
+    """An error raised inside a rank's call (say, its rollout actor could not be built) is
+    not a death to restart from, even though Ray makes it an instance of the dead actor's
+    error too; the trainer's own death is."""
+    import ray.exceptions as errors
+
+    from tidal.tools.ray_run import rank_died
+
+    died = errors.ActorDiedError()
+    raised = errors.RayTaskError("run", "Traceback ...", died).as_instanceof_cause()
+    assert isinstance(raised, errors.RayActorError)  # what made it look like a death
+    assert rank_died(died) and not rank_died(raised) and not rank_died(RuntimeError("x"))
