@@ -78,13 +78,14 @@ class Stages:
         self._prompt_iter = iter(prompts)
         self.tracer = tracer or Tracer()
         store.set_version(version)
+        existing = store.metrics()["partitions"]
         for name, consumers in (("prompts", ["rollout"]), ("train", ["reward", "advantage", "train"])):
             capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
             capacity = max(capacity, config.batch_size)
-            if name not in store.metrics()["partitions"]:
+            if name not in existing:
                 store.create_partition(name, consumers=consumers, capacity_rows=capacity, lease_s=config.lease_s)
             else:  # a restored store: this run's step size and lease (its rows stay as they were)
-                store.configure_partition(name, capacity_rows=max(capacity, store.metrics()["partitions"][name]["rows"]), lease_s=config.lease_s)
+                store.configure_partition(name, capacity_rows=max(capacity, existing[name]["rows"]), lease_s=config.lease_s)
         self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
         self._stopping = threading.Event()
         self._loading = threading.Lock()  # held while prompts go from the source into the store

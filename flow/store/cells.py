@@ -36,6 +36,13 @@ def num_rows_of(item: tuple[str, Any]) -> int:
     raise ValueError(f"column {name!r} must be a batched tensor, array or list, got {type(value).__name__}")
 
 
+def check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
+    """A put's per-row metadata has one entry per row (each may be None)."""
+    for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
+        if per_row is not None and len(per_row) != num_rows:
+            raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+
+
 def check_column(name: str, value: Any, num_rows: int) -> Any:
     """The column as a chunk: a batched tensor/array (rows along dim 0) or a list."""
     if isinstance(value, (torch.Tensor, np.ndarray)):

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, num_rows_of, row_nbytes, unique_sorted
+from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, num_rows_of, row_nbytes, unique_sorted
 from tidal.flow.store.evict import ack_rows, unref
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
@@ -45,12 +45,6 @@ class StoreError(RuntimeError):
 
 class StoreTimeout(StoreError, TimeoutError):
     """`get` or `put` waited for its whole timeout."""
-
-
-def _check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
-    for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
-        if per_row is not None and len(per_row) != num_rows:
-            raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
 
 
 class Done:
@@ -231,7 +225,7 @@ class Store:
         chunks = {name: check_column(name, value, num_rows) for name, value in columns.items()}
         row_sizes = {name: row_nbytes(chunk) for name, chunk in chunks.items()}  # -1: sizes differ per row
         sizes = {name: cell_sizes(chunk) for name, chunk in chunks.items() if row_sizes[name] < 0 or indexes is not None}
-        _check_row_meta(num_rows, groups, versions, tags)
+        check_row_meta(num_rows, groups, versions, tags)
         deadline = None if timeout is None else self._clock() + timeout
         with self._lock:
             then_ack = self._check_ack(ack)

@@ -145,7 +145,7 @@ def encode_batch_column(batch: Batch, name: str) -> dict[str, Any]:
         return {"stacked": rows_of(chunk, offsets)}
     if len(blocks) == 1 and isinstance(blocks[0][0], np.ndarray):  # stacked as it was put (cell by cell, a 1-d one's cells are NumPy scalars)
         chunk, offsets = blocks[0]
-        return {"stacked": chunk[offsets.start : offsets.stop : offsets.step] if isinstance(offsets, range) else chunk[offsets]}
+        return {"stacked": chunk[np.asarray(offsets)]}
     if blocks and all(isinstance(chunk, RemoteChunk) for chunk, _ in blocks):
         return {"remote": [[chunk.unit, chunk.key, as_indexes(offsets)] for chunk, offsets in blocks]}
     stacked = batch.chunked(name)
