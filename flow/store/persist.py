@@ -64,7 +64,8 @@ def load(path: str | Path) -> Store:
 
 def state_of(version: int, parts: Iterable[Partition]) -> dict[str, Any]:
     """`Store.state_dict`'s plain data (called under the store's lock): per partition its
-    settings, every live row's (index, group, version, tags), cells and acks."""
+    settings, every live row's (index, group, version, tags), cells and acks, and each
+    consumer's counts (acked, dropped, redelivered)."""
     out = {}
     for part in parts:
         rows, columns = [], {}
@@ -89,6 +90,8 @@ def state_of(version: int, parts: Iterable[Partition]) -> dict[str, Any]:
             "rows": rows,
             "consumers": acked,
             "acked_counts": {c: s.num_acked for c, s in part.consumers.items()},
+            "dropped_counts": {c: s.num_dropped for c, s in part.consumers.items()},
+            "redelivered_counts": {c: s.num_redelivered for c, s in part.consumers.items()},
             "columns": columns,
         }
     return {"format": 1, "version": version, "partitions": out}
@@ -113,5 +116,8 @@ def restore(store: Store, state: Mapping[str, Any]) -> None:
             for seg, local, _ in part.locate(np.asarray(acked, dtype=np.int64)):
                 seg.acked[consumer][local] = True
                 seg.fresh[consumer] = False
-            part.consumers[consumer].num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
+            counts = part.consumers[consumer]
+            counts.num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
+            counts.num_dropped = p.get("dropped_counts", {}).get(consumer, 0)  # files from before 2026-11-25 lack these
+            counts.num_redelivered = p.get("redelivered_counts", {}).get(consumer, 0)
         part.num_evicted = p["num_evicted"]

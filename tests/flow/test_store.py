@@ -300,6 +300,19 @@ def test_save_and_load_resume_in_flight_rows(tmp_path):
         load(tmp_path / "bad.bin")
 
 
+def test_a_saved_store_keeps_each_consumers_dropped_and_redelivered_counts(tmp_path):
+    store = make(consumers=["train"])
+    store.put("p", {"x": [0, 1, 2, 3, 4]}, versions=[0, 0, 2, 2, 2])
+    store.set_version(2)
+    store.get("train", "p", ["x"], 1, sampler=StalenessFilter(max_staleness=1), timeout=0)  # drops the two of version 0
+    store.release("train")  # the leased row comes back: redelivered
+    before = store.metrics()["partitions"]["p"]["consumers"]["train"]
+    assert before["dropped"] == 2 and before["redelivered"] == 1
+    save(store, tmp_path / "store.bin")
+    after = load(tmp_path / "store.bin").metrics()["partitions"]["p"]["consumers"]["train"]
+    assert {k: after[k] for k in ("acked", "dropped", "redelivered")} == {k: before[k] for k in ("acked", "dropped", "redelivered")}
+
+
 def test_codec_round_trip_and_rejects_bad_frames():
     value = {
         "t": torch.randn(300, 20).to(torch.bfloat16),  # large: raw buffers
