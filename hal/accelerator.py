@@ -196,6 +196,7 @@ class AcceleratorPlatform:
                 "the launcher or the Ray actor's runtime_env instead"
             )
         os.environ[var] = ",".join(str(i) for i in ids)
+        self.descriptor = dataclasses.replace(self.descriptor, device_count=self._mod.device_count())  # counted again under the variable
 
     def comm_env_defaults(self) -> dict[str, str]:
         return dict(self._vendor.comm_env)

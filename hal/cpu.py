@@ -11,6 +11,7 @@ is exercised without an accelerator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -171,7 +172,12 @@ class CpuPlatform:
         var = self.descriptor.visible_devices_var
         if var is None:
             raise ValueError("the cpu platform has no visible-devices variable")
+        count, ids = self.descriptor.device_count, [int(i) for i in ids]
+        bad = sorted({i for i in ids if not 0 <= i < count} | {i for i in ids if ids.count(i) > 1})
+        if bad:
+            raise ValueError(f"cannot make devices {ids} visible: {bad} out of range or repeated (this process sees {count} {self.kind} devices)")
         os.environ[var] = ",".join(str(i) for i in ids)
+        self.descriptor = dataclasses.replace(self.descriptor, device_count=len(ids))  # as a vendor's count follows the variable
 
     def comm_env_defaults(self) -> dict[str, str]:
         return {}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import weakref
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from tidal import hal
 from tidal.hal import cuda as cuda_backend
+from tidal.hal.accelerator import AcceleratorPlatform, Vendor
 from tidal.hal.transfer import expected_specs
 from tidal.hal.transfer.host import HostReceiver, HostSender
 from tidal.hal.transfer.ipc import IpcSender
@@ -26,6 +28,22 @@ def test_cuda_not_detected_without_a_cuda_build():
     assert not cuda_backend.available()
     ok, why = hal.availability()["cuda"]
     assert not ok and "CUDA build of torch" in why
+
+
+def test_setting_visible_devices_before_init_recounts_the_devices(monkeypatch):
+    """torch.cuda counts devices under CUDA_VISIBLE_DEVICES until it initialises (NVML);
+    the platform's descriptor follows the new count. A stand-in module, no GPU needed."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    state = {"initialized": False}
+    module = types.SimpleNamespace(device_count=lambda: len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")))
+    vendor = Vendor(kind="cuda", module=module, comm_env={}, range_start=print, range_end=print, dtype_support=dict, fused_optimizers=True, initialized=lambda: state["initialized"])
+    platform = AcceleratorPlatform(vendor)
+    assert platform.descriptor.device_count == 4
+    platform.set_visible_devices([2, 3])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and platform.descriptor.device_count == platform.device_count() == 2
+    state["initialized"] = True
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES must be set before cuda is initialised"):
+        platform.set_visible_devices([0])
 
 
 @pytest.fixture

@@ -226,8 +226,12 @@ def test_visible_devices_and_comm_env(platform, monkeypatch):
             platform.set_visible_devices([0])
     else:
         monkeypatch.setenv(var, "")  # recorded, so the value set below is undone after the test
-        platform.set_visible_devices([2, 3])
-        assert os.environ[var] == "2,3"
+        count = platform.device_count()
+        for bad in ([0, count], [1, 1]):
+            with pytest.raises(ValueError, match=r"\[\d\] out of range or repeated"):
+                platform.set_visible_devices(bad)
+        platform.set_visible_devices([1, 0])
+        assert os.environ[var] == "1,0" and platform.device_count() == platform.descriptor.device_count == 2
 
 
 def test_profile_range_runs_its_body_and_lets_errors_through(platform):
