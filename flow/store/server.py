@@ -330,7 +330,7 @@ class StoreServer:
             assert self.store is not None  # only a store serves blocking ops
             with self.store.lock:  # trying and parking are one step for a thread retrying parked requests
                 try:
-                    self._answer(peer, request_id, op, self._ops[op](peer, {**args, "timeout": 0}))
+                    self._answer(peer, request_id, op, self._ops[op](peer, {**args, "timeout": 0}), args)
                     return op in _MUTATING
                 except StoreTimeout:
                     now = time.monotonic()
@@ -345,7 +345,7 @@ class StoreServer:
                     self._fail(peer, request_id, e)
                 return op in _MUTATING
         try:
-            self._answer(peer, request_id, op, self._ops[op](peer, args))
+            self._answer(peer, request_id, op, self._ops[op](peer, args), args)
         except Exception as e:  # noqa: BLE001 - as above
             self._fail(peer, request_id, e)
         return op in _MUTATING
@@ -383,23 +383,28 @@ class StoreServer:
                 except Exception as e:  # noqa: BLE001 - every request gets a reply
                     self._fail(parked.peer, parked.request_id, e)
                     continue
-                self._reply(parked.peer, parked.request_id, result)
+                self._reply(parked.peer, parked.request_id, result, _taken(parked.op, parked.args))
                 changed |= parked.op in _MUTATING
             self._parked = still
 
-    def _answer(self, peer: _Peer, request_id: int, op: str, result: Any) -> None:
+    def _answer(self, peer: _Peer, request_id: int, op: str, result: Any, args: dict[str, Any]) -> None:
         """Reply; a change that parked requests may wait for is answered after they are
         retried, so a waiting consumer hears first (its wait is what a hand-off costs)."""
         if self._parked and op in _MUTATING and op != "get":  # a get's own caller waits too
             self._deferred.append((peer, request_id, result))
         else:
-            self._reply(peer, request_id, result)
+            self._reply(peer, request_id, result, _taken(op, args))
 
-    def _reply(self, peer: _Peer, request_id: int, result: Any) -> None:
+    def _reply(self, peer: _Peer, request_id: int, result: Any, taken: tuple[str, str] | None = None) -> None:
+        """Send `result`. `taken`: the (consumer, partition) a get's rows were leased to,
+        given back if the reply cannot be encoded (no one would ever ack them)."""
         try:
             frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result}, owned=self.segments if peer.shm else None)]
         except Exception as e:  # noqa: BLE001 - a result that cannot be sent is that request's error, never the server's end
             log.exception("store server: the reply to request %s could not be encoded", request_id)
+            if taken is not None:
+                assert self.store is not None  # only a store serves gets
+                self.store.release(*taken, indexes=result["indexes"])
             self._fail(peer, request_id, e)
             return
         with self._lock:
@@ -474,11 +479,16 @@ class StoreServer:
             holder=peer.holder,
         )
         indexes, version = batch.index_range, batch.version_fill
+        try:
+            columns = {name: encode_batch_column(batch, name) for name in batch.columns}
+        except Exception:
+            self.store.release(a["consumer"], a["partition"], batch.index_array)  # no one would ack them
+            raise
         return {
             "indexes": batch.index_array if indexes is None else indexes,
             "groups": batch.groups if batch.has_groups else None,
             "versions": batch.version_array if version is None else version,
-            "columns": {name: encode_batch_column(batch, name) for name in batch.columns},
+            "columns": columns,
         }
 
     def _ack(self, peer: _Peer, a: dict[str, Any]) -> int:
@@ -520,3 +530,8 @@ class StoreServer:
             while sock.poll(0):  # replies to earlier drops carry nothing we need
                 sock.recv_multipart()
             sock.send_multipart(pack({"op": "unit_drop", "id": 0, "token": self.token, "args": {"keys": keys}}))
+
+
+def _taken(op: str, args: dict[str, Any]) -> tuple[str, str] | None:
+    """Whom a request's result leases rows to: a get's (consumer, partition)."""
+    return (args["consumer"], args["partition"]) if op == "get" else None

@@ -548,9 +548,10 @@ def test_a_parked_request_whose_reply_cannot_be_sent_gets_an_error_and_the_serve
     store, server, client = served
     store.create_partition("p", consumers=["c"])
     real_pack = server_module.pack
+    failing = [True]
 
     def pack(message, **kwargs):
-        if message.get("ok") and isinstance(message.get("result"), dict) and "indexes" in message["result"]:
+        if failing[0] and message.get("ok") and isinstance(message.get("result"), dict) and "indexes" in message["result"]:
             raise TypeError("cannot encode this batch")
         return real_pack(message, **kwargs)
 
@@ -562,9 +563,27 @@ def test_a_parked_request_whose_reply_cannot_be_sent_gets_an_error_and_the_serve
     time.sleep(0.3)  # parked
     client.put("p", {"x": torch.arange(2)})
     waiter.join(10)
-    consumer.close()
     assert len(got) == 1 and isinstance(got[0], TypeError) and "cannot encode this batch" in str(got[0])  # the error, as the server saw it
     assert client.ping() is not None and server._thread.is_alive()
+    with pytest.raises(TypeError, match="cannot encode"):  # served at once, not parked: the same
+        consumer.get("c", "p", ["x"], 2, timeout=5)
+    failing[0] = False
+    assert sorted(consumer.get("c", "p", ["x"], 2, timeout=5).indexes) == [0, 1]  # the rows came back, on the same connection
+    consumer.close()
+
+
+def test_a_get_whose_columns_cannot_be_encoded_gives_its_rows_back(served, monkeypatch):
+    import tidal.flow.store.server as server_module
+
+    store, server, client = served
+    store.create_partition("p", consumers=["c"], lease_s=3600)
+    client.put("p", {"x": torch.arange(3)})
+    real = server_module.encode_batch_column
+    monkeypatch.setattr(server_module, "encode_batch_column", lambda batch, name: (_ for _ in ()).throw(ValueError("bad column")))
+    with pytest.raises(ValueError, match="bad column"):
+        client.get("c", "p", ["x"], 3, timeout=5)
+    monkeypatch.setattr(server_module, "encode_batch_column", real)
+    assert sorted(client.get("c", "p", ["x"], 3, timeout=0).indexes) == [0, 1, 2]
 
 
 def _capture_call(out: list, fn) -> None:
