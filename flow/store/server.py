@@ -67,6 +67,11 @@ class _Peer:
         self.holder = next(_holders)
         self.shm = False
         """Whether it shares this server's `/dev/shm`: replies may name segments."""
+        self.sent: Any = None
+        """The last result sent to it while it may not have mapped the segments the reply
+        named: held until its next request other than a withdraw (a client's thread reads
+        each reply before it sends again) or its disconnect, so a put that replaces those rows' cells, or a lease
+        that ran out, cannot unlink a segment before the client has mapped it."""
 
 
 @dataclasses.dataclass
@@ -289,7 +294,7 @@ class StoreServer:
         if self._peers.get(peer.identity) is peer:
             del self._peers[peer.identity]
         self._gone.add(peer.identity)
-        peer.alive = False
+        peer.alive, peer.sent = False, None
         with self._lock:
             self._parked = [p for p in self._parked if p.peer is not peer]
         released = 0
@@ -315,6 +320,8 @@ class StoreServer:
             request_id = message.get("id") if isinstance(message.get("id"), int) else None
             op, request_id, args = check_request(message, self._ops)
             args.pop("waiting_since", None)  # set only by the server itself
+            if op != "withdraw":  # sent while a get waits, whose answer it may not have read yet
+                peer.sent = None
         except WireError as e:
             self.num_malformed += 1
             self._reply_error(peer, request_id, "WireError", f"malformed request: {e}")
@@ -410,6 +417,8 @@ class StoreServer:
         with self._lock:
             if not self._closed:
                 self._router.send_multipart(frames, copy=False)
+        if peer.shm and taken is not None:
+            peer.sent = result
 
     def _fail(self, peer: _Peer, request_id: int | None, error: Exception) -> None:
         self.num_errors += 1

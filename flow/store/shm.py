@@ -11,9 +11,11 @@ segment again and that consumer maps it too. Nothing is copied after the sender'
 
 Ownership: the receiver that keeps the rows (the store server) owns a segment once it
 has mapped it: the file is unlinked when the last tensor over that mapping is freed, so
-it lives exactly as long as the store holds one of its rows. Consumers map what they are
-handed after the server has mapped it and before they ack those rows; the store lets go
-of rows only when every consumer has acked them, so a segment is never unlinked before a
+it lives as long as the store holds one of its rows, or the server a reply that named it.
+Consumers map what they are handed after the server has mapped it and before they ack
+those rows or send the server anything else; the server keeps the last reply to each
+connection until its next request, and the store lets go of rows only when every consumer
+has acked them (or a put replaced their cells), so a segment is never unlinked before a
 consumer has opened it. Consumers map privately (copy on write): a consumer writing into
 its tensors changes only its own pages. A segment's name ends in the tag of the process
 holding it (`tidal.hal.owner`): the sender's until the server maps it, then, renamed,

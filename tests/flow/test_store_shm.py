@@ -383,3 +383,36 @@ def test_a_sender_killed_before_the_server_mapped_its_segment_leaves_a_file_the_
     assert left in shm.leftovers()
     with StoreServer(Store()):
         assert left not in shm.leftovers()
+
+
+def test_rows_replaced_while_their_reply_is_on_its_way_stay_mappable(served, monkeypatch):
+    """A put that replaces a column of leased rows lets go of the old chunk; the reply that
+    named its segment must still map on the consumer's side, however late it reads it.
+    The consumer here reads its reply only after the replacing put (and a collection)."""
+    import tidal.flow.store.client as client_module
+
+    store, server, (producer, a, _) = served
+    old, new = torch.randn(2, BIG), torch.randn(2, BIG)
+    producer.put("train", {"x": old})
+    real_unpack, late, armed = client_module.unpack, [], threading.Event()
+
+    def unpack(frames, **kwargs):
+        if armed.is_set() and threading.current_thread().name == "late-reader":
+            armed.clear()
+            late.append(producer.put("train", {"x": new}, indexes=[0, 1]))  # the old chunk's last reference goes
+            gc.collect()
+        return real_unpack(frames, **kwargs)
+
+    def read() -> None:
+        a.ping()  # this thread's connection and its host handshake, before the get
+        armed.set()
+        got.append(a.get("a", "train", ["x"], 2, timeout=5))
+
+    monkeypatch.setattr(client_module, "unpack", unpack)
+    got: list = []
+    reader = threading.Thread(target=read, name="late-reader")
+    reader.start()
+    reader.join(10)
+    assert late == [[0, 1]] and len(got) == 1, got  # the get mapped its segment (it raised WireError when unlinked)
+    assert torch.equal(got[0].stack("x"), old)  # what was leased, as it was
+    assert torch.equal(a.get("b", "train", ["x"], 2, timeout=5).stack("x"), new)  # others read the new cells
