@@ -49,7 +49,8 @@ class Turns:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queue: collections.deque[str] = collections.deque()
+        self._queue: collections.deque[tuple[str, int]] = collections.deque()  # (seat, its join count) per waiting acquire
+        self._joins: collections.Counter[str] = collections.Counter()
         self._holder: str | None = None
         self._resident: str | None = None
         self._park_wanted: set[str] = set()
@@ -58,7 +59,8 @@ class Turns:
         """Times the devices passed from one seat's state to another's."""
 
     def join(self, seat: str) -> None:
-        """Register `seat`; a seat joining again (a restarted actor) drops its old claims."""
+        """Register `seat`; a seat joining again (a restarted actor) drops its old claims,
+        and an `acquire` its old process left waiting fails instead of taking the turn."""
         with self._cond:
             if self._holder == seat:
                 self._holder = None
@@ -66,8 +68,8 @@ class Turns:
                 self._resident = None
             self._park_wanted.discard(seat)
             self._left.discard(seat)
-            while seat in self._queue:
-                self._queue.remove(seat)
+            self._joins[seat] += 1  # an acquire still waiting for the old process now fails
+            self._queue = collections.deque(claim for claim in self._queue if claim[0] != seat)
             self._cond.notify_all()
 
     def acquire(self, seat: str, timeout: float | None = None) -> bool:
@@ -76,10 +78,13 @@ class Turns:
         with self._cond:
             if self._holder == seat:
                 raise RuntimeError(f"seat {seat!r} asked for a turn while holding one (turns do not nest)")
-            self._queue.append(seat)
+            claim = (seat, self._joins[seat])
+            self._queue.append(claim)
             try:
                 while True:
-                    if self._holder is None and self._queue[0] == seat:
+                    if self._joins[seat] != claim[1]:  # under Ray: a call whose caller died and was restarted
+                        raise RuntimeError(f"seat {seat!r} joined again while this acquire waited (its process was restarted); dropped")
+                    if self._holder is None and self._queue[0] == claim:
                         if self._resident in (None, seat):
                             break
                         self._park_wanted.add(self._resident)  # the resident seat's parking thread wakes
@@ -88,11 +93,12 @@ class Turns:
                     if left is not None and left <= 0:
                         raise TimeoutError(
                             f"seat {seat!r} waited {timeout:.1f}s for its turn: held by {self._holder!r}, "
-                            f"state of {self._resident!r} on the devices, queue {list(self._queue)}"
+                            f"state of {self._resident!r} on the devices, queue {[s for s, _ in self._queue]}"
                         )
                     self._cond.wait(left)
             finally:
-                self._queue.remove(seat)
+                if claim in self._queue:  # gone already if the seat joined again
+                    self._queue.remove(claim)
             self._holder = seat
             self._park_wanted.discard(seat)  # it computes now; nobody waits for its state to leave
             onload = self._resident != seat
@@ -111,7 +117,7 @@ class Turns:
     def wanted(self, seat: str) -> bool:
         """True when another seat is waiting for the devices."""
         with self._cond:
-            return any(other != seat for other in self._queue)
+            return any(other != seat for other, _ in self._queue)
 
     def wait_park(self, seat: str, timeout: float) -> bool:
         """Block until another seat needs `seat`'s state off the devices (True), `seat` leaves or `timeout` passes."""
@@ -143,7 +149,7 @@ class Turns:
 
     def state(self) -> dict[str, Any]:
         with self._cond:
-            return {"holder": self._holder, "resident": self._resident, "queue": list(self._queue), "handoffs": self.handoffs}
+            return {"holder": self._holder, "resident": self._resident, "queue": [s for s, _ in self._queue], "handoffs": self.handoffs}
 
 
 class TurnsSpan:

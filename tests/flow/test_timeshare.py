@@ -192,6 +192,39 @@ def test_a_rejoining_seat_drops_the_claims_of_its_dead_process():
     assert turns.acquire("train", timeout=1) is True
 
 
+def test_an_acquire_left_waiting_by_a_dead_process_never_takes_the_turn():
+    """Under Ray, the `Turns` actor keeps running an `acquire` whose caller died. Once the
+    restarted process joins, that call must fail rather than win the turn for nobody."""
+    turns = Turns()
+    turns.join("train")
+    turns.join("rollout")
+    turns.acquire("train")
+    outcomes: dict[str, object] = {}
+
+    def acquire(name: str) -> None:
+        try:
+            outcomes[name] = turns.acquire("rollout", timeout=5)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            outcomes[name] = e
+
+    old = threading.Thread(target=acquire, args=("old",))
+    old.start()
+    time.sleep(0.1)  # it waits behind train; then its process dies
+    turns.join("rollout")  # the restarted actor
+    new = threading.Thread(target=acquire, args=("new",))
+    new.start()
+    time.sleep(0.1)
+    assert turns.state()["queue"] == ["rollout"]  # the new call's claim, once
+    turns.release("train")
+    turns.parked("train")  # what train's parking thread does when asked
+    old.join(5)
+    new.join(5)
+    assert isinstance(outcomes["old"], RuntimeError) and "joined again" in str(outcomes["old"])
+    assert outcomes["new"] is True and turns.state()["holder"] == "rollout"
+    turns.release("rollout")
+    assert turns.state() == {"holder": None, "resident": "rollout", "queue": [], "handoffs": 2}
+
+
 class ChunkedEngine:
     """A rollout engine that decodes one token per chunk and honours `should_pause`."""
 
