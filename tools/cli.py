@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = getattr(e, "exit_code", 130)
     except Exception as e:  # noqa: BLE001 - printed here, so the resume command below comes last
         if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal."):
-            print(f"tidal {args.command}: error: {e}", file=sys.stderr)  # PlatformError and friends: actionable, no traceback
+            print("\n".join([f"tidal {args.command}: error: {e}", *getattr(e, "__notes__", ())]), file=sys.stderr)  # PlatformError and friends: actionable, no traceback
         else:
             traceback.print_exc()
         code = 1

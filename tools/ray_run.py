@@ -539,7 +539,7 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
 
     Raises:
         RayActorError: a rank died (also when another rank's failure was caused by that death).
-        RayTaskError: a rank failed and none died.
+        RayTaskError: a rank failed and none died: rank 0's error when it failed too (see `_first_error`).
     """
     import ray  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
@@ -560,25 +560,40 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
                 try:
                     results[ref] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - a rank failed: was it because another one died?
-                    if not rank_died(e):
-                        _raise_if_one_died(pending)
-                    raise
+                    if rank_died(e):
+                        raise
+                    raise _first_error(refs, {ref: e}) from None
     return [results[ref] for ref in refs]
 
 
-def _raise_if_one_died(refs: list[Any]) -> None:
-    """Raise the `RayActorError` of a rank among `refs` that died (Ray reports a death within moments)."""
+def _first_error(refs: list[Any], failed: dict[Any, Exception]) -> Exception:
+    """After a rank raised (`failed`), the error to report: wait up to `DEATH_NOTICE_S` for the
+    other ranks, raising at once the `RayActorError` of one that died (the failure is then a
+    restart). Otherwise rank 0's error if it failed (it runs the program; a follower whose
+    collective lost rank 0 fails with a connection error the moment rank 0 gives up its
+    group, and the driver may hear that first), else the first one heard, with a note naming
+    each other rank's error, so a follower's own failure that made rank 0's collective fail
+    is shown too."""
     import ray  # noqa: PLC0415
 
     deadline = time.monotonic() + DEATH_NOTICE_S
-    while refs and time.monotonic() < deadline:
-        done, refs = ray.wait(refs, timeout=max(deadline - time.monotonic(), 0.0))
+    rest = [r for r in refs if r not in failed]
+    while rest and time.monotonic() < deadline:
+        done, rest = ray.wait(rest, timeout=max(deadline - time.monotonic(), 0.0))
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 - another consequence of the same failure, unless it is the death
                 if rank_died(e):
                     raise
+                failed[ref] = e
+    first = failed.get(refs[0], next(iter(failed.values())))
+    for rank, ref in enumerate(refs):
+        other = failed.get(ref)
+        if other is not None and other is not first:
+            cause = getattr(other, "cause", None) or other
+            first.add_note(f"trainer rank {rank} failed too: {type(cause).__name__}: {cause}")
+    return first
 
 
 def rank_died(error: BaseException) -> bool:

@@ -184,3 +184,32 @@ def test_only_a_dead_trainer_process_counts_as_a_death_not_an_error_it_raised():
     raised = errors.RayTaskError("run", "Traceback ...", died).as_instanceof_cause()
     assert isinstance(raised, errors.RayActorError)  # what made it look like a death
     assert rank_died(died) and not rank_died(raised) and not rank_died(RuntimeError("x"))
+
+
+def test_rank_0s_error_is_reported_when_a_follower_fails_first_on_the_lost_group(ray_session, tmp_path):
+    """Rank 0 raises and gives up its process group; a follower's collective then fails at
+    once with a connection error, and the driver may hear that first. The run's error is
+    rank 0's, with the follower's as a note (not the other way round)."""
+    import ray
+
+    from tidal.tools.ray_run import _wait_with_progress
+
+    @ray.remote(num_cpus=0)
+    def rank0() -> None:
+        time.sleep(1.0)
+        raise ValueError("reward function 'x' is not defined")
+
+    @ray.remote(num_cpus=0)
+    def follower() -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:19145")
+
+    @ray.remote(num_cpus=0)
+    def fine() -> dict:
+        return {}
+
+    with pytest.raises(ValueError, match="reward function 'x' is not defined") as caught:
+        _wait_with_progress([rank0.remote(), follower.remote(), fine.remote()], tmp_path / "metrics.jsonl", total=1, progress=False)
+    assert caught.value.__notes__ == ["trainer rank 1 failed too: RuntimeError: Connection closed by peer [127.0.0.1]:19145"]
+    with pytest.raises(RuntimeError, match="Connection closed") as caught:  # rank 0 fine: the one that failed, alone
+        _wait_with_progress([fine.remote(), follower.remote()], tmp_path / "metrics.jsonl", total=1, progress=False)
+    assert not getattr(caught.value, "__notes__", None)
