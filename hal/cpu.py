@@ -43,6 +43,7 @@ class CpuPlatform:
 
     def __init__(self, descriptor: PlatformDescriptor | None = None) -> None:
         self.descriptor = descriptor or describe("cpu", device_count=1)
+        self._machine_count = self.descriptor.device_count  # what a visible-devices variable picks from
         self._peak_fallback = 0
 
     @property
@@ -172,10 +173,12 @@ class CpuPlatform:
         var = self.descriptor.visible_devices_var
         if var is None:
             raise ValueError("the cpu platform has no visible-devices variable")
-        count, ids = self.descriptor.device_count, [int(i) for i in ids]
+        ids, count = list(ids), self._machine_count  # ids are the machine's, as a vendor's variable holds them
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"cannot make devices {ids} visible: device ids are integers (the machine's indexes)")
         bad = sorted({i for i in ids if not 0 <= i < count} | {i for i in ids if ids.count(i) > 1})
         if bad:
-            raise ValueError(f"cannot make devices {ids} visible: {bad} out of range or repeated (this process sees {count} {self.kind} devices)")
+            raise ValueError(f"cannot make devices {ids} visible: {bad} out of range or repeated (the machine has {count} {self.kind} devices)")
         os.environ[var] = ",".join(str(i) for i in ids)
         self.descriptor = dataclasses.replace(self.descriptor, device_count=len(ids))  # as a vendor's count follows the variable
 

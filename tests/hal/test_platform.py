@@ -232,6 +232,10 @@ def test_visible_devices_and_comm_env(platform, monkeypatch):
                 platform.set_visible_devices(bad)
         platform.set_visible_devices([1, 0])
         assert os.environ[var] == "1,0" and platform.device_count() == platform.descriptor.device_count == 2
+        platform.set_visible_devices([count - 1])  # the machine's ids, not those of the last call's two
+        assert os.environ[var] == str(count - 1) and platform.device_count() == 1
+        with pytest.raises(ValueError, match="device ids are integers"):
+            platform.set_visible_devices(["GPU-3b2f1c6e"])
 
 
 def test_profile_range_runs_its_body_and_lets_errors_through(platform):
