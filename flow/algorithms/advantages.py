@@ -3,7 +3,8 @@
 Every estimator takes `rewards`, a 1-D floating-point tensor with one entry per row, and
 `groups`, one group id per row: a 1-D integer tensor or a list of hashable ids (e.g. the
 prompt uid). Rows of one group need not be contiguous. A group with a single row carries
-no baseline information, so its advantage is 0 under every estimator. The result has the
+no baseline information, and one whose rewards are all equal no signal, so their
+advantages are exactly 0 under every estimator. The result has the
 shape, dtype and device of `rewards`.
 """
 
@@ -53,11 +54,21 @@ def _group_counts(rewards: torch.Tensor, index: torch.Tensor, num_groups: int) -
     return torch.bincount(index, minlength=num_groups).to(rewards.dtype)
 
 
+def _tied(rewards: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Per row, `[num_rows]` bool: whether every reward of its group is the same. Their
+    advantage is exactly 0: a mean computed in floating point can be a rounding step off
+    the reward it averages (eight rewards of 0.1 in float32), and dividing that by a std
+    of the same size would give every row of the group one large advantage of one sign."""
+    high = rewards.new_full((num_groups,), -torch.inf).scatter_reduce_(0, index, rewards, "amax")
+    low = rewards.new_full((num_groups,), torch.inf).scatter_reduce_(0, index, rewards, "amin")
+    return (high == low)[index]
+
+
 def grpo(rewards: torch.Tensor, groups: Groups, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages: the reward minus its group's mean, divided by the group's std.
 
     The std is the unbiased sample std (Bessel's correction, `torch.std`'s default), as in
-    verl and TRL. `eps` keeps groups whose rewards are all equal at advantage 0.
+    verl and TRL. A group whose rewards are all equal has advantage exactly 0 (any `eps`).
 
     Args:
         rewards: Rewards, `[num_rows]`, floating point.
@@ -76,11 +87,12 @@ def grpo(rewards: torch.Tensor, groups: Groups, *, normalize_std: bool = True, e
     index, num_groups = _group_index(rewards, groups)
     counts = _group_counts(rewards, index, num_groups)
     centered = rewards - (_group_sums(rewards, index, num_groups) / counts)[index]
+    centered = torch.where(_tied(rewards, index, num_groups), 0.0, centered)  # a size-1 group too
     if not normalize_std:
         return centered
-    # A size-1 group has centered == 0 and variance 0 (clamped denominator), so 0 / eps = 0.
     var = _group_sums(centered.square(), index, num_groups) / (counts - 1).clamp(min=1)
-    return centered / (var.sqrt()[index] + eps)
+    std = var.sqrt()[index]
+    return torch.where(std > 0, centered / (std + eps), 0.0)  # std 0: a tied group (0 / 0 with eps=0)
 
 
 def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -91,7 +103,7 @@ def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
         groups: One group id per row.
 
     Returns:
-        Advantages, `[num_rows]`; 0 for a group with one row.
+        Advantages, `[num_rows]`; 0 for a group with one row or all rewards equal.
 
     Raises:
         ValueError: If `rewards` or `groups` is malformed.
@@ -100,7 +112,7 @@ def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
     counts = _group_counts(rewards, index, num_groups)[index]
     others = _group_sums(rewards, index, num_groups)[index] - rewards
     baseline = torch.where(counts > 1, others / (counts - 1).clamp(min=1), rewards)
-    return rewards - baseline
+    return torch.where(_tied(rewards, index, num_groups), 0.0, rewards - baseline)
 
 
 def dr_grpo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:

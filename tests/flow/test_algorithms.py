@@ -97,6 +97,19 @@ def test_a_group_of_one_row_gets_advantage_zero():
         assert compute_advantages(name, rewards[:1], ["only"]).tolist() == [0.0]
 
 
+def test_a_group_whose_rewards_are_all_equal_gets_advantage_exactly_zero():
+    # In float32 eight rewards of 0.1 average to 0.1 plus a rounding step; GRPO divided that
+    # by a std of the same size (-0.0074 for each row), RLOO and Dr.GRPO left 7e-9.
+    rewards = torch.tensor([0.1] * 8 + [0.7] * 16 + [0.0, 1.0], dtype=torch.float32)
+    groups = [0] * 8 + [1] * 16 + [2, 2]
+    for name in ADVANTAGES:
+        out = compute_advantages(name, rewards, groups)
+        assert out[:24].tolist() == [0.0] * 24, name
+        assert out[24] < 0 < out[25], name
+    for eps in (0.0, 1e-6):  # eps=0: no 0 / 0 for a tied group or a lone row
+        assert grpo(torch.tensor([0.3, 0.3, 5.0]), [0, 0, 1], eps=eps).tolist() == [0.0, 0.0, 0.0]
+
+
 def test_advantages_keep_dtype_and_handle_float32():
     rewards = torch.tensor([1.0, 0.0], dtype=torch.float32)
     out = grpo(rewards, [0, 0])
