@@ -84,16 +84,23 @@ def resolve_reward(spec: str) -> RewardFn:
     return fn
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Rewards are stored as float32: a larger finite value would become inf there."""
+
+
 def score(fn: RewardFn, trajectories: Sequence[Trajectory], texts: Sequence[str]) -> tuple[list[float], list[int]]:
-    """Rewards for every row, and the indexes of rows whose reward function failed."""
+    """Rewards for every row, and the indexes of rows whose reward function failed: it
+    raised, or returned NaN, an infinity or a value beyond float32's range. Each function's
+    first failure of each kind is logged."""
     rewards, failed = [], []
+    name = getattr(fn, "__name__", repr(fn))
     for k, (trajectory, text) in enumerate(zip(trajectories, texts)):
         try:
             value = float(fn(trajectory, text))
-            if not math.isfinite(value):
-                raise ValueError(f"reward is {value}")
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise ValueError(f"reward is {value}" + ("" if not math.isfinite(value) else ", beyond float32's range"))
         except Exception as e:  # noqa: BLE001 - a bad reward marks the row failed, never the run
-            _warn_once(f"reward function {getattr(fn, '__name__', fn)!r} failed: {type(e).__name__}: {e}")
+            _warn_once((name, type(e).__name__), f"reward function {name!r} failed: {type(e).__name__}: {e}")
             rewards.append(0.0)
             failed.append(k)
             continue
@@ -101,12 +108,12 @@ def score(fn: RewardFn, trajectories: Sequence[Trajectory], texts: Sequence[str]
     return rewards, failed
 
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning("%s (the row scores 0 and is counted as failed)", message)
-
-
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    """Log `message` the first time `key` (function, error type) fails: a reward raising
+    with each row's text in its message logs once, and this set stays small."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s (the row scores 0 and is counted as failed; later failures of this kind are counted, not logged)", message)

@@ -210,6 +210,21 @@ def test_resolve_reward_and_failing_rewards_do_not_crash():
     assert rewards == [1.0, 0.0, 0.0] and failed == [1, 2]
 
 
+def test_a_reward_beyond_float32_fails_its_row_and_each_kind_of_failure_is_logged_once(caplog):
+    def huge(trajectory, text):
+        if text.startswith("raise"):
+            raise KeyError(f"no answer in {text!r}")  # a message that differs per row
+        return float(text)
+
+    rows = [Trajectory(prompt_ids=[1]) for _ in range(5)]
+    with caplog.at_level("WARNING", logger="tidal.engines.rewards"):
+        rewards, failed = score(huge, rows, ["1e39", "-3.4e38", "raise 1", "raise 2", "1e38"])
+    assert rewards == [0.0, -3.4e38, 0.0, 0.0, 1e38] and failed == [0, 2, 3]  # 1e39 was stored as inf, then NaN advantages
+    assert torch.tensor(rewards, dtype=torch.float32).isfinite().all()
+    messages = [r.getMessage() for r in caplog.records if "'huge' failed" in r.getMessage()]
+    assert len(messages) == 2 and "beyond float32's range" in messages[0] and "KeyError" in messages[1]
+
+
 def test_tasks_are_deterministic_and_correct():
     a = arithmetic_prompts(50, seed=1, max_value=9)
     assert a == arithmetic_prompts(50, seed=1, max_value=9) and a != arithmetic_prompts(50, seed=2, max_value=9)
