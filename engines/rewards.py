@@ -13,7 +13,9 @@ import importlib
 import logging
 import math
 import operator
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 
 
@@ -68,12 +70,16 @@ REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithm
 
 
 def resolve_reward(spec: str) -> RewardFn:
-    """A registry name, or `module:function` imported from the Python path."""
+    """A registry name, or `module:function` imported from the Python path or, after it,
+    the current directory (a `tidal` console script does not have it on the path; the
+    actors of a local Ray start there and do)."""
     if spec in REWARDS:
         return REWARDS[spec]
     if ":" not in spec:
         raise ValueError(f"unknown reward {spec!r}; registered: {sorted(REWARDS)}, or give module:function")
     module_name, _, attr = spec.partition(":")
+    if not {"", os.getcwd()} & set(sys.path):
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

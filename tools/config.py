@@ -77,7 +77,7 @@ class TaskConfig:
     name: str = "arithmetic"
     """Prompt generator: arithmetic | countdown."""
     reward: str = ""
-    """Reward: a registry name (arithmetic, countdown, exact_match) or `module:function`; empty = the task's own."""
+    """Reward: a registry name (arithmetic, countdown, exact_match) or `module:function` (from the Python path, then the current directory); empty = the task's own."""
     max_value: int = 20
     """Largest operand of arithmetic prompts."""
     ops: str = "+-"
@@ -560,14 +560,24 @@ def check_runnable(cfg: Any) -> None:
     """Combinations `tidal run` cannot run (`tidal plan` and `tidal config` still show them).
 
     Raises:
-        ConfigError: naming the key, when `placement.train.count` > 1 with a train backend
+        ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
+            registered reward nor importable `module:function`; when `placement.train.count` > 1 with a train backend
             that trains in one process, or under `runtime: local`; when `runtime: local`
             (one trainer and one rollout engine in this process) is asked for several
             rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
             whose borrowed instances continue paused groups on the others).
     """
+    from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
+    from tidal.engines.tasks import TASKS  # noqa: PLC0415
     from tidal.tools.backends import MULTI_RANK  # noqa: PLC0415
 
+    if cfg.task.name not in TASKS:
+        raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
+    if cfg.task.reward:  # imported now (a user's module), not after the run directory and the warm start
+        try:
+            resolve_reward(cfg.task.reward)
+        except ValueError as e:
+            raise ConfigError(f"task.reward={cfg.task.reward!r}: {e}") from None
     count = cfg.placement.train.count
     if count > 1 and cfg.train.backend not in MULTI_RANK:
         raise ConfigError(

@@ -144,3 +144,20 @@ def test_the_loss_takes_the_recipes_keys_and_token_sum_norm_the_longest_response
     cfg = load_config(None, ["algorithm.aggregation=token_sum_norm", "rollout.max_new_tokens=7", "algorithm.clip_high=0.3"])
     loss = loss_config(cfg)
     assert (loss.aggregation, loss.max_tokens, loss.clip_high, loss.clip_low) == ("token_sum_norm", 7, 0.3, cfg.algorithm.clip_low)
+
+
+def test_the_task_and_its_reward_are_checked_before_the_run_and_a_reward_module_may_sit_in_the_current_directory(tmp_path, monkeypatch):
+    import sys
+
+    from tidal.tools.config import check_runnable
+
+    recipe = resolve_recipe("quickstart_cpu")
+    for override, named in (("task.reward=exact_mach", "task.reward='exact_mach': unknown reward"), ("task.name=sorting", "task.name='sorting' is not one of"), ("task.reward=no_such_module_here:f", "cannot import module")):
+        with pytest.raises(ConfigError, match=named):
+            check_runnable(load_config(recipe, [override]))
+    (tmp_path / "my_reward_here.py").write_text("def score(trajectory, text):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # as under the `tidal` console script
+    check_runnable(load_config(recipe, ["task.reward=my_reward_here:score"]))
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        check_runnable(load_config(recipe, ["task.reward=my_reward_here:nope"]))
