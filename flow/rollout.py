@@ -262,7 +262,7 @@ class RolloutWorker:
             finished = [k for k, group in enumerate(groups) if all(t.done for t in group)]
             paused = [k for k in range(len(groups)) if k not in finished]
             if paused:  # first: another worker may start on them at once
-                self._hand_back([rows[k] for k in paused], [groups[k] for k in paused])
+                self._hand_back([rows[k] for k in paused], [groups[k] for k in paused], [batch.versions[k] for k in paused])
             if finished:
                 # the trajectories go in and their prompts are acked in one step: a worker that
                 # dies before it gets its prompts redelivered, never after (no sample twice)
@@ -272,13 +272,16 @@ class RolloutWorker:
             if paused:
                 self.engine.wait_turn()  # new rows only once the devices are back; meanwhile others take these
 
-    def _hand_back(self, rows: list[tuple[int, dict[str, Any]]], groups: list[list[Trajectory]]) -> None:
+    def _hand_back(self, rows: list[tuple[int, dict[str, Any]]], groups: list[list[Trajectory]], admitted: list[int | None]) -> None:
         """Put paused groups back into `prompts` as resumable rows, acking the rows they came
         from in the same step: a worker that dies before the put gets those rows redelivered,
-        one that dies after has left the groups in the store for the next worker."""
+        one that dies after has left the groups in the store for the next worker. Each keeps
+        the version that admitted it, or its newest token's if newer, so the worker that
+        continues it catches up to that version first (`_catch_up`), as for a fresh row."""
         resumable = [resumable_prompt(prompt, group) for (_, prompt), group in zip(rows, groups)]
+        versions = [max([v for v in (a, *(t.versions[-1] for t in group if t.versions)) if v is not None], default=None) for a, group in zip(admitted, groups)]
         with self.tracer.span("rollout", "hand off", groups=len(groups)):
-            self.store.put("prompts", {"prompt": resumable}, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
+            self.store.put("prompts", {"prompt": resumable}, versions=versions, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
         self.num_handed_off += len(groups)
 
     def _catch_up(self, admitted: list[int]) -> None:

@@ -7,10 +7,11 @@ import collections
 import threading
 import time
 
+import pytest
 import torch
 
 from tidal.flow.rollout import RESUME_KEY, TRAJECTORY_COLUMNS, RolloutWorker, Stop, group_of, put_trajectories, resumable_prompt, token_batch_of, trajectories_of
-from tidal.flow.store import Store, StoreError
+from tidal.flow.store import Store, StoreError, StoreTimeout
 from tidal.flow.store.codec import decode, encode
 from tidal.flow.timeshare import Seat, SharedRolloutEngine, Turns
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -102,6 +103,9 @@ class CountingEngine:
                     t.finish_reason = "length"
             active = [t for t in active if not t.done]
         return list(trajectories)
+
+    def load_weights(self, version, named_tensors) -> None:
+        self.version = version
 
 
 def _seat(turns: Turns, name: str) -> Seat:
@@ -235,9 +239,14 @@ def test_groups_handed_off_survive_the_worker_that_took_them_dying():
     taken = store.get("rollout", "prompts", ["prompt"], 2, partial=True, timeout=1)  # another worker takes it and dies
     (row,) = taken.columns["prompt"]
     assert row[RESUME_KEY]["group"] == prompts[1] and [s["versions"] for s in row[RESUME_KEY]["samples"]] == [[3] * STALL] * 2
+    assert taken.versions == [3]  # the version its tokens (and its admission) need: the next worker catches up to it
     assert store.release("rollout", "prompts", taken.indexes) == 1  # its lease ends: redelivered like any prompt row
-    b = _worker(store, CountingEngine(4))
+    b = _worker(store, CountingEngine(2))  # older weights than the group's tokens
     thread = _start(b, errors)
+    with pytest.raises(StoreTimeout):  # it waits for a version >= 3 before it continues the group
+        store.get("check", "train", ["tokens"], 4, timeout=0.3)
+    assert b.engine.seen == []
+    b.inbox.offer(4, {})
     batch = store.get("check", "train", [*TRAJECTORY_COLUMNS, "meta"], 4, timeout=10)
     _stop(store, [b], [thread], errors)
     _check_continued(batch, a.engine.engine, prompts)
