@@ -52,7 +52,10 @@ class Trajectory:
         self.versions.extend([int(version)] * len(tokens))
 
     def append_env(self, tokens: Sequence[int]) -> None:
-        """Append environment / tool tokens (kept as ids; not trained on)."""
+        """Append environment / tool tokens (kept as ids; not trained on). The trajectory is
+        open again (`finish_reason` None): the policy's next turn follows them, and a
+        rollout engine's `max_new_tokens` counts the generated tokens of every turn."""
+        self.finish_reason = None
         self.tokens.extend(int(t) for t in tokens)
         self.logprobs.extend([0.0] * len(tokens))
         self.versions.extend([ENV_VERSION] * len(tokens))

@@ -11,7 +11,9 @@ from tidal.flow.trajectory import ENV_VERSION, Trajectory, to_token_batch
 def test_multi_turn_trajectory_keeps_versions_and_masks_environment_tokens():
     t = Trajectory(prompt_ids=[1, 5, 6])
     t.extend([7, 8], [-0.5, -0.25], version=3)
+    t.finish_reason = "stop"  # the turn ended at EOS
     t.append_env([9, 9, 9])  # a tool's reply, already token ids: never decoded or re-tokenized
+    assert not t.done  # open again for the next turn (generate skipped it as finished)
     t.extend([10], [-1.0], version=4)
     assert t.ids == [1, 5, 6, 7, 8, 9, 9, 9, 10]
     assert t.versions == [3, 3, ENV_VERSION, ENV_VERSION, ENV_VERSION, 4]
