@@ -196,6 +196,8 @@ class HostSender:
 def copy_in(data: Any, spec: TensorSpec, device: torch.device) -> torch.Tensor:
     """A new tensor on `device` holding the raw bytes `data` (a buffer) as `spec`."""
     out = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+    if out.numel() == 0:  # nothing to copy (torch.frombuffer refuses an empty buffer)
+        return out
     if device.type == "cpu":
         tensor_bytes(out).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     else:

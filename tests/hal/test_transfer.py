@@ -261,8 +261,9 @@ def test_ipc_sender_never_closed_removes_its_file_when_dropped_or_at_exit():
 
 def test_receivers_deliver_to_the_device_they_are_given():
     """A rollout guest on shared devices receives into host memory (`device=`); here the
-    "meta" device stands in for one that differs from the platform's."""
-    w = _weights()
+    "meta" device stands in for one that differs from the platform's (and an empty tensor,
+    which a device receiver of `host` could not copy in, for any accelerator)."""
+    w = {**_weights(), "model.empty": torch.empty(0, 3)}
     meta = torch.device("meta")
     for receiver_cls, sender_cls in ((IpcReceiver, IpcSender), (HostReceiver, HostSender)):
         receiver, sender = receiver_cls(CpuPlatform(), device=meta), sender_cls(CpuPlatform())
