@@ -54,14 +54,19 @@ class CpuPlatform:
         d = self.descriptor
         return f"FakePlatform({d.kind}, {d.device_count})" if d.fake else "CpuPlatform()"
 
+    def _require(self) -> None:
+        """A fake platform given zero devices refuses what the accelerator platform refuses
+        then: computing, streams, memory figures, dtypes, collectives."""
+        if self.descriptor.device_count == 0:
+            raise NoDeviceError(
+                f"this process was given 0 {self.kind} devices (fake platform, TIDAL_DEVICE={os.environ.get('TIDAL_DEVICE', '<unset>')!r}) "
+                f"and cannot compute; give it at least one with TIDAL_DEVICE=fake:{self.kind}:<n>"
+            )
+
     # Devices -------------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:
+        self._require()
         count = self.descriptor.device_count
-        if count == 0:
-            raise NoDeviceError(
-                f"this process was given 0 {self.kind} devices (fake platform) and cannot compute; "
-                f"give it at least one with TIDAL_DEVICE=fake:{self.kind}:<n>"
-            )
         if index is not None and not 0 <= index < count:
             raise IndexError(f"device index {index} out of range: this process sees {count} {self.kind} devices")
         return _CPU
@@ -76,6 +81,7 @@ class CpuPlatform:
         return self.descriptor.device_count
 
     def synchronize(self, device: torch.device | str | None = None) -> None:
+        self._require()
         return None
 
     # RNG -----------------------------------------------------------------------------
@@ -93,12 +99,15 @@ class CpuPlatform:
 
     # Streams and events ----------------------------------------------------------------
     def new_stream(self) -> NoopStream:
+        self._require()
         return NoopStream()
 
     def new_event(self, *, enable_timing: bool = False) -> NoopEvent:
+        self._require()
         return NoopEvent(enable_timing=enable_timing)
 
     def current_stream(self) -> NoopStream:
+        self._require()
         return NoopStream()
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
@@ -106,13 +115,16 @@ class CpuPlatform:
 
     # Memory --------------------------------------------------------------------------
     def memory_allocated(self) -> int:
+        self._require()
         return psutil.Process().memory_info().rss
 
     def memory_reserved(self) -> int:
+        self._require()
         return psutil.Process().memory_info().rss
 
     def max_memory_allocated(self) -> int:
         """Peak resident set size since start or the last `reset_peak_memory_stats`."""
+        self._require()
         hwm_kb = _proc_status_kb("VmHWM")
         if hwm_kb is not None:
             return hwm_kb * 1024
@@ -120,6 +132,7 @@ class CpuPlatform:
         return self._peak_fallback
 
     def reset_peak_memory_stats(self) -> None:
+        self._require()
         # Linux resets VmHWM to the current RSS when 5 is written to clear_refs.
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -131,6 +144,7 @@ class CpuPlatform:
         return None
 
     def mem_get_info(self) -> tuple[int, int]:
+        self._require()
         vm = psutil.virtual_memory()
         return vm.available, vm.total
 
@@ -142,7 +156,7 @@ class CpuPlatform:
         self, *, module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
     ) -> OffloadHandle:
         """On the real CPU platform this moves nothing; a fake platform copies for real."""
-        self.device()  # A fake platform given zero devices refuses to compute.
+        self._require()
         return OffloadHandle(
             module=module,
             optimizer=optimizer,
@@ -153,6 +167,7 @@ class CpuPlatform:
 
     # Dtypes --------------------------------------------------------------------------
     def dtype_support(self) -> dict[str, bool]:
+        self._require()
         # float8 tensors exist on CPU but have no arithmetic kernels.
         return {"bf16": True, "fp16": True, "fp64": True, "fp8": False}
 
@@ -195,6 +210,7 @@ class CpuPlatform:
     def init_process_group(
         self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float | None = None, store: Any = None
     ) -> None:
+        self._require()
         join_default_group(self.process_group_backend, rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s, store=store)
 
     # Profiling -----------------------------------------------------------------------

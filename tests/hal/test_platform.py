@@ -254,6 +254,9 @@ def test_zero_devices_report_and_refuse_to_compute():
         p.device()
     with pytest.raises(hal.NoDeviceError):
         p.offload(module=torch.nn.Linear(2, 2))
+    for call in (p.memory_allocated, p.max_memory_allocated, p.mem_get_info, p.new_stream, p.synchronize, p.dtype_support, lambda: p.autocast("bf16")):
+        with pytest.raises(hal.NoDeviceError, match="0 cuda devices"):  # as the accelerator platform refuses them
+            call()
 
 
 def test_cpu_platform_repr_names_fakes():
