@@ -70,6 +70,8 @@ class TensorSpec:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        if not isinstance(tensor, torch.Tensor):
+            raise TransferError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor: weight transports carry (name, tensor) pairs")
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
             raise TransferError(f"tensor {name!r} has dtype {tensor.dtype}, which weight transports do not carry")
@@ -219,8 +221,9 @@ def weight_source(weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) ->
     the iterable made them)."""
     if isinstance(weights, WeightSource):
         return weights
-    listed = [(n, t.detach()) for n, t in weights]
-    specs = [TensorSpec.of(n, t) for n, t in listed]
+    pairs = list(weights)
+    specs = [TensorSpec.of(n, t) for n, t in pairs]  # first: each must be a tensor, named if not
+    listed = [(n, t.detach()) for n, t in pairs]
     return LazyWeights(lambda: specs, lambda: iter(listed))
 
 

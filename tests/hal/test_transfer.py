@@ -18,7 +18,7 @@ import zmq
 
 from tidal.hal.cpu import CpuPlatform, fake_platform
 from tidal.hal.platform import describe
-from tidal.hal.transfer import Manifest, TransferError, choose_transport, expected_specs, make_manifest, pack_header, snapshot
+from tidal.hal.transfer import Manifest, TransferError, choose_transport, expected_specs, make_manifest, pack_header, snapshot, weight_source
 from tidal.hal.transfer.host import HostReceiver, HostSender
 from tidal.hal.transfer.ipc import IpcReceiver, IpcSender
 
@@ -57,6 +57,8 @@ def test_manifest_buckets_round_trip_and_checks():
     bad = msgpack.packb({"version": 1, "specs": [["a", "float32", [2]]], "buckets": [[0, 0]]})
     with pytest.raises(TransferError, match="do not cover every tensor once"):
         Manifest.unpack(bad)
+    with pytest.raises(TransferError, match="weight 'head.bias' is a list, not a tensor"):  # was AttributeError: 'list' ... 'detach'
+        weight_source([("head.bias", [0.0, 1.0])])
 
 
 @pytest.mark.parametrize(
