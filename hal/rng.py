@@ -43,13 +43,16 @@ def set_state(state: Mapping[str, Any], device_module: ModuleType | None = None)
     missing = {"python", "numpy", "torch", "device"} - set(state)
     if missing:
         raise ValueError(f"RNG state is missing {sorted(missing)}")
+    # Checked before anything is set: a refused state leaves every generator as it was.
+    if device_module is None and state["device"]:
+        raise ValueError("RNG state holds device generators but this platform has none")
+    if device_module is not None and len(state["device"]) > device_module.device_count():
+        raise ValueError(f"RNG state holds {len(state['device'])} device generators but this process sees {device_module.device_count()} devices")
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if device_module is not None:
         device_module.set_rng_state_all(state["device"])
-    elif state["device"]:
-        raise ValueError("RNG state holds device generators but this platform has none")
 
 
 @contextmanager

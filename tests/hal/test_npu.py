@@ -76,6 +76,8 @@ def test_rng_covers_every_npu_generator(fake_npu):
     with p.fork_rng():
         fake_npu.draw(0), fake_npu.draw(1), torch.rand(3)
     assert (fake_npu.draw(0), fake_npu.draw(1)) == nxt
+    with pytest.raises(ValueError, match="holds 3 device generators but this process sees 2 devices"):
+        p.set_rng_state({**state, "device": [*state["device"], state["device"][0]]})  # a 3-NPU run's checkpoint
 
 
 def test_streams_and_events(fake_npu):

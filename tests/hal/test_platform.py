@@ -161,6 +161,10 @@ def test_rng_seed_state_and_fork(platform):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == b
     with pytest.raises(ValueError, match="missing"):
         platform.set_rng_state({"python": state["python"]})
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError, match="holds device generators but this platform has none"):
+        platform.set_rng_state({**state, "device": [torch.ByteTensor(16)]})  # a GPU run's checkpoint
+    assert torch.equal(torch.get_rng_state(), before)  # refused before any generator was set
 
 
 def test_streams_and_events_have_the_accelerator_api(platform):
