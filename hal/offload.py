@@ -7,7 +7,9 @@ event (never reading a host buffer an asynchronous copy may still be writing), a
 points the module and optimizer at the host buffers so the device memory is freed.
 `OffloadHandle.onload` copies each back to the device it came from (AdamW keeps its
 `step` counters on CPU) and drops the host buffers, so the host memory
-is released as soon as the onload returns.
+is released as soon as the onload returns. Values and dtypes come back exactly; each
+tensor comes back contiguous, and two tensors that shared one storage (views of one
+buffer, not one tied `Parameter`, which stays one) come back as two.
 
 A DTensor (a sharded parameter, its gradient, the optimizer state of one) moves its
 local shard, the only part on this process's device; the DTensor object stays, pointing
