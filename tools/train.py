@@ -60,14 +60,27 @@ class Prompts:
     def _chunk(self, k: int) -> list[dict[str, Any]]:
         return task_prompts(self.cfg, 512, seed=self.cfg.seed * 7919 + k)
 
+    MAX_SKIPPED = 100_000
+    """Held-out prompts skipped in a row before the stream gives up: the task has (almost)
+    none left to train on."""
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        skipped = 0
         for k in itertools.count(self.position // 512):
             for j, item in enumerate(self._chunk(k)):
                 if k * 512 + j < self.position:
                     continue
                 self.position = k * 512 + j + 1
                 if item["prompt"] in self.held_out:
+                    skipped += 1
+                    if skipped >= self.MAX_SKIPPED:
+                        raise ConfigError(
+                            f"task.exclude_eval_prompts=true leaves no prompt to train on: the last {skipped:,} drawn were all among the "
+                            f"{len(self.held_out)} held-out ones (task.num_eval_prompts={self.cfg.task.num_eval_prompts}); "
+                            "a task this small has no unseen prompts: set task.exclude_eval_prompts=false or draw from a larger task"
+                        )
                     continue
+                skipped = 0
                 yield {**item, "prompt_ids": self.tokenizer.encode(item["prompt"])}
 
 

@@ -188,3 +188,19 @@ def test_checkpoint_rng_is_the_platforms_and_loads_from_another_platforms_checkp
         _set_rng_state(saved)  # this one, one saved before device states were, one with a GPU's
         assert random.random() == expected_python and torch.equal(torch.rand(2), expected_torch)
     assert "device RNG states do not fit this platform" in caplog.text
+
+
+def test_a_task_whose_every_prompt_is_held_out_is_an_error_not_an_endless_stream(monkeypatch):
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.train import Prompts, held_out_prompts
+
+    cfg = load_config(resolve_recipe("quickstart_cpu"), ["task.max_value=2", "task.exclude_eval_prompts=true"])
+    _, held_out = held_out_prompts(cfg)  # 200 drawn: every one of the task's 18 sums
+    monkeypatch.setattr(Prompts, "MAX_SKIPPED", 5_000)
+    with pytest.raises(ConfigError, match="task.exclude_eval_prompts=true leaves no prompt to train on"):
+        next(iter(Prompts(cfg, CharTokenizer(), held_out)))
+    cfg = load_config(resolve_recipe("quickstart_cpu"), ["task.max_value=9", "task.exclude_eval_prompts=true"])
+    _, held_out = held_out_prompts(cfg)
+    item = next(iter(Prompts(cfg, CharTokenizer(), held_out)))  # a larger task: prompts outside the held-out set
+    assert item["prompt"] not in held_out
