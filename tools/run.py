@@ -108,12 +108,29 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_plan(cfg: Any) -> None:
+    """Make the recipe's plan now, as `tidal plan` does, where it can be made without Ray:
+    the recipe lists its cluster (`cluster.nodes`), or a local run shares devices
+    (`placement.rollout.colocate_with`, `placement.train.lend_to`). A Ray run without
+    `cluster.nodes` plans against the cluster it joins, once it has.
+
+    Raises:
+        ConfigError: the plan is infeasible, naming the role.
+    """
+    from tidal.tools.plan import make_plan  # noqa: PLC0415
+
+    placement = cfg.placement
+    if cfg.cluster.nodes or (cfg.runtime.value == "local" and (placement.rollout.colocate_with or placement.train.lend_to)):
+        make_plan(cfg)
+
+
 def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     """Validate `recipe` + `overrides`, select the platform, write the run directory.
 
     Raises:
-        ConfigError: a bad key or value, a combination `tidal run` cannot run, or a
-            `resume` that cannot continue (`resume_changes`); the CLI exits with code 2.
+        ConfigError: a bad key or value, a combination `tidal run` cannot run, a plan
+            that cannot be placed (`check_plan`), or a `resume` that cannot continue
+            (`resume_changes`); the CLI exits with code 2.
         PlatformError: the platform the recipe or TIDAL_DEVICE asks for cannot load.
     """
     from tidal.hal import init_platform  # noqa: PLC0415 - imports torch
@@ -122,6 +139,7 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     check_runnable(cfg)
     resume_changes(cfg)
     selection = init_platform(cfg.device)
+    check_plan(cfg)
     selection.platform.seed_all(cfg.seed)
     run_dir = _new_run_dir(cfg)
     cfg.run_dir = str(run_dir)

@@ -401,6 +401,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     except PlatformError as e:
         raise ConfigError(f"train.precision={cfg.train.precision.value}: {e}") from None
     engine_options = engine_options or {}
+    if turns is None and start_rollouts is None:
+        turns = local_turns(cfg)  # its plan now, not after the warm start: one it refuses names the role at once
     group_file = _one_process_group(train_cls, platform)
     tokenizer = CharTokenizer()
     reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
@@ -459,8 +461,6 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], **reference})
         _set_rng_state(saved["rng"])
     rollout = build_rollout_engine(cfg, copy.deepcopy(template), tokenizer, platform=platform, version=trainer.version)  # the trainer's weights too
-    if turns is None and start_rollouts is None:
-        turns = local_turns(cfg)
     sharing = None
     if turns is not None:
         from tidal.flow.colocate import Sharing  # noqa: PLC0415

@@ -204,3 +204,19 @@ def test_a_task_whose_every_prompt_is_held_out_is_an_error_not_an_endless_stream
     _, held_out = held_out_prompts(cfg)
     item = next(iter(Prompts(cfg, CharTokenizer(), held_out)))  # a larger task: prompts outside the held-out set
     assert item["prompt"] not in held_out
+
+
+def test_a_plan_that_cannot_be_placed_stops_the_run_before_its_directory(tmp_path):
+    """`tidal run` (and `--check`) make the plan when the recipe lists its cluster or shares
+    devices in one process; a local run found out after its warm start."""
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import prepare_run
+
+    for recipe, overrides in (
+        ("quickstart_cpu", ["placement.rollout.colocate_with=train", "placement.rollout.requires=[gpu]"]),
+        ("mixed_npu_gpu", ["placement.rollout.count=9"]),
+    ):
+        with pytest.raises(ConfigError, match="placement: .*role 'rollout'"):
+            prepare_run(resolve_recipe(recipe), [*overrides, f"run_dir={tmp_path / recipe}"])
+        assert not (tmp_path / recipe).exists()
