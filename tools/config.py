@@ -14,12 +14,14 @@ import dataclasses
 import difflib
 import enum
 import inspect
+import math
 import textwrap
 import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -436,8 +438,21 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
             raise ConfigError(f"override {item!r} is not key=value (for example seed=1)")
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        bad = next((item for item in overrides if not _parses(item)), None)  # name the one at fault
+        if bad is not None:
+            key, _, value = bad.partition("=")
+            first = str(e).strip().splitlines()[0]
+            raise ConfigError(f"{key}={value}: the value is not valid YAML ({first}); quote it, for example {key}='{value}'") from None
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {e}") from e
+
+
+def _parses(item: str) -> bool:
+    try:
+        OmegaConf.from_dotlist([item])
+    except (OmegaConfBaseException, yaml.YAMLError):
+        return False
+    return True
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schema: type = RecipeConfig) -> Any:
@@ -467,6 +482,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
             cfg = OmegaConf.merge(cfg, given)
         except OmegaConfBaseException as e:
             raise _explain(e, schema, "the command-line overrides", given) from None
+    try:
+        OmegaConf.resolve(cfg)  # ${...} interpolations, now: one that cannot resolve names its key here
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key or 'an interpolation'}: {str(e).strip().splitlines()[0]}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required keys have no value: {missing}")
@@ -514,6 +534,10 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
+    for key in (*_AT_LEAST, *_POSITIVE):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
+            raise ConfigError(f"{key}={value} must be a finite number")
     for key, least in _AT_LEAST.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < least:

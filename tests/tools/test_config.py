@@ -76,6 +76,11 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("algorithm.aggregation=sum", "algorithm.aggregation='sum' is not one of token_mean"),
         ("algorithm.clip_low=1", "algorithm.clip_low must be in [0, 1), got 1.0"),  # when the recipe loads, not after the warm start
         ("model.attention=flash", "key 'model.attention' in the command-line overrides expects one of sdpa | eager, got 'flash'"),
+        ("task.ops=*", "task.ops=*: the value is not valid YAML"),  # a YAML alias: was a traceback
+        ("name=[abc", "name=[abc: the value is not valid YAML"),
+        ("seed=${name}", "seed: While dereferencing interpolation '${name}'"),
+        ("train.lr=nan", "train.lr=nan must be a finite number"),  # nan <= 0 is False: it passed
+        ("algorithm.clip_high=nan", "algorithm.clip_high=nan must be a finite number"),
     ],
 )
 def test_override_errors_name_the_key(override, expected):
