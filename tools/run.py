@@ -19,14 +19,21 @@ from omegaconf import OmegaConf
 
 from tidal.tools.config import ConfigError, RecipeConfig, check_runnable, iter_keys, load_config, to_yaml
 
-FIXED_ON_RESUME = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "model.max_positions")
-"""Keys a resumed run takes from its checkpoint (the model's shape): `resume=` with another value is an error."""
+FIXED_ON_RESUME = {
+    "model.hidden_size": "hidden_size", "model.num_layers": "num_hidden_layers", "model.num_heads": "num_attention_heads",
+    "model.num_kv_heads": "num_key_value_heads", "model.intermediate_size": "intermediate_size", "model.max_positions": "max_position_embeddings",
+}
+"""Keys a resumed run takes from its checkpoint (the model's shape), with their names in the
+checkpoint's `config.json`: `resume=` with another value is an error."""
 _NOT_COMPARED = ("run_dir", "resume", "output_dir")
 _NO_EFFECT_ON_RESUME = "sft."
 """Keys a resumed run does not use: its warm start is done."""
 
 
 def _new_run_dir(cfg: Any) -> Path:
+    for key in ("run_dir", "output_dir"):
+        if cfg[key] and Path(cfg[key]).exists() and not Path(cfg[key]).is_dir():
+            raise ConfigError(f"{key}={cfg[key]!r} is a file, not a directory")
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         if run_dir.exists() and any(run_dir.iterdir()):
@@ -60,6 +67,8 @@ def latest_checkpoint(run_dir: Path) -> Path:
     set_aside = named.with_name(named.name + ".old")
     if not named.exists() and set_aside.exists():  # a save of the same step stopped between its renames
         return set_aside
+    if not named.is_dir():
+        raise FileNotFoundError(f"{run_dir}'s checkpoints/latest names {named.name!r}, which is not there (deleted?)")
     return named
 
 
@@ -77,29 +86,54 @@ def resume_changes(cfg: Any) -> list[str]:
     as "key: old -> new" (empty without `resume`, or when the run kept no readable config).
 
     Raises:
-        ConfigError: `resume` names no run with a checkpoint, or a key of FIXED_ON_RESUME differs.
+        ConfigError: `resume` names no run with a checkpoint, a key of FIXED_ON_RESUME
+            differs from the checkpoint's model, or `algorithm.num_steps` leaves no step to train.
     """
     if not cfg.resume:
         return []
     previous = Path(cfg.resume)
     try:
-        latest_checkpoint(previous)
+        checkpoint = latest_checkpoint(previous)
     except FileNotFoundError as e:
         raise ConfigError(f"resume={cfg.resume!r}: {e}") from None
+    now = _values(cfg)
+    _check_the_model(cfg, checkpoint, now)
+    done = _steps_done(checkpoint)
+    if done is not None and cfg.algorithm.num_steps <= done:
+        raise ConfigError(
+            f"algorithm.num_steps={cfg.algorithm.num_steps}: resume={cfg.resume!r} has trained {done} steps already; "
+            f"give algorithm.num_steps > {done} to train more"
+        )
     try:
         before = _values(load_config(previous / "config.yaml"))
     except ConfigError:  # missing, or written by a tidal whose keys differ: the checkpoint still loads
         return []
-    now = _values(cfg)
     changed = [key for key in now if now[key] != before[key]]
-    fixed = [key for key in changed if key in FIXED_ON_RESUME]
+    return [f"{key}: {_shown(before[key])} -> {_shown(now[key])}" + (" (no effect: the warm start is done)" if key.startswith(_NO_EFFECT_ON_RESUME) else "") for key in changed]
+
+
+def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
+    """The model's shape keys against the checkpoint's own `config.json` (its run's
+    config.yaml may be gone; the checkpoint is what loads)."""
+    try:
+        saved = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume={cfg.resume!r}: its checkpoint {checkpoint.name} has no readable config.json ({e})") from None
+    fixed = [key for key, field in FIXED_ON_RESUME.items() if field in saved and now[key] != saved[field]]
     if fixed:
         raise ConfigError(
             f"resume={cfg.resume!r} continues that run's model, but "
-            + ", ".join(f"{key}={_shown(now[key])} (the run's: {_shown(before[key])})" for key in fixed)
+            + ", ".join(f"{key}={_shown(now[key])} (the run's: {saved[FIXED_ON_RESUME[key]]})" for key in fixed)
             + ": drop the override, or start a new run without resume"
         )
-    return [f"{key}: {_shown(before[key])} -> {_shown(now[key])}" + (" (no effect: the warm start is done)" if key.startswith(_NO_EFFECT_ON_RESUME) else "") for key in changed]
+
+
+def _steps_done(checkpoint: Path) -> int | None:
+    """The RL steps a checkpoint holds (its `state.json` version), if it says."""
+    try:
+        return int(json.loads((checkpoint / "state.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _write(path: Path, text: str) -> None:

@@ -220,3 +220,30 @@ def test_a_plan_that_cannot_be_placed_stops_the_run_before_its_directory(tmp_pat
         with pytest.raises(ConfigError, match="placement: .*role 'rollout'"):
             prepare_run(resolve_recipe(recipe), [*overrides, f"run_dir={tmp_path / recipe}"])
         assert not (tmp_path / recipe).exists()
+
+
+def test_a_resume_is_checked_against_its_checkpoint(tmp_path):
+    """Against the checkpoint itself: its model (the run's config.yaml may be gone), the
+    steps it holds, and a `latest` that names a folder that is not there."""
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import _new_run_dir, resume_changes
+
+    recipe = resolve_recipe("quickstart_cpu")
+    old = tmp_path / "old"
+    (old / "checkpoints" / "step-000003").mkdir(parents=True)
+    (old / "checkpoints" / "latest").write_text("step-000003")
+    (old / "checkpoints" / "step-000003" / "config.json").write_text(json.dumps({"hidden_size": 192, "num_hidden_layers": 3, "max_position_embeddings": 64}))
+    (old / "checkpoints" / "step-000003" / "state.json").write_text(json.dumps({"version": 3}))
+    assert resume_changes(load_config(recipe, [f"resume={old}"])) == []  # no config.yaml: nothing to list, and nothing refused
+    with pytest.raises(ConfigError, match=r"model.hidden_size=96 \(the run's: 192\)"):  # was accepted without config.yaml
+        resume_changes(load_config(recipe, [f"resume={old}", "model.hidden_size=96"]))
+    with pytest.raises(ConfigError, match=r"algorithm.num_steps=3: .* has trained 3 steps already"):  # trained nothing, exit 0
+        resume_changes(load_config(recipe, [f"resume={old}", "algorithm.num_steps=3"]))
+    (old / "checkpoints" / "latest").write_text("step-000002")
+    with pytest.raises(ConfigError, match="names 'step-000002', which is not there"):
+        resume_changes(load_config(recipe, [f"resume={old}"]))
+    (tmp_path / "a-file").write_text("")
+    for key in ("run_dir", "output_dir"):
+        with pytest.raises(ConfigError, match=f"{key}=.* is a file, not a directory"):
+            _new_run_dir(load_config(recipe, [f"{key}={tmp_path / 'a-file'}"]))
