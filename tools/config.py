@@ -220,14 +220,18 @@ class TransportConfig:
     """How new weights travel from the trainer to rollout (runtime ray)."""
 
     name: str = "auto"
-    """auto | ipc | collective | host; auto picks from the two platforms (host for NPU <-> GPU)."""
+    """auto | ipc | collective | host; auto picks from the two platforms: ipc on one node (any two CPU processes of it; CUDA only colocated), else collective for one vendor, else host (NPU <-> GPU)."""
     bucket_mb: int = 16
     """Bucket size in MB: the unit that is copied off the device while the previous one is sent."""
     overlap: bool = False
-    """Send each version from a copy on a thread of its own while the trainer takes its next step
-    (the trainer stops waiting for the rollout actors to receive; rollout still waits for the
-    version its prompts need). Costs one copy of the model on the trainer's device. Not with a
-    rollout that time-shares the trainer's devices (a weight pass must end inside its turn)."""
+    """The trainer stops waiting for the rollout actors to receive (rollout still waits for the
+    version its prompts need). Over ipc the trainer's weights live in the shared buffer (the
+    `torch` engine: a publish copies nothing, only announces the version, and the engine waits
+    for the answers before its next optimizer step; `runtime.json`'s `weights_in_place`), or
+    are written into it and announced, the answers collected before the next one; over
+    collective and host it is sent from a copy on a thread of its own while the trainer takes
+    its next step (one copy of the model on the trainer's device). Not with a rollout that
+    time-shares the trainer's devices (a weight pass must end inside its turn)."""
 
 
 @dataclasses.dataclass
