@@ -232,6 +232,16 @@ def as_indexes(indexes: Any) -> np.ndarray:
     return np.asarray(indexes if isinstance(indexes, (list, tuple)) else list(indexes), dtype=np.int64).reshape(-1)
 
 
+def distinct_rows(partition: str, indexes: Any) -> np.ndarray:
+    """A put's existing rows as an index array, each named once: a row named twice would
+    count one cell's chunk twice (and free it while another row still used it)."""
+    where = as_indexes(indexes)
+    unique, counts = np.unique(where, return_counts=True)
+    if len(unique) != len(where):
+        raise ValueError(f"a put to partition {partition!r} names rows more than once: {unique[counts > 1][:8].tolist()}")
+    return where
+
+
 def unique_sorted(indexes: np.ndarray) -> np.ndarray:
     """Sorted unique indexes; skips the sort for the usual already-increasing batch."""
     if len(indexes) < 2 or (np.diff(indexes) > 0).all():

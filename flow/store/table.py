@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, num_rows_of, row_nbytes, unique_sorted
+from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of, row_nbytes, unique_sorted
 from tidal.flow.store.evict import ack_rows, unref
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
@@ -230,6 +230,8 @@ class Store:
         with self._lock:
             then_ack = self._check_ack(ack)
             part = self._part(partition)
+            if num_rows == 0 and then_ack is None:  # nothing to hold: no segment, no chunk kept at refcount 0
+                return range(0) if as_range else []
             if indexes is None:
                 total = sum(size * num_rows if size >= 0 else int(sizes[name].sum()) for name, size in row_sizes.items())
                 freed = self._freed_by(part, then_ack)
@@ -247,22 +249,22 @@ class Store:
             else:
                 if groups is not None or versions is not None or tags is not None:
                     raise ValueError("groups, versions and tags are set when rows are created, not on later puts")
-                where = as_indexes(indexes)
+                where = distinct_rows(partition, indexes)
                 found = np.zeros(len(where), dtype=bool)
                 for seg, local, positions in part.locate(where):
                     found[positions] = seg.alive[local]
                 if not found.all():
                     missing = where[~found][:8].tolist()
                     raise StoreError(f"partition {partition!r} has no rows {missing} (never put, or already evicted)")
-                self._stamp += 1
+                self._stamp, before = self._stamp + 1, part.nbytes
                 for name, chunk in chunks.items():
                     self._put_cells(part, name, chunk, sizes[name], where, num_rows)
-                result = where.tolist()
+                result, smaller = where.tolist(), part.nbytes < before  # smaller cells free room too
             if then_ack is not None:
                 self._ack_many(*then_ack)
                 if then_ack[0] is not part:
                     self._notify(then_ack[0], room=True)
-            self._notify(part, columns=chunks, room=then_ack is not None and then_ack[0] is part)
+            self._notify(part, columns=chunks, room=(then_ack is not None and then_ack[0] is part) or (indexes is not None and smaller))
             return result if as_range or isinstance(result, list) else list(result)
 
     def submit_put(self, partition: str, columns: Mapping[str, Any], indexes: Sequence[int] | None = None, **kwargs: Any) -> Done:
@@ -406,6 +408,8 @@ class Store:
             state = part.consumers.get(consumer)
             if state is None:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}; consumers: {sorted(part.consumers)}")
+            if not partial and part.capacity_rows is not None and batch_size > part.capacity_rows:
+                raise StoreError(f"a get of {batch_size} rows can never be served by partition {partition!r} (capacity_rows={part.capacity_rows}): its producers block first")
             state.keys.add(key)
             if ack is not None:
                 where = as_indexes(ack)

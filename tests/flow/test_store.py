@@ -246,6 +246,31 @@ def test_capacity_in_bytes():
         store.put("p", {"x": torch.zeros(1, 100)}, timeout=0)
 
 
+def test_cells_replaced_by_smaller_ones_wake_a_put_waiting_for_bytes():
+    store = make(consumers=["c"], capacity_bytes=1000)
+    store.put("p", {"x": torch.zeros(2, 100)})  # 800 bytes
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (store.put("p", {"x": torch.zeros(1, 100)}, timeout=10), done.set()))
+    thread.start()
+    time.sleep(0.05)
+    assert not done.is_set()
+    store.put("p", {"x": torch.zeros(2, 10)}, indexes=[0, 1])  # 80 bytes now: room, without an ack
+    assert done.wait(2)  # woken, not left to its timeout
+    thread.join(5)
+
+
+def test_puts_and_gets_that_could_only_corrupt_or_wait_are_refused():
+    store = make(consumers=["c"], capacity_rows=4)
+    store.put("p", {"x": torch.tensor([[10], [11], [12]])})
+    with pytest.raises(ValueError, match=r"a put to partition 'p' names rows more than once: \[0\]"):
+        store.put("p", {"x": torch.tensor([[1], [2]])}, indexes=[0, 0])  # counted row 0's chunk twice: freed while in use
+    store.ack("c", "p", [1])
+    assert store.get("c", "p", ["x"], 2, timeout=0).stack("x").tolist() == [[10], [12]]
+    with pytest.raises(StoreError, match="a get of 5 rows can never be served by partition 'p' \\(capacity_rows=4\\)"):
+        store.get("c", "p", ["x"], 5, timeout=1)  # waited for rows its producers could never put
+    assert store.put("p", {"x": torch.zeros(0, 1)}) == [] and len(store._part("p").chunks) == 1  # nothing kept for 0 rows
+
+
 def test_errors_name_the_bad_input():
     store = make(consumers=["c"])
     with pytest.raises(ValueError, match="no partition 'q'"):
