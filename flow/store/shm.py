@@ -169,6 +169,12 @@ class Writer:
         self._full = False
         return name, offsets
 
+    def discard(self, placed: Sequence[Sequence[Any]]) -> None:
+        """Unlink the segments this writer wrote among `place`'s entries: their message
+        was never sent (it failed after its buffers were written)."""
+        for name in {entry[1] for entry in placed if entry[1].startswith(self._prefix)}:
+            _unlink(os.path.join(DIR, name))
+
     def _short_of_room(self, why: str) -> None:
         if not self._full:
             log.warning("store: %s is short of room (%s); sending rows over the socket until it has room", DIR, why)

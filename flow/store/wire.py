@@ -48,6 +48,12 @@ def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned:
             tree["shm"] = placed
             for i, *_ in placed:
                 buffers[i] = b""
+            try:
+                return [pack_header(tree), *buffers]
+            except Exception:
+                if writer is not None:
+                    writer.discard(placed)  # written for a message that will never be sent
+                raise
     return [pack_header(tree), *buffers]
 
 

@@ -177,6 +177,8 @@ def test_failed_and_timed_out_puts_leave_no_segment():
             producer.put("train", {"x": torch.randn(1, BIG)})
             with pytest.raises(StoreTimeout):  # full: parked, then given up
                 producer.put("train", {"x": torch.randn(1, BIG)}, timeout=0.2)
+            with pytest.raises(OverflowError):  # its header cannot be packed, after its rows were written
+                producer.put("train", {"x": torch.randn(1, BIG)}, groups=[2**64])
             gc.collect()
             assert len(_ours(producer)) == 1 and len(server.segments) == 1  # only the row the store holds
         finally:
