@@ -315,6 +315,7 @@ class RayRollouts:
         self._restarted: set[int] = set()  # back from a restart, not wired in yet
         self._restarted_lock = threading.Lock()
         self._died = threading.Event()
+        self._gave_up: str | None = None  # why a dead actor will not come back (no restarts left)
         self._stopping = threading.Event()
         self._posts = overlap and hasattr(wiring, "post")
         """Sends are posted (`ipc`): written and announced, the answers collected on the next send."""
@@ -341,10 +342,13 @@ class RayRollouts:
                     continue
                 self.restarts[i] += 1
                 if self.restarts[i] > self.max_restarts:
-                    raise RuntimeError(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {e}") from None
+                    raise self._give_up(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {e}") from None
                 log.warning("rollout actor %d died (%s); Ray restarts it (%d of %d)", i, type(e).__name__, self.restarts[i], self.max_restarts)
                 self.wiring.abort()  # a send blocked on the dead receiver gives up
-                self.descriptions[i] = self._back(i)
+                try:
+                    self.descriptions[i] = self._back(i)
+                except RuntimeError as back:
+                    raise self._give_up(str(back)) from None
                 if self._stopping.is_set():  # the run ended while Ray restarted it: nothing to generate for
                     self.actors[i].stop.remote()
                     continue
@@ -447,8 +451,19 @@ class RayRollouts:
                     raise RuntimeError(f"rollout actor {i} did not come back within {RESTART_WAIT_S:.0f}s of dying") from None
                 time.sleep(0.2)  # Ray answers at once while the actor restarts and has no event for "back": ask again (control path, not rows)
 
+    def _give_up(self, why: str) -> RuntimeError:
+        """A dead actor will not come back: a send blocked on it, or waiting to hear of its
+        death to wire its replacement in, fails now (it waited the reply timeout, then
+        `DEATH_NOTICE_S`, about four minutes) with `why`, which is returned to raise."""
+        self._gave_up = why
+        self._died.set()
+        self.wiring.abort()
+        return RuntimeError(why)
+
     def _rejoin(self) -> None:
         """Wire the restarted actors in again."""
+        if self._gave_up is not None:
+            raise RuntimeError(self._gave_up)
         self._died.clear()
         with self._restarted_lock:
             restarted, self._restarted = sorted(self._restarted), set()

@@ -126,12 +126,18 @@ class Turns:
 
     def leave(self, seat: str) -> None:
         """`seat` is closing (or its process is gone): its parking thread stops waiting, and its
-        state no longer stands in the next seat's way (it goes with its engine)."""
+        state no longer stands in the next seat's way (it goes with its engine). A turn it
+        still holds is released (a process killed inside its turn never releases it), and an
+        `acquire` it left waiting fails."""
         with self._cond:
             self._left.add(seat)
             self._park_wanted.discard(seat)
-            if self._resident == seat and self._holder != seat:
+            if self._holder == seat:
+                self._holder = None
+            if self._resident == seat:
                 self._resident = None
+            self._joins[seat] += 1
+            self._queue = collections.deque(claim for claim in self._queue if claim[0] != seat)
             self._cond.notify_all()
 
     def begin_park(self, seat: str) -> bool:

@@ -352,3 +352,42 @@ def _capture(fn, errors: list) -> None:
         fn()
     except BaseException as e:  # noqa: BLE001 - checked by the test
         errors.append(e)
+
+
+class _BlockedWiring(_SendingWiring):
+    """A sender blocked on a receiver that died (until `abort`, as a real one is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = threading.Event()
+
+    def send(self, version, source):
+        self.calls.append(("send", version))
+        if not self.aborted.wait(60):
+            raise AssertionError("never aborted")
+        raise ConnectionError("receiver gone")
+
+    def abort(self):
+        self.aborted.set()
+
+
+def test_an_actor_with_no_restarts_left_fails_a_send_blocked_on_it_at_once(ray_session, tmp_path):
+    """The send waited out the reply timeout and then DEATH_NOTICE_S (about four minutes)
+    before the run could end."""
+    import ray
+    import torch
+
+    wiring = _BlockedWiring()
+    actor = _dies_once(str(tmp_path / "died"))
+    rollouts = RayRollouts([actor], wiring, max_restarts=0)
+    ended: list[BaseException] = []
+    sent: list[BaseException] = []
+    publisher = threading.Thread(target=lambda: _capture(lambda: rollouts.publish(1, [("w", torch.ones(2))]), sent))
+    publisher.start()
+    supervisor = threading.Thread(target=lambda: _capture(rollouts.run, ended))
+    supervisor.start()
+    supervisor.join(60)
+    publisher.join(10)
+    assert not publisher.is_alive()  # it heard at once
+    assert [str(e) for e in ended] == [str(e) for e in sent] and "rollout actor 0 died 1 times (fault.rollout_restarts=0)" in str(sent[0])
+    ray.kill(actor)

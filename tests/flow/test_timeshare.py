@@ -328,6 +328,18 @@ def test_a_seat_that_left_does_not_hold_up_the_next_turn():
     assert turns.acquire("train", timeout=1) is True and turns.state()["resident"] == "train"
 
 
+def test_a_seat_killed_inside_its_turn_gives_the_turn_up_when_it_leaves():
+    """Under Ray a rollout actor killed in its turn never releases it; when no restart is
+    left nobody joins again, and the trainer's next turn waited for ever."""
+    turns = Turns()
+    turns.join("train")
+    turns.join("rollout")
+    turns.acquire("rollout")  # ... and its process is killed here
+    turns.leave("rollout")  # the runtime: that seat is gone
+    assert turns.state() == {"holder": None, "resident": None, "queue": [], "handoffs": 1}
+    assert turns.acquire("train", timeout=1) is True
+
+
 class PassEngine:
     """A train engine whose weight passes and state are collectives (`collective`) or not."""
 
