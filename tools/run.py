@@ -86,8 +86,8 @@ def resume_changes(cfg: Any) -> list[str]:
     as "key: old -> new" (empty without `resume`, or when the run kept no readable config).
 
     Raises:
-        ConfigError: `resume` names no run with a checkpoint, a key of FIXED_ON_RESUME
-            differs from the checkpoint's model, or `algorithm.num_steps` leaves no step to train.
+        ConfigError: `resume` names no run with a checkpoint, or a key of FIXED_ON_RESUME
+            differs from the checkpoint's model.
     """
     if not cfg.resume:
         return []
@@ -98,12 +98,6 @@ def resume_changes(cfg: Any) -> list[str]:
         raise ConfigError(f"resume={cfg.resume!r}: {e}") from None
     now = _values(cfg)
     _check_the_model(cfg, checkpoint, now)
-    done = _steps_done(checkpoint)
-    if done is not None and cfg.algorithm.num_steps <= done:
-        raise ConfigError(
-            f"algorithm.num_steps={cfg.algorithm.num_steps}: resume={cfg.resume!r} has trained {done} steps already; "
-            f"give algorithm.num_steps > {done} to train more"
-        )
     try:
         before = _values(load_config(previous / "config.yaml"))
     except ConfigError:  # missing, or written by a tidal whose keys differ: the checkpoint still loads
@@ -126,14 +120,6 @@ def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
             + ", ".join(f"{key}={_shown(now[key])} (the run's: {saved[FIXED_ON_RESUME[key]]})" for key in fixed)
             + ": drop the override, or start a new run without resume"
         )
-
-
-def _steps_done(checkpoint: Path) -> int | None:
-    """The RL steps a checkpoint holds (its `state.json` version), if it says."""
-    try:
-        return int(json.loads((checkpoint / "state.json").read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _write(path: Path, text: str) -> None:
