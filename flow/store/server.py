@@ -68,9 +68,9 @@ class _Peer:
         self.shm = False
         """Whether it shares this server's `/dev/shm`: replies may name segments."""
         self.sent: Any = None
-        """The last result sent to it while it may not have mapped the segments the reply
-        named: held until its next request other than a withdraw (a client's thread reads
-        each reply before it sends again) or its disconnect, so a put that replaces those rows' cells, or a lease
+        """The last get result sent to it, which it may not have mapped yet: held until its
+        next request other than a withdraw (a client's thread reads each reply before it
+        sends again) or its disconnect, so a put that replaces those rows' cells, or a lease
         that ran out, cannot unlink a segment before the client has mapped it."""
 
 
