@@ -62,15 +62,8 @@ class Turns:
         """Register `seat`; a seat joining again (a restarted actor) drops its old claims,
         and an `acquire` its old process left waiting fails instead of taking the turn."""
         with self._cond:
-            if self._holder == seat:
-                self._holder = None
-            if self._resident == seat:  # its state died with the old process
-                self._resident = None
-            self._park_wanted.discard(seat)
             self._left.discard(seat)
-            self._joins[seat] += 1  # an acquire still waiting for the old process now fails
-            self._queue = collections.deque(claim for claim in self._queue if claim[0] != seat)
-            self._cond.notify_all()
+            self._forget(seat)  # its state died with the old process
 
     def acquire(self, seat: str, timeout: float | None = None) -> bool:
         """Wait for `seat`'s turn; True when its state must be onloaded (it was parked)."""
@@ -131,14 +124,19 @@ class Turns:
         `acquire` it left waiting fails."""
         with self._cond:
             self._left.add(seat)
-            self._park_wanted.discard(seat)
-            if self._holder == seat:
-                self._holder = None
-            if self._resident == seat:
-                self._resident = None
-            self._joins[seat] += 1
-            self._queue = collections.deque(claim for claim in self._queue if claim[0] != seat)
-            self._cond.notify_all()
+            self._forget(seat)
+
+    def _forget(self, seat: str) -> None:
+        """Drop every claim of `seat`'s process (the lock held): the turn and the devices it
+        held, its park request, and its waiting `acquire`s, which fail (its join count moves on)."""
+        if self._holder == seat:
+            self._holder = None
+        if self._resident == seat:
+            self._resident = None
+        self._park_wanted.discard(seat)
+        self._joins[seat] += 1
+        self._queue = collections.deque(claim for claim in self._queue if claim[0] != seat)
+        self._cond.notify_all()
 
     def begin_park(self, seat: str) -> bool:
         """True when `seat` should park now: still asked to, and not holding a turn."""
