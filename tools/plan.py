@@ -54,6 +54,12 @@ def roles_of(cfg: Any) -> list[Role]:
     return roles
 
 
+def shares_devices(cfg: Any) -> bool:
+    """Whether the recipe asks roles to share devices (`placement.rollout.colocate_with`,
+    `placement.train.lend_to`): a local run then takes turns on them."""
+    return bool(cfg.placement.rollout.colocate_with or cfg.placement.train.lend_to)
+
+
 def make_plan(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> tuple[Plan, str]:
     """The recipe's plan and where its cluster came from.
 

@@ -137,10 +137,9 @@ def check_plan(cfg: Any) -> None:
     Raises:
         ConfigError: the plan is infeasible, naming the role.
     """
-    from tidal.tools.plan import make_plan  # noqa: PLC0415
+    from tidal.tools.plan import make_plan, shares_devices  # noqa: PLC0415
 
-    placement = cfg.placement
-    if cfg.cluster.nodes or (cfg.runtime.value == "local" and (placement.rollout.colocate_with or placement.train.lend_to)):
+    if cfg.cluster.nodes or (cfg.runtime.value == "local" and shares_devices(cfg)):
         make_plan(cfg)
 
 

@@ -355,12 +355,12 @@ def _one_process_group(train_cls: Any, platform: Any) -> Path | None:
 def local_turns(cfg: Any) -> Any:
     """A `Turns` for `runtime: local` when the plan puts its rollout engine (instance 0) on
     the trainer's devices (colocated or hybrid), else None. The plan is made only when the
-    recipe asks for shared devices (`placement.rollout.colocate_with`, `placement.train.lend_to`)."""
-    placement = cfg.placement
-    if not (placement.rollout.colocate_with or placement.train.lend_to):
-        return None
+    recipe asks for shared devices (`tools.plan.shares_devices`)."""
     from tidal.flow.timeshare import Turns  # noqa: PLC0415
-    from tidal.tools.plan import make_plan  # noqa: PLC0415
+    from tidal.tools.plan import make_plan, shares_devices  # noqa: PLC0415
+
+    if not shares_devices(cfg):
+        return None
 
     plan, _ = make_plan(cfg)
     return Turns() if plan.of("rollout")[0].mode != "own" else None
