@@ -584,48 +584,5 @@ def loss_config(cfg: Any) -> Any:
         raise ConfigError(f"algorithm.{e}") from None
 
 
-def check_runnable(cfg: Any) -> None:
-    """Combinations `tidal run` cannot run (`tidal plan` and `tidal config` still show them).
-
-    Raises:
-        ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
-            registered reward nor importable `module:function`; when `placement.train.count` > 1 with a train backend
-            that trains in one process, or under `runtime: local`; when `runtime: local`
-            (one trainer and one rollout engine in this process) is asked for several
-            rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
-            whose borrowed instances continue paused groups on the others).
-    """
-    from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
-    from tidal.engines.tasks import TASKS  # noqa: PLC0415
-    from tidal.tools.backends import MULTI_RANK  # noqa: PLC0415
-
-    if cfg.task.name not in TASKS:
-        raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
-    if cfg.task.reward:  # imported now (a user's module), not after the run directory and the warm start
-        try:
-            resolve_reward(cfg.task.reward)
-        except ValueError as e:
-            raise ConfigError(f"task.reward={cfg.task.reward!r}: {e}") from None
-    count = cfg.placement.train.count
-    if count > 1 and cfg.train.backend not in MULTI_RANK:
-        raise ConfigError(
-            f"placement.train.count={count} needs a train.backend that trains over several processes "
-            f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
-        )
-    if cfg.algorithm.kl_coef > 0 and cfg.train.backend != "torch":
-        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend=torch holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend=torch")
-    if count > 1 and cfg.runtime.value == "local":
-        raise ConfigError(f"placement.train.count={count} needs runtime=ray (a process per trainer rank); runtime=local trains in this one process: set runtime=ray or placement.train.count=1")
-    if cfg.runtime.value == "local":
-        rollouts = cfg.placement.rollout.count
-        if rollouts > 1:
-            raise ConfigError(f"placement.rollout.count={rollouts} needs runtime=ray (an actor per rollout instance); runtime=local runs one rollout engine in this process: set runtime=ray or placement.rollout.count=1")
-        if cfg.placement.train.lend_to:
-            raise ConfigError(
-                f"placement.train.lend_to={cfg.placement.train.lend_to} (multiplexed: borrowed rollout instances beside rollout's own) needs runtime=ray; "
-                "runtime=local runs one rollout engine in this process: set runtime=ray, or placement.rollout.colocate_with=train for that engine to take turns on the trainer's device"
-            )
-
-
 def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)

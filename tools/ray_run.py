@@ -34,7 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.config import ConfigError, check_runnable, stage_threads, to_yaml
+from tidal.tools.config import ConfigError, stage_threads, to_yaml
+from tidal.tools.run import check_runnable
 from tidal.tools.stopping import RunStopped, StopRequest, stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -567,13 +568,10 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
 
 
 def _first_error(refs: list[Any], failed: dict[Any, Exception]) -> Exception:
-    """After a rank raised (`failed`), the error to report: wait up to `DEATH_NOTICE_S` for the
-    other ranks, raising at once the `RayActorError` of one that died (the failure is then a
-    restart). Otherwise rank 0's error if it failed (it runs the program; a follower whose
-    collective lost rank 0 fails with a connection error the moment rank 0 gives up its
-    group, and the driver may hear that first), else the first one heard, with a note naming
-    each other rank's error, so a follower's own failure that made rank 0's collective fail
-    is shown too."""
+    """After a rank raised (`failed`), wait up to `DEATH_NOTICE_S` for the others (a death is
+    raised at once: a restart). Report rank 0's error if it failed (a follower fails with
+    "Connection closed by peer" once rank 0 gives up its group, and may be heard first),
+    else the first heard; each other rank's error is added as a note."""
     import ray  # noqa: PLC0415
 
     deadline = time.monotonic() + DEATH_NOTICE_S

@@ -154,7 +154,7 @@ def test_the_loss_takes_the_recipes_keys_and_token_sum_norm_the_longest_response
 def test_the_task_and_its_reward_are_checked_before_the_run_and_a_reward_module_may_sit_in_the_current_directory(tmp_path, monkeypatch):
     import sys
 
-    from tidal.tools.config import check_runnable
+    from tidal.tools.run import check_runnable
 
     recipe = resolve_recipe("quickstart_cpu")
     for override, named in (("task.reward=exact_mach", "task.reward='exact_mach': unknown reward"), ("task.name=sorting", "task.name='sorting' is not one of"), ("task.reward=no_such_module_here:f", "cannot import module")):
