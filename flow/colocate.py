@@ -12,8 +12,9 @@ module puts them where a plan says roles share devices, under both runtimes:
   trainer's devices (`colocated`, or `borrowed` from a lender) on that trainer's bundle,
   each seat asking for a fraction of the bundle's device (a bundle of several devices:
   the trainer asks for them all, its guests for none of them, and get its visible
-  devices). One `Turns` per shared bundle runs as a threaded actor (`start_turns`), and
-  each process reaches it through a `TurnsProxy`, so `Seat` works unchanged.
+  devices, so guests on different devices of one such bundle are refused). One `Turns`
+  per shared bundle runs as a threaded actor (`start_turns`), and each process reaches
+  it through a `TurnsProxy`, so `Seat` works unchanged.
 - Any rank of a multi-rank (fsdp) trainer may host guests, and a guest may span the
   devices of several ranks (a tensor-parallel instance over two ranks' devices): every
   rank's bundle then gets a `Turns`. A spanning guest sits on its first rank's bundle,
@@ -126,7 +127,8 @@ def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
 
     Raises:
         PlacementError: a shared layout this runtime cannot run: a guest that is not a
-            rollout instance on the trainer's devices.
+            rollout instance on the trainer's devices, or guests on different devices of
+            one trainer instance of several (`_one_part_each`).
     """
     own: dict[str, list[Assignment]] = {}
     for a in plan.assignments:
@@ -145,6 +147,8 @@ def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
             raise PlacementError(f"rollout instance {a.rank} ({a.mode}) uses devices {list(a.devices)} on {a.node} that no trainer instance holds")
         hosts_of[a.rank] = hosts
         guests.setdefault(hosts[0], []).append(a)
+    for index, host in enumerate(trainers):
+        _one_part_each(host, index, [a for a in plan.assignments if a.mode != "own" and index in hosts_of[a.rank]])
     out: dict[tuple[str, int], Spot] = {}
     for role, assignments in own.items():
         for i, a in enumerate(assignments):
@@ -162,6 +166,23 @@ def spots(plan: Plan) -> dict[tuple[str, int], Spot]:
             shares = {resource: each} if num_devices == 1 and a in alone else {}
             out[(a.role, a.rank)] = Spot(group="train", bundle=index, resources=shares, turns=hosts_of[a.rank])
     return out
+
+
+def _one_part_each(host: Assignment, index: int, seated: list[Assignment]) -> None:
+    """Refuse guests on different devices of one trainer instance of several: each would get
+    all its devices (Ray shares only fractions of one) and build on the first, and they would
+    wait for each other at the bundle's one `Turns`."""
+    parts: dict[tuple[int, ...], Assignment] = {}
+    for a in seated:
+        parts.setdefault(tuple(sorted(set(a.devices) & set(host.devices))), a)
+    if len(host.devices) > 1 and len(parts) > 1:
+        (mine, first), (theirs, second) = list(parts.items())[:2]
+        raise PlacementError(
+            f"rollout instances {first.rank} and {second.rank} use different devices ({list(mine)} and {list(theirs)}) of trainer instance {index}'s "
+            f"{len(host.devices)} on {host.node}: under runtime=ray a guest of a trainer instance of several devices is given all of them, so these "
+            f"would build on one device and take turns with each other; set placement.rollout.devices_each={len(host.devices)} (one rollout instance "
+            "over the trainer's devices), or placement.train.devices_each=1 (a trainer rank per device, more placement.train.count, train.backend=fsdp)"
+        )
 
 
 def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str, Any]) -> dict[int, Any]:

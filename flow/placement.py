@@ -152,7 +152,8 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
     Roles with devices of their own are placed first, in the given order, each instance
     on the node that already holds most of its role and has room (then the first such
     node), so a role packs onto few nodes. Colocated roles follow on their host's
-    devices; lenders' devices are then lent out.
+    devices; then each lender's own devices are lent out (two roles may not lend to each
+    other: each would borrow its own devices back).
     """
     by_name = {r.name: r for r in roles}
     if len(by_name) != len(roles):
@@ -166,6 +167,11 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
                 raise PlacementError(f"role {role.name!r}: {what}={other!r} names no other role; roles: {', '.join(by_name)}")
         if role.colocate_with and by_name[role.colocate_with].colocate_with:
             raise PlacementError(f"role {role.name!r}: colocate_with={role.colocate_with!r}, which is itself colocated; name the role that owns the devices")
+        if role.lend_to and by_name[role.lend_to].lend_to == role.name:
+            raise PlacementError(
+                f"role {role.name!r} lend_to={role.lend_to!r} and role {role.lend_to!r} lend_to={role.name!r}: each would borrow its own devices back "
+                "through the other; keep the lend_to of the role that waits for data"
+            )
 
     free = {r.node: list(range(r.capacity)) for r in resources}
     owners: dict[tuple[str, int], list[str]] = {}
@@ -213,9 +219,12 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
         if role.lend_to is None:
             continue
         borrower = by_name[role.lend_to]
+        owned = [a for a in placed[role.name] if a.mode == "own"]  # not the host's devices it time-shares
+        if not owned:
+            raise PlacementError(f"role {role.name!r} cannot lend to {borrower.name!r}: it holds no devices of its own (colocate_with={role.colocate_with!r})")
         extra = []
         rank = len(placed[borrower.name])
-        for res, spare in _devices_by_node(placed[role.name], resources):
+        for res, spare in _devices_by_node(owned, resources):
             if not res.offers(borrower.requires):
                 continue
             while len(spare) >= borrower.devices_each:
@@ -269,13 +278,16 @@ def resources_from_ray_nodes(nodes: Sequence[Mapping[str, Any]]) -> list[Resourc
 
     A node's NPU and GPU counts become npu and cuda resources, a node with neither
     offers its CPUs; custom resources (not `node:` or `accelerator_type:` entries) become
-    tags, and `accelerator_type:X` becomes tag X.
+    tags, and `accelerator_type:X` becomes tag X. A resource is named by its node
+    (`NodeName`, with `#<index>` added when an earlier node had the name), and by
+    `<node>/npu` and `<node>/cuda` when the node carries both.
     """
     out = []
+    names: set[str] = set()  # every node's name, and every resource's
     for i, node in enumerate(n for n in nodes if n.get("Alive", True)):
         res = node.get("Resources", {})
         name = node.get("NodeName") or node.get("NodeManagerAddress") or f"node{i}"
-        name = f"{name}#{i}" if any(r.node == name for r in out) else name
+        name = f"{name}#{i}" if names & {name, f"{name}/npu", f"{name}/cuda"} else name
         tags = {k.split(":", 1)[1] if k.startswith("accelerator_type:") else k for k in res if k not in _RAY_BUILTIN and not k.startswith("node:")}
         tags = {t for t in tags if not t.startswith("tidal_node_")}
         for kind in ("npu", "cuda"):
@@ -283,4 +295,5 @@ def resources_from_ray_nodes(nodes: Sequence[Mapping[str, Any]]) -> list[Resourc
                 out.append(Resource(node=f"{name}/{kind}" if res.get("NPU") and res.get("GPU") else name, kind=kind, capacity=int(res[RAY_RESOURCES[kind]]), tags=frozenset(tags)))
         if not res.get("NPU") and not res.get("GPU"):
             out.append(Resource(node=name, kind="cpu", capacity=int(res.get("CPU", 0)), tags=frozenset(tags)))
+        names |= {name, *(r.node for r in out)}
     return out

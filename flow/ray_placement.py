@@ -10,6 +10,7 @@ selects in its own process. Ray is imported only when a placement group is made.
 from __future__ import annotations
 
 import collections
+import os
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,16 +28,28 @@ class RuntimeUnavailable(RuntimeError):
     """The Ray cluster the recipe needs cannot be reached; the message says how to start one."""
 
 
-def connected_ray_nodes() -> Sequence[Mapping[str, Any]]:
-    """`ray.nodes()` of the cluster at RAY_ADDRESS (or a running local one), without starting one."""
+def ray_address() -> str | None:
+    """The Ray cluster `runtime: ray` joins, one rule for `tidal run` and `tidal plan`:
+    RAY_ADDRESS when set; None: `tidal run` starts a local Ray of its own (`tools.ray_run.init_ray`),
+    whose nodes are this machine, even where another Ray is running."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def connected_ray_nodes() -> Sequence[Mapping[str, Any]] | None:
+    """`ray.nodes()` of the cluster a run would join (`ray_address`), joined now; None where
+    a run would start its own: its plan is then this machine's, and nothing is started."""
+    address = ray_address()
+    if address is None:
+        return None
     import ray  # noqa: PLC0415
 
     if not ray.is_initialized():
         try:
-            ray.init(address="auto", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         except ConnectionError as e:
             raise RuntimeUnavailable(
-                f"no Ray cluster is running here ({e}); start one with `ray start --head` or list the nodes in cluster.nodes"
+                f"no Ray cluster at RAY_ADDRESS={address} ({e}); start one with `ray start --head`, unset RAY_ADDRESS "
+                "(a run then starts a Ray of its own), or list the nodes in cluster.nodes"
             ) from None
     return ray.nodes()
 

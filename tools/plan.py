@@ -1,8 +1,9 @@
 """From a recipe's `cluster:` and `placement:` blocks to a `flow.placement.Plan`.
 
 `tidal plan <recipe>` prints it without starting anything. The cluster comes from the
-recipe's nodes, else (under `runtime: ray`) from the alive nodes of the Ray cluster the
-process can reach, else from this machine's platform.
+recipe's nodes, else (under `runtime: ray`) from the alive nodes of the Ray cluster at
+RAY_ADDRESS, which `tidal run` would join (`flow.ray_placement.ray_address`), else from
+this machine's platform (where a run starts a Ray of its own).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ ROLES = ("train", "rollout")
 """Roles that hold devices, in scheduling order."""
 
 
-def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> tuple[list[Resource], str]:
-    """The cluster a recipe runs on and where it came from (`recipe`, `ray` or `this machine`)."""
+def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]] | None] | None = None) -> tuple[list[Resource], str]:
+    """The cluster a recipe runs on and where it came from (`recipe`, `ray` or `this machine`).
+
+    `ray_nodes` (under `runtime: ray`, without `cluster.nodes`): the Ray cluster's nodes, or
+    None where the run would start a Ray of its own (`flow.ray_placement.connected_ray_nodes`).
+    """
     if cfg.cluster.nodes:
         out = []
         for i, node in enumerate(cfg.cluster.nodes):
@@ -31,8 +36,9 @@ def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]
                 except PlacementError as e:
                     raise ConfigError(f"cluster.nodes[{i}]: {e}") from None
         return out, "recipe"
-    if cfg.runtime.value == "ray" and ray_nodes is not None:
-        return resources_from_ray_nodes(ray_nodes()), "ray"
+    nodes = ray_nodes() if cfg.runtime.value == "ray" and ray_nodes is not None else None
+    if nodes is not None:
+        return resources_from_ray_nodes(nodes), "ray"
     from tidal.hal import init_platform  # noqa: PLC0415 - only when the recipe names no cluster
 
     platform = init_platform(cfg.device).platform

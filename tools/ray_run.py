@@ -9,19 +9,18 @@ bundle. Trainer rank 0 runs the same `train()` as the local runtime; its rollout
 is the rollout actors, started on their bundles (a rollout instance that time-shares the
 trainer's devices on the trainer's bundle, taking turns through that bundle's `Turns`
 actor, which the driver starts: `flow.colocate`), which reach the trainer's store over
-ZeroMQ and receive each version over the chosen weight transport. With several trainer
-ranks (the `fsdp` backend) the ranks form one process group through hal (rank 0's
-address, a free port); rank 0's engines lead (`rank0_leads=True`) and the other ranks
-run `follow()`, receiving their share of each batch over that group; a rank whose bundle
-hosts a colocated rollout guest has a `Turns` there, and rank 0 takes every rank's turn
-(in rank order, as a guest spanning several ranks' devices takes its ranks') before each
-command the ranks run together; the others compute in that turn (`follow()`). The driver shows
-progress from the run directory's metrics.jsonl (the run directory must be reachable
-from the trainer's node).
+ZeroMQ and receive each version over the chosen weight transport. Several trainer ranks
+(the `fsdp` backend) form one process group through hal at rank 0's address; rank 0's
+engines lead (`rank0_leads=True`), the others run `follow()` on their share of each
+batch. A rank whose bundle hosts a rollout guest has a `Turns` there; rank 0 takes every
+rank's turn, in rank order, before each command the ranks run together, and the others
+compute in it. The driver shows progress from the run directory's metrics.jsonl (which
+must be reachable from the trainer's node).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -29,12 +28,14 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.config import ConfigError, stage_threads, to_yaml
+from tidal.flow.ray_placement import ray_address
+from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
 from tidal.tools.run import check_runnable
 from tidal.tools.stopping import RunStopped, StopRequest, stop_on_signals
 
@@ -43,8 +44,6 @@ log = logging.getLogger(__name__)
 
 def _config_from_yaml(text: str) -> Any:
     from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from tidal.tools.config import RecipeConfig  # noqa: PLC0415
 
     return OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.create(text))
 
@@ -244,8 +243,6 @@ class StopSignal:
     with a checkpoint. One per trainer attempt; rank 0 waits on it from a thread."""
 
     def __init__(self) -> None:
-        import asyncio  # noqa: PLC0415
-
         self._done = asyncio.Event()
         self._reason: str | None = None
 
@@ -265,11 +262,7 @@ class StopSignal:
 
 def _relay_stop(stopper: Any) -> Any:
     """Rank 0: a `StopRequest` that `stopper`'s request reaches (through a waiting thread)."""
-    import threading  # noqa: PLC0415
-
     import ray  # noqa: PLC0415
-
-    from tidal.tools.stopping import StopRequest  # noqa: PLC0415
 
     stop = StopRequest()
 
@@ -439,14 +432,15 @@ the failure is a restart, not an error)."""
 
 
 def init_ray(cfg: Any) -> None:
-    """Connect to RAY_ADDRESS, or start a local Ray; a fake cluster's devices become its resources."""
+    """Join the cluster at RAY_ADDRESS, else start a local Ray (`ray_address`: the rule `tidal
+    plan` follows too); a fake cluster's devices become its resources."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], include_dashboard=False, logging_level="ERROR")
+    if address := ray_address():
+        ray.init(address=address, include_dashboard=False, logging_level="ERROR")
         return
     resources: dict[str, float] = {}
     if cfg.cluster.fake:

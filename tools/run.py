@@ -133,7 +133,9 @@ def check_runnable(cfg: Any) -> None:
 
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
-            registered reward nor importable `module:function`; when `placement.train.count` > 1 with a train backend
+            registered reward nor importable `module:function`; when the trainer would be the
+            guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
+            time-shares the trainer's devices); when `placement.train.count` > 1 with a train backend
             that trains in one process, or under `runtime: local`; when `runtime: local`
             (one trainer and one rollout engine in this process) is asked for several
             rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
@@ -158,6 +160,12 @@ def check_runnable(cfg: Any) -> None:
         )
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend != "torch":
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend=torch holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend=torch")
+    for key, value, why in (
+        ("placement.train.colocate_with", cfg.placement.train.colocate_with, "only rollout time-shares the trainer's devices (placement.rollout.colocate_with=train)"),
+        ("placement.rollout.lend_to", cfg.placement.rollout.lend_to, "only the trainer lends its devices (placement.train.lend_to=rollout)"),
+    ):
+        if value:
+            raise ConfigError(f"{key}={value}: {why}; neither runtime seats the trainer on rollout's devices: unset {key}")
     if count > 1 and cfg.runtime.value == "local":
         raise ConfigError(f"placement.train.count={count} needs runtime=ray (a process per trainer rank); runtime=local trains in this one process: set runtime=ray or placement.train.count=1")
     if cfg.runtime.value == "local":
@@ -174,16 +182,27 @@ def check_runnable(cfg: Any) -> None:
 def check_plan(cfg: Any) -> None:
     """Make the recipe's plan now, as `tidal plan` does, where it can be made without Ray:
     the recipe lists its cluster (`cluster.nodes`), or a local run shares devices
-    (`placement.rollout.colocate_with`, `placement.train.lend_to`). A Ray run without
+    (`placement.rollout.colocate_with`, `placement.train.lend_to`); under `runtime: ray`
+    also where each actor would sit (`flow.colocate.spots`). A Ray run without
     `cluster.nodes` plans against the cluster it joins, once it has.
 
     Raises:
-        ConfigError: the plan is infeasible, naming the role.
+        ConfigError: the plan is infeasible, naming the role, or shares devices in a way
+            the Ray runtime cannot seat.
     """
+    from tidal.flow.placement import PlacementError  # noqa: PLC0415
     from tidal.tools.plan import make_plan, shares_devices  # noqa: PLC0415
 
-    if cfg.cluster.nodes or (cfg.runtime.value == "local" and shares_devices(cfg)):
-        make_plan(cfg)
+    if not (cfg.cluster.nodes or (cfg.runtime.value == "local" and shares_devices(cfg))):
+        return
+    plan, _ = make_plan(cfg)
+    if cfg.runtime.value == "ray":
+        from tidal.flow.colocate import spots  # noqa: PLC0415
+
+        try:
+            spots(plan)
+        except PlacementError as e:
+            raise ConfigError(f"placement: {e}") from None
 
 
 def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:

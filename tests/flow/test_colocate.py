@@ -43,9 +43,28 @@ def test_several_guests_split_one_device_and_a_multi_device_trainer_keeps_its_de
     three = spots(schedule([Resource(node="g0", kind="cuda", capacity=1)], [Role(name="train", lend_to="rollout"), Role(name="rollout", colocate_with="train")]))
     shares = [three[k].resources["GPU"] for k in (("train", 0), ("rollout", 0), ("rollout", 1))]
     assert shares == [0.3334, 0.3333, 0.3333]
-    wide = spots(schedule(GPUS[:1], [Role(name="train", devices_each=2), Role(name="rollout", count=2, colocate_with="train")]))
+    wide = spots(schedule(GPUS[:1], [Role(name="train", devices_each=2, lend_to="rollout"), Role(name="rollout", devices_each=2, colocate_with="train")]))
     assert wide[("train", 0)].resources == {"GPU": 2.0}
     assert wide[("rollout", 0)].resources == {} and wide[("rollout", 1)].resources == {} and wide[("rollout", 1)].turns == (0,)
+
+
+@pytest.mark.parametrize(
+    ("roles", "guests"),
+    [
+        ([Role(name="train", devices_each=2), Role(name="rollout", count=2, colocate_with="train")], "0 and 1"),  # colocated
+        ([Role(name="train", devices_each=2), Role(name="rollout", count=3, colocate_with="train")], "0 and 1"),  # hybrid
+        ([Role(name="train", devices_each=2, lend_to="rollout"), Role(name="rollout")], "1 and 2"),  # multiplexed
+    ],
+)
+def test_guests_on_different_devices_of_one_multi_device_trainer_are_refused_naming_the_keys(roles, guests):
+    """Such guests would each get all the trainer's devices and build on its first, and wait
+    for each other at its one `Turns`: refused before anything starts."""
+    plan = schedule([Resource(node="g0", kind="cuda", capacity=3)], roles)
+    message = rf"rollout instances {guests} use different devices \(\[0\] and \[1\]\) of trainer instance 0's 2 on g0.*placement.rollout.devices_each=2.*placement.train.devices_each=1"
+    with pytest.raises(PlacementError, match=message):
+        spots(plan)
+    with pytest.raises(PlacementError, match=message):
+        role_bundles(plan, {"GPU": 3})
 
 
 def test_every_rank_of_a_multi_rank_trainer_hosts_its_own_guest():

@@ -105,6 +105,29 @@ def test_resources_from_ray_nodes():
     assert (res["10.0.0.3"].kind, res["10.0.0.3"].capacity) == ("cpu", 16)
 
 
+def test_same_named_ray_nodes_with_npus_and_gpus_stay_distinct():
+    both = {"CPU": 8.0, "NPU": 2.0, "GPU": 4.0}
+    nodes = [{"NodeName": "box", "Resources": both}, {"NodeName": "box", "Resources": both}, {"NodeName": "box", "Resources": {"CPU": 4.0}}]
+    res = resources_from_ray_nodes(nodes)
+    assert [(r.node, r.kind, r.capacity) for r in res] == [
+        ("box/npu", "npu", 2), ("box/cuda", "cuda", 4), ("box#1/npu", "npu", 2), ("box#1/cuda", "cuda", 4), ("box#2", "cpu", 4)
+    ]
+    plan = schedule(res, [Role(name="train", requires=("npu",), count=2, devices_each=2), Role(name="rollout", requires=("gpu",), count=2, devices_each=4)])
+    assert [a.node for a in plan.assignments] == ["box/npu", "box#1/npu", "box/cuda", "box#1/cuda"]
+
+
+def test_roles_lending_to_each_other_are_refused():
+    """Each would lend the other's borrowed seats back: the trainer would borrow its own devices."""
+    one = [Resource(node="g0", kind="cuda", capacity=2)]
+    with pytest.raises(PlacementError, match="role 'train' lend_to='rollout' and role 'rollout' lend_to='train'"):
+        schedule(one, [Role(name="train", lend_to="rollout"), Role(name="rollout", lend_to="train")])
+    # a lender lends the devices it owns: a colocated role has none of its own to lend back to its host
+    with pytest.raises(PlacementError, match="'rollout' cannot lend to 'train': it holds no devices of its own"):
+        schedule(one, [Role(name="train"), Role(name="rollout", colocate_with="train", lend_to="train")])
+    hybrid = schedule(one, [Role(name="train"), Role(name="rollout", count=2, colocate_with="train", lend_to="train")])
+    assert [(a.rank, a.devices) for a in hybrid.of("train", mode="borrowed")] == [(1, (1,))]  # only rollout's own device 1
+
+
 def test_role_bundles_carry_required_custom_tags_as_ray_resources():
     from tidal.flow.ray_placement import TAG_AMOUNT, role_bundles
 

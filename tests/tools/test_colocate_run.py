@@ -11,6 +11,7 @@ own and takes turns with it (rank 1 in `follow()`, parking its shards).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,42 @@ def test_local_runtime_refuses_several_rollout_instances_naming_the_key(tidal_cl
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists(), "nothing is written for an invalid config"
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("placement.train.colocate_with=rollout", "placement.train.colocate_with=rollout: only rollout time-shares the trainer's devices"),
+        ("placement.rollout.lend_to=train", "placement.rollout.lend_to=train: only the trainer lends its devices"),
+    ],
+)
+def test_only_rollout_time_shares_the_trainers_devices_under_either_runtime(runtime, override, message):
+    """A local run would run the trainer as a guest without turns; the Ray runtime seats no
+    trainer guest: both refuse it, before anything starts."""
+    from tidal.tools.config import ConfigError, load_config
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import check_runnable
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_runnable(load_config(resolve_recipe("quickstart_cpu"), [f"runtime={runtime}", "device=fake:cuda:2", override]))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["device=fake:cuda:1", "placement.train.colocate_with=rollout"], "placement.train.colocate_with=rollout: only rollout time-shares"),
+        (  # two guests on the two devices of one trainer instance
+            ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "placement.train.devices_each=2", "placement.rollout.count=2", *COLOCATED],
+            "placement: rollout instances 0 and 1 use different devices ([0] and [1]) of trainer instance 0's 2 on g",
+        ),
+    ],
+)
+def test_run_check_refuses_shared_layouts_no_runtime_runs(tidal_cli, tmp_path, args, message):
+    out = tidal_cli("run", "quickstart_cpu", *args, "--check", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_ray_colocated_rollout_actor_sits_on_the_trainer_bundle(tidal_cli, tmp_path, ray_session):

@@ -117,6 +117,32 @@ def test_a_local_ray_counts_the_machines_own_gpus_unless_the_cluster_is_fake(mon
     assert (fake["num_gpus"], fake["resources"]) == (4, None)
 
 
+def test_tidal_plan_and_tidal_run_find_the_same_ray_cluster(monkeypatch):
+    """Both join RAY_ADDRESS when it is set; without it a run starts a Ray of its own on this
+    machine, so the plan is this machine's (and joins no Ray that happens to be running)."""
+    import ray
+
+    from tidal.flow.ray_placement import connected_ray_nodes
+    from tidal.tools.config import load_config
+    from tidal.tools.plan import make_plan
+    from tidal.tools.ray_run import init_ray
+
+    joined: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: joined.append(kwargs["address"]))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeName": "far", "Resources": {"CPU": 4.0}}])
+    cfg = load_config(None, ["runtime=ray", "device=cpu"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    plan, source = make_plan(cfg, ray_nodes=connected_ray_nodes)  # what `tidal plan runtime=ray` does
+    init_ray(cfg)  # what `tidal run` does
+    assert (source, [r.node for r in plan.resources], joined) == ("this machine", ["localhost"], ["local"])
+    joined.clear()
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    plan, source = make_plan(cfg, ray_nodes=connected_ray_nodes)
+    init_ray(cfg)
+    assert (source, [r.node for r in plan.resources], joined) == ("ray", ["far"], ["10.0.0.1:6379"] * 2)
+
+
 def test_a_guest_of_several_trainer_ranks_sees_all_their_devices():
     from tidal.tools.ray_run import _visible_devices
 
