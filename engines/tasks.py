@@ -41,5 +41,21 @@ def countdown(num_prompts: int, *, seed: int, num_numbers: int = 3, max_number: 
     return out
 
 
+def longest_prompt(name: str, params: dict[str, Any]) -> int | None:
+    """Characters of the longest prompt task `name` can draw with these keyword arguments
+    (those of `PROMPT_PARAMS[name]`); None for a task without a known bound."""
+    if name == "arithmetic":  # "<a><op><b>=", a and b in 0..max_value
+        return 2 * len(str(params["max_value"])) + 2
+    if name == "countdown":  # "<n> <n> ...><target>:", numbers in 1..max_number; + and * only grow a target
+        num_numbers, max_number = params["num_numbers"], params["max_number"]
+        target = max_number
+        for _ in range(num_numbers - 1):
+            target = max(target + max_number, target * max_number)
+        return num_numbers * (len(str(max_number)) + 1) + len(str(target)) + 1
+    return None
+
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {"arithmetic": arithmetic, "countdown": countdown}
+PROMPT_PARAMS = {"arithmetic": ("max_value",), "countdown": ("num_numbers", "max_number")}
+"""The arguments of each task that its prompts' length follows from."""
 TASK_REWARDS = {"arithmetic": "arithmetic", "countdown": "countdown"}

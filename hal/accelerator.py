@@ -24,7 +24,7 @@ import torch
 
 from tidal.hal import rng
 from tidal.hal.offload import OffloadHandle
-from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, autocast, describe, join_default_group
+from tidal.hal.platform import NoDeviceError, PlatformDescriptor, as_device, autocast, check_visible_ids, describe, join_default_group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,9 @@ class Vendor:
     """Whether torch's `fused=True` Adam/AdamW kernels run on this vendor's devices."""
     initialized: Callable[[], bool]
     """True once changing the visible-devices variable can no longer take effect."""
+    machine_count: Callable[[], int | None]
+    """The machine's devices, whatever the visible-devices variable holds (the ids
+    `set_visible_devices` takes index them); None when it cannot be told."""
 
 
 class AcceleratorPlatform:
@@ -187,7 +190,14 @@ class AcceleratorPlatform:
 
     # Environment and collectives -------------------------------------------------------
     def set_visible_devices(self, ids: Sequence[int]) -> None:
-        """Restrict the devices this process sees; only possible before the vendor starts."""
+        """Restrict the devices this process sees to `ids`, the machine's device indexes;
+        only possible before the vendor starts.
+
+        Raises:
+            ValueError: an id that is not an integer, repeats, or is not one of the
+                machine's devices (the vendor would see 0 devices, or stop at that id);
+                the variable keeps its value.
+        """
         var = self.descriptor.visible_devices_var
         assert var is not None
         if self._vendor.initialized():
@@ -195,8 +205,17 @@ class AcceleratorPlatform:
                 f"{var} must be set before {self.kind} is initialised in this process; set it in "
                 "the launcher or the Ray actor's runtime_env instead"
             )
+        ids = check_visible_ids(ids, count=self._vendor.machine_count(), kind=self.kind)
+        before = os.environ.get(var)
         os.environ[var] = ",".join(str(i) for i in ids)
-        self.descriptor = dataclasses.replace(self.descriptor, device_count=self._mod.device_count())  # counted again under the variable
+        seen = self._mod.device_count()  # counted again under the variable
+        if seen != len(ids):  # an id past a count that could not be told: the vendor stops at it
+            if before is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = before
+            raise ValueError(f"cannot make devices {ids} visible: {ids[seen : seen + 1]} out of range or repeated ({self.kind} sees {seen} of them)")
+        self.descriptor = dataclasses.replace(self.descriptor, device_count=seen)
 
     def comm_env_defaults(self) -> dict[str, str]:
         return dict(self._vendor.comm_env)

@@ -22,7 +22,7 @@ import torch
 
 from tidal.hal import rng
 from tidal.hal.offload import OffloadHandle
-from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, autocast, describe, join_default_group
+from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, autocast, check_visible_ids, describe, join_default_group
 
 _CPU = torch.device("cpu")
 
@@ -188,12 +188,7 @@ class CpuPlatform:
         var = self.descriptor.visible_devices_var
         if var is None:
             raise ValueError("the cpu platform has no visible-devices variable")
-        ids, count = list(ids), self._machine_count  # ids are the machine's, as a vendor's variable holds them
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(f"cannot make devices {ids} visible: device ids are integers (the machine's indexes)")
-        bad = sorted({i for i in ids if not 0 <= i < count} | {i for i in ids if ids.count(i) > 1})
-        if bad:
-            raise ValueError(f"cannot make devices {ids} visible: {bad} out of range or repeated (the machine has {count} {self.kind} devices)")
+        ids = check_visible_ids(ids, count=self._machine_count, kind=self.kind)  # the machine's ids, as a vendor's variable holds them
         os.environ[var] = ",".join(str(i) for i in ids)
         self.descriptor = dataclasses.replace(self.descriptor, device_count=len(ids))  # as a vendor's count follows the variable
 

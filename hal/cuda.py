@@ -10,6 +10,9 @@ Written against the real torch.cuda API; run for real only under the `gpu` test 
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from tidal.hal.accelerator import AcceleratorPlatform, Vendor
@@ -21,6 +24,23 @@ COMM_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 def available() -> bool:
     """True if this torch was built with CUDA and NVML / the driver reports a GPU (no context)."""
     return torch.backends.cuda.is_built() and torch.cuda.device_count() > 0
+
+
+def machine_count() -> int | None:
+    """The machine's GPUs, whatever CUDA_VISIBLE_DEVICES holds: NVML's raw count (no CUDA
+    context); without NVML, torch's count when the variable is unset, else None."""
+    raw = getattr(torch.cuda, "_raw_device_count_nvml", None)  # private torch API: guarded
+    count = -1
+    if raw is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Can't initialize NVML": answered below
+            try:
+                count = raw()
+            except OSError:  # no libnvidia-ml
+                count = -1
+    if count >= 0:
+        return count
+    return torch.cuda.device_count() if "CUDA_VISIBLE_DEVICES" not in os.environ else None
 
 
 def _dtype_support() -> dict[str, bool]:
@@ -51,5 +71,6 @@ def load() -> AcceleratorPlatform:
         dtype_support=_dtype_support,
         fused_optimizers=True,  # torch's fused Adam/AdamW CUDA kernels
         initialized=mod.is_initialized,
+        machine_count=machine_count,
     )
     return AcceleratorPlatform(vendor)

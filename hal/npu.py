@@ -85,5 +85,6 @@ def load() -> AcceleratorPlatform:
         # `fused=True` kernels run on an NPU is not verified here, so they are not asked for
         fused_optimizers=False,
         initialized=lambda: "torch_npu" in sys.modules,
+        machine_count=lambda: None,  # never asked: this load imported torch_npu, after which the variable is fixed
     )
     return AcceleratorPlatform(vendor)

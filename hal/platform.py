@@ -270,6 +270,24 @@ def as_device(device: torch.device | str, *, device_type: str) -> torch.device:
     return device
 
 
+def check_visible_ids(ids: Sequence[Any], *, count: int | None, kind: str) -> list[int]:
+    """`ids` for a visible-devices variable, checked: integers (the machine's indexes, as
+    the variable holds them), none repeated, none negative, each below the machine's
+    `count` of `kind` devices (not checked when None: the machine's count cannot be told).
+
+    Raises:
+        ValueError: naming the ids at fault.
+    """
+    ids = list(ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"cannot make devices {ids} visible: device ids are integers (the machine's indexes)")
+    bad = sorted({i for i in ids if i < 0 or (count is not None and i >= count)} | {i for i in ids if ids.count(i) > 1})
+    if bad:
+        has = f"the machine has {count} {kind} devices" if count is not None else f"the machine's count of {kind} devices cannot be told"
+        raise ValueError(f"cannot make devices {ids} visible: {bad} out of range or repeated ({has})")
+    return ids
+
+
 def join_default_group(backend: str, *, rank: int, world_size: int, init_method: str | None, timeout_s: float | None, store: Any) -> None:
     """`torch.distributed.init_process_group` by `init_method` (default `env://`) or through
     `store`, a store the caller made (rank 0's, bound to a port the OS picked). The store is

@@ -77,9 +77,10 @@ or with --keys, every key of the recipe schema with its type, default and meanin
 
 PLAN_HELP = """\
 Print where each role of a recipe would run, without starting anything: the cluster
-(the recipe's `cluster.nodes`, else the Ray cluster under runtime=ray, else this
-machine) and one row per role instance with its node, device kind, device indices, mode
-(own, colocated, borrowed) and the roles it time-shares devices with. The layout is
+(the recipe's `cluster.nodes`, else, under runtime=ray, the Ray cluster at RAY_ADDRESS,
+which `tidal run` joins, else this machine) and one row per role instance with its
+node, device kind, device indices, mode (own, colocated, borrowed) and the roles it
+time-shares devices with. The layout is
 named from the placement block: disaggregated (each role on its own devices), colocated
 (placement.rollout.colocate_with=train), hybrid (colocated, with more rollout
 instances than the trainer's devices hold) or multiplexed (placement.train.lend_to=rollout:
@@ -125,6 +126,21 @@ numbers instead of the table.
 """
 
 
+RUN_FILES = ("metrics.jsonl", "tensorboard/", "timeline.json", "progress.png", "checkpoints/")
+"""What a finished `tidal run` names in its last line, of what its run directory holds."""
+
+
+def _int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers, at least one (`0,1`)."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="tidal", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
@@ -164,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
     bench.add_argument("--put-window", type=int, default=4, help="store: puts a tidal producer keeps in flight; 1 waits for each reply (default: 4)")
     bench.add_argument("--steps", type=int, default=200, help="e2e: RL steps per run (default: 200)")
-    bench.add_argument("--seeds", default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
-    bench.add_argument("--sizes", default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
+    bench.add_argument("--seeds", type=_int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
+    bench.add_argument("--sizes", type=_int_list, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
     return parser
 
@@ -204,9 +220,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.systems is not None:
             print("tidal bench: error: e2e runs every system; --systems is for store and weights", file=sys.stderr)
             return 2
-
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        results = bench_e2e.run(seeds=seeds, num_steps=args.steps, overrides=args.overrides, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        results = bench_e2e.run(seeds=args.seeds, num_steps=args.steps, overrides=args.overrides, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))
         else:
@@ -219,11 +233,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "weights":
         from tidal.tools import bench_weights  # noqa: PLC0415
 
-        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         systems = _systems(args.systems, bench_weights.SYSTEMS)
         if systems is None:
             return 2
-        results = bench_weights.run(sizes_mb=sizes, systems=systems, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        results = bench_weights.run(sizes_mb=args.sizes, systems=systems, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))
         else:
@@ -273,8 +286,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
     )
-    tensorboard = ", tensorboard/" if (run_dir / "tensorboard").is_dir() else ""
-    print(f"tidal: run directory {run_dir} (metrics.jsonl{tensorboard}, timeline.json, progress.png, checkpoints/)")
+    written = [name for name in RUN_FILES if (run_dir / name.rstrip("/")).exists()]  # a finished run resumed writes no step
+    print(f"tidal: run directory {run_dir} ({', '.join(written)})")
     return 0
 
 

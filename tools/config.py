@@ -2,28 +2,29 @@
 
 The dataclasses are the source of truth; a recipe YAML is only data. Every field has a
 docstring (the string literal under it), which `tidal config --keys` prints and a test
-checks. Loading merges schema defaults <- recipe file <- `key=value` overrides, and turns
-OmegaConf's errors into `ConfigError`s that name the key: an unknown key comes with close
-matches, a wrong type with the expected type and the value given.
+checks (`config_keys` reads them). Loading merges schema defaults <- recipe file <-
+`key=value` overrides, and turns OmegaConf's errors into `ConfigError`s that name the
+key: an unknown key comes with close matches, a wrong type with the expected type and
+the value given.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import enum
-import inspect
 import math
-import textwrap
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from tidal.engines import tasks
+from tidal.tools.config_keys import KeyDoc, field_docs, iter_keys, key_type  # noqa: F401 - KeyDoc, field_docs: re-exported
 
 
 class ConfigError(ValueError):
@@ -65,7 +66,7 @@ class ModelConfig:
     intermediate_size: int = 256
     """MLP width."""
     max_positions: int = 64
-    """Longest sequence (prompt + answer) in tokens."""
+    """Longest sequence (prompt + answer) in tokens: at least the task's longest prompt (and <bos>) plus `rollout.max_new_tokens`."""
     attention: Attention = Attention.sdpa
     """transformers attention implementation: sdpa (torch's fused kernels) or eager (plain
     matmuls: faster on CPU for sequences of a few tokens, where the fused CPU kernel's
@@ -312,87 +313,13 @@ class RecipeConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# Field documentation.
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of dataclass `cls` to the docstring written under it."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyDoc:
-    key: str
-    type: str
-    default: Any
-    doc: str
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        return f"{_type_name(inner[0])} or null" if len(inner) == 1 else " | ".join(map(_type_name, args))
-    if origin in (list, Sequence):
-        return f"list of {_type_name(args[0])}" if args else "list"
-    if origin is dict:
-        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}" if args else "mapping"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "one of " + " | ".join(m.name for m in tp)
-    return getattr(tp, "__name__", str(tp))
-
-
-def iter_keys(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
-    """Every leaf key of schema `cls` (nested dataclasses flattened to `a.b`) with its doc."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        key = prefix + f.name
-        if dataclasses.is_dataclass(tp):
-            yield from iter_keys(tp, key + ".")
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = "???"
-        if isinstance(default, enum.Enum):
-            default = default.name
-        yield KeyDoc(key=key, type=_type_name(tp), default=default, doc=docs.get(f.name, ""))
-        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
-        if dataclasses.is_dataclass(item):
-            yield from iter_keys(item, key + "[].")  # fields of each list entry
-
-
-def _key_type(cls: type, key: str) -> str | None:
-    for entry in iter_keys(cls):
-        if entry.key == key:
-            return entry.type
-    return None
-
-
-# ---------------------------------------------------------------------------------------
 # Loading.
 
 
-def _explain(err: OmegaConfBaseException, schema: type, origin: str, given: DictConfig) -> ConfigError:
+def _explain(err: OmegaConfBaseException, schema: type, origin: str, given: DictConfig, *, prefix: str = "") -> ConfigError:
     """A `ConfigError` for OmegaConf's `err` while merging `given` (the recipe file's or
-    the overrides' keys, as the user wrote them) into `schema`."""
+    the overrides' keys, as the user wrote them) into `schema`; `prefix` is where `given`
+    sits in the recipe (`cluster.nodes[1].` for a list entry)."""
     key = str(getattr(err, "full_key", "") or getattr(err, "key", "") or "")
     if isinstance(err, ConfigKeyError) or "not in" in str(err):
         key = _first_written_leaf(given, key)  # OmegaConf names the unknown node: `algoritm` of `algoritm.num_steps`
@@ -401,12 +328,42 @@ def _explain(err: OmegaConfBaseException, schema: type, origin: str, given: Dict
         if not close:  # A typo in the last part only: compare leaf names too.
             leaf = key.rsplit(".", 1)[-1]
             close = [k for k in known if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.7)]
-        hint = f"; did you mean {' or '.join(repr(c) for c in close[:3])}?" if close else ""
-        return ConfigError(f"unknown key {key!r} in {origin}{hint} (`tidal config --keys` lists every key)")
+        hint = f"; did you mean {' or '.join(repr(prefix + c) for c in close[:3])}?" if close else ""
+        return ConfigError(f"unknown key {prefix + key!r} in {origin}{hint} (`tidal config --keys` lists every key)")
     if isinstance(err, ValidationError):
-        expected = _key_type(schema, key) or "another type"
-        return ConfigError(f"key {key!r} in {origin} expects {expected}, got {_given_value(err)}")
+        expected = key_type(schema, key) or "another type"
+        return ConfigError(f"key {prefix + key!r} in {origin} expects {expected}, got {_given_value(err)}")
     return ConfigError(f"{origin}: {err}")
+
+
+def _misplaced(schema: type, given: Any, *, origin: str, prefix: str = "") -> ConfigError | None:
+    """The first mistake in `given` (a mapping, as the user wrote it) that OmegaConf reports
+    without its key: a section (`algorithm`) or list entry (`cluster.nodes[0]`) given
+    something other than a mapping, or a bad key of a list entry (`cluster.nodes[1].devices`)."""
+    tree = OmegaConf.to_container(given, resolve=False) if isinstance(given, DictConfig) else given
+    hints = typing.get_type_hints(schema)
+    for name, value in tree.items():
+        tp = hints.get(name)
+        args = typing.get_args(tp)
+        item = args[0] if typing.get_origin(tp) is list and args else None
+        if dataclasses.is_dataclass(tp):
+            entries = [(f"{prefix}{name}", tp, value)]
+        elif dataclasses.is_dataclass(item) and isinstance(value, list):
+            entries = [(f"{prefix}{name}[{i}]", item, entry) for i, entry in enumerate(value)]
+        else:
+            continue
+        for key, cls, entry in entries:
+            if not isinstance(entry, dict):
+                fields = ", ".join(f.name for f in dataclasses.fields(cls))
+                return ConfigError(f"key {key!r} in {origin} expects a mapping of its keys ({fields}), got {entry!r} of type {type(entry).__name__}")
+            if mistake := _misplaced(cls, entry, origin=origin, prefix=key + "."):
+                return mistake
+            if cls is item:  # OmegaConf checks a list's entries apart from the list, and names their keys without it
+                try:
+                    OmegaConf.merge(OmegaConf.structured(cls), entry)
+                except OmegaConfBaseException as e:
+                    return _explain(e, cls, origin, OmegaConf.create(entry), prefix=key + ".")
+    return None
 
 
 def _first_written_leaf(given: DictConfig, key: str) -> str:
@@ -479,13 +436,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as e:
-            raise _explain(e, schema, f"recipe {str(path)!r}", data) from None
+            origin = f"recipe {str(path)!r}"
+            raise _misplaced(schema, data, origin=origin) or _explain(e, schema, origin, data) from None
     if overrides:
         given = parse_overrides(overrides)
         try:
             cfg = OmegaConf.merge(cfg, given)
         except OmegaConfBaseException as e:
-            raise _explain(e, schema, "the command-line overrides", given) from None
+            origin = "the command-line overrides"
+            raise _misplaced(schema, given, origin=origin) or _explain(e, schema, origin, given) from None
     try:
         OmegaConf.resolve(cfg)  # ${...} interpolations, now: one that cannot resolve names its key here
     except OmegaConfBaseException as e:
@@ -566,6 +525,30 @@ def _check_values(cfg: Any) -> None:
         section, _, field = key.partition(".")
         if section in cfg and (message := unknown(key, cfg[section][field])):
             raise ConfigError(message)
+    if all(section in cfg for section in ("task", "model", "rollout")):
+        _check_lengths(cfg)
+
+
+def longest_prompt(cfg: Any) -> int | None:
+    """Tokens of the longest prompt the recipe's task can draw, <bos> included (the
+    character tokenizer: a token per character); None for a task without a known bound."""
+    keys = tasks.PROMPT_PARAMS.get(cfg.task.name, ())
+    chars = tasks.longest_prompt(cfg.task.name, {k: cfg.task[k] for k in keys})
+    return None if chars is None else 1 + chars
+
+
+def _check_lengths(cfg: Any) -> None:
+    """`model.max_positions` holds the longest sequence: the longest prompt and every token rollout may add."""
+    prompt = longest_prompt(cfg)
+    if prompt is None:
+        return
+    budget, limit = cfg.rollout.max_new_tokens, cfg.model.max_positions
+    if prompt + budget > limit:
+        keys = ", ".join(f"task.{k}={cfg.task[k]}" for k in tasks.PROMPT_PARAMS[cfg.task.name])
+        raise ConfigError(
+            f"model.max_positions={limit} is shorter than the longest sequence: {prompt} prompt tokens (<bos> and the longest {cfg.task.name} prompt, {keys}) "
+            f"+ rollout.max_new_tokens={budget} = {prompt + budget} tokens; raise model.max_positions or lower one of the others"
+        )
 
 
 def loss_config(cfg: Any) -> Any:

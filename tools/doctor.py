@@ -11,16 +11,21 @@ import importlib.util
 import os
 from typing import Any
 
-def _can_run(cfg: Any, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
-    from tidal.hal import ENV_VAR  # noqa: PLC0415
+def _can_run(cfg: Any, *, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
+    """Whether recipe `cfg` runs here and why, given the platform doctor selected (None:
+    it could not load) and each kind's availability."""
+    from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415
 
     if cfg.runtime.name == "ray" and importlib.util.find_spec("ray") is None:
         return False, "runtime ray needs the ray package"
     kinds = sorted({node.kind for node in cfg.cluster.nodes} - {"cpu"})
     if kinds and not cfg.cluster.fake:
         return False, f"needs a Ray cluster with {' and '.join(kinds)} nodes (cluster.fake=true runs it on CPU)"
-    if os.environ.get(ENV_VAR) and selected:
-        return True, f"{ENV_VAR} overrides its device; runs on {selected}"
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and check_spec(env) != "auto":  # it wins over the recipe's device, as when the recipe runs
+        if selected:
+            return True, f"{ENV_VAR} overrides its device; runs on {selected}"
+        return False, f"{ENV_VAR}={env} overrides its device ({cfg.device}) and cannot load here (see the platform error)"
     device = cfg.device
     if device == "auto":
         return (True, f"device auto: runs on {selected}") if selected else (False, "no platform could load")
@@ -89,7 +94,7 @@ def report(*, clean: bool = False) -> tuple[dict[str, Any], int]:
         entry = {"recipe": path.stem, "path": str(path)}
         try:
             cfg = load_config(path)
-            ok, why = _can_run(cfg, kind_ok, selected)
+            ok, why = _can_run(cfg, kind_ok=kind_ok, selected=selected)
             entry.update(description=cfg.description, device=cfg.device, runtime=cfg.runtime.name, runs_here=ok, why=why)
         except ConfigError as e:
             entry.update(description="", device="?", runtime="?", runs_here=False, why=f"invalid recipe: {e}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -36,7 +37,7 @@ def test_setting_visible_devices_before_init_recounts_the_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     state = {"initialized": False}
     module = types.SimpleNamespace(device_count=lambda: len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")))
-    vendor = Vendor(kind="cuda", module=module, comm_env={}, range_start=print, range_end=print, dtype_support=dict, fused_optimizers=True, initialized=lambda: state["initialized"])
+    vendor = Vendor(kind="cuda", module=module, comm_env={}, range_start=print, range_end=print, dtype_support=dict, fused_optimizers=True, initialized=lambda: state["initialized"], machine_count=lambda: 4)
     platform = AcceleratorPlatform(vendor)
     assert platform.descriptor.device_count == 4
     platform.set_visible_devices([2, 3])
@@ -44,6 +45,55 @@ def test_setting_visible_devices_before_init_recounts_the_devices(monkeypatch):
     state["initialized"] = True
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES must be set before cuda is initialised"):
         platform.set_visible_devices([0])
+
+
+def _cuda_like(count: int) -> types.SimpleNamespace:
+    """A `torch.cuda` stand-in whose count follows CUDA_VISIBLE_DEVICES as the CUDA runtime
+    reads it: ids up to the first one that is not a device, and none at all when an id
+    repeats (the silent 0 or shorter count that validation must prevent)."""
+
+    def device_count() -> int:
+        ids = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(count)))).split(",") if i]
+        if len(set(ids)) < len(ids):
+            return 0
+        valid = next((n for n, i in enumerate(ids) if not 0 <= i < count), len(ids))
+        return valid
+
+    return types.SimpleNamespace(device_count=device_count)
+
+
+@pytest.mark.parametrize("machine_count", [4, None], ids=["machine-count-known", "machine-count-unknown"])
+def test_visible_device_ids_are_checked_as_on_the_fake_platform(monkeypatch, machine_count):
+    """Repeated or out-of-range ids are refused, naming them, and the variable is left as
+    it was. The machine's count comes from the vendor (NVML, whatever the variable holds);
+    where it cannot be told, the recount under the new variable catches what CUDA drops."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    vendor = Vendor(kind="cuda", module=_cuda_like(4), comm_env={}, range_start=print, range_end=print, dtype_support=dict, fused_optimizers=True, initialized=lambda: False, machine_count=lambda: machine_count)
+    platform = AcceleratorPlatform(vendor)
+    assert platform.device_count() == 2
+    for bad, named in (([1, 1], r"\[1\]"), ([0, 4], r"\[4\]"), ([5, 0, 1], r"\[5\]"), ([-1], r"\[-1\]")):
+        with pytest.raises(ValueError, match=rf"cannot make devices {re.escape(str(bad))} visible: {named} out of range or repeated"):
+            platform.set_visible_devices(bad)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and platform.descriptor.device_count == 2
+    with pytest.raises(ValueError, match="device ids are integers"):
+        platform.set_visible_devices(["GPU-3b2f1c6e"])
+    with pytest.raises(ValueError, match="device ids are integers"):
+        platform.set_visible_devices([True])
+    platform.set_visible_devices([3, 2])  # the machine's ids: beyond the two the variable held before
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,2" and platform.descriptor.device_count == 2
+
+
+def test_cuda_counts_the_machines_gpus_whatever_the_variable_holds(monkeypatch):
+    """NVML's raw count, not torch.cuda.device_count() (which follows CUDA_VISIBLE_DEVICES);
+    None where NVML cannot answer and the variable is set."""
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert cuda_backend.machine_count() == 8
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: -1)
+    assert cuda_backend.machine_count() is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert cuda_backend.machine_count() == 3
 
 
 @pytest.fixture

@@ -95,6 +95,19 @@ def test_doctor_npu_here_fails_saying_what_is_missing_and_torch_still_imports(ti
     assert check.returncode == 0 and check.stdout.strip() == "2.0"
 
 
+def test_doctor_says_no_recipe_runs_when_tidal_device_names_a_platform_that_cannot_load(tidal_cli):
+    """TIDAL_DEVICE overrides every recipe's `device` key: when it cannot load, the CPU
+    quickstart does not run here either, and doctor says why."""
+    data = json.loads(tidal_cli("doctor", "--json", env={"TIDAL_DEVICE": "npu"}).stdout)
+    quick = next(r for r in data["recipes"] if r["recipe"] == "quickstart_cpu")
+    assert quick["runs_here"] is False
+    assert quick["why"] == "TIDAL_DEVICE=npu overrides its device (cpu) and cannot load here (see the platform error)"
+    assert "needs torch_npu" in data["error"]
+    auto = json.loads(tidal_cli("doctor", "--json", env={"TIDAL_DEVICE": "auto"}).stdout)  # auto: the recipe's device decides
+    quick = next(r for r in auto["recipes"] if r["recipe"] == "quickstart_cpu")
+    assert quick["runs_here"] is True and "TIDAL_DEVICE" not in quick["why"]
+
+
 def test_doctor_bogus_device_lists_valid_values(tidal_cli):
     out = tidal_cli("doctor", env={"TIDAL_DEVICE": "bogus"})
     assert out.returncode == 2
@@ -323,6 +336,30 @@ def test_bench_overrides_are_for_e2e_only(tidal_cli):
     assert out.returncode == 2 and "weights takes no recipe overrides (got device=cuda); only e2e does" in out.stderr
     out = tidal_cli("bench", "store", "--repeats", "1", "device=cuda", "seed=2")  # after an option too
     assert out.returncode == 2 and "store takes no recipe overrides (got device=cuda seed=2)" in out.stderr
+
+
+@pytest.mark.parametrize(("option", "value"), [("--seeds", "a"), ("--seeds", "0,,x"), ("--seeds", ","), ("--sizes", "4,big")])
+def test_bench_number_lists_that_are_not_numbers_are_usage_errors(tidal_cli, option, value):
+    name = "e2e" if option == "--seeds" else "weights"
+    out = tidal_cli("bench", name, option, value)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"argument {option}: {value!r} is not a comma-separated list of integers" in out.stderr
+
+
+def test_a_finished_run_resumed_with_no_step_left_lists_only_the_files_it_wrote(tidal_cli, tmp_path):
+    """Resuming a run whose steps are all done trains nothing: its new directory gets the
+    checkpoint (and the timeline), and the closing line names only what is there."""
+    small = ["sft.steps=0", "task.num_eval_prompts=8", "algorithm.num_steps=1", "tensorboard=false", "--no-progress"]
+    done, again = tmp_path / "done", tmp_path / "again"
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={done}", *small, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"tidal: run directory {done} (metrics.jsonl, timeline.json, progress.png, checkpoints/)" in out.stdout
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={again}", f"resume={done}", *small, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("tidal: run directory"))
+    assert line == f"tidal: run directory {again} (timeline.json, checkpoints/)"
+    assert (again / "timeline.json").is_file() and (again / "checkpoints" / "latest").is_file()
+    assert not (again / "metrics.jsonl").exists() and not (again / "progress.png").exists()
 
 
 def test_a_kl_run_keeps_the_warm_start_as_its_reference_through_a_resume(tidal_cli, tmp_path):

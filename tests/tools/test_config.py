@@ -166,3 +166,64 @@ def test_the_task_and_its_reward_are_checked_before_the_run_and_a_reward_module_
     check_runnable(load_config(recipe, ["task.reward=my_reward_here:score"]))
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         check_runnable(load_config(recipe, ["task.reward=my_reward_here:nope"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("algorithm=3", "key 'algorithm' in the command-line overrides expects a mapping of its keys (num_steps, prompts_per_step, "),
+        ("model=[1,2]", "key 'model' in the command-line overrides expects a mapping of its keys (hidden_size, "),
+        ("model=[1,2]", "got [1, 2] of type list"),
+        ("placement.train=5", "key 'placement.train' in the command-line overrides expects a mapping of its keys (requires, count, "),
+        ("algorithm=null", "key 'algorithm' in the command-line overrides expects a mapping of its keys (num_steps, "),
+        ("cluster.nodes=[1]", "key 'cluster.nodes[0]' in the command-line overrides expects a mapping of its keys (name, kind, devices, tags, count), got 1 of type int"),
+        ("cluster.nodes=[{name: a}, {name: b, devices: x}]", "key 'cluster.nodes[1].devices' in the command-line overrides expects int, got 'x' of type str"),
+        ("cluster.nodes=[{name: a}, {name: b, devics: 2}]", "unknown key 'cluster.nodes[1].devics' in the command-line overrides; did you mean 'cluster.nodes[1].devices'?"),
+        ("cluster.nodes=[{name: a, tags: x}]", "key 'cluster.nodes[0].tags' in the command-line overrides expects list of str"),
+    ],
+)
+def test_a_section_or_list_entry_given_a_wrong_value_is_named_by_its_full_key(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert expected in str(e.value)
+
+
+def test_a_bad_list_entry_in_a_recipe_file_is_named_by_its_full_key(tmp_path):
+    recipe = tmp_path / "nodes.yaml"
+    recipe.write_text("cluster:\n  nodes:\n    - {name: a, kind: cuda, devices: 2}\n    - {name: b, kind: npu, devices: many}\n")
+    with pytest.raises(ConfigError, match=r"key 'cluster.nodes\[1\].devices' in recipe '.*nodes.yaml' expects int, got 'many' of type str"):
+        load_config(recipe)
+    recipe.write_text("rollout: fast\n")
+    with pytest.raises(ConfigError, match=r"key 'rollout' in recipe '.*nodes.yaml' expects a mapping of its keys \(backend, .*got 'fast' of type str"):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "prompt", "budget", "named"),
+    [  # the longest prompt, <bos> included; rollout.max_new_tokens; the task keys the prompt follows from
+        (["task.max_value=20", "task.ops=+-"], 1 + len("20+20="), 6, "task.max_value=20"),
+        (["task.max_value=100", "task.ops='*'", "rollout.max_new_tokens=9"], 1 + len("100*100="), 9, "task.max_value=100"),
+        (["task.name=countdown", "task.num_numbers=3", "task.max_number=10"], 1 + len("10 10 10>1000:"), 6, "task.num_numbers=3, task.max_number=10"),
+        (["task.name=countdown", "task.num_numbers=3", "task.max_number=1"], 1 + len("1 1 1>3:"), 6, "task.max_number=1"),  # 1+1+1 beats 1*1*1
+    ],
+)
+def test_model_max_positions_must_hold_the_longest_prompt_and_the_generation_limit(overrides, prompt, budget, named):
+    longest = prompt + budget
+    assert load_config(None, [*overrides, f"model.max_positions={longest}"]).model.max_positions == longest
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*overrides, f"model.max_positions={longest - 1}"])
+    message = str(e.value)
+    assert f"model.max_positions={longest - 1} is shorter than the longest sequence: {prompt} prompt tokens" in message
+    assert f"+ rollout.max_new_tokens={budget} = {longest} tokens" in message and named in message
+
+
+@pytest.mark.parametrize(("name", "params"), [("arithmetic", {"max_value": 12, "ops": "+-*"}), ("countdown", {"num_numbers": 2, "max_number": 3})])
+def test_the_longest_prompt_bound_is_the_longest_prompt_the_task_draws(name, params):
+    """The bound is exact: the task's own generator reaches it (small tasks, many draws)
+    and never exceeds it."""
+    from tidal.engines.tasks import TASKS
+    from tidal.tools.config import longest_prompt
+
+    cfg = load_config(None, [f"task.name={name}", *(f"task.{k}={v}" for k, v in params.items())])
+    drawn = max(len(item["prompt"]) for item in TASKS[name](5000, seed=0, **params))
+    assert longest_prompt(cfg) == drawn + 1  # and <bos>
