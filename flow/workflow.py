@@ -14,7 +14,8 @@ generation pauses and resumes with the new weights (partial rollout, every token
 the version that produced it). Admission control keeps rollout from starting samples
 that could not be trained in time: a group may start only while
 `started - dropped <= (max_staleness + version + 1) * batch_size` (AReaL's bound), and
-the trainer's sampler drops any row older than `max_staleness` versions (counted).
+the trainer's sampler drops any group with a row older than `max_staleness` versions
+(whole, each row counted).
 `max_staleness: 0` is synchronous on-policy training.
 
 The loader, reward and advantage stages are `flow.stages.Stages`, threads of the process

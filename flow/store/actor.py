@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.flow.store import persist
 from tidal.flow.store.memory import retain_freed_memory
 from tidal.flow.store.prometheus import MetricsServer
 from tidal.flow.store.server import StoreServer
@@ -48,7 +47,7 @@ class StoreActor:
     def save(self, path: str) -> None:
         if self.store is None:
             raise ValueError("a storage-unit actor has no store state to save")
-        persist.save(self.store, path)
+        self.server.save(path)  # reads the rows the store keeps on storage units
 
     def close(self) -> None:
         self.server.close()

@@ -17,13 +17,22 @@ import torch
 from tidal.flow.store.samplers import NO_VERSION
 
 
+_NUMBERS = frozenset({int, float, bool, type(None)})
+
+
 def nbytes_of(value: Any) -> int:
+    """The bytes a cell holds, for capacity: a tensor's or array's data, a string's length,
+    8 per number, and a list's, tuple's or dict's contents (keys included), summed."""
     if isinstance(value, torch.Tensor):
         return value.nbytes
     if isinstance(value, np.ndarray):
         return value.nbytes
     if isinstance(value, (str, bytes)):
         return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(8 if type(v) in _NUMBERS else nbytes_of(v) for v in value)
+    if isinstance(value, dict):
+        return sum(nbytes_of(k) + (8 if type(v) in _NUMBERS else nbytes_of(v)) for k, v in value.items())
     return int(getattr(value, "nbytes", 8))  # e.g. a reference to data held elsewhere
 
 

@@ -1,10 +1,12 @@
 """`RemoteStore`: the `Store` API, served by a `StoreServer` in another process.
 
 The same calls, arguments, return values and errors as the in-process `Store`, so a
-stage does not know which one it holds. Each thread gets its own socket (a blocking
-`get` in one thread never holds up another's `ack`), and its own connection: leases are
-tied to the connection that took them, so a thread or process that dies has its rows
-redelivered.
+stage does not know which one it holds - but for values the codec cannot carry (any
+object but tensors, arrays, scalars, strings, bytes, lists, tuples and dicts: see `codec`),
+which an in-process store keeps and a remote put refuses with `CodecError` naming their
+column and row. Each thread gets its own socket (a blocking `get` in one thread never
+holds up another's `ack`), and its own connection: leases are tied to the connection that
+took them, so a thread or process that dies has its rows redelivered.
 
 Split deployment: give `unit=` a `StoreServer` that serves a local `StorageUnit` (or the
 address of one). Then `put` writes each column into that unit as one chunk - in process,
@@ -35,6 +37,7 @@ from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of
+from tidal.flow.store.codec import CodecError, cells_of, name_failure
 from tidal.flow.store.table import StoreError, StoreTimeout
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
@@ -46,6 +49,7 @@ _ERRORS: dict[str, type[Exception]] = {
     "StoreError": StoreError,
     "ValueError": ValueError,
     "TypeError": TypeError,
+    "CodecError": CodecError,
 }
 
 
@@ -102,6 +106,8 @@ class RemoteStore:
         self._closed = False
         self._host = _shm.host_id() if shm else None
         self._writer = _shm.Writer()
+        self._unclaimed: dict[int, list[str]] = {}
+        """Request id -> the segments written for it, until its reply says the server took them."""
         self._segments = _shm.Segments(own=False)
         # `wake()` publishes here; a thread in a cancellable wait listens (`_wake_listener`)
         self._waker = self._ctx.socket(zmq.PUB)
@@ -141,11 +147,25 @@ class RemoteStore:
         message = {"op": op, "id": request_id, "token": self.token, "args": args}
         if self._shares_host(address, op):
             message["host"] = self._host
-            frames = pack(message, writer=self._writer)
+            written: list[str] = []
+            frames = pack(message, writer=self._writer, written=written)
+            if written:
+                self._unclaimed[request_id] = written
         else:
             frames = pack(message)
-        sock.send_multipart(frames, copy=False)
+        try:
+            sock.send_multipart(frames, copy=False)
+        except BaseException:
+            self._settle(request_id, ok=False)
+            raise
         return sock, request_id
+
+    def _settle(self, request_id: int, *, ok: bool) -> None:
+        """A request was answered or withdrawn: the server took its segments, or, when it
+        failed, may not have (unlinking one it took is a no-op: it has another name)."""
+        names = self._unclaimed.pop(request_id, None)
+        if names and not ok:
+            self._writer.unlink(names)
 
     def shares_host(self, address: str | None = None) -> bool:
         """Whether large buffers to and from the server at `address` (default: the store's)
@@ -165,26 +185,20 @@ class RemoteStore:
             self._shared[address] = shared
         return shared
 
-    def _until_cancelled(self, cancel: threading.Event, timeout: float | None, what: str, call: Any) -> Any:
-        """`call(wait_s)` (a get or put) again and again, each waiting at most
-        `CANCEL_CHECK_S`, until it returns, `timeout` passes or `cancel` is set; while one
-        waits, `wake()` makes it look at `cancel` at once (`_receive_or_withdraw`)."""
+    def _cancellable(self, cancel: threading.Event, what: str, call: Any) -> Any:
+        """`call()` (a get or put, sent once) whose wait for its reply ends when `cancel` is
+        set: the request is then withdrawn at the server (`_receive_or_withdraw`). The
+        event is looked at every `CANCEL_CHECK_S`, and at once on `wake()`."""
         # Subscribe to `wake()` before the first look at `cancel`: a stop that sets it and
         # wakes in between is then seen either way (set at the look, or its wake heard).
         self._wake_listener()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if cancel.is_set():
-                raise StoreError(f"{what} was cancelled")
-            left = None if deadline is None else deadline - time.monotonic()
-            self._tls.cancel = cancel
-            try:
-                return call(CANCEL_CHECK_S if left is None else max(min(CANCEL_CHECK_S, left), 0.0))
-            except StoreTimeout:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-            finally:
-                self._tls.cancel = None
+        if cancel.is_set():
+            raise StoreError(f"{what} was cancelled")
+        self._tls.cancel = cancel
+        try:
+            return call()
+        finally:
+            self._tls.cancel = None
 
     def _wake_listener(self) -> zmq.Socket:
         """This thread's subscription to `wake()`."""
@@ -206,23 +220,25 @@ class RemoteStore:
         return self._receive_reply(sock, request_id, address, op, wait_s)
 
     def _receive_or_withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: threading.Event) -> Any:
-        """`_receive` in a cancellable call: also wakes on `wake()`, and once `cancel` is set
-        withdraws the request (`_withdraw`) instead of waiting on."""
+        """`_receive` in a cancellable call: looks at `cancel` every `CANCEL_CHECK_S` and on
+        `wake()`, and once it is set withdraws the request (`_withdraw`) instead of waiting on."""
         listener = self._wake_listener()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(listener, zmq.POLLIN)
         deadline = None if wait_s is None else time.monotonic() + wait_s
         while not cancel.is_set():
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready = dict(poller.poll(-1 if left is None else int(left * 1000) + 1))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
+            ready = dict(poller.poll(int(1000 * (CANCEL_CHECK_S if left is None else min(left, CANCEL_CHECK_S))) + 1))
             if sock in ready:
-                return self._receive_reply(sock, request_id, address, op, left)
+                reply = self._next_reply(sock, request_id, address, op, 0.0)  # ready: another request's reply, maybe
+                if reply is not None:
+                    return self._result(reply)
             if listener in ready:
                 while listener.poll(0):
                     listener.recv()
-            elif left is not None and time.monotonic() >= deadline:
-                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
         return self._withdraw(sock, request_id, address, op)
 
     def _withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str) -> Any:
@@ -238,6 +254,7 @@ class RemoteStore:
             _, withdraw_id = self._send(address, "withdraw", {"request": request_id})
             if self._receive_reply(sock, withdraw_id, address, "withdraw", self.rpc_timeout_s):
                 stash.pop(request_id, None)
+                self._settle(request_id, ok=False)
                 raise StoreError(f"{op} was cancelled")
             return self._receive_reply(sock, request_id, address, op, self.rpc_timeout_s)
         finally:
@@ -246,25 +263,42 @@ class RemoteStore:
                 submitted.discard(request_id)
 
     def _receive_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
+        reply = self._next_reply(sock, request_id, address, op, wait_s)
+        if reply is None:
+            raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
+        return self._result(reply)
+
+    def _next_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> dict[str, Any] | None:
+        """The reply to `request_id`, or None when none came within `wait_s`. Replies to this
+        thread's other submitted puts read on the way are kept for them; late replies to
+        abandoned requests are skipped."""
         timeout_ms = -1 if wait_s is None else int(wait_s * 1000) + 1
         timeouts = self._tls.__dict__.setdefault("timeouts", {})
         if timeouts.get(sock) != timeout_ms:  # one blocking receive with a timeout, not a poll and then a receive
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             timeouts[sock] = timeout_ms
-        stash = self._tls.__dict__.setdefault("stash", {})  # replies to this thread's other submitted puts
+        stash = self._tls.__dict__.setdefault("stash", {})
         reply = stash.pop(request_id, None)
-        while reply is None:  # one blocking wait per reply; skips late replies to abandoned requests
+        while reply is None:
             try:
                 reply = unpack(sock.recv_multipart(copy=False), segments=self._segments)
             except zmq.Again:
-                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?") from None
+                return None
             except WireError as e:
                 raise StoreError(f"malformed reply from store server {address}: {e}") from e
             reply_id = reply.get("id")
             if reply_id != request_id and reply_id is not None:
                 if reply_id in self._tls.__dict__.get("submitted", ()):
                     stash[reply_id] = reply
+                else:
+                    self._settle(reply_id, ok=bool(reply.get("ok")))
                 reply = None
+        self._settle(request_id, ok=bool(reply.get("ok")))
+        return reply
+
+    @staticmethod
+    def _result(reply: dict[str, Any]) -> Any:
+        """A reply's result, or its error raised as the server raised it."""
         if reply.get("ok"):
             return reply.get("result")
         kind, message = reply.get("error"), reply.get("message")
@@ -319,7 +353,7 @@ class RemoteStore:
         unit the data goes there and the controller gets references."""
         rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack}
         if cancel is not None:
-            return self._until_cancelled(cancel, timeout, f"put into {partition!r}", lambda t: self.submit_put(partition, columns, indexes, timeout=t, **rows).result())
+            return self._cancellable(cancel, f"put into {partition!r}", lambda: self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result())
         return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
 
     def submit_put(
@@ -360,8 +394,15 @@ class RemoteStore:
                     remote[name] = RemoteChunk(self.unit_address, key, cell_sizes(chunk)).wire
                 args = {"partition": partition, "remote": remote, "indexes": _plain(indexes), **meta}
             sock, request_id = self._send(self.address, "put", args)
-        except BaseException:
+        except BaseException as e:
             self._drop_chunks(keys)  # the controller never took them: free them on the unit
+            if isinstance(e, CodecError):  # say which column (or metadata) and row
+                parts = itertools.chain(
+                    *(cells_of(f"column {name!r}", value) for name, value in columns.items()),
+                    cells_of("groups", [] if groups is None else groups),
+                    cells_of("tags", [] if tags is None else tags),
+                )
+                raise name_failure(e, parts) from e
             raise
         return PendingPut(self, sock, request_id, None if timeout is None else timeout + self.rpc_timeout_s, keys)
 
@@ -392,11 +433,11 @@ class RemoteStore:
         """As `Store.get`; rows on storage units are read from them before returning.
 
         Setting `cancel` ends the wait with `StoreError`: at once after `wake()`, else within
-        `CANCEL_CHECK_S` (the request is re-sent at that interval: a long poll, it returns at
-        once when rows are ready). A request the server answered first is returned as usual.
+        `CANCEL_CHECK_S`; the request, sent once, is withdrawn at the server. A request the
+        server answered first is returned as usual. `put` takes `cancel` the same way.
         """
         if cancel is not None:
-            return self._until_cancelled(cancel, timeout, f"get({consumer!r}, {partition!r})", lambda t: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=t, partial=partial, ack=ack))
+            return self._cancellable(cancel, f"get({consumer!r}, {partition!r})", lambda: self.get(consumer, partition, columns, batch_size, sampler=sampler, timeout=timeout, partial=partial, ack=ack))
         args = {
             "ack": None if ack is None else as_indexes(ack),
             "consumer": consumer,
@@ -422,7 +463,11 @@ class RemoteStore:
         pending = []
         pieces: dict[tuple[str, int], Any] = {}
         for name, blocks in remote.items():
-            for k, (unit, key, offsets) in enumerate(blocks):
+            for k, block in enumerate(blocks):
+                if isinstance(block, dict):  # rows the controller holds itself
+                    pieces[(name, k)] = decode_column(name, block)
+                    continue
+                unit, key, offsets = block
                 if self._local_unit is not None and unit == self._local_unit.address:
                     pieces[(name, k)] = self._local_unit.unit.read(key, offsets)
                 else:
@@ -449,7 +494,8 @@ class RemoteStore:
         return self._call("metrics", {})
 
     def save(self, path: str) -> None:
-        """Save the server's store to `path` on the server's machine (see `persist.save`)."""
+        """Save the server's store to `path` on the server's machine (`StoreServer.save`:
+        rows on storage units are read from them and saved too)."""
         self._call("save", {"path": str(path)})
 
     def wake(self) -> None:
@@ -460,13 +506,19 @@ class RemoteStore:
                 self._waker.send(b"")
 
     def close(self) -> None:
-        """Close every socket of this client (their connections end: unacked leases return)."""
+        """Close every socket of this client (their connections end: unacked leases return).
+        A submitted put whose reply was not read may or may not have gone in; the segment
+        of one the server has not read yet is unlinked. Idempotent."""
         with self._wake_lock:
+            if self._closed:
+                return
             self._closed = True
         with self._sockets_lock:
             for sock in self._sockets:
                 sock.close(linger=0)
             self._sockets.clear()
+        for request_id in list(self._unclaimed):
+            self._settle(request_id, ok=False)
         self._ctx.term()
 
     def __enter__(self) -> RemoteStore:
@@ -516,8 +568,8 @@ class PendingPut:
 
 
 CANCEL_CHECK_S = 1.0
-"""How often a cancellable remote get/put re-checks its cancel event when nobody calls
-`RemoteStore.wake()` (the request is re-sent at that interval: a long poll)."""
+"""How often a cancellable remote get/put looks at its cancel event while it waits, when
+nobody calls `RemoteStore.wake()` (a local check: the request is sent once)."""
 
 
 def _plain(values: Sequence[Any] | None) -> list[Any] | np.ndarray | None:

@@ -1,16 +1,19 @@
 """Encoding store values as a msgpack header plus raw buffers. Nothing is ever pickled.
 
-A value is a torch tensor, a NumPy array, a `range`, or a msgpack-native scalar / string /
-bytes / list / dict. Tensors and arrays travel as their raw bytes in separate buffers
-(frames on the wire, regions of a file on disk), or inside the header when they are at
-most `INLINE_MAX_BYTES`; the header describes them by dtype and shape.
+A value is a torch tensor (any dtype but the quantized ones), a NumPy array (numbers,
+bools, fixed-width strings, datetimes), a `range`, a tuple, or a msgpack-native scalar /
+string / bytes / list / dict. Tensors and arrays travel as their raw bytes in separate
+buffers (frames on the wire, regions of a file on disk), or inside the header when they
+are at most `INLINE_MAX_BYTES`; the header describes them by dtype and shape. Tuples come
+back as tuples (a group id must stay hashable). Anything else is refused with
+`CodecError`; `name_failure` says which part of a message it was in.
 `decode` rejects anything it does not understand with `CodecError`, so a malformed or
 truncated message can be answered with an error instead of crashing a server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import math
@@ -30,12 +33,17 @@ _TORCH_DTYPES = {
         torch.float64, torch.float32, torch.float16, torch.bfloat16,
         torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
         torch.complex64, torch.complex128,
+        *(getattr(torch, name) for name in (  # newer dtypes, where this torch has them
+            "uint16", "uint32", "uint64",
+            "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        ) if hasattr(torch, name)),
     )
 }
 _NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
+_IN_NUMPY = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
 _ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _TORCH_DTYPES.items()}
-_NUMPY_KINDS = "biufc?"  # bool, signed, unsigned, float, complex (no objects, no strings)
-_TENSOR, _ARRAY, _RANGE = "t", "a", "r"
+_NUMPY_KINDS = "biufcUSMm"  # bool, signed, unsigned, float, complex, fixed-width str / bytes, datetime, timedelta (no objects)
+_TENSOR, _ARRAY, _RANGE, _TUPLE = "t", "a", "r", "u"
 INLINE_MAX_BYTES = 4096
 """Tensors and arrays up to this size travel inside the header (one frame fewer each)."""
 MAX_RANGE = 1 << 24
@@ -61,7 +69,7 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
         t = value.detach() if value.requires_grad else value
         if not t.is_contiguous():
             t = t.contiguous()
-        arr = t.reshape(-1).view(torch.uint8).numpy() if t.dtype is torch.bfloat16 else t.numpy()  # numpy has no bf16: its bytes (0-d too)
+        arr = t.numpy() if t.dtype in _IN_NUMPY else t.reshape(-1).view(torch.uint8).numpy()  # numpy has no bf16, float8, ...: its bytes (0-d too)
         return {"__": _TENSOR, "d": name, "s": list(value.shape), **_raw(arr, buffers)}
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NUMPY_KINDS:
@@ -70,7 +78,9 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
         return {"__": _ARRAY, "d": arr.dtype.str, "s": list(arr.shape), **_raw(arr, buffers)}
     if kind is range:
         return {"__": _RANGE, "r": [value.start, value.stop, value.step]}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, tuple):  # a named tuple comes back a plain one (equal, with the same hash)
+        return {"__": _TUPLE, "v": _encode(list(value), buffers)}
+    if isinstance(value, list):
         if all(type(v) in _SCALARS for v in value):  # e.g. row indexes: no recursion per element
             return value if kind is list else list(value)
         return [_encode(v, buffers) for v in value]
@@ -80,7 +90,7 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
         return {**_encode(np.asarray(value), buffers), "g": 1} if value.dtype.kind in _NUMPY_KINDS else value.item()
     if isinstance(value, (bool, int, float, str, bytes)):
         return value
-    raise CodecError(f"values of type {type(value).__name__} cannot be stored (tensors, arrays, scalars, str, bytes, lists, dicts)")
+    raise CodecError(f"values of type {type(value).__name__} cannot be saved or sent to another process (tensors, arrays, scalars, str, bytes, lists, tuples, dicts can)")
 
 
 def _raw(arr: np.ndarray, buffers: list[Any]) -> dict[str, Any]:
@@ -113,6 +123,11 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
         kind = obj.get("__")
         if kind is None:
             return {k: _decode(v, buffers, copy) if isinstance(v, _NESTED) else v for k, v in obj.items()}
+        if kind == _TUPLE:
+            items = obj.get("v")
+            if type(items) is not list:
+                raise CodecError(f"malformed tuple {obj!r}")
+            return tuple(_decode(items, buffers, copy))
         if kind == _RANGE:
             bounds = obj.get("r")
             if type(bounds) is not list or len(bounds) != 3 or not all(type(n) is int for n in bounds) or bounds[2] == 0:
@@ -145,7 +160,7 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
         elif kind == _ARRAY:
             try:
                 np_dtype = np.dtype(dtype_name)
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise CodecError(f"unknown numpy dtype {dtype_name!r}") from e
             if np_dtype.kind not in _NUMPY_KINDS:
                 raise CodecError(f"numpy dtype {dtype_name!r} is not allowed")
@@ -191,3 +206,25 @@ def unpack_header(header: bytes) -> Any:
 def decode_tree(tree: Any, buffers: Sequence[Any], *, copy: bool = False) -> Any:
     """Inverse of `encode_tree`."""
     return _decode(tree, buffers, copy)
+
+
+def name_failure(error: CodecError, parts: Iterable[tuple[str, Any]]) -> CodecError:
+    """`error`, raised encoding a message made of `parts` ((label, value) pairs), as an
+    error that names the first part that does not encode. For an error path only: it
+    encodes the parts again, one by one."""
+    for label, value in parts:
+        try:
+            encode_tree(value)
+        except CodecError as e:
+            return CodecError(f"{label}: {e}")
+    return error
+
+
+def cells_of(label: str, value: Any, rows: Sequence[Any] | None = None) -> Iterator[tuple[str, Any]]:
+    """`value` as `name_failure`'s parts: a list's cells one by one, labelled with their
+    row (`rows[k]`, default k), anything else whole."""
+    if isinstance(value, (list, tuple)):
+        for k, cell in enumerate(value):
+            yield f"{label} row {k if rows is None else rows[k]}", cell
+    else:
+        yield label, value

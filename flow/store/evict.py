@@ -1,8 +1,10 @@
-"""Acks, eviction and chunk references of a partition's rows (the store's lock held).
+"""Acks, eviction, replaced cells and chunk references of a partition's rows (the store's
+lock held).
 
-A row leaves once every consumer has acked it; a chunk (the object one put handed over)
-is freed once no live row uses it, and `on_free(partition, chunk)` hears of it (a
-controller whose chunks live on storage units frees them there).
+A row leaves once every consumer has acked it; a put to existing rows replaces their
+cells; a chunk (the object one put handed over) is freed once no live row uses it, and
+`on_free(partition, chunk)` hears of it (a controller whose chunks live on storage units
+frees them there).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.cells import unique_sorted
-from tidal.flow.store.segments import Partition, Segment, contiguous
+from tidal.flow.store.cells import row_nbytes, unique_sorted
+from tidal.flow.store.segments import Column, Partition, Segment, contiguous
 
 OnFree = Callable[[str, Any], None]
 
@@ -101,3 +103,34 @@ def unref_chunk(part: Partition, chunk_id: int, n: int, on_free: OnFree) -> None
         del part.chunk_refs[chunk_id]
         chunk = part.chunks.pop(chunk_id)
         on_free(part.name, chunk)
+
+
+def replace_cells(part: Partition, name: str, chunk: Any, sizes: np.ndarray, where: np.ndarray, *, stamp: int, on_free: OnFree) -> None:
+    """Column `name` of existing rows `where` becomes rows 0.. of `chunk` (arrived at
+    `stamp`); the cells it replaces drop their chunk references."""
+    chunk_id = part.next_chunk
+    part.next_chunk += 1
+    part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, len(where)
+    for seg, local, positions in part.locate(where):
+        seg.idle.clear()
+        seg.whole_since.clear()
+        column = seg.columns.get(name)
+        if column is None:
+            column = seg.columns[name] = Column(seg.alive)
+        old = column.chunk[local]
+        replaced = old >= 0
+        if replaced.any():
+            unref(part, old[replaced], on_free)
+            part.nbytes -= int(column.nbytes[local][replaced].sum())
+        column.chunk[local] = chunk_id
+        column.offset[local] = positions
+        column.stamp[local] = stamp
+        column.nbytes[local] = sizes[positions]
+        part.nbytes += int(sizes[positions].sum())
+        present = column.chunk >= 0
+        covers = len(local) == seg.n and bool((column.chunk == chunk_id).all() and (column.offset == np.arange(seg.n)).all())
+        column.whole = chunk_id if covers else -1
+        column.full = bool((present | ~seg.alive).all())
+        column.same_stamp = stamp if bool((column.stamp[present] == stamp).all()) else -1
+        size = row_nbytes(chunk)
+        column.row_nbytes = size if size >= 0 and bool((column.nbytes[present] == size).all()) else -1

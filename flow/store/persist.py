@@ -3,27 +3,39 @@
 File layout: the magic `TIDALST1`, a little-endian u64 header length, the msgpack header,
 a u32 buffer count, then each raw buffer as u64 length + bytes. Written to a temporary
 file and renamed, so a crash mid-save leaves the previous file intact. Nothing is pickled.
+
+A value the codec cannot carry (an arbitrary object an in-process put kept) fails the save
+with `CodecError` naming its partition, column and row. A controller whose rows live on
+storage units is saved with `read_chunk` (its server's `StoreServer.save` reads them
+from the units); the loaded store holds those rows itself.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.codec import CodecError, decode, encode
+from tidal.flow.store.codec import CodecError, decode, encode, name_failure
 from tidal.flow.store.segments import Partition, Segment
 from tidal.flow.store.table import Store, StoreError
+from tidal.flow.store.units import RemoteChunk
 
 MAGIC = b"TIDALST1"
 
 
-def save(store: Store, path: str | Path) -> None:
-    header, buffers = encode(store.state_dict())
+def save(store: Store, path: str | Path, *, read_chunk: Callable[[RemoteChunk], Any] | None = None) -> None:
+    """Save `store` to `path`. `read_chunk(chunk)`: the rows of a chunk held on a storage
+    unit (a tensor or a list), for a controller of a split deployment."""
+    state = store.state_dict(read_chunk=read_chunk)
+    try:
+        header, buffers = encode(state)
+    except CodecError as e:
+        raise name_failure(e, _parts(state)) from e
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -62,14 +74,41 @@ def load(path: str | Path) -> Store:
         raise StoreError(f"cannot load store from {str(path)!r}: {e}") from e
 
 
-def state_of(version: int, parts: Iterable[Partition]) -> dict[str, Any]:
+def _parts(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A state's values labelled for `name_failure`: each row's metadata and cells."""
+    for name, p in state["partitions"].items():
+        for index, group, _, tags in p["rows"]:
+            yield f"partition {name!r} row {index} group", group
+            yield f"partition {name!r} row {index} tags", tags
+        for column, cells in p["columns"].items():
+            for index, value in cells:
+                yield f"partition {name!r} column {column!r} row {index}", value
+
+
+def state_of(version: int, parts: Iterable[Partition], read_chunk: Callable[[RemoteChunk], Any] | None = None) -> dict[str, Any]:
     """`Store.state_dict`'s plain data (called under the store's lock): per partition its
     settings, every live row's (index, group, version, tags), cells and acks, and each
-    consumer's counts (acked, dropped, redelivered)."""
+    consumer's counts (acked, dropped, redelivered). Chunks on storage units are read
+    with `read_chunk`."""
     out = {}
     for part in parts:
         rows, columns = [], {}
         acked: dict[str, list[int]] = {c: [] for c in part.consumers}
+        read: dict[int, Any] = {}  # chunk id -> the rows of a chunk on a storage unit
+
+        def local(name: str, chunk_id: int) -> Any:
+            chunk = part.chunks[chunk_id]
+            if not isinstance(chunk, RemoteChunk):
+                return chunk
+            if read_chunk is None:
+                raise StoreError(
+                    f"cannot save partition {part.name!r}: its column {name!r} is held on storage unit {chunk.unit} "
+                    "(a split deployment); save through the store's server (StoreServer.save, RemoteStore.save), which reads the units"
+                )
+            if chunk_id not in read:
+                read[chunk_id] = read_chunk(chunk)
+            return read[chunk_id]
+
         for seg in part.segments:
             for k in np.flatnonzero(seg.alive).tolist():
                 meta = seg.meta(k)
@@ -77,7 +116,7 @@ def state_of(version: int, parts: Iterable[Partition]) -> dict[str, Any]:
                 for name, column in seg.columns.items():
                     chunk_id, offset = column.cell(k)
                     if chunk_id >= 0:
-                        columns.setdefault(name, []).append([meta.index, part.chunks[chunk_id][offset]])
+                        columns.setdefault(name, []).append([meta.index, local(name, chunk_id)[offset]])
                 for c in part.consumers:
                     if seg.acked[c][k]:
                         acked[c].append(meta.index)

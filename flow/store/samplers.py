@@ -13,6 +13,7 @@ method; write your own by implementing `select`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, overload
 
@@ -119,6 +120,7 @@ class Sampler(Protocol):
         ...
 
 
+@dataclasses.dataclass
 class Sequential:
     """Rows in the order they became ready."""
 
@@ -130,7 +132,12 @@ class Sequential:
 
 @dataclasses.dataclass
 class Grouped:
-    """Complete groups only (GRPO): a batch holds every row of each group it touches."""
+    """Complete groups only (GRPO): a batch holds every row of each group it touches.
+
+    The samplers around a `Grouped` (at any depth of `inner`) keep its groups whole:
+    `StalenessFilter` judges, drops and holds whole groups, `SeqlenBalanced` shortens a
+    partial batch by whole groups, `TaggedFirst` hands out tagged groups whole.
+    """
 
     group_size: int
 
@@ -160,6 +167,10 @@ class StalenessFilter:
     dropped) or left in place (`hold=True`). Rows without a version are never stale.
     `at_version` judges rows as if the store were at that version (a trainer taking the
     next step's rows while this step trains), whatever version the store reaches meanwhile.
+
+    Over a `Grouped` sampler the unit is the group: a group with any row too old is never
+    handed out, and is dropped as a whole once all `group_size` of its rows are ready (so
+    no row of it is left behind, waiting for rows that were dropped).
     """
 
     max_staleness: int
@@ -172,17 +183,27 @@ class StalenessFilter:
         old = (rows.versions != NO_VERSION) & (rows.versions < version - self.max_staleness)
         if not old.any():
             return self.inner.select(rows, batch_size, partial, ctx)
-        stale = [] if self.hold else rows.indexes[old].tolist()
+        stale = old
+        group_size = _group_size(self.inner)
+        if group_size is not None:
+            groups = rows.groups
+            old = _whole_groups(groups, old)
+            stale = old & _complete_groups(groups, group_size)
         inner = self.inner.select(rows.subset(~old), batch_size, partial, ctx)
-        return Selection(inner.take, [*stale, *inner.drop])
+        if self.hold:
+            return inner
+        return Selection(inner.take, [*rows.indexes[stale].tolist(), *inner.drop])
 
 
 @dataclasses.dataclass
 class SeqlenBalanced:
     """Order a batch so that `num_ranks` equal contiguous slices have balanced token counts.
 
-    Rank r takes rows [r * batch_size / num_ranks, (r + 1) * batch_size / num_ranks). Rows
-    are assigned longest first to the rank with the fewest tokens that still has room.
+    Rank r takes rows [r * n / num_ranks, (r + 1) * n / num_ranks) of a batch of n rows.
+    Rows are assigned longest first to the rank with the fewest tokens that still has
+    room. A partial batch is the largest one `inner` gives that every rank can share
+    equally (a multiple of `num_ranks`, and of the group size over a `Grouped`); fewer
+    ready rows than that wait. Put `TaggedFirst` inside this sampler, not around it.
     """
 
     num_ranks: int
@@ -192,7 +213,12 @@ class SeqlenBalanced:
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if batch_size % self.num_ranks:
             raise ValueError(f"batch_size {batch_size} is not a multiple of num_ranks {self.num_ranks}")
-        chosen = self.inner.select(rows, batch_size, False, ctx)
+        chosen = self.inner.select(rows, batch_size, partial, ctx)
+        if len(chosen.take) % self.num_ranks:  # a partial batch: shorten it to one the ranks share
+            unit = math.lcm(self.num_ranks, _group_size(self.inner) or 1)
+            size = len(chosen.take) - len(chosen.take) % unit
+            exact = self.inner.select(rows, size, False, ctx) if size else Selection([])
+            chosen = Selection(exact.take, np.union1d(np.asarray(chosen.drop, dtype=np.int64), np.asarray(exact.drop, dtype=np.int64)))
         if not len(chosen.take):
             return chosen
         take = np.asarray(chosen.take).tolist()
@@ -210,8 +236,10 @@ class SeqlenBalanced:
 @dataclasses.dataclass
 class TaggedFirst:
     """Rows whose `tag` is set (a true value in `put(..., tags=...)`) first, in readiness
-    order; the rest of the batch through `inner`. Reads every ready row's tags, so it suits
-    short queues (a rollout's prompts: resumed groups go before fresh prompts)."""
+    order and not filtered by `inner`; the rest of the batch through `inner`. Reads every
+    ready row's tags, so it suits short queues (a rollout's prompts: resumed groups go
+    before fresh prompts). Over a `Grouped` sampler a group with a tagged row is tagged
+    as a whole and handed out only complete, so a batch still holds whole groups."""
 
     tag: str
     inner: Any = dataclasses.field(default_factory=Sequential)
@@ -220,10 +248,39 @@ class TaggedFirst:
         first = np.fromiter((bool(m.tags.get(self.tag)) for m in rows), dtype=bool, count=len(rows))
         if not first.any():
             return self.inner.select(rows, batch_size, partial, ctx)
-        take = rows.indexes[first][:batch_size].tolist()
+        group_size = _group_size(self.inner)
+        if group_size is None:
+            take = rows.indexes[first][:batch_size].tolist()
+        else:
+            first = _whole_groups(rows.groups, first)
+            take = np.asarray(Grouped(group_size).select(rows.subset(first), batch_size, True, ctx).take, dtype=np.int64).tolist()
         rest = self.inner.select(rows.subset(~first), batch_size - len(take), True, ctx) if len(take) < batch_size else Selection([])
         take += np.asarray(rest.take, dtype=np.int64).tolist()
         return Selection(take if len(take) == batch_size or partial else [], rest.drop)
+
+
+def _group_size(sampler: Any) -> int | None:
+    """The group size of the `Grouped` sampler in `sampler`'s chain of `inner`s, if any."""
+    while sampler is not None:
+        if isinstance(sampler, Grouped):
+            return sampler.group_size
+        sampler = getattr(sampler, "inner", None)
+    return None
+
+
+def _whole_groups(groups: Sequence[Any], marked: np.ndarray) -> np.ndarray:
+    """`marked` widened to every row of each group that has a marked row (rows without a
+    group stay as they are)."""
+    hit = {g for g, m in zip(groups, marked.tolist()) if m and g is not None}
+    return marked | np.fromiter((g in hit for g in groups), dtype=bool, count=len(groups))
+
+
+def _complete_groups(groups: Sequence[Any], group_size: int) -> np.ndarray:
+    """Which rows belong to a group with at least `group_size` rows among `groups`."""
+    counts: dict[Any, int] = {}
+    for g in groups:
+        counts[g] = counts.get(g, 0) + 1
+    return np.fromiter((g is not None and counts[g] >= group_size for g in groups), dtype=bool, count=len(groups))
 
 
 def _length(value: Any) -> int:
@@ -234,16 +291,19 @@ def _length(value: Any) -> int:
 
 
 def to_spec(sampler: Sampler) -> dict[str, Any]:
-    """A built-in sampler as plain data, to send to a store server (nothing is pickled)."""
-    if isinstance(sampler, Sequential):
+    """A built-in sampler as plain data, to send to a store server (nothing is pickled).
+
+    A subclass is refused: the server would run the built-in, not the subclass's `select`.
+    """
+    if type(sampler) is Sequential:
         return {"kind": "sequential"}
-    if isinstance(sampler, Grouped):
+    if type(sampler) is Grouped:
         return {"kind": "grouped", "group_size": sampler.group_size}
-    if isinstance(sampler, StalenessFilter):
+    if type(sampler) is StalenessFilter:
         return {"kind": "staleness", "max_staleness": sampler.max_staleness, "hold": sampler.hold, "at_version": sampler.at_version, "inner": to_spec(sampler.inner)}
-    if isinstance(sampler, SeqlenBalanced):
+    if type(sampler) is SeqlenBalanced:
         return {"kind": "seqlen", "num_ranks": sampler.num_ranks, "length_column": sampler.length_column, "inner": to_spec(sampler.inner)}
-    if isinstance(sampler, TaggedFirst):
+    if type(sampler) is TaggedFirst:
         return {"kind": "tagged_first", "tag": sampler.tag, "inner": to_spec(sampler.inner)}
     raise ValueError(
         f"sampler {type(sampler).__name__} cannot be sent to a store server; remote gets take "
@@ -271,7 +331,10 @@ def from_spec(spec: Any) -> Sampler:
         at_version = spec.get("at_version")
         if at_version is not None and (not isinstance(at_version, int) or isinstance(at_version, bool)):
             raise ValueError(f"sampler 'staleness' needs an integer at_version or none, got {at_version!r}")
-        return StalenessFilter(integer("max_staleness", 0), from_spec(spec.get("inner")), bool(spec.get("hold", False)), at_version)
+        hold = spec.get("hold", False)
+        if not isinstance(hold, bool):
+            raise ValueError(f"sampler 'staleness' needs a boolean hold, got {hold!r}")
+        return StalenessFilter(integer("max_staleness", 0), from_spec(spec.get("inner")), hold, at_version)
     if kind == "seqlen":
         column = spec.get("length_column")
         if not isinstance(column, str):

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.utils.monitor
 
@@ -41,7 +42,8 @@ from tidal.flow.store import persist
 from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.cells import Batch, as_indexes
-from tidal.flow.store.table import Store, StoreTimeout
+from tidal.flow.store.codec import CodecError, cells_of, name_failure
+from tidal.flow.store.table import Store, StoreError, StoreTimeout
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
 from tidal.hal import owner
@@ -151,7 +153,7 @@ class StoreServer:
                 ack=self._ack,
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
                 metrics=lambda peer, a: store.metrics(),
-                save=lambda peer, a: persist.save(store, a["path"]),
+                save=lambda peer, a: self.save(a["path"]),
                 withdraw=self._withdraw,
             )
         if unit is not None:
@@ -180,6 +182,35 @@ class StoreServer:
             self.segments.unlink_all()  # no client can ask for them now; mappings stay valid
         self._waker.close(linger=0)
         self._ctx.destroy(linger=0)
+
+    def save(self, path: str, *, timeout_s: float = 60.0) -> None:
+        """Save the store to `path` (`persist.save`), with the rows it keeps on storage
+        units read from them (each unit must answer within `timeout_s`)."""
+        assert self.store is not None, "a server of a storage unit alone has no store to save"
+        sockets: dict[str, zmq.Socket] = {}
+        try:
+            persist.save(self.store, path, read_chunk=lambda chunk: self._read_chunk(chunk, sockets, timeout_s))
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=0)
+
+    def _read_chunk(self, chunk: RemoteChunk, sockets: dict[str, zmq.Socket], timeout_s: float) -> Any:
+        """Every row of `chunk`, from the unit that holds it (this server's own: in process)."""
+        offsets = np.arange(len(chunk), dtype=np.int64)
+        if self.unit is not None and chunk.unit == self.address:
+            return self.unit.read(chunk.key, offsets)
+        sock = sockets.get(chunk.unit)
+        if sock is None:
+            sock = sockets[chunk.unit] = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(chunk.unit)
+        sock.send_multipart(pack({"op": "unit_read", "id": 1, "token": self.token, "args": {"key": chunk.key, "offsets": offsets}}))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise StoreError(f"storage unit {chunk.unit} did not answer within {timeout_s:g}s: the rows it holds cannot be saved")
+        reply = unpack(sock.recv_multipart())
+        if not reply.get("ok"):
+            raise StoreError(f"storage unit {chunk.unit} cannot give chunk {chunk.key!r} to save: {reply.get('message')}")
+        return decode_column(chunk.key, reply["result"])
 
     def _on_change(self, partition: str | None) -> None:
         """Store listener (store lock held): a change made outside the server thread retries
@@ -358,8 +389,8 @@ class StoreServer:
         return op in _MUTATING
 
     def _withdraw(self, peer: _Peer, a: dict[str, Any]) -> bool:
-        """Drop `peer`'s parked request `a["request"]` (its client stopped waiting: the wait
-        was cancelled). True when it was still parked: it gets no reply and nothing was
+        """Drop `peer`'s parked get or put `a["request"]` (its client stopped waiting: the
+        wait was cancelled). True when it was still parked: it gets no reply and nothing was
         taken or put for it; False when it was answered (or its answer is on its way)."""
         with self._lock:
             kept = [p for p in self._parked if not (p.peer is peer and p.request_id == a["request"])]
@@ -412,6 +443,9 @@ class StoreServer:
             if taken is not None:
                 assert self.store is not None  # only a store serves gets
                 self.store.release(*taken, indexes=result["indexes"])
+                if isinstance(e, CodecError):  # say which column and row: a value an in-process put kept
+                    rows = list(result["indexes"])
+                    e = name_failure(e, (cell for name, column in result["columns"].items() for cell in cells_of(f"column {name!r}", next(iter(column.values())), rows)))
             self._fail(peer, request_id, e)
             return
         with self._lock:

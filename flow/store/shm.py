@@ -18,13 +18,16 @@ connection until its next request, and the store lets go of rows only when every
 has acked them (or a put replaced their cells), so a segment is never unlinked before a
 consumer has opened it. Consumers map privately (copy on write): a consumer writing into
 its tensors changes only its own pages. A segment's name ends in the tag of the process
-holding it (`tidal.hal.owner`): the sender's until the server maps it, then, renamed,
-the server's. A sender killed before the server mapped its segment, or a store server
-killed before it let go of its rows, leaves the file behind; the next store server to
-start on the host deletes it (`owner.sweep`), as does `tidal doctor --clean`. Segment
-names are checked: nothing but `tidal-<hex>-<n>[@<tag>]` under `/dev/shm` is ever
-opened or unlinked. Segments are created mode 0600, so the store server must run as the
-same user as its clients.
+holding it (`tidal.hal.owner`): the sender's, after a `.sent` mark, until the server maps
+it; the server takes it by renaming it (without the mark, with its own tag), even in the
+sender's process, so the sender can tell which of its segments it still holds: a client
+closed before the server read its put unlinks that put's segment (`Writer.unlink`). A
+sender killed before the server mapped its segment, or a store server killed before it
+let go of its rows, leaves the file behind; the next store server to start on the host
+deletes it (`owner.sweep`), as does `tidal doctor --clean`. Segment names are checked:
+nothing but `tidal-<hex>-<n>[.sent][@<tag>]` under `/dev/shm` is ever opened or unlinked.
+Segments are created mode 0600, so the store server must run as the same user as its
+clients.
 
 A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
 leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and `RESERVE_FRACTION`
@@ -45,7 +48,7 @@ import re
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,7 +61,9 @@ DIR = owner.DIR
 MIN_BYTES = 64 * 1024
 """Buffers from this size go into shared memory; smaller ones stay socket frames."""
 _ALIGN = 64
-_NAME = re.compile(rf"tidal-[0-9a-f]{{12}}-[0-9]+(?:{owner.TAG_PATTERN})?")
+SENT = ".sent"
+"""The mark of a segment its sender still holds (the server has not taken it yet)."""
+_NAME = re.compile(rf"tidal-[0-9a-f]{{12}}-[0-9]+(?:{re.escape(SENT)})?(?:{owner.TAG_PATTERN})?")
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _host_id: list[str | None] = []
 
@@ -144,7 +149,7 @@ class Writer:
             size += -(-buf.nbytes // _ALIGN) * _ALIGN
         if not has_room(size):
             return self._short_of_room(f"{size} bytes would leave less than the reserve free")
-        name = owner.tagged(f"{self._prefix}{next(self._count)}")
+        name = owner.tagged(f"{self._prefix}{next(self._count)}{SENT}")
         path = os.path.join(DIR, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -172,8 +177,18 @@ class Writer:
     def discard(self, placed: Sequence[Sequence[Any]]) -> None:
         """Unlink the segments this writer wrote among `place`'s entries: their message
         was never sent (it failed after its buffers were written)."""
-        for name in {entry[1] for entry in placed if entry[1].startswith(self._prefix)}:
-            _unlink(os.path.join(DIR, name))
+        self.unlink({entry[1] for entry in placed})
+
+    def written(self, placed: Sequence[Sequence[Any]]) -> list[str]:
+        """The segments among `place`'s entries that this writer wrote."""
+        return sorted({entry[1] for entry in placed if entry[1].startswith(self._prefix)})
+
+    def unlink(self, names: Iterable[str]) -> None:
+        """Unlink those of `names` that this writer wrote and no server has taken yet (a
+        taken one has another name now: it is left alone)."""
+        for name in names:
+            if name.startswith(self._prefix) and owner.TAG.sub("", name).endswith(SENT):
+                _unlink(os.path.join(DIR, name))
 
     def _short_of_room(self, why: str) -> None:
         if not self._full:
@@ -238,7 +253,7 @@ class Segments:
         return memoryview(mm)[offset - start :]
 
     def _map_owned(self, name: str, path: str) -> mmap.mmap:
-        held = owner.retag(name)  # ours now: a sweep tells by the name whether its holder is gone
+        held = owner.retag(owner.TAG.sub("", name).removesuffix(SENT))  # ours now: a sweep tells by the name whether its holder is gone
         if held != name:
             try:
                 os.rename(path, os.path.join(DIR, held))

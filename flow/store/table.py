@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of, row_nbytes, unique_sorted
-from tidal.flow.store.evict import ack_rows, unref
+from tidal.flow.store.evict import ack_rows, replace_cells
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
 
@@ -216,8 +216,11 @@ class Store:
         deliver the input again after its output is in (exactly-once hand-off).
 
         New rows wait for capacity (back-pressure) up to `timeout` seconds, then raise
-        `StoreTimeout`; setting `cancel` (then `wake`) ends the wait with `StoreError`. `groups`, `versions` and `tags` describe new rows only. The store
-        keeps the column objects it is given (no copy): do not modify them afterwards.
+        `StoreTimeout`; setting `cancel` (then `wake`) ends the wait with `StoreError`.
+        `groups`, `versions` and `tags` describe new rows only. The store keeps the column
+        objects it is given (no copy): do not modify them afterwards. It keeps any object;
+        to be saved or served to another process a value must be one the codec carries
+        (`codec`), else that save or get fails with `CodecError` naming its column and row.
         """
         if not columns:
             raise ValueError("put needs at least one column")
@@ -258,7 +261,7 @@ class Store:
                     raise StoreError(f"partition {partition!r} has no rows {missing} (never put, or already evicted)")
                 self._stamp, before = self._stamp + 1, part.nbytes
                 for name, chunk in chunks.items():
-                    self._put_cells(part, name, chunk, sizes[name], where, num_rows)
+                    replace_cells(part, name, chunk, sizes[name], where, stamp=self._stamp, on_free=self._chunk_freed)
                 result, smaller = where.tolist(), part.nbytes < before  # smaller cells free room too
             if then_ack is not None:
                 self._ack_many(*then_ack)
@@ -270,36 +273,6 @@ class Store:
     def submit_put(self, partition: str, columns: Mapping[str, Any], indexes: Sequence[int] | None = None, **kwargs: Any) -> Done:
         """`put`, in the form `RemoteStore.submit_put` has (in process it is done already)."""
         return Done(self.put(partition, columns, indexes, **kwargs))
-
-    def _put_cells(self, part: Partition, name: str, chunk: Any, sizes: np.ndarray, where: np.ndarray, num_rows: int) -> None:
-        """Column `name` of existing rows `where` becomes rows 0.. of `chunk`."""
-        chunk_id = part.next_chunk
-        part.next_chunk += 1
-        part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, num_rows
-        for seg, local, positions in part.locate(where):
-            seg.idle.clear()
-            seg.whole_since.clear()
-            column = seg.columns.get(name)
-            if column is None:
-                column = seg.columns[name] = Column(seg.alive)
-            old = column.chunk[local]
-            replaced = old >= 0
-            if replaced.any():
-                unref(part, old[replaced], self._chunk_freed)
-                freed = int(column.nbytes[local][replaced].sum())
-                part.nbytes -= freed
-            column.chunk[local] = chunk_id
-            column.offset[local] = positions
-            column.stamp[local] = self._stamp
-            column.nbytes[local] = sizes[positions]
-            part.nbytes += int(sizes[positions].sum())
-            present = column.chunk >= 0
-            covers = len(local) == seg.n and bool((column.chunk == chunk_id).all() and (column.offset == np.arange(seg.n)).all())
-            column.whole = chunk_id if covers else -1
-            column.full = bool((present | ~seg.alive).all())
-            column.same_stamp = self._stamp if bool((column.stamp[present] == self._stamp).all()) else -1
-            size = row_nbytes(chunk)
-            column.row_nbytes = size if size >= 0 and bool((column.nbytes[present] == size).all()) else -1
 
     def _check_ack(self, ack: tuple[str, str, Sequence[int]] | None) -> tuple[Partition, str, np.ndarray] | None:
         """A put's `ack=` checked before anything changes (a bad ack leaves no half-done put)."""
@@ -575,15 +548,16 @@ class Store:
             return out
 
     # Persistence (the work is in `persist`) ----------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Metadata and every row not yet evicted, as plain data (see `persist.save`).
+    def state_dict(self, *, read_chunk: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+        """Metadata and every row not yet evicted, as plain data (see `persist.save`;
+        `read_chunk` reads the rows a split deployment keeps on storage units).
 
         Leased rows are saved as not consumed: after a restart they are delivered again.
         """
         from tidal.flow.store.persist import state_of  # noqa: PLC0415 - persist imports this module
 
         with self._lock:
-            return state_of(self._version, self._parts.values())
+            return state_of(self._version, self._parts.values(), read_chunk)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> Store:

@@ -11,7 +11,8 @@ an error reply.
 Batches travel column by column: a column of small same-shape tensors is stacked into
 one buffer (`{"stacked": tensor}`), large or ragged cells go as one buffer each
 (`{"cells": [...]}`), and rows held on storage units go as where to read them
-(`{"remote": [[unit address, chunk key, row offsets], ...]}`).
+(`{"remote": [[unit address, chunk key, row offsets], ...]}`; a block of rows the
+controller holds itself, beside them, is an encoded column in that list).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class WireError(ValueError):
     """A message that is not a valid request or reply."""
 
 
-def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned: shm.Segments | None = None) -> list[Any]:
+def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned: shm.Segments | None = None, written: list[str] | None = None) -> list[Any]:
     """`[header, *buffers]`. With `writer` and/or `owned`, large buffers go by shared
-    memory (see `shm`): the header's `shm` entry says where, their frames are empty."""
+    memory (see `shm`): the header's `shm` entry says where, their frames are empty.
+    `written` gets the names of the segments `writer` wrote for the message."""
     tree, buffers = encode_tree(message)
     if (writer is not None or owned is not None) and buffers:
         placed = shm.place(buffers, writer=writer, owned=owned)
@@ -49,11 +51,14 @@ def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned:
             for i, *_ in placed:
                 buffers[i] = b""
             try:
-                return [pack_header(tree), *buffers]
+                frames = [pack_header(tree), *buffers]
             except Exception:
                 if writer is not None:
                     writer.discard(placed)  # written for a message that will never be sent
                 raise
+            if writer is not None and written is not None:
+                written += writer.written(placed)
+            return frames
     return [pack_header(tree), *buffers]
 
 
@@ -152,10 +157,19 @@ def encode_batch_column(batch: Batch, name: str) -> dict[str, Any]:
     if len(blocks) == 1 and isinstance(blocks[0][0], np.ndarray):  # stacked as it was put (cell by cell, a 1-d one's cells are NumPy scalars)
         chunk, offsets = blocks[0]
         return {"stacked": chunk[np.asarray(offsets)]}
-    if blocks and all(isinstance(chunk, RemoteChunk) for chunk, _ in blocks):
-        return {"remote": [[chunk.unit, chunk.key, as_indexes(offsets)] for chunk, offsets in blocks]}
+    if any(isinstance(chunk, RemoteChunk) for chunk, _ in blocks):  # rows this store holds itself (a restored one's) go along
+        return {"remote": [[chunk.unit, chunk.key, as_indexes(offsets)] if isinstance(chunk, RemoteChunk) else _block(chunk, offsets) for chunk, offsets in blocks]}
     stacked = batch.chunked(name)
     return {"stacked": stacked} if stacked is not None else encode_column(batch.columns[name])
+
+
+def _block(chunk: Any, offsets: Any) -> dict[str, Any]:
+    """The rows `offsets` of a chunk held here, encoded as a column."""
+    if isinstance(chunk, torch.Tensor):
+        return {"stacked": rows_of(chunk, offsets)}
+    if isinstance(chunk, np.ndarray):
+        return {"stacked": chunk[np.asarray(offsets)]}
+    return encode_column([chunk[int(k)] for k in offsets])
 
 
 def decode_column(name: str, value: Any) -> Any:
@@ -168,5 +182,5 @@ def decode_column(name: str, value: Any) -> Any:
     if kind == "cells" and isinstance(payload, list):
         return payload
     if kind == "remote" and isinstance(payload, list):
-        return payload  # [[unit, key, offsets], ...]: the client reads them from the units
+        return payload  # [[unit, key, offsets] or an encoded column, ...]: the client reads the first from the units
     raise WireError(f"column {name!r} has unknown encoding {kind!r}")

@@ -272,6 +272,31 @@ def test_an_unread_submitted_put_leaves_nothing_behind(served):
         closed.submit_put("train", {"x": torch.zeros(1, 1)})
 
 
+def test_a_client_closed_before_the_server_read_its_submitted_put_leaves_no_segment(served, wait_for):
+    store, server, (producer, a, b) = served
+    assert producer.shares_host()  # asked before the server is held up: the answer needs the server
+    with server._lock:  # the server thread waits here before it reads the next request
+        producer.submit_put("train", {"x": torch.randn(1, BIG)})
+        assert len(_ours(producer)) == 1
+        producer.close()
+        assert _ours(producer) == []  # not the server's yet: the client that wrote it unlinks it
+    assert a.ping()["store"] and store.metrics()["partitions"]["train"]["rows"] == 0  # the server serves on; nothing went in
+    producer.close()  # closing twice is harmless
+
+
+def test_a_segment_is_the_senders_until_the_server_takes_it_under_another_name(served):
+    store, server, (producer, a, b) = served
+    assert producer.shares_host()
+    with server._lock:
+        pending = producer.submit_put("train", {"x": torch.randn(1, BIG)})
+        (sent,) = _ours(producer)
+    assert pending.result() == [0]
+    (held,) = _ours(producer)
+    assert held != sent and sent.endswith(f".sent@{owner.tag()}") and held.endswith("@" + owner.tag())  # taken by a rename even within one process
+    producer._writer.unlink([sent, held])  # a sender unlinks only what it still holds
+    assert _ours(producer) == [held]
+
+
 def test_a_real_segment_named_with_a_bad_range_gets_an_error_reply(served):
     store, server, (producer, a, b) = served
     writer = shm.Writer()
@@ -315,6 +340,7 @@ def test_a_late_finalizer_leaves_a_new_mapping_at_the_same_address_alone():
     name, _ = writer.write([np.ones(shm.MIN_BYTES, np.uint8)])
     arr = np.frombuffer(segments.map(name, 0, shm.MIN_BYTES, {}), np.uint8)
     base = arr.__array_interface__["data"][0]
+    name = name.replace(shm.SENT, "")  # taken: renamed
     assert segments.find(arr) == (name, 0)
 
     class Gone:

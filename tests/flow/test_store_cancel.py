@@ -1,0 +1,193 @@
+"""Cancellable remote gets and puts: sent once, withdrawn at the server when cancelled."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+from tidal.flow.store import RemoteStore, Store, StoreError, StoreServer, StoreTimeout, shm
+from tidal.flow.store import client as client_module
+
+BIG = shm.MIN_BYTES // 4  # float32 elements: a row of this many goes by shared memory where it can
+
+
+@pytest.fixture
+def served():
+    store = Store()
+    with StoreServer(store) as server:
+        client = RemoteStore(server.address, rpc_timeout_s=10)
+        yield store, server, client
+        client.close()
+
+
+def _wait_in_thread(call) -> tuple[threading.Thread, list]:
+    """Run `call` in a thread of its own (a remote store's waits are per thread); its outcome lands in the list."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)  # a failed test must not leave the process waiting on it
+    thread.start()
+    return thread, outcome
+
+
+def test_a_cancelled_remote_get_ends_on_wake_and_is_withdrawn_at_the_server(served, monkeypatch):
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)  # only wake() can end the wait in time
+    store, _, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    time.sleep(0.3)  # parked at the server
+    assert thread.is_alive()
+    cancel.set()
+    begin = time.monotonic()
+    client.wake()
+    thread.join(5)
+    assert time.monotonic() - begin < 2 and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
+    # withdrawn, not merely abandoned: a row put now is not leased to the waiting thread's
+    # connection (still open), so a get from another thread takes it
+    store.put("prompts", {"x": torch.ones(1, 1)})
+    assert client.get("rollout", "prompts", ["x"], 1, timeout=5).indexes == [0]
+
+
+def test_a_cancelled_remote_put_into_a_full_partition_ends_on_wake_and_puts_nothing(served, monkeypatch):
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
+    store, _, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=1)
+    client.put("train", {"x": torch.zeros(1, 1)})
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, 1)}, cancel=cancel))
+    time.sleep(0.3)
+    cancel.set()
+    client.wake()
+    thread.join(5)
+    assert not thread.is_alive() and isinstance(outcome[0], StoreError)
+    batch = store.get("train", "train", ["x"], 1, timeout=1)
+    store.ack("train", "train", batch.indexes)
+    with pytest.raises(StoreTimeout):  # the cancelled put did not go in once room was made
+        store.get("train", "train", ["x"], 1, timeout=0.3)
+
+
+def test_a_stop_just_before_a_threads_first_cancellable_wait_is_not_missed(served, monkeypatch):
+    # The stop sets the event and wakes before the thread has subscribed to wakes: that
+    # wake reaches nobody, so only a look at the event after subscribing can see the stop.
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
+    _, _, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    cancel = threading.Event()
+    subscribe = client._wake_listener
+
+    def stopped_first():
+        if not cancel.is_set():
+            cancel.set()
+            client.wake()
+        return subscribe()
+
+    monkeypatch.setattr(client, "_wake_listener", stopped_first)
+    begin = time.monotonic()
+    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    thread.join(5)
+    assert time.monotonic() - begin < 2 and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
+
+
+def test_a_wake_without_a_cancel_leaves_waits_alone_and_withdrawing_an_answered_request_says_so(served):
+    store, _, client = served
+    client.create_partition("prompts", consumers=["rollout"])
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    time.sleep(0.2)
+    client.wake()  # nothing to cancel: the get waits on
+    time.sleep(0.2)
+    assert thread.is_alive()
+    store.put("prompts", {"x": torch.ones(1, 1)})
+    thread.join(5)
+    assert outcome[0].indexes == [0]
+    assert client._call("withdraw", {"request": 10**9}) is False  # no such request parked
+
+
+
+
+def _count_puts(client: RemoteStore, monkeypatch) -> dict[str, int]:
+    """How many put requests `client` sends, and how many shared-memory segments it writes."""
+    counts = {"puts": 0, "segments": 0}
+    send, write = client._send, client._writer.write
+
+    def counted_send(address, op, args):
+        counts["puts"] += op == "put"
+        return send(address, op, args)
+
+    def counted_write(buffers):
+        counts["segments"] += 1
+        return write(buffers)
+
+    monkeypatch.setattr(client, "_send", counted_send)
+    monkeypatch.setattr(client._writer, "write", counted_write)
+    return counts
+
+
+def test_a_cancellable_put_waiting_for_room_is_sent_once_and_keeps_its_place(served, monkeypatch, wait_for):
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)
+    store, server, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=1)
+    client.put("train", {"x": torch.zeros(1, BIG)})
+    counts = _count_puts(client, monkeypatch)
+    first, first_out = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=threading.Event()))
+    wait_for(lambda: len(server._parked) == 1)
+    time.sleep(0.5)  # ten cancel checks: none of them sends the put again
+    other = RemoteStore(server.address, rpc_timeout_s=10)
+    second, second_out = _wait_in_thread(lambda: other.put("train", {"x": torch.full((1, 1), 2.0)}))
+    wait_for(lambda: len(server._parked) == 2)
+    time.sleep(0.3)
+    assert first.is_alive() and second.is_alive() and counts["puts"] == 1
+    assert counts["segments"] == (1 if client.shares_host() else 0)
+    store.ack("train", "train", store.get("train", "train", ["x"], 1, timeout=5).indexes)
+    first.join(5)
+    assert first_out == [[1]]  # the cancellable put was parked first, so it goes in first
+    assert second.is_alive()
+    store.ack("train", "train", [1])
+    second.join(5)
+    assert second_out == [[2]] and counts["puts"] == 1
+    other.close()
+
+
+def test_a_cancelled_put_without_a_wake_is_withdrawn_and_leaves_nothing_behind(served, monkeypatch, wait_for):
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)  # no wake(): the client's own check sees the event
+    store, server, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=1)
+    client.put("train", {"x": torch.zeros(1, BIG)})
+    before = set(shm.leftovers())
+    cancel = threading.Event()
+    thread, outcome = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=cancel))
+    wait_for(lambda: len(server._parked) == 1)
+    cancel.set()
+    thread.join(5)
+    assert not thread.is_alive() and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
+    assert server._parked == []
+    gc.collect()
+    assert set(shm.leftovers()) <= before  # its segment went with it
+    store.ack("train", "train", store.get("train", "train", ["x"], 1, timeout=5).indexes)
+    with pytest.raises(StoreTimeout):  # room was made, and the cancelled put did not take it
+        store.get("train", "train", ["x"], 1, timeout=0.3)
+    assert store.metrics()["partitions"]["train"]["rows"] == 0
+    assert client.put("train", {"x": torch.ones(1, 1)}, cancel=threading.Event()) == [1]  # no index was taken; the connection serves on
+
+
+def test_a_cancellable_put_or_get_still_times_out(served, monkeypatch):
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)
+    _, server, client = served
+    client.create_partition("train", consumers=["train"], capacity_rows=1)
+    client.put("train", {"x": torch.zeros(1, 1)})
+    with pytest.raises(StoreTimeout):
+        client.put("train", {"x": torch.zeros(1, 1)}, timeout=0.3, cancel=threading.Event())
+    client.create_partition("prompts", consumers=["rollout"])
+    with pytest.raises(StoreTimeout):
+        client.get("rollout", "prompts", ["x"], 1, timeout=0.3, cancel=threading.Event())
+    assert server._parked == []
