@@ -68,8 +68,15 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
-        """See `RolloutEngine.generate`."""
+        """See `RolloutEngine.generate`.
+
+        Raises:
+            ValueError: an unfinished trajectory has no prompt token (its row would attend
+                to nothing).
+        """
         rows = list(trajectories)
+        if any(not t.prompt_ids and not t.done for t in rows):
+            raise ValueError("a trajectory needs at least one prompt token")
         for t in rows:
             if not t.done and t.num_generated >= max_new_tokens:
                 t.finish_reason = "length"
@@ -137,14 +144,36 @@ class HFRolloutEngine:
             yield name, tensor.detach()
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy every named tensor into the model; all or nothing, then become `version`."""
-        given = dict(named_tensors)
+        """Copy every named tensor into the model; all or nothing, then become `version`.
+
+        A floating-point tensor is cast to the model's floating dtype; any other dtype must
+        match. Names tied in the model (e.g. `lm_head.weight` and the input embedding) share
+        one tensor, so they must be given equal values.
+
+        Raises:
+            ValueError: a name is missing, unknown, given twice, or its shape, dtype or tie
+                does not match (nothing is copied; the version is unchanged).
+        """
+        given: dict[str, torch.Tensor] = {}
+        repeated = []
+        for name, tensor in named_tensors:
+            if name in given:
+                repeated.append(name)
+            given[name] = tensor
         own = self.model.state_dict()  # fresh views: parking (flow.timeshare) gives parameters new storage
         missing = sorted(set(own) - set(given))
         unknown = sorted(set(given) - set(own))
-        wrong = sorted(n for n in set(own) & set(given) if own[n].shape != given[n].shape)
-        if missing or unknown or wrong:
-            raise ValueError(f"weights for version {version} do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}")
+        both = sorted(set(own) & set(given))
+        wrong = [n for n in both if own[n].shape != given[n].shape]
+        dtype = [n for n in both if own[n].dtype != given[n].dtype and not (own[n].dtype.is_floating_point and given[n].dtype.is_floating_point)]
+        if missing or unknown or wrong or dtype or repeated:
+            raise ValueError(f"weights for version {version} do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}, wrong dtype {dtype[:5]}, given twice {repeated[:5]}")
+        first: dict[int, str] = {}  # tied names are one Parameter: the copy of the last would overwrite the others
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            tied = first.setdefault(id(tensor), name)
+            a, b = given[tied], given[name]
+            if tied != name and a is not b and not torch.equal(a, b.to(a.device, a.dtype)):
+                raise ValueError(f"weights for version {version}: {name!r} is tied to {tied!r} in the model, but they were given different values")
         with torch.no_grad():
             for name, tensor in own.items():
                 tensor.copy_(given[name])  # casts and moves to the model's dtype and device

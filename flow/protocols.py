@@ -25,11 +25,18 @@ class RolloutEngine(Protocol):
         """Continue every unfinished trajectory (in place) until EOS or `max_new_tokens`
         generated tokens in total; return them. Between decoding steps (safe points) it
         calls `should_pause()`; when that is True it returns early, leaving unfinished
-        trajectories with `finish_reason=None` to be resumed by a later call."""
+        trajectories with `finish_reason=None` to be resumed by a later call. An
+        unfinished trajectory needs at least one prompt token (ValueError)."""
         ...
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the weights (all of them, by name) and become `version`."""
+        """Replace the weights (all of them, by name) and become `version`.
+
+        Raises:
+            ValueError: changing nothing, when a name is missing, unknown or repeated, a
+                shape or a non-floating dtype differs, or names tied in the model are
+                given different values.
+        """
         ...
 
 

@@ -34,7 +34,7 @@ import torch
 from tidal.flow.protocols import RolloutEngine
 from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.trace import Tracer, Waits
-from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory
+from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory, check_lengths
 from tidal.hal.transfer import snapshot
 
 
@@ -91,6 +91,8 @@ def put_trajectories(store: Any, trajectories: list[Trajectory], *, cancel: thre
     `trajectories_of` reads them back. `ack` (consumer, partition, indexes) acks the
     prompts they came from in the same step.
     """
+    for t in trajectories:
+        check_lengths(t)  # else padding below would hide a missing logprob or version
     prompt_width = max((len(t.prompt_ids) for t in trajectories), default=0)
     width = max((len(t.tokens) for t in trajectories), default=0)
     columns = {

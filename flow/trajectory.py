@@ -43,6 +43,9 @@ class Trajectory:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Free-form data carried along (e.g. the reference answer)."""
 
+    def __post_init__(self) -> None:
+        check_lengths(self)
+
     def extend(self, tokens: Sequence[int], logprobs: Sequence[float], version: int) -> None:
         """Append generated tokens sampled by policy `version`."""
         if len(tokens) != len(logprobs):
@@ -88,6 +91,13 @@ class Trajectory:
     def ids(self) -> list[int]:
         """Prompt and continuation, the model's full input."""
         return self.prompt_ids + self.tokens
+
+
+def check_lengths(t: Trajectory) -> None:
+    """Raise ValueError unless `t` has one logprob and one version per token (its lists may
+    have been changed since it was made)."""
+    if not len(t.tokens) == len(t.logprobs) == len(t.versions):
+        raise ValueError(f"a trajectory needs one logprob and one version per token: {len(t.tokens)} tokens, {len(t.logprobs)} logprobs, {len(t.versions)} versions")
 
 
 @dataclasses.dataclass
@@ -140,6 +150,7 @@ def to_token_batch(trajectories: Sequence[Trajectory], *, pad_id: int) -> TokenB
         p, k = len(t.prompt_ids), len(t.tokens)
         if p == 0:
             raise ValueError("a trajectory needs at least one prompt token")
+        check_lengths(t)  # its lists may have been changed since it was made
         before, after = p - 1, length - p - k  # predicting tokens[j] happens at position p - 1 + j
         ids.append(t.prompt_ids + t.tokens + [pad_id] * after)
         attention.append([1] * (p + k) + [0] * after)

@@ -116,8 +116,8 @@ def test_partial_rollout_pauses_loads_new_weights_and_resumes():
     assert trajectory.versions == [0, 0, 1, 1, 1, 1] and trajectory.versions_used == [0, 1]
     reference = tiny(7)
     _bias_token(reference, T.eos_id)[T.eos_id] = -1e9
-    resumed = Trajectory(prompt_ids=trajectory.prompt_ids, tokens=trajectory.tokens[2:])  # the new weights' part
-    resumed.prompt_ids = trajectory.prompt_ids + trajectory.tokens[:2]
+    resumed = Trajectory(prompt_ids=trajectory.prompt_ids + trajectory.tokens[:2])  # the new weights' part
+    resumed.extend(trajectory.tokens[2:], trajectory.logprobs[2:], 1)
     assert trajectory.logprobs[2:] == pytest.approx(_reference_logprobs(reference, resumed), abs=1e-4)
 
 
@@ -175,6 +175,33 @@ def test_load_weights_names_what_does_not_match():
     assert engine.version == 0
     engine.load_weights(1, weights.items())
     assert engine.version == 1 and torch.equal(engine.model.state_dict()[name], weights[name])
+
+
+def test_load_weights_refuses_untied_values_for_tied_names_wrong_dtypes_and_repeats():
+    engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    weights = {k: v.clone() for k, v in tiny(1).state_dict().items()}  # separate tensors, equal values: fine below
+    untied = {**weights, "lm_head.weight": weights["lm_head.weight"] + 1.0}  # an untied trainer's head
+    with pytest.raises(ValueError, match="'lm_head.weight' is tied to 'model.embed_tokens.weight'"):
+        engine.load_weights(1, untied.items())  # the head's copy used to overwrite the given embedding
+    with pytest.raises(ValueError, match=r"wrong dtype \['model.norm.weight'\]"):
+        engine.load_weights(1, {**weights, "model.norm.weight": weights["model.norm.weight"].long()}.items())
+    with pytest.raises(ValueError, match=r"given twice \['model.norm.weight'\]"):
+        engine.load_weights(1, [*weights.items(), ("model.norm.weight", torch.zeros(32))])
+    assert engine.version == 0 and all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())  # nothing copied
+    engine.load_weights(1, {k: v.double() for k, v in weights.items()}.items())  # floating dtypes are cast
+    assert engine.version == 1 and all(torch.equal(v, weights[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_generate_refuses_a_trajectory_without_a_prompt():
+    engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
+    rows = [Trajectory(prompt_ids=[]), Trajectory(prompt_ids=T.encode("1+2="))]
+    with pytest.raises(ValueError, match="at least one prompt token"):  # its row attended to nothing: junk tokens and logprobs
+        engine.generate(rows, max_new_tokens=3)
+    assert all(t.tokens == [] for t in rows)
+    done = Trajectory(prompt_ids=[], finish_reason="length")  # a finished one is left alone
+    engine.generate([done], max_new_tokens=3)
+    assert done.tokens == []
 
 
 def test_verifiers():

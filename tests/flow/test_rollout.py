@@ -41,6 +41,16 @@ def test_trajectories_round_trip_through_the_store_whatever_the_puts_widths():
         assert len(batch) == num_rows and batch.versions == [3, 3, 4, None][:num_rows]  # a row's version is its oldest token's
 
 
+def test_a_trajectory_whose_lists_disagree_is_refused_before_padding_hides_it():
+    store = Store()
+    store.create_partition("train", consumers=["c"])
+    t = _trajectory([1, 5], [7, 8, 2], 3, group="a")
+    t.logprobs.pop()  # changed after it was made
+    with pytest.raises(ValueError, match="3 tokens, 2 logprobs, 3 versions"):
+        put_trajectories(store, [t])
+    assert store.metrics()["partitions"]["train"]["rows"] == 0
+
+
 def test_token_batch_of_the_stored_columns_is_the_trajectories_token_batch():
     store = Store()
     store.create_partition("train", consumers=["c", "d", "e"])

@@ -36,3 +36,14 @@ def test_token_batch_aligns_each_token_with_the_position_that_predicts_it():
     assert torch.allclose(batch.behavior_logprobs, torch.tensor([[0, -0.1, -0.2, 0], [0, 0, 0, -0.3]]))
     assert batch.versions.tolist() == [[-1, 0, 0, -1], [-1, -1, -1, 1]]
     assert len(batch.select([1])) == 1 and batch.select(slice(0, 1)).input_ids.tolist() == [[1, 5, 7, 2, 0]]
+
+
+def test_fields_of_different_lengths_are_refused():
+    with pytest.raises(ValueError, match="3 tokens, 0 logprobs, 0 versions"):
+        Trajectory(prompt_ids=[1], tokens=[5, 6, 7])  # made a TokenBatch whose tensors disagreed in width
+    with pytest.raises(ValueError, match="2 tokens, 2 logprobs, 1 versions"):
+        Trajectory(prompt_ids=[1], tokens=[5, 6], logprobs=[-0.1, -0.2], versions=[0])
+    t = Trajectory(prompt_ids=[1, 2], tokens=[5, 6], logprobs=[-0.1, -0.2], versions=[0, 0])
+    t.versions.pop()  # changed after it was made
+    with pytest.raises(ValueError, match="2 tokens, 2 logprobs, 1 versions"):
+        to_token_batch([t], pad_id=0)
