@@ -8,7 +8,7 @@ the platform's `optimizer_options()` (fused where its kernels allow). With
 autocast, not FSDP2's `MixedPrecisionPolicy`: shards, all-gathers and gradient
 reductions stay fp32, and so does the optimizer's state). Each
 rank trains on its own rows of the batch; micro-batch losses are weighted by their share
-of the *global* batch's loss tokens or sequences (counted with one all-gather) and the
+of the *global* batch's loss tokens, sequences or rows (counted with one all-gather) and the
 gradient reduce-scatter sums instead of averaging, so a step over N ranks equals one
 `TorchTrainEngine` step over all of their rows. As in that engine, rows whose advantage
 is zero on every loss token get no forward or backward pass when there is no KL term
@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import mask_sequences, own_settings, rows_with_signal
+from tidal.engines.torch_train import check_settings, evaluating, mask_sequences, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -155,8 +155,7 @@ class FSDPTrainEngine:
         version: int = 0,
         rank0_leads: bool = False,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature)
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.platform = platform or current_platform()
@@ -255,8 +254,10 @@ class FSDPTrainEngine:
     # Forward passes --------------------------------------------------------------------
     def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         batch = batch.to(self.device)
+        left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
+        positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
@@ -297,10 +298,12 @@ class FSDPTrainEngine:
 
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """In eval mode (no dropout), as a rollout engine computes them."""
         _, num_micro = self._global(batch)
-        out = [self._token_logprobs(batch.select(mb)).cpu() for mb in self._micro_batches(len(batch))]
-        for _ in range(num_micro - len(out)):
-            self._dummy_pass(backward=False)
+        with evaluating(self.model):
+            out = [self._token_logprobs(batch.select(mb)).cpu() for mb in self._micro_batches(len(batch))]
+            for _ in range(num_micro - len(out)):
+                self._dummy_pass(backward=False)
         self._reshard()
         return torch.cat(out) if out else torch.zeros((0, batch.input_ids.shape[1] - 1))
 
@@ -329,6 +332,7 @@ class FSDPTrainEngine:
             grad_norm = grad_norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # dead now: not held (or parked) until the next step
         summed = self._sum_over_ranks(totals)
         covered = summed.pop(_COVERED)
         for key in summed.keys() - {"loss"}:
@@ -355,7 +359,13 @@ class FSDPTrainEngine:
         (see `_train_step`) before it shares out the rest, so every rank gets its part of
         the rows that run, and sends the whole batch's counts along. Sequence masking is
         decided before any of that (`mask_sequences`; SPMD: by each rank for its rows).
+
+        Raises:
+            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy),
+                before any rank runs anything.
         """
+        if loss.kl_coef > 0:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the fsdp engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
             whole = None

@@ -4,8 +4,8 @@ AdamW, gradient clipping, micro-batches with gradient accumulation, logprobs rec
 with the current weights, and optional mixed precision (`precision="bf16"`: forward
 passes under `platform.autocast`, fp32 weights, gradients and optimizer state). The loss
 is `tidal.flow.algorithms.policy_loss`; micro-batch losses are weighted by their share of
-the batch's loss tokens (token aggregations) or sequences (sequence aggregations), so a
-step equals one full-batch step.
+the batch's loss tokens (`token_mean`), sequences with a loss token (`seq_mean_*`) or rows
+(`token_sum_norm`), so a step equals one full-batch step.
 
 Less work per step, the same function of the weights (up to float rounding; tested):
 micro-batches hold rows of similar length (the batch's rows sorted by length, stable),
@@ -57,8 +57,7 @@ class TorchTrainEngine:
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature)
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
         self.precision = precision
@@ -120,8 +119,9 @@ class TorchTrainEngine:
             shared = _shared_prompts(batch)
             if shared is not None:
                 return self._packed_logprobs(model, batch, shared, _pack(batch, shared))
+        positions = {} if right_padded else {"position_ids": padded_positions(mask)}
         with self.platform.autocast(self.precision):
-            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask).logits[:, :-1]
+            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions).logits[:, :-1]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
@@ -174,11 +174,13 @@ class TorchTrainEngine:
         Defined where a row's response is predicted (its tokens from the first loss token
         on, environment tokens among them); positions that predict padding are 0, and so
         are prompt positions (everything before the first loss token: all of a row without
-        one) when the rows went through the model packed (`_pack`).
+        one) when the rows went through the model packed (`_pack`). The model runs in eval
+        mode (no dropout), as a rollout engine's does.
         """
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        for rows, part in self._micro_batches(batch):
-            out[rows, : part.loss_mask.shape[1]] = self._token_logprobs(part).cpu()
+        with evaluating(self.model):
+            for rows, part in self._micro_batches(batch):
+                out[rows, : part.loss_mask.shape[1]] = torch.where(part.attention_mask[:, 1:].cpu() != 0, self._token_logprobs(part).cpu(), 0.0)
         return out
 
     def _step(self, batch: TokenBatch, micro_loss: Any, weight_of: Any, among: torch.Tensor | None = None) -> dict[str, float]:
@@ -205,6 +207,7 @@ class TorchTrainEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self._before_change()
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # dead now: not held until the next step
         totals.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"], num_tokens=float(batch.loss_mask.sum()))
         return totals
 
@@ -404,6 +407,33 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     same_unit = unit[:, :, None] == unit[:, None, :]
     sees = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])  # the prompt, or its own response (padding: other padding)
     return _Packed(padded(tokens, 0), padded(positions, 0), causal & same_unit & sees, torch.tensor(predictors, dtype=torch.long))
+
+
+def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float) -> None:
+    """Raises ValueError naming the first train engine setting out of bounds."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if not grad_clip > 0:  # 0 would clip every gradient to nothing
+        raise ValueError(f"grad_clip must be > 0 (the norm gradients are clipped to), got {grad_clip}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
+
+
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted from its row's first real token (left padding at 0),
+    as the rollout engine counts them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) inside this block, in its own mode after it."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,8 @@ class TrainEngine(Protocol):
     """Number of optimizer steps taken (the policy version it holds)."""
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """[batch, seq - 1] logprob of each next token under the current weights (no grad)."""
+        """[batch, seq - 1] logprob of each next token under the current weights (no grad;
+        the model in eval mode: no dropout)."""
         ...
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:

@@ -66,9 +66,9 @@ class PolicyLossConfig:
     """Decoupled PPO without a pass of its own: when `proximal_logprobs` is None, the
     proximal policy is the trained policy before this update, `logprobs.detach()`. That
     is exact when a train step is one optimizer step over its batch (every tidal train
-    engine's: micro-batches accumulate gradients, the weights change once at the end),
-    where it equals recomputing the proximal logprobs with the trainer's weights before
-    the step, minus that forward pass (TRL's GRPOTrainer does the same at
+    engine's: micro-batches accumulate gradients, the weights change once at the end)
+    and the model has no dropout, where it equals recomputing the proximal logprobs with
+    the trainer's weights before the step, minus that forward pass (TRL's GRPOTrainer does the same at
     `num_iterations=1`). The PPO ratio is then 1 with the policy gradient's gradient, and
     the off-policy correction is the behavior weight. False: a None `proximal_logprobs`
     makes the behavior policy the proximal one (plain PPO)."""

@@ -155,8 +155,8 @@ LED_WORKER = textwrap.dedent(
         parks = []
 
         class Parked:
-            # a seat whose guest takes the devices between any two commands: the shards, gradients
-            # and AdamW moments go to host memory after each command and come back before the next
+            # a seat whose guest takes the devices between any two commands: the shards and AdamW
+            # moments go to host memory after each command and come back before the next
 
             def __init__(self, engine):
                 self.offloader = Offloader(fake, engine.model, engine.optimizer, moved=engine.after_offload_move)
@@ -440,7 +440,7 @@ def test_led_by_rank0_equals_one_full_batch_torch_step(led_run, reference):
 
 
 def test_a_follower_parks_its_shards_between_commands(led_run):
-    """Rank 1 parks its shards (and gradients and AdamW moments once it stepped) through hal's
+    """Rank 1 parks its shards (and AdamW moments once it stepped; a step frees its gradients) through hal's
     offload after every command and onloads them before the next; every led test's results
     (equal to the torch engine's) were computed so, parks after logprobs included (every
     rank reshards after a forward without backward, so the parked root is sharded too)."""
@@ -448,7 +448,7 @@ def test_a_follower_parks_its_shards_between_commands(led_run):
     steps = sum(1 if step == "sft" else 2 for step in PLAN + RESUME)  # a policy step's logprobs, then its step
     num_commands = steps + 2 + 6 + 2  # LED_WORKER's 2 logprobs, 6 passes over the weights, state_dict and load_state_dict
     assert len(parks) == num_commands + 2 and min(parks) > 0  # and a park once each engine is built
-    assert max(parks) > 2 * parks[0]  # after a step: + gradients and two AdamW moments per shard
+    assert max(parks) > 2 * parks[0]  # after a step: + two AdamW moments per shard
 
 
 def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
@@ -513,8 +513,11 @@ def test_bf16_precision_runs_the_sharded_models_matmuls_in_bf16(tmp_path):
         want, got = fp32.logprobs(batch), bf16.logprobs(batch)
         assert seen == {torch.bfloat16} and got.dtype == torch.float32
         assert 0 < (got - want)[mask].abs().max() < 0.1
+        grads: list[set[torch.dtype]] = []
+        step = bf16.optimizer.step
+        bf16.optimizer.step = lambda: grads.append({p.grad.dtype for p in bf16.model.parameters()}) or step()
         bf16.train_step(batch, advantages, loss=PolicyLossConfig())
-        assert all(p.dtype == p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+        assert grads == [{torch.float32}] and all(p.dtype == torch.float32 for p in bf16.model.parameters())
     finally:
         dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.trajectory import Trajectory, to_token_batch
+from tidal.flow.trajectory import TokenBatch, Trajectory, to_token_batch
 
 T = CharTokenizer()
 
@@ -247,8 +247,9 @@ def test_rows_without_advantage_are_skipped_and_the_step_is_the_same(monkeypatch
         if not skip:
             monkeypatch.setattr(torch_train, "rows_with_signal", everything)
         engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, weight_decay=0.1, micro_batch_size=2)
+        grads = _grads_at_each_step(engine)
         metrics = engine.train_step(batch, advantages, loss=config)
-        runs.append((metrics, {n: p.grad.clone() for n, p in engine.model.named_parameters()}, engine))
+        runs.append((metrics, grads[-1], engine))
         monkeypatch.undo()
     (skipped, skipped_grads, engine), (full, full_grads, _) = runs
     assert skipped["skipped_rows"] == 4 and full["skipped_rows"] == 0
@@ -269,6 +270,19 @@ def test_rows_without_advantage_are_skipped_and_the_step_is_the_same(monkeypatch
     for name, weight in full_weights.items():
         assert not torch.equal(weight, state["model"][name]), name  # AdamW moved it
         torch.testing.assert_close(skipped_weights[name], weight, atol=1e-12, rtol=0, msg=name)
+
+
+def _grads_at_each_step(engine: TorchTrainEngine) -> list[dict[str, torch.Tensor]]:
+    """A list that fills with the gradients the optimizer steps with (freed after the step)."""
+    seen: list[dict[str, torch.Tensor]] = []
+    step = engine.optimizer.step
+
+    def recording(*args, **kwargs):
+        seen.append({n: p.grad.clone() for n, p in engine.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = recording
+    return seen
 
 
 def test_positive_advantages_raise_the_sampled_tokens_logprob_and_sft_lowers_loss():
@@ -299,6 +313,7 @@ def test_bf16_precision_runs_the_matmuls_in_bf16_and_keeps_fp32_state(monkeypatc
     advantages = torch.linspace(-1.0, 1.0, len(batch))
     fp32, bf16 = (TorchTrainEngine(tiny(attention="eager"), lr=1e-2, micro_batch_size=4, precision=p) for p in ("fp32", "bf16"))
     seen = _linear_output_dtypes(bf16.model)
+    grads = _grads_at_each_step(bf16)
     mask = batch.loss_mask != 0
     want, got = fp32.logprobs(batch), bf16.logprobs(batch)
     assert seen == {torch.bfloat16} and got.dtype == torch.float32
@@ -309,7 +324,8 @@ def test_bf16_precision_runs_the_matmuls_in_bf16_and_keeps_fp32_state(monkeypatc
         bf16.train_step(batch, advantages, loss=PolicyLossConfig())
     assert seen == {torch.bfloat16}
     assert (bf16.logprobs(batch) * batch.loss_mask * advantages[:, None]).sum() > before  # it still learns
-    assert all(p.dtype == p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert len(grads) == 3 and {g.dtype for step in grads for g in step.values()} == {torch.float32}
     assert {t.dtype for state in bf16.optimizer.state.values() for t in state.values() if t.dim()} == {torch.float32}
     assert bool(packed) == packs  # both forward paths: rows packed by prompt, and plain
 
@@ -446,3 +462,82 @@ def test_a_kl_term_pulls_toward_the_frozen_reference_and_is_checkpointed(tmp_pat
     other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     assert all(torch.equal(a, b) for a, b in zip(engine.reference.state_dict().values(), other.reference.state_dict().values()))
     assert not all(torch.equal(a, b) for a, b in zip(other.reference.state_dict().values(), other.model.state_dict().values()))
+
+
+def test_logprobs_are_zero_where_padding_is_predicted_whatever_the_micro_batches():
+    """A short row beside a long one in a micro-batch (cut to the long one) once came back
+    with the pad token's logprob where it predicts padding, and 0 when it ran alone."""
+    rows = []
+    for prompt, response in [("1+2=", [5, 6]), ("13-4=", [5, 6, 7, 8, 9])]:
+        t = Trajectory(prompt_ids=T.encode(prompt))
+        t.extend(response, [-1.0] * len(response), 0)
+        rows.append(t)
+    batch = to_token_batch(rows, pad_id=T.pad_id)
+    padding = batch.attention_mask[:, 1:] == 0
+    assert padding.any()
+    alone, together = (TorchTrainEngine(tiny(), micro_batch_size=m).logprobs(batch) for m in (1, 2))
+    assert (alone[padding] == 0).all() and (together[padding] == 0).all()
+    assert torch.equal(alone != 0, together != 0) and (together[batch.loss_mask != 0] != 0).all()
+
+
+def _gpt2(**dropout: float) -> torch.nn.Module:
+    """A tiny GPT-2: learned absolute positions, and dropout unless told otherwise."""
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=T.vocab_size, n_positions=32, n_embd=32, n_layer=1, n_head=2, **dropout)
+        return transformers.GPT2LMHeadModel(config)
+
+
+def _left_padded(width: int) -> tuple[TokenBatch, TokenBatch]:
+    """One row left-padded to `width`, and the same row without padding."""
+    ids = [11, 12, 13, 14, 15]
+    pad = width - len(ids)
+    plain = TokenBatch(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), torch.ones(1, len(ids) - 1), torch.zeros(1, len(ids) - 1), torch.zeros(1, len(ids) - 1, dtype=torch.long))
+    left = TokenBatch(
+        torch.tensor([[T.pad_id] * pad + ids]),
+        torch.tensor([[0] * pad + [1] * len(ids)]),
+        torch.cat([torch.zeros(1, pad), plain.loss_mask], 1),
+        torch.zeros(1, width - 1),
+        torch.zeros(1, width - 1, dtype=torch.long),
+    )
+    return left, plain
+
+
+def test_a_left_padded_row_gets_the_logprobs_it_has_unpadded():
+    """Positions count from a row's first real token (as the rollout engine's do): a model
+    with absolute positions (GPT-2) once saw a left-padded row shifted by its padding."""
+    engine = TorchTrainEngine(_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), micro_batch_size=4)
+    left, plain = _left_padded(8)
+    torch.testing.assert_close(engine.logprobs(left)[:, 3:], engine.logprobs(plain), atol=1e-6, rtol=0)
+
+
+def test_logprobs_are_the_current_weights_without_dropout():
+    """`logprobs` is a function of the weights: a model with dropout (GPT-2's defaults) gave
+    another answer at every call, unlike the rollout engine, which samples in eval mode."""
+    engine = TorchTrainEngine(_gpt2(), micro_batch_size=4)
+    _, batch = _left_padded(8)
+    first, second = engine.logprobs(batch), engine.logprobs(batch)
+    assert torch.equal(first, second)
+    assert engine.model.training  # the train steps' forwards keep the model's dropout
+
+
+@pytest.mark.parametrize("setting", [{"grad_clip": 0.0}, {"grad_clip": -1.0}, {"temperature": 0.0}])
+def test_a_grad_clip_or_temperature_that_is_not_positive_is_refused(setting):
+    """`grad_clip=0` clipped every gradient to nothing (a run that never learns), and
+    `temperature=0` made every logprob NaN: both are refused when the engine is built."""
+    (name,) = setting
+    with pytest.raises(ValueError, match=f"{name} must be > 0"):
+        TorchTrainEngine(tiny(), **setting)
+
+
+def test_a_step_leaves_no_gradients_behind():
+    """The gradients are dead once the optimizer stepped (the next step starts from zero):
+    they are freed, not held (and parked and onloaded by a time-sharing seat) until then."""
+    engine = TorchTrainEngine(tiny(), lr=1e-2, micro_batch_size=2)
+    batch = _batch()
+    engine.train_step(batch, torch.tensor([1.0, -0.5, 0.25, -1.0]), loss=PolicyLossConfig())
+    assert all(p.grad is None for p in engine.model.parameters())
+    engine.sft_step(batch)
+    assert all(p.grad is None for p in engine.model.parameters())
