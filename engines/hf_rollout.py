@@ -9,7 +9,8 @@ prefill of the left-padded batch (prompt and any tokens a paused trajectory alre
 has), then one forward per token over the model's KV cache (`DynamicCache`), sampling
 from `softmax(logits / temperature)` with `torch.multinomial` as `generate(do_sample=True,
 top_k=0, top_p=1)` does. Rows that end (EOS, or their own token budget) leave the batch
-and the cache at once, so later steps compute only unfinished rows; `generate` keeps
+and the cache at once, so later steps compute only unfinished rows (`eos_id` may list
+several stop tokens, as instruct models' generation configs do); `generate` keeps
 every row to the end and costs a call's set-up every chunk. With no row ending early the
 tokens are those `generate` samples under the same seed (a test checks it).
 
@@ -43,7 +44,7 @@ class HFRolloutEngine:
         self,
         model: torch.nn.Module,
         *,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         pad_id: int,
         temperature: float = 1.0,
         chunk_tokens: int = 8,
@@ -57,7 +58,11 @@ class HFRolloutEngine:
         self.platform = platform or current_platform()
         self.device = self.platform.device(0)
         self.model = model.to(self.device).eval()
-        self.eos_id, self.pad_id = eos_id, pad_id
+        stops = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+        if not stops or not all(isinstance(i, int) and not isinstance(i, bool) for i in stops):
+            raise ValueError(f"eos_id must be a token id or a non-empty list of them, got {eos_id!r}")
+        self.eos_ids, self.pad_id = frozenset(stops), pad_id
+        self._stops = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.version = version
         # Only the last position's logits are needed: models that can skip the others do.
@@ -119,7 +124,7 @@ class HFRolloutEngine:
             tokens[live, step] = host
             logprobs[live, step] = chosen
             counts[live] = step + 1
-            going = (host != self.eos_id) & (budget[live] > step + 1)
+            going = ~torch.isin(host, self._stops) & (budget[live] > step + 1)
             if not bool(going.any()):
                 break
             if (step + 1) % self.chunk_tokens == 0 and should_pause is not None and should_pause():
@@ -133,7 +138,7 @@ class HFRolloutEngine:
             positions = positions[:, -1:] + 1
         for t, k, new, lps, left in zip(active, counts.tolist(), tokens.tolist(), logprobs.tolist(), budget.tolist()):
             t.extend(new[:k], lps[:k], self.version)
-            if k and new[k - 1] == self.eos_id:
+            if k and new[k - 1] in self.eos_ids:
                 t.finish_reason = "stop"
             elif k == left:
                 t.finish_reason = "length"

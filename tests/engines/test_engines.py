@@ -101,6 +101,19 @@ def test_rollout_stops_at_eos_and_respects_the_budget():
     assert t.num_generated == 5 and t.finish_reason == "length"
 
 
+def test_rollout_stops_at_any_of_several_stop_tokens():
+    model = tiny()
+    bias = _bias_token(model, T.eos_id)
+    stop = T.encode("?", add_bos=False)[0]  # a second stop token, as an instruct model's <|im_end|>
+    engine = HFRolloutEngine(model, eos_id=[T.eos_id, stop], pad_id=T.pad_id)
+    bias[T.eos_id], bias[stop] = -1e9, 50.0
+    t = Trajectory(prompt_ids=T.encode("1+1="))
+    engine.generate([t], max_new_tokens=5)
+    assert t.tokens == [stop] and t.finish_reason == "stop"
+    with pytest.raises(ValueError, match="eos_id must be a token id or a non-empty list"):
+        HFRolloutEngine(model, eos_id=[], pad_id=T.pad_id)
+
+
 def test_partial_rollout_pauses_loads_new_weights_and_resumes():
     torch.manual_seed(1)
     model = tiny(0)
