@@ -10,10 +10,11 @@ store, so a resumed run neither skips nor repeats one).
     reward   <-get tokens--   --put reward--> [train]
     advantage<-get complete groups with reward-- --put advantage--> [train]
 
-Admission (AReaL's bound): a group may start only while `started - dropped <=
-(max_staleness + version + 1) * batch_size`, where `version` is the store's (the trainer
-sets it with each new version) and `dropped` counts the rows the trainer's sampler found
-too old. The loader wakes when either changes (a store change listener).
+Admission (AReaL's bound): a group may start only if, its samples counted as started,
+`started - dropped <= (max_staleness + version + 1) * batch_size`, where `version` is the
+store's (the trainer sets it with each new version) and `dropped` counts the rows the
+trainer's sampler found too old. The loader wakes when either changes (a store change
+listener).
 """
 
 from __future__ import annotations
@@ -109,9 +110,12 @@ class Stages:
             self._threads.append(thread)
 
     def wait(self) -> None:
-        """Block until the stages have ended; raise the first error one of them raised."""
-        for thread in self._threads:
-            thread.join()
+        """Block until the stages have ended, or until one of them fails: raise its error at
+        once, without waiting for the others (one may be inside a long score call)."""
+        self._stopping.wait()  # a stage ends only once the stages stop: `stop`, or a stage's error
+        if not self._errors:
+            for thread in self._threads:
+                thread.join()
         if self._errors:
             raise self._errors[0]
 
@@ -190,9 +194,9 @@ class Stages:
             allowed = 0 if ran_out else self._admitted(version)
             if allowed:
                 with self._loading:
+                    self._check()  # before the take, not after: prompts taken from the source go into the store (`save` counts them)
                     prompts = list(itertools.islice(self._prompt_iter, allowed))
                     if prompts:
-                        self._check()
                         # each prompt carries the version that admitted it: rollout generates it with no older weights
                         self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
                         self._started += len(prompts) * self.config.group_size

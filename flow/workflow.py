@@ -12,10 +12,10 @@ The trainer publishes each new version's weights; the rollout stage applies them
 next safe point - before a generate call, or between decoding chunks, where the
 generation pauses and resumes with the new weights (partial rollout, every token keeps
 the version that produced it). Admission control keeps rollout from starting samples
-that could not be trained in time: a group may start only while
-`started - dropped <= (max_staleness + version + 1) * batch_size` (AReaL's bound), and
-the trainer's sampler drops any group with a row older than `max_staleness` versions
-(whole, each row counted).
+that could not be trained in time: a group may start only if, its samples counted as
+started, `started - dropped <= (max_staleness + version + 1) * batch_size` (AReaL's
+bound), and the trainer's sampler drops any group with a row older than `max_staleness`
+versions (whole, each row counted).
 `max_staleness: 0` is synchronous on-policy training.
 
 The loader, reward and advantage stages are `flow.stages.Stages`, threads of the process
@@ -188,6 +188,8 @@ class Workflow:
                 if upcoming is None and resends:
                     upcoming = prefetcher.submit(self._train_rows, self.version)
                 rows = self._train_rows(self.version) if upcoming is None else self._await_rows(upcoming)
+                if self._stopping.is_set():  # stopped after they were taken (often while the last step trained): left leased, not trained
+                    break
                 self._waits["train"] += time.perf_counter() - step_begin
                 if prefetcher is not None and cfg.max_staleness > 0 and self.version + 1 < cfg.num_steps:
                     upcoming = prefetcher.submit(self._train_rows, self.version + 1)

@@ -455,3 +455,99 @@ def test_a_prompt_source_that_runs_out_before_the_last_step_ends_the_run_with_an
     steps = []
     _run_or_fail(Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()[:4]), score=_score, config=cfg, on_step=steps.append))
     assert [m["step"] for m in steps] == [1, 2]
+
+
+def test_a_stop_while_the_loader_takes_prompts_keeps_every_taken_prompt_in_the_store(tmp_path):
+    # The loader checked for a stop between taking prompts from the source and putting them:
+    # a stop in between dropped them, and the checkpoint written at the stop recorded a
+    # position past prompts its store never got (a resumed run skipped them).
+    from tidal.flow.stages import Stages
+    from tidal.flow.store import persist
+
+    taking, go_on = threading.Event(), threading.Event()
+
+    class Source:
+        position = 0
+
+        def __iter__(self):
+            for item in _prompts(40):
+                if self.position == 3:  # the loader is inside its take
+                    taking.set()
+                    go_on.wait(10)
+                self.position += 1
+                yield item
+
+    cfg = WorkflowConfig(max_staleness=1, **CONFIG)
+    stages = Stages(store=Store(), prompts=Source(), score=_score, config=cfg, version=0)
+    stages.start()
+    try:
+        assert taking.wait(10)
+        stages.stop()  # as a run stopped early does, before its checkpoint
+    finally:
+        go_on.set()
+        stages.wait()
+    position = stages.save(tmp_path / "store.bin")
+    saved = persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]
+    assert position == saved["next_index"] == 4  # the whole take: (max_staleness + 1) steps of 2 prompts
+
+
+def test_a_stage_error_ends_the_run_while_another_stage_is_still_busy():
+    # The prompt source fails while the reward stage is inside a long score call (a remote
+    # reward service): the run ends with the source's error at once. It once waited for
+    # every stage thread to end first, the trainer still waiting for rows, so a score call
+    # that never returned hung the run.
+    scoring, release = threading.Event(), threading.Event()
+
+    def source():
+        yield _prompts(1)[0]
+        scoring.wait(30)
+        raise KeyError("prompt 1 has no prompt_ids")
+
+    def stuck_score(trajectories):
+        scoring.set()
+        release.wait(60)
+        return _score(trajectories)
+
+    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    trainer, rollout = _engines()
+    store = Store()
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=source(), score=stuck_score, config=cfg)
+    put_trajectories(store, _group_of_version(0, cfg.group_size))  # rows for the reward stage to score
+    try:
+        with pytest.raises(KeyError, match="prompt 1 has no prompt_ids"):
+            _run_or_fail(workflow, timeout_s=30)
+    finally:
+        release.set()
+
+
+def test_a_stop_during_a_step_trains_no_further_step_even_with_the_next_steps_rows_taken():
+    # Stopping early lets the trainer finish the step it is in. With max_staleness >= 1 the
+    # next step's rows are usually taken while a step trains; the trainer once trained them
+    # too after a stop (a whole extra step), where with max_staleness: 0 it stopped at once.
+    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 4})
+    trainer, rollout = _engines()
+    store, steps, taken = Store(), [], threading.Event()
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
+    train_rows = workflow._train_rows
+
+    def spy(version):
+        rows = train_rows(version)
+        if version == 1:
+            taken.set()
+        return rows
+
+    def stop_in_step_one(step_train=trainer.train_step):
+        def train_step(*args, **kwargs):
+            out = step_train(*args, **kwargs)
+            if trainer.version == 1:
+                assert taken.wait(30)  # step 2's rows are in the trainer's hands
+                workflow.stop()  # as a StopRequest from another thread would, mid-step
+            return out
+
+        return train_step
+
+    workflow._train_rows = spy
+    trainer.train_step = stop_in_step_one()
+    _run_or_fail(workflow)
+    assert [m["step"] for m in steps] == [1] and trainer.version == 1
+    assert store.consumer_counts("train", "train")["acked"] == cfg.batch_size  # step 2's rows stay leased: a checkpoint saves them untrained
