@@ -130,7 +130,7 @@ class RolloutActor:
 
         def join_and_receive() -> Any:
             receiver.join()  # once: blocks until every member joined
-            return receiver.receive()
+            return receiver.receive(timeout_s=3600.0)  # a version may be an hour apart (a long step, a checkpoint), as over host and ipc
 
         self._start_receiving(join_and_receive)
 

@@ -143,7 +143,7 @@ def plan_manifest(version: int, specs: Sequence[TensorSpec], *, bucket_bytes: in
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise TransferError(f"weights of version {version} repeat tensor names")
-    specs = tuple(specs)
+    specs = tuple(_checked(version, s) for s in specs)
     buckets: list[list[int]] = []
     size = 0
     solo = False
@@ -156,6 +156,22 @@ def plan_manifest(version: int, specs: Sequence[TensorSpec], *, bucket_bytes: in
         size += spec.nbytes
         solo = alone
     return Manifest(version, specs, tuple(tuple(b) for b in buckets))
+
+
+def _checked(version: int, spec: TensorSpec) -> TensorSpec:
+    """`spec` with its shape as a tuple of ints (a list or torch.Size too), or `TransferError` naming it."""
+    if spec.dtype not in _DTYPES:
+        raise TransferError(
+            f"version {version}: tensor {spec.name!r} has dtype {spec.dtype!r}, which weight transports do not carry "
+            f"(a TensorSpec names one of {', '.join(_DTYPES)}, without the torch. prefix)"
+        )
+    try:
+        shape = tuple(int(s) for s in spec.shape)
+    except (TypeError, ValueError):
+        shape = (-1,)
+    if min(shape, default=0) < 0:
+        raise TransferError(f"version {version}: tensor {spec.name!r} has shape {spec.shape!r}, not a sequence of sizes >= 0")
+    return spec if type(spec.shape) is tuple and all(type(s) is int for s in spec.shape) else TensorSpec(spec.name, spec.dtype, shape)
 
 
 @runtime_checkable

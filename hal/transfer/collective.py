@@ -81,12 +81,14 @@ class _Group:
         if self._pg is None:
             self._pg = _process_group(self._backend, self.store, self.rank, self._world_size, self.timeout)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
+        """Broadcast from rank 0, waiting up to `timeout` (default: the group's)."""
         self.join()
         assert self._pg is not None
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._pg.broadcast([tensor], opts).wait(self.timeout)
+        opts.timeout = timeout if timeout is not None else self.timeout
+        self._pg.broadcast([tensor], opts).wait(opts.timeout)
 
 
 class CollectiveSender:
@@ -173,12 +175,19 @@ class CollectiveReceiver:
     def join(self) -> None:
         self._group.join()
 
-    def receive(self) -> Weights:
-        """The next version the trainer broadcasts (waits up to the group's timeout)."""
+    def receive(self, timeout_s: float | None = None) -> Weights:
+        """The next version the trainer broadcasts.
+
+        Waits up to `timeout_s` (default: the group's timeout) for the trainer to start
+        it, which is as long as a train step between two versions can take; each later
+        broadcast of the version, up to the group's timeout. A wait that times out leaves
+        the group unusable (its members are out of step): build a new one.
+        """
         g = self._group
+        manifest: Manifest | None = None
         try:
             length = torch.zeros(1, dtype=torch.int64, device=g.device)
-            g.broadcast(length)
+            g.broadcast(length, datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None)
             header = torch.empty(int(length.item()), dtype=torch.uint8, device=g.device)
             g.broadcast(header)
             manifest = Manifest.unpack(bytes(header.cpu().numpy()))
@@ -190,7 +199,8 @@ class CollectiveReceiver:
             complete = torch.zeros(1, dtype=torch.int64, device=g.device)
             g.broadcast(complete)
         except RuntimeError as e:
-            raise TransferError(f"weight broadcast failed: {e}; nothing went live") from e
+            which = f"of version {manifest.version}" if manifest is not None else "(waiting for the next version)"
+            raise TransferError(f"weight broadcast {which} failed: {e}; nothing went live") from e
         if int(complete.item()) != 1:
             raise TransferError(f"the trainer abandoned version {manifest.version} mid-transfer (its weights failed or broke their specs); nothing went live")
         manifest.check_against(self._expected)

@@ -89,7 +89,9 @@ class HostSender:
         they are staged (device tensors) or on the wire (host tensors, sent from their own
         memory: the next bucket is pulled after they left), so the sender holds about one
         bucket of them. A tensor that is not its spec's stops the version: the receivers
-        are told (`abort`) and nothing goes live.
+        are told (`abort`) and nothing goes live. `end` goes only once every bucket's
+        frames left this process, so a send that fails before then leaves no complete
+        version queued (its frames may point into staging buffers the next send reuses).
 
         Raises:
             TransferError: a receiver did not take the data within the send timeout, or a
@@ -100,7 +102,7 @@ class HostSender:
         source = weight_source(weights)
         manifest = plan_manifest(version, source.specs(), bucket_bytes=self._bucket_bytes)
         trackers: list[Any] = []
-        self._send_all([pack_header(kind="begin", version=version, token=self._token), manifest.pack()], trackers)
+        self._send_all([pack_header(kind="begin", version=version, token=self._token), manifest.pack()], trackers, version)
         pending: list[list[Any]] = [[], []]  # trackers per staging buffer
         with Puller(manifest, source) as puller:
             for k in range(len(manifest.buckets)):
@@ -110,23 +112,26 @@ class HostSender:
                     frames = [tensor_bytes(t).numpy() for t in tensors]
                 else:
                     for t in pending[k % 2]:
-                        self._wait(t)  # the buffer's previous bucket has left
+                        self._wait(t, version)  # the buffer's previous bucket has left
                     pending[k % 2] = []
                     frames = self._stage(k % 2, tensors, manifest.bucket_nbytes(k))
                 del tensors  # staged, or kept alive by the frames until they are sent
                 sent: list[Any] = []
-                self._send_all([pack_header(kind="bucket", version=version, index=k, token=self._token), *frames], sent)
+                self._send_all([pack_header(kind="bucket", version=version, index=k, token=self._token), *frames], sent, version)
                 del frames
                 trackers += sent
                 if on_host:
                     for t in sent:
-                        self._wait(t)  # the bucket's own memory left: drop it before pulling the next
+                        self._wait(t, version)  # the bucket's own memory left: drop it before pulling the next
                 else:
                     pending[k % 2] += sent
             self._or_abort(version, puller.finish)
-        self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], trackers)
         for t in trackers:
-            self._wait(t)
+            self._wait(t, version)  # every bucket left before `end` goes: a send that fails here leaves no complete version queued behind it (the next send rewrites the staging buffers its frames point into)
+        ended: list[Any] = []
+        self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], ended, version)
+        for t in ended:
+            self._wait(t, version)
         return manifest
 
     def _or_abort(self, version: int, pull: Callable[[], _T]) -> _T:
@@ -136,7 +141,7 @@ class HostSender:
             return pull()
         except Exception as e:
             try:
-                self._send_all([pack_header(kind="abort", version=version, token=self._token, reason=str(e)[:500])], [])
+                self._send_all([pack_header(kind="abort", version=version, token=self._token, reason=str(e)[:500])], [], version)
             except TransferError:
                 pass  # a receiver that is gone drops the version anyway
             raise
@@ -147,7 +152,7 @@ class HostSender:
         `disconnect`). Thread-safe."""
         self._aborted.set()
 
-    def _wait(self, tracker: Any) -> None:
+    def _wait(self, tracker: Any, version: int) -> None:
         deadline = time.monotonic() + self._timeout_ms / 1000
         while True:
             try:
@@ -155,9 +160,9 @@ class HostSender:
                 return
             except zmq.NotDone:
                 if self._aborted.is_set():
-                    raise TransferError("weight send aborted: a receiver went away") from None
+                    raise TransferError(f"weight send of version {version} aborted: a receiver went away") from None
                 if time.monotonic() > deadline:
-                    raise TransferError(f"a weight receiver did not take data within {self._timeout_ms / 1000:.0f}s") from None
+                    raise TransferError(f"a weight receiver did not take data within {self._timeout_ms / 1000:g}s (version {version})") from None
 
     def _stage(self, slot: int, tensors: list[torch.Tensor], nbytes: int) -> list[Any]:
         """Copy device tensors into pinned staging buffer `slot`; return a frame per tensor."""
@@ -178,14 +183,14 @@ class HostSender:
         event.synchronize()  # the host reads the buffer only after the copies finished
         return [v.numpy() for v in views]
 
-    def _send_all(self, frames: list[Any], trackers: list[Any]) -> None:
+    def _send_all(self, frames: list[Any], trackers: list[Any], version: int) -> None:
         for address, sock in self._sockets.items():
             deadline = time.monotonic() + self._timeout_ms / 1000
             while not sock.poll(int(POLL_S * 1000), zmq.POLLOUT):  # IMMEDIATE: writable only while the receiver is there
                 if self._aborted.is_set():
-                    raise TransferError(f"weight send to {address} aborted: a receiver went away")
+                    raise TransferError(f"weight send of version {version} to {address} aborted: a receiver went away")
                 if time.monotonic() > deadline:
-                    raise TransferError(f"weight receiver {address} did not take data within {self._timeout_ms / 1000:.0f}s")
+                    raise TransferError(f"weight receiver {address} did not take data within {self._timeout_ms / 1000:g}s (version {version})")
             trackers.append(sock.send_multipart(frames, copy=False, track=True))
 
     def close(self) -> None:
@@ -241,7 +246,7 @@ class HostReceiver:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 where = f"version {manifest.version}: {len(got)} of {len(manifest.buckets)} buckets arrived" if manifest else "no version started"
-                raise TransferError(f"weights incomplete after {timeout_s:.0f}s ({where}); nothing went live")
+                raise TransferError(f"weights incomplete after {timeout_s:g}s ({where}); nothing went live")
             frames = self._sock.recv_multipart(copy=False)
             header = unpack_header(frames[0].bytes)
             if not hmac.compare_digest(str(header.get("token", "")), self._token):

@@ -7,7 +7,8 @@ socket; the receiver copies its tensors out and replies, and only after every re
 the trainer write the next version (`send` waits for the replies; `post` returns once the
 version is announced, and the replies are collected before the next write). Host tensors (cpu and fake platforms) share an
 mmap'd file in /dev/shm, named for its sender (`tidal.hal.owner`): a killed sender's
-file is deleted by the next sender to start on the host. CUDA tensors share a device
+file is deleted by the next sender on the host to make its buffer (or a store server
+starting there, or `tidal doctor --clean`). CUDA tensors share a device
 buffer through CUDA IPC handles (`UntypedStorage._share_cuda_`, as torch.multiprocessing does), so the
 weights never leave the device. NPUs have no such path here (`choose_transport` picks
 `collective` for them).
@@ -118,12 +119,7 @@ class IpcSender:
         version posted before (raising its error, if any), then writes and announces this one."""
         if not self._sockets:
             raise TransferError("no weight receiver is connected")
-        self.collect()
-        if self._unsettled:
-            raise TransferError(
-                f"weight receiver {', '.join(sorted(self._unsettled))} may still be reading version {self._posted[0].version if self._posted else '?'} "
-                "(its answer never came): post_again() and collect() to hear from it, or disconnect() it, before the buffer is written again"
-            )
+        self._settle()
         self._posted = None
         source = weight_source(weights)
         manifest = plan_manifest(version, source.specs(), bucket_bytes=1 << 62)  # one bucket: the whole buffer
@@ -136,6 +132,15 @@ class IpcSender:
         self._posted = (manifest, [pack_header(kind="ipc", version=version, token=self._token, **where), manifest.pack()])
         self.post_again()
         return manifest
+
+    def _settle(self) -> None:
+        """`collect`, then raise `TransferError` while a receiver reset by an earlier failure may still read the buffer."""
+        self.collect()
+        if self._unsettled:
+            raise TransferError(
+                f"weight receiver {', '.join(sorted(self._unsettled))} may still be reading version {self._posted[0].version if self._posted else '?'} "
+                "(its answer never came): post_again() and collect() to hear from it, or disconnect() it, before the buffer is written again"
+            )
 
     def _write(self, manifest: Manifest, source: WeightSource) -> torch.Tensor:
         """Copy the source's tensors into the buffer, in the manifest's order; the buffer."""
@@ -180,9 +185,11 @@ class IpcSender:
 
         Raises:
             TransferError: a tie names an unknown tensor, a tied one, or one of another
-                dtype or shape. Nothing is placed.
+                dtype or shape; the version out was refused or not answered, or a receiver
+                reset by an earlier failure may still be reading the buffer (as `post`).
+                Nothing is placed.
         """
-        self.collect()
+        self._settle()
         ties = dict(ties or {})
         manifest = plan_manifest(0, specs, bucket_bytes=1 << 62)  # checks the names are unique
         index = {spec.name: i for i, spec in enumerate(manifest.specs)}
@@ -234,7 +241,7 @@ class IpcSender:
                 if self._aborted.is_set():
                     raise TransferError(f"weight version {version} aborted: a receiver went away")
                 if time.monotonic() > deadline:
-                    raise TransferError(f"weight receiver {', '.join(sorted(self._waiting))} did not answer within {timeout_s:g}s")
+                    raise TransferError(f"weight receiver {', '.join(sorted(self._waiting))} did not answer within {timeout_s:g}s (version {version})")
                 for sock, _ in poller.poll(int(POLL_S * 1000)):
                     address = next(a for a, s in self._sockets.items() if s is sock)
                     reply = sock.recv()
@@ -325,7 +332,7 @@ class IpcReceiver:
 
     def receive(self, timeout_s: float) -> Weights:
         if not self._sock.poll(int(timeout_s * 1000)):
-            raise TransferError(f"no weights arrived within {timeout_s:.0f}s")
+            raise TransferError(f"no weights arrived within {timeout_s:g}s")
         frames = self._sock.recv_multipart()
         try:
             header = unpack_header(frames[0])
@@ -355,10 +362,13 @@ class IpcReceiver:
             if not path.startswith(str(_SHM) + os.sep) or "/.." in path:
                 raise TransferError(f"shared weight buffer {path!r} is outside {_SHM}")
             if self._mapped is None or self._mapped[0] != path or self._mapped[1].numel() < nbytes:
-                size = os.path.getsize(path)
-                self._mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+                try:
+                    size = os.path.getsize(path)
+                    self._mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+                except (OSError, RuntimeError) as e:  # torch.from_file raises RuntimeError
+                    raise TransferError(f"version {header.get('version')}: cannot map the shared weight buffer {path!r} ({getattr(e, 'strerror', None) or e}): its sender closed or died before it was read") from None
             if self._mapped[1].numel() < nbytes:
-                raise TransferError(f"shared weight buffer {path!r} holds {self._mapped[1].numel()} bytes, the version needs {nbytes}")
+                raise TransferError(f"version {header.get('version')}: shared weight buffer {path!r} holds {self._mapped[1].numel()} bytes, the version needs {nbytes}")
             return self._mapped[1]
         return _open_cuda_handle(header["cuda"])[:nbytes]
 
