@@ -63,7 +63,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.exists():
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (no checkpoints/latest)")
-    named = run_dir / "checkpoints" / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if name in ("", ".", "..") or "/" in name or "\\" in name:  # one folder beside `latest`, never the folder itself or one elsewhere
+        raise FileNotFoundError(f"{run_dir}'s checkpoints/latest names {name!r}, which is no checkpoint folder (write the name of one, e.g. step-000010)")
+    named = run_dir / "checkpoints" / name
     set_aside = named.with_name(named.name + ".old")
     if not named.exists() and set_aside.exists():  # a save of the same step stopped between its renames
         return set_aside

@@ -3,7 +3,12 @@
 The first Ctrl-C (SIGINT) or SIGTERM during the RL stage asks the run to stop: the
 trainer finishes the step it is on, the stages stop, a checkpoint is written, and
 `tidal run` exits with 130 (SIGINT) or 143 (SIGTERM) and prints the command that
-continues the run. A second Ctrl-C (or SIGTERM) stops at once, as without tidal.
+continues the run. A second Ctrl-C (or SIGTERM) stops at once, as without tidal. A first
+signal that comes while the final checkpoint is written (after the last step) lets it
+finish, and stops the run the same way.
+
+`QuietRollout` makes a checkpoint of a synchronous run (`max_staleness: 0`) resume to
+the run it would have been without the stop.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -60,8 +66,9 @@ class StopRequest:
 @contextlib.contextmanager
 def stop_on_signals(stop: StopRequest) -> Iterator[None]:
     """Inside (in the main thread; elsewhere nothing changes): the first SIGINT or SIGTERM
-    calls `stop.request` with the signal's name, and the signals get their default
-    handling back, so a second one stops at once."""
+    calls `stop.request` with the signal's name, and the signals get their handlers from
+    before back, so a second one stops at once. A signal the process ignores (SIGINT in
+    a script's background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -72,7 +79,7 @@ def stop_on_signals(stop: StopRequest) -> Iterator[None]:
         # may hold a lock that stopping the workflow takes.
         threading.Thread(target=stop.request, args=(signal.Signals(signum).name,), name="tidal-stop", daemon=True).start()
 
-    previous = {s: signal.signal(s, first) for s in SIGNALS}
+    previous = {s: signal.signal(s, first) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
 
     def restore() -> None:
         for s, handler in previous.items():
@@ -82,3 +89,45 @@ def stop_on_signals(stop: StopRequest) -> Iterator[None]:
         yield
     finally:
         restore()
+
+
+class QuietRollout:
+    """With `max_staleness: 0`, a checkpoint's RNG state agrees with the store it saves, so a
+    resumed run repeats the uninterrupted one bit for bit.
+
+    The rollout engine starts no generation from the start of a train step that writes a
+    periodic checkpoint (`checkpoints(step)`, the step numbered from 1) to the end of the
+    step's `on_step`, which writes it (the caller sets `open` then); other steps are not
+    held up. `rng()` is the state before the last generation while the store has not got
+    its samples (a run stopped while it generated: a resumed run generates them again).
+    `store` is the run's, `rng_state()` returns the state a checkpoint saves.
+    """
+
+    def __init__(self, store: Any, trainer: Any, rollout: Any, *, rng_state: Callable[[], dict[str, Any]], checkpoints: Callable[[int], bool]) -> None:
+        self.store, self.rng_state = store, rng_state
+        self.open = threading.Event()
+        self.open.set()
+        self.before: tuple[dict[str, Any], int] | None = None
+        train_step, generate = trainer.train_step, rollout.generate
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if checkpoints(trainer.version + 1):
+                self.open.clear()  # the step's samples are generated: the next ones wait for `open`
+            return train_step(*args, **kwargs)
+
+        def quiet_generate(*args: Any, should_pause: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
+            while not self.open.wait(1.0) and not (should_pause and should_pause()):
+                pass  # a run that fails before its `on_step` stops rollout: this wait ends too
+            self.before = (self.rng_state(), self._acked())
+            return generate(*args, should_pause=should_pause, **kwargs)
+
+        trainer.train_step, rollout.generate = step, quiet_generate
+
+    def _acked(self) -> int:
+        return self.store.consumer_counts("prompts", "rollout")["acked"]
+
+    def rng(self) -> dict[str, Any]:
+        """The RNG state that goes with the store now."""
+        if self.before is not None and self._acked() == self.before[1]:
+            return self.before[0]
+        return self.rng_state()

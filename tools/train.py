@@ -38,7 +38,7 @@ from tidal.tools import backends
 from tidal.tools.config import ConfigError, loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.run import latest_checkpoint
-from tidal.tools.stopping import StopRequest, stop_on_signals
+from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -217,14 +217,15 @@ def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torc
     return model
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], int | None], extra: dict[str, Any], keep: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], int | None], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
     """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint).
 
     The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
     engine's sharding), so any train engine resumes from any engine's checkpoint.
     `save_data(path)` saves the store to `path` and returns the prompt stream's position
     then (`Stages.save`). `keep` > 0: once this one is complete
-    and `latest` names it, all but the newest `keep` are deleted.
+    and `latest` names it, all but the newest `keep` are deleted. `rng`: the RNG state to
+    save (`QuietRollout.rng`), else this moment's.
     """
     final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -233,7 +234,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     model = copy.deepcopy(template)
     model.load_state_dict(state["model"])
     save_model(model, tokenizer, tmp)
-    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state(), "reference": state.get("reference")}, tmp / "trainer.pt")
+    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
     position = save_data(tmp / "store.bin")
     (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": position, **extra}, indent=2))
     old = final.with_name(final.name + ".old")
@@ -260,6 +261,27 @@ def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
             shutil.rmtree(old)
             deleted.append(old.name)
     return deleted
+
+
+def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Module, CharTokenizer, dict[str, Any], dict[str, Any]]:
+    """What `save_checkpoint` wrote to `folder`: the store, model, tokenizer, trainer.pt and
+    state.json; a ConfigError names a file that is missing or cannot be read."""
+
+    def read(name: str, load: Callable[[Path], Any], *keys: str) -> Any:
+        try:
+            loaded = load(folder / name)
+            if missing := [k for k in keys if k not in loaded]:
+                raise KeyError(f"no {', '.join(missing)}")
+            return loaded
+        except Exception as e:  # noqa: BLE001 - whatever its loader raises, the file is what to name
+            raise ConfigError(f"resume={str(folder.parent.parent)!r}: its checkpoint {folder.name} has no readable {name} ({type(e).__name__}: {e}); to continue from an earlier checkpoint the run kept, name it in checkpoints/latest") from None
+
+    read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
+    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
+    model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
+    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=False), "optimizer", "version", "rng")
+    state = read("state.json", lambda path: json.loads(path.read_text()), "version", "prompt_position", "accuracy_before")
+    return read("store.bin", persist.load), model, tokenizer, saved, state
 
 
 def truncate_metrics(path: Path, version: int) -> None:
@@ -382,9 +404,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     plan that puts rollout on the trainer's devices gets an in-process `Turns` for both
     engines (`local_turns`). The summary's `timeshare` says what happened.
 
-    `stop` (without one: a first SIGINT / SIGTERM during RL, in the main thread) ends the
-    run after its current RL step: a checkpoint is written, the final evaluation skipped,
-    and the summary's `stopped_early` names the reason (`RunStopped` is the CLI's to raise).
+    `stop` (without one: a first SIGINT / SIGTERM during RL or its final checkpoint, in the
+    main thread) ends the run after its current RL step: a checkpoint is written, the final
+    evaluation skipped, and the summary's `stopped_early` names the reason (`RunStopped` is the CLI's to raise).
 
     The engines never see the un-sharded model this keeps (`template`, on the host): each
     gets a copy, and evaluation, checkpoints and rollout's weights go through the engine's
@@ -411,15 +433,15 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     budget = cfg.rollout.max_new_tokens
 
     resume_from = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
-    store = persist.load(resume_from / "store.bin") if resume_from is not None else Store()
+    if resume_from is not None:
+        store, model, tokenizer, saved, state = load_checkpoint(resume_from, attention=cfg.model.attention.value)
+    else:
+        store = Store()
     settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": budget, "prompts_per_generate": cfg.rollout.prompts_per_generate}
     launched = None
     if start_rollouts is not None and turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
         launched = start_rollouts(cfg, store, settings)
     if resume_from is not None:
-        model, tokenizer = load_model(resume_from, attention=cfg.model.attention.value)
-        saved = torch.load(resume_from / "trainer.pt", weights_only=False)
-        state = json.loads((resume_from / "state.json").read_text())
         prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
         if Path(cfg.resume).resolve() == run_dir.resolve():
             truncate_metrics(run_dir / "metrics.jsonl", state["version"])
@@ -480,9 +502,12 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     resumed_here = resume_from is not None and Path(cfg.resume).resolve() == run_dir.resolve()
     checkpointed = [trainer.version] if resumed_here else []  # versions whose state run_dir holds
 
+    def periodic(step: int) -> bool:  # RL step `step` (from 1) ends with a periodic checkpoint
+        return step % cfg.checkpoint_every == 0 and step < algo.num_steps
+
     def checkpoint() -> None:
         if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
-            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=workflow.stages.save, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints)
+            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=workflow.stages.save, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints, rng=quiet.rng() if quiet is not None else None)
             checkpointed.append(trainer.version)
 
     def on_step(m: dict[str, Any]) -> None:
@@ -494,10 +519,13 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         rate = sum(x["samples"] for x in recent) / max(sum(x["step_s"] for x in recent), 1e-9)
         gap = max(m["version_gap"]) if m["version_gap"] else 0
         bar.update(task_id, completed=m["step"], info=f"reward {m['reward']:.2f}  {rate:.0f} samples/s  staleness<={gap}")
-        if m["step"] % cfg.checkpoint_every == 0 and m["step"] < algo.num_steps:
+        if periodic(m["step"]):
             with tracer.span("train", "checkpoint", step=m["step"]):
                 checkpoint()
+        if quiet is not None:
+            quiet.open.set()
 
+    quiet = QuietRollout(store, trainer, rollout, rng_state=_rng_state, checkpoints=periodic) if algo.max_staleness == 0 and start_rollouts is None else None
     remote = None
     if start_rollouts is not None:
         remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)
@@ -519,24 +547,25 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     gc.collect()
     gc.freeze()
     started = time.perf_counter()
-    try:
-        with bar, torch_threads(stage_threads(cfg, "train")), signals:
-            workflow.run()
-    except BaseException:
-        metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
-        raise
-    finally:
-        gc.unfreeze()  # a caller that runs again in this process (tests, the benchmark) can free this run's objects
-        if remote is not None:
-            remote.close()
-            for i, timeline in enumerate(remote.timelines):
-                if timeline is not None:  # an actor that died last has none
-                    tracer.merge(timeline, process=f"rollout actor {i}")
-        timeshare = sharing.summary() if sharing is not None else None
-        if sharing is not None:
-            sharing.close()
-    rl_seconds = time.perf_counter() - started
-    checkpoint()
+    with signals:  # through the final checkpoint: a signal while it is written stops the run once it is whole
+        try:
+            with bar, torch_threads(stage_threads(cfg, "train")):
+                workflow.run()
+        except BaseException:
+            metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
+            raise
+        finally:
+            gc.unfreeze()  # a caller that runs again in this process (tests, the benchmark) can free this run's objects
+            if remote is not None:
+                remote.close()
+                for i, timeline in enumerate(remote.timelines):
+                    if timeline is not None:  # an actor that died last has none
+                        tracer.merge(timeline, process=f"rollout actor {i}")
+            timeshare = sharing.summary() if sharing is not None else None
+            if sharing is not None:
+                sharing.close()
+        rl_seconds = time.perf_counter() - started
+        checkpoint()
     accuracy_after = None
     if stop.reason is None:
         accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)

@@ -68,3 +68,16 @@ def test_run_stopped_exits_as_the_shell_does_for_the_signal():
     assert RunStopped("SIGINT").exit_code == 130 and RunStopped("SIGTERM").exit_code == 143
     assert RunStopped("asked by the driver").exit_code == 130
     assert isinstance(RunStopped("SIGTERM"), KeyboardInterrupt)
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """A run started with SIGINT ignored (a background job of a script: Ctrl-C at the
+    terminal is for the script) is not stopped by it, as Python itself leaves it ignored."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_on_signals(StopRequest()):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # SIGTERM still asks for a stop
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -241,6 +241,10 @@ def test_a_resume_is_checked_against_its_checkpoint(tmp_path):
     (old / "checkpoints" / "latest").write_text("step-000002")
     with pytest.raises(ConfigError, match="names 'step-000002', which is not there"):
         resume_changes(load_config(recipe, [f"resume={old}"]))
+    for name in ("", "..", "../old/checkpoints/step-000003"):  # not the checkpoints folder itself, nor one elsewhere
+        (old / "checkpoints" / "latest").write_text(name + "\n")
+        with pytest.raises(ConfigError, match=f"names {name!r}, which is no checkpoint folder"):
+            resume_changes(load_config(recipe, [f"resume={old}"]))
     (tmp_path / "a-file").write_text("")
     for key in ("run_dir", "output_dir"):
         with pytest.raises(ConfigError, match=f"{key}=.* is a file, not a directory"):
