@@ -17,7 +17,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 
 from tidal.engines.rewards import resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS, TASKS
-from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, save_model
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.store import Store, persist
+from tidal.flow.store import Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig
@@ -37,6 +36,7 @@ from tidal.hal import PlatformError, current_platform
 from tidal.tools import backends
 from tidal.tools.config import ConfigError, loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
+from tidal.tools.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state, truncate_metrics
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
@@ -182,22 +182,6 @@ def evaluate(model: torch.nn.Module, tokenizer: CharTokenizer, items: list[dict[
     return correct / max(len(items), 1)
 
 
-def _rng_state() -> dict[str, Any]:
-    """Python's, NumPy's, torch's CPU and every device's generator (rollout samples on the device)."""
-    return current_platform().get_rng_state()
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    """Set what `_rng_state` saved. A checkpoint from another platform (or from before device
-    generators were saved) restores the host generators; the devices keep their seeding."""
-    platform = current_platform()
-    try:
-        platform.set_rng_state({"device": [], **state})
-    except (ValueError, RuntimeError) as e:  # device states from another platform, or another device count
-        log.warning("the checkpoint's device RNG states do not fit this platform (%s); restoring the host generators only", e)
-        platform.set_rng_state({**state, "device": []})
-
-
 def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
     """A copy of the un-sharded `template` holding an engine's `named_weights()`, whatever the
     engine's sharding (the copy stays where `template` is: on the host).
@@ -215,89 +199,6 @@ def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torc
     if set(own) - seen:
         raise ValueError(f"the train engine exported no weights for {sorted(set(own) - seen)[:5]}")
     return model
-
-
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], int | None], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
-    """Everything a resume needs, written to a temporary folder then renamed (never half a checkpoint).
-
-    The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
-    engine's sharding), so any train engine resumes from any engine's checkpoint.
-    `save_data(path)` saves the store to `path` and returns the prompt stream's position
-    then (`Stages.save`). `keep` > 0: once this one is complete
-    and `latest` names it, all but the newest `keep` are deleted. `rng`: the RNG state to
-    save (`QuietRollout.rng`), else this moment's.
-    """
-    final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = trainer.state_dict()
-    model = copy.deepcopy(template)
-    model.load_state_dict(state["model"])
-    save_model(model, tokenizer, tmp)
-    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
-    position = save_data(tmp / "store.bin")
-    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": position, **extra}, indent=2))
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
-        shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
-        final.rename(old)
-    tmp.rename(final)
-    pointer = run_dir / "checkpoints" / "latest"
-    pointer.with_suffix(".tmp").write_text(final.name + "\n")
-    os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
-    shutil.rmtree(old, ignore_errors=True)
-    if keep:
-        prune_checkpoints(run_dir / "checkpoints", keep=keep, latest=final.name)
-    return final
-
-
-def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
-    """Delete all but the newest `keep` complete checkpoints (by step) in `folder`, never
-    `latest`; returns the names deleted. Unfinished `.tmp` folders are left alone."""
-    done = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    deleted = []
-    for old in done[: max(len(done) - keep, 0)]:
-        if old.name != latest:
-            shutil.rmtree(old)
-            deleted.append(old.name)
-    return deleted
-
-
-def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Module, CharTokenizer, dict[str, Any], dict[str, Any]]:
-    """What `save_checkpoint` wrote to `folder`: the store, model, tokenizer, trainer.pt and
-    state.json; a ConfigError names a file that is missing or cannot be read."""
-
-    def read(name: str, load: Callable[[Path], Any], *keys: str) -> Any:
-        try:
-            loaded = load(folder / name)
-            if missing := [k for k in keys if k not in loaded]:
-                raise KeyError(f"no {', '.join(missing)}")
-            return loaded
-        except Exception as e:  # noqa: BLE001 - whatever its loader raises, the file is what to name
-            raise ConfigError(f"resume={str(folder.parent.parent)!r}: its checkpoint {folder.name} has no readable {name} ({type(e).__name__}: {e}); to continue from an earlier checkpoint the run kept, name it in checkpoints/latest") from None
-
-    read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
-    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
-    model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
-    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=False), "optimizer", "version", "rng")
-    state = read("state.json", lambda path: json.loads(path.read_text()), "version", "prompt_position", "accuracy_before")
-    return read("store.bin", persist.load), model, tokenizer, saved, state
-
-
-def truncate_metrics(path: Path, version: int) -> None:
-    """Keep only the steps up to `version` (a run resumed in its own directory redoes the
-    rest), and drop a line cut short (a process killed while writing it)."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= version]
-        path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
-        os.replace(path.with_suffix(".tmp"), path)
-
-
-def _step_of(line: str) -> int | None:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def plot(metrics: list[dict[str, Any]], path: Path) -> None:
@@ -481,7 +382,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     if saved is not None:
         reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights
         trainer.load_state_dict({**trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], **reference})
-        _set_rng_state(saved["rng"])
+        set_rng_state(saved["rng"])
     rollout = build_rollout_engine(cfg, copy.deepcopy(template), tokenizer, platform=platform, version=trainer.version)  # the trainer's weights too
     sharing = None
     if turns is not None:
@@ -525,7 +426,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if quiet is not None:
             quiet.open.set()
 
-    quiet = QuietRollout(store, trainer, rollout, rng_state=_rng_state, checkpoints=periodic) if algo.max_staleness == 0 and start_rollouts is None else None
+    quiet = QuietRollout(store, trainer, rollout, rng_state=rng_state, checkpoints=periodic) if algo.max_staleness == 0 and start_rollouts is None else None
     remote = None
     if start_rollouts is not None:
         remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)

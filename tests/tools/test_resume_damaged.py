@@ -85,7 +85,7 @@ def test_the_undamaged_checkpoint_resumes(finished, tmp_path):
 def test_a_damaged_config_json_is_named_where_the_run_was_not_checked_first(finished, tmp_path):
     """A trainer restarted by the Ray driver loads the checkpoint without `tidal run`'s check
     of config.json: the loader names it, not the weights it reads with it."""
-    from tidal.tools.train import load_checkpoint
+    from tidal.tools.checkpoint import load_checkpoint
 
     damaged = tmp_path / "damaged"
     shutil.copytree(finished, damaged)

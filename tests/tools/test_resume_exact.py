@@ -84,10 +84,11 @@ def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(
     save, as with a larger model, whose generation and save both take a while). The RNG
     state and the store a checkpoint saves must agree, so that the resumed run repeats the
     uninterrupted one."""
+    from tidal.tools import checkpoint as checkpoint_module
     from tidal.tools import train as train_module
 
     sampled, saved = threading.Event(), threading.Event()
-    generate, save_model, save_checkpoint = HFRolloutEngine.generate, train_module.save_model, train_module.save_checkpoint
+    generate, save_model, save_checkpoint = HFRolloutEngine.generate, checkpoint_module.save_model, train_module.save_checkpoint
 
     def slow_generate(self: HFRolloutEngine, *args: Any, **kwargs: Any) -> Any:
         out = generate(self, *args, **kwargs)
@@ -110,7 +111,7 @@ def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(
     full = tmp_path / "full"
     with monkeypatch.context() as patched:
         patched.setattr(HFRolloutEngine, "generate", slow_generate)
-        patched.setattr(train_module, "save_model", save_model_after_sampling)
+        patched.setattr(checkpoint_module, "save_model", save_model_after_sampling)
         patched.setattr(train_module, "save_checkpoint", noted_save_checkpoint)
         _run(full, "checkpoint_every=2")
     cut = tmp_path / "cut"  # the run as a crash after its step-2 checkpoint left it
@@ -164,13 +165,13 @@ def test_a_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(t
 DRIVER = """
 import os, signal, sys
 from pathlib import Path
-from tidal.tools import train
-save_model = train.save_model
+from tidal.tools import checkpoint
+save_model = checkpoint.save_model
 def signalled_save_model(model, tokenizer, path):
     if Path(path).name == "step-000004.tmp":  # the final checkpoint, after the last step
         os.kill(os.getpid(), signal.{signal})
     save_model(model, tokenizer, path)
-train.save_model = signalled_save_model
+checkpoint.save_model = signalled_save_model
 from tidal.tools.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store, persist
 from tidal.tools.run import _new_run_dir, latest_checkpoint
 from tidal.tools.config import load_config, stage_threads
-from tidal.tools.train import prune_checkpoints, save_checkpoint, task_prompts, torch_threads, truncate_metrics, warm_start, workflow_config
+from tidal.tools.checkpoint import prune_checkpoints, save_checkpoint, truncate_metrics
+from tidal.tools.train import task_prompts, torch_threads, warm_start, workflow_config
 
 
 def test_torch_threads_reach_stage_threads_started_inside_and_are_restored_after():
@@ -56,6 +58,51 @@ def test_prune_checkpoints_keeps_the_newest_and_never_the_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000030", "step-000040.tmp", "step-000100"]
     assert prune_checkpoints(tmp_path, keep=1, latest="step-000030") == []  # the one `latest` names stays, whatever its age
     assert (tmp_path / "step-000030").is_dir() and (tmp_path / "step-000100").is_dir()
+
+
+def test_a_checkpoint_reaches_the_disk_before_latest_names_it_and_older_ones_go(tmp_path, monkeypatch):
+    """Every file of the checkpoint, its folder, and `latest` are flushed (fsync) before
+    `latest` is replaced and before anything older is pruned: after a power loss `latest`
+    never names files that did not reach the disk."""
+    import os
+
+    from tidal.tools import checkpoint as checkpoint_module
+
+    tokenizer = CharTokenizer()
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    trainer = TorchTrainEngine(model(), version=1)
+    synced, events = set(), []
+    fsync, replace, rmtree = os.fsync, os.replace, checkpoint_module.shutil.rmtree
+
+    def noted_fsync(fd: int) -> None:
+        synced.add(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        fsync(fd)
+
+    def noted_replace(src: Any, dst: Any) -> None:
+        if Path(dst).name == "latest":  # not the store's own replace (persist.save)
+            events.append(("latest", set(synced)))
+        replace(src, dst)
+
+    def noted_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(("prune", set(synced)))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.os, "fsync", noted_fsync)
+    monkeypatch.setattr(checkpoint_module.os, "replace", noted_replace)
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", noted_rmtree)
+    save_data = lambda path: persist.save(Store(), path) or 0  # noqa: E731
+    save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
+    synced.clear()
+    events.clear()
+    trainer.version = 2
+    save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={}, keep=1)
+    files = {p.name for p in (tmp_path / "checkpoints" / "step-000002").iterdir()}
+    assert {"model.safetensors", "trainer.pt", "store.bin", "state.json", "tokenizer.json", "config.json"} <= files
+    kinds = [what for what, _ in events]
+    assert kinds.count("latest") == 1 and "prune" in kinds[kinds.index("latest") :]  # step 1 is pruned after
+    assert files | {"step-000002.tmp", "latest.tmp"} <= events[kinds.index("latest")][1]
+    assert all(files | {"checkpoints"} <= before for what, before in events if what == "prune")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000002"]
 
 
 def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkpoint(tmp_path, monkeypatch):
@@ -179,13 +226,13 @@ def test_checkpoint_rng_is_the_platforms_and_loads_from_another_platforms_checkp
     without those devices, restores the host generators and says the rest was not."""
     import random
 
-    from tidal.tools.train import _rng_state, _set_rng_state
+    from tidal.tools.checkpoint import rng_state, set_rng_state
 
-    state = _rng_state()
+    state = rng_state()
     assert set(state) == {"python", "numpy", "torch", "device"}
     expected_python, expected_torch = random.random(), torch.rand(2)
     for saved in (state, {k: v for k, v in state.items() if k != "device"}, {**state, "device": [torch.zeros(16, dtype=torch.uint8)]}):
-        _set_rng_state(saved)  # this one, one saved before device states were, one with a GPU's
+        set_rng_state(saved)  # this one, one saved before device states were, one with a GPU's
         assert random.random() == expected_python and torch.equal(torch.rand(2), expected_torch)
     assert "device RNG states do not fit this platform" in caplog.text
 

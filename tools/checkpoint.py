@@ -1,0 +1,156 @@
+"""Checkpoints of an RL run: what `tidal run` saves every `checkpoint_every` steps and at
+the end, and what `resume=` reads back.
+
+A checkpoint is a folder `checkpoints/step-NNNNNN/` of the run directory: the model
+(model.safetensors, config.json, tokenizer.json), `trainer.pt` (optimizer, version, RNG
+states, reference policy), `store.bin` (the store's rows and counts) and `state.json`
+(version, the prompt stream's position). It is written to `step-NNNNNN.tmp`, flushed to
+disk (files and folder), renamed, and only then named by `checkpoints/latest`; older
+ones are pruned after that (`keep_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.engines.tiny import CharTokenizer, load_model, save_model
+from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.store import Store, persist
+from tidal.hal import current_platform
+from tidal.tools.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's, NumPy's, torch's CPU and every device's generator (rollout samples on the device)."""
+    return current_platform().get_rng_state()
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Set what `rng_state` saved. A checkpoint from another platform (or from before device
+    generators were saved) restores the host generators; the devices keep their seeding."""
+    platform = current_platform()
+    try:
+        platform.set_rng_state({"device": [], **state})
+    except (ValueError, RuntimeError) as e:  # device states from another platform, or another device count
+        log.warning("the checkpoint's device RNG states do not fit this platform (%s); restoring the host generators only", e)
+        platform.set_rng_state({**state, "device": []})
+
+
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], int | None], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
+    """Everything a resume needs, written to a temporary folder, flushed to disk, then
+    renamed (never half a checkpoint, even after a power loss).
+
+    The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
+    engine's sharding), so any train engine resumes from any engine's checkpoint.
+    `save_data(path)` saves the store to `path` and returns the prompt stream's position
+    then (`Stages.save`). `keep` > 0: once this one is complete
+    and `latest` names it, all but the newest `keep` are deleted. `rng`: the RNG state to
+    save (`QuietRollout.rng`), else this moment's.
+    """
+    final = run_dir / "checkpoints" / f"step-{trainer.version:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = trainer.state_dict()
+    model = copy.deepcopy(template)
+    model.load_state_dict(state["model"])
+    save_model(model, tokenizer, tmp)
+    torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
+    position = save_data(tmp / "store.bin")
+    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": position, **extra}, indent=2))
+    _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
+        shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
+        final.rename(old)
+    tmp.rename(final)
+    pointer = run_dir / "checkpoints" / "latest"
+    _write_synced(pointer.with_suffix(".tmp"), final.name + "\n")
+    os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
+    _sync(pointer.parent)  # the renames, before anything older is deleted
+    shutil.rmtree(old, ignore_errors=True)
+    if keep:
+        prune_checkpoints(run_dir / "checkpoints", keep=keep, latest=final.name)
+    return final
+
+
+def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints (by step) in `folder`, never
+    `latest`; returns the names deleted. Unfinished `.tmp` folders are left alone."""
+    done = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    deleted = []
+    for old in done[: max(len(done) - keep, 0)]:
+        if old.name != latest:
+            shutil.rmtree(old)
+            deleted.append(old.name)
+    return deleted
+
+
+def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Module, CharTokenizer, dict[str, Any], dict[str, Any]]:
+    """What `save_checkpoint` wrote to `folder`: the store, model, tokenizer, trainer.pt and
+    state.json; a ConfigError names a file that is missing or cannot be read."""
+
+    def read(name: str, load: Callable[[Path], Any], *keys: str) -> Any:
+        try:
+            loaded = load(folder / name)
+            if missing := [k for k in keys if k not in loaded]:
+                raise KeyError(f"no {', '.join(missing)}")
+            return loaded
+        except Exception as e:  # noqa: BLE001 - whatever its loader raises, the file is what to name
+            raise ConfigError(f"resume={str(folder.parent.parent)!r}: its checkpoint {folder.name} has no readable {name} ({type(e).__name__}: {e}); to continue from an earlier checkpoint the run kept, name it in checkpoints/latest") from None
+
+    read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
+    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
+    model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
+    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=False), "optimizer", "version", "rng")
+    state = read("state.json", lambda path: json.loads(path.read_text()), "version", "prompt_position", "accuracy_before")
+    return read("store.bin", persist.load), model, tokenizer, saved, state
+
+
+def truncate_metrics(path: Path, version: int) -> None:
+    """Keep only the steps up to `version` (a run resumed in its own directory redoes the
+    rest), and drop a line cut short (a process killed while writing it)."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= version]
+        path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _sync(path: Path) -> None:
+    """fsync a file or folder (a folder: its entries, so renames in it survive a power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_folder(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            _sync(path)
+    _sync(folder)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
