@@ -282,6 +282,22 @@ def test_rows_dropped_at_consumption_let_admission_start_replacements():
     assert steps[0]["dropped"] == cfg.group_size and steps[0]["samples"] == cfg.batch_size
 
 
+class _PausingSource:
+    """40 prompts; taking the fourth sets `taking` and waits for `go_on` (the loader is then
+    inside its take). `position`: how many were taken, as a resumable source counts."""
+
+    def __init__(self, taking: threading.Event, go_on: threading.Event) -> None:
+        self.taking, self.go_on, self.position = taking, go_on, 0
+
+    def __iter__(self):
+        for item in _prompts(40):
+            if self.position == 3:
+                self.taking.set()
+                self.go_on.wait(10)
+            self.position += 1
+            yield item
+
+
 def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_the_saved_position(tmp_path):
     # The loader takes prompts from the source, then puts them: a save in between would record
     # a position past prompts the saved store never got, and a resumed run would skip them.
@@ -289,20 +305,8 @@ def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_
     from tidal.flow.store import persist
 
     taking, go_on = threading.Event(), threading.Event()
-
-    class Source:
-        position = 0
-
-        def __iter__(self):
-            for item in _prompts(40):
-                if self.position == 3:  # the loader is inside its take
-                    taking.set()
-                    go_on.wait(10)
-                self.position += 1
-                yield item
-
     cfg = WorkflowConfig(max_staleness=1, **CONFIG)
-    stages = Stages(store=Store(), prompts=Source(), score=_score, config=cfg, version=0)
+    stages = Stages(store=Store(), prompts=_PausingSource(taking, go_on), score=_score, config=cfg, version=0)
     stages.start()
     try:
         assert taking.wait(10)
@@ -465,20 +469,8 @@ def test_a_stop_while_the_loader_takes_prompts_keeps_every_taken_prompt_in_the_s
     from tidal.flow.store import persist
 
     taking, go_on = threading.Event(), threading.Event()
-
-    class Source:
-        position = 0
-
-        def __iter__(self):
-            for item in _prompts(40):
-                if self.position == 3:  # the loader is inside its take
-                    taking.set()
-                    go_on.wait(10)
-                self.position += 1
-                yield item
-
     cfg = WorkflowConfig(max_staleness=1, **CONFIG)
-    stages = Stages(store=Store(), prompts=Source(), score=_score, config=cfg, version=0)
+    stages = Stages(store=Store(), prompts=_PausingSource(taking, go_on), score=_score, config=cfg, version=0)
     stages.start()
     try:
         assert taking.wait(10)
