@@ -48,12 +48,11 @@ def _config_from_yaml(text: str) -> Any:
     return OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.create(text))
 
 
-def make_rollout_engine(cfg_yaml: str) -> Any:
-    """Runs inside a rollout actor: the recipe's rollout engine on the actor's platform.
-
+def make_rollout_engine(cfg_yaml: str, *, rank: int) -> Any:
+    """Runs inside rollout actor `rank`: the recipe's rollout engine on the actor's platform,
+    its sampling generators seeded from `seed` and `rank` (each instance its own stream).
     It starts from freshly initialised weights; the trainer's current version arrives
-    over the weight transport before the first generate.
-    """
+    over the weight transport before the first generate."""
     from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.tools.train import build_policy, build_rollout_engine  # noqa: PLC0415
@@ -66,7 +65,8 @@ def make_rollout_engine(cfg_yaml: str) -> Any:
         torch.set_num_threads(threads)
     tokenizer = CharTokenizer()
     platform = current_platform()
-    model = build_policy(cfg, tokenizer).to(platform.device(0))
+    model = build_policy(cfg, tokenizer).to(platform.device(0))  # seeds torch with `seed`, as every instance's
+    platform.seed_all(cfg.seed + 7_919 * (rank + 1))
     return build_rollout_engine(cfg, model, tokenizer, platform=platform, version=-1)
 
 
@@ -125,7 +125,6 @@ def start_rollouts(
     address = server.address.replace("0.0.0.0", host)
     # Ray restarts a dead rollout actor (running __init__ again); a call in flight when it died fails.
     actor_cls = ray.remote(max_concurrency=4, max_restarts=cfg.fault.rollout_restarts, max_task_retries=0)(RolloutActor)
-    make_engine = functools.partial(make_rollout_engine, to_yaml(cfg))
     actors = []
     for a in assignments:
         spot = spots[("rollout", a.rank)]
@@ -135,6 +134,7 @@ def start_rollouts(
         options = actor_options(a, groups[spot.group], spot.bundle, fake=fake, env=env, resources=spot.resources)
         # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
         seat = {"turns": [turns[r] for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
+        make_engine = functools.partial(make_rollout_engine, to_yaml(cfg), rank=a.rank)
         actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
     return StartedRollouts(cfg, server, address, actors, host, token, assignments, spots, turns, info_path, attempt, ranks)
 
