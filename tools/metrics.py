@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -62,6 +63,18 @@ def tensorboard_installed() -> bool:
     return True
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN and infinite float as None: standard JSON (`null`), which jq
+    and other strict parsers read (Python's `json` writes NaN, which they refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 class MetricsLog:
     """Appends each step's metrics to `run_dir/metrics.jsonl` (written per step, so a
     crash keeps every finished step) and, when `tensorboard` and the package is
@@ -84,7 +97,7 @@ class MetricsLog:
     def write(self, metrics: Mapping[str, Any]) -> None:
         if self._file is None:
             self._file = self.path.open("a", buffering=1, encoding="utf-8")  # line-buffered: each step's line is written at once
-        self._file.write(json.dumps(metrics) + "\n")
+        self._file.write(json.dumps(finite(metrics), allow_nan=False) + "\n")
         if self._writer is not None:
             self._writer.write(scalars(metrics), metrics["step"], metrics.get("time"))
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from tidal.flow.ray_placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
+from tidal.tools.metrics import finite
 from tidal.tools.run import check_runnable
 from tidal.tools.stopping import RunStopped, StopRequest, stop_on_signals
 
@@ -419,7 +420,7 @@ class TrainerActor:
                 stopper.release.remote()  # the relay thread's wait returns
         summary["trainer_platform"] = self.describe()
         summary["trainer_restarts"] = attempt
-        (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (Path(run_dir) / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
         return summary
 
 
@@ -507,7 +508,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
                 if followers:
                     summary["trainer_ranks"] = [{"rank": 0, **where[0]}, *followers]
-                    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                    (run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
                 return summary
             except ray.exceptions.RayActorError as e:  # a trainer process died (rank 0's rollout actors with it)
                 if not rank_died(e):  # a rank raised it (say, a rollout actor that cannot be built): an error, not a death
@@ -550,7 +551,7 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
             lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
             if lines and lines[-1].endswith("}"):  # a resumed trainer rewrites the file: show its last step
                 m = json.loads(lines[-1])
-                bar.update(task, completed=m["step"], info=f"reward {m['reward']:.2f}")
+                bar.update(task, completed=m["step"], info="reward " + ("-" if m["reward"] is None else f"{m['reward']:.2f}"))  # null: NaN
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)

@@ -35,7 +35,7 @@ from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal import PlatformError, current_platform
 from tidal.tools import backends
 from tidal.tools.config import ConfigError, loss_config, stage_threads
-from tidal.tools.metrics import MetricsLog
+from tidal.tools.metrics import MetricsLog, finite
 from tidal.tools.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state, truncate_metrics
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
@@ -492,7 +492,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         summary["timeshare"] = timeshare
     if stop.reason is not None:
         summary["stopped_early"] = stop.reason
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
     if group_file is not None:
         torch.distributed.destroy_process_group()
         group_file.unlink(missing_ok=True)

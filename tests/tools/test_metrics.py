@@ -59,3 +59,18 @@ def test_without_tensorboard_installed_or_wanted_only_jsonl(tmp_path, monkeypatc
     for run in ("off", "missing"):
         assert sorted(p.name for p in (tmp_path / run).iterdir()) == ["metrics.jsonl"]
         assert json.loads((tmp_path / run / "metrics.jsonl").read_text())["reward"] == 0.5
+
+
+def test_metrics_jsonl_is_standard_json_when_a_number_is_nan_or_infinite(tmp_path):
+    """Python's json writes NaN and Infinity, which jq and other strict parsers refuse: a
+    diverged loss made the whole file unreadable to them. They are written as null."""
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.write({**_step(1, float("nan")), "loss": float("inf"), "groups": [float("-inf"), 2.5]})
+    log.close()
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not standard JSON: {constant}")
+
+    line = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=strict)
+    assert line["reward"] is None and line["loss"] is None and line["groups"] == [None, 2.5]
+    assert line["samples"] == 128 and line["version_gap"] == {"0": 300, "1": 20}
