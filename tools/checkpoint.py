@@ -78,7 +78,9 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     _write_synced(pointer.with_suffix(".tmp"), final.name + "\n")
     os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
     _sync(pointer.parent)  # the renames, before anything older is deleted
-    shutil.rmtree(old, ignore_errors=True)
+    for leftover in pointer.parent.glob("step-*"):  # `old`, and what saves a crash cut short left behind
+        if leftover.name.endswith((".tmp", ".old")) and leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
     if keep:
         prune_checkpoints(run_dir / "checkpoints", keep=keep, latest=final.name)
     return final
@@ -86,7 +88,8 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
 
 def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
     """Delete all but the newest `keep` complete checkpoints (by step) in `folder`, never
-    `latest`; returns the names deleted. Unfinished `.tmp` folders are left alone."""
+    `latest`; returns the names deleted. (`save_checkpoint` deletes unfinished `.tmp` and
+    set-aside `.old` folders once `latest` names the new one.)"""
     done = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
     deleted = []
     for old in done[: max(len(done) - keep, 0)]:

@@ -140,7 +140,9 @@ def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkp
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path).name == "step-000005.old"  # the one set aside, complete
     assert saved_position() == 2 and (latest_checkpoint(tmp_path) / "trainer.pt").is_file()
-    save(4)  # the next save completes and removes what was set aside
+    (tmp_path / "checkpoints" / "step-000003.tmp").mkdir()  # an older save a crash cut short
+    (tmp_path / "checkpoints" / "step-000003.tmp" / "model.safetensors").write_bytes(b"half")
+    save(4)  # the next save completes and removes what was set aside, and what crashes left
     assert saved_position() == 4
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000005"]
 
