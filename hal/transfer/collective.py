@@ -181,7 +181,10 @@ class CollectiveReceiver:
         Waits up to `timeout_s` (default: the group's timeout) for the trainer to start
         it, which is as long as a train step between two versions can take; each later
         broadcast of the version, up to the group's timeout. A wait that times out leaves
-        the group unusable (its members are out of step): build a new one.
+        the group unusable (its members are out of step): build a new one. gloo honours
+        the longer wait (tested); NCCL's and HCCL's watchdogs abort a collective after the
+        group's timeout whatever the op's, so there build the group with a timeout as long
+        as the longest gap between versions (not run here: no GPU or NPU).
         """
         g = self._group
         manifest: Manifest | None = None
