@@ -9,19 +9,10 @@ import time
 import pytest
 import torch
 
-from tidal.flow.store import RemoteStore, Store, StoreError, StoreServer, StoreTimeout, shm
+from tidal.flow.store import RemoteStore, StoreError, StoreTimeout, shm
 from tidal.flow.store import client as client_module
 
 BIG = shm.MIN_BYTES // 4  # float32 elements: a row of this many goes by shared memory where it can
-
-
-@pytest.fixture
-def served():
-    store = Store()
-    with StoreServer(store) as server:
-        client = RemoteStore(server.address, rpc_timeout_s=10)
-        yield store, server, client
-        client.close()
 
 
 def _wait_in_thread(call) -> tuple[threading.Thread, list]:

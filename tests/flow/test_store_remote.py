@@ -20,15 +20,6 @@ from tidal.flow.store import Grouped, RemoteStore, StalenessFilter, StorageUnit,
 from tidal.flow.store.samplers import Sampler, Selection
 
 
-@pytest.fixture
-def served():
-    store = Store()
-    with StoreServer(store) as server:
-        client = RemoteStore(server.address, rpc_timeout_s=10)
-        yield store, server, client
-        client.close()
-
-
 def test_remote_round_trip_matches_local(served):
     store, server, client = served
     client.create_partition("train", consumers=["reward", "train"])

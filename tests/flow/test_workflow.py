@@ -298,16 +298,24 @@ class _PausingSource:
             yield item
 
 
-def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_the_saved_position(tmp_path):
-    # The loader takes prompts from the source, then puts them: a save in between would record
-    # a position past prompts the saved store never got, and a resumed run would skip them.
+def _stages_over_a_pausing_source() -> tuple[object, threading.Event, threading.Event]:
+    """Started stages (max_staleness 1) whose loader will pause inside its take: `taking`
+    is set then, and `go_on` lets it finish."""
     from tidal.flow.stages import Stages
-    from tidal.flow.store import persist
 
     taking, go_on = threading.Event(), threading.Event()
     cfg = WorkflowConfig(max_staleness=1, **CONFIG)
     stages = Stages(store=Store(), prompts=_PausingSource(taking, go_on), score=_score, config=cfg, version=0)
     stages.start()
+    return stages, taking, go_on
+
+
+def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_the_saved_position(tmp_path):
+    # The loader takes prompts from the source, then puts them: a save in between would record
+    # a position past prompts the saved store never got, and a resumed run would skip them.
+    from tidal.flow.store import persist
+
+    stages, taking, go_on = _stages_over_a_pausing_source()
     try:
         assert taking.wait(10)
         saving = concurrent.futures.ThreadPoolExecutor(1).submit(stages.save, tmp_path / "store.bin")
@@ -465,13 +473,9 @@ def test_a_stop_while_the_loader_takes_prompts_keeps_every_taken_prompt_in_the_s
     # The loader checked for a stop between taking prompts from the source and putting them:
     # a stop in between dropped them, and the checkpoint written at the stop recorded a
     # position past prompts its store never got (a resumed run skipped them).
-    from tidal.flow.stages import Stages
     from tidal.flow.store import persist
 
-    taking, go_on = threading.Event(), threading.Event()
-    cfg = WorkflowConfig(max_staleness=1, **CONFIG)
-    stages = Stages(store=Store(), prompts=_PausingSource(taking, go_on), score=_score, config=cfg, version=0)
-    stages.start()
+    stages, taking, go_on = _stages_over_a_pausing_source()
     try:
         assert taking.wait(10)
         stages.stop()  # as a run stopped early does, before its checkpoint

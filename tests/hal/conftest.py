@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 
@@ -219,3 +220,24 @@ def fake_npu(install_fake_npu: Callable[..., FakeNpu]) -> FakeNpu:
 
 
 FAKE_COMM_VARS = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE", "HCCL_CONNECT_TIMEOUT")
+
+
+@pytest.fixture
+def receive_in_thread() -> Callable[..., tuple[threading.Thread, dict]]:
+    """`receive_in_thread(receive, *args)`: call `receive(*args)` in a daemon thread; returns
+    the thread and a dict that gets "weights" (the result) or "error" (what it raised)."""
+
+    def start(receive: Callable[..., object], *args: object) -> tuple[threading.Thread, dict]:
+        out: dict = {}
+
+        def run() -> None:
+            try:
+                out["weights"] = receive(*args)
+            except Exception as e:  # noqa: BLE001 - handed to the test
+                out["error"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t, out
+
+    return start

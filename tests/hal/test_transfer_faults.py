@@ -27,21 +27,7 @@ class OnDevice(torch.Tensor):
         return torch.device("meta")
 
 
-def _receive_in_thread(receive, *args) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["weights"] = receive(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path):
+def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path, receive_in_thread):
     """A receiver stalls (its process stopped, its network gone quiet) and the sends time
     out. The first one's frames, `end` included, were still queued into the staging buffers
     when the second rewrote them: once the receiver woke up it returned version 1 holding
@@ -64,7 +50,7 @@ def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path):
         with pytest.raises(TransferError, match=r"weights incomplete after 10s \(version 2: "):  # the stalled sender's frames, all queued: version 1 never ends
             receiver.receive(10)
         later.connect(receiver.address)
-        t, out = _receive_in_thread(receiver.receive, 60)
+        t, out = receive_in_thread(receiver.receive, 60)
         later.send(3, [("w0", torch.full((4,), 3.0))])
         t.join(60)
         assert "error" not in out, out.get("error")
@@ -77,7 +63,7 @@ def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path):
         receiver.close()
 
 
-def test_collective_receiver_waits_for_a_slow_trainer_longer_than_the_group_timeout():
+def test_collective_receiver_waits_for_a_slow_trainer_longer_than_the_group_timeout(receive_in_thread):
     """Between two versions the trainer trains (and checkpoints): a receiver waiting for the
     next one used the group's timeout (300 s in the Ray runtime), failed, and broke the group."""
     sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=1.0)
@@ -86,18 +72,18 @@ def test_collective_receiver_waits_for_a_slow_trainer_longer_than_the_group_time
     joined.start()
     sender.join()
     joined.join(60)
-    t, out = _receive_in_thread(receiver.receive, 60.0)
+    t, out = receive_in_thread(receiver.receive, 60.0)
     time.sleep(2.5)  # a train step longer than the group's timeout
     sender.send(1, [("w", torch.arange(6.0).reshape(2, 3))])
     t.join(60)
     assert "error" not in out, out.get("error")
     assert out["weights"].version == 1 and torch.equal(out["weights"].tensors["w"], torch.arange(6.0).reshape(2, 3))
-    t, out = _receive_in_thread(receiver.receive)  # the default stays the group's timeout
+    t, out = receive_in_thread(receiver.receive)  # the default stays the group's timeout
     t.join(60)
     assert isinstance(out.get("error"), TransferError) and "waiting for the next version" in str(out["error"])
 
 
-def test_ipc_place_waits_for_a_receiver_that_may_still_read_the_buffer():
+def test_ipc_place_waits_for_a_receiver_that_may_still_read_the_buffer(receive_in_thread):
     """`place` hands the trainer views into the shared buffer to move its weights into: under
     a receiver whose answer never came it went ahead, and that receiver, still at version 1's
     announcement, returned version 1 holding what the trainer moved in."""
@@ -113,13 +99,13 @@ def test_ipc_place_waits_for_a_receiver_that_may_still_read_the_buffer():
             sender.place([TensorSpec.of("w", v1["w"])])
         got = receiver.receive(30)  # version 1's announcement, late
         assert got.version == 1 and got.tensors["w"].unique().tolist() == [1.0]
-        t, out = _receive_in_thread(receiver.receive, 30)
+        t, out = receive_in_thread(receiver.receive, 30)
         sender.post_again()
         sender.collect()
         t.join(30)
         (view,) = sender.place([TensorSpec.of("w", v1["w"])])  # every receiver answered: now it may
         view.fill_(2.0)
-        t, out = _receive_in_thread(receiver.receive, 30)
+        t, out = receive_in_thread(receiver.receive, 30)
         sender.send(2, [("w", view)])
         t.join(30)
         assert out["weights"].version == 2 and out["weights"].tensors["w"].unique().tolist() == [2.0]
@@ -148,7 +134,7 @@ def test_a_source_whose_specs_no_transport_can_carry_is_refused_naming_the_tenso
         receiver.close()
 
 
-def test_a_spec_whose_shape_is_a_list_is_sent_as_its_tensor():
+def test_a_spec_whose_shape_is_a_list_is_sent_as_its_tensor(receive_in_thread):
     """A custom engine's `TensorSpec(name, dtype, list(shape))`: the sender refused its own
     tensor with "tensor 0 is 'w' float32[2, 3] but the manifest says 'w' float32[2, 3]"."""
     w = torch.arange(6.0).reshape(2, 3)
@@ -157,7 +143,7 @@ def test_a_spec_whose_shape_is_a_list_is_sent_as_its_tensor():
     receiver = HostReceiver(CpuPlatform(), expected=expected_specs([("w", w)]))
     sender.connect(receiver.address)
     try:
-        t, out = _receive_in_thread(receiver.receive, 30)
+        t, out = receive_in_thread(receiver.receive, 30)
         sender.send(1, LazyWeights(lambda: [TensorSpec("w", "float32", list(w.shape))], lambda: iter([("w", w)])))
         t.join(30)
         assert "error" not in out, out.get("error")

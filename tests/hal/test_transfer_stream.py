@@ -63,20 +63,6 @@ class CountingSource:
         return {f"layers.{i}.weight": torch.full((NUMEL,), float(i)) for i in range(self.num)}
 
 
-def _receive_in_thread(receive, *args) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["weights"] = receive(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def _collective_pair() -> tuple[CollectiveSender, CollectiveReceiver]:
     """A gloo broadcast group of a sender and one receiver, joined."""
     sender = CollectiveSender(CpuPlatform(), num_receivers=1, bucket_bytes=BUCKET_BYTES, timeout_s=60)
@@ -104,14 +90,14 @@ def test_the_listing_helper_holds_every_tensor_a_source_holds_one_bucket():
     assert weight_source(listed) is listed
 
 
-def test_host_sender_holds_about_one_bucket_and_sends_a_source_again():
+def test_host_sender_holds_about_one_bucket_and_sends_a_source_again(receive_in_thread):
     source = CountingSource()
     receiver = HostReceiver(CpuPlatform(), expected=expected_specs((s.name, torch.empty(s.shape)) for s in source.specs()))
     sender = HostSender(fake_platform("npu", 1), bucket_bytes=BUCKET_BYTES)
     sender.connect(receiver.address)
     try:
         for version in (1, 2):  # the second pass is what a republish after a restart makes
-            t, out = _receive_in_thread(receiver.receive, 60)
+            t, out = receive_in_thread(receiver.receive, 60)
             manifest = sender.send(version, source)
             t.join(60)
             _assert_delivered(out, version, source.expected())
@@ -123,11 +109,11 @@ def test_host_sender_holds_about_one_bucket_and_sends_a_source_again():
     assert source.most_alive <= PER_BUCKET + 1, f"{source.most_alive} tensors alive at once, a bucket holds {PER_BUCKET}"
 
 
-def test_collective_sender_holds_about_one_bucket():
+def test_collective_sender_holds_about_one_bucket(receive_in_thread):
     source = CountingSource()
     sender, receiver = _collective_pair()
     for version in (1, 2):
-        t, out = _receive_in_thread(receiver.receive)
+        t, out = receive_in_thread(receiver.receive)
         sender.send(version, source)
         t.join(60)
         _assert_delivered(out, version, source.expected())
@@ -135,13 +121,13 @@ def test_collective_sender_holds_about_one_bucket():
     assert source.most_alive <= PER_BUCKET + 1, f"{source.most_alive} tensors alive at once, a bucket holds {PER_BUCKET}"
 
 
-def test_ipc_sender_holds_one_tensor_at_a_time():
+def test_ipc_sender_holds_one_tensor_at_a_time(receive_in_thread):
     source = CountingSource()
     receiver = IpcReceiver(CpuPlatform())
     sender = IpcSender(CpuPlatform())
     sender.connect(receiver.address)
     try:
-        t, out = _receive_in_thread(receiver.receive, 60)
+        t, out = receive_in_thread(receiver.receive, 60)
         sender.send(1, source)
         t.join(60)
         _assert_delivered(out, 1, source.expected())
@@ -152,7 +138,7 @@ def test_ipc_sender_holds_one_tensor_at_a_time():
 
 
 @pytest.mark.parametrize(("bad", "num", "error"), [(9, NUM_TENSORS, r"tensor 9 is 'layers.9.weight' float32\[19999\] but the manifest says 'layers.9.weight' float32\[20000\]"), (None, 7, "the weights ended after 7 of 24 tensors, before 'layers.7.weight'")])
-def test_host_version_that_breaks_its_specs_never_goes_live(bad, num, error):
+def test_host_version_that_breaks_its_specs_never_goes_live(bad, num, error, receive_in_thread):
     source = CountingSource(bad=bad)
     short = CountingSource(num=num)
     broken = LazyWeights(source.specs, source.tensors if bad is not None else short.tensors)
@@ -160,13 +146,13 @@ def test_host_version_that_breaks_its_specs_never_goes_live(bad, num, error):
     sender = HostSender(CpuPlatform(), bucket_bytes=BUCKET_BYTES)
     sender.connect(receiver.address)
     try:
-        t, out = _receive_in_thread(receiver.receive, 60)
+        t, out = receive_in_thread(receiver.receive, 60)
         with pytest.raises(TransferError, match=error):
             sender.send(1, broken)
         t.join(60)
         assert isinstance(out["error"], TransferError) and "abandoned version 1" in str(out["error"]) and "nothing went live" in str(out["error"])
         assert receiver.num_failed == 1
-        t, out = _receive_in_thread(receiver.receive, 60)  # the next version goes through
+        t, out = receive_in_thread(receiver.receive, 60)  # the next version goes through
         good = CountingSource()
         sender.send(2, good)
         t.join(60)
@@ -178,28 +164,28 @@ def test_host_version_that_breaks_its_specs_never_goes_live(bad, num, error):
         assert source.closed_early == 1  # the sender closed the pass it stopped
 
 
-def test_collective_version_that_breaks_its_specs_never_goes_live_and_the_group_stays_in_step():
+def test_collective_version_that_breaks_its_specs_never_goes_live_and_the_group_stays_in_step(receive_in_thread):
     source = CountingSource(bad=13)
     sender, receiver = _collective_pair()
-    t, out = _receive_in_thread(receiver.receive)
+    t, out = receive_in_thread(receiver.receive)
     with pytest.raises(TransferError, match=r"tensor 13 is 'layers.13.weight' float32\[19999\]"):
         sender.send(1, source)
     t.join(60)
     assert isinstance(out["error"], TransferError) and "abandoned version 1" in str(out["error"])
     assert source.closed_early == 1
     good = CountingSource()
-    t, out = _receive_in_thread(receiver.receive)
+    t, out = receive_in_thread(receiver.receive)
     sender.send(2, good)
     t.join(60)
     _assert_delivered(out, 2, good.expected())
 
 
-def test_ipc_version_that_breaks_its_specs_is_never_announced():
+def test_ipc_version_that_breaks_its_specs_is_never_announced(receive_in_thread):
     receiver = IpcReceiver(CpuPlatform())
     sender = IpcSender(CpuPlatform())
     sender.connect(receiver.address)
     try:
-        t, out = _receive_in_thread(receiver.receive, 60)
+        t, out = receive_in_thread(receiver.receive, 60)
         with pytest.raises(TransferError, match=r"tensor 3 is 'layers.3.weight' float32\[19999\]"):
             sender.send(1, CountingSource(bad=3))
         good = CountingSource()
