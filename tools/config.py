@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from tidal.engines import tasks
-from tidal.tools.config_keys import KeyDoc, field_docs, iter_keys, key_type  # noqa: F401 - KeyDoc, field_docs: re-exported
+from tidal.tools.config_keys import iter_keys, key_type
 
 
 class ConfigError(ValueError):
@@ -454,6 +454,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
     if missing:
         raise ConfigError(f"required keys have no value: {missing}")
     _check_values(cfg)
+    _check_strings(cfg, schema)
     return cfg
 
 
@@ -527,6 +528,23 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(message)
     if all(section in cfg for section in ("task", "model", "rollout")):
         _check_lengths(cfg)
+
+
+def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:
+    """Every entry of a list-of-strings key is a string (OmegaConf lets a mapping in)."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.name not in cfg:
+            continue
+        tp, value, key = hints[f.name], cfg[f.name], prefix + f.name
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        if dataclasses.is_dataclass(tp):
+            _check_strings(value, tp, key + ".")
+        elif dataclasses.is_dataclass(item):
+            for i, entry in enumerate(value or ()):
+                _check_strings(entry, item, f"{key}[{i}].")
+        elif item is str and (bad := [v for v in value or () if not isinstance(v, str)]):
+            raise ConfigError(f"{key} holds {bad[0]!r}: {f.name} are strings")
 
 
 def longest_prompt(cfg: Any) -> int | None:

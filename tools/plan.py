@@ -30,8 +30,6 @@ def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]
             names = [node.name] if node.count == 1 else [f"{node.name}-{k}" for k in range(node.count)]
             if node.count < 1:
                 raise ConfigError(f"cluster.nodes[{i}].count must be >= 1, got {node.count}")
-            if bad := [t for t in node.tags if not isinstance(t, str)]:  # OmegaConf lets a mapping into a list of str
-                raise ConfigError(f"cluster.nodes[{i}].tags holds {bad[0]!r}: tags are strings")
             for name in names:
                 try:
                     out.append(Resource(node=name, kind=node.kind, capacity=node.devices, tags=frozenset(node.tags)))
