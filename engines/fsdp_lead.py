@@ -53,6 +53,11 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
     `turn()`, entered once the command arrived. Under the Ray runtime rank 0 has taken
     every rank's turn before it sends (`flow.timeshare.TurnsSpan`), so `turn()` is the
     seat's `held()`: onload this rank's parked shards, and park only once it is done.
+
+    A command that raises ends this with its error. Gradients that stay non-finite raise
+    `FloatingPointError` at the same step on every rank (the decision is taken on the
+    all-reduced norm: `torch_train.NonfiniteGuard`), so rank 0 raises it too and sends
+    nothing more.
     """
     from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
 

@@ -14,7 +14,8 @@ gradient reduce-scatter sums instead of averaging, so a step over N ranks equals
 is zero on every loss token get no forward or backward pass when there is no KL term
 (`skipped_rows`; each rank skips its own). Ranks run the same number of forwards and
 backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or one whose
-micro-batch has no loss token, runs a zero-weight dummy pass.
+micro-batch has no loss token, runs a zero-weight dummy pass. A step whose global gradient
+norm is not finite is skipped on every rank (`torch_train.NonfiniteGuard`).
 
 Weights: `named_weights()` is a `WeightSource` (`tidal.hal.transfer`): its specs come from
 the shards' global shapes without gathering, and each pass all-gathers one parameter at
@@ -81,7 +82,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import check_settings, evaluating, mask_sequences, own_settings, padded_positions, rows_with_signal
+from tidal.engines.torch_train import NonfiniteGuard, check_settings, evaluating, mask_sequences, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -151,11 +152,12 @@ class FSDPTrainEngine:
         micro_batch_size: int = 8,
         temperature: float = 1.0,
         precision: str = "fp32",
+        max_nonfinite_steps: int = 5,
         platform: Platform | None = None,
         version: int = 0,
         rank0_leads: bool = False,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps)
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.platform = platform or current_platform()
@@ -168,7 +170,7 @@ class FSDPTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, precision=precision, version=version)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, version=version)
             send_command("init", model=model_recipe(model), options=options)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -189,6 +191,7 @@ class FSDPTrainEngine:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
+        self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
 
     @property
     def _leading(self) -> bool:
@@ -329,15 +332,13 @@ class FSDPTrainEngine:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # dead now: not held (or parked) until the next step
+            grad_norm = grad_norm.full_tensor()  # all-reduced: every rank steps, or skips a non-finite norm, alike
+        step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
         summed = self._sum_over_ranks(totals)
         covered = summed.pop(_COVERED)
         for key in summed.keys() - {"loss"}:
             summed[key] /= covered
-        summed.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
+        summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
         return summed
 
     def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:

@@ -19,6 +19,10 @@ reward) add nothing to the loss or its gradient when there is no KL term, so the
 forward or backward pass (`skipped_rows` in the step's metrics; the other metrics, such
 as `clip_fraction`, are over the rows that ran).
 
+A step whose gradient norm is NaN or infinite is skipped (`NonfiniteGuard`, which the
+`fsdp` engine shares): the weights and AdamW's state stay, the version still counts, and
+the metrics say `nonfinite_grad: 1.0`; more than `max_nonfinite_steps` in a row raise.
+
 Run for real: CPU (tests and the CPU quickstart). On GPU/NPU platforms the model lives
 on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -54,10 +59,11 @@ class TorchTrainEngine:
         temperature: float = 1.0,
         precision: str = "fp32",
         kl_reference: bool = False,
+        max_nonfinite_steps: int = 5,
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps)
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
         self.precision = precision
@@ -71,6 +77,7 @@ class TorchTrainEngine:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
+        self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
         # packed rows need a custom 4D attention mask, which these implementations take
         self._packs = getattr(getattr(self.model, "config", None), "_attn_implementation", None) in ("eager", "sdpa")
         self._before_change: Callable[[], None] = lambda: None
@@ -80,8 +87,8 @@ class TorchTrainEngine:
         one tensor per spec of `named_weights()` on this engine's device, a tied name
         (`ties[name] = other`) given `other`'s (a weight transport's shared memory:
         `IpcSender.place`). Then call `before_change()` every time before the weights
-        change (each optimizer step, and `load_state_dict`), so a reader of that memory in
-        another process finishes first.
+        change (each optimizer step taken, not a skipped one, and `load_state_dict`), so a
+        reader of that memory in another process finishes first.
 
         Raises:
             ValueError: a weight is a buffer, not a parameter (before `place` is called;
@@ -204,11 +211,10 @@ class TorchTrainEngine:
         for p in self.model.parameters():  # nothing ran: a zero gradient, so AdamW still steps (momentum, decay) as it would have
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self._before_change()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # dead now: not held until the next step
-        totals.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"], num_tokens=float(batch.loss_mask.sum()))
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        totals.update(self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version, before_change=self._before_change))
+        totals.update(lr=self.optimizer.param_groups[0]["lr"], num_tokens=float(batch.loss_mask.sum()))
         return totals
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
@@ -409,7 +415,53 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     return _Packed(padded(tokens, 0), padded(positions, 0), causal & same_unit & sees, torch.tensor(predictors, dtype=torch.long))
 
 
-def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float) -> None:
+class NonfiniteGuard:
+    """Takes an optimizer step only when the gradient norm is finite. One batch with a NaN or
+    infinite gradient (an overflow, an extreme reward, a diverging run) would otherwise
+    write NaN into every weight and AdamW moment, and every later rollout and checkpoint
+    would hold them; verl's actor skips such a step too. A run whose gradients stay
+    non-finite stops instead: more than `max_in_row` skipped steps in a row raise."""
+
+    def __init__(self, max_in_row: int) -> None:
+        self.max_in_row = max_in_row
+        self.in_row = 0
+        """Non-finite steps in a row so far; a finite one starts the count again."""
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grad_norm: torch.Tensor, *, grad_clip: float, version: int, before_change: Callable[[], None] = lambda: None
+    ) -> dict[str, float]:
+        """Clip the gradients of `params` (their total norm is `grad_norm`, the same on every
+        rank) to `grad_clip`, call `before_change()` and step `optimizer`; where `grad_norm` is
+        not finite, none of that: the weights and the optimizer's state (moments, step
+        counts) stay as they were. Either way the gradients are freed. Reading the norm
+        waits for the backward pass on an accelerator. Returns the step's `grad_norm` and
+        `nonfinite_grad` (1.0: skipped) metrics.
+
+        Raises:
+            FloatingPointError: the norm was not finite at `max_in_row + 1` steps in a row
+                (`version`: the weights' version; nothing stepped, gradients freed).
+        """
+        norm = float(grad_norm)
+        finite = math.isfinite(norm)
+        self.in_row = 0 if finite else self.in_row + 1
+        try:
+            if finite:
+                torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
+                before_change()
+                optimizer.step()
+            elif self.in_row > self.max_in_row:
+                raise FloatingPointError(
+                    f"the gradient norm was {norm} at {self.in_row} optimizer steps in a row, the last at version {version}; "
+                    f"train.max_nonfinite_steps={self.max_in_row} lets only {self.max_in_row} be skipped. The weights and optimizer state "
+                    "are those from before the first of them. Lower train.lr, check the rewards (task.reward) for extreme values, "
+                    "or raise train.max_nonfinite_steps to skip more such steps"
+                )
+        finally:
+            optimizer.zero_grad(set_to_none=True)  # dead now: not held (or parked) until the next step
+        return {"grad_norm": norm, "nonfinite_grad": float(not finite)}
+
+
+def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float, max_nonfinite_steps: int) -> None:
     """Raises ValueError naming the first train engine setting out of bounds."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -417,6 +469,8 @@ def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: floa
         raise ValueError(f"grad_clip must be > 0 (the norm gradients are clipped to), got {grad_clip}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
+    if max_nonfinite_steps < 0:
+        raise ValueError(f"max_nonfinite_steps must be >= 0 (non-finite steps in a row that are skipped; 0 = raise at the first), got {max_nonfinite_steps}")
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:

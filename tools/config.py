@@ -137,6 +137,8 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
+    max_nonfinite_steps: int = 5
+    """Optimizer steps in a row whose gradient norm is NaN or infinite that are skipped (weights and optimizer state kept, the step still counts) before the run stops with an error; 0 = stop at the first."""
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradients accumulate over a step)."""
     threads: int = 0
@@ -469,12 +471,13 @@ _AT_LEAST = {
     "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
     "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
     "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1, "rollout.threads": 0,
-    "train.micro_batch_size": 1, "train.weight_decay": 0, "train.threads": 0,
+    "train.micro_batch_size": 1, "train.weight_decay": 0, "train.threads": 0, "train.max_nonfinite_steps": 0, "cluster.nodes[].count": 1,
     "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
     "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0,
     "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0,
+    "placement.train.count": 1, "placement.train.devices_each": 1, "placement.rollout.count": 1, "placement.rollout.devices_each": 1,
 }
-"""Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run)."""
+"""Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""
 _POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "lease_s")
 """Recipe keys that must be > 0 when set."""
 _WHY = {
@@ -498,14 +501,13 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
-    for key in (*_AT_LEAST, *_POSITIVE):
-        value = OmegaConf.select(cfg, key)
+    for name, value in (item for key in (*_AT_LEAST, *_POSITIVE) for item in _selected(cfg, key)):
         if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
-            raise ConfigError(f"{key}={value} must be a finite number")
+            raise ConfigError(f"{name}={value} must be a finite number")
     for key, least in _AT_LEAST.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < least:
-            raise ConfigError(f"{key}={value} must be >= {least}" + (f": {_WHY[key]}" if key in _WHY else ""))
+        for name, value in _selected(cfg, key):
+            if value is not None and value < least:
+                raise ConfigError(f"{name}={value} must be >= {least}" + (f": {_WHY[key]}" if key in _WHY else ""))
     for key in _POSITIVE:
         value = OmegaConf.select(cfg, key)
         if value is not None and value <= 0:
@@ -528,6 +530,14 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(message)
     if all(section in cfg for section in ("task", "model", "rollout")):
         _check_lengths(cfg)
+
+
+def _selected(cfg: Any, key: str) -> list[tuple[str, Any]]:
+    """(full key, value) of `key`, or of each list entry's field for `a[].b` (`a[0].b`, ...)."""
+    head, sep, field = key.partition("[].")
+    if not sep:
+        return [(key, OmegaConf.select(cfg, key))]
+    return [(f"{head}[{i}].{field}", entry[field]) for i, entry in enumerate(OmegaConf.select(cfg, head) or ())]
 
 
 def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:

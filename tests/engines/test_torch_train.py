@@ -523,12 +523,12 @@ def test_logprobs_are_the_current_weights_without_dropout():
     assert engine.model.training  # the train steps' forwards keep the model's dropout
 
 
-@pytest.mark.parametrize("setting", [{"grad_clip": 0.0}, {"grad_clip": -1.0}, {"temperature": 0.0}])
+@pytest.mark.parametrize("setting", [{"grad_clip": 0.0}, {"grad_clip": -1.0}, {"temperature": 0.0}, {"max_nonfinite_steps": -1}])
 def test_a_grad_clip_or_temperature_that_is_not_positive_is_refused(setting):
     """`grad_clip=0` clipped every gradient to nothing (a run that never learns), and
     `temperature=0` made every logprob NaN: both are refused when the engine is built."""
     (name,) = setting
-    with pytest.raises(ValueError, match=f"{name} must be > 0"):
+    with pytest.raises(ValueError, match=f"{name} must be >=? 0"):
         TorchTrainEngine(tiny(), **setting)
 
 
@@ -541,3 +541,49 @@ def test_a_step_leaves_no_gradients_behind():
     assert all(p.grad is None for p in engine.model.parameters())
     engine.sft_step(batch)
     assert all(p.grad is None for p in engine.model.parameters())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_gradient_skips_the_step_and_the_next_one_trains_as_if_it_never_came(bad):
+    """A NaN (an advantage that overflowed) once went into every weight and AdamW moment:
+    the step is skipped, bit for bit, and counts (version); its metrics say so and stay writable."""
+    import json
+
+    from tidal.tools.metrics import finite
+
+    batch, good = _batch(), torch.tensor([1.0, -0.5, 0.25, -1.0])
+    engine, clean = (TorchTrainEngine(tiny(), lr=1e-2, micro_batch_size=2) for _ in range(2))
+    changes: list[int] = []
+    engine._before_change = lambda: changes.append(engine.version)  # what share_weights installs: readers of the weights finish first
+    for e in (engine, clean):
+        e.train_step(batch, good, loss=PolicyLossConfig())
+    weights, state = copy.deepcopy(engine.model.state_dict()), copy.deepcopy(engine.optimizer.state_dict())
+    metrics = engine.train_step(batch, torch.tensor([1.0, bad, 0.25, -1.0]), loss=PolicyLossConfig())
+    assert metrics["nonfinite_grad"] == 1.0 and not math.isfinite(metrics["grad_norm"]) and engine.version == 2
+    assert json.loads(json.dumps(finite(metrics), allow_nan=False))["grad_norm"] is None
+    assert all(torch.equal(t, weights[n]) for n, t in engine.model.state_dict().items())
+    after = engine.optimizer.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, s in state["state"].items() for k, v in s.items())  # exp_avg, exp_avg_sq, step
+    assert all(p.grad is None for p in engine.model.parameters()) and changes == [0]  # freed; nothing announced a change
+    for e in (engine, clean):
+        metrics = e.train_step(batch, -good, loss=PolicyLossConfig())
+    assert metrics["nonfinite_grad"] == 0.0 and changes == [0, 2]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_weights(), clean.named_weights()))
+
+
+@pytest.mark.parametrize("limit", [0, 2])
+def test_more_non_finite_steps_in_a_row_than_max_nonfinite_steps_raise(limit):
+    """A run whose gradients stay NaN stops rather than skip for ever; a finite step starts the count again."""
+    batch, good = _batch(), torch.tensor([1.0, -0.5, 0.25, -1.0])
+    nan = torch.tensor([1.0, math.nan, 0.25, -1.0])
+    engine = TorchTrainEngine(tiny(), lr=1e-2, max_nonfinite_steps=limit)
+    start = copy.deepcopy(engine.model.state_dict())
+    for _ in range(2):
+        assert all(engine.train_step(batch, nan, loss=PolicyLossConfig())["nonfinite_grad"] == 1.0 for _ in range(limit))
+        version = engine.version
+        with pytest.raises(FloatingPointError, match=rf"nan at {limit + 1} optimizer steps in a row, the last at version {version}; train.max_nonfinite_steps={limit} lets only {limit} be skipped.*Lower train.lr"):
+            engine.train_step(batch, nan, loss=PolicyLossConfig())
+        assert engine.version == version and all(p.grad is None for p in engine.model.parameters())
+        if version == limit:  # the first round: nothing ever stepped
+            assert all(torch.equal(t, start[n]) for n, t in engine.model.state_dict().items())
+        assert engine.train_step(batch, good, loss=PolicyLossConfig())["nonfinite_grad"] == 0.0

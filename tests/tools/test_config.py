@@ -94,6 +94,12 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("cluster.nodes=[{name: a, tags: x}]", "key 'cluster.nodes[0].tags' in the command-line overrides expects list of str"),
         ("cluster.nodes=[{name: a, tags: [{x: 1}]}]", "cluster.nodes[0].tags holds {'x': 1}: tags are strings"),  # OmegaConf lets a mapping into a list of str
         ("placement.rollout.requires=[{x: 1}]", "placement.rollout.requires holds {'x': 1}: requires are strings"),
+        # counts: when the recipe loads (a list entry's by its path), not when the plan is made
+        ("cluster.nodes=[{name: a, count: -1}]", "cluster.nodes[0].count=-1 must be >= 1"),
+        ("cluster.nodes=[{name: a}, {name: b, count: 0}]", "cluster.nodes[1].count=0 must be >= 1"),
+        ("placement.train.count=0", "placement.train.count=0 must be >= 1"),
+        ("placement.rollout.devices_each=0", "placement.rollout.devices_each=0 must be >= 1"),
+        ("train.max_nonfinite_steps=-1", "train.max_nonfinite_steps=-1 must be >= 0"),
     ],
 )
 def test_override_errors_name_the_key(override, expected):
@@ -186,6 +192,10 @@ def test_a_bad_list_entry_in_a_recipe_file_is_named_by_its_full_key(tmp_path):
     recipe.write_text("cluster:\n  nodes:\n    - {name: a, kind: cuda, devices: 2}\n    - {name: b, kind: npu, devices: many}\n")
     with pytest.raises(ConfigError, match=r"key 'cluster.nodes\[1\].devices' in recipe '.*nodes.yaml' expects int, got 'many' of type str"):
         load_config(recipe)
+    recipe.write_text("cluster:\n  nodes:\n    - {name: a, kind: cuda, devices: 2}\n    - {name: b, kind: npu, count: -1}\n")
+    with pytest.raises(ConfigError, match=r"cluster.nodes\[1\].count=-1 must be >= 1"):
+        load_config(recipe)
+    assert load_config(None, ["cluster.nodes=[{name: a, count: 2}]", "train.max_nonfinite_steps=0"]).train.max_nonfinite_steps == 0
     recipe.write_text("rollout: fast\n")
     with pytest.raises(ConfigError, match=r"key 'rollout' in recipe '.*nodes.yaml' expects a mapping of its keys \(backend, .*got 'fast' of type str"):
         load_config(recipe)
