@@ -5,7 +5,8 @@ Every estimator takes `rewards`, a 1-D floating-point tensor with one entry per 
 prompt uid). Rows of one group need not be contiguous. A group with a single row carries
 no baseline information, and one whose rewards are all equal no signal, so their
 advantages are exactly 0 under every estimator. The result has the
-shape, dtype and device of `rewards`.
+shape, dtype and device of `rewards`; it is computed in float64, so float32 rewards near
+float32's range (which a reward function may return) do not overflow the group sums.
 """
 
 from __future__ import annotations
@@ -85,14 +86,15 @@ def grpo(rewards: torch.Tensor, groups: Groups, *, normalize_std: bool = True, e
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     index, num_groups = _group_index(rewards, groups)
-    counts = _group_counts(rewards, index, num_groups)
-    centered = rewards - (_group_sums(rewards, index, num_groups) / counts)[index]
-    centered = torch.where(_tied(rewards, index, num_groups), 0.0, centered)  # a size-1 group too
+    wide = rewards.double()
+    counts = _group_counts(wide, index, num_groups)
+    centered = wide - (_group_sums(wide, index, num_groups) / counts)[index]
+    centered = torch.where(_tied(wide, index, num_groups), 0.0, centered)  # a size-1 group too
     if not normalize_std:
-        return centered
+        return centered.to(rewards.dtype)
     var = _group_sums(centered.square(), index, num_groups) / (counts - 1).clamp(min=1)
     std = var.sqrt()[index]
-    return torch.where(std > 0, centered / (std + eps), 0.0)  # std 0: a tied group (0 / 0 with eps=0)
+    return torch.where(std > 0, centered / (std + eps), 0.0).to(rewards.dtype)  # std 0: a tied group (0 / 0 with eps=0)
 
 
 def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -109,10 +111,11 @@ def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
         ValueError: If `rewards` or `groups` is malformed.
     """
     index, num_groups = _group_index(rewards, groups)
-    counts = _group_counts(rewards, index, num_groups)[index]
-    others = _group_sums(rewards, index, num_groups)[index] - rewards
-    baseline = torch.where(counts > 1, others / (counts - 1).clamp(min=1), rewards)
-    return torch.where(_tied(rewards, index, num_groups), 0.0, rewards - baseline)
+    wide = rewards.double()
+    counts = _group_counts(wide, index, num_groups)[index]
+    others = _group_sums(wide, index, num_groups)[index] - wide
+    baseline = torch.where(counts > 1, others / (counts - 1).clamp(min=1), wide)
+    return torch.where(_tied(wide, index, num_groups), 0.0, wide - baseline).to(rewards.dtype)
 
 
 def dr_grpo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:

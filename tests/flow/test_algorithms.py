@@ -118,6 +118,18 @@ def test_advantages_keep_dtype_and_handle_float32():
     close(out.double(), [0.5 / (math.sqrt(0.5) + EPS), -0.5 / (math.sqrt(0.5) + EPS)], tol=1e-6)
 
 
+def test_rewards_near_float32s_range_do_not_overflow_the_group_sums():
+    # Rewards a reward function may return (finite float32) summed to inf in float32: GRPO
+    # gave NaN for every row, RLOO -inf.
+    huge = torch.tensor([3e38, 2e38, 3.1e38, 2.5e38], dtype=torch.float32)
+    for name in ADVANTAGES:
+        out = compute_advantages(name, huge, [0, 0, 0, 0])
+        expected = compute_advantages(name, huge.double(), [0, 0, 0, 0]).float()
+        assert out.dtype == torch.float32 and torch.isfinite(out).all(), name
+        close(out.double(), expected.double().tolist(), tol=1e-6 * 1e38)
+    assert grpo(huge, [0, 0, 0, 0]).abs().max() < 2
+
+
 def test_advantage_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"name='ppo'.*'dr_grpo', 'grpo', 'grpo_no_std', 'rloo'"):
         compute_advantages("ppo", REWARDS, GROUPS)
