@@ -178,7 +178,11 @@ class HFRolloutEngine:
             tied = first.setdefault(id(tensor), name)
             a, b = given[tied], given[name]
             if tied != name and a is not b and not torch.equal(a, b.to(a.device, a.dtype)):
-                raise ValueError(f"weights for version {version}: {name!r} is tied to {tied!r} in the model, but they were given different values")
+                nonfinite = [n for n, t in ((tied, a), (name, b)) if t.is_floating_point() and not torch.isfinite(t).all()]
+                raise ValueError(
+                    f"weights for version {version}: {name!r} is tied to {tied!r} in the model, but they were given different values"
+                    + (f" ({' and '.join(repr(n) for n in nonfinite)} not finite: NaN or inf)" if nonfinite else "")
+                )
         with torch.no_grad():
             for name, tensor in own.items():
                 tensor.copy_(given[name])  # casts and moves to the model's dtype and device

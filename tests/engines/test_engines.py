@@ -197,6 +197,9 @@ def test_load_weights_refuses_untied_values_for_tied_names_wrong_dtypes_and_repe
     untied = {**weights, "lm_head.weight": weights["lm_head.weight"] + 1.0}  # an untied trainer's head
     with pytest.raises(ValueError, match="'lm_head.weight' is tied to 'model.embed_tokens.weight'"):
         engine.load_weights(1, untied.items())  # the head's copy used to overwrite the given embedding
+    diverged = {k: v * math.nan for k, v in weights.items()}  # NaN != NaN: the values "differ", and the message says why
+    with pytest.raises(ValueError, match=r"given different values \('model.embed_tokens.weight' and 'lm_head.weight' not finite: NaN or inf\)"):
+        engine.load_weights(1, diverged.items())
     with pytest.raises(ValueError, match=r"wrong dtype \['model.norm.weight'\]"):
         engine.load_weights(1, {**weights, "model.norm.weight": weights["model.norm.weight"].long()}.items())
     with pytest.raises(ValueError, match=r"given twice \['model.norm.weight'\]"):
