@@ -2,9 +2,10 @@
 
 They talk to the rollout stage and the trainer only through the store, as threads of the
 process that holds it. The trainer's side of the loop is `Workflow`, which starts, stops
-and watches them; a checkpoint saves the store through them (`Stages.save`: the store and
-the prompt position taken together, with no prompt between the prompt source and the
-store, so a resumed run neither skips nor repeats one).
+and watches them; a checkpoint saves the store through them (`Stages.save`: the store, the
+prompt position and the failed rewards' count taken together, with no prompt between the
+prompt source and the store, so a resumed run neither skips nor repeats one, and counts
+each failed reward once).
 
     prompts --put--> [prompts]                         (the loader, while admission allows)
     reward   <-get tokens--   --put reward--> [train]
@@ -63,6 +64,8 @@ class Stages:
         score: scores finished trajectories: (rewards, indexes of failed rows).
         config: the run's `WorkflowConfig`.
         version: the policy version the run starts at (set on the store).
+        num_failed_rewards: rows whose reward failed before this attempt (a resumed run's
+            checkpoint): the count is the run's, whatever resumes it went through.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Stages:
         config: Any,
         version: int,
         tracer: Tracer | None = None,
+        num_failed_rewards: int = 0,
     ) -> None:
         self.store, self.prompts, self.score, self.config = store, prompts, score, config
         self._prompt_iter = iter(prompts)
@@ -90,6 +94,7 @@ class Stages:
         self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
         self._stopping = threading.Event()
         self._loading = threading.Lock()  # held while prompts go from the source into the store
+        self._scoring = threading.Lock()  # held while rewards and their failures are counted and put
         self._dropped_seen = self._dropped()
         self._version_seen = version
         store.add_change_listener(self._on_store_change)
@@ -97,7 +102,7 @@ class Stages:
         # restored store holds in flight (prompts not yet generated, samples not yet trained).
         self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
         self._waits = Waits()
-        self._num_failed_rewards = 0
+        self._num_failed_rewards = num_failed_rewards
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
 
@@ -128,16 +133,19 @@ class Stages:
         self.store.wake()
 
     def metrics(self) -> dict[str, Any]:
-        """{"failed_rewards": rows whose reward failed so far, "wait_s": {stage: seconds
-        waited since the last call}}."""
+        """{"failed_rewards": rows whose reward failed in the run so far, "wait_s": {stage:
+        seconds waited since the last call}}."""
         return {"failed_rewards": self._num_failed_rewards, "wait_s": self._waits.take()}
 
-    def save(self, path: str | Path) -> int | None:
+    def save(self, path: str | Path) -> dict[str, Any]:
         """Save the store to `path` (`persist.save`) with no prompt between the prompt
-        source and the store; return the source's position then (None: it has none)."""
-        with self._loading:
+        source and the store, and no reward counted but not in it; return what goes with
+        that store: {"prompt_position": the source's position (None: it has none),
+        "failed_rewards": the run's count}. A resumed run neither skips a prompt nor
+        counts a failed reward twice."""
+        with self._loading, self._scoring:
             persist.save(self.store, path)
-            return getattr(self.prompts, "position", None)
+            return {"prompt_position": getattr(self.prompts, "position", None), "failed_rewards": self._num_failed_rewards}
 
     # Internals ----------------------------------------------------------------------------
     def _guard(self, stage: Callable[[], None]) -> None:
@@ -229,8 +237,9 @@ class Stages:
             trajectories = trajectories_of(batch)
             with self.tracer.span("reward", "reward", rows=len(trajectories)):
                 rewards, failed = self.score(trajectories)
-            self._num_failed_rewards += len(failed)
-            self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes, ack=("reward", "train", batch.indexes))
+            with self._scoring:  # counted and in the store together, as a checkpoint saves them (`save`)
+                self._num_failed_rewards += len(failed)
+                self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes, ack=("reward", "train", batch.indexes))
 
     def _advantage_stage(self) -> None:
         cfg = self.config

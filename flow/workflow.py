@@ -33,7 +33,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,10 @@ from tidal.flow.stages import Stages, guard
 from tidal.flow.store import Grouped, StalenessFilter, Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory
+
+
+ROLLOUT_TOTALS = ("paused_generations", "handed_off")
+"""Rollout's counts in each step's metrics: totals since the run started (`Workflow(totals=)`)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,6 +103,9 @@ class Workflow:
         config: the loop's settings.
         on_step: called with each step's metrics dict (after the step).
         tracer: records a span per generate / reward / advantage / train / weight update.
+        totals: the run's running totals before this attempt (a resumed run's checkpoint,
+            what `save` returned): `failed_rewards`, `paused_generations` and `handed_off`
+            in each step's metrics go on from them; keys it does not count are kept for `save`.
     """
 
     def __init__(
@@ -113,13 +121,15 @@ class Workflow:
         tracer: Tracer | None = None,
         start_version: int | None = None,
         rollouts: RolloutGroup | None = None,
+        totals: Mapping[str, int] | None = None,
     ) -> None:
         self.store, self.rollout, self.trainer, self.config = store, rollout, trainer, config
         self.on_step = on_step or (lambda metrics: None)
         self.tracer = tracer or Tracer()
         self.version = trainer.version if start_version is None else start_version
-        self.stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer)
-        """The loader, reward and advantage stages (`stages.save` saves the store for a checkpoint)."""
+        self._totals = dict(totals or {})
+        self.stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer, num_failed_rewards=self._totals.get("failed_rewards", 0))
+        """The loader, reward and advantage stages (`save` saves the store through them)."""
         self._stopping = threading.Event()
         self.rollouts: RolloutGroup = rollouts or LocalRollouts(
             RolloutWorker(
@@ -136,7 +146,7 @@ class Workflow:
         self._errors: list[BaseException] = []
         self._trained = 0
         self._waits: dict[str, float] = collections.defaultdict(float)
-        self._dropped = store.consumer_counts("train", "train")["dropped"]  # rows the trainer's sampler found too old, so far
+        self._rollout_counts = {key: self._totals.get(key, 0) for key in ROLLOUT_TOTALS}  # the run's, as of the last step's metrics
 
     # Control ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -158,6 +168,15 @@ class Workflow:
         self._stopping.set()
         self.stages.stop()  # wakes the store's waiters, this thread's train gets among them (`_stopping` is set)
         self.rollouts.stop()
+
+    def save(self, path: str | Path) -> dict[str, Any]:
+        """Save the store to `path` for a checkpoint (`Stages.save`); return what the
+        checkpoint records with it: `prompt_position`, and `totals` for the `totals` of a
+        run resumed from it (the failed rewards' count is the saved store's; rollout's
+        counts are the last step's, as its workers, remote ones too, last reported them)."""
+        saved = self.stages.save(path)
+        totals = {**self._totals, **self._rollout_counts, "failed_rewards": saved["failed_rewards"]}
+        return {"prompt_position": saved["prompt_position"], "totals": totals}
 
     def _guard(self, stage: Callable[[], None]) -> None:
         guard(stage, stopping=self._stopping, errors=self._errors, stop=self.stop)
@@ -219,7 +238,11 @@ class Workflow:
         """The rows version `version` trains, from the store, as the tensors the trainer takes."""
         cfg, pad_id = self.config, getattr(self.rollout, "pad_id", 0)
         sampler = StalenessFilter(cfg.max_staleness, Grouped(cfg.group_size), at_version=version)
+        # Only this get drops rows (its sampler), one at a time: the count's rise across it is
+        # this step's, though with the prefetch it happens while the step before trains.
+        dropped = self._num_dropped()
         batch = self.store.get("train", "train", [*TRAJECTORY_COLUMNS, "reward", "advantage"], cfg.batch_size, sampler=sampler, cancel=self._stopping)
+        dropped = self._num_dropped() - dropped
         order = torch.from_numpy(np.argsort(batch.index_array, kind="stable"))  # deterministic row order
         tokens = token_batch_of(batch, pad_id=pad_id, order=order)
         versions, counts = torch.unique(tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
@@ -231,7 +254,12 @@ class Workflow:
             mean_reward=float(batch.stack("reward").to(torch.float32).mean()),
             num_tokens=int(tokens.loss_mask.sum()),
             token_versions=dict(zip(versions.tolist(), counts.tolist())),
+            dropped=dropped,
         )
+
+    def _num_dropped(self) -> int:
+        """Rows the trainer's sampler found too old, so far."""
+        return self.store.consumer_counts("train", "train")["dropped"]
 
     def _train_on(self, rows: _TrainRows, loss: PolicyLossConfig, step_begin: float) -> None:
         """One optimizer step on `rows`, the publish of its weights, and the step's metrics."""
@@ -246,13 +274,13 @@ class Workflow:
             self.store.ack("train", "train", rows.indexes)
             self._trained += num_rows
             self._publish(self.trainer.version)
-        dropped, self._dropped = self._dropped, self.store.consumer_counts("train", "train")["dropped"]
         step_s = time.perf_counter() - step_begin
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
         stage_metrics = self.stages.metrics()
         rollout_metrics = self.rollouts.metrics()
         waits.update(stage_metrics["wait_s"])
         waits.update(rollout_metrics.pop("wait_s", {}))
+        self._rollout_counts = {key: self._totals.get(key, 0) + rollout_metrics.get(key, 0) for key in ROLLOUT_TOTALS}
         # (no tensor ops from here: each would give the GIL to the threads the publish woke)
         metrics.update(
             step=self.version,
@@ -261,10 +289,9 @@ class Workflow:
             tokens=rows.num_tokens,
             step_s=step_s,
             time=time.time(),
-            dropped=self._dropped - dropped,
+            dropped=rows.dropped,
             failed_rewards=stage_metrics["failed_rewards"],
-            paused_generations=rollout_metrics.get("paused_generations", 0),
-            handed_off=rollout_metrics.get("handed_off", 0),
+            **self._rollout_counts,
             version_gap=gaps,
             wait_s={k: round(v, 4) for k, v in waits.items()},
             response_len=rows.num_tokens / num_rows,
@@ -306,3 +333,5 @@ class _TrainRows:
     """Loss tokens."""
     token_versions: dict[int, int]
     """Loss tokens by the version that generated them."""
+    dropped: int
+    """Rows the sampler dropped as too old while it took these."""

@@ -4,9 +4,10 @@ the end, and what `resume=` reads back.
 A checkpoint is a folder `checkpoints/step-NNNNNN/` of the run directory: the model
 (model.safetensors, config.json, tokenizer.json), `trainer.pt` (optimizer, version, RNG
 states, reference policy), `store.bin` (the store's rows and counts) and `state.json`
-(version, the prompt stream's position). It is written to `step-NNNNNN.tmp`, flushed to
-disk (files and folder), renamed, and only then named by `checkpoints/latest`; older
-ones are pruned after that (`keep_checkpoints`).
+(version, the prompt stream's position, the run's running totals that its metrics report,
+such as `failed_rewards`, and what its summary keeps: accuracy before RL, first reward).
+It is written to `step-NNNNNN.tmp`, flushed to disk (files and folder), renamed, and only
+then named by `checkpoints/latest`; older ones are pruned after that (`keep_checkpoints`).
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         platform.set_rng_state({**state, "device": []})
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], int | None], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], dict[str, Any]], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
     """Everything a resume needs, written to a temporary folder, flushed to disk, then
     renamed (never half a checkpoint, even after a power loss).
 
     The weights and optimizer come from `trainer.state_dict()` (the full state, whatever the
     engine's sharding), so any train engine resumes from any engine's checkpoint.
-    `save_data(path)` saves the store to `path` and returns the prompt stream's position
-    then (`Stages.save`). `keep` > 0: once this one is complete
+    `save_data(path)` saves the store to `path` and returns what state.json records with
+    it: at least `prompt_position`, the prompt stream's position then (`Workflow.save`
+    adds the run's `totals`); `extra` goes there too. `keep` > 0: once this one is complete
     and `latest` names it, all but the newest `keep` are deleted. `rng`: the RNG state to
     save (`QuietRollout.rng`), else this moment's.
     """
@@ -66,8 +68,8 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     model.load_state_dict(state["model"])
     save_model(model, tokenizer, tmp)
     torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
-    position = save_data(tmp / "store.bin")
-    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, "prompt_position": position, **extra}, indent=2))
+    saved = save_data(tmp / "store.bin")
+    (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
     _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
     old = final.with_name(final.name + ".old")
     if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
@@ -99,9 +101,52 @@ def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
     return deleted
 
 
+STATE_KEYS = ("version", "prompt_position", "accuracy_before")
+"""Keys every state.json has (`totals` and `first_reward` came later: a resume without them starts them afresh)."""
+TRAINER_KEYS = ("optimizer", "version", "rng")
+
+
 def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Module, CharTokenizer, dict[str, Any], dict[str, Any]]:
     """What `save_checkpoint` wrote to `folder`: the store, model, tokenizer, trainer.pt and
     state.json; a ConfigError names a file that is missing or cannot be read."""
+    read = _reader(folder)
+    read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
+    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
+    model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
+    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=False), *TRAINER_KEYS)
+    state = read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
+    return read("store.bin", persist.load), model, tokenizer, saved, state
+
+
+def check_checkpoint(folder: Path) -> None:
+    """Open each file `load_checkpoint` reads, only as far as it takes to find one missing,
+    cut short or without its keys, so that `tidal run` (and `--check`) refuse a damaged
+    checkpoint before they make a run directory: the safetensors header, and that the file
+    holds every tensor it lists (the weights are not read); trainer.pt's keys, its tensors
+    mapped, not read (a truncated archive has no directory to map them from); the small
+    files whole.
+
+    Raises:
+        ConfigError: as `load_checkpoint` would, naming the file.
+    """
+    from safetensors import safe_open  # noqa: PLC0415
+
+    def tensor_names(path: Path) -> list[str]:
+        with safe_open(path, framework="pt") as f:  # checks the header, and that the file covers it
+            return list(f.keys())
+
+    read = _reader(folder)
+    read("config.json", lambda path: json.loads(path.read_text()))
+    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
+    read("model.safetensors", tensor_names)
+    read("trainer.pt", lambda path: torch.load(path, weights_only=False, mmap=True, map_location="cpu"), *TRAINER_KEYS)
+    read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
+    read("store.bin", persist.load)  # the rows in flight: a few steps' samples, small beside the weights
+
+
+def _reader(folder: Path) -> Callable[..., Any]:
+    """`read(name, load, *keys)`: `load(folder / name)`, which must hold `keys`; whatever goes
+    wrong is a ConfigError naming the file."""
 
     def read(name: str, load: Callable[[Path], Any], *keys: str) -> Any:
         try:
@@ -112,12 +157,7 @@ def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Mo
         except Exception as e:  # noqa: BLE001 - whatever its loader raises, the file is what to name
             raise ConfigError(f"resume={str(folder.parent.parent)!r}: its checkpoint {folder.name} has no readable {name} ({type(e).__name__}: {e}); to continue from an earlier checkpoint the run kept, name it in checkpoints/latest") from None
 
-    read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
-    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
-    model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
-    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=False), "optimizer", "version", "rng")
-    state = read("state.json", lambda path: json.loads(path.read_text()), "version", "prompt_position", "accuracy_before")
-    return read("store.bin", persist.load), model, tokenizer, saved, state
+    return read
 
 
 def truncate_metrics(path: Path, version: int) -> None:

@@ -52,8 +52,10 @@ staleness-bounded GRPO workflow with a progress bar, measures accuracy again and
 metrics.jsonl (and TensorBoard scalars in tensorboard/ when it is installed),
 timeline.json (Chrome trace, open in Perfetto), progress.png, checkpoints/ and
 summary.json. resume=<previous run_dir> continues from its last checkpoint (weights,
-optimizer, data position, version, RNG and the store's in-flight rows); the keys that
-differ from that run are listed, and the model's shape cannot change. The first Ctrl-C
+optimizer, data position, version, RNG and the store's in-flight rows, and the totals
+its metrics count, such as failed_rewards); the keys that differ from that run are
+listed, the model's shape cannot change, and a missing or damaged checkpoint file stops
+it (and --check) before its run directory is made. The first Ctrl-C
 or SIGTERM during RL finishes the current step and saves a checkpoint there (exit 130 or
 143; a second one stops at once); a run that stops early, so or with an error, prints
 the command that continues it.
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--check",
         action="store_true",
-        help="validate the recipe, select the platform and write the run directory's config, then stop",
+        help="validate the recipe (with resume=, open its checkpoint's files), select the platform and write the run directory's config, then stop",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
 
@@ -393,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tidal {args.command}: interrupted" + (f" ({reason}), after saving a checkpoint" if reason else ""), file=sys.stderr)
         code = getattr(e, "exit_code", 130)
     except Exception as e:  # noqa: BLE001 - printed here, so the resume command below comes last
-        if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal."):
+        if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal.") or isinstance(e, FloatingPointError):  # the latter: the train engines' non-finite gradients
             print("\n".join([f"tidal {args.command}: error: {e}", *getattr(e, "__notes__", ())]), file=sys.stderr)  # PlatformError and friends: actionable, no traceback
         else:
             traceback.print_exc()

@@ -214,7 +214,8 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     Raises:
         ConfigError: a bad key or value, a combination `tidal run` cannot run, a plan
             that cannot be placed (`check_plan`), or a `resume` that cannot continue
-            (`resume_changes`); the CLI exits with code 2.
+            (`resume_changes`, or a checkpoint file missing or damaged: `check_checkpoint`);
+            the CLI exits with code 2.
         PlatformError: the platform the recipe or TIDAL_DEVICE asks for cannot load.
     """
     from tidal.hal import init_platform  # noqa: PLC0415 - imports torch
@@ -224,6 +225,10 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     resume_changes(cfg)
     selection = init_platform(cfg.device)
     check_plan(cfg)
+    if cfg.resume:  # its files, before the run directory is made (and under --check)
+        from tidal.tools.checkpoint import check_checkpoint  # noqa: PLC0415 - imports transformers
+
+        check_checkpoint(latest_checkpoint(Path(cfg.resume)))
     selection.platform.seed_all(cfg.seed)
     run_dir = _new_run_dir(cfg)
     cfg.run_dir = str(run_dir)

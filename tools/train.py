@@ -5,6 +5,11 @@ One run writes into its run directory: `config.yaml` and `platform.json` (see `r
 stage, open it in https://ui.perfetto.dev), `progress.png` (reward and throughput against
 time), `checkpoints/step-NNNNNN/` (model.safetensors + config.json + tokenizer.json, the
 optimizer and store state for resume) and `summary.json` (accuracy before and after RL).
+
+A resumed run is the same run: its step numbers, `accuracy_before`, `first_reward` and the
+totals the metrics count since the run started (`failed_rewards`, `paused_generations`,
+`handed_off`, `handoffs`) go on from its checkpoint. Its `rl_seconds`, `samples_per_s` and
+`tokens_per_s` measure this process's steps, those after `resumed_at`.
 """
 
 from __future__ import annotations
@@ -344,6 +349,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         launched = start_rollouts(cfg, store, settings)
     if resume_from is not None:
         prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
+        totals, first_reward = state.get("totals", {}), state.get("first_reward")  # none in a checkpoint from before they were saved
         if Path(cfg.resume).resolve() == run_dir.resolve():
             truncate_metrics(run_dir / "metrics.jsonl", state["version"])
         accuracy_before = state["accuracy_before"]
@@ -353,7 +359,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         save_model(model, tokenizer, run_dir / "cache" / "initial")
         accuracy_start = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         if cfg.sft.steps:
-            sft = train_cls(copy.deepcopy(model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=platform, **engine_options)
+            sft = train_cls(copy.deepcopy(model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, max_nonfinite_steps=cfg.train.max_nonfinite_steps, platform=platform, **engine_options)
             sft_bar = Progress(TextColumn("[bold]warm start[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not progress, transient=True)
             sft_task = sft_bar.add_task("sft", total=cfg.sft.steps, info="")
             with tracer.span("warm start", "supervised", steps=cfg.sft.steps), sft_bar:
@@ -365,6 +371,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {accuracy_before:.1%} after the warm start")
         saved, prompts = None, Prompts(cfg, tokenizer, held_out)
+        totals, first_reward = {}, None
 
     template = model
     trainer = train_cls(
@@ -375,6 +382,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         micro_batch_size=cfg.train.micro_batch_size,
         temperature=cfg.rollout.temperature,
         precision=cfg.train.precision.value,
+        max_nonfinite_steps=cfg.train.max_nonfinite_steps,
         platform=platform,
         **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
         **engine_options,
@@ -406,14 +414,27 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     def periodic(step: int) -> bool:  # RL step `step` (from 1) ends with a periodic checkpoint
         return step % cfg.checkpoint_every == 0 and step < algo.num_steps
 
+    def run_first_reward() -> float | None:  # the run's: a resumed one's comes from its checkpoint
+        return first_reward if first_reward is not None or not history else history[0]["reward"]
+
+    def save_data(path: Path) -> dict[str, Any]:
+        saved = workflow.save(path)
+        if sharing is not None:
+            saved["totals"]["handoffs"] = handoffs()
+        return saved
+
     def checkpoint() -> None:
         if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
-            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=workflow.stages.save, extra={"accuracy_before": accuracy_before}, keep=cfg.keep_checkpoints, rng=quiet.rng() if quiet is not None else None)
+            extra = {"accuracy_before": accuracy_before, "first_reward": run_first_reward()}
+            save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=save_data, extra=extra, keep=cfg.keep_checkpoints, rng=quiet.rng() if quiet is not None else None)
             checkpointed.append(trainer.version)
+
+    def handoffs() -> int:  # in the run so far, on the trainer's devices
+        return totals.get("handoffs", 0) + sharing.turns.state()["handoffs"]
 
     def on_step(m: dict[str, Any]) -> None:
         if sharing is not None:
-            m["handoffs"] = sharing.turns.state()["handoffs"]  # so far, on the trainer's devices
+            m["handoffs"] = handoffs()
         history.append(m)
         metrics.write(m)
         recent = history[-5:]
@@ -430,7 +451,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     remote = None
     if start_rollouts is not None:
         remote = (launched or start_rollouts(cfg, store, settings)).connect(trainer)
-    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote)
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=prompts, score=make_score(cfg, tokenizer), config=wf_cfg, on_step=on_step, tracer=tracer, rollouts=remote, totals=totals)
 
     def stop_workflow(reason: str) -> None:
         console.print(f"tidal: {reason}: stopping after the current step and saving a checkpoint (again to stop at once)")
@@ -448,10 +469,13 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     gc.collect()
     gc.freeze()
     started = time.perf_counter()
+    nonfinite = None
     with signals:  # through the final checkpoint: a signal while it is written stops the run once it is whole
         try:
             with bar, torch_threads(stage_threads(cfg, "train")):
                 workflow.run()
+        except FloatingPointError as e:  # gradients stayed non-finite: the engine skipped those steps, so its state is the last finite one
+            nonfinite = e
         except BaseException:
             metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
             raise
@@ -467,6 +491,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
                 sharing.close()
         rl_seconds = time.perf_counter() - started
         checkpoint()
+    if nonfinite is not None:  # saved above: a resume with, say, a lower train.lr loses no finite step
+        metrics.close()
+        raise nonfinite
     accuracy_after = None
     if stop.reason is None:
         accuracy_after = evaluate(unsharded(template, trainer.named_weights()), tokenizer, held_items, reward, max_new_tokens=budget)
@@ -476,6 +503,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     if history:
         plot(history, run_dir / "progress.png")
     samples = sum(m["samples"] for m in history)
+    counted = history[-1] if history else totals  # the run's totals: a finished run resumed takes no step
     summary = {
         "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after,
@@ -483,11 +511,12 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         "rl_seconds": rl_seconds,
         "samples_per_s": samples / rl_seconds if rl_seconds else 0.0,
         "tokens_per_s": sum(m["tokens"] for m in history) / rl_seconds if rl_seconds else 0.0,
-        "first_reward": history[0]["reward"] if history else None,
+        "first_reward": run_first_reward(),
         "last_reward": history[-1]["reward"] if history else None,
-        "paused_generations": history[-1]["paused_generations"] if history else 0,
-        "handed_off": history[-1]["handed_off"] if history else 0,
+        **{key: counted.get(key, 0) for key in ("failed_rewards", "paused_generations", "handed_off")},
     }
+    if resume_from is not None:  # rl_seconds and the rates are this process's: its steps came after this version
+        summary["resumed_at"] = state["version"]
     if timeshare is not None:
         summary["timeshare"] = timeshare
     if stop.reason is not None:

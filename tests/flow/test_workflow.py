@@ -321,7 +321,7 @@ def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_
         saving = concurrent.futures.ThreadPoolExecutor(1).submit(stages.save, tmp_path / "store.bin")
         assert not saving.done() and not concurrent.futures.wait([saving], timeout=0.3).done  # held until the take is in the store
         go_on.set()
-        position = saving.result(timeout=10)
+        position = saving.result(timeout=10)["prompt_position"]
     finally:
         stages.stop()
         stages.wait()
@@ -482,7 +482,7 @@ def test_a_stop_while_the_loader_takes_prompts_keeps_every_taken_prompt_in_the_s
     finally:
         go_on.set()
         stages.wait()
-    position = stages.save(tmp_path / "store.bin")
+    position = stages.save(tmp_path / "store.bin")["prompt_position"]
     saved = persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]
     assert position == saved["next_index"] == 4  # the whole take: (max_staleness + 1) steps of 2 prompts
 
@@ -547,3 +547,31 @@ def test_a_stop_during_a_step_trains_no_further_step_even_with_the_next_steps_ro
     _run_or_fail(workflow)
     assert [m["step"] for m in steps] == [1] and trainer.version == 1
     assert store.consumer_counts("train", "train")["acked"] == cfg.batch_size  # step 2's rows stay leased: a checkpoint saves them untrained
+
+
+def test_rows_dropped_while_the_step_before_trains_count_in_their_own_steps_metrics():
+    # With max_staleness >= 1, step v+1's rows are taken while step v trains, and the sampler
+    # drops what is too old for v+1 then. The drop count was read when step v's line was made,
+    # so those rows landed on step v's line (the total was right).
+    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6})
+    trainer, rollout = _engines()
+    store, steps, dropped = Store(), [], threading.Event()
+    workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
+    trainer.version = rollout.version = 4
+    store.add_change_listener(lambda partition: dropped.set() if store.consumer_counts("train", "train")["dropped"] else None)
+    generate, train_step = rollout.generate, trainer.train_step
+
+    def generate_step_5_first(trajectories, **kwargs):
+        if trajectories[0].group >= cfg.prompts_per_step:  # step 6's prompts: once the old group is dropped
+            assert dropped.wait(30)
+        return generate(trajectories, **kwargs)
+
+    def train_step_5_with_an_old_group_arriving(*args, **kwargs):
+        if trainer.version == 4:  # step 6's rows are being taken (at version 5): version 3 is too old for them
+            put_trajectories(store, _group_of_version(3, cfg.group_size))
+            assert dropped.wait(30)  # dropped while step 5 trains
+        return train_step(*args, **kwargs)
+
+    rollout.generate, trainer.train_step = generate_step_5_first, train_step_5_with_an_old_group_arriving
+    _run_or_fail(workflow)
+    assert [(m["step"], m["dropped"]) for m in steps] == [(5, 0), (6, cfg.group_size)]

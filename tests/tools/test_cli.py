@@ -263,7 +263,7 @@ def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
         (["rollout.backend=vllm"], "rollout.backend='vllm' is not available in this version; choices: hf"),
         (["resume=no_such_run"], "resume='no_such_run': no_such_run has no checkpoint to resume from"),
         (["cluster.nodes=[{name: a, devices: 2, tags: [{x: 1}]}]"], "cluster.nodes[0].tags holds {'x': 1}: tags are strings"),
-        (["cluster.nodes=[{name: a, devices: 2, count: -1}]"], "cluster.nodes[0].count must be >= 1, got -1"),
+        (["cluster.nodes=[{name: a, devices: 2, count: -1}]"], "cluster.nodes[0].count=-1 must be >= 1"),
     ],
 )
 def test_run_user_errors_exit_2_without_traceback(tidal_cli, tmp_path, args, message):

@@ -28,6 +28,12 @@ def token_parity(trajectory, text):
     if HOOK is not None:
         HOOK(trajectory)
     return float(sum(map(ord, text)) % 2)
+
+def parity_or_fails(trajectory, text):
+    """`token_parity`, raising on about a third of the texts (rows counted in `failed_rewards`)."""
+    if sum(map(ord, text)) % 3 == 0:
+        raise ValueError("no reward for this text")
+    return token_parity(trajectory, text)
 '''
 
 TINY = [
@@ -130,6 +136,62 @@ def test_a_finished_run_continued_for_more_steps_repeats_the_longer_run(tmp_path
     _run(short, "algorithm.num_steps=2")
     _run(longer, f"resume={short}")
     _assert_same_run(full, longer, from_step=2)
+
+
+def test_a_resumed_run_goes_on_counting_the_runs_totals(tmp_path, rewards):
+    """`failed_rewards` (like `paused_generations`, `handed_off` and `handoffs`) counts since
+    the run started: the checkpoint keeps it, and the continued run's lines and summary are
+    the longer run's (they once counted from 0 again)."""
+    failing = "task.reward=resume_rewards:parity_or_fails"
+    full, short, longer = tmp_path / "full", tmp_path / "short", tmp_path / "longer"
+    full_summary = _run(full, failing)
+    _run(short, failing, "algorithm.num_steps=2")
+    summary = _run(longer, failing, f"resume={short}")
+    counts = [m["failed_rewards"] for m in _steps(full)]
+    assert 0 < counts[1] < counts[-1], counts  # failures before the checkpoint and after it
+    _assert_same_run(full, longer, from_step=2)
+    assert summary["failed_rewards"] == full_summary["failed_rewards"] == counts[-1]
+    assert summary["first_reward"] == full_summary["first_reward"] and summary["resumed_at"] == 2 and "resumed_at" not in full_summary
+
+
+def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(tmp_path, rewards):
+    """Each count goes on from the checkpoint's totals, through a resume of a resumed run;
+    with rollout taking turns on the trainer's (fake) device, `handoffs` too."""
+    colocated = ["device=fake:cuda:1", "placement.rollout.colocate_with=train"]
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+    _run(first, *colocated, "algorithm.num_steps=2")
+    path = first / "checkpoints" / "step-000002" / "state.json"
+    state = json.loads(path.read_text())
+    earlier = {"failed_rewards": 1000, "paused_generations": 2000, "handed_off": 3000, "handoffs": 4000}
+    assert set(state["totals"]) == set(earlier)
+    path.write_text(json.dumps({**state, "totals": earlier}))  # as a long run would have left them
+    _run(second, *colocated, "algorithm.num_steps=3", f"resume={first}")
+    summary = _run(third, *colocated, "algorithm.num_steps=4", f"resume={second}")
+    steps = _steps(second) + _steps(third)
+    assert [m["step"] for m in steps] == [3, 4]
+    assert all(m[key] >= earlier[key] for m in steps for key in earlier), steps
+    assert earlier["handoffs"] < steps[0]["handoffs"] < steps[1]["handoffs"]  # the devices changed hands in each step
+    assert all(summary[key] == steps[-1][key] for key in ("failed_rewards", "paused_generations", "handed_off"))
+    saved = json.loads((third / "checkpoints" / "step-000004" / "state.json").read_text())["totals"]
+    assert all(saved[key] >= steps[-1][key] for key in earlier)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_under_ray_goes_on_from_the_checkpoints_totals(tmp_path, rewards, tidal_cli):
+    """`runtime: ray` counts rollout's totals in its actors (`RayRollouts`): they go on from
+    the checkpoint too, and the run's summary (written by the driver) says so."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    _run(first, "algorithm.num_steps=2")
+    path = first / "checkpoints" / "step-000002" / "state.json"
+    earlier = {"failed_rewards": 1000, "paused_generations": 2000, "handed_off": 3000}
+    path.write_text(json.dumps({**json.loads(path.read_text()), "totals": earlier}))
+    env = {"PYTHONPATH": str(Path(rewards.__file__).parent), "RAY_AUTH_MODE": "disabled"}
+    out = tidal_cli("run", "quickstart_cpu", *TINY, "runtime=ray", f"resume={first}", f"run_dir={second}", "--no-progress", env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = _steps(second)
+    assert [m["step"] for m in steps] == [3, 4] and all(m[key] >= earlier[key] for m in steps for key in earlier), steps
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["resumed_at"] == 2 and all(summary[key] == steps[-1][key] for key in earlier)
 
 
 @pytest.mark.parametrize("where", ["generating", "generating the second half", "scoring"])

@@ -90,7 +90,7 @@ def test_a_checkpoint_reaches_the_disk_before_latest_names_it_and_older_ones_go(
     monkeypatch.setattr(checkpoint_module.os, "fsync", noted_fsync)
     monkeypatch.setattr(checkpoint_module.os, "replace", noted_replace)
     monkeypatch.setattr(checkpoint_module.shutil, "rmtree", noted_rmtree)
-    save_data = lambda path: persist.save(Store(), path) or 0  # noqa: E731
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
     save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
     synced.clear()
     events.clear()
@@ -113,9 +113,9 @@ def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkp
     trainer = TorchTrainEngine(build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), version=5)
 
     def save(n: int) -> Path:
-        def save_data(path: Path) -> int:  # the store, and the prompt position then
+        def save_data(path: Path) -> dict[str, int]:  # the store, and the prompt position then
             persist.save(Store(), path)
-            return n
+            return {"prompt_position": n}
 
         return save_checkpoint(tmp_path, trainer=trainer, template=template, tokenizer=tokenizer, save_data=save_data, extra={})
 
