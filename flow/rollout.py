@@ -340,6 +340,10 @@ class RolloutGroup(Protocol):
         report (remote workers' may come a step late: the trainer does not wait for them)."""
 
 
+ROLLOUT_TOTALS = ("paused_generations", "handed_off")
+"""Rollout's counts in a `RolloutGroup`'s metrics: totals so far (the run's, in `Workflow`'s step metrics)."""
+
+
 class LocalRollouts:
     """`runtime: local`: one worker in this process; weights are handed over as a snapshot.
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tidal.flow.rollout import RolloutWorker, Stop
+from tidal.flow.rollout import ROLLOUT_TOTALS, RolloutWorker, Stop
 from tidal.flow.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class RolloutActor:
         from tidal.hal import current_platform  # noqa: PLC0415
 
         self.platform = current_platform()  # from TIDAL_DEVICE, set by the placement
+        self.started = time.time_ns()
+        """Tells this incarnation from the one before a restart (`metrics`: counts start again at 0)."""
         self.engine = make_engine()
         self.sharing: Any = None
         if turns:
@@ -206,7 +208,7 @@ class RolloutActor:
         self._first.set()  # a `run` still waiting for its first version returns
 
     def metrics(self) -> dict[str, Any]:
-        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": self.worker.waits.take(), "samples": self.worker.num_samples}
+        return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": self.worker.waits.take(), "samples": self.worker.num_samples, "started": self.started}
 
 
 DEATH_NOTICE_S = 120.0
@@ -325,7 +327,9 @@ class RayRollouts:
         self._wanted_lock = threading.Lock()
         self._metrics_asked: list[Any] = []  # requests not answered yet
         self._metrics_next = 0.0  # when `metrics` next calls Ray (time.monotonic)
-        self._counts = {"paused_generations": 0, "handed_off": 0}
+        self._counts = dict.fromkeys(ROLLOUT_TOTALS, 0)
+        self._answered: list[dict[str, Any] | None] = [None] * len(self.actors)  # each actor's latest answer
+        self._before_restarts = dict.fromkeys(ROLLOUT_TOTALS, 0)  # what actors counted before they were restarted
         self.wiring.attach(self.actors, range(len(self.actors)))
 
     def run(self) -> None:
@@ -492,7 +496,7 @@ class RayRollouts:
         looks for the answers to the last request and asks again (once it is answered),
         and every call returns the answers that are in, so the trainer's step never waits
         on an actor busy generating (that cost 4-7 ms a step on 2 cores) and only some
-        steps pay for the calls. The counts are the latest answered; wait times show up
+        steps pay for the calls. The counts are the latest answered (over restarts: `_count`); wait times show up
         in the step whose call collected them."""
         import ray  # noqa: PLC0415
 
@@ -513,8 +517,19 @@ class RayRollouts:
             self._metrics_asked = [a.metrics.remote() for a in self.actors]
         wait_s: dict[str, float] = collections.defaultdict(float)
         if answers:
-            self._counts = {key: sum(m[key] for m in answers) for key in ("paused_generations", "handed_off")}
+            self._count(answers)
         for m in answers:
             for k, v in m["wait_s"].items():
                 wait_s[k] += v / len(self.actors)
         return {**self._counts, "wait_s": dict(wait_s)}
+
+    def _count(self, answers: list[dict[str, Any]]) -> None:
+        """The counts so far over every actor and its earlier incarnations: a restarted actor
+        counts from 0 again (what it counted between its last answer and its death is lost)."""
+        for i, answer in enumerate(answers):
+            last = self._answered[i]
+            if last is not None and last.get("started") != answer.get("started"):
+                for key in ROLLOUT_TOTALS:
+                    self._before_restarts[key] += last[key]
+            self._answered[i] = answer
+        self._counts = {key: self._before_restarts[key] + sum(m[key] for m in self._answered if m is not None) for key in ROLLOUT_TOTALS}

@@ -42,15 +42,11 @@ import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.protocols import RolloutEngine, TrainEngine
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, token_batch_of
+from tidal.flow.rollout import ROLLOUT_TOTALS, TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, token_batch_of
 from tidal.flow.stages import Stages, guard
 from tidal.flow.store import Grouped, StalenessFilter, Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import ENV_VERSION, Trajectory
-
-
-ROLLOUT_TOTALS = ("paused_generations", "handed_off")
-"""Rollout's counts in each step's metrics: totals since the run started (`Workflow(totals=)`)."""
 
 
 @dataclasses.dataclass(kw_only=True)

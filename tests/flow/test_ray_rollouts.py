@@ -134,6 +134,37 @@ def test_rollout_metrics_call_ray_at_most_every_metrics_every_s(ray_session):
     ray.kill(actor)
 
 
+def test_rollout_counts_go_on_past_an_actor_restart(ray_session, wait_for, monkeypatch):
+    """A restarted actor counts from 0 again; the run's totals keep what it counted before
+    (they once fell back by it)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=1)
+    class Counting:
+        def __init__(self):
+            self.calls, self.started = 0, time.time_ns()
+
+        def describe(self):
+            return {}
+
+        def metrics(self):
+            self.calls += 1
+            return {"paused_generations": self.calls, "handed_off": 10 * self.calls, "wait_s": {}, "started": self.started}
+
+    monkeypatch.setattr(runtime, "METRICS_EVERY_S", 0.0)
+    actor = Counting.remote()
+    rollouts = RayRollouts([actor], _NoWiring())
+    seen = []
+    wait_for(lambda: seen.append(rollouts.metrics()) or seen[-1]["paused_generations"] >= 3)
+    before = seen[-1]
+    ray.kill(actor, no_restart=False)
+    wait_for(lambda: seen.append(rollouts.metrics()) or seen[-1]["paused_generations"] > before["paused_generations"] + 1, timeout=30)
+    counts = [(m["paused_generations"], m["handed_off"]) for m in seen]
+    assert counts == sorted(counts), counts  # never back
+    assert seen[-1]["handed_off"] == 10 * seen[-1]["paused_generations"]  # both counts carried alike
+    ray.kill(actor)
+
+
 class _PostingWiring:
     """A wiring that posts (as `IpcWiring` does); `collect` fails once while `fail_collect` is set."""
 
