@@ -118,7 +118,11 @@ class StoreServer:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(address[:-2] + ":*" if address.endswith(":0") else address)
+        try:
+            self._router.bind(address[:-2] + ":*" if address.endswith(":0") else address)
+        except BaseException:
+            self._ctx.destroy(linger=0)  # the router and the context's threads: a taken port leaks nothing
+            raise
         self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._wake_endpoint = f"inproc://tidal-store-wake-{next(_ids)}"

@@ -70,7 +70,7 @@ class _Group:
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = platform.device(0) if wire_backend(platform.descriptor) != "gloo" else torch.device("cpu")
-        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        self.store: dist.TCPStore | None = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
         self.port = self.store.port
         self._pg: dist.ProcessGroup | None = None
         self._backend = wire_backend(platform.descriptor)
@@ -78,6 +78,8 @@ class _Group:
 
     def join(self) -> None:
         """Build the process group (blocks until every rank joined); later calls do nothing."""
+        if self.store is None:
+            raise TransferError(f"rank {self.rank} of the weight broadcast group was closed: open a new sender or receiver")
         if self._pg is None:
             self._pg = _process_group(self._backend, self.store, self.rank, self._world_size, self.timeout)
 
@@ -90,6 +92,16 @@ class _Group:
         opts.timeout = timeout if timeout is not None else self.timeout
         self._pg.broadcast([tensor], opts).wait(opts.timeout)
 
+    def close(self) -> None:
+        """Leave the group: shut its backend down (NCCL and HCCL free their communicators)
+        and drop it and the store, which closes this rank's connections (the other ranks'
+        next broadcast fails at once). Idempotent. A broadcast in flight in another thread
+        keeps what it uses until it ends (gloo: at its timeout)."""
+        pg, self._pg, self.store = self._pg, None, None
+        shutdown = getattr(pg, "shutdown", None)  # every torch backend has one; a vendor's may not
+        if shutdown is not None:
+            shutdown()
+
 
 class CollectiveSender:
     """Trainer side (rank 0). `port` is what receivers connect to; `join()` then `send()`."""
@@ -101,6 +113,10 @@ class CollectiveSender:
 
     def join(self) -> None:
         self._group.join()
+
+    def close(self) -> None:
+        """Leave the group (its receivers' next broadcast fails); idempotent."""
+        self._group.close()
 
     def send(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
         """Broadcast `weights` as `version`, pulling each bucket's tensors just before it goes.
@@ -168,12 +184,17 @@ class CollectiveReceiver:
     ) -> None:
         """`device`: where the received tensors go (default the platform's device 0; the
         broadcast itself lands in buffers on the group's device, freed after `receive`)."""
-        self._group = _Group(platform, rank=rank, world_size=num_receivers + 1, host=host, port=port, timeout_s=timeout_s)
+        self._out_device = device if device is not None else platform.device(0)  # before the group: nothing to close if it fails
         self._expected = expected
-        self._out_device = device if device is not None else platform.device(0)
+        self._group = _Group(platform, rank=rank, world_size=num_receivers + 1, host=host, port=port, timeout_s=timeout_s)
 
     def join(self) -> None:
         self._group.join()
+
+    def close(self) -> None:
+        """Leave the group and close its connections (the trainer's next broadcast fails at
+        once: build a new group); later `receive`s raise `TransferError`. Idempotent."""
+        self._group.close()
 
     def receive(self, timeout_s: float | None = None) -> Weights:
         """The next version the trainer broadcasts.

@@ -47,6 +47,24 @@ POLL_S = 0.1
 """How often a blocked send checks whether it was aborted."""
 
 
+def open_socket(kind: int, address: str, *, bind: bool = False, options: Mapping[int, int] | None = None) -> zmq.Socket:
+    """A new socket of `kind` (linger 0, then `options`) bound or connected to `address`;
+    closed again when that fails (a taken port, a malformed address), so nothing leaks."""
+    sock = zmq.Context.instance().socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        for option, value in (options or {}).items():
+            sock.setsockopt(option, value)
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 def check_bind(address: str, token: str | None) -> None:
     """A receiver bound beyond this host must require a token."""
     host = address.split("://", 1)[-1].rsplit(":", 1)[0]
@@ -62,18 +80,13 @@ class HostSender:
         self._bucket_bytes = bucket_bytes
         self._timeout_ms = int(send_timeout_s * 1000)
         self._token = token or ""
-        self._ctx = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
         self._staging: list[torch.Tensor] = []
         self._aborted = threading.Event()
 
     def connect(self, address: str) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a receiver that is not there
-        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self._sockets[address] = sock
+        # IMMEDIATE: queue nothing for a receiver that is not there
+        self._sockets[address] = open_socket(zmq.PUSH, address, options={zmq.IMMEDIATE: 1, zmq.SNDTIMEO: self._timeout_ms})
         self._aborted.clear()
 
     def disconnect(self, address: str) -> None:
@@ -128,10 +141,8 @@ class HostSender:
             self._or_abort(version, puller.finish)
         for t in trackers:
             self._wait(t, version)  # every bucket left before `end` goes: a send that fails here leaves no complete version queued behind it (the next send rewrites the staging buffers its frames point into)
-        ended: list[Any] = []
-        self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], ended, version)
-        for t in ended:
-            self._wait(t, version)
+        # `end` is one small frame, which ZeroMQ copies: its tracker is done at once, so there is nothing to wait for
+        self._send_all([pack_header(kind="end", version=version, num_buckets=len(manifest.buckets), token=self._token)], [], version)
         return manifest
 
     def _or_abort(self, version: int, pull: Callable[[], _T]) -> _T:
@@ -191,7 +202,10 @@ class HostSender:
                     raise TransferError(f"weight send of version {version} to {address} aborted: a receiver went away")
                 if time.monotonic() > deadline:
                     raise TransferError(f"weight receiver {address} did not take data within {self._timeout_ms / 1000:g}s (version {version})")
-            trackers.append(sock.send_multipart(frames, copy=False, track=True))
+            # a tracker per frame: `send_multipart` returns only the last one's, done at once when
+            # that frame is small (copied), while a large one before it may still be queued
+            for i, frame in enumerate(frames):
+                trackers.append(sock.send(frame, zmq.SNDMORE if i < len(frames) - 1 else 0, copy=False, track=True))
 
     def close(self) -> None:
         for address in list(self._sockets):
@@ -229,9 +243,7 @@ class HostReceiver:
         self._device = device if device is not None else platform.device(0)
         self._expected = expected
         self._token = token or ""
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(bind)
+        self._sock = open_socket(zmq.PULL, bind, bind=True)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.num_failed = 0
         """Versions that started arriving and were abandoned incomplete."""

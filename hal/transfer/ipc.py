@@ -56,7 +56,7 @@ from tidal.hal.transfer import (
     unpack_header,
     weight_source,
 )
-from tidal.hal.transfer.host import POLL_S, check_bind
+from tidal.hal.transfer.host import POLL_S, check_bind, open_socket
 
 PLACE_ALIGN = 64
 """Byte alignment of each tensor `IpcSender.place` lays out (a cache line; any dtype's itemsize divides it)."""
@@ -324,9 +324,7 @@ class IpcReceiver:
         self._device = device if device is not None else platform.device(0)
         self._expected = expected
         self._token = token or ""
-        self._sock = zmq.Context.instance().socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(bind)
+        self._sock = open_socket(zmq.REP, bind, bind=True)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._mapped: tuple[str, torch.Tensor] | None = None
 
@@ -378,10 +376,7 @@ class IpcReceiver:
 
 
 def _request_socket(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
+    return open_socket(zmq.REQ, address)
 
 
 def _cuda_handle(buf: torch.Tensor) -> tuple[Any, ...]:

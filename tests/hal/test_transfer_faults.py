@@ -3,8 +3,11 @@ source that breaks its own specs. A version either arrives whole and right, or n
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,9 +163,107 @@ def test_ipc_receiver_whose_sender_closed_before_it_read_names_the_version():
     sender.connect(receiver.address)
     try:
         sender.post(7, [("w", torch.ones(3))])
+        assert receiver._sock.poll(30_000)  # the announcement arrived: a close with linger 0 drops one still queued
         sender.close()  # the trainer ended (or its buffer was deleted) before this receiver read the version
         with pytest.raises(TransferError, match=r"version 7: cannot map the shared weight buffer .*tidal-weights-.* \(No such file or directory\): its sender closed or died"):
             receiver.receive(30)
     finally:
         sender.close()
         receiver.close()
+
+
+def test_host_send_waits_for_every_frame_of_a_bucket_not_only_its_last(tmp_path: Path):
+    """`send_multipart` returns the tracker of a message's last frame only, and a small frame
+    is copied (its tracker done at once): a bucket ending in a small tensor counted as sent
+    while its large one still sat in the queue, pointing into a staging buffer. Against a
+    stalled receiver the send returned without error, having restaged bucket 2 over bucket 0,
+    and the receiver later took version 1 with w0 holding w2's values."""
+    numel = 1 << 20
+    ctx = zmq.Context.instance()
+    ctx.setsockopt(zmq.RCVHWM, 1)  # the receiver's I/O thread takes in one message, then stalls the sender
+    try:
+        receiver = HostReceiver(CpuPlatform(), bind=f"ipc://{tmp_path}/stalled", token="t")
+    finally:
+        ctx.setsockopt(zmq.RCVHWM, 1000)
+    sender = HostSender(CpuPlatform(), bucket_bytes=numel * 4 + 16, send_timeout_s=1.0, token="t")  # buckets [w_i, s_i]
+    weights = [(f"{kind}{i}", torch.full((n,), float(i)).as_subclass(OnDevice)) for i in range(3) for kind, n in (("w", numel), ("s", 4))]
+    try:
+        sender.connect(receiver.address)
+        with pytest.raises(TransferError, match=r"did not take data within 1s \(version 1\)"):  # bucket 2 waits for bucket 0's w0 to leave slot 0
+            sender.send(1, weights)
+        with pytest.raises(TransferError, match=r"weights incomplete after 3s \(version 1: 2 of 3 buckets arrived\)"):  # no end: nothing goes live
+            receiver.receive(3)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _num_fds(at_most: int, timeout_s: float = 10.0) -> int:
+    """This process's open file descriptors, once there are `at_most` or `timeout_s` passed
+    (ZeroMQ's reaper thread frees a closed socket's descriptor a moment after `close`)."""
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir("/proc/self/fd")) > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize(
+    "open_half",
+    [
+        lambda taken: HostReceiver(CpuPlatform(), bind=taken),
+        lambda taken: IpcReceiver(CpuPlatform(), bind=taken),
+        lambda taken: HostSender(CpuPlatform()).connect("tcp://127.0.0.1:no-port"),
+        lambda taken: IpcSender(CpuPlatform()).connect("tcp://127.0.0.1:no-port"),
+    ],
+    ids=["host-receiver", "ipc-receiver", "host-sender", "ipc-sender"],
+)
+def test_a_socket_that_cannot_bind_or_connect_is_closed(open_half):
+    """A receiver whose port was taken raised from `bind` (a sender from `connect` to a bad
+    address) and left its new socket open for as long as the error lived (its traceback
+    holds it), then closed it with a ResourceWarning."""
+    taken = HostReceiver(CpuPlatform())  # 127.0.0.1 only
+    try:
+        with pytest.raises(zmq.ZMQError):
+            open_half(taken.address)  # once first: what the first failure opens for good is not counted
+        before = len(os.listdir("/proc/self/fd"))
+        errors = []
+        for _ in range(3):
+            with pytest.raises(zmq.ZMQError) as info:
+                open_half(taken.address)
+            errors.append(info)  # held, as a caller that reports it does
+        assert _num_fds(at_most=before) <= before  # each failure would hold one more
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del errors, info
+            gc.collect()
+        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    finally:
+        taken.close()
+
+
+def test_a_closed_collective_receiver_leaves_the_group_and_says_so(receive_in_thread):
+    """CollectiveReceiver had no close(): its connections stayed open as long as the object
+    lived, and nothing could tell the trainer it was gone."""
+    w = [("w", torch.arange(6.0).reshape(2, 3))]
+    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=60)
+    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=60)
+    joined = threading.Thread(target=receiver.join, daemon=True)
+    joined.start()
+    sender.join()
+    joined.join(60)
+    t, out = receive_in_thread(receiver.receive, 60)
+    sender.send(1, w)
+    t.join(60)
+    assert out["weights"].version == 1
+    receiver.close()
+    receiver.close()  # idempotent
+    begin = time.monotonic()
+    with pytest.raises(TransferError, match="broadcast of version 2 failed"):
+        sender.send(2, w)
+    assert time.monotonic() - begin < 30  # the receiver's connections closed: at once, not at the group's 60 s timeout
+    with pytest.raises(TransferError, match="rank 1 of the weight broadcast group was closed"):
+        receiver.receive(1)
+    sender.close()
+    sender.close()
+    with pytest.raises(TransferError, match="rank 0 of the weight broadcast group was closed"):
+        sender.send(3, w)
