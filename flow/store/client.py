@@ -76,7 +76,8 @@ class RemoteStore:
 
     `token` defaults to the `TIDAL_STORE_TOKEN` environment variable. Calls that do not
     wait for data fail with `StoreError` when the server has not replied within
-    `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that.
+    `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that, and a
+    cancellable one (`cancel=`) also when the server stops answering pings for that long.
     `shm=False` keeps every byte on the socket even when the server shares this host.
     """
 
@@ -127,13 +128,15 @@ class RemoteStore:
             weakref.finalize(sockets, _close_sockets, sockets.owned, self._sockets, self._sockets_lock)
         return sockets
 
-    def _socket(self, address: str) -> zmq.Socket:
+    def _socket(self, address: str, *, probe: bool = False) -> zmq.Socket:
+        """This thread's connection to `address` (`probe`: a second one, for `_receive_or_withdraw`'s pings)."""
         sockets = self._thread_sockets()
-        sock = sockets.get(address)
+        key = (address, "probe") if probe else address
+        sock = sockets.get(key)
         if sock is None:
             if self._closed:
                 raise StoreError("the store client is closed")
-            sock = sockets[address] = self._ctx.socket(zmq.DEALER)
+            sock = sockets[key] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             sockets.owned.append(sock)
@@ -221,21 +224,38 @@ class RemoteStore:
 
     def _receive_or_withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: threading.Event) -> Any:
         """`_receive` in a cancellable call: looks at `cancel` every `CANCEL_CHECK_S` and on
-        `wake()`, and once it is set withdraws the request (`_withdraw`) instead of waiting on."""
-        listener = self._wake_listener()
+        `wake()`, and once it is set withdraws the request (`_withdraw`) instead of waiting on.
+        After each `CANCEL_CHECK_S` without a word from the server it pings it, on a connection
+        of its own (a ping on `sock` would end the server's hold on a get reply not read yet,
+        `_Peer.sent`); a ping unanswered for `rpc_timeout_s` means the server is gone."""
+        listener, probe = self._wake_listener(), self._socket(address, probe=True)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(listener, zmq.POLLIN)
+        for each in (sock, listener, probe):
+            poller.register(each, zmq.POLLIN)
         deadline = None if wait_s is None else time.monotonic() + wait_s
+        heard, ping = time.monotonic(), None  # when the server last answered; the ping out: (id, sent at)
         while not cancel.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
-            ready = dict(poller.poll(int(1000 * (CANCEL_CHECK_S if left is None else min(left, CANCEL_CHECK_S))) + 1))
+            if ping is None and now - heard >= CANCEL_CHECK_S:
+                ping = (next(self._ids), now)
+                probe.send_multipart(pack({"op": "ping", "id": ping[0], "token": self.token, "args": {}}))
+            elif ping is not None and now - ping[1] >= self.rpc_timeout_s:
+                self._settle(request_id, ok=False)
+                raise StoreError(f"store server {address} did not answer a ping within {self.rpc_timeout_s:g}s while {op!r} waited; is it running?")
+            due = ping[1] + self.rpc_timeout_s if ping is not None else heard + CANCEL_CHECK_S  # the ping's deadline, or the next ping
+            ready = dict(poller.poll(int(1000 * max(min(CANCEL_CHECK_S, due - now, CANCEL_CHECK_S if left is None else left), 0.0)) + 1))
             if sock in ready:
                 reply = self._next_reply(sock, request_id, address, op, 0.0)  # ready: another request's reply, maybe
                 if reply is not None:
                     return self._result(reply)
+            if probe in ready:
+                while probe.poll(0):
+                    answered = unpack(probe.recv_multipart()).get("id")
+                    if ping is not None and answered == ping[0]:  # not a late answer to an earlier wait's ping
+                        heard, ping = time.monotonic(), None
             if listener in ready:
                 while listener.poll(0):
                     listener.recv()
@@ -569,7 +589,8 @@ class PendingPut:
 
 CANCEL_CHECK_S = 1.0
 """How often a cancellable remote get/put looks at its cancel event while it waits, when
-nobody calls `RemoteStore.wake()` (a local check: the request is sent once)."""
+nobody calls `RemoteStore.wake()` (a local check: the request is sent once), and how long
+the server may be silent before it is pinged (on a second connection)."""
 
 
 def _plain(values: Sequence[Any] | None) -> list[Any] | np.ndarray | None:

@@ -323,6 +323,14 @@ def from_spec(spec: Any) -> Sampler:
             raise ValueError(f"sampler {kind!r} needs integer {key} >= {minimum}, got {value!r}")
         return value
 
+    def inner() -> Sampler:
+        value = spec.get("inner")
+        if value is None:
+            raise ValueError(f"sampler {kind!r} spec lacks inner, the sampler it wraps (e.g. {{'kind': 'sequential'}})")
+        if not isinstance(value, dict):
+            raise ValueError(f"sampler {kind!r} needs inner to be a sampler spec (a map), got {value!r}")
+        return from_spec(value)
+
     if kind == "sequential":
         return Sequential()
     if kind == "grouped":
@@ -334,15 +342,15 @@ def from_spec(spec: Any) -> Sampler:
         hold = spec.get("hold", False)
         if not isinstance(hold, bool):
             raise ValueError(f"sampler 'staleness' needs a boolean hold, got {hold!r}")
-        return StalenessFilter(integer("max_staleness", 0), from_spec(spec.get("inner")), hold, at_version)
+        return StalenessFilter(integer("max_staleness", 0), inner(), hold, at_version)
     if kind == "seqlen":
         column = spec.get("length_column")
         if not isinstance(column, str):
             raise ValueError(f"sampler 'seqlen' needs a length_column name, got {column!r}")
-        return SeqlenBalanced(integer("num_ranks", 1), column, from_spec(spec.get("inner")))
+        return SeqlenBalanced(integer("num_ranks", 1), column, inner())
     if kind == "tagged_first":
         tag = spec.get("tag")
         if not isinstance(tag, str):
             raise ValueError(f"sampler 'tagged_first' needs a tag name, got {tag!r}")
-        return TaggedFirst(tag, from_spec(spec.get("inner")))
+        return TaggedFirst(tag, inner())
     raise ValueError(f"unknown sampler kind {kind!r}; kinds: grouped, seqlen, sequential, staleness, tagged_first")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -171,7 +174,7 @@ def test_a_cancelled_put_without_a_wake_is_withdrawn_and_leaves_nothing_behind(s
     assert client.put("train", {"x": torch.ones(1, 1)}, cancel=threading.Event()) == [1]  # no index was taken; the connection serves on
 
 
-def test_a_cancellable_put_or_get_still_times_out(served, monkeypatch):
+def test_a_cancellable_put_or_get_still_times_out(served, monkeypatch, wait_for):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)
     _, server, client = served
     client.create_partition("train", consumers=["train"], capacity_rows=1)
@@ -181,4 +184,71 @@ def test_a_cancellable_put_or_get_still_times_out(served, monkeypatch):
     client.create_partition("prompts", consumers=["rollout"])
     with pytest.raises(StoreTimeout):
         client.get("rollout", "prompts", ["x"], 1, timeout=0.3, cancel=threading.Event())
-    assert server._parked == []
+    wait_for(lambda: server._parked == [])  # the server replies to an expired request before it forgets it
+
+
+_DOOMED_SERVER = textwrap.dedent(
+    """
+    import time
+    import torch
+    from tidal.flow.store import Store, StoreServer
+    store = Store()
+    store.create_partition("prompts", consumers=["rollout"])
+    store.create_partition("train", consumers=["train"], capacity_rows=1)
+    store.put("train", {"x": torch.zeros(1, 1)})
+    server = StoreServer(store)
+    print(server.address, flush=True)
+    while not server._parked:
+        time.sleep(0.005)
+    print("parked", flush=True)
+    time.sleep(600)  # killed while the request is parked
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("op", "call"),
+    [
+        ("get", lambda client: client.get("rollout", "prompts", ["x"], 1, cancel=threading.Event())),
+        ("put", lambda client: client.put("train", {"x": torch.ones(1, 1)}, cancel=threading.Event())),
+    ],
+)
+def test_a_cancellable_wait_without_a_timeout_notices_its_server_died(monkeypatch, op, call):
+    """Since a cancellable get/put is sent once, one with timeout=None waited for its cancel
+    even after its server was killed (the 1 s re-sends it replaced had noticed)."""
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.2)
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_SERVER], stdout=subprocess.PIPE, text=True)
+    client = None
+    try:
+        assert proc.stdout is not None
+        client = RemoteStore(proc.stdout.readline().strip(), rpc_timeout_s=1.0)
+        thread, outcome = _wait_in_thread(lambda: call(client))
+        assert proc.stdout.readline().strip() == "parked"
+        proc.kill()
+        proc.wait(timeout=10)
+        begin = time.monotonic()
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - begin < 4  # a ping after 0.2 s of silence, unanswered for 1 s
+        assert isinstance(outcome[0], StoreError)
+        assert f"did not answer a ping within 1s while {op!r} waited; is it running?" in str(outcome[0])
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        if client is not None:
+            client.close()
+
+
+def test_a_cancellable_wait_on_a_live_server_outlasts_the_rpc_timeout(served, monkeypatch):
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)  # pinged every 0.05 s
+    store, server, _ = served
+    store.create_partition("prompts", consumers=["rollout"])
+    client = RemoteStore(server.address, rpc_timeout_s=0.3)
+    try:
+        thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=threading.Event()))
+        time.sleep(1.0)  # the wait under test: three rpc timeouts without a reply to the get
+        assert thread.is_alive()
+        store.put("prompts", {"x": torch.ones(1, 1)})
+        thread.join(5)
+        assert outcome[0].indexes == [0]
+    finally:
+        client.close()

@@ -181,3 +181,14 @@ def test_from_spec_refuses_a_hold_that_is_not_a_boolean():
     assert from_spec({**spec, "hold": True}).hold is True
     with pytest.raises(ValueError, match="hold"):
         from_spec({**spec, "hold": "false"})
+
+
+@pytest.mark.parametrize("sampler", [StalenessFilter(1), SeqlenBalanced(2, "tokens"), TaggedFirst("resume")], ids=["staleness", "seqlen", "tagged_first"])
+def test_from_spec_without_an_inner_sampler_names_the_kind_and_the_key(sampler):
+    """Was "sampler spec must be a map, got None", naming neither the sampler nor the key."""
+    spec = {key: value for key, value in to_spec(sampler).items() if key != "inner"}
+    kind = spec["kind"]
+    with pytest.raises(ValueError, match=rf"sampler '{kind}' spec lacks inner, the sampler it wraps"):
+        from_spec(spec)
+    with pytest.raises(ValueError, match=rf"sampler '{kind}' needs inner to be a sampler spec \(a map\), got 3"):
+        from_spec({**spec, "inner": 3})
