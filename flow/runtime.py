@@ -112,17 +112,17 @@ class RolloutActor:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
 
-        self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
-        self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
-        return self._receiver.address
+        receiver = self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
+        self._start_receiving(receiver, lambda: receiver.receive(timeout_s=3600.0))
+        return receiver.address
 
     def open_ipc_receiver(self, *, bind_host: str, token: str | None) -> str:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.ipc import IpcReceiver  # noqa: PLC0415
 
-        self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
-        self._start_receiving(lambda: self._receiver.receive(timeout_s=3600.0))
-        return self._receiver.address
+        receiver = self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
+        self._start_receiving(receiver, lambda: receiver.receive(timeout_s=3600.0))
+        return receiver.address
 
     def open_collective_receiver(self, *, host: str, port: int, rank: int, num_receivers: int) -> None:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
@@ -134,13 +134,21 @@ class RolloutActor:
             receiver.join()  # once: blocks until every member joined
             return receiver.receive(timeout_s=3600.0)  # a version may be an hour apart (a long step, a checkpoint), as over host and ipc
 
-        self._start_receiving(join_and_receive)
+        self._start_receiving(receiver, join_and_receive)
 
-    def _start_receiving(self, receive: Callable[[], Any]) -> None:
+    def _start_receiving(self, receiver: Any, receive: Callable[[], Any]) -> None:
+        """Apply what `receive()` gets from `receiver` on a thread of its own, the receiver's
+        only user, which closes it when it ends (a ZeroMQ socket is closed by its thread)."""
         self._generation += 1
         generation = self._generation
 
         def loop() -> None:
+            try:
+                receive_all()
+            finally:
+                receiver.close()
+
+        def receive_all() -> None:
             while not self.stopping.is_set():
                 try:
                     weights = receive()

@@ -98,6 +98,7 @@ class CollectiveWiring:
 
         if self.sender is not None:
             ray.get([a.retire_receiver.remote() for a in actors])  # before the old group goes
+            self.sender.close()  # the receivers still in it fail at once, their threads close them
         self.sender = CollectiveSender(self._platform, num_receivers=len(actors), host=self._host, bucket_bytes=self._bucket_bytes)
         ray.get([a.open_collective_receiver.remote(host=self._host, port=self.sender.port, rank=rank, num_receivers=len(actors)) for rank, a in enumerate(actors, start=1)])
         self.sender.join()
@@ -106,4 +107,6 @@ class CollectiveWiring:
         pass  # a broadcast to a dead member fails by itself
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         self.sender = None
