@@ -28,6 +28,9 @@ checkpoint's `config.json`: `resume=` with another value is an error."""
 _NOT_COMPARED = ("run_dir", "resume", "output_dir")
 _NO_EFFECT_ON_RESUME = "sft."
 """Keys a resumed run does not use: its warm start is done."""
+_HELD_OUT_KEYS = ("seed", "task.name", "task.max_value", "task.ops", "task.num_numbers", "task.max_number", "task.num_eval_prompts")
+"""Keys that draw the held-out set (`tools.train.held_out_prompts`): changed on resume, the
+accuracy after RL is measured on other prompts than the checkpoint's accuracy before."""
 
 
 def _new_run_dir(cfg: Any) -> Path:
@@ -106,7 +109,18 @@ def resume_changes(cfg: Any) -> list[str]:
     except ConfigError:  # missing, or written by a tidal whose keys differ: the checkpoint still loads
         return []
     changed = [key for key in now if now[key] != before[key]]
-    return [f"{key}: {_shown(before[key])} -> {_shown(now[key])}" + (" (no effect: the warm start is done)" if key.startswith(_NO_EFFECT_ON_RESUME) else "") for key in changed]
+    return [f"{key}: {_shown(before[key])} -> {_shown(now[key])}{_note(key)}" for key in changed]
+
+
+def _note(key: str) -> str:
+    """What a changed key means for a resumed run, beyond its new value."""
+    if key.startswith(_NO_EFFECT_ON_RESUME):
+        return " (no effect: the warm start is done)"
+    if key in _HELD_OUT_KEYS:
+        return " (another held-out set: accuracy before and after RL are measured on different prompts)"
+    if key == "task.reward":
+        return " (another reward: accuracy before and after RL are scored differently)"
+    return ""
 
 
 def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:

@@ -294,6 +294,14 @@ def test_a_resume_is_checked_against_its_checkpoint(tmp_path):
         (old / "checkpoints" / "latest").write_text(name + "\n")
         with pytest.raises(ConfigError, match=f"names {name!r}, which is no checkpoint folder"):
             resume_changes(load_config(recipe, [f"resume={old}"]))
+    (old / "checkpoints" / "latest").write_text("step-000003")
+    (old / "config.yaml").write_text((recipe.read_text()))
+    assert resume_changes(load_config(recipe, [f"resume={old}", "seed=3", "task.reward=exact_match", "sft.steps=5", "train.lr=1e-4"])) == [
+        "seed: 0 -> 3 (another held-out set: accuracy before and after RL are measured on different prompts)",
+        "task.reward:  -> exact_match (another reward: accuracy before and after RL are scored differently)",
+        "sft.steps: 200 -> 5 (no effect: the warm start is done)",
+        "train.lr: 0.0002 -> 0.0001",
+    ]
     (tmp_path / "a-file").write_text("")
     for key in ("run_dir", "output_dir"):
         with pytest.raises(ConfigError, match=f"{key}=.* is a file, not a directory"):
