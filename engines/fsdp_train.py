@@ -60,7 +60,6 @@ vendor).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -291,7 +290,7 @@ class FSDPTrainEngine:
         every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
         if not self._leading:
             return self._logprobs(batch)
-        fields, rows = self._lead("logprobs", dataclasses.astuple(batch))
+        fields, rows = self._lead("logprobs", batch.tensors())
         parts = [self._logprobs(TokenBatch(*fields))]
         for rank in range(1, self.world_size):
             parts.append(torch.empty((rows[rank], batch.input_ids.shape[1] - 1), dtype=parts[0].dtype))
@@ -373,7 +372,7 @@ class FSDPTrainEngine:
             if loss.kl_coef == 0:
                 whole = _counts(batch)
                 batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
-            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*dataclasses.astuple(batch), advantages, proximal_logprobs], loss=loss, whole=whole)
+            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], loss=loss, whole=whole)
             metrics = self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole)
         else:
             metrics = self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
@@ -422,7 +421,7 @@ class FSDPTrainEngine:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask` tokens
         (led by rank 0: `batch` is every row)."""
         if self._leading:
-            fields, _ = self._lead("sft_step", dataclasses.astuple(batch))
+            fields, _ = self._lead("sft_step", batch.tensors())
             batch = TokenBatch(*fields)
         return self._sft_step(batch)
 
