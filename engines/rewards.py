@@ -23,7 +23,8 @@ from tidal.flow.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[[Trajectory, str], float]
-_INTEGER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"(-?)0*(\d+)")
+"""An integer's sign and its digits without leading zeros."""
 
 
 def exact_match(trajectory: Trajectory, text: str) -> float:
@@ -32,9 +33,13 @@ def exact_match(trajectory: Trajectory, text: str) -> float:
 
 
 def arithmetic(trajectory: Trajectory, text: str) -> float:
-    """1.0 when the first integer in the continuation equals `meta["answer"]`."""
+    """1.0 when the first integer in the continuation equals `meta["answer"]`. Compared as
+    text, leading zeros aside: `int()` raises on a run of more than 4300 digits."""
     found = _INTEGER.search(text)
-    return float(found is not None and int(found.group()) == int(trajectory.meta["answer"]))
+    if found is None:
+        return 0.0
+    sign, digits = found.groups()
+    return float(("" if digits == "0" else sign) + digits == str(int(trajectory.meta["answer"])))
 
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -56,12 +61,17 @@ def _evaluate(node: ast.AST, available: list[int]) -> float:
 
 
 def countdown(trajectory: Trajectory, text: str) -> float:
-    """1.0 for an expression over `meta["numbers"]` (each at most once) equal to `meta["target"]`;
-    0.1 for a valid expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd."""
+    """1.0 for an expression that uses each of `meta["numbers"]` exactly once (as the task
+    asks: a subset would solve many prompts more easily) and equals `meta["target"]`; 0.1 for
+    such an expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd."""
     expression = text.strip().split("\n")[0]
+    left = list(trajectory.meta["numbers"])
     try:
-        value = _evaluate(ast.parse(expression, mode="eval"), list(trajectory.meta["numbers"]))
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, OverflowError):
+        value = _evaluate(ast.parse(expression, mode="eval"), left)
+    # MemoryError and RecursionError: how the parser and `_evaluate` answer deep nesting
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, OverflowError, MemoryError):
+        return 0.0
+    if left:
         return 0.0
     return 1.0 if math.isclose(value, trajectory.meta["target"], abs_tol=1e-9) else 0.1
 
@@ -78,6 +88,8 @@ def resolve_reward(spec: str) -> RewardFn:
     if ":" not in spec:
         raise ValueError(f"unknown reward {spec!r}; registered: {sorted(REWARDS)}, or give module:function")
     module_name, _, attr = spec.partition(":")
+    if not module_name or module_name.startswith(".") or not attr:  # import_module: ValueError, TypeError
+        raise ValueError(f"reward {spec!r}: give module:function with an absolute module name, e.g. my_rewards:score")
     if not {"", os.getcwd()} & set(sys.path):
         sys.path.append(os.getcwd())
     try:

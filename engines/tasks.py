@@ -41,6 +41,15 @@ def countdown(num_prompts: int, *, seed: int, num_numbers: int = 3, max_number: 
     return out
 
 
+def problem_key(item: dict[str, Any]) -> Any:
+    """What makes two items the same problem, for keeping held-out problems out of training:
+    a countdown item's numbers in any order and its target (its prompt text lists them in
+    the order drawn), otherwise the prompt text."""
+    if "numbers" in item and "target" in item:
+        return (tuple(sorted(item["numbers"])), item["target"])
+    return item["prompt"]
+
+
 def longest_prompt(name: str, params: dict[str, Any]) -> int | None:
     """Characters of the longest prompt task `name` can draw with these keyword arguments
     (those of `PROMPT_PARAMS[name]`); None for a task without a known bound."""

@@ -42,6 +42,8 @@ class CharTokenizer:
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         out = []
         for i in ids:
+            if i < 0:  # would index SPECIALS from the end
+                raise ValueError(f"token id {i} is outside the vocabulary ({self.vocab_size})")
             if i < len(SPECIALS):
                 if not skip_special:
                     out.append(SPECIALS[i])

@@ -92,7 +92,7 @@ class TaskConfig:
     num_eval_prompts: int = 200
     """Held-out prompts (drawn with another seed) for the accuracy reported before and after RL."""
     exclude_eval_prompts: bool = False
-    """Never train on a prompt whose text is in the evaluation set (use for tasks with many distinct prompts)."""
+    """Never train on a problem of the evaluation set (countdown: the same numbers, in any order, and target; use for tasks with many distinct prompts)."""
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tidal.engines.rewards import resolve_reward, score
-from tidal.engines.tasks import TASK_REWARDS, TASKS
+from tidal.engines.tasks import TASK_REWARDS, TASKS, problem_key
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, save_model
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store
@@ -53,12 +53,13 @@ EVAL_SEED_OFFSET = 1_000_003
 class Prompts:
     """An endless, seeded stream of training prompts; `position` resumes it.
 
-    Prompts whose exact text is in `held_out` are skipped. (On a small task such as
+    Prompts whose problem (`tasks.problem_key`: for countdown, the same numbers in any
+    order and target) is in `held_out` are skipped. (On a small task such as
     single-digit arithmetic the held-out set is a fixed sample of the same distribution
     drawn with another seed, and `held_out` is left empty: every sum can appear in both.)
     """
 
-    def __init__(self, cfg: Any, tokenizer: CharTokenizer, held_out: set[str], position: int = 0) -> None:
+    def __init__(self, cfg: Any, tokenizer: CharTokenizer, held_out: set[Any], position: int = 0) -> None:
         self.cfg, self.tokenizer, self.held_out = cfg, tokenizer, held_out
         self.position = position
 
@@ -76,7 +77,7 @@ class Prompts:
                 if k * 512 + j < self.position:
                     continue
                 self.position = k * 512 + j + 1
-                if item["prompt"] in self.held_out:
+                if problem_key(item) in self.held_out:
                     skipped += 1
                     if skipped >= self.MAX_SKIPPED:
                         raise ConfigError(
@@ -101,11 +102,11 @@ def task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
     return task(n, seed=seed)
 
 
-def held_out_prompts(cfg: Any) -> tuple[list[dict[str, Any]], set[str]]:
-    """The held-out evaluation items, and the prompt texts training leaves out for them
+def held_out_prompts(cfg: Any) -> tuple[list[dict[str, Any]], set[Any]]:
+    """The held-out evaluation items, and the problems (`problem_key`) training leaves out for them
     (none unless `task.exclude_eval_prompts`)."""
     items = task_prompts(cfg, cfg.task.num_eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
-    return items, ({item["prompt"] for item in items} if cfg.task.exclude_eval_prompts else set())
+    return items, ({problem_key(item) for item in items} if cfg.task.exclude_eval_prompts else set())
 
 
 def make_score(cfg: Any, tokenizer: CharTokenizer) -> Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]]:
@@ -149,7 +150,7 @@ def _answer_trajectories(items: list[dict[str, Any]], tokenizer: CharTokenizer) 
     return out
 
 
-def warm_start(engine: TorchTrainEngine, cfg: Any, tokenizer: CharTokenizer, held_out: set[str], on_step: Any = None) -> list[float]:
+def warm_start(engine: TorchTrainEngine, cfg: Any, tokenizer: CharTokenizer, held_out: set[Any], on_step: Any = None) -> list[float]:
     """Supervised steps on prompt + answer so RL starts from a policy that sometimes succeeds."""
     losses = []
     stream = iter(Prompts(cfg, tokenizer, held_out, position=10**9))  # a region RL never reaches

@@ -14,6 +14,7 @@ from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.rewards import arithmetic, countdown, exact_match, resolve_reward, score
 from tidal.engines.tasks import arithmetic as arithmetic_prompts
 from tidal.engines.tasks import countdown as countdown_prompts
+from tidal.engines.tasks import problem_key
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, load_model, save_model
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
@@ -32,6 +33,8 @@ def test_tokenizer_round_trip_and_errors(tmp_path):
     assert T.decode([T.pad_id, *ids, T.eos_id], skip_special=False) == "<pad><bos>12+7=19<eos>"
     with pytest.raises(ValueError, match="'#' is not in the tokenizer"):
         T.encode("1#2")
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary"):  # was decoded as <eos>
+        T.decode([-1, 5], skip_special=False)
     T.save(tmp_path)
     assert CharTokenizer.load(tmp_path).encode("a=b") == T.encode("a=b")
 
@@ -233,6 +236,31 @@ def test_verifiers():
     assert countdown(c, f"{huge}/3") == 0.0 and countdown(c, f"(3/5)*{huge}") == 0.0
 
 
+def test_countdown_needs_every_number_exactly_once():
+    # A subset used to score 1.0 (and any lone number 0.1): on 30% of the default task's
+    # prompts a shorter expression than the task asks for reached the target, 10% by one number.
+    c = Trajectory(prompt_ids=[1], meta={"numbers": [3, 5, 7], "target": 8})
+    assert countdown(c, "3+5") == 0.0 and countdown(c, "7") == 0.0 and countdown(c, "3") == 0.0
+    assert countdown(c, "(7-5)*3") == 0.1 and countdown(c, "(7-5)*3+0") == 0.0  # every number once, another value; 0 not given
+    assert countdown(c, "3+5*7/7") == 0.0 and countdown(c, "5+3+7-7") == 0.0  # 7 twice
+    repeated = Trajectory(prompt_ids=[1], meta={"numbers": [3, 3, 5], "target": 14})
+    assert countdown(repeated, "3*3+5") == 1.0 and countdown(repeated, "3*5") == 0.0  # a number given twice is used twice
+    for item in countdown_prompts(200, seed=6):  # no prompt of the task is solved by fewer numbers
+        t = Trajectory(prompt_ids=[1], meta=item)
+        assert not any(countdown(t, e) > 0 for r in range(1, len(item["numbers"])) for e in _expressions(item["numbers"][:r]))
+
+
+def test_verifiers_score_pathological_outputs_zero_instead_of_failing():
+    # The parser answers deep nesting with MemoryError, int() a 4300+ digit run with
+    # ValueError: both used to escape, and `score` counted the built-in verifier as failed.
+    c = Trajectory(prompt_ids=[1], meta={"numbers": [3, 5, 7], "target": 22})
+    rewards, failed = score(countdown, [c] * 3, ["-" * 6000 + "3", "3" + "**3" * 3000, "3" + "*3" * 3000])
+    assert rewards == [0.0, 0.0, 0.0] and failed == []
+    a, zero = Trajectory(prompt_ids=[1], meta={"answer": "19"}), Trajectory(prompt_ids=[1], meta={"answer": "0"})
+    rewards, failed = score(arithmetic, [a, a, a, zero, zero, a], ["9" * 5000, "-" + "0" * 5000, "0019", "-00", "0" * 5000, "-19"])
+    assert rewards == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0] and failed == []  # leading zeros aside, as int() compared them
+
+
 def test_resolve_reward_and_failing_rewards_do_not_crash():
     assert resolve_reward("arithmetic") is arithmetic
     assert resolve_reward("math:isfinite") is math.isfinite
@@ -242,6 +270,9 @@ def test_resolve_reward_and_failing_rewards_do_not_crash():
         resolve_reward("no_such_module:f")
     with pytest.raises(ValueError, match="has no function 'nope'"):
         resolve_reward("math:nope")
+    for spec in (".relative:f", ":f", "math:"):  # raised TypeError / a message naming neither the spec nor the form
+        with pytest.raises(ValueError, match=rf"reward '{spec}': .*module:function"):
+            resolve_reward(spec)
 
     def flaky(trajectory, text):
         if text == "boom":
@@ -282,6 +313,20 @@ def test_tasks_are_deterministic_and_correct():
     assert all(len(item["numbers"]) == 2 and max(item["numbers"]) <= 5 for item in small)
     assert all(countdown(Trajectory(prompt_ids=[1], meta=item), item["answer"]) == 1.0 for item in small)
     assert any("(" in item["answer"] for item in countdown_prompts(50, seed=5))  # a product of a sum keeps its brackets
+
+
+def test_problem_key_matches_countdown_prompts_whose_numbers_are_reordered():
+    # Excluding held-out prompts by text let the same problems through with their numbers
+    # reordered: of 51,200 training prompts (defaults, seed 0), 1,059 had a held-out text
+    # and 3,660 more were a held-out problem in another order.
+    held = countdown_prompts(200, seed=1_000_003)
+    texts, keys = {h["prompt"] for h in held}, {problem_key(h) for h in held}
+    train = [item for k in range(10) for item in countdown_prompts(512, seed=k)]
+    reordered = [item for item in train if item["prompt"] not in texts and problem_key(item) in keys]
+    assert reordered and all(problem_key(item) == (tuple(sorted(item["numbers"])), item["target"]) for item in reordered)
+    assert problem_key({"prompt": "3 5 7>22:", "numbers": [3, 5, 7], "target": 22}) == problem_key({"prompt": "7 3 5>22:", "numbers": [7, 3, 5], "target": 22})
+    assert problem_key({"prompt": "3 5 7>22:", "numbers": [3, 5, 7], "target": 22}) != problem_key({"prompt": "3 5 7>21:", "numbers": [3, 5, 7], "target": 21})
+    assert problem_key({"prompt": "1+2=", "answer": "3"}) == "1+2=" != problem_key({"prompt": "2+1=", "answer": "3"})
 
 
 def _expressions(numbers):
