@@ -124,8 +124,12 @@ class AcceleratorPlatform:
         self._require()
         return self._mod.current_stream()
 
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
-        return self._mod.stream(stream)
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[Any]:
+        """Make `stream` current inside the block and give it to `as`, as the CPU platform does
+        (the vendor's `stream()` context gives None)."""
+        with self._mod.stream(stream):
+            yield stream
 
     # Memory --------------------------------------------------------------------------
     def memory_allocated(self) -> int:

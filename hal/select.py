@@ -17,7 +17,7 @@ import torch
 
 from tidal.hal import cuda, npu
 from tidal.hal.cpu import CpuPlatform, fake_platform
-from tidal.hal.platform import KINDS, Platform
+from tidal.hal.platform import KINDS, Platform, PlatformUnavailable
 
 ENV_VAR = "TIDAL_DEVICE"
 VALID_SPECS = "auto, cpu, cuda, npu, fake:<kind>:<n> (kind one of cuda, npu, cpu; n >= 0), e.g. fake:npu:8"
@@ -87,7 +87,12 @@ def load(spec: str) -> Platform:
 
 
 def select_platform(recipe_device: str | None = None) -> Selection:
-    """Choose and load a platform (not cached; see `init_platform`)."""
+    """Choose and load a platform (not cached; see `init_platform`).
+
+    Raises:
+        PlatformUnavailable: the chosen platform cannot load; the message adds who chose it
+            (`TIDAL_DEVICE`, the recipe's `device` key or detection) and how to pick another.
+    """
     env = os.environ.get(ENV_VAR, "").strip()
     if env and check_spec(env) != "auto":
         spec, chosen_by, reason = check_spec(env), ENV_VAR, f"{ENV_VAR}={env}"
@@ -97,7 +102,11 @@ def select_platform(recipe_device: str | None = None) -> Selection:
     else:
         spec, reason = detect()
         chosen_by = "detection"
-    return Selection(platform=load(spec), spec=spec, chosen_by=chosen_by, reason=reason)
+    try:
+        platform = load(spec)
+    except PlatformUnavailable as e:  # the loader says what is missing, not where `spec` came from
+        raise PlatformUnavailable(f"{e} (platform {spec!r} was chosen by {chosen_by}: {reason}; set {ENV_VAR}=cpu (or another platform) to run elsewhere)") from e
+    return Selection(platform=platform, spec=spec, chosen_by=chosen_by, reason=reason)
 
 
 _current: Selection | None = None

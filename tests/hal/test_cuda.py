@@ -83,6 +83,20 @@ def test_visible_device_ids_are_checked_as_on_the_fake_platform(monkeypatch, mac
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,2" and platform.descriptor.device_count == 2
 
 
+def test_use_stream_hands_its_stream_to_the_with_block_as_on_cpu():
+    """`with platform.use_stream(s) as t` gives `t is s` on every platform. torch.cuda.stream's
+    context (`StreamContext`, which torch_npu copies) returns None from `__enter__`, while the
+    CPU platform's gives the stream: code written on CPU would get None on a GPU. The real
+    `torch.cuda.stream` here (with no GPU it sets nothing, as for a stream of None)."""
+    vendor = Vendor(kind="cuda", module=torch.cuda, comm_env={}, range_start=print, range_end=print, dtype_support=dict, fused_optimizers=True, initialized=lambda: False, machine_count=lambda: None)
+    platform = AcceleratorPlatform(vendor)
+    stream = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with platform.use_stream(stream) as entered:
+        assert entered is stream
+    with pytest.raises(KeyError, match="inside"), platform.use_stream(stream):
+        raise KeyError("inside")  # errors pass through
+
+
 def test_cuda_counts_the_machines_gpus_whatever_the_variable_holds(monkeypatch):
     """NVML's raw count, not torch.cuda.device_count() (which follows CUDA_VISIBLE_DEVICES);
     None where NVML cannot answer and the variable is set."""

@@ -178,6 +178,7 @@ def test_broken_torch_npu_is_reported_as_missing_cann(tmp_path, monkeypatch):
         hal.select_platform()  # detection found torch_npu: no silent fallback to CPU
     msg = str(e.value)
     assert "libhccl.so" in msg and "CANN" in msg and "set_env.sh" in msg
+    assert "platform 'npu' was chosen by detection: torch_npu is installed" in msg and "TIDAL_DEVICE=cpu" in msg  # the way out
     sys.modules.pop("torch_npu", None)
 
 

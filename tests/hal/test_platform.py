@@ -67,6 +67,22 @@ def test_requested_npu_without_torch_npu_says_what_is_missing(monkeypatch):
     assert "torch_npu" in str(e.value) and "CANN" in str(e.value)
 
 
+@pytest.mark.parametrize(("env", "recipe", "chosen_by"), [("npu", None, "TIDAL_DEVICE: TIDAL_DEVICE=npu"), (None, "npu", "recipe device key: recipe device: npu"), ("auto", "npu", "recipe device key: recipe device: npu")])
+def test_a_platform_that_cannot_load_says_who_chose_it_and_how_to_pick_another(monkeypatch, env, recipe, chosen_by):
+    """The loader's reason alone ("install torch_npu") does not tell a user whose recipe says
+    `device: npu` where npu came from, nor that TIDAL_DEVICE overrides it."""
+    if env is None:
+        monkeypatch.delenv("TIDAL_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("TIDAL_DEVICE", env)
+    with pytest.raises(hal.PlatformUnavailable) as e:
+        hal.select_platform(recipe)
+    msg = str(e.value)
+    assert "needs torch_npu" in msg and "CANN" in msg  # the loader's reason, kept
+    assert f"platform 'npu' was chosen by {chosen_by}" in msg and "TIDAL_DEVICE=cpu" in msg
+    assert isinstance(e.value.__cause__, hal.PlatformUnavailable)
+
+
 def test_init_platform_is_once_per_process():
     first = hal.init_platform("fake:npu:2")
     assert hal.init_platform() is first and hal.current_platform() is first.platform
