@@ -70,6 +70,7 @@ class _Group:
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = platform.device(0) if wire_backend(platform.descriptor) != "gloo" else torch.device("cpu")
+        platform.apply_comm_env()  # NCCL/HCCL defaults (ports, timeouts): a rollout actor joins no default group that would set them
         self.store: dist.TCPStore | None = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
         self.port = self.store.port
         self._pg: dist.ProcessGroup | None = None

@@ -267,3 +267,15 @@ def test_a_closed_collective_receiver_leaves_the_group_and_says_so(receive_in_th
     sender.close()
     with pytest.raises(TransferError, match="rank 0 of the weight broadcast group was closed"):
         sender.send(3, w)
+
+
+def test_a_weight_broadcast_group_applies_the_platforms_communication_defaults(monkeypatch):
+    """NCCL's and HCCL's defaults (`apply_comm_env`) were set only by `init_process_group`,
+    which a rollout actor never calls: its broadcast group ran without them."""
+    platform, applied = CpuPlatform(), []
+    monkeypatch.setattr(platform, "apply_comm_env", lambda: applied.append(True) or {})
+    sender = CollectiveSender(platform, num_receivers=1, timeout_s=1.0)
+    receiver = CollectiveReceiver(platform, rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=1.0)
+    assert applied == [True, True]
+    receiver.close()
+    sender.close()
