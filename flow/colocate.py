@@ -89,7 +89,7 @@ class Sharing:
 class TurnsProxy:
     """A `Turns` actor's methods as plain blocking calls (what `Seat` expects)."""
 
-    _METHODS = frozenset({"join", "acquire", "release", "wanted", "wait_park", "leave", "begin_park", "parked", "state"})
+    _METHODS = frozenset({"join", "acquire", "release", "wanted", "wait_park", "leave", "begin_park", "park_failed", "parked", "state"})
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

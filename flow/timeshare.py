@@ -7,9 +7,9 @@ other has the device memory. Three pieces:
 - `Turns`: the arbiter for one set of shared devices. A seat `acquire`s a turn (first
   come, first served), computes, `release`s it. Which seat's state is *resident* on the
   devices is tracked too: a seat that acquires while another seat's state is resident
-  waits until that seat has parked it. Plain blocking methods, so the same class serves
-  threads of one process (`runtime: local`) and, as a threaded Ray actor, several
-  processes (`runtime: ray`).
+  waits until that seat has parked it (and fails, naming it, if that park failed).
+  Plain blocking methods, so the same class serves threads of one process (`runtime:
+  local`) and, as a threaded Ray actor, several processes (`runtime: ray`).
 - `Seat`: one role instance's side. `with seat.turn():` acquires, onloads this seat's
   state if it was parked, and releases at the end *without* parking: parking happens
   only when another seat needs the devices, on the seat's own parking thread (in its
@@ -28,6 +28,7 @@ says two roles share devices.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,6 +40,8 @@ import torch
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch, Trajectory
 from tidal.hal.transfer import LazyWeights
+
+log = logging.getLogger(__name__)
 
 PARK_POLL_S = 10.0
 """The longest a parking thread's `wait_park` blocks before it checks again (a backstop: `leave` wakes it)."""
@@ -54,6 +57,7 @@ class Turns:
         self._holder: str | None = None
         self._resident: str | None = None
         self._park_wanted: set[str] = set()
+        self._park_errors: dict[str, str] = {}  # seat -> why its last park failed (until it computes or parks again)
         self._left: set[str] = set()
         self.handoffs = 0
         """Times the devices passed from one seat's state to another's."""
@@ -80,6 +84,11 @@ class Turns:
                     if self._holder is None and self._queue[0] == claim:
                         if self._resident in (None, seat):
                             break
+                        if self._resident in self._park_errors:
+                            raise RuntimeError(
+                                f"seat {seat!r} cannot have the devices: seat {self._resident!r} failed to move its state off the devices "
+                                f"({self._park_errors[self._resident]}); see that seat's log, and free host memory or give the roles devices of their own"
+                            )
                         self._park_wanted.add(self._resident)  # the resident seat's parking thread wakes
                         self._cond.notify_all()
                     left = None if deadline is None else deadline - time.monotonic()
@@ -92,8 +101,10 @@ class Turns:
             finally:
                 if claim in self._queue:  # gone already if the seat joined again
                     self._queue.remove(claim)
+                    self._cond.notify_all()  # a claim behind it may be first now
             self._holder = seat
             self._park_wanted.discard(seat)  # it computes now; nobody waits for its state to leave
+            self._park_errors.pop(seat, None)  # its next park is tried again
             onload = self._resident != seat
             if onload:
                 self.handoffs += 1
@@ -134,6 +145,7 @@ class Turns:
         if self._resident == seat:
             self._resident = None
         self._park_wanted.discard(seat)
+        self._park_errors.pop(seat, None)
         self._joins[seat] += 1
         self._queue = collections.deque(claim for claim in self._queue if claim[0] != seat)
         self._cond.notify_all()
@@ -143,10 +155,20 @@ class Turns:
         with self._cond:
             return seat in self._park_wanted and self._holder != seat
 
+    def park_failed(self, seat: str, error: str) -> None:
+        """`seat` could not park (`error` says why): the seats waiting for its state to leave
+        the devices fail, naming it, instead of waiting for ever; it parks again only when asked
+        after its next turn."""
+        with self._cond:
+            self._park_wanted.discard(seat)
+            self._park_errors[seat] = error
+            self._cond.notify_all()
+
     def parked(self, seat: str) -> None:
         """`seat`'s state is in host memory now; the devices are free for the next seat."""
         with self._cond:
             self._park_wanted.discard(seat)
+            self._park_errors.pop(seat, None)
             if self._resident == seat and self._holder != seat:
                 self._resident = None
             self._cond.notify_all()
@@ -230,6 +252,10 @@ class TurnsSpan:
 
     def begin_park(self, seat: str) -> bool:
         return any(t.begin_park(seat) for t in self.parks_on)
+
+    def park_failed(self, seat: str, error: str) -> None:
+        for t in self.parks_on:
+            t.park_failed(seat, error)
 
     def parked(self, seat: str) -> None:
         for t in self.parks_on:
@@ -316,7 +342,12 @@ class Seat:
                 if not self.turns.begin_park(self.name):
                     continue  # our turn came first (the seat that asked gave up waiting)
                 if not self._parked:
-                    self._park()
+                    try:
+                        self._park()
+                    except Exception as e:  # noqa: BLE001 - reported to the seat that waits (else it waited for ever)
+                        log.exception("seat %r could not park its state", self.name)
+                        self.turns.park_failed(self.name, f"{type(e).__name__}: {e}")
+                        continue
                     self._parked = True
                     self.num_parks += 1
                 self.turns.parked(self.name)
@@ -326,7 +357,10 @@ class Offloader:
     """`park`/`unpark` for a module (and optimizer) through the hal platform's `offload`.
 
     `moved` runs after each park and unpark: what an engine with sharded parameters needs
-    (the fsdp engine's `after_offload_move` points FSDP at the moved shards).
+    (the fsdp engine's `after_offload_move` points FSDP at the moved shards). Such an
+    engine lets go of the old shards only in `moved`, after the platform's `offload` emptied
+    its cache, so a park empties it again: else that device memory stays cached in this
+    process, out of reach of a seat in another one.
     """
 
     def __init__(self, platform: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, moved: Callable[[], None] | None = None) -> None:
@@ -341,6 +375,7 @@ class Offloader:
         self.num_bytes = self._handle.num_bytes
         if self._moved is not None:
             self._moved()
+            self.platform.empty_cache()
 
     def unpark(self) -> None:
         handle, self._handle = self._handle, None
@@ -397,7 +432,10 @@ class SharedTrainEngine:
         return self._collective(self.engine.state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._collective(self.engine.load_state_dict, state)
+        """Always in a turn: loaded into a parked engine, the optimizer's new state tensors
+        would be replaced by the parked copies at the next onload."""
+        with self.seat.turn():
+            self.engine.load_state_dict(state)
 
     def _collective(self, call: Callable[..., Any], *args: Any) -> Any:
         if not getattr(self.engine, "collective", False):

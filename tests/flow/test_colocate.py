@@ -197,3 +197,11 @@ def test_seats_in_two_processes_take_turns_through_a_turns_actor(ray_session):
     with pytest.raises(AttributeError):
         proxy.no_such_method  # noqa: B018
     ray.kill(turns)
+
+
+def test_a_turns_proxy_reaches_every_method_a_seat_calls():
+    """A seat under Ray reports a failed park through its proxy (`park_failed`): a method
+    the proxy did not pass on raised AttributeError in the parking thread, and the seat
+    waiting for the devices waited for ever."""
+    public = {name for name, value in vars(Turns).items() if callable(value) and not name.startswith("_")}
+    assert "park_failed" in public and public <= TurnsProxy._METHODS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -316,6 +317,104 @@ def test_offloader_moves_a_trainer_to_host_and_back_bit_exactly():
         assert engine.version == 3 and engine.steps == 2 and train_seat.num_parks == 1
     finally:
         train_seat.close(), other.close()
+
+
+def test_a_park_whose_hook_lets_go_of_the_old_tensors_empties_the_cache_after_it():
+    """FSDP2 keeps its own references to the shards (its flat shard buffers) until
+    `after_offload_move` points them at the moved ones, so the `empty_cache` in an
+    accelerator's `offload` could return none of the parameters' device memory: it stayed
+    in the trainer process's caching allocator, out of reach of a guest in another process."""
+    fake = select_platform("fake:cuda:1").platform
+    model = torch.nn.Linear(8, 4)
+    old = {p.data.untyped_storage().data_ptr() for p in model.parameters()}
+    shards = [p.data for p in model.parameters()]  # what FSDP2 holds, until `moved`
+    cache_calls: list[int] = []  # per empty_cache: old storages still referenced by `shards`
+
+    class Accelerator:
+        """The fake platform's offload (a real copy), then `empty_cache` as on an accelerator."""
+
+        def offload(self, **kwargs):
+            handle = fake.offload(**kwargs)
+            self.empty_cache()
+            return handle
+
+        def empty_cache(self) -> None:
+            cache_calls.append(sum(t.untyped_storage().data_ptr() in old for t in shards))
+
+    def moved() -> None:
+        shards[:] = [p.data for p in model.parameters()]
+
+    offloader = Offloader(Accelerator(), model, moved=moved)
+    offloader.park()
+    assert cache_calls and cache_calls[-1] == 0  # the last one came once nothing held the device memory
+
+
+def test_a_park_that_fails_fails_the_seat_waiting_for_the_devices_instead_of_hanging_it():
+    """A park that raised (host memory for the parked copy ran out, say) ended the seat's
+    parking thread, and the seat waiting for its state to leave the devices waited for ever."""
+    turns, failing = Turns(), [True]
+
+    def park() -> None:
+        if failing[0]:
+            raise RuntimeError("no pinned host memory left")
+
+    train = Seat(turns, "train", park=park, unpark=lambda: None)
+    guest = Seat(turns, "rollout", park=lambda: None, unpark=lambda: None)
+    try:
+        with train.turn():  # the trainer's state is on the devices
+            pass
+        with pytest.raises(RuntimeError, match=r"'train' failed to move its state off the devices \(RuntimeError: no pinned host memory left\)"):
+            turns.acquire("rollout", timeout=30)
+        assert turns.state()["queue"] == [] and train._thread.is_alive()
+        failing[0] = False
+        with train.turn():  # it computes again: a later park is tried again
+            pass
+        with guest.turn():
+            assert train.num_parks == 1
+    finally:
+        train.close(), guest.close()
+
+
+def test_a_state_loaded_while_the_trainer_is_parked_is_the_state_it_computes_with():
+    """`load_state_dict` of a one-process engine took no turn: loaded into a parked engine,
+    the optimizer's new state was replaced by the parked copy at the next onload."""
+    platform = select_platform("fake:cuda:1").platform
+
+    class Engine:
+        def __init__(self, seed: int) -> None:
+            torch.manual_seed(seed)
+            self.model = torch.nn.Linear(4, 2)
+            self.optimizer = torch.optim.AdamW(self.model.parameters())
+            self.model(torch.randn(3, 4)).sum().backward()
+            self.optimizer.step()
+
+        def state_dict(self) -> dict:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    engine, saved = Engine(0), copy.deepcopy(Engine(1).state_dict())
+    turns = Turns()
+    offloader = Offloader(platform, engine.model, engine.optimizer)
+    trainer = SharedTrainEngine(engine, Seat(turns, "train", park=offloader.park, unpark=offloader.unpark))
+    guest, _ = seat(turns, "guest", [])
+    try:
+        with trainer.seat.turn():
+            pass
+        with guest.turn():  # the trainer parks, and stays parked until its next turn
+            pass
+        assert offloader._handle is not None
+        trainer.load_state_dict(saved)
+        with trainer.seat.turn():
+            state = engine.state_dict()
+        moments = [(s["exp_avg"], s["exp_avg_sq"]) for s in state["optimizer"]["state"].values()]
+        want = [(s["exp_avg"], s["exp_avg_sq"]) for s in saved["optimizer"]["state"].values()]
+        assert all(torch.equal(x, y) for pair, wanted in zip(moments, want, strict=True) for x, y in zip(pair, wanted))
+        assert all(torch.equal(state["model"][k], saved["model"][k]) for k in saved["model"])
+    finally:
+        trainer.seat.close(), guest.close()
 
 
 def test_a_seat_that_left_does_not_hold_up_the_next_turn():
