@@ -54,10 +54,11 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
     every rank's turn before it sends (`flow.timeshare.TurnsSpan`), so `turn()` is the
     seat's `held()`: onload this rank's parked shards, and park only once it is done.
 
-    A command that raises ends this with its error. Gradients that stay non-finite raise
-    `FloatingPointError` at the same step on every rank (the decision is taken on the
-    all-reduced norm: `torch_train.NonfiniteGuard`), so rank 0 raises it too and sends
-    nothing more.
+    A command that raises ends this with its error, but for `FloatingPointError`: gradients
+    that stay non-finite raise it at the same step on every rank (the decision is taken on
+    the all-reduced norm: `torch_train.NonfiniteGuard`) with nothing stepped, and rank 0
+    then saves a checkpoint of that state, whose collectives need this rank, before it
+    gives up the group (which ends this).
     """
     from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
 
@@ -85,7 +86,10 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
             if engine is None:
                 raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
             with seat.turn() if seat is not None else contextlib.nullcontext():
-                engine._follow(command)
+                try:
+                    engine._follow(command)
+                except FloatingPointError:  # every rank raised it at this step, nothing stepped: rank 0's
+                    continue  # checkpoint of that state (`tools.train`) still needs this rank's collectives
             done["steps"] += command["op"] in ("train_step", "sft_step")
             done["exports"] += command["op"] == "named_weights"
             done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0

@@ -228,6 +228,12 @@ LED_WORKER = textwrap.dedent(
         out["loaded"] = [(name, tensor.clone()) for name, tensor in other.named_weights()]
         run(other, data["resume"])
         out["continued"] = [(name, tensor.clone()) for name, tensor in other.named_weights()]
+        strict = FSDPTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=11, **data["model"]), rank0_leads=True, max_nonfinite_steps=0, **data["engine"])
+        try:  # every rank raises at this step (the followers too: the option went with `init`)
+            strict.train_step(batch, advantages * float("nan"), loss=PolicyLossConfig())
+        except FloatingPointError as e:
+            out["nonfinite"] = str(e)
+        out["after_nonfinite"] = strict.state_dict()  # collectives: rank 1 still follows, as `tidal run`'s checkpoint needs
         stop_followers()
         torch.save(out, work / "result.pt")
     dist.barrier()
@@ -482,8 +488,8 @@ def test_a_follower_parks_its_shards_between_commands(led_run):
     rank reshards after a forward without backward, so the parked root is sharded too)."""
     parks = led_run["follower_parks"]
     steps = sum(1 if step == "sft" else 2 for step in PLAN + RESUME)  # a policy step's logprobs, then its step
-    num_commands = steps + 2 + 6 + 2  # LED_WORKER's 2 logprobs, 6 passes over the weights, state_dict and load_state_dict
-    assert len(parks) == num_commands + 2 and min(parks) > 0  # and a park once each engine is built
+    num_commands = steps + 2 + 6 + 2 + 2  # LED_WORKER's 2 logprobs, 6 passes over the weights, state_dict and load_state_dict, the non-finite step and its state_dict
+    assert len(parks) == num_commands + 3 and min(parks) > 0  # and a park once each engine is built
     assert max(parks) > 2 * parks[0]  # after a step: + two AdamW moments per shard
 
 
@@ -499,7 +505,18 @@ def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
     # pass over the weights rank 0 started: 4 exports, the stopped pass and both streamed ones.
     # Rank 0 shares out only the rows with advantage (0 and 1: one each), or none, in policy steps.
     rows = [3 if step == "sft" else 0 if step.get("scale") == 0 else 1 for step in PLAN + RESUME]
-    assert led_run["follower"] == {"engines": 2, "steps": len(PLAN) + len(RESUME), "rows": sum(rows), "exports": 6}
+    assert led_run["follower"] == {"engines": 3, "steps": len(PLAN) + len(RESUME), "rows": sum(rows), "exports": 6}  # the third: below
+
+
+def test_a_led_step_that_raises_for_non_finite_gradients_leaves_the_followers_following(led_run):
+    """Every rank raises `FloatingPointError` at the same step (max_nonfinite_steps=0); rank 1's
+    `follow()` goes on, so rank 0 can still gather the unchanged state for a checkpoint (it
+    used to end there, and rank 0's checkpoint failed on the closed connection)."""
+    assert "at 1 optimizer steps in a row, the last at version 0; train.max_nonfinite_steps=0" in led_run["nonfinite"]
+    state = led_run["after_nonfinite"]
+    assert state["version"] == 0 and state["optimizer"]["state"] == {}  # nothing stepped
+    initial = _model(11).state_dict()
+    assert state["model"].keys() == initial.keys() and all(torch.equal(t, initial[name]) for name, t in state["model"].items())
 
 
 def test_weight_source_specs_are_the_unsharded_models(fsdp_run, led_run):
