@@ -21,6 +21,17 @@ from tidal.hal.transfer.host import HostReceiver, HostSender
 from tidal.hal.transfer.ipc import IpcReceiver, IpcSender
 
 
+def _joined_collective_pair(timeout_s: float) -> tuple[CollectiveSender, CollectiveReceiver]:
+    """A trainer and one receiver on CPU (gloo) whose group is built, with `timeout_s` as its timeout."""
+    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=timeout_s)
+    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=timeout_s)
+    joined = threading.Thread(target=receiver.join, daemon=True)
+    joined.start()
+    sender.join()
+    joined.join(60)
+    return sender, receiver
+
+
 class OnDevice(torch.Tensor):
     """A CPU tensor that says it is on a device, so the host sender stages it through its
     two pinned buffers as it does device memory (no accelerator here)."""
@@ -69,12 +80,7 @@ def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path, 
 def test_collective_receiver_waits_for_a_slow_trainer_longer_than_the_group_timeout(receive_in_thread):
     """Between two versions the trainer trains (and checkpoints): a receiver waiting for the
     next one used the group's timeout (300 s in the Ray runtime), failed, and broke the group."""
-    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=1.0)
-    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=1.0)
-    joined = threading.Thread(target=receiver.join, daemon=True)
-    joined.start()
-    sender.join()
-    joined.join(60)
+    sender, receiver = _joined_collective_pair(timeout_s=1.0)
     t, out = receive_in_thread(receiver.receive, 60.0)
     time.sleep(2.5)  # a train step longer than the group's timeout
     sender.send(1, [("w", torch.arange(6.0).reshape(2, 3))])
@@ -245,12 +251,7 @@ def test_a_closed_collective_receiver_leaves_the_group_and_says_so(receive_in_th
     """CollectiveReceiver had no close(): its connections stayed open as long as the object
     lived, and nothing could tell the trainer it was gone."""
     w = [("w", torch.arange(6.0).reshape(2, 3))]
-    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=60)
-    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=60)
-    joined = threading.Thread(target=receiver.join, daemon=True)
-    joined.start()
-    sender.join()
-    joined.join(60)
+    sender, receiver = _joined_collective_pair(timeout_s=60)
     t, out = receive_in_thread(receiver.receive, 60)
     sender.send(1, w)
     t.join(60)
