@@ -85,8 +85,13 @@ class AcceleratorPlatform:
         return torch.device(self.kind, index)
 
     def set_device(self, device: torch.device | str) -> None:
+        """Make `device` current; an index this process does not see is an IndexError, as
+        in `device(i)` (the vendor's "invalid device ordinal" names no count)."""
         self._require()
-        self._mod.set_device(as_device(device, device_type=self.kind))
+        device = as_device(device, device_type=self.kind)
+        if device.index is not None:
+            self.device(device.index)  # checks the index
+        self._mod.set_device(device)
 
     def current_device(self) -> torch.device:
         return self.device()

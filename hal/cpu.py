@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -20,22 +21,12 @@ from typing import Any
 import psutil
 import torch
 
-from tidal.hal import rng
+from tidal.hal import hostmem, rng
 from tidal.hal.offload import OffloadHandle
 from tidal.hal.platform import NoDeviceError, NoopEvent, NoopStream, PlatformDescriptor, as_device, autocast, check_visible_ids, describe, join_default_group
 
 _CPU = torch.device("cpu")
-
-
-def _proc_status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+log = logging.getLogger(__name__)
 
 
 class CpuPlatform:
@@ -44,7 +35,12 @@ class CpuPlatform:
     def __init__(self, descriptor: PlatformDescriptor | None = None) -> None:
         self.descriptor = descriptor or describe("cpu", device_count=1)
         self._machine_count = self.descriptor.device_count  # what a visible-devices variable picks from
-        self._peak_fallback = 0
+        self._peak_sampled = 0
+        """The largest resident set seen by a memory call since the last reset."""
+        self._hwm_at_reset: int | None = None
+        """`VmHWM` when the last reset could not clear it; None when it could (or none ran)."""
+        self._reset_refused = False
+        """Whether a refused reset was logged (once per platform)."""
 
     @property
     def kind(self) -> str:
@@ -123,30 +119,47 @@ class CpuPlatform:
         return psutil.Process().memory_info().rss
 
     def max_memory_allocated(self) -> int:
-        """Peak resident set size since start or the last `reset_peak_memory_stats`."""
+        """Peak resident set size since start or the last `reset_peak_memory_stats`.
+
+        The kernel's high-water mark (`VmHWM`) where it counts from that point. Where the
+        reset could not clear it, `VmHWM` still says the peak exactly once it rises past
+        its value at the reset; until then the peak is the largest resident set sampled
+        at the reset and at each memory call since (a lower bound). Without procfs, the
+        sampled value always.
+        """
         self._require()
-        hwm_kb = _proc_status_kb("VmHWM")
-        if hwm_kb is not None:
-            return hwm_kb * 1024
-        self._peak_fallback = max(self._peak_fallback, self.memory_allocated())
-        return self._peak_fallback
+        self._peak_sampled = max(self._peak_sampled, self.memory_allocated())
+        hwm = hostmem.peak_rss()
+        if hwm is not None and (self._hwm_at_reset is None or hwm > self._hwm_at_reset):
+            return hwm
+        return self._peak_sampled
 
     def reset_peak_memory_stats(self) -> None:
+        """Start the peak over from the current resident set (see `max_memory_allocated`
+        for where the kernel refuses the reset: it is then logged once)."""
         self._require()
-        # Linux resets VmHWM to the current RSS when 5 is written to clear_refs.
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self._peak_fallback = self.memory_allocated()
+        self._peak_sampled = self.memory_allocated()
+        if hostmem.reset_peak_rss():
+            self._hwm_at_reset = None
+            return
+        self._hwm_at_reset = hostmem.peak_rss()
+        if not self._reset_refused:
+            self._reset_refused = True
+            log.info("writing %s was refused: the resident-set peak since a reset is sampled until it passes the kernel's peak (%s bytes)", hostmem.PROC_SELF / "clear_refs", self._hwm_at_reset)
 
     def empty_cache(self) -> None:
         return None
 
     def mem_get_info(self) -> tuple[int, int]:
+        """`(free, total)` bytes of host memory this process may use: the host's, or its
+        cgroup's memory limit when that is lower (a container's; see `hostmem`)."""
         self._require()
         vm = psutil.virtual_memory()
-        return vm.available, vm.total
+        free, total = vm.available, vm.total
+        cgroup = hostmem.cgroup_memory()
+        if cgroup is not None:
+            free, total = min(free, cgroup[0]), min(total, cgroup[1])
+        return min(free, total), total
 
     @property
     def pin_memory(self) -> bool:

@@ -117,7 +117,9 @@ class Platform(Protocol):
       was given) but raises `NoDeviceError` from `device()` and anything that computes.
     - Streams and events exist on every platform; on CPU they are no-op objects with the
       same methods, so callers never branch on the platform.
-    - Memory figures are bytes. On CPU they come from the process (psutil / procfs).
+    - Memory figures are bytes. On CPU they come from the process (psutil / procfs), and
+      `mem_get_info` from its container's cgroup limit where that is below the host's.
+    - `set_rng_state` is all or nothing: a state one generator refuses changes none.
     """
 
     descriptor: PlatformDescriptor
@@ -259,13 +261,23 @@ def autocast(device_type: str, precision: str, *, supported: Mapping[str, bool],
 
 
 def as_device(device: torch.device | str, *, device_type: str) -> torch.device:
-    """Normalise a `torch.device` or `"npu:0"` string, refusing bare ints and other types."""
+    """Normalise a `torch.device` or `"npu:0"` string, refusing bare ints and other types.
+
+    Raises:
+        TypeError: not a `torch.device` or a string.
+        ValueError: a string torch does not parse (`"npu:08"`, `" npu:0"`, `"NPU:0"`, or a
+            device type torch does not know, such as `npu` where torch_npu is not loaded),
+            or a device of another type.
+    """
     if isinstance(device, bool) or not isinstance(device, (torch.device, str)):
         raise TypeError(
             f"expected a torch.device or a string like '{device_type}:0', got {device!r}; "
             "tidal never passes devices as bare ints"
         )
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:  # torch's "Invalid device string" / "Expected one of <every type>"
+        raise ValueError(f"device {device!r} is not a {device_type} device: expected '{device_type}' or '{device_type}:<index>' such as '{device_type}:0' (lower case, no spaces or leading zeros)") from e
     if device.type != device_type:
         raise ValueError(f"device {device} is not a {device_type} device")
     return device

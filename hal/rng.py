@@ -39,7 +39,15 @@ def get_state(device_module: ModuleType | None = None) -> dict[str, Any]:
 
 
 def set_state(state: Mapping[str, Any], device_module: ModuleType | None = None) -> None:
-    """Restore a snapshot taken by `get_state` on a platform of the same kind."""
+    """Restore a snapshot taken by `get_state` on a platform of the same kind, all or
+    nothing: the generators are set one after another, so a state a later one refuses (a
+    torch state of another size, a device state from another kind of device) would leave
+    the earlier ones set, and a run restored half from a checkpoint would follow neither
+    its own random stream nor the checkpoint's. Every generator is put back first.
+
+    Raises:
+        ValueError: what was refused (every generator keeps its state).
+    """
     missing = {"python", "numpy", "torch", "device"} - set(state)
     if missing:
         raise ValueError(f"RNG state is missing {sorted(missing)}")
@@ -48,6 +56,15 @@ def set_state(state: Mapping[str, Any], device_module: ModuleType | None = None)
         raise ValueError("RNG state holds device generators but this platform has none")
     if device_module is not None and len(state["device"]) > device_module.device_count():
         raise ValueError(f"RNG state holds {len(state['device'])} device generators but this process sees {device_module.device_count()} devices")
+    saved = get_state(device_module)
+    try:
+        _set(state, device_module)
+    except Exception as e:  # noqa: BLE001 - whatever a generator raised, every one goes back
+        _set(saved, device_module)
+        raise ValueError(f"RNG state not restored, every generator keeps its state: {type(e).__name__}: {e}") from e
+
+
+def _set(state: Mapping[str, Any], device_module: ModuleType | None) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,7 @@ from tidal.hal.platform import KINDS, Platform, PlatformUnavailable
 
 ENV_VAR = "TIDAL_DEVICE"
 VALID_SPECS = "auto, cpu, cuda, npu, fake:<kind>:<n> (kind one of cuda, npu, cpu; n >= 0), e.g. fake:npu:8"
-_FAKE = re.compile(r"^fake:(?P<kind>[a-z]+):(?P<n>\d+)$")
+_FAKE = re.compile(r"fake:(?P<kind>[a-z]+):(?P<n>[0-9]+)")  # ASCII digits only (`\d` takes any script's)
 
 _LOADERS: dict[str, Callable[[], Platform]] = {"cpu": CpuPlatform, "cuda": cuda.load, "npu": npu.load}
 
@@ -39,13 +40,18 @@ class Selection:
 
 
 def check_spec(spec: str, *, source: str = ENV_VAR) -> str:
-    """Return `spec` normalised, or raise ValueError naming `source` and the valid values."""
+    """Return `spec` normalised, or raise ValueError naming `source` and the valid values.
+
+    Normalised: no surrounding spaces, lower case, and a fake platform's count without
+    leading zeros (`fake:npu:08` is `fake:npu:8`), so two spellings of one platform compare
+    equal (`init_platform` refuses a second, different spec).
+    """
     text = spec.strip().lower()
     if text in ("auto", *KINDS):
         return text
-    m = _FAKE.match(text)
+    m = _FAKE.fullmatch(text)
     if m and m["kind"] in KINDS:
-        return text
+        return f"fake:{m['kind']}:{int(m['n'])}"
     raise ValueError(f"{source}={spec!r} is not a platform; valid values: {VALID_SPECS}")
 
 
@@ -80,7 +86,7 @@ def availability() -> dict[str, tuple[bool, str]]:
 
 def load(spec: str) -> Platform:
     """Load the platform for a checked, non-auto spec."""
-    m = _FAKE.match(spec)
+    m = _FAKE.fullmatch(spec)
     if m:
         return fake_platform(m["kind"], int(m["n"]))
     return _LOADERS[spec]()
@@ -110,6 +116,13 @@ def select_platform(recipe_device: str | None = None) -> Selection:
 
 
 _current: Selection | None = None
+_selecting = threading.Lock()
+"""Held while the platform is selected, so threads that ask at once get one platform
+object, not one each (a `set_visible_devices` or peak-memory reset on one would not show
+on the other). Today every process selects before it starts threads (rollout actors in
+`__init__`, the trainer before its stages); a threaded Ray actor (`max_concurrency`) whose
+first method call selects would race without it. Uncontended once selected: the fast
+path reads `_current` without it."""
 
 
 def init_platform(recipe_device: str | None = None) -> Selection:
@@ -119,13 +132,17 @@ def init_platform(recipe_device: str | None = None) -> Selection:
         RuntimeError: a later call names a different platform than the one selected.
     """
     global _current
-    if _current is None:
-        _current = select_platform(recipe_device)
-        return _current
+    current = _current
+    if current is None:
+        with _selecting:
+            if _current is None:
+                _current = select_platform(recipe_device)
+                return _current
+            current = _current
     wanted = check_spec(recipe_device, source="device") if recipe_device else "auto"
-    if wanted not in ("auto", _current.spec) and _current.chosen_by != ENV_VAR:
-        raise RuntimeError(f"this process already runs on platform {_current.spec!r}; it cannot switch to {wanted!r}")
-    return _current
+    if wanted not in ("auto", current.spec) and current.chosen_by != ENV_VAR:
+        raise RuntimeError(f"this process already runs on platform {current.spec!r}; it cannot switch to {wanted!r}")
+    return current
 
 
 def current_platform() -> Platform:
@@ -136,4 +153,5 @@ def current_platform() -> Platform:
 def reset_platform() -> None:
     """Forget the selected platform (tests and tools that switch platforms)."""
     global _current
-    _current = None
+    with _selecting:
+        _current = None

@@ -169,6 +169,23 @@ def test_gpu_memory_streams_rng_profile(gpu):
 
 
 @pytest.mark.gpu
+def test_gpu_refused_rng_state_changes_no_generator(gpu):
+    """A CUDA generator state of the wrong size is refused after the host generators were
+    set: they go back, and so does the device's."""
+    gpu.seed_all(1)
+    state = gpu.get_rng_state()
+    gpu.seed_all(2)
+    before = gpu.get_rng_state()
+    with pytest.raises(ValueError, match="RNG state not restored, every generator keeps its state"):
+        gpu.set_rng_state({**state, "device": [torch.ByteTensor(3)]})
+    after = gpu.get_rng_state()
+    assert after["python"] == before["python"] and torch.equal(after["torch"], before["torch"])
+    assert all(torch.equal(a, b) for a, b in zip(after["device"], before["device"], strict=True))
+    with pytest.raises(IndexError, match="out of range"):
+        gpu.set_device(f"cuda:{gpu.device_count()}")
+
+
+@pytest.mark.gpu
 def test_gpu_offload_round_trip_pinned(gpu):
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256).to(gpu.device())

@@ -43,6 +43,11 @@ def test_devices(fake_npu):
         p.set_device("cpu")
     with pytest.raises(IndexError, match="sees 2 npu devices"):
         p.device(2)
+    with pytest.raises(IndexError, match="device index 2 out of range: this process sees 2 npu devices"):
+        p.set_device("npu:2")  # was the vendor's error, naming no count
+    with pytest.raises(ValueError, match="device 'npu:01' is not a npu device: expected 'npu' or 'npu:<index>'"):
+        p.set_device("npu:01")
+    assert p.current_device() == torch.device("npu", 0)
     p.synchronize()
     assert "set_device" in fake_npu.calls and "synchronize" in fake_npu.calls
 
@@ -78,6 +83,22 @@ def test_rng_covers_every_npu_generator(fake_npu):
     assert (fake_npu.draw(0), fake_npu.draw(1)) == nxt
     with pytest.raises(ValueError, match="holds 3 device generators but this process sees 2 devices"):
         p.set_rng_state({**state, "device": [*state["device"], state["device"][0]]})  # a 3-NPU run's checkpoint
+
+
+def test_a_refused_device_rng_state_changes_no_generator(fake_npu):
+    """The second NPU's state is refused after the host generators and the first NPU's
+    were set: every one goes back, and the error says nothing was changed."""
+    p = hal.select_platform("npu").platform
+    p.seed_all(1)
+    state = p.get_rng_state()
+    p.seed_all(2)
+    before = p.get_rng_state()
+    bad = {**state, "device": [state["device"][0], torch.ByteTensor(3)]}
+    with pytest.raises(ValueError, match="RNG state not restored, every generator keeps its state"):
+        p.set_rng_state(bad)
+    after = p.get_rng_state()
+    assert after["python"] == before["python"] and torch.equal(after["torch"], before["torch"])
+    assert all(torch.equal(a, b) for a, b in zip(after["device"], before["device"], strict=True))
 
 
 def test_streams_and_events(fake_npu):

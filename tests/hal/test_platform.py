@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -30,6 +32,54 @@ def test_check_spec_rejects_and_lists_valid_values(spec):
         hal.check_spec(spec)
     assert "TIDAL_DEVICE" in str(e.value)
     assert "fake:<kind>:<n>" in str(e.value) and "cuda" in str(e.value) and "npu" in str(e.value)
+
+
+@pytest.mark.parametrize(("spec", "normal"), [("fake:npu:08", "fake:npu:8"), (" FAKE:CUDA:002 ", "fake:cuda:2"), ("fake:npu:000", "fake:npu:0")])
+def test_check_spec_writes_a_fake_count_without_leading_zeros(spec, normal):
+    assert hal.check_spec(spec) == normal
+
+
+@pytest.mark.parametrize("spec", ["fake:npu:\u0668", "fake:npu:+8", "fake: npu:8", "fake:npu:8:1", "fake:npu:8 1", "fake:NPU :8"])
+def test_check_spec_takes_only_ascii_digits_and_no_inner_spaces(spec):
+    """`\\d` took any script's digits (an Arabic-Indic eight made 8 fake NPUs)."""
+    with pytest.raises(ValueError, match="is not a platform"):
+        hal.check_spec(spec)
+
+
+def test_two_spellings_of_one_fake_platform_are_one_platform():
+    first = hal.init_platform("fake:npu:8")
+    assert first.spec == "fake:npu:8"
+    assert hal.init_platform("fake:npu:08") is first  # was "cannot switch to 'fake:npu:08'"
+    hal.reset_platform()
+    assert hal.init_platform("fake:npu:08").spec == "fake:npu:8"
+
+
+def test_threads_selecting_at_once_get_one_platform(monkeypatch):
+    """Two threads asking for the platform before it is chosen (a threaded Ray actor's
+    methods) get the same object; the platform is loaded once."""
+    from tidal.hal import select
+
+    loads, second_loading = [], threading.Event()
+    real_load = select.load
+
+    def slow_load(spec):
+        loads.append(spec)
+        if len(loads) == 1:
+            second_loading.wait(timeout=0.5)  # without the lock the other thread loads meanwhile
+        else:
+            second_loading.set()
+        return real_load(spec)
+
+    monkeypatch.setattr(select, "load", slow_load)
+    monkeypatch.setenv("TIDAL_DEVICE", "fake:npu:2")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(hal.current_platform())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(got) == 2 and got[0] is got[1]
+    assert loads == ["fake:npu:2"]
 
 
 def test_detection_picks_cpu_here_and_says_why():
@@ -160,6 +210,13 @@ def test_devices_are_torch_devices(platform):
     platform.synchronize()
 
 
+@pytest.mark.parametrize("device", ["cpu:08", " cpu", "CPU", "cpu:-1", "tpu:0"])
+def test_a_device_string_torch_cannot_parse_is_a_value_error_naming_it(platform, device):
+    """Was torch's RuntimeError ("Expected one of cpu, cuda, ipu, ... device type")."""
+    with pytest.raises(ValueError, match=rf"device '{re.escape(device)}' is not a cpu device: expected 'cpu' or 'cpu:<index>'"):
+        platform.set_device(device)
+
+
 def test_rng_seed_state_and_fork(platform):
     platform.seed_all(123)
     a = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -181,6 +238,27 @@ def test_rng_seed_state_and_fork(platform):
     with pytest.raises(ValueError, match="holds device generators but this platform has none"):
         platform.set_rng_state({**state, "device": [torch.ByteTensor(16)]})  # a GPU run's checkpoint
     assert torch.equal(torch.get_rng_state(), before)  # refused before any generator was set
+
+
+@pytest.mark.parametrize("part", ["torch", "numpy", "python"])
+def test_a_refused_rng_state_changes_no_generator(platform, part):
+    """A state one generator refuses (here a torch state of another size, as from another
+    torch build) leaves every generator as it was: Python's and NumPy's were already set
+    when torch's refused, and a checkpoint restore that goes on from the host-only retry
+    then mixed two runs' streams."""
+    platform.seed_all(1)
+    state = platform.get_rng_state()
+    platform.seed_all(2)
+    before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    bad = {"torch": torch.ByteTensor(3), "numpy": ("MT19937", np.zeros(3, dtype=np.uint32), 0), "python": (3, (1, 2), None)}[part]
+    with pytest.raises(ValueError, match="RNG state not restored, every generator keeps its state"):
+        platform.set_rng_state({**state, part: bad})
+    after = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    assert after[0] == before[0]
+    assert after[1][0] == before[1][0] and np.array_equal(after[1][1], before[1][1]) and after[1][2:] == before[1][2:]
+    assert torch.equal(after[2], before[2])
+    platform.set_rng_state(state)  # a good state still restores
+    assert random.getstate() == state["python"] and torch.equal(torch.get_rng_state(), state["torch"])
 
 
 def test_streams_and_events_have_the_accelerator_api(platform):
