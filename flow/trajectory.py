@@ -47,9 +47,20 @@ class Trajectory:
         check_lengths(self)
 
     def extend(self, tokens: Sequence[int], logprobs: Sequence[float], version: int) -> None:
-        """Append generated tokens sampled by policy `version`."""
+        """Append generated tokens sampled by policy `version`.
+
+        Raises:
+            ValueError: If the lengths differ; if `version` is negative (-1 marks environment
+                tokens, which the loss leaves out: use `append_env` for those); or if the
+                trajectory is finished (tokens after its EOS or past its budget: a next turn
+                starts with `append_env`, which opens it again).
+        """
         if len(tokens) != len(logprobs):
             raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} logprobs")
+        if version < 0:
+            raise ValueError(f"version={version}: a policy version is >= 0 (environment tokens go in with append_env)")
+        if self.done:
+            raise ValueError(f"the trajectory is finished (finish_reason={self.finish_reason!r}); a next turn starts with append_env")
         self.tokens.extend(int(t) for t in tokens)
         self.logprobs.extend(float(p) for p in logprobs)
         self.versions.extend([int(version)] * len(tokens))

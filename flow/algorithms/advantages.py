@@ -4,7 +4,10 @@ Every estimator takes `rewards`, a 1-D floating-point tensor with one entry per 
 `groups`, one group id per row: a 1-D integer tensor or a list of hashable ids (e.g. the
 prompt uid). Rows of one group need not be contiguous. A group with a single row carries
 no baseline information, and one whose rewards are all equal no signal, so their
-advantages are exactly 0 under every estimator. The result has the
+advantages are exactly 0 under every estimator. A reward that is not finite (NaN marks a
+failed reward; the reward functions flag an infinity as failed too) leaves its row out:
+the row's advantage is 0 and its group's statistics are those of the other rows, so one
+failed reward neither poisons its group (NaN) nor silences it. The result has the
 shape, dtype and device of `rewards`; it is computed in float64, so float32 rewards near
 float32's range (which a reward function may return) do not overflow the group sums.
 """
@@ -51,18 +54,22 @@ def _group_sums(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> t
     return values.new_zeros(num_groups).index_add_(0, index, values)
 
 
-def _group_counts(rewards: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
-    return torch.bincount(index, minlength=num_groups).to(rewards.dtype)
+def _scored(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rewards in float64 with every failed (non-finite) one at 0, and which rows scored."""
+    wide = rewards.double()
+    scored = torch.isfinite(wide)
+    return torch.where(scored, wide, 0.0), scored
 
 
-def _tied(rewards: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Per row, `[num_rows]` bool: whether every reward of its group is the same. Their
-    advantage is exactly 0: a mean computed in floating point can be a rounding step off
-    the reward it averages (eight rewards of 0.1 in float32), and dividing that by a std
-    of the same size would give every row of the group one large advantage of one sign."""
-    high = rewards.new_full((num_groups,), -torch.inf).scatter_reduce_(0, index, rewards, "amax")
-    low = rewards.new_full((num_groups,), torch.inf).scatter_reduce_(0, index, rewards, "amin")
-    return (high == low)[index]
+def _silent(wide: torch.Tensor, scored: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Per row, `[num_rows]` bool: whether its advantage is exactly 0 - its reward failed, or
+    every scored reward of its group is the same (a group with one scored row too). A mean
+    computed in floating point can be a rounding step off the reward it averages (eight
+    rewards of 0.1 in float32), and dividing that by a std of the same size would give every
+    row of a tied group one large advantage of one sign."""
+    high = wide.new_full((num_groups,), -torch.inf).scatter_reduce_(0, index, torch.where(scored, wide, -torch.inf), "amax")
+    low = wide.new_full((num_groups,), torch.inf).scatter_reduce_(0, index, torch.where(scored, wide, torch.inf), "amin")
+    return (high == low)[index] | ~scored
 
 
 def grpo(rewards: torch.Tensor, groups: Groups, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -86,10 +93,10 @@ def grpo(rewards: torch.Tensor, groups: Groups, *, normalize_std: bool = True, e
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     index, num_groups = _group_index(rewards, groups)
-    wide = rewards.double()
-    counts = _group_counts(wide, index, num_groups)
-    centered = wide - (_group_sums(wide, index, num_groups) / counts)[index]
-    centered = torch.where(_tied(wide, index, num_groups), 0.0, centered)  # a size-1 group too
+    wide, scored = _scored(rewards)
+    counts = _group_sums(scored.double(), index, num_groups)  # scored rows per group
+    centered = wide - (_group_sums(wide, index, num_groups) / counts.clamp(min=1))[index]
+    centered = torch.where(_silent(wide, scored, index, num_groups), 0.0, centered)
     if not normalize_std:
         return centered.to(rewards.dtype)
     var = _group_sums(centered.square(), index, num_groups) / (counts - 1).clamp(min=1)
@@ -105,17 +112,18 @@ def rloo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
         groups: One group id per row.
 
     Returns:
-        Advantages, `[num_rows]`; 0 for a group with one row or all rewards equal.
+        Advantages, `[num_rows]`; 0 for a group with one scored row or all rewards equal,
+        and for a failed (non-finite) reward.
 
     Raises:
         ValueError: If `rewards` or `groups` is malformed.
     """
     index, num_groups = _group_index(rewards, groups)
-    wide = rewards.double()
-    counts = _group_counts(wide, index, num_groups)[index]
-    others = _group_sums(wide, index, num_groups)[index] - wide
-    baseline = torch.where(counts > 1, others / (counts - 1).clamp(min=1), wide)
-    return torch.where(_tied(wide, index, num_groups), 0.0, wide - baseline).to(rewards.dtype)
+    wide, scored = _scored(rewards)
+    counts = _group_sums(scored.double(), index, num_groups)[index]  # scored rows in the row's group
+    others = _group_sums(wide, index, num_groups)[index] - wide  # a failed row's is wrong, and unused
+    baseline = others / (counts - 1).clamp(min=1)
+    return torch.where(_silent(wide, scored, index, num_groups), 0.0, wide - baseline).to(rewards.dtype)
 
 
 def dr_grpo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:

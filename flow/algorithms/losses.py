@@ -18,6 +18,7 @@ Three log-probabilities of each sampled token meet in `policy_loss`:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -56,7 +57,7 @@ class PolicyLossConfig:
     below this. None: no lower bound."""
     seq_mask_high: float | None = None
     """Sequence masking: drop sequences whose exp(masked mean of proximal - behavior) is
-    above this. None: no upper bound."""
+    above this. None: no upper bound. > 0."""
     kl_coef: float = 0.0
     """Weight of the KL(policy || reference) term added to the loss; needs
     `ref_logprobs` when > 0. >= 0."""
@@ -88,6 +89,8 @@ class PolicyLossConfig:
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
         low, high = self.seq_mask_low, self.seq_mask_high
+        if high is not None and high <= 0:  # exp(mean log weight) > 0: every sequence would be dropped
+            raise ValueError(f"seq_mask_high must be > 0 or None, got {high}")
         if low is not None and high is not None and low > high:
             raise ValueError(f"seq_mask_low ({low}) must be <= seq_mask_high ({high})")
         if self.kl_coef < 0:
@@ -157,7 +160,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, *, how: str, max_tokens:
     if how == "token_mean":
         return masked_mean(values, mask)
     if how == "token_sum_norm":
-        return _masked_sum(values, mask) / (values.shape[0] * max_tokens)
+        return _masked_sum(values, mask) / (max(values.shape[0], 1) * max_tokens)  # an empty batch: 0, not 0 / 0
     per_seq = _masked_sum(values, mask, dim=-1)
     if how == "seq_mean_token_mean":
         per_seq = per_seq / mask.sum(-1).clamp(min=1e-12)
@@ -174,14 +177,21 @@ def _within(seq_log_weight: torch.Tensor, low: float | None, high: float | None)
     return keep
 
 
+def _log_weight(proximal_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per token `proximal - behavior` (detached), 0 at padding so that inf or nan there
+    cannot reach exp or gradients; half-precision inputs in float32. `sequence_keep` and
+    `policy_loss` both decide sequence masking from it, so they decide alike."""
+    dtype = torch.promote_types(torch.promote_types(proximal_logprobs.dtype, behavior_logprobs.dtype), torch.float32)
+    return torch.where(valid, proximal_logprobs.detach().to(dtype) - behavior_logprobs.detach().to(dtype), 0)
+
+
 def sequence_keep(proximal_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor, *, low: float | None, high: float | None) -> torch.Tensor:
     """Sequence masking's decision, `[batch]` bool: True where `exp(masked mean of (proximal
     - behavior))` lies within `[low, high]` (None: unbounded), as `policy_loss` decides it.
     A train engine that cuts a batch into micro-batches decides it for the whole batch first,
     so each micro-batch is weighed by the tokens it keeps."""
-    valid = mask != 0
-    log_weight = torch.where(valid, proximal_logprobs.detach() - behavior_logprobs.detach(), 0)
-    return _within(masked_mean(log_weight, mask.to(log_weight.dtype), dim=-1), low, high)
+    log_weight = _log_weight(proximal_logprobs, behavior_logprobs, mask != 0)
+    return _within(masked_mean(log_weight, mask, dim=-1), low, high)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: str = "k3") -> torch.Tensor:
@@ -212,6 +222,41 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator
     if estimator == "k3":
         return torch.expm1(d) - d
     raise ValueError(f"kl estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
+
+
+def _behavior_weight(log_weight: torch.Tensor, adv: torch.Tensor, *, cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behavior weight `min(exp(log_weight), cap)` and where the cap truncated it.
+
+    Capped in log space, and 0 where the advantage is 0 (the token, or sequence, adds
+    nothing to the loss whatever its weight): an overflowing exp times a zero surrogate
+    made the loss NaN. Without a cap an overflowing weight with a non-zero advantage still
+    gives an infinite loss: that is what `tis_cap` is for.
+    """
+    truncated = torch.zeros_like(log_weight, dtype=torch.bool)
+    if cap is not None:
+        truncated = log_weight > math.log(cap)
+        log_weight = log_weight.clamp(max=math.log(cap))
+    return torch.where(adv != 0, log_weight.exp(), 0), truncated
+
+
+def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate `min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)` with
+    `r = exp(log_ratio)`, and where the clipped term is the smaller (so it has no gradient).
+
+    Computed as `A * exp(min(log r, log(1 + clip_high)))` for A >= 0 and `A * exp(max(log r,
+    log(1 - clip_low)))` for A < 0, the same value and gradient, so that exp cannot
+    overflow where the clip or a zero advantage makes the ratio irrelevant: there an
+    overflow gave a NaN gradient (0 * inf in exp's backward) or a NaN loss (inf * 0).
+    Where the unclipped term is selected (A < 0 and a huge ratio) the loss is as large as
+    the ratio. A NaN advantage (a fault upstream) keeps its ratio unbounded, so the NaN
+    reaches the gradient and the train engine skips the step (a clamp would pass back 0 on
+    a clipped token, and the step would go on without the row, its loss NaN).
+    """
+    upper, lower = math.log1p(clip_high), math.log1p(-clip_low)
+    rising = adv >= 0
+    bounded = torch.where(rising, log_ratio.clamp(max=upper), torch.where(adv < 0, log_ratio.clamp(min=lower), log_ratio))
+    is_clipped = torch.where(rising, log_ratio > upper, log_ratio < lower) & (adv != 0)
+    return bounded.exp() * adv, is_clipped
 
 
 def policy_loss(
@@ -247,7 +292,11 @@ def policy_loss(
     everything below, the KL term and the metrics use the remaining tokens. The loss is
     `aggregate(loss_t) + kl_coef * aggregate(kl_estimate(logprobs, ref_logprobs))`, both
     with `config.aggregation`. Only `logprobs` carries gradient; the other tensors are
-    treated as constants.
+    treated as constants. Half-precision inputs are computed in float32 (the loss is
+    float32; the gradient reaches `logprobs` in its own dtype), so a ratio above float16's
+    65504 or an advantage rounded to bfloat16 does not change the loss. A token (sequence
+    for GSPO) whose clipped term is selected, or whose advantage is 0, has gradient 0 even
+    when its ratio or behavior weight overflows (see `_clipped_surrogate`).
 
     Args:
         logprobs: Log-probabilities under the trained policy, `[batch, seq]`.
@@ -288,15 +337,14 @@ def policy_loss(
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when kl_coef > 0 (kl_coef={config.kl_coef})")
 
-    mask = mask.to(logprobs.dtype)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # half-precision inputs: the loss in float32
+    logprobs = logprobs.to(dtype)
+    mask = mask.to(dtype)
     valid = mask != 0
-    behavior = behavior_logprobs.detach()
-    if proximal_logprobs is not None:
-        prox = proximal_logprobs.detach()
-    else:
-        prox = logprobs.detach() if config.proximal_is_policy else behavior
-    # Zero every difference at padding, so inf or nan there cannot reach exp or gradients.
-    prox_log_weight = torch.where(valid, prox - behavior, 0)
+    if proximal_logprobs is None:
+        proximal_logprobs = logprobs if config.proximal_is_policy else behavior_logprobs
+    prox = proximal_logprobs.detach().to(dtype)
+    prox_log_weight = _log_weight(proximal_logprobs, behavior_logprobs, valid)
     num_seqs_with_tokens = valid.any(-1).sum()
 
     seq_log_weight = masked_mean(prox_log_weight, mask, dim=-1)
@@ -306,23 +354,17 @@ def policy_loss(
     valid = mask != 0
 
     log_ratio = torch.where(valid, logprobs - prox, 0)
-    adv = advantages.detach().to(logprobs.dtype)
+    adv = advantages.detach().to(dtype)
     if config.level == "token":
-        ratio = log_ratio.exp()
-        weight = prox_log_weight.exp()
         adv = adv.unsqueeze(-1).expand(shape) if adv.dim() == 1 else torch.where(valid, adv, 0)
+        level_log_ratio, level_log_weight = log_ratio, prox_log_weight
     else:
-        ratio = masked_mean(log_ratio, mask, dim=-1).exp()
-        weight = seq_log_weight.exp()
         adv = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=-1)
-    truncated = torch.zeros_like(weight, dtype=torch.bool)
-    if config.tis_cap is not None:
-        truncated = weight > config.tis_cap
-        weight = weight.clamp(max=config.tis_cap)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * adv
-    is_clipped = clipped < unclipped
-    per_token = -weight * torch.minimum(unclipped, clipped)
+        level_log_ratio, level_log_weight = masked_mean(log_ratio, mask, dim=-1), seq_log_weight
+    weight, truncated = _behavior_weight(level_log_weight, adv, cap=config.tis_cap)
+    surrogate, is_clipped = _clipped_surrogate(level_log_ratio, adv, clip_low=config.clip_low, clip_high=config.clip_high)
+    per_token = -weight * surrogate
+    ratio = level_log_ratio.detach().exp()  # for the metric
     if config.level == "sequence":
         per_token, ratio, is_clipped, truncated = (t.unsqueeze(-1).expand(shape) for t in (per_token, ratio, is_clipped, truncated))
     loss = aggregate(per_token, mask, how=config.aggregation, max_tokens=config.max_tokens)

@@ -420,6 +420,7 @@ def test_policy_loss_errors_name_the_argument():
         ({"clip_high": -0.1}, "clip_high"),
         ({"tis_cap": 0.0}, "tis_cap"),
         ({"seq_mask_low": 2.0, "seq_mask_high": 1.0}, "seq_mask_low"),
+        ({"seq_mask_high": 0.0}, "seq_mask_high"),  # dropped every sequence, the loss silently 0
         ({"kl_coef": -1.0}, "kl_coef"),
     ],
 )
