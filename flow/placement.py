@@ -150,10 +150,12 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
     """Place every role; raise `PlacementError` naming the first role that does not fit.
 
     Roles with devices of their own are placed first, in the given order, each instance
-    on the node that already holds most of its role and has room (then the first such
-    node), so a role packs onto few nodes. Colocated roles follow on their host's
-    devices; then each lender's own devices are lent out (two roles may not lend to each
-    other: each would borrow its own devices back).
+    on a node with room that the role already uses (else one of a device kind it already
+    uses, else the first such node), so a role packs onto few nodes of one vendor. On a
+    cluster with NPUs or GPUs only roles that require `cpu` get CPU nodes (`_serves`).
+    Colocated roles follow on their host's devices; then each lender's own devices are
+    lent out (two roles may not lend to each other: each would borrow its own devices
+    back).
     """
     by_name = {r.name: r for r in roles}
     if len(by_name) != len(roles):
@@ -176,6 +178,7 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
     free = {r.node: list(range(r.capacity)) for r in resources}
     owners: dict[tuple[str, int], list[str]] = {}
     placed: dict[str, list[Assignment]] = {}
+    accelerated = _has_accelerators(resources)
 
     def take(role: Role, rank: int, res: Resource, devices: list[int], mode: str) -> Assignment:
         for d in devices:
@@ -185,11 +188,10 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
     def place_own(role: Role, ranks: range) -> list[Assignment]:
         out: list[Assignment] = []
         for rank in ranks:
-            fits = [r for r in resources if r.offers(role.requires) and len(free[r.node]) >= role.devices_each]
+            fits = [r for r in resources if _serves(r, role, accelerated=accelerated) and len(free[r.node]) >= role.devices_each]
             if not fits:
                 raise PlacementError(_explain(role, resources, free, missing=ranks.stop - rank, placed_before=rank))
-            used = {a.node for a in out}
-            res = next((r for r in fits if r.node in used), fits[0])
+            res = _pick(fits, out)
             devices, free[res.node] = free[res.node][: role.devices_each], free[res.node][role.devices_each :]
             out.append(take(role, rank, res, devices, "own"))
         return out
@@ -246,6 +248,28 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
     return Plan(tuple(assignments), tuple(resources), tuple(roles))
 
 
+def _has_accelerators(resources: Sequence[Resource]) -> bool:
+    return any(r.kind != "cpu" and r.capacity > 0 for r in resources)
+
+
+def _serves(res: Resource, role: Role, *, accelerated: bool) -> bool:
+    """Whether `res` may hold devices of `role` itself (not time-shared ones).
+
+    On a cluster with NPUs or GPUs a role gets CPU "devices" only when it requires `cpu`:
+    a role that names no tag (the default) must not fall back to a CPU-only node, such as
+    a Ray head node, and train or generate there (DESIGN: no silent CPU fallback).
+    """
+    return res.offers(role.requires) and not (accelerated and res.kind == "cpu" and "cpu" not in role.requires)
+
+
+def _pick(fits: Sequence[Resource], placed: Sequence[Assignment]) -> Resource:
+    """The node for a role's next instance: one the role already uses, else one of a device
+    kind it already uses (so its ranks stay on one vendor where they can), else the first."""
+    used = {a.node for a in placed}
+    kinds = {a.kind for a in placed}
+    return next((r for r in fits if r.node in used), next((r for r in fits if r.kind in kinds), fits[0]))
+
+
 def _devices_by_node(assignments: Sequence[Assignment], resources: Sequence[Resource]) -> list[tuple[Resource, list[int]]]:
     """A role's devices grouped by node, in placement order."""
     by_node: dict[str, list[int]] = {}
@@ -255,11 +279,13 @@ def _devices_by_node(assignments: Sequence[Assignment], resources: Sequence[Reso
 
 
 def _explain(role: Role, resources: Sequence[Resource], free: Mapping[str, list[int]], *, missing: int, placed_before: int) -> str:
-    matching = [r for r in resources if r.offers(role.requires)]
+    matching = [r for r in resources if _serves(r, role, accelerated=_has_accelerators(resources))]
     wants = f"{role.count} instance(s) x {role.devices_each} device(s) carrying {list(role.requires) or 'any tag'} on one node each"
     if not matching:
         have = ", ".join(f"{r.node} ({r.kind}: {', '.join(sorted(r.tags))})" for r in resources) or "no nodes"
-        return f"cannot place role {role.name!r}: it needs {wants}, and no node offers those tags; nodes: {have}"
+        cpu_only = any(r.offers(role.requires) for r in resources)  # only CPU nodes would: they need an explicit cpu tag
+        hint = "; CPU nodes of a cluster with NPUs or GPUs take only roles with requires: [cpu]" if cpu_only else ""
+        return f"cannot place role {role.name!r}: it needs {wants}, and no node offers those tags{hint}; nodes: {have}"
     room = ", ".join(f"{r.node} {len(free[r.node])}/{r.capacity} free" for r in matching)
     return (
         f"cannot place role {role.name!r}: it needs {wants}; {placed_before} placed, {missing} more do not fit. "

@@ -65,8 +65,20 @@ def bundle_of(assignment: Assignment, tags: Mapping[str, float] | None = None) -
     return {RAY_RESOURCES[assignment.kind]: float(len(assignment.devices)), **(tags or {})}
 
 
-def role_bundles(plan: Plan, have: Mapping[str, float]) -> dict[str, list[dict[str, float]]]:
-    """Each role's bundles, checked against the cluster's resources `have`.
+def largest_node_resources(nodes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The most of each device resource (CPU, GPU, NPU) that one alive node of `ray.nodes()` has."""
+    out: dict[str, float] = {}
+    for node in nodes:
+        if node.get("Alive", True):
+            for key in RAY_RESOURCES.values():
+                out[key] = max(out.get(key, 0.0), float(node.get("Resources", {}).get(key, 0.0)))
+    return out
+
+
+def role_bundles(plan: Plan, have: Mapping[str, float], *, largest: Mapping[str, float] | None = None) -> dict[str, list[dict[str, float]]]:
+    """Each role's bundles, checked against the cluster's resources `have`, which all the
+    roles' bundles share, and against `largest` (`largest_node_resources`): one bundle is
+    one instance, on one node. Ray would otherwise keep such a group waiting.
 
     A tag a role requires beyond its kind's (`requires: [gpu, fast]`) must be a custom
     resource of the Ray nodes that carry it (`fast`, or `accelerator_type:fast`).
@@ -75,34 +87,62 @@ def role_bundles(plan: Plan, have: Mapping[str, float]) -> dict[str, list[dict[s
     trainer's devices (colocated, borrowed) sits on that trainer's bundle (`flow.colocate.spots`).
 
     Raises:
-        PlacementError: a role needs more than the cluster has, a tag no node declares, or
+        PlacementError: a role needs more than the cluster has beside the roles before it,
+            an instance needs more devices than any node has, a tag no node declares, or
             a shared layout `flow.colocate.spots` cannot seat.
     """
     from tidal.flow.colocate import spots  # noqa: PLC0415
 
     spots(plan)  # a shared layout this runtime cannot seat fails here, before anything starts
     out: dict[str, list[dict[str, float]]] = {}
+    taken: dict[str, float] = collections.Counter()  # by the roles before this one
     for role in plan.roles:
         if not plan.of(role.name, mode="own"):
             continue
-        tags: dict[str, float] = {}
-        for tag in role.requires:
-            if tag in KIND_TAG_NAMES:
-                continue
-            key = tag if tag in have else f"accelerator_type:{tag}"
-            if key not in have:
-                raise PlacementError(f"cannot place role {role.name!r}: it requires tag {tag!r}, and no Ray node declares a resource {tag!r} (start the nodes with --resources '{{\"{tag}\": 1}}')")
-            tags[key] = TAG_AMOUNT
+        tags = _tag_slivers(role.name, role.requires, have)
         bundles = [bundle_of(a, tags) for a in plan.of(role.name, mode="own")]
         need: dict[str, float] = collections.Counter()
         for b in bundles:
             need.update(b)
-        short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) < v - 1e-9}
+        short = {k: v for k, v in need.items() if have.get(k, 0.0) - taken[k] < v - 1e-9}
         if short:
-            what = ", ".join(f"{v:g} {k} (the cluster has {h:g})" for k, (v, h) in short.items())
+            what = ", ".join(f"{v:g} {k} (the cluster has {have.get(k, 0.0):g}{_taken_by(k, taken, out)})" for k, v in short.items())
             raise PlacementError(f"cannot place role {role.name!r} on this Ray cluster: it needs {what}")
+        _check_one_node(role.name, bundles, largest)
+        taken.update(need)
         out[role.name] = bundles
     return out
+
+
+def _tag_slivers(role: str, requires: Sequence[str], have: Mapping[str, float]) -> dict[str, float]:
+    """A sliver of the custom resource of each tag `requires` names beyond the device kind's."""
+    tags: dict[str, float] = {}
+    for tag in requires:
+        if tag in KIND_TAG_NAMES:
+            continue
+        key = tag if tag in have else f"accelerator_type:{tag}"
+        if key not in have:
+            raise PlacementError(f"cannot place role {role!r}: it requires tag {tag!r}, and no Ray node declares a resource {tag!r} (start the nodes with --resources '{{\"{tag}\": 1}}')")
+        tags[key] = TAG_AMOUNT
+    return tags
+
+
+def _check_one_node(role: str, bundles: Sequence[Mapping[str, float]], largest: Mapping[str, float] | None) -> None:
+    if largest is None:
+        return
+    for key in RAY_RESOURCES.values():
+        most = max((b.get(key, 0.0) for b in bundles), default=0.0)
+        if most > largest.get(key, 0.0) + 1e-9:
+            raise PlacementError(
+                f"cannot place role {role!r} on this Ray cluster: one instance needs {most:g} {key} on one node, and no node has more than "
+                f"{largest.get(key, 0.0):g}; set placement.{role}.devices_each to at most that"
+            )
+
+
+def _taken_by(key: str, taken: Mapping[str, float], earlier: Mapping[str, list[dict[str, float]]]) -> str:
+    if not taken.get(key):
+        return ""
+    return f", of which {taken[key]:g} go to {', '.join(r for r, bundles in earlier.items() if any(key in b for b in bundles))}"
 
 
 def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str, Any]:
@@ -110,14 +150,14 @@ def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str
 
     Raises:
         PlacementError: the cluster lacks the resources (checked against
-            `ray.cluster_resources()` first, see `role_bundles`), or a group is not ready
-            within `wait_s`.
+            `ray.cluster_resources()` and its largest node first, see `role_bundles`), or a
+            group is not ready within `wait_s`.
     """
     import ray  # noqa: PLC0415
     from ray.util.placement_group import placement_group  # noqa: PLC0415
 
     groups: dict[str, Any] = {}
-    for role, bundles in role_bundles(plan, ray.cluster_resources()).items():
+    for role, bundles in role_bundles(plan, ray.cluster_resources(), largest=largest_node_resources(ray.nodes())).items():
         pg = placement_group(bundles, strategy="PACK", name=f"tidal-{role}-{secrets.token_hex(3)}")
         ready, _ = ray.wait([pg.ready()], timeout=wait_s)
         if not ready:

@@ -207,7 +207,7 @@ class RoleConfig:
     """Where one role's instances go."""
 
     requires: list[str] = dataclasses.field(default_factory=list)
-    """Tags every device of an instance must carry, e.g. [npu] or [gpu, h100]; empty = any device."""
+    """Tags every device of an instance must carry, e.g. [npu] or [gpu, h100]; empty = any NPU or GPU, or any device on a cluster without them (CPU nodes of a cluster with NPUs or GPUs serve only roles that require [cpu])."""
     count: int = 1
     """Instances of the role (engine replicas or data-parallel ranks)."""
     devices_each: int = 1

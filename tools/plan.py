@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tidal.flow.placement import Plan, PlacementError, Resource, Role, resources_from_ray_nodes, schedule
+from tidal.flow.placement import KIND_TAGS, Plan, PlacementError, Resource, Role, resources_from_ray_nodes, schedule
 from tidal.tools.config import ConfigError
 
 ROLES = ("train", "rollout")
@@ -25,17 +25,7 @@ def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]
     None where the run would start a Ray of its own (`flow.ray_placement.connected_ray_nodes`).
     """
     if cfg.cluster.nodes:
-        out = []
-        for i, node in enumerate(cfg.cluster.nodes):
-            names = [node.name] if node.count == 1 else [f"{node.name}-{k}" for k in range(node.count)]
-            if node.count < 1:
-                raise ConfigError(f"cluster.nodes[{i}].count must be >= 1, got {node.count}")
-            for name in names:
-                try:
-                    out.append(Resource(node=name, kind=node.kind, capacity=node.devices, tags=frozenset(node.tags)))
-                except PlacementError as e:
-                    raise ConfigError(f"cluster.nodes[{i}]: {e}") from None
-        return out, "recipe"
+        return _recipe_nodes(cfg.cluster.nodes), "recipe"
     nodes = ray_nodes() if cfg.runtime.value == "ray" and ray_nodes is not None else None
     if nodes is not None:
         return resources_from_ray_nodes(nodes), "ray"
@@ -47,6 +37,30 @@ def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]
 
     capacity = platform.descriptor.device_count if kind != "cpu" else (os.cpu_count() or 1)
     return [Resource(node="localhost", kind=kind, capacity=capacity)], "this machine"
+
+
+def _recipe_nodes(nodes: Sequence[Any]) -> list[Resource]:
+    """`cluster.nodes` as resources, a node of `count` > 1 as <name>-0, <name>-1, ...
+
+    Raises:
+        ConfigError: naming the `cluster.nodes[i]` key that is wrong.
+    """
+    out: list[Resource] = []
+    entry_of: dict[str, int] = {}  # node name -> the cluster.nodes index that made it
+    for i, node in enumerate(nodes):
+        key = f"cluster.nodes[{i}]"
+        if node.count < 1:
+            raise ConfigError(f"{key}.count must be >= 1, got {node.count}")
+        if node.kind not in KIND_TAGS:
+            raise ConfigError(f"{key}.kind={node.kind!r} is not one of {', '.join(KIND_TAGS)}")
+        if node.devices < 0:
+            raise ConfigError(f"{key}.devices={node.devices} must be >= 0")
+        for name in [node.name] if node.count == 1 else [f"{node.name}-{k}" for k in range(node.count)]:
+            if name in entry_of:
+                raise ConfigError(f"{key}.name={node.name!r} names node {name!r} again (cluster.nodes[{entry_of[name]}] made it); give each node entry its own name")
+            entry_of[name] = i
+            out.append(Resource(node=name, kind=node.kind, capacity=node.devices, tags=frozenset(node.tags)))
+    return out
 
 
 def roles_of(cfg: Any) -> list[Role]:
@@ -74,9 +88,32 @@ def make_plan(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] 
     """
     resources, source = resources_of(cfg, ray_nodes=ray_nodes)
     try:
-        return schedule(resources, roles_of(cfg)), source
+        plan = schedule(resources, roles_of(cfg))
     except PlacementError as e:
         raise ConfigError(f"placement: {e}") from None
+    _check_one_vendor_trainer(plan)
+    return plan, source
+
+
+def _check_one_vendor_trainer(plan: Plan) -> None:
+    """Refuse trainer instances on devices of several kinds: they are the ranks of one
+    process group, whose collective backend is one vendor's (a fake cluster's CPU group
+    would not notice). Rollout instances are independent engines and may mix kinds.
+
+    Raises:
+        ConfigError: naming `placement.train.requires`.
+    """
+    train = plan.of("train", mode="own")
+    nodes: dict[str, list[str]] = {}
+    for a in train:
+        if a.node not in nodes.setdefault(a.kind, []):
+            nodes[a.kind].append(a.node)
+    if len(nodes) > 1:
+        where = " and ".join(f"{kind} ({', '.join(names)})" for kind, names in nodes.items())
+        raise ConfigError(
+            f"placement.train: its {len(train)} instances are on {where} devices; the trainer's ranks form one process group, "
+            f"which runs on one device kind: set placement.train.requires to one kind (e.g. [{next(iter(nodes))}]) or fewer placement.train.count"
+        )
 
 
 def cluster_rows(resources: Sequence[Resource]) -> list[list[str]]:
