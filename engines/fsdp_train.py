@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import NonfiniteGuard, check_settings, evaluating, mask_sequences, own_settings, padded_positions, rows_with_signal
+from tidal.engines.torch_train import NonfiniteGuard, check_settings, evaluating, mask_sequences, masked_fraction, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -274,16 +274,19 @@ class FSDPTrainEngine:
     def _micro_batches(self, n: int) -> list[slice]:
         return [slice(start, min(start + self.micro_batch_size, n)) for start in range(0, n, self.micro_batch_size)]
 
-    def _global(self, batch: TokenBatch, run: int | None = None) -> tuple[dict[str, float], int]:
-        """Loss tokens, sequences with a loss token, rows, and rows that run (`run` of this
-        rank's rows; default all) summed over ranks; the most micro-batches of any rank."""
+    def _global(self, batch: TokenBatch, run: int | None = None, masked: tuple[int, int] | None = None) -> tuple[dict[str, float], int]:
+        """Loss tokens, sequences with a loss token, rows, rows that run (`run` of this rank's
+        rows; default all), and sequence masking's counts (`masked`: this rank's sequences
+        dropped and sequences with a loss token before it; default none) summed over ranks;
+        the most micro-batches of any rank."""
         run = len(batch) if run is None else run
-        local = torch.tensor([*_counts(batch).values(), float(run), float(len(self._micro_batches(run)))], dtype=torch.float64)
+        local = torch.tensor([*_counts(batch).values(), float(run), *(masked or (0, 0)), float(len(self._micro_batches(run)))], dtype=torch.float64)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
         stacked = torch.stack(parts)
-        tokens, sequences, rows, ran = stacked[:, :4].sum(0).tolist()
-        return {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran}, int(stacked[:, 4].max())
+        tokens, sequences, rows, ran, dropped, with_tokens = stacked[:, :6].sum(0).tolist()
+        counts = {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens}
+        return counts, int(stacked[:, 6].max())
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
@@ -358,7 +361,9 @@ class FSDPTrainEngine:
         Led by rank 0: `batch` is every row; rank 0 drops the rows without advantage
         (see `_train_step`) before it shares out the rest, so every rank gets its part of
         the rows that run, and sends the whole batch's counts along. Sequence masking is
-        decided before any of that (`mask_sequences`; SPMD: by each rank for its rows).
+        decided before any of that (`mask_sequences`; SPMD: by each rank for its rows), and
+        `seq_masked_fraction` is the whole batch's on every rank (the counts ride along
+        `_global`'s all-gather).
 
         Raises:
             ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy),
@@ -373,22 +378,19 @@ class FSDPTrainEngine:
                 whole = _counts(batch)
                 batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
             (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], loss=loss, whole=whole)
-            metrics = self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole)
-        else:
-            metrics = self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)
-        if masked is not None:
-            metrics["seq_masked_fraction"] = masked
-        return metrics
+            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
+        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
 
     def _train_step(
-        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None
+        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
     ) -> dict[str, float]:
         """Without a KL term, rows whose advantage is zero on every loss token add nothing
         to the loss or its gradient and get no pass (as in the torch engine); the counts
         that weigh the micro-batches are still the whole batch's (`whole`, when the leader
-        dropped those rows already)."""
+        dropped those rows already). `masked`: this rank's sequence masking counts
+        (`mask_sequences`; a follower has none: its leader's are the whole batch's)."""
         among = rows_with_signal(advantages, batch.loss_mask) if loss.kl_coef == 0 and whole is None else None
-        counts, num_micro = self._global(batch, None if among is None else len(among))
+        counts, num_micro = self._global(batch, None if among is None else len(among), masked)
         if whole is not None:
             counts.update(whole)
         if among is not None:
@@ -414,6 +416,8 @@ class FSDPTrainEngine:
 
         metrics = self._step(batch, num_micro, micro_loss, weight_of)
         metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
+        if masked is not None:
+            metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
         self.version += 1
         return metrics
 

@@ -251,7 +251,7 @@ class TorchTrainEngine:
         metrics = self._step(batch, micro_loss, weight_of, among)
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
         if masked is not None:
-            metrics["seq_masked_fraction"] = masked
+            metrics["seq_masked_fraction"] = masked_fraction(*masked)
         self.version += 1
         return metrics
 
@@ -496,30 +496,45 @@ def own_settings(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     group has this engine's settings back (lr, weight decay, betas, and the platform's
     `optimizer_options()`, such as `fused`). A loaded state brings only its moments and step
     counts: a run resumed with another `train.lr` trains at that lr, and a state saved
-    where AdamW was not fused steps the way this platform does."""
+    where AdamW was not fused steps the way this platform does. torch placed each `step`
+    count by the saved groups' `fused` / `capturable`: on the host for a state saved
+    unfused (an NPU run's), where a fused step on CUDA refuses it (pytorch#104767), so a
+    fused or capturable group's counts go to their parameter's device as float32, as
+    torch's own load puts them (on CPU a no-op; not run on a GPU)."""
     own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     yield
     for group, settings in zip(optimizer.param_groups, own, strict=True):
         group.update(settings)
+        if group.get("fused") or group.get("capturable"):
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
-def mask_sequences(batch: TokenBatch, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, logprobs: Callable[[TokenBatch], torch.Tensor]) -> tuple[TokenBatch, PolicyLossConfig, float | None]:
+def mask_sequences(batch: TokenBatch, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, logprobs: Callable[[TokenBatch], torch.Tensor]) -> tuple[TokenBatch, PolicyLossConfig, tuple[int, int] | None]:
     """Sequence masking decided over the whole batch before it is cut into micro-batches:
     the dropped rows lose their loss tokens, and the loss goes on without masking. So each
     micro-batch is weighed by the tokens (or sequences) it keeps, and the step equals one
     full-batch step; masking inside each micro-batch left the loss short by the dropped share
-    when the drops were not spread evenly. Returns the batch, the loss and the fraction of
-    sequences dropped (None without sequence masking). With `proximal_is_policy` and no
-    `proximal_logprobs`, the decision needs the current policy's logprobs: one pass more."""
+    when the drops were not spread evenly. Returns the batch, the loss and (sequences dropped,
+    sequences with a loss token), None without sequence masking: counts, so that ranks
+    holding parts of a batch can sum them (`masked_fraction`). With `proximal_is_policy` and
+    no `proximal_logprobs`, the decision needs the current policy's logprobs: one pass more."""
     if loss.seq_mask_low is None and loss.seq_mask_high is None:
         return batch, loss, None
     behavior = batch.behavior_logprobs
     prox = proximal_logprobs if proximal_logprobs is not None else logprobs(batch) if loss.proximal_is_policy else behavior
     keep = sequence_keep(prox[:, : behavior.shape[1]].cpu(), behavior.cpu(), batch.loss_mask.cpu(), low=loss.seq_mask_low, high=loss.seq_mask_high)
     has_tokens = (batch.loss_mask.cpu() != 0).any(1)
-    dropped = float((~keep & has_tokens).sum()) / max(int(has_tokens.sum()), 1)
+    counts = (int((~keep & has_tokens).sum()), int(has_tokens.sum()))
     batch = dataclasses.replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask.device, batch.loss_mask.dtype))
-    return batch, dataclasses.replace(loss, seq_mask_low=None, seq_mask_high=None), dropped
+    return batch, dataclasses.replace(loss, seq_mask_low=None, seq_mask_high=None), counts
+
+
+def masked_fraction(dropped: float, with_tokens: float) -> float:
+    """The `seq_masked_fraction` metric: sequences dropped by sequence masking over those with a loss token."""
+    return dropped / max(with_tokens, 1.0)
 
 
 def rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -367,3 +367,28 @@ def test_gpu_rollout_and_training_match_the_cpu_engines():
     assert losses[0] == pytest.approx(losses[1], abs=1e-12)
     for name, weight in weights[1].items():  # k_proj's bias has no gradient but rounding noise, which AdamW scales up
         torch.testing.assert_close(weights[0][name], weight, atol=1e-6 if name.endswith("k_proj.bias") else 1e-9, rtol=0, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_a_state_saved_unfused_resumes_into_a_fused_cuda_adamw():
+    """torch places a loaded `step` count by the saved groups' settings: on the host for a
+    state saved unfused (an NPU run's), which a fused AdamW on CUDA refuses (pytorch#104767);
+    `own_settings` moves the counts to the parameters' device, and the fused step runs."""
+    from tidal.hal import select_platform  # noqa: PLC0415
+
+    gpu = select_platform("cuda").platform
+    torch.manual_seed(0)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-4=", "7+7=", "2-9="]]
+    HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id).generate(trajectories, max_new_tokens=4)
+    batch = to_token_batch(trajectories, pad_id=T.pad_id)
+    unfused = TorchTrainEngine(tiny(), lr=1e-2)
+    for group in unfused.optimizer.param_groups:
+        group["fused"] = False
+    unfused.train_step(batch, torch.ones(4), loss=PolicyLossConfig())
+    resumed = TorchTrainEngine(tiny(5), lr=1e-2, platform=gpu)
+    resumed.load_state_dict(copy.deepcopy(unfused.state_dict()))
+    assert resumed.optimizer.param_groups[0]["fused"] is True
+    steps = [state["step"] for state in resumed.optimizer.state.values()]
+    assert steps and all(t.device.type == "cuda" and t.dtype == torch.float32 for t in steps)
+    metrics = resumed.train_step(batch, -torch.ones(4), loss=PolicyLossConfig())
+    assert metrics["nonfinite_grad"] == 0.0 and resumed.version == 2

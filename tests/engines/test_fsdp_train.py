@@ -1,7 +1,7 @@
 """The fsdp train engine across two real processes (FSDP2, gloo on CPU).
 
-One pair of worker processes (a script written into a temporary folder: a plain `pytest`
-run cannot import `tests.*` in a child) trains, exports, checkpoints and resumes; the
+One pair of worker processes (a script written into a temporary folder and run by
+`conftest.spawn_ranks`: a plain `pytest` run cannot import `tests.*` in a child) trains, exports, checkpoints and resumes; the
 tests compare what rank 0 saved with a single-process `TorchTrainEngine`. A second pair
 runs the engine led by rank 0 (`rank0_leads=True`, as `tidal run` does): rank 0 alone is
 called with every row, rank 1 runs `follow()`.
@@ -9,10 +9,6 @@ called with every row, rank 1 runs `follow()`.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -23,7 +19,7 @@ from tidal.engines.fsdp_train import TORCHRUN_VARS, FSDPTrainEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.trajectory import TokenBatch, Trajectory, to_token_batch
+from tidal.flow.trajectory import TokenBatch
 
 T = CharTokenizer()
 MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
@@ -112,6 +108,7 @@ WORKER = textwrap.dedent(
     out["from_torch_settings"] = {key: other.optimizer.param_groups[0][key] for key in ("lr", "weight_decay")}
     run(other, data["resume"])
     out["from_torch"] = export(other)
+    torch.save(out["metrics"], work / f"metrics{rank}.pt")  # each rank's own view of the steps
     if rank == 0:
         torch.save(out, work / "result.pt")
     dist.barrier()
@@ -244,70 +241,8 @@ LED_WORKER = textwrap.dedent(
 )
 
 
-NONFINITE_WORKER = textwrap.dedent(
-    """
-    import os
-    import sys
-    from pathlib import Path
-    import torch
-    import torch.distributed as dist
-    from tidal.engines.fsdp_train import FSDPTrainEngine
-    from tidal.engines.tiny import build_tiny_qwen2
-    from tidal.flow.algorithms import PolicyLossConfig
-    from tidal.flow.trajectory import TokenBatch
-    from tidal.hal import current_platform
-    rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
-    data = torch.load(work / "data.pt", weights_only=False)
-    batch, good = TokenBatch(*(t[data["shards"][rank]] for t in data["batch"])), data["advantages"][data["shards"][rank]]
-    bad = torch.full_like(good, float("nan")) if rank else good  # only rank 1's rows are bad
-    e = FSDPTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=0, **data["model"]), max_nonfinite_steps=1, **data["engine"])
-    state = lambda: [getattr(t, "to_local", lambda: t)().clone() for t in [*e.model.parameters(), *(v for s in e.optimizer.state.values() for v in s.values())]]
-    out = {"metrics": [e.train_step(batch, good, loss=PolicyLossConfig())]}
-    before = state()
-    out["metrics"].append(e.train_step(batch, bad, loss=PolicyLossConfig()))
-    out["unchanged"] = len(before) > 30 and all(torch.equal(a, b) for a, b in zip(before, state(), strict=True))
-    try:
-        e.train_step(batch, bad, loss=PolicyLossConfig())
-    except FloatingPointError as error:
-        out["error"] = str(error)
-    out["metrics"].append(e.train_step(batch, good, loss=PolicyLossConfig()))
-    torch.save({**out, "version": e.version}, work / f"result{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # see the comment above WORKER
-    """
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model(seed: int = 0) -> torch.nn.Module:
     return build_tiny_qwen2(T.vocab_size, seed=seed, **MODEL)
-
-
-def _batch() -> tuple[TokenBatch, torch.Tensor]:
-    """Six rows of different lengths; rows 2 and 3 have no policy token (no loss), rows 4
-    and 5 no advantage (both engines skip all four in policy steps: in an SPMD pair, rank 1
-    has no row to run)."""
-    g = torch.Generator().manual_seed(0)
-    trajectories = []
-    for row in range(6):
-        prompt = torch.randint(3, T.vocab_size, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        tokens = torch.randint(3, T.vocab_size, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        t = Trajectory(prompt_ids=prompt)
-        if row in (2, 3):
-            t.append_env(tokens)
-        else:
-            t.extend(tokens, (-0.5 - 3 * torch.rand(len(tokens), generator=g)).tolist(), 0)
-        trajectories.append(t)
-    advantages = torch.randn(6, generator=g)
-    advantages[4:] = 0.0
-    return to_token_batch(trajectories, pad_id=T.pad_id), advantages
 
 
 def _run_torch(engine: TorchTrainEngine, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
@@ -324,65 +259,38 @@ def _run_torch(engine: TorchTrainEngine, batch: TokenBatch, advantages: torch.Te
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    """The same steps by one `TorchTrainEngine` on all six rows."""
-    batch, advantages = _batch()
+def reference(six_rows) -> dict:
+    """The same steps by one `TorchTrainEngine` on all six rows (`conftest.six_row_batch`)."""
+    batch, advantages = six_rows
     engine = TorchTrainEngine(_model(0), **ENGINE)
     metrics = _run_torch(engine, batch, advantages, PLAN)
     return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights())}
 
 
-def _spawn(work, script: str, world: int = 2, device: str | None = None) -> None:
-    """Run `script` as ranks 0 .. world-1 of one group (gloo on CPU, or the `device` platform's
-    backend); fail with every rank's exit code and log if one fails. The ranks run with
-    faulthandler on, so a crash in native code (a SIGABRT from a C++ thread at exit, say)
-    leaves each thread's Python stack in its rank's log."""
-    (work / "worker.py").write_text(script)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_DEVICE", *TORCHRUN_VARS)}
-    env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **({"TIDAL_DEVICE": device} if device else {}))
-    logs = [work / f"rank{rank}.log" for rank in range(world)]  # files, not pipes: a full pipe would stall a rank
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", str(work / "worker.py"), str(rank), str(world), str(port), str(work)], env=env, stdout=out, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-        codes = [p.returncode for p in procs]
-        assert codes == [0] * world, "\n".join(f"rank {rank} exited {code}:\n{log.read_text()[-3000:]}" for rank, (code, log) in enumerate(zip(codes, logs)))
-    finally:
-        for p in procs:  # only the processes this fixture started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _write_data(work, reference: dict, shards: list[list[int]] = SHARDS) -> None:
-    batch, advantages = reference["batch"], reference["advantages"]
-    data = dict(batch=tuple(vars(batch).values()), advantages=advantages, shards=shards, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size)
-    data["torch_state"] = reference["engine"].state_dict()  # copied now, by torch.save
-    for group in data["torch_state"]["optimizer"]["param_groups"]:
+def _write_data(write_data, work, reference: dict, shards: list[list[int]] = SHARDS) -> None:
+    """The data both worker scripts load: the reference's rows and advantages, and the torch engine's state."""
+    torch_state = reference["engine"].state_dict()  # copied now, by torch.save
+    for group in torch_state["optimizer"]["param_groups"]:
         group["fused"] = False  # as a platform without fused AdamW (an NPU) saves it
         group.update(lr=0.5, weight_decay=0.5)  # as a run with other settings saves it: the engine keeps its own
-    torch.save(data, work / "data.pt")
+    write_data(work, reference["batch"], reference["advantages"], shards=shards, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size, torch_state=torch_state)
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory: pytest.TempPathFactory, reference: dict) -> dict:
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory, reference: dict, spawn, write_data) -> dict:
     """What rank 0 of a 2-process FSDP run saved (see WORKER)."""
     work = tmp_path_factory.mktemp("fsdp")
-    _write_data(work, reference)
-    _spawn(work, WORKER)
-    return torch.load(work / "result.pt", weights_only=False)
+    _write_data(write_data, work, reference)
+    spawn(work, WORKER)
+    return {**torch.load(work / "result.pt", weights_only=False), "rank_metrics": [torch.load(work / f"metrics{rank}.pt") for rank in range(2)]}
 
 
 @pytest.fixture(scope="module")
-def led_run(tmp_path_factory: pytest.TempPathFactory, reference: dict) -> dict:
+def led_run(tmp_path_factory: pytest.TempPathFactory, reference: dict, spawn, write_data) -> dict:
     """What rank 0 of a 2-process group led by rank 0 saved, and what rank 1's `follow()` returned."""
     work = tmp_path_factory.mktemp("led")
-    _write_data(work, reference)
-    _spawn(work, LED_WORKER)
+    _write_data(write_data, work, reference)
+    spawn(work, LED_WORKER)
     follower = torch.load(work / "follow1.pt")
     return {**torch.load(work / "result.pt", weights_only=False), "follower_parks": follower.pop("parks"), "follower": follower}
 
@@ -398,6 +306,17 @@ def test_two_rank_steps_equal_one_full_batch_torch_step(fsdp_run, reference):
         for key in ("loss", "grad_norm", "num_tokens", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
         assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 5.0, 6.0)  # policy steps: rows 2-5 (rank 1 ran none), and one masked out, or all
+
+
+def test_every_rank_reports_the_whole_batchs_sequence_masked_fraction(fsdp_run, led_run, reference):
+    """The masking step drops 3 of the 4 rows with a loss token: one of rank 0's two, both of
+    rank 1's. Every rank's metrics are the whole batch's, as the torch engine's and the led
+    group's (SPMD ranks once reported their own rows' fraction: 0.5 and 1.0)."""
+    want = reference["metrics"][-1]["seq_masked_fraction"]
+    assert want == 0.75
+    assert [metrics[-1]["seq_masked_fraction"] for metrics in fsdp_run["rank_metrics"]] == [want, want]
+    assert fsdp_run["rank_metrics"][0] == fsdp_run["metrics"]
+    assert led_run["metrics"][-1]["seq_masked_fraction"] == want
 
 
 def test_exported_weights_are_the_unsharded_models(fsdp_run, reference):
@@ -539,15 +458,6 @@ def test_led_weight_source_streams_through_a_transport_twice(led_run):
             assert torch.equal(tensors[name], want), name
 
 
-def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_in_step(tmp_path, reference):
-    """NaN advantages on rank 1's rows: both ranks skip (shards, AdamW state kept), raise at the next (max 1), go on."""
-    _write_data(tmp_path, reference)
-    _spawn(tmp_path, NONFINITE_WORKER)
-    for rank in (0, 1):
-        run = torch.load(tmp_path / f"result{rank}.pt", weights_only=False)
-        assert ([m["nonfinite_grad"] for m in run["metrics"]], run["version"], run["unchanged"], run["error"][:80]) == ([0.0, 1.0, 0.0], 3, True, "the gradient norm was nan at 2 optimizer steps in a row, the last at version 2; "), rank
-
-
 def test_a_sharded_model_is_not_wrapped_twice(tmp_path):
     from tidal.hal import current_platform
 
@@ -560,12 +470,12 @@ def test_a_sharded_model_is_not_wrapped_twice(tmp_path):
         dist.destroy_process_group()
 
 
-def test_bf16_precision_runs_the_sharded_models_matmuls_in_bf16(tmp_path):
+def test_bf16_precision_runs_the_sharded_models_matmuls_in_bf16(tmp_path, six_rows):
     from tidal.hal import current_platform
 
     current_platform().init_process_group(rank=0, world_size=1, init_method=f"file://{tmp_path / 'group'}")
     try:
-        batch, advantages = _batch()
+        batch, advantages = six_rows
         fp32, bf16 = (FSDPTrainEngine(_model(0), **ENGINE, precision=p) for p in ("fp32", "bf16"))
         seen: set[torch.dtype] = set()
         for module in bf16.model.modules():
@@ -602,11 +512,11 @@ def test_registered_as_the_fsdp_backend():
 
 
 @pytest.mark.gpu
-def test_one_rank_on_a_real_gpu_takes_the_torch_engines_steps(tmp_path, reference):
+def test_one_rank_on_a_real_gpu_takes_the_torch_engines_steps(tmp_path, reference, spawn, write_data):
     """FSDP2 over NCCL on one real GPU (a group of one holding every row) trains, exports,
     checkpoints and resumes as the single-process torch engine does on CPU."""
-    _write_data(tmp_path, reference, shards=[[0, 1, 2, 3, 4, 5]])
-    _spawn(tmp_path, WORKER, world=1, device="cuda")
+    _write_data(write_data, tmp_path, reference, shards=[[0, 1, 2, 3, 4, 5]])
+    spawn(tmp_path, WORKER, world=1, device="cuda")
     run = torch.load(tmp_path / "result.pt", weights_only=False, map_location="cpu")
     assert run["version"] == reference["engine"].version == NUM_RL_STEPS
     got = dict(run["weights"])
