@@ -4,8 +4,9 @@
 module puts them where a plan says roles share devices, under both runtimes:
 
 - `Sharing` seats engines at one `Turns`, each parking through `Offloader` (the hal
-  platform's offload: weights, gradients and optimizer state to host memory while the
-  other seat computes), and reports what happened (hand-offs, parks, bytes parked).
+  platform's offload: weights, gradients, optimizer state and a train engine's frozen
+  `reference` policy to host memory while the other seat computes), and reports what
+  happened (hand-offs, parks, bytes parked).
   `runtime: local` gives its trainer and rollout engines one in-process `Turns`.
 - Under `runtime: ray`, `spots(plan)` says where every actor goes: an instance with
   devices of its own on its role's bundle; a rollout instance that time-shares a
@@ -42,6 +43,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
 from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
 
@@ -59,11 +62,15 @@ class Sharing:
         self._seats: list[tuple[Seat, Offloader]] = []
 
     def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
+        """Seat `engine`, parking its `model`, its frozen `reference` policy where it holds one
+        (a train engine built for a KL term: a whole model's weights), and its `optimizer`'s state."""
         model = getattr(engine, "model", None)
         if model is None:
             raise ValueError(f"{type(engine).__name__} has no `model` to park; it cannot time-share devices (seat {name!r})")
+        reference = getattr(engine, "reference", None)
+        parked = torch.nn.ModuleList([model, reference]) if isinstance(reference, torch.nn.Module) else model  # holds both, changes neither
         parked_optimizer = getattr(engine, "optimizer", None) if optimizer else None
-        offloader = Offloader(self.platform, model, parked_optimizer, moved=getattr(engine, "after_offload_move", None))  # a sharded engine's hook
+        offloader = Offloader(self.platform, parked, parked_optimizer, moved=getattr(engine, "after_offload_move", None))  # a sharded engine's hook
         seat = Seat(self.turns, name, park=offloader.park, unpark=offloader.unpark)
         self._seats.append((seat, offloader))
         return seat

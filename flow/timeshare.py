@@ -58,16 +58,23 @@ class Turns:
         self._resident: str | None = None
         self._park_wanted: set[str] = set()
         self._park_errors: dict[str, str] = {}  # seat -> why its last park failed (until it computes or parks again)
+        self._joined: set[str] = set()  # seats joined and not left since
         self._left: set[str] = set()
         self.handoffs = 0
         """Times the devices passed from one seat's state to another's."""
 
     def join(self, seat: str) -> None:
-        """Register `seat`; a seat joining again (a restarted actor) drops its old claims,
-        and an `acquire` its old process left waiting fails instead of taking the turn."""
+        """Register `seat`. A seat joining again without having left is a restarted process
+        (a Ray actor killed and restarted): its old claims are dropped, and an `acquire` its
+        old process left waiting fails instead of taking the turn. A first join, or one after
+        `leave`, drops nothing: claims under that name then are another process's (rank 0 of
+        a multi-rank trainer takes each rank's turn under the name that rank's seat joins
+        with, possibly before that rank has built and seated its engine)."""
         with self._cond:
+            if seat in self._joined:
+                self._forget(seat)  # its state died with the old process
+            self._joined.add(seat)
             self._left.discard(seat)
-            self._forget(seat)  # its state died with the old process
 
     def acquire(self, seat: str, timeout: float | None = None) -> bool:
         """Wait for `seat`'s turn; True when its state must be onloaded (it was parked)."""
@@ -134,6 +141,7 @@ class Turns:
         still holds is released (a process killed inside its turn never releases it), and an
         `acquire` it left waiting fails."""
         with self._cond:
+            self._joined.discard(seat)
             self._left.add(seat)
             self._forget(seat)
 
@@ -219,14 +227,18 @@ class TurnsSpan:
                 onload |= bool(t.acquire(seat, None if deadline is None else max(deadline - time.monotonic(), 0.0)))
                 taken.append(t)
         except BaseException:
-            for t in reversed(taken):
-                t.release(seat)
+            failed = _release_each(reversed(taken), seat)
+            if failed is not None:
+                log.warning("seat %r: giving back the turns it took after its acquire failed: %s", seat, failed)
             raise
         return onload
 
     def release(self, seat: str) -> None:
-        for t in reversed(self.turns):
-            t.release(seat)
+        """Give back every arbiter's turn; one that fails (its `Turns` actor gone) stops none
+        of the others, and its error is raised once all were tried."""
+        failed = _release_each(reversed(self.turns), seat)
+        if failed is not None:
+            raise failed
 
     def wanted(self, seat: str) -> bool:
         return any(t.wanted(seat) for t in self.turns)
@@ -273,18 +285,35 @@ class TurnsSpan:
         return {"handoffs": sum(s["handoffs"] for s in states), "arbiters": states}
 
 
+def _release_each(turns: Iterable[Any], seat: str) -> BaseException | None:
+    """Release `seat`'s turn at each of `turns`, going on past failures; the first failure, or None."""
+    first: BaseException | None = None
+    for t in turns:
+        try:
+            t.release(seat)
+        except Exception as e:  # noqa: BLE001 - raised by the caller, once every turn was tried
+            first = first or e
+    return first
+
+
 class Seat:
     """One role instance's place at a `Turns`: `park()` moves its state to host memory, `unpark()` back.
 
     `turns` is a `Turns` or anything with its methods (the Ray runtime passes a proxy to
     a `Turns` actor). A daemon thread parks this seat's state when another seat asks.
+    A park that raises may have moved part of the state, so the seat's next computation
+    calls `unpark` first as after any park: `unpark` brings back whatever the last `park`
+    moved (nothing, where it moved nothing), and one that raises is called again next time.
+    Until an `unpark` succeeds after such a failure, park requests fail the seat that waits,
+    naming it: what is on the devices then is not known.
     """
 
     def __init__(self, turns: Any, name: str, *, park: Callable[[], None], unpark: Callable[[], None]) -> None:
         self.turns, self.name = turns, name
         self._park, self._unpark = park, unpark
         self._lock = threading.Lock()  # held while computing and while parking: never both at once
-        self._parked = False
+        self._parked = False  # this seat's state may be (partly) off the devices: unpark before computing
+        self._move_error: str | None = None  # why the last park or unpark failed; park requests fail with it until an unpark succeeds
         self._owner: int | None = None  # the thread computing in this seat's turn
         self._closed = threading.Event()
         self.num_parks = 0
@@ -321,8 +350,13 @@ class Seat:
         seat to park, and that park waits for this computation)."""
         with self._lock:  # a park still running finishes first
             if self._parked:  # our own record, not the arbiter's: it saw the request, we did the work
-                self._unpark()
+                try:
+                    self._unpark()
+                except Exception as e:
+                    self._move_error = f"its last onload failed: {type(e).__name__}: {e}"
+                    raise
                 self._parked = False
+                self._move_error = None
             yield
 
     def wanted(self) -> bool:
@@ -341,16 +375,26 @@ class Seat:
             with self._lock:
                 if not self.turns.begin_park(self.name):
                     continue  # our turn came first (the seat that asked gave up waiting)
-                if not self._parked:
-                    try:
-                        self._park()
-                    except Exception as e:  # noqa: BLE001 - reported to the seat that waits (else it waited for ever)
-                        log.exception("seat %r could not park its state", self.name)
-                        self.turns.park_failed(self.name, f"{type(e).__name__}: {e}")
-                        continue
-                    self._parked = True
-                    self.num_parks += 1
-                self.turns.parked(self.name)
+                error = self._move_error or self._park_once()
+                if error is None:
+                    self.turns.parked(self.name)
+                else:  # reported to the seat that waits (else it waited for ever)
+                    self.turns.park_failed(self.name, error)
+
+    def _park_once(self) -> str | None:
+        """Park unless parked already (the lock held); why it failed, or None."""
+        if self._parked:
+            return None
+        try:
+            self._park()
+        except Exception as e:  # noqa: BLE001 - reported to the seat that waits
+            log.exception("seat %r could not park its state", self.name)
+            self._parked = True  # it may have moved part of it: the next computation unparks first
+            self._move_error = f"{type(e).__name__}: {e}"
+            return self._move_error
+        self._parked = True
+        self.num_parks += 1
+        return None
 
 
 class Offloader:
@@ -371,6 +415,10 @@ class Offloader:
         """Bytes the last park moved to host memory (0 where the device is the host's memory)."""
 
     def park(self) -> None:
+        """Move the state to host memory. The platform's `offload` raises with nothing moved;
+        once it has moved everything, a failing `moved` leaves the state parked, for `unpark`
+        to bring back (the seat unparks after a park that raised: `Seat`)."""
+        assert self._handle is None, "parked twice without an unpark"
         self._handle = self.platform.offload(module=self.module, optimizer=self.optimizer)
         self.num_bytes = self._handle.num_bytes
         if self._moved is not None:
@@ -378,8 +426,12 @@ class Offloader:
             self.platform.empty_cache()
 
     def unpark(self) -> None:
-        handle, self._handle = self._handle, None
-        handle.onload()
+        """Bring back what the last park moved (nothing, after one that raised before moving).
+        One that raises can be called again: the handle stays until its onload succeeded,
+        and `moved` only points the engine at the tensors where they are."""
+        if self._handle is not None:
+            self._handle.onload()
+            self._handle = None
         if self._moved is not None:
             self._moved()
 

@@ -103,11 +103,14 @@ class OffloadHandle:
         return list(self._host)
 
     def onload(self) -> None:
-        """Copy everything back to the device and release the host buffers."""
+        """Copy everything back to the device and release the host buffers.
+
+        One that raises (device memory ran out part way) has pointed nothing at a device
+        copy yet: everything stays in the host buffers, and `onload()` may be called again."""
         if not self._live:
             raise RuntimeError("onload() called twice for the same offload")
-        self._live = False
         if not self._host:
+            self._live = False
             return
         slots = _slots(self._module, self._optimizer)
         assert len(slots) == len(self._host), "module or optimizer changed while offloaded"
@@ -121,6 +124,7 @@ class OffloadHandle:
         self._wait()
         for (_, set_tensor), tensor in zip(slots, moved):
             set_tensor(tensor)
+        self._live = False
         self._host.clear()
         self._devices.clear()
 

@@ -205,3 +205,36 @@ def test_a_turns_proxy_reaches_every_method_a_seat_calls():
     waiting for the devices waited for ever."""
     public = {name for name, value in vars(Turns).items() if callable(value) and not name.startswith("_")}
     assert "park_failed" in public and public <= TurnsProxy._METHODS
+
+
+def test_a_trainers_reference_policy_leaves_the_devices_with_its_weights():
+    """With `kl_coef > 0` the torch engine keeps a frozen copy of the policy (`reference`) on
+    its device. Only `model` and the optimizer were parked: a whole model's weights stayed on
+    the devices through every rollout turn, and `parked_bytes` left them out."""
+    import torch
+
+    from tidal.engines.torch_train import TorchTrainEngine
+
+    platform = select_platform("fake:cuda:1").platform
+    engine = TorchTrainEngine(torch.nn.Linear(4, 4), kl_reference=True, platform=platform)
+    reference = {p.data_ptr() for p in engine.reference.parameters()}
+
+    class Guest:
+        model = torch.nn.Linear(2, 2)
+
+        def load_weights(self, version, named_tensors):
+            pass
+
+    sharing = Sharing(Turns(), platform)
+    trainer, guest = sharing.train(engine), sharing.rollout(Guest())
+    try:
+        with trainer.seat.turn():
+            pass
+        guest.load_weights(1, [])  # the trainer parks
+        assert reference.isdisjoint(p.data_ptr() for p in engine.reference.parameters())
+        weights = (4 * 4 + 4) * 4  # float32 weight and bias
+        assert sharing.summary()["seats"]["train"]["parked_bytes"] == 2 * weights  # the policy's and the reference's (no step taken: no gradients, no AdamW state)
+        with trainer.seat.turn():
+            assert all(torch.equal(p, q) for p, q in zip(engine.reference.parameters(), engine.model.parameters(), strict=True))
+    finally:
+        sharing.close()

@@ -139,3 +139,31 @@ def test_a_dtensor_moves_its_local_shard_and_stays_a_dtensor(tmp_path):
             assert torch.equal(t._local_tensor, values) and t.shape == (6, 4)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_onload_that_fails_part_way_leaves_everything_on_the_host_to_try_again(monkeypatch):
+    """Device memory can run out part way through an onload (a guest's memory not yet
+    returned). The handle was marked onloaded before any copy: a second try was refused
+    ("twice") and the state stayed in host buffers no one could bring back."""
+    platform = hal.select_platform("fake:cuda:1").platform
+    model, opt = _trained_model()
+    before = snapshot(model, opt)
+    handle = platform.offload(module=model, optimizer=opt)
+    host = {t.data_ptr() for t in handle.host_tensors()}
+    real_empty, calls = torch.empty, [0]
+
+    def empty_then_out_of_memory(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("out of device memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty_then_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        handle.onload()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert handle.offloaded and {p.data_ptr() for p in model.parameters()} <= host  # nothing half-moved
+    handle.onload()
+    assert not handle.offloaded and handle.host_tensors() == []
+    for a, b in zip(before, snapshot(model, opt), strict=True):
+        assert torch.equal(a, b)
