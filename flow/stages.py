@@ -3,9 +3,14 @@
 They talk to the rollout stage and the trainer only through the store, as threads of the
 process that holds it. The trainer's side of the loop is `Workflow`, which starts, stops
 and watches them; a checkpoint saves the store through them (`Stages.save`: the store, the
-prompt position and the failed rewards' count taken together, with no prompt between the
-prompt source and the store, so a resumed run neither skips nor repeats one, and counts
-each failed reward once).
+position of the prompts it holds and the failed rewards' count taken together, so a resumed
+run neither skips nor repeats a prompt, and counts each failed reward once).
+
+The loader takes prompts from the source outside the lock a save takes, so a source that
+takes its time, or blocks for good, holds up no checkpoint: prompts taken but not yet in
+the store are not in the saved position (a resumed run draws them again). A stop ends the
+loader cleanly whatever the source does meanwhile (it ends, or it blocks: the stages end
+without the loader then, `SOURCE_ON_STOP_S`).
 
     prompts --put--> [prompts]                         (the loader, while admission allows)
     reward   <-get tokens--   --put reward--> [train]
@@ -35,6 +40,11 @@ from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.store import Grouped, Store, StoreError, persist
 from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import Trajectory
+
+SOURCE_ON_STOP_S = 5.0
+"""How long the stages' end after a stop waits for a take from the prompt source to finish
+(its prompts then go into the store, and into the stopped run's checkpoint); a source
+still blocked after that is left to its thread, whose take is then not put."""
 
 
 def guard(stage: Callable[[], None], *, stopping: threading.Event, errors: list[BaseException], stop: Callable[[], None]) -> None:
@@ -93,7 +103,11 @@ class Stages:
                 store.configure_partition(name, capacity_rows=max(capacity, existing[name]["rows"]), lease_s=config.lease_s)
         self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
         self._stopping = threading.Event()
-        self._loading = threading.Lock()  # held while prompts go from the source into the store
+        self._loading = threading.Lock()  # held while prompts taken from the source go into the store
+        self._position = getattr(prompts, "position", None)
+        """The source's position after the prompts the store holds (what `save` records)."""
+        self._abandoned = False
+        """Set when the stages ended without the loader (blocked in the source): its take is not put."""
         self._scoring = threading.Lock()  # held while rewards and their failures are counted and put
         self._dropped_seen = self._dropped()
         self._version_seen = version
@@ -103,7 +117,7 @@ class Stages:
         self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
         self._waits = Waits()
         self._num_failed_rewards = num_failed_rewards
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[str, threading.Thread] = {}
         self._errors: list[BaseException] = []
 
     # Control ------------------------------------------------------------------------------
@@ -112,15 +126,20 @@ class Stages:
         for name, fn in (("loader", self._loader), ("reward", self._reward_stage), ("advantage", self._advantage_stage)):
             thread = threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True)
             thread.start()
-            self._threads.append(thread)
+            self._threads[name] = thread
 
     def wait(self) -> None:
         """Block until the stages have ended, or until one of them fails: raise its error at
-        once, without waiting for the others (one may be inside a long score call)."""
+        once, without waiting for the others (one may be inside a long score call). A loader
+        still taking prompts from the source `SOURCE_ON_STOP_S` after the stop is left
+        behind (a daemon thread), its take not put: a source may block for good."""
         self._stopping.wait()  # a stage ends only once the stages stop: `stop`, or a stage's error
         if not self._errors:
-            for thread in self._threads:
-                thread.join()
+            for name, thread in self._threads.items():
+                thread.join(SOURCE_ON_STOP_S if name == "loader" else None)
+            if self._threads.get("loader") is not None and self._threads["loader"].is_alive():  # still in the source
+                with self._loading:  # not in the middle of a put
+                    self._abandoned = True
         if self._errors:
             raise self._errors[0]
 
@@ -138,14 +157,15 @@ class Stages:
         return {"failed_rewards": self._num_failed_rewards, "wait_s": self._waits.take()}
 
     def save(self, path: str | Path) -> dict[str, Any]:
-        """Save the store to `path` (`persist.save`) with no prompt between the prompt
-        source and the store, and no reward counted but not in it; return what goes with
-        that store: {"prompt_position": the source's position (None: it has none),
-        "failed_rewards": the run's count}. A resumed run neither skips a prompt nor
-        counts a failed reward twice."""
+        """Save the store to `path` (`persist.save`) with no prompt put and no reward counted
+        but not in it; return what goes with that store: {"prompt_position": the source's
+        position after the prompts in it (None: the source has none), "failed_rewards": the
+        run's count}. A resumed run neither skips a prompt nor counts a failed reward twice.
+        Prompts the loader is taking from the source meanwhile are in neither (the save does
+        not wait for the source)."""
         with self._loading, self._scoring:
             persist.save(self.store, path)
-            return {"prompt_position": getattr(self.prompts, "position", None), "failed_rewards": self._num_failed_rewards}
+            return {"prompt_position": self._position, "failed_rewards": self._num_failed_rewards}
 
     # Internals ----------------------------------------------------------------------------
     def _guard(self, stage: Callable[[], None]) -> None:
@@ -201,19 +221,28 @@ class Stages:
             version = self.store.version  # read once: the prompts are tagged with the version whose room admitted them
             allowed = 0 if ran_out else self._admitted(version)
             if allowed:
-                with self._loading:
-                    self._check()  # before the take, not after: prompts taken from the source go into the store (`save` counts them)
-                    prompts = list(itertools.islice(self._prompt_iter, allowed))
-                    if prompts:
-                        # each prompt carries the version that admitted it: rollout generates it with no older weights
-                        self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
-                        self._started += len(prompts) * self.config.group_size
-                        continue
-                    ran_out = True
+                self._check()  # before the take, not after: prompts taken from the source go into the store
+                prompts = list(itertools.islice(self._prompt_iter, allowed))  # outside `_loading`: a source may block
+                if prompts:
+                    self._put_prompts(prompts, version, position=getattr(self.prompts, "position", None))
+                    continue
+                ran_out = True
+            self._check()  # first: a stopped run ends cleanly, even as its source runs out
             if ran_out:
                 self._check_enough()
-            self._check()
             self._admission.wait()
+
+    def _put_prompts(self, prompts: list[dict[str, Any]], version: int, *, position: int | None) -> None:
+        """Put a take from the source into the store, and count it in `_position` (the
+        source's `position` after it) and `_started`; a take the stages ended without
+        (`wait`) is not put. A put that a stop cancels while it waits for room counts nothing."""
+        with self._loading:
+            if self._abandoned:
+                raise _Stop
+            # each prompt carries the version that admitted it: rollout generates it with no older weights
+            self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
+            self._position = position
+            self._started += len(prompts) * self.config.group_size
 
     def _check_enough(self) -> None:
         """With the prompt source used up: raise if the samples started, less those dropped,

@@ -6,10 +6,12 @@ stage, open it in https://ui.perfetto.dev), `progress.png` (reward and throughpu
 time), `checkpoints/step-NNNNNN/` (model.safetensors + config.json + tokenizer.json, the
 optimizer and store state for resume) and `summary.json` (accuracy before and after RL).
 
-A resumed run is the same run: its step numbers, `accuracy_before`, `first_reward` and the
-totals the metrics count since the run started (`failed_rewards`, `paused_generations`,
-`handed_off`, `handoffs`) go on from its checkpoint. Its `rl_seconds`, `samples_per_s` and
-`tokens_per_s` measure this process's steps, those after `resumed_at`.
+A resumed run is the same run: its step numbers, `accuracy_before`, `first_reward`,
+`last_reward` (a finished run resumed takes no step: its checkpoint's) and the totals the
+metrics count since the run started (`failed_rewards`, `paused_generations`, `handed_off`,
+`handoffs`) go on from its checkpoint. Its `rl_seconds`, `samples_per_s` and `tokens_per_s`
+measure this process's steps, those after `resumed_at`, and `timeshare` this process's
+seats since then (its `since_version`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,22 @@ from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
+"""The held-out set is drawn with seed `seed + EVAL_SEED_OFFSET` (`held_out_prompts`)."""
+SEED_APART = 2**64
+"""Added to the one training chunk seed that would be the held-out set's (`chunk_seed`)."""
+
+
+def chunk_seed(seed: int, k: int) -> int:
+    """The seed of training prompt chunk `k` (prompts 512k .. 512k + 511) of run seed `seed`:
+    `seed * 7919 + k`, except where that is the held-out set's seed (for each seed up to 126,
+    chunk k = 1,000,003 - 7918 * seed: it would draw the held-out prompts, in order). That
+    chunk takes a seed `SEED_APART` past its own: never the held-out set's, and no other
+    chunk's short of chunk k + 2**64. Compared by absolute value: `random.Random`, which the
+    tasks draw with, seeds with it."""
+    drawn = seed * 7919 + k
+    if abs(drawn) == abs(seed + EVAL_SEED_OFFSET):
+        return abs(drawn) + SEED_APART
+    return drawn
 
 
 class Prompts:
@@ -64,7 +82,7 @@ class Prompts:
         self.position = position
 
     def _chunk(self, k: int) -> list[dict[str, Any]]:
-        return task_prompts(self.cfg, 512, seed=self.cfg.seed * 7919 + k)
+        return task_prompts(self.cfg, 512, seed=chunk_seed(self.cfg.seed, k))
 
     MAX_SKIPPED = 100_000
     """Held-out prompts skipped in a row before the stream gives up: the task has (almost)
@@ -309,7 +327,8 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     `turns` (a `flow.timeshare.Turns`, or a proxy to one) seats the RL train engine at
     devices it time-shares with rollout; without it and without `start_rollouts`, a
     plan that puts rollout on the trainer's devices gets an in-process `Turns` for both
-    engines (`local_turns`). The summary's `timeshare` says what happened.
+    engines (`local_turns`). The summary's `timeshare` says what happened on these devices
+    in this process (from its `since_version`), and its `handoffs` the run's hand-offs.
 
     `stop` (without one: a first SIGINT / SIGTERM during RL or its final checkpoint, in the
     main thread) ends the run after its current RL step: a checkpoint is written, the final
@@ -350,7 +369,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         launched = start_rollouts(cfg, store, settings)
     if resume_from is not None:
         prompts = Prompts(cfg, tokenizer, held_out, position=state["prompt_position"])
-        totals, first_reward = state.get("totals", {}), state.get("first_reward")  # none in a checkpoint from before they were saved
+        totals, first_reward, last_reward = state.get("totals", {}), state.get("first_reward"), state.get("last_reward")  # none in a checkpoint from before they were saved
         if Path(cfg.resume).resolve() == run_dir.resolve():
             truncate_metrics(run_dir / "metrics.jsonl", state["version"])
         accuracy_before = state["accuracy_before"]
@@ -372,7 +391,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
         console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {accuracy_before:.1%} after the warm start")
         saved, prompts = None, Prompts(cfg, tokenizer, held_out)
-        totals, first_reward = {}, None
+        totals, first_reward, last_reward = {}, None, None
 
     template = model
     trainer = train_cls(
@@ -418,6 +437,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     def run_first_reward() -> float | None:  # the run's: a resumed one's comes from its checkpoint
         return first_reward if first_reward is not None or not history else history[0]["reward"]
 
+    def run_last_reward() -> float | None:  # the run's: a resume that takes no step has its checkpoint's
+        return history[-1]["reward"] if history else last_reward
+
     def save_data(path: Path) -> dict[str, Any]:
         saved = workflow.save(path)
         if sharing is not None:
@@ -426,7 +448,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
 
     def checkpoint() -> None:
         if checkpointed[-1:] != [trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
-            extra = {"accuracy_before": accuracy_before, "first_reward": run_first_reward()}
+            extra = {"accuracy_before": accuracy_before, "first_reward": run_first_reward(), "last_reward": run_last_reward()}
             save_checkpoint(run_dir, trainer=trainer, template=template, tokenizer=tokenizer, save_data=save_data, extra=extra, keep=cfg.keep_checkpoints, rng=quiet.rng() if quiet is not None else None)
             checkpointed.append(trainer.version)
 
@@ -513,13 +535,14 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         "samples_per_s": samples / rl_seconds if rl_seconds else 0.0,
         "tokens_per_s": sum(m["tokens"] for m in history) / rl_seconds if rl_seconds else 0.0,
         "first_reward": run_first_reward(),
-        "last_reward": history[-1]["reward"] if history else None,
+        "last_reward": run_last_reward(),
         **{key: counted.get(key, 0) for key in ("failed_rewards", "paused_generations", "handed_off")},
     }
     if resume_from is not None:  # rl_seconds and the rates are this process's: its steps came after this version
         summary["resumed_at"] = state["version"]
-    if timeshare is not None:
-        summary["timeshare"] = timeshare
+    if timeshare is not None:  # the run's hand-offs, as its metrics count them; `timeshare` is this process's seats
+        summary["handoffs"] = counted.get("handoffs", 0)
+        summary["timeshare"] = {"since_version": state["version"] if resume_from is not None else 0, **timeshare}
     if stop.reason is not None:
         summary["stopped_early"] = stop.reason
     (run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")

@@ -282,53 +282,6 @@ def test_rows_dropped_at_consumption_let_admission_start_replacements():
     assert steps[0]["dropped"] == cfg.group_size and steps[0]["samples"] == cfg.batch_size
 
 
-class _PausingSource:
-    """40 prompts; taking the fourth sets `taking` and waits for `go_on` (the loader is then
-    inside its take). `position`: how many were taken, as a resumable source counts."""
-
-    def __init__(self, taking: threading.Event, go_on: threading.Event) -> None:
-        self.taking, self.go_on, self.position = taking, go_on, 0
-
-    def __iter__(self):
-        for item in _prompts(40):
-            if self.position == 3:
-                self.taking.set()
-                self.go_on.wait(10)
-            self.position += 1
-            yield item
-
-
-def _stages_over_a_pausing_source() -> tuple[object, threading.Event, threading.Event]:
-    """Started stages (max_staleness 1) whose loader will pause inside its take: `taking`
-    is set then, and `go_on` lets it finish."""
-    from tidal.flow.stages import Stages
-
-    taking, go_on = threading.Event(), threading.Event()
-    cfg = WorkflowConfig(max_staleness=1, **CONFIG)
-    stages = Stages(store=Store(), prompts=_PausingSource(taking, go_on), score=_score, config=cfg, version=0)
-    stages.start()
-    return stages, taking, go_on
-
-
-def test_a_store_saved_while_the_loader_takes_prompts_holds_every_prompt_before_the_saved_position(tmp_path):
-    # The loader takes prompts from the source, then puts them: a save in between would record
-    # a position past prompts the saved store never got, and a resumed run would skip them.
-    from tidal.flow.store import persist
-
-    stages, taking, go_on = _stages_over_a_pausing_source()
-    try:
-        assert taking.wait(10)
-        saving = concurrent.futures.ThreadPoolExecutor(1).submit(stages.save, tmp_path / "store.bin")
-        assert not saving.done() and not concurrent.futures.wait([saving], timeout=0.3).done  # held until the take is in the store
-        go_on.set()
-        position = saving.result(timeout=10)["prompt_position"]
-    finally:
-        stages.stop()
-        stages.wait()
-    saved = persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]
-    assert position == saved["next_index"] > 3  # every prompt the position counts is in the saved store
-
-
 @pytest.mark.skipif("ATen parallel backend: OpenMP" not in torch.__config__.parallel_info(), reason="per-thread intra-op counts need torch's OpenMP backend")
 def test_the_rollout_thread_keeps_its_own_torch_threads_while_the_trainer_keeps_its_own():
     cfg = WorkflowConfig(max_staleness=0, rollout_threads=1, **CONFIG)
@@ -469,22 +422,39 @@ def test_a_prompt_source_that_runs_out_before_the_last_step_ends_the_run_with_an
     assert [m["step"] for m in steps] == [1, 2]
 
 
-def test_a_stop_while_the_loader_takes_prompts_keeps_every_taken_prompt_in_the_store(tmp_path):
-    # The loader checked for a stop between taking prompts from the source and putting them:
-    # a stop in between dropped them, and the checkpoint written at the stop recorded a
-    # position past prompts its store never got (a resumed run skipped them).
+def test_a_run_stopped_while_its_source_blocks_ends_and_its_checkpoint_is_saved(tmp_path, monkeypatch):
+    # A prompt source waiting for prompts that never come (a queue whose producer is gone):
+    # a stop ends the run, the loader's thread left waiting in the source, and the final
+    # checkpoint's save does not wait for it. It once waited forever for the loader's lock.
+    from tidal.flow import stages
     from tidal.flow.store import persist
 
-    stages, taking, go_on = _stages_over_a_pausing_source()
+    monkeypatch.setattr(stages, "SOURCE_ON_STOP_S", 0.5)  # how long the run's end waits for the source (5 s)
+
+    blocking, release = threading.Event(), threading.Event()
+
+    def source():
+        yield from _prompts(2)  # the first step's
+        blocking.set()
+        release.wait(120)
+
+    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    trainer, rollout = _engines()
+    workflow = None
+
+    def stop_once_the_source_blocks(metrics):
+        assert blocking.wait(30)
+        workflow.stop()  # as a StopRequest (Ctrl-C) does
+
+    workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=source(), score=_score, config=cfg, on_step=stop_once_the_source_blocks)
     try:
-        assert taking.wait(10)
-        stages.stop()  # as a run stopped early does, before its checkpoint
+        _run_or_fail(workflow, timeout_s=30)
+        saving = concurrent.futures.ThreadPoolExecutor(1).submit(workflow.save, tmp_path / "store.bin")
+        assert concurrent.futures.wait([saving], timeout=10).done, "the checkpoint's save waited for the source"
     finally:
-        go_on.set()
-        stages.wait()
-    position = stages.save(tmp_path / "store.bin")["prompt_position"]
-    saved = persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]
-    assert position == saved["next_index"] == 4  # the whole take: (max_staleness + 1) steps of 2 prompts
+        release.set()
+    assert trainer.version == 1 and saving.result()["prompt_position"] is None  # a plain generator has no position
+    assert persist.load(tmp_path / "store.bin").state_dict()["partitions"]["prompts"]["next_index"] == 2
 
 
 def test_a_stage_error_ends_the_run_while_another_stage_is_still_busy():
