@@ -21,6 +21,7 @@ ways (see `shm`): a put writes its rows once, a get maps them.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
+from tidal.flow.store.pending import PendingPut
 from tidal.flow.store.table import StoreError, StoreTimeout
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
@@ -76,8 +78,9 @@ class RemoteStore:
 
     `token` defaults to the `TIDAL_STORE_TOKEN` environment variable. Calls that do not
     wait for data fail with `StoreError` when the server has not replied within
-    `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that, and a
-    cancellable one (`cancel=`) also when the server stops answering pings for that long.
+    `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that, and fail
+    sooner when the server no longer holds them (it restarted, or the connection broke) or
+    stops answering `_await_parked`'s checks for `rpc_timeout_s`.
     `shm=False` keeps every byte on the socket even when the server shares this host.
     """
 
@@ -121,6 +124,8 @@ class RemoteStore:
 
     # Plumbing ---------------------------------------------------------------------------
     def _thread_sockets(self) -> _ThreadSockets:
+        if self._closed:  # its sockets are closed, the context terminated
+            raise StoreError(f"the client of store server {self.address} is closed")
         sockets = getattr(self._tls, "sockets", None)
         if sockets is None:
             sockets = self._tls.sockets = _ThreadSockets()
@@ -128,15 +133,12 @@ class RemoteStore:
             weakref.finalize(sockets, _close_sockets, sockets.owned, self._sockets, self._sockets_lock)
         return sockets
 
-    def _socket(self, address: str, *, probe: bool = False) -> zmq.Socket:
-        """This thread's connection to `address` (`probe`: a second one, for `_receive_or_withdraw`'s pings)."""
+    def _socket(self, address: str) -> zmq.Socket:
+        """This thread's connection to `address`."""
         sockets = self._thread_sockets()
-        key = (address, "probe") if probe else address
-        sock = sockets.get(key)
+        sock = sockets.get(address)
         if sock is None:
-            if self._closed:
-                raise StoreError("the store client is closed")
-            sock = sockets[key] = self._ctx.socket(zmq.DEALER)
+            sock = sockets[address] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             sockets.owned.append(sock)
@@ -205,78 +207,110 @@ class RemoteStore:
 
     def _wake_listener(self) -> zmq.Socket:
         """This thread's subscription to `wake()`."""
+        sockets = self._thread_sockets()  # first: a closed client says so
         listener = getattr(self._tls, "wake_listener", None)
         if listener is None:
             listener = self._tls.wake_listener = self._ctx.socket(zmq.SUB)
             listener.setsockopt(zmq.LINGER, 0)
             listener.setsockopt(zmq.SUBSCRIBE, b"")
             listener.connect(self._wake_address)
-            self._thread_sockets().owned.append(listener)
+            sockets.owned.append(listener)
             with self._sockets_lock:
                 self._sockets.append(listener)
         return listener
 
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
-        cancel = getattr(self._tls, "cancel", None)
-        if cancel is not None and op in ("get", "put") and request_id not in self._tls.__dict__.get("stash", {}):  # the requests a server parks
-            return self._receive_or_withdraw(sock, request_id, address, op, wait_s, cancel)
+        if op in ("get", "put"):  # the requests a server parks
+            return self._await_parked(sock, request_id, address, op, wait_s, getattr(self._tls, "cancel", None))
         return self._receive_reply(sock, request_id, address, op, wait_s)
 
-    def _receive_or_withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: threading.Event) -> Any:
-        """`_receive` in a cancellable call: looks at `cancel` every `CANCEL_CHECK_S` and on
-        `wake()`, and once it is set withdraws the request (`_withdraw`) instead of waiting on.
-        After each `CANCEL_CHECK_S` without a word from the server it pings it, on a connection
-        of its own (a ping on `sock` would end the server's hold on a get reply not read yet,
-        `_Peer.sent`); a ping unanswered for `rpc_timeout_s` means the server is gone."""
-        listener, probe = self._wake_listener(), self._socket(address, probe=True)
-        poller = zmq.Poller()
-        for each in (sock, listener, probe):
-            poller.register(each, zmq.POLLIN)
+    def _await_parked(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: threading.Event | None) -> Any:
+        """The reply to a get or put, which the server may park for up to `wait_s` (None:
+        without bound). After each `CANCEL_CHECK_S` without it, asks the server on `sock`
+        whether it still holds the request (`parked`); "no" means no reply is coming (the
+        server answers that after the request's own reply, and a restarted server or a
+        remade connection holds nothing of it), and so does no answer in `rpc_timeout_s`:
+        either ends the wait with `StoreError`. Asked on a second connection, a restarted
+        server's answer said nothing about the request. A cancellable wait (`cancel`) also
+        looks at the event every `CANCEL_CHECK_S` and on `wake()`, and once it is set
+        withdraws the request (`_withdraw`) instead of waiting on."""
+        poller = None if cancel is None else self._poller(sock)
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        heard, ping = time.monotonic(), None  # when the server last answered; the ping out: (id, sent at)
-        while not cancel.is_set():
-            now = time.monotonic()
-            left = None if deadline is None else deadline - now
-            if left is not None and left <= 0:
-                raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
-            if ping is None and now - heard >= CANCEL_CHECK_S:
-                ping = (next(self._ids), now)
-                probe.send_multipart(pack({"op": "ping", "id": ping[0], "token": self.token, "args": {}}))
-            elif ping is not None and now - ping[1] >= self.rpc_timeout_s:
-                self._settle(request_id, ok=False)
-                raise StoreError(f"store server {address} did not answer a ping within {self.rpc_timeout_s:g}s while {op!r} waited; is it running?")
-            due = ping[1] + self.rpc_timeout_s if ping is not None else heard + CANCEL_CHECK_S  # the ping's deadline, or the next ping
-            ready = dict(poller.poll(int(1000 * max(min(CANCEL_CHECK_S, due - now, CANCEL_CHECK_S if left is None else left), 0.0)) + 1))
-            if sock in ready:
-                reply = self._next_reply(sock, request_id, address, op, 0.0)  # ready: another request's reply, maybe
+        heard, question, asked = time.monotonic(), None, 0.0  # when the server last answered; the check out: its id, when
+        try:
+            while cancel is None or not cancel.is_set():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
+                if question is None and now - heard >= CANCEL_CHECK_S:
+                    question, asked = self._ask_parked(address, request_id), now
+                elif question is not None and now - asked >= self.rpc_timeout_s:
+                    self._settle(request_id, ok=False)
+                    raise StoreError(f"store server {address} did not answer a ping within {self.rpc_timeout_s:g}s while {op!r} waited; is it running?")
+                due = asked + self.rpc_timeout_s if question is not None else heard + CANCEL_CHECK_S
+                due = min(due, math.inf if deadline is None else deadline, math.inf if poller is None else now + CANCEL_CHECK_S)
+                reply = self._wait_reply(sock, request_id, address, op, due - now, poller=poller, until=question)
                 if reply is not None:
                     return self._result(reply)
-            if probe in ready:
-                while probe.poll(0):
-                    answered = unpack(probe.recv_multipart()).get("id")
-                    if ping is not None and answered == ping[0]:  # not a late answer to an earlier wait's ping
-                        heard, ping = time.monotonic(), None
-            if listener in ready:
-                while listener.poll(0):
-                    listener.recv()
-        return self._withdraw(sock, request_id, address, op)
+                answer = None if question is None else self._tls.stash.pop(question, None)
+                if answer is not None:
+                    self._tls.submitted.discard(question)
+                    if self._result(answer) is not True:
+                        self._settle(request_id, ok=False)
+                        raise StoreError(f"store server {address} no longer holds this {op!r}, and no reply to it came (the server restarted, or the connection to it broke): the request is lost")
+                    heard, question = time.monotonic(), None
+            return self._withdraw(sock, request_id, address, op)
+        finally:
+            if question is not None:  # its answer, if it comes, is a late reply: skipped
+                self._tls.submitted.discard(question)
+                self._tls.stash.pop(question, None)
+
+    def _poller(self, sock: zmq.Socket) -> zmq.Poller:
+        """A poller of `sock` and this thread's subscription to `wake()`."""
+        poller = zmq.Poller()
+        for each in (sock, self._wake_listener()):
+            poller.register(each, zmq.POLLIN)
+        return poller
+
+    def _ask_parked(self, address: str, request_id: int) -> int:
+        """Ask the server whether it still holds `request_id` (same connection); the answer's id."""
+        _, question = self._send(address, "parked", {"request": request_id})
+        tls = self._tls.__dict__
+        tls.setdefault("stash", {})
+        tls.setdefault("submitted", set()).add(question)  # its answer is kept when read
+        return question
+
+    def _wait_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float, *, poller: zmq.Poller | None, until: int | None) -> dict[str, Any] | None:
+        """The reply to `request_id` if it comes within `wait_s`; None when it does not, when
+        the answer to `until` comes first, or when `poller` hears a `wake()` first."""
+        wait_s = max(wait_s, 0.0)
+        if poller is not None:
+            ready = dict(poller.poll(int(1000 * wait_s) + 1))
+            listener = self._tls.wake_listener
+            while listener.poll(0):
+                listener.recv()
+            if sock not in ready:
+                return None
+            wait_s = 0.0  # ready: another request's reply, maybe
+        return self._next_reply(sock, request_id, address, op, wait_s, until=until)
 
     def _withdraw(self, sock: zmq.Socket, request_id: int, address: str, op: str) -> Any:
         """Ask the server to drop a request whose wait was cancelled. Still parked: nothing
-        was done for it, and this raises `StoreError`. Answered already: that answer, as if
-        the wait had not been cancelled (rows it took or put are the caller's)."""
-        tls = self._tls.__dict__
-        submitted, stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
+        was done for it, and this raises `StoreError`. Answered already: that answer (the
+        server sends it before the withdraw's), as if the wait had not been cancelled (rows
+        it took or put are the caller's). Neither (a restarted server): `StoreError` too."""
+        submitted = self._tls.__dict__.setdefault("submitted", set())
         kept = request_id in submitted
         submitted.add(request_id)  # its answer, read while waiting for the withdraw's, is kept
         cancel, self._tls.cancel = self._tls.cancel, None
         try:
             _, withdraw_id = self._send(address, "withdraw", {"request": request_id})
-            if self._receive_reply(sock, withdraw_id, address, "withdraw", self.rpc_timeout_s):
-                stash.pop(request_id, None)
+            withdrawn = self._receive_reply(sock, withdraw_id, address, "withdraw", self.rpc_timeout_s)
+            reply = None if withdrawn else self._next_reply(sock, request_id, address, op, 0.0)  # kept, if it came
+            if reply is None:
                 self._settle(request_id, ok=False)
-                raise StoreError(f"{op} was cancelled")
-            return self._receive_reply(sock, request_id, address, op, self.rpc_timeout_s)
+                raise StoreError(f"{op} was cancelled" + ("" if withdrawn else f" (store server {address} no longer held it: it restarted, or the connection broke)"))
+            return self._result(reply)
         finally:
             self._tls.cancel = cancel
             if not kept:
@@ -288,10 +322,10 @@ class RemoteStore:
             raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
         return self._result(reply)
 
-    def _next_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> dict[str, Any] | None:
-        """The reply to `request_id`, or None when none came within `wait_s`. Replies to this
-        thread's other submitted puts read on the way are kept for them; late replies to
-        abandoned requests are skipped."""
+    def _next_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, *, until: int | None = None) -> dict[str, Any] | None:
+        """The reply to `request_id`, or None when none came within `wait_s` (or the answer
+        to `until` came first). Replies to this thread's other submitted requests read on
+        the way are kept for them; late replies to abandoned requests are skipped."""
         timeout_ms = -1 if wait_s is None else int(wait_s * 1000) + 1
         timeouts = self._tls.__dict__.setdefault("timeouts", {})
         if timeouts.get(sock) != timeout_ms:  # one blocking receive with a timeout, not a poll and then a receive
@@ -310,6 +344,8 @@ class RemoteStore:
             if reply_id != request_id and reply_id is not None:
                 if reply_id in self._tls.__dict__.get("submitted", ()):
                     stash[reply_id] = reply
+                    if reply_id == until:
+                        return None
                 else:
                     self._settle(reply_id, ok=bool(reply.get("ok")))
                 reply = None
@@ -548,49 +584,11 @@ class RemoteStore:
         self.close()
 
 
-class PendingPut:
-    """A put sent by `RemoteStore.submit_put`; `result()` waits for its reply."""
-
-    def __init__(self, client: RemoteStore, sock: zmq.Socket, request_id: int, wait_s: float | None, keys: list[str]) -> None:
-        self._client, self._sock, self._id, self._wait_s, self._keys = client, sock, request_id, wait_s, keys
-        self._thread = threading.current_thread()
-        self._outcome: tuple[bool, Any] | None = None
-        tls = client._tls.__dict__  # noqa: SLF001 - its own client's per-thread state
-        self._submitted, self._stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
-        self._submitted.add(request_id)  # its reply is kept if another request's wait reads it
-
-    def result(self) -> list[int]:
-        """The new rows' indexes; raises what `put` would have raised. Call it in the
-        thread that submitted the put (its connection is that thread's)."""
-        if self._outcome is None:
-            if threading.current_thread() is not self._thread:
-                raise RuntimeError(f"read a pending put's result in the thread that submitted it ({self._thread.name})")
-            client = self._client
-            try:
-                self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001 - its own client
-            except BaseException as e:
-                self._outcome = (False, e)
-                client._drop_chunks(self._keys)  # noqa: SLF001 - the controller never took them
-            finally:
-                self._forget()
-        ok, value = self._outcome
-        if not ok:
-            raise value
-        return value
-
-    def _forget(self) -> None:
-        self._submitted.discard(self._id)
-        self._stash.pop(self._id, None)
-
-    def __del__(self) -> None:
-        if self._outcome is None:  # never read: its reply, when it comes, is dropped
-            self._forget()
-
-
 CANCEL_CHECK_S = 1.0
 """How often a cancellable remote get/put looks at its cancel event while it waits, when
 nobody calls `RemoteStore.wake()` (a local check: the request is sent once), and how long
-the server may be silent before it is pinged (on a second connection)."""
+any waiting get/put lets the server be silent before it asks whether the server still
+holds the request (`RemoteStore._await_parked`)."""
 
 
 def _plain(values: Sequence[Any] | None) -> list[Any] | np.ndarray | None:

@@ -14,7 +14,11 @@ timer is the earliest parked deadline or lease expiry.
 
 A client's connection dying (its process killed mid-`get`, say) is seen through the
 socket's monitor: the rows leased through that connection are released for redelivery
-and its parked requests are dropped, so a consumer that dies loses nothing.
+and its parked requests are dropped, so a consumer that dies loses nothing. A client
+whose get or put waits asks now and then whether it is still parked (`parked`), on the
+same connection; that answer, and a withdraw's, never overtakes the request's own reply,
+so "not parked" with no reply before it tells the client that none is coming (this
+server restarted, or the connection broke).
 
 Every request is answered: a malformed frame, an unknown op, a bad token or a failing
 call gets an error reply and the server keeps serving. Servers bind 127.0.0.1 unless
@@ -24,7 +28,6 @@ shared token.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -43,7 +46,8 @@ from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
-from tidal.flow.store.table import Store, StoreError, StoreTimeout
+from tidal.flow.store.table import Store, StoreTimeout
+from tidal.flow.store.unit_links import UnitLinks
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
 from tidal.hal import owner
@@ -51,6 +55,7 @@ from tidal.hal import owner
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 _BLOCKING = ("get", "put")
+_ABOUT_A_REQUEST = frozenset({"withdraw", "parked"})  # sent while a get or put waits: they leave the held reply alone
 _MUTATING = frozenset({"get", "put", "ack", "release", "set_version", "create_partition", "add_consumer"})  # get: its acks and drops free room
 _WAKE, _STOP = b"w", b"s"
 _SEQUENTIAL, _SEQUENTIAL_SPEC = Sequential(), {"kind": "sequential"}
@@ -141,8 +146,7 @@ class StoreServer:
         self._by_fd: dict[int, _Peer] = {}
         self._parked: list[_Parked] = []
         self._deferred: list[tuple[_Peer, int, Any]] = []  # replies sent after the parked requests are retried
-        self._drops: collections.deque[tuple[str, str]] = collections.deque()  # (unit, chunk key)
-        self._unit_sockets: dict[str, zmq.Socket] = {}
+        self._units = UnitLinks(self._ctx, token)
         self._listening = False  # for evictions, once cells on storage units are put
         self._ops: dict[str, Callable[[_Peer, dict[str, Any]], Any]] = {"ping": self._ping}
         if store is not None:
@@ -159,6 +163,7 @@ class StoreServer:
                 metrics=lambda peer, a: store.metrics(),
                 save=lambda peer, a: self.save(a["path"]),
                 withdraw=self._withdraw,
+                parked=self._holds,
             )
         if unit is not None:
             self._ops.update(unit_write=self._unit_write, unit_read=self._unit_read, unit_drop=self._unit_drop)
@@ -181,7 +186,7 @@ class StoreServer:
         self._thread.join(timeout=10)
         if self.store is not None:  # a store that outlives its server no longer calls it
             self.store.remove_listener(self._on_change)
-            self.store.remove_listener(self._on_free)
+            self.store.remove_listener(self._units.on_free)
         if self.segments is not None:
             self.segments.unlink_all()  # no client can ask for them now; mappings stay valid
         self._waker.close(linger=0)
@@ -200,21 +205,9 @@ class StoreServer:
 
     def _read_chunk(self, chunk: RemoteChunk, sockets: dict[str, zmq.Socket], timeout_s: float) -> Any:
         """Every row of `chunk`, from the unit that holds it (this server's own: in process)."""
-        offsets = np.arange(len(chunk), dtype=np.int64)
         if self.unit is not None and chunk.unit == self.address:
-            return self.unit.read(chunk.key, offsets)
-        sock = sockets.get(chunk.unit)
-        if sock is None:
-            sock = sockets[chunk.unit] = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(chunk.unit)
-        sock.send_multipart(pack({"op": "unit_read", "id": 1, "token": self.token, "args": {"key": chunk.key, "offsets": offsets}}))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise StoreError(f"storage unit {chunk.unit} did not answer within {timeout_s:g}s: the rows it holds cannot be saved")
-        reply = unpack(sock.recv_multipart())
-        if not reply.get("ok"):
-            raise StoreError(f"storage unit {chunk.unit} cannot give chunk {chunk.key!r} to save: {reply.get('message')}")
-        return decode_column(chunk.key, reply["result"])
+            return self.unit.read(chunk.key, np.arange(len(chunk), dtype=np.int64))
+        return self._units.read_chunk(chunk, sockets, timeout_s)
 
     def _on_change(self, partition: str | None) -> None:
         """Store listener (store lock held): a change made outside the server thread retries
@@ -239,7 +232,7 @@ class StoreServer:
                 wake = True
             finally:
                 self._local.retrying = False
-        if wake or self._drops:
+        if wake or self._units.drops:
             self._wake()
 
     def _wake(self) -> None:
@@ -292,7 +285,7 @@ class StoreServer:
                 deferred, self._deferred = self._deferred, []
                 for peer, request_id, result in deferred:
                     self._reply(peer, request_id, result)
-            self._flush_drops()
+            self._units.flush_drops()
             if not more:  # the replies just sent may have taken the fd's edge for a request that came meanwhile
                 with self._lock:
                     more = self._readable(self._router)
@@ -313,8 +306,9 @@ class StoreServer:
         return -1 if math.isinf(soonest) else max(0, math.ceil((soonest - time.monotonic()) * 1000))
 
     def _close_sockets(self) -> None:
-        for sock in (self._router, self._wakes, self._monitor, *self._unit_sockets.values()):
+        for sock in (self._router, self._wakes, self._monitor):
             sock.close(linger=0)
+        self._units.close()
 
     def _drain_monitor(self) -> None:
         while self._readable(self._monitor):
@@ -355,11 +349,11 @@ class StoreServer:
             request_id = message.get("id") if isinstance(message.get("id"), int) else None
             op, request_id, args = check_request(message, self._ops)
             args.pop("waiting_since", None)  # set only by the server itself
-            if op != "withdraw":  # sent while a get waits, whose answer it may not have read yet
+            if op not in _ABOUT_A_REQUEST:  # sent while a get waits, whose answer it may not have read yet
                 peer.sent = None
         except WireError as e:
             self.num_malformed += 1
-            self._reply_error(peer, request_id, "WireError", f"malformed request: {e}")
+            self._reply_error(peer, e.request_id if request_id is None else request_id, "WireError", f"malformed request: {e}")
             return False
         if not token_ok(self.token, message.get("token")):
             self._reply_error(peer, request_id, "Unauthorized", "missing or wrong store token")
@@ -395,11 +389,22 @@ class StoreServer:
     def _withdraw(self, peer: _Peer, a: dict[str, Any]) -> bool:
         """Drop `peer`'s parked get or put `a["request"]` (its client stopped waiting: the
         wait was cancelled). True when it was still parked: it gets no reply and nothing was
-        taken or put for it; False when it was answered (or its answer is on its way)."""
+        taken or put for it; False when it was not: its reply went out before this one
+        (`_answer`), or this connection never sent it (a restarted server, a new connection)."""
+        request_id = _request_of(a)
         with self._lock:
-            kept = [p for p in self._parked if not (p.peer is peer and p.request_id == a["request"])]
+            kept = [p for p in self._parked if not (p.peer is peer and p.request_id == request_id)]
             withdrawn, self._parked = len(kept) < len(self._parked), kept
         return withdrawn
+
+    def _holds(self, peer: _Peer, a: dict[str, Any]) -> bool:
+        """Whether `peer`'s get or put `a["request"]` is parked here: a waiting client's
+        liveness check. False means its reply went out before this one (`_answer`), or this
+        server never got it through this connection (it restarted, or the connection broke,
+        which drops a connection's parked requests): no reply is coming."""
+        request_id = _request_of(a)
+        with self._lock:
+            return any(p.peer is peer and p.request_id == request_id for p in self._parked)
 
     def _retry_parked(self) -> None:
         """Retry parked requests in arrival order; answer those that succeed or expire."""
@@ -432,7 +437,8 @@ class StoreServer:
     def _answer(self, peer: _Peer, request_id: int, op: str, result: Any, args: dict[str, Any]) -> None:
         """Reply; a change that parked requests may wait for is answered after they are
         retried, so a waiting consumer hears first (its wait is what a hand-off costs)."""
-        if self._parked and op in _MUTATING and op != "get":  # a get's own caller waits too
+        if (self._parked and op in _MUTATING and op != "get") or (self._deferred and op in _ABOUT_A_REQUEST):
+            # a get's own caller waits too; a word about a request never overtakes its reply
             self._deferred.append((peer, request_id, result))
         else:
             self._reply(peer, request_id, result, _taken(op, args))
@@ -492,7 +498,7 @@ class StoreServer:
         for name, descriptor in (a.get("remote") or {}).items():
             columns[name] = RemoteChunk.from_wire(descriptor)
             if not self._listening:
-                self.store.add_free_listener(self._on_free)
+                self.store.add_free_listener(self._units.on_free)
                 self._listening = True
         ack = a.get("ack")
         if ack is not None and not (isinstance(ack, dict) and isinstance(ack.get("consumer"), str) and isinstance(ack.get("partition"), str)):
@@ -556,27 +562,13 @@ class StoreServer:
         assert self.unit is not None
         return self.unit.drop(a["keys"])
 
-    # Chunks the controller let go of, on storage units ------------------------------------
-    def _on_free(self, partition: str, chunk: Any) -> None:
-        if isinstance(chunk, RemoteChunk):
-            self._drops.append((chunk.unit, chunk.key))
 
-    def _flush_drops(self) -> None:
-        if not self._drops:
-            return
-        batches: dict[str, list[str]] = {}
-        while self._drops:
-            unit, key = self._drops.popleft()
-            batches.setdefault(unit, []).append(key)
-        for unit, keys in batches.items():
-            sock = self._unit_sockets.get(unit)
-            if sock is None:
-                sock = self._unit_sockets[unit] = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(unit)
-            while sock.poll(0):  # replies to earlier drops carry nothing we need
-                sock.recv_multipart()
-            sock.send_multipart(pack({"op": "unit_drop", "id": 0, "token": self.token, "args": {"keys": keys}}))
+def _request_of(args: dict[str, Any]) -> int:
+    """The request id a withdraw or a liveness check is about."""
+    request_id = args.get("request")
+    if type(request_id) is not int:
+        raise ValueError(f"'request' must be the int id of a get or put sent on this connection, got {request_id!r}")
+    return request_id
 
 
 def _taken(op: str, args: dict[str, Any]) -> tuple[str, str] | None:

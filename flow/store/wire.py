@@ -36,7 +36,13 @@ STACK_MAX_CELL_BYTES = 64 * 1024
 
 
 class WireError(ValueError):
-    """A message that is not a valid request or reply."""
+    """A message that is not a valid request or reply. `request_id`: the id its header
+    carried, when the header decoded (so the error reply, or the error, goes to that
+    request and is never taken for another's)."""
+
+    def __init__(self, message: str, *, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned: shm.Segments | None = None, written: list[str] | None = None) -> list[Any]:
@@ -70,15 +76,19 @@ def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token
         raise WireError("empty message")
     try:
         message = unpack_header(bytes(frames[0]))
-        if not isinstance(message, dict):
-            raise WireError(f"message must be a map, got {type(message).__name__}")
+    except CodecError as e:
+        raise WireError(str(e)) from e
+    if not isinstance(message, dict):
+        raise WireError(f"message must be a map, got {type(message).__name__}")
+    try:
         buffers: list[Any] = [memoryview(f) for f in frames[1:]]
         placed = message.pop("shm", None)
         if placed is not None:
             _map_placed(placed, buffers, segments, token, message)
         return decode_tree(message, buffers)
-    except (CodecError, shm.ShmError) as e:
-        raise WireError(str(e)) from e
+    except (CodecError, shm.ShmError, WireError) as e:
+        request_id = message.get("id")
+        raise WireError(str(e), request_id=request_id if type(request_id) is int else None) from e
 
 
 def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, token: str | None, message: Mapping[str, Any]) -> None:

@@ -1,0 +1,55 @@
+"""`PendingPut`: a remote put sent without waiting for its reply (`RemoteStore.submit_put`).
+
+A producer keeps a few puts in flight on its thread's connection; each one's reply may be
+read by another request's wait on that connection first, so the client keeps it (its
+thread's `submitted` ids and `stash` of their replies) until `result()` takes it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+if TYPE_CHECKING:
+    from tidal.flow.store.client import RemoteStore
+
+
+class PendingPut:
+    """A put sent by `RemoteStore.submit_put`; `result()` waits for its reply."""
+
+    def __init__(self, client: RemoteStore, sock: zmq.Socket, request_id: int, wait_s: float | None, keys: list[str]) -> None:
+        self._client, self._sock, self._id, self._wait_s, self._keys = client, sock, request_id, wait_s, keys
+        self._thread = threading.current_thread()
+        self._outcome: tuple[bool, Any] | None = None
+        tls = client._tls.__dict__  # noqa: SLF001 - its own client's per-thread state
+        self._submitted, self._stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
+        self._submitted.add(request_id)  # its reply is kept if another request's wait reads it
+
+    def result(self) -> list[int]:
+        """The new rows' indexes; raises what `put` would have raised. Call it in the
+        thread that submitted the put (its connection is that thread's)."""
+        if self._outcome is None:
+            if threading.current_thread() is not self._thread:
+                raise RuntimeError(f"read a pending put's result in the thread that submitted it ({self._thread.name})")
+            client = self._client
+            try:
+                self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001 - its own client
+            except BaseException as e:
+                self._outcome = (False, e)
+                client._drop_chunks(self._keys)  # noqa: SLF001 - the controller never took them
+            finally:
+                self._forget()
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _forget(self) -> None:
+        self._submitted.discard(self._id)
+        self._stash.pop(self._id, None)
+
+    def __del__(self) -> None:
+        if self._outcome is None:  # never read: its reply, when it comes, is dropped
+            self._forget()
