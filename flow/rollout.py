@@ -19,14 +19,21 @@ resumable rows before fresh prompts (`RESUMED_FIRST`).
 
 The same worker is a thread of the workflow's process under `runtime: local`
 (`LocalRollouts`) and the main loop of each rollout actor under `runtime: ray`, where
-the inbox is filled by the weight transport's receiver.
+the inbox is filled by the weight transport's receiver. A rollout actor's worker seeds
+each generate call (`sample_seed`, `generation_seed`): what it samples then depends only
+on what it generates and with which version, never on what its process sampled before,
+so a run resumed from a checkpoint (its actors are new processes) or an actor restarted
+after a crash samples what the uninterrupted run did. The local runtime's worker, a
+thread of the trainer's process, leaves the process's generators alone (a checkpoint
+saves them: `tools.stopping.QuietRollout`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +42,7 @@ from tidal.flow.protocols import RolloutEngine
 from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory, check_lengths
+from tidal.hal import current_platform
 from tidal.hal.transfer import snapshot
 
 
@@ -201,6 +209,17 @@ def group_of(index: int, prompt: dict[str, Any], group_size: int) -> list[Trajec
     ]
 
 
+def generation_seed(seed: int, version: int, trajectories: Sequence[Trajectory]) -> int:
+    """The seed of one generate call: a function of the run's `seed`, the weights' `version`
+    and what the call continues (each trajectory's group and how many tokens it has), so
+    the same call samples the same tokens in any process, whatever it sampled before. Two
+    calls share it only when they continue the same trajectories from the same lengths
+    with the same version: a generation cut off by a stop and done again after a resume,
+    or after a rollout actor's restart."""
+    key = repr((seed, version, [(t.group, t.num_generated) for t in trajectories])).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # 63 bits: every generator takes it
+
+
 class RolloutWorker:
     """One rollout engine's loop; `run()` returns only by raising `Stop` (or an engine error)."""
 
@@ -216,6 +235,7 @@ class RolloutWorker:
         tracer: Tracer | None = None,
         consumer: str = "rollout",
         hand_off: bool = False,
+        sample_seed: int | None = None,
     ) -> None:
         self.store, self.engine = store, engine
         self.group_size, self.max_new_tokens, self.prompts_per_generate = group_size, max_new_tokens, prompts_per_generate
@@ -224,6 +244,9 @@ class RolloutWorker:
         self.consumer = consumer
         self.hand_off = hand_off
         """Hand groups paused by a reclaimed seat back to `prompts` (the engine's `reclaimed`)."""
+        self.sample_seed = sample_seed
+        """The run's seed: each generate call first seeds this process's generators with
+        `generation_seed` (a rollout actor's worker). None: they run on from where they are."""
         self.inbox = WeightInbox()
         self.num_paused = 0
         self.num_handed_off = 0
@@ -247,9 +270,12 @@ class RolloutWorker:
             self.apply_weights()  # safe point: before generating
             self._catch_up([v for v in batch.versions if v is not None])
             while True:
+                pending = [t for t in trajectories if not t.done]
+                if self.sample_seed is not None:
+                    current_platform().seed_all(generation_seed(self.sample_seed, self.engine.version, pending))
                 with self.tracer.span("rollout", "generate", samples=len(trajectories), version=self.engine.version):
                     self.engine.generate(
-                        [t for t in trajectories if not t.done],
+                        pending,
                         max_new_tokens=self.max_new_tokens,
                         should_pause=lambda: self.inbox.waiting or self.stopping.is_set(),
                     )

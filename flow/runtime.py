@@ -42,7 +42,7 @@ class RolloutActor:
     Args:
         make_engine: builds the rollout engine on this process's platform (a picklable function).
         store_address / store_token: the trainer's store server.
-        settings: `group_size`, `max_new_tokens`, `prompts_per_generate`.
+        settings: `group_size`, `max_new_tokens`, `prompts_per_generate` and `sample_seed` (the run's seed: each generate call is seeded from it, `RolloutWorker.sample_seed`).
         turns / seat: the `Turns` actors (one per trainer rank whose devices it uses, in
             rank order) and this actor's seat name when it time-shares a trainer's devices
             (its engine then generates and loads weights in turns).

@@ -15,12 +15,12 @@ engines lead (`rank0_leads=True`), the others run `follow()` on their share of e
 batch. A rank whose bundle hosts a rollout guest has a `Turns` there; rank 0 takes every
 rank's turn, in rank order, before each command the ranks run together, and the others
 compute in it. The driver shows progress from the run directory's metrics.jsonl (which
-must be reachable from the trainer's node).
+must be reachable from the trainer's node); Ctrl-C or SIGTERM there reaches rank 0
+through `tools.ray_stop`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -28,7 +28,6 @@ import logging
 import os
 import secrets
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 from tidal.flow.ray_placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
 from tidal.tools.metrics import finite
+from tidal.tools.ray_stop import StopSignal, relay_stop
 from tidal.tools.run import check_runnable
 from tidal.tools.stopping import RunStopped, StopRequest, stop_on_signals
 
@@ -51,9 +51,10 @@ def _config_from_yaml(text: str) -> Any:
 
 def make_rollout_engine(cfg_yaml: str, *, rank: int) -> Any:
     """Runs inside rollout actor `rank`: the recipe's rollout engine on the actor's platform,
-    its sampling generators seeded from `seed` and `rank` (each instance its own stream).
-    It starts from freshly initialised weights; the trainer's current version arrives
-    over the weight transport before the first generate."""
+    its generators seeded from `seed` and `rank` (each instance its own stream; the actor's
+    worker seeds each generate call afresh: `start_rollouts`). It starts from freshly
+    initialised weights; the trainer's current version arrives over the weight transport
+    before the first generate."""
     from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.tools.train import build_policy, build_rollout_engine  # noqa: PLC0415
@@ -112,6 +113,11 @@ def start_rollouts(
     A rollout instance that time-shares the trainer's devices goes on the trainer's bundle
     with its seat at that bundle's `Turns` actor (`turns`, by trainer rank), or at the
     `Turns` of every rank whose devices it spans.
+
+    Each actor's worker seeds every generate call from the recipe's `seed`, the version and
+    the rows it generates (`RolloutWorker.sample_seed`): with `max_staleness: 0` and one
+    actor, a run resumed from a checkpoint, whose actors are new processes, samples what
+    the uninterrupted run did (no generator state to save or restore).
     """
     import ray  # noqa: PLC0415
 
@@ -136,7 +142,7 @@ def start_rollouts(
         # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
         seat = {"turns": [turns[r] for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
         make_engine = functools.partial(make_rollout_engine, to_yaml(cfg), rank=a.rank)
-        actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings=settings, **seat))
+        actors.append(actor_cls.options(**options).remote(make_engine, store_address=address, store_token=token, settings={**settings, "sample_seed": cfg.seed}, **seat))
     return StartedRollouts(cfg, server, address, actors, host, token, assignments, spots, turns, info_path, attempt, ranks)
 
 
@@ -236,47 +242,6 @@ def _visible_devices(ranks: list[dict[str, Any]]) -> dict[str, str]:
                 joined = out.setdefault(var, [])
                 joined += [v for v in value.split(",") if v and v not in joined]
     return {var: ",".join(values) for var, values in out.items()}
-
-
-class StopSignal:
-    """Body of an async actor that carries the driver's request to stop (Ctrl-C or SIGTERM
-    at `tidal run`) to trainer rank 0, whose `train()` then ends after its current RL step
-    with a checkpoint. One per trainer attempt; rank 0 waits on it from a thread."""
-
-    def __init__(self) -> None:
-        self._done = asyncio.Event()
-        self._reason: str | None = None
-
-    async def request(self, reason: str) -> None:
-        if self._reason is None:
-            self._reason = reason
-        self._done.set()
-
-    async def release(self) -> None:
-        """The attempt is over: a waiting `wait` returns None."""
-        self._done.set()
-
-    async def wait(self) -> str | None:
-        await self._done.wait()
-        return self._reason
-
-
-def _relay_stop(stopper: Any) -> Any:
-    """Rank 0: a `StopRequest` that `stopper`'s request reaches (through a waiting thread)."""
-    import ray  # noqa: PLC0415
-
-    stop = StopRequest()
-
-    def relay() -> None:
-        try:
-            reason = ray.get(stopper.wait.remote())
-        except ray.exceptions.RayError:  # the driver is gone: its Ray shutdown ends this process too
-            return
-        if reason is not None:
-            stop.request(reason)
-
-    threading.Thread(target=relay, name="tidal-stop-relay", daemon=True).start()
-    return stop
 
 
 class TrainerActor:
@@ -412,7 +377,7 @@ class TrainerActor:
         if placed["turns"]:
             every = [TurnsProxy(placed["turns"][r]) for r in sorted(placed["turns"])]
             turns = every[0] if len(every) == 1 else TurnsSpan(every, parks_on=every[:1])
-        stop = _relay_stop(stopper) if stopper is not None else None
+        stop = relay_stop(stopper) if stopper is not None else None
         try:
             summary = train(cfg, Path(run_dir), progress=False, start_rollouts=starter, engine_options=engine_options, turns=turns, stop=stop)
         finally:
