@@ -1,20 +1,26 @@
 """The asyncio form of the store API.
 
 Each call runs the blocking store call in a worker thread, so an event loop never blocks
-on a waiting `get` or a back-pressured `put`. A `get` whose task is cancelled may still
-lease rows in its thread; nobody acks them, so their lease expires and they are
-delivered again (at-least-once, as for a consumer that died).
+on a waiting `get` or a back-pressured `put`. Cancelling the task of a waiting call ends
+its thread too (the call's `cancel` event is set and the store woken), so a run that
+stops by cancelling its tasks leaves no thread waiting for ever (which would also hang
+`asyncio.run` at exit). A cancelled `get` that had already leased rows gives them back
+at once (they are ready again, not held until their lease expires); a cancelled `put`
+that was still waiting for room does not happen. A put that had already landed when the
+cancel came keeps its rows: the store never drops rows it has taken.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from tidal.flow.store.cells import Batch
 from tidal.flow.store.table import Store
+
+T = TypeVar("T")
 
 
 class AsyncStore:
@@ -24,10 +30,48 @@ class AsyncStore:
         self.store = store
 
     async def put(self, partition: str, columns: Mapping[str, Any], indexes: Sequence[int] | None = None, **kwargs: Any) -> list[int]:
-        return await asyncio.to_thread(functools.partial(self.store.put, partition, columns, indexes, **kwargs))
+        _refuse_cancel(kwargs)
+        return await self._call(lambda cancel: self.store.put(partition, columns, indexes, cancel=cancel, **kwargs), undo=None)
 
     async def get(self, consumer: str, partition: str, columns: Sequence[str], batch_size: int, **kwargs: Any) -> Batch:
-        return await asyncio.to_thread(functools.partial(self.store.get, consumer, partition, columns, batch_size, **kwargs))
+        _refuse_cancel(kwargs)
+
+        def give_back(batch: Batch) -> None:
+            self.store.release(consumer, partition, batch.index_array)
+
+        return await self._call(lambda cancel: self.store.get(consumer, partition, columns, batch_size, cancel=cancel, **kwargs), undo=give_back)
 
     async def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         return self.store.ack(consumer, partition, indexes)  # never blocks beyond the lock
+
+    async def _call(self, call: Callable[[threading.Event], T], *, undo: Callable[[T], None] | None) -> T:
+        """Run `call(cancel)` in a worker thread; if this task is cancelled, end the call
+        through `cancel`, wait for its thread, `undo` a result it still produced, and
+        re-raise the cancellation."""
+        cancel = threading.Event()
+        future = asyncio.ensure_future(asyncio.to_thread(call, cancel))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            self.store.wake()
+            await _settled(future)
+            if not future.cancelled() and future.exception() is None and undo is not None:  # reading the exception retrieves it: the caller hears of the cancellation
+                undo(future.result())
+            raise
+
+
+async def _settled(future: asyncio.Future[Any]) -> None:
+    """Wait until `future` is done, through further cancellations of this task: its
+    thread ends at once (it was told to), and what it did must be known before the
+    cancellation goes on."""
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError:
+            continue
+
+
+def _refuse_cancel(kwargs: Mapping[str, Any]) -> None:
+    if "cancel" in kwargs:
+        raise ValueError("AsyncStore calls take no cancel= event: cancel the task that awaits the call instead")

@@ -46,10 +46,16 @@ def num_rows_of(item: tuple[str, Any]) -> int:
 
 
 def check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
-    """A put's per-row metadata has one entry per row (each may be None)."""
+    """A put's per-row metadata has one entry per row (each may be None), and each group
+    id is hashable (samplers key groups by it)."""
     for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
         if per_row is not None and len(per_row) != num_rows:
             raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+    for k, group in enumerate(groups if groups is not None else ()):
+        try:
+            hash(group)
+        except TypeError:  # a grouped get would fail on it for ever, never naming the row
+            raise ValueError(f"groups[{k}] is {group!r}, which is not hashable; a group id is an int, a str or a tuple of them") from None
 
 
 def check_column(name: str, value: Any, num_rows: int) -> Any:

@@ -66,7 +66,10 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
             raise CodecError(f"tensor dtype {value.dtype} is not supported by the store")
         if not value.is_cpu:
             raise CodecError(f"tensor on {value.device} must be moved to host memory before it is sent")
+        if value.layout != torch.strided:
+            raise CodecError(f"tensor layout {value.layout} is not supported by the store; put tensor.to_dense()")
         t = value.detach() if value.requires_grad else value
+        t = t.resolve_conj().resolve_neg()  # a lazily conjugated or negated view: its values, not its raw bytes
         if not t.is_contiguous():
             t = t.contiguous()
         arr = t.numpy() if t.dtype in _IN_NUMPY else t.reshape(-1).view(torch.uint8).numpy()  # numpy has no bf16, float8, ...: its bytes (0-d too)

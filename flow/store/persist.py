@@ -1,8 +1,11 @@
 """Saving a store to one file and loading it back, so a run resumes with its in-flight data.
 
-File layout: the magic `TIDALST1`, a little-endian u64 header length, the msgpack header,
-a u32 buffer count, then each raw buffer as u64 length + bytes. Written to a temporary
-file and renamed, so a crash mid-save leaves the previous file intact. Nothing is pickled.
+File layout: the magic `TIDALST2`, a little-endian u64 header length, the msgpack header,
+a u32 buffer count, each raw buffer as u64 length + bytes, then a u32 CRC-32 of every byte
+before it. Written to a temporary file and renamed, so a crash mid-save leaves the
+previous file intact; a file changed since (a flipped bit, a truncation, a copy cut
+short) fails `load` naming the mismatch instead of resuming with wrong rows. Files of the
+older layout (`TIDALST1`: the same without the checksum) still load. Nothing is pickled.
 
 A value the codec cannot carry (an arbitrary object an in-process put kept) fails the save
 with `CodecError` naming its partition, column and row. A controller whose rows live on
@@ -14,7 +17,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +30,10 @@ from tidal.flow.store.segments import Partition, Segment
 from tidal.flow.store.table import Store, StoreError
 from tidal.flow.store.units import RemoteChunk
 
-MAGIC = b"TIDALST1"
+MAGIC = b"TIDALST2"
+"""The magic of files this version writes (with a checksum)."""
+MAGIC_UNCHECKED = b"TIDALST1"
+"""The magic of files written before the checksum (2026-11-26), still loaded."""
 
 
 def save(store: Store, path: str | Path, *, read_chunk: Callable[[RemoteChunk], Any] | None = None) -> None:
@@ -39,21 +47,31 @@ def save(store: Store, path: str | Path, *, read_chunk: Callable[[RemoteChunk], 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(MAGIC + struct.pack("<Q", len(header)) + header + struct.pack("<I", len(buffers)))
+        crc = 0
+
+        def write(data: Any) -> None:
+            nonlocal crc
+            crc = zlib.crc32(data, crc)
+            f.write(data)
+
+        write(MAGIC + struct.pack("<Q", len(header)) + header + struct.pack("<I", len(buffers)))
         for buf in buffers:
-            f.write(struct.pack("<Q", buf.nbytes))
-            f.write(buf)
+            write(struct.pack("<Q", buf.nbytes))
+            write(buf)
+        f.write(struct.pack("<I", crc))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def load(path: str | Path) -> Store:
+def load(path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> Store:
+    """The store saved at `path` (timing leases with `clock`); `StoreError` naming the
+    file when it is not a whole, unchanged store file (bad magic, truncated, checksum
+    mismatch, bad contents)."""
     data = Path(path).read_bytes()
     view = memoryview(data)
     try:
-        if view[:8] != MAGIC:
-            raise CodecError("not a tidal store file (bad magic)")
+        view = _checked_body(view)
         (header_len,) = struct.unpack_from("<Q", view, 8)
         pos = 16 + header_len
         if pos + 4 > len(view):
@@ -69,9 +87,27 @@ def load(path: str | Path) -> Store:
                 raise CodecError("file is truncated")
             buffers.append(bytearray(view[pos : pos + n]))
             pos += n
-        return Store.from_state_dict(decode(header, buffers))
-    except (CodecError, struct.error, KeyError, TypeError, ValueError, OverflowError) as e:
+        if pos != len(view) and data[:8] == MAGIC:
+            raise CodecError(f"{len(view) - pos} bytes after the last buffer")
+        return Store.from_state_dict(decode(header, buffers), clock=clock)
+    except (CodecError, struct.error, KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError) as e:  # what a malformed file's contents raise
         raise StoreError(f"cannot load store from {str(path)!r}: {e}") from e
+
+
+def _checked_body(view: memoryview) -> memoryview:
+    """The file without its checksum, once the checksum matches (an older file: as it is)."""
+    magic = bytes(view[:8])
+    if magic == MAGIC_UNCHECKED:
+        return view
+    if magic != MAGIC:
+        raise CodecError(f"not a tidal store file (bad magic {magic!r}; expected {MAGIC!r})")
+    if len(view) < 8 + 8 + 4 + 4:
+        raise CodecError(f"file is truncated ({len(view)} bytes)")
+    body, (expected,) = view[:-4], struct.unpack_from("<I", view, len(view) - 4)
+    actual = zlib.crc32(body)
+    if actual != expected:
+        raise CodecError(f"checksum mismatch (file says {expected:#010x}, contents give {actual:#010x}): the file was changed or cut short after it was saved")
+    return body
 
 
 def _parts(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -144,9 +180,10 @@ def restore(store: Store, state: Mapping[str, Any]) -> None:
     for name, p in state["partitions"].items():
         store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
         part = store._part(name)  # noqa: SLF001 - this module is the store's own persistence
-        for i, group, version, tags in p["rows"]:  # one segment per saved row keeps indexes as they were
-            part.add_segment(Segment(i, 1, [group], [version], [tags], part.consumers))
-            part.num_rows += 1
+        for run in _consecutive(p["rows"]):  # a segment per run of consecutive rows keeps indexes as they were
+            _, groups, versions, tags = zip(*run)
+            part.add_segment(Segment(run[0][0], len(run), groups, versions, tags, part.consumers))
+            part.num_rows += len(run)
         part.next_index = p["next_index"]
         for column, cells in p["columns"].items():
             if cells:
@@ -160,3 +197,14 @@ def restore(store: Store, state: Mapping[str, Any]) -> None:
             counts.num_dropped = p.get("dropped_counts", {}).get(consumer, 0)  # files from before 2026-11-25 lack these
             counts.num_redelivered = p.get("redelivered_counts", {}).get(consumer, 0)
         part.num_evicted = p["num_evicted"]
+
+
+def _consecutive(rows: Sequence[Sequence[Any]]) -> Iterator[Sequence[Sequence[Any]]]:
+    """Saved rows ([index, group, version, tags], in index order) in runs of consecutive
+    indexes: a resumed store gets one segment per run, as few as the saved store had
+    (one per row made every get walk every row in Python)."""
+    start = 0
+    for k in range(1, len(rows) + 1):
+        if k == len(rows) or int(rows[k][0]) != int(rows[k - 1][0]) + 1:
+            yield rows[start:k]
+            start = k

@@ -184,7 +184,7 @@ class StalenessFilter:
         if not old.any():
             return self.inner.select(rows, batch_size, partial, ctx)
         stale = old
-        group_size = _group_size(self.inner)
+        group_size = group_size_of(self.inner)
         if group_size is not None:
             groups = rows.groups
             old = _whole_groups(groups, old)
@@ -215,7 +215,7 @@ class SeqlenBalanced:
             raise ValueError(f"batch_size {batch_size} is not a multiple of num_ranks {self.num_ranks}")
         chosen = self.inner.select(rows, batch_size, partial, ctx)
         if len(chosen.take) % self.num_ranks:  # a partial batch: shorten it to one the ranks share
-            unit = math.lcm(self.num_ranks, _group_size(self.inner) or 1)
+            unit = math.lcm(self.num_ranks, group_size_of(self.inner) or 1)
             size = len(chosen.take) - len(chosen.take) % unit
             exact = self.inner.select(rows, size, False, ctx) if size else Selection([])
             chosen = Selection(exact.take, np.union1d(np.asarray(chosen.drop, dtype=np.int64), np.asarray(exact.drop, dtype=np.int64)))
@@ -248,7 +248,7 @@ class TaggedFirst:
         first = np.fromiter((bool(m.tags.get(self.tag)) for m in rows), dtype=bool, count=len(rows))
         if not first.any():
             return self.inner.select(rows, batch_size, partial, ctx)
-        group_size = _group_size(self.inner)
+        group_size = group_size_of(self.inner)
         if group_size is None:
             take = rows.indexes[first][:batch_size].tolist()
         else:
@@ -259,7 +259,7 @@ class TaggedFirst:
         return Selection(take if len(take) == batch_size or partial else [], rest.drop)
 
 
-def _group_size(sampler: Any) -> int | None:
+def group_size_of(sampler: Any) -> int | None:
     """The group size of the `Grouped` sampler in `sampler`'s chain of `inner`s, if any."""
     while sampler is not None:
         if isinstance(sampler, Grouped):

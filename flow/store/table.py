@@ -35,7 +35,7 @@ import numpy as np
 
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of, row_nbytes, unique_sorted
 from tidal.flow.store.evict import ack_rows, replace_cells
-from tidal.flow.store.samplers import SampleContext, Sampler, Sequential
+from tidal.flow.store.samplers import SampleContext, Sampler, Sequential, group_size_of
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
 
 
@@ -233,7 +233,10 @@ class Store:
         with self._lock:
             then_ack = self._check_ack(ack)
             part = self._part(partition)
-            if num_rows == 0 and then_ack is None:  # nothing to hold: no segment, no chunk kept at refcount 0
+            if num_rows == 0:  # nothing to hold: no segment, no chunk kept at refcount 0 (only the ack, if any)
+                if then_ack is not None:
+                    self._ack_many(*then_ack)
+                    self._notify(then_ack[0], room=True)
                 return range(0) if as_range else []
             if indexes is None:
                 total = sum(size * num_rows if size >= 0 else int(sizes[name].sum()) for name, size in row_sizes.items())
@@ -383,6 +386,9 @@ class Store:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}; consumers: {sorted(part.consumers)}")
             if not partial and part.capacity_rows is not None and batch_size > part.capacity_rows:
                 raise StoreError(f"a get of {batch_size} rows can never be served by partition {partition!r} (capacity_rows={part.capacity_rows}): its producers block first")
+            group_size = group_size_of(sampler)
+            if group_size is not None and part.capacity_rows is not None and group_size > part.capacity_rows:
+                raise StoreError(f"a group of {group_size} rows can never be complete in partition {partition!r} (capacity_rows={part.capacity_rows}): its producers block first; raise capacity_rows to at least the group size")
             state.keys.add(key)
             if ack is not None:
                 where = as_indexes(ack)
@@ -560,10 +566,10 @@ class Store:
             return state_of(self._version, self._parts.values(), read_chunk)
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> Store:
+    def from_state_dict(cls, state: Mapping[str, Any], *, clock: Callable[[], float] = time.monotonic) -> Store:
         from tidal.flow.store.persist import restore  # noqa: PLC0415
 
-        store = cls()
+        store = cls(clock=clock)
         restore(store, state)
         return store
 

@@ -145,3 +145,12 @@ def test_what_cannot_be_saved_or_sent_is_named_with_its_column_and_type(served, 
     with pytest.raises(CodecError, match=r"column 'meta' row 2: .*type Thing"):
         client.get("c", "p", ["meta"], 3, timeout=5)
     assert client.get("c", "p", ["x"], 3, timeout=5).indexes == [0, 1, 2]  # the failed get gave its rows back
+
+
+def test_conjugated_views_carry_their_values_and_sparse_tensors_are_refused_by_name():
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for view in (z.conj(), z.conj().imag):  # a conjugate bit; a negative bit
+        header, buffers = encode(view)
+        assert torch.equal(decode(header, buffers), view.resolve_conj().resolve_neg())
+    with pytest.raises(CodecError, match="layout torch.sparse_coo.*to_dense"):
+        encode(torch.eye(3).to_sparse())

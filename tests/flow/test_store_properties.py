@@ -3,16 +3,21 @@ consumer death / version bumps across three consumers.
 
 Invariants: no row is handed to the staleness-bounded consumer when older than its bound;
 each consumer's acks of a row count once; and after everything is drained, every row
-reached every consumer (acked exactly once, or dropped as stale by the bounded one).
+reached every consumer (acked exactly once, or dropped as stale by the bounded one), also
+across saves and loads of the store (a load gives leased rows back).
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tidal.flow.store import StalenessFilter, Store, StoreTimeout
+from tidal.flow.store.persist import load, save
 
 MAX_STALENESS = 1
 COLUMNS = {"rollout": ["prompt"], "reward": ["prompt", "response"], "train": ["prompt", "response"]}
@@ -30,6 +35,7 @@ class StoreMachine(RuleBasedStateMachine):
     def setup(self):
         self.clock = Clock()
         self.store = Store(clock=self.clock)
+        self.tmp = tempfile.TemporaryDirectory()
         self.store.create_partition("p", consumers=list(COLUMNS), lease_s=5.0, capacity_rows=64)
         self.num_rows = 0
         self.versions: dict[int, int] = {}
@@ -89,6 +95,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.leased[consumer].clear()
 
     @rule()
+    def save_and_load(self):
+        path = Path(self.tmp.name) / "store.bin"
+        save(self.store, path)
+        self.store = load(path, clock=self.clock)
+        for c in COLUMNS:
+            self.leased[c].clear()  # saved as not consumed: delivered again
+
+    @rule()
     def bump_version(self):
         self.store.set_version(self.store.version + 1)
 
@@ -100,6 +114,7 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "store"):
             return
+        self.tmp.cleanup()
         if self.no_response:
             self.store.put("p", {"response": [0] * len(self.no_response)}, indexes=self.no_response)
         for c in COLUMNS:
