@@ -311,9 +311,24 @@ class RayRollouts:
     one published, or the current one sent again when the trainer waits for rows
     (`weights_wanted`).
     `on_change(descriptions)` is told each actor's description after a restart.
+    `on_death(i)` is told that actor `i` died and will not generate again (no restarts
+    left, it did not come back, or the run is ending): a seat it held at a trainer's
+    `Turns` must leave, else the trainer's next turn waits for ever for its state to park.
+    An actor Ray restarts is not told: its new process joins the seat again, which drops
+    the old process's claims (`Turns.join`); a `leave` that reached the `Turns` after that
+    join would drop the new process's.
     """
 
-    def __init__(self, actors: Sequence[Any], wiring: Any, *, max_restarts: int = 0, on_change: Callable[[list[dict[str, Any]]], None] | None = None, overlap: bool = False) -> None:
+    def __init__(
+        self,
+        actors: Sequence[Any],
+        wiring: Any,
+        *,
+        max_restarts: int = 0,
+        on_change: Callable[[list[dict[str, Any]]], None] | None = None,
+        on_death: Callable[[int], None] | None = None,
+        overlap: bool = False,
+    ) -> None:
         import ray  # noqa: PLC0415
 
         self.actors, self.wiring, self.max_restarts = list(actors), wiring, max_restarts
@@ -321,6 +336,7 @@ class RayRollouts:
         self.summaries: list[dict[str, Any]] = [{} for _ in self.actors]
         self.restarts = [0] * len(self.actors)
         self._on_change = on_change or (lambda descriptions: None)
+        self._on_death = on_death or (lambda i: None)
         self._lock = threading.Lock()  # the wiring is used by publish (trainer thread) only under it
         self._restarted: set[int] = set()  # back from a restart, not wired in yet
         self._restarted_lock = threading.Lock()
@@ -351,16 +367,17 @@ class RayRollouts:
                 self.summaries[i] = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 if self._stopping.is_set():
+                    self._dead(i)  # the trainer's last turns (its final checkpoint's) must not wait for it
                     continue
                 self.restarts[i] += 1
                 if self.restarts[i] > self.max_restarts:
-                    raise self._give_up(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {e}") from None
+                    raise self._give_up(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {e}", dead=i) from None
                 log.warning("rollout actor %d died (%s); Ray restarts it (%d of %d)", i, type(e).__name__, self.restarts[i], self.max_restarts)
                 self.wiring.abort()  # a send blocked on the dead receiver gives up
                 try:
                     self.descriptions[i] = self._back(i)
-                except RuntimeError as back:
-                    raise self._give_up(str(back)) from None
+                except (RuntimeError, ray.exceptions.RayActorError) as back:  # not back in time, or its new process failed to start
+                    raise self._give_up(str(back), dead=i) from None
                 if self._stopping.is_set():  # the run ended while Ray restarted it: nothing to generate for
                     self.actors[i].stop.remote()
                     continue
@@ -463,14 +480,24 @@ class RayRollouts:
                     raise RuntimeError(f"rollout actor {i} did not come back within {RESTART_WAIT_S:.0f}s of dying") from None
                 time.sleep(0.2)  # Ray answers at once while the actor restarts and has no event for "back": ask again (control path, not rows)
 
-    def _give_up(self, why: str) -> RuntimeError:
-        """A dead actor will not come back: a send blocked on it, or waiting to hear of its
+    def _give_up(self, why: str, *, dead: int) -> RuntimeError:
+        """Actor `dead` will not come back: a send blocked on it, or waiting to hear of its
         death to wire its replacement in, fails now (it waited the reply timeout, then
-        `DEATH_NOTICE_S`, about four minutes) with `why`, which is returned to raise."""
+        `DEATH_NOTICE_S`, about four minutes) with `why`, which is returned to raise; a
+        trainer turn waiting for its seat is freed (`on_death`)."""
+        self._dead(dead)
         self._gave_up = why
         self._died.set()
         self.wiring.abort()
         return RuntimeError(why)
+
+    def _dead(self, i: int) -> None:
+        """Tell `on_death` that actor `i` is gone; its failure is logged, not raised (the
+        actor's death is the error the run reports)."""
+        try:
+            self._on_death(i)
+        except Exception as e:  # noqa: BLE001 - see above
+            log.warning("rollout actor %d died and its seat could not be given up: %s: %s", i, type(e).__name__, e)
 
     def _rejoin(self) -> None:
         """Wire the restarted actors in again."""

@@ -39,11 +39,18 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Set what `rng_state` saved. A checkpoint from another platform (or from before device
-    generators were saved) restores the host generators; the devices keep their seeding."""
+    generators were saved) restores the host generators; the devices keep their seeding.
+
+    Raises:
+        ValueError: the host generators' states were refused (the platform sets all or
+            none): a checkpoint without device states has nothing a host-only retry drops.
+    """
     platform = current_platform()
     try:
         platform.set_rng_state({"device": [], **state})
     except (ValueError, RuntimeError) as e:  # device states from another platform, or another device count
+        if not state.get("device"):
+            raise
         log.warning("the checkpoint's device RNG states do not fit this platform (%s); restoring the host generators only", e)
         platform.set_rng_state({**state, "device": []})
 

@@ -203,16 +203,20 @@ class StartedRollouts:
             tmp.write_text(json.dumps(info, indent=2) + "\n")
             os.replace(tmp, self.info_path)
 
+        seats = [[(self.turns[r], f"rollout-{a.rank}") for r in self.spots[("rollout", a.rank)].turns] for a in self.assignments]  # each actor's, at each Turns it sits at
+
+        def leave_seats(i: int) -> None:  # actor i died for good: a trainer turn must not wait for its state to park
+            ray.get([turns.leave.remote(seat) for turns, seat in seats[i]])
+
         rollouts = None
         write_info(descriptions)
-        rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info, overlap=overlap)
+        rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info, on_death=leave_seats, overlap=overlap)
         if transport == "ipc" and overlap:
             info["weights_in_place"] = _share_weights(trainer, wiring, rollouts)
             write_info(rollouts.descriptions)
         rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
         rollouts.flush()  # ... and have them before any prompt is admitted
-        seats = [(self.turns[r], f"rollout-{a.rank}") for a in self.assignments for r in self.spots[("rollout", a.rank)].turns]
-        return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, seats)
+        return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, [seat for each in seats for seat in each])
 
 
 def _share_weights(trainer: Any, wiring: Any, rollouts: Any) -> bool:
@@ -399,7 +403,8 @@ the failure is a restart, not an error)."""
 
 def init_ray(cfg: Any) -> None:
     """Join the cluster at RAY_ADDRESS, else start a local Ray (`ray_address`: the rule `tidal
-    plan` follows too); a fake cluster's devices become its resources."""
+    plan` follows too); a fake cluster's devices become its resources (its cpu devices
+    Ray's CPUs, when they outnumber the machine's cores)."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
@@ -423,11 +428,14 @@ def init_ray(cfg: Any) -> None:
             for tag in node.tags:  # as a Ray cluster's nodes would declare them (--resources)
                 resources[tag] = resources.get(tag, 0) + node.devices * node.count
     num_gpus = resources.pop("GPU", None)  # None: Ray counts the machine's own GPUs
+    num_cpus = os.cpu_count()
+    if cfg.cluster.fake:  # its cpu devices are declared too (processes, not cores): more than the machine has oversubscribe it
+        num_cpus = max(num_cpus or 1, sum(n.devices * n.count for n in cfg.cluster.nodes if n.kind == "cpu"))
     if resources.get("NPU"):
         # Ray looks up the NPU model (through CANN's `acl`) when a node declares NPUs and logs
         # a traceback when it cannot; a fake cluster has no NPU to look up.
         logging.getLogger("ray._private.accelerators.npu").setLevel(logging.CRITICAL)
-    ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=num_gpus, resources=resources or None, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, include_dashboard=False, logging_level="ERROR")
 
 
 def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -464,6 +472,10 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
             ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources)).remote() for i, a in enumerate(plan.of("train"))]
             try:
                 where = ray.get([r.where.remote() for r in ranks])
+                try:
+                    check_guests_on_one_node(placed, where)
+                except PlacementError as e:
+                    raise ConfigError(f"placement: {e}") from None
                 address = ray.get(ranks[0].group_address.remote()) if num_ranks > 1 else None
                 refs = [
                     r.run.remote(to_yaml(cfg), str(run_dir), groups, plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address, spots=placed, turns=turns, stopper=stopper)
@@ -472,6 +484,8 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                 with stop_on_signals(stop):
                     summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
                 if followers:
+                    for follower in (f for f in followers if f.get("timeshare") is not None):  # labelled as rank 0's (tools/train.py): this attempt's
+                        follower["timeshare"] = {"since_version": summary.get("resumed_at", 0), **follower["timeshare"]}
                     summary["trainer_ranks"] = [{"rank": 0, **where[0]}, *followers]
                     (run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
                 return summary
@@ -492,6 +506,25 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
     finally:
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
+
+
+def check_guests_on_one_node(placed: dict[Any, Any], where: list[dict[str, Any]]) -> None:
+    """A rollout guest of several trainer ranks' devices gets all of them (`_visible_devices`):
+    the ranks must be on one node, which the trainer's "PACK" placement group prefers but
+    does not promise. `placed`: `flow.colocate.spots`; `where`: each rank's `TrainerActor.where`.
+
+    Raises:
+        PlacementError: naming the rollout instance, the ranks, their nodes and the fix.
+    """
+    from tidal.flow.placement import PlacementError  # noqa: PLC0415
+
+    for (role, rank), spot in placed.items():
+        nodes = sorted({where[r]["node"] for r in spot.turns})
+        if role == "rollout" and len(nodes) > 1:
+            raise PlacementError(
+                f"rollout instance {rank} time-shares the devices of trainer ranks {list(spot.turns)}, which Ray placed on {len(nodes)} nodes ({', '.join(nodes)}): "
+                "one process uses devices of one node; set placement.rollout.devices_each=1 (a guest per trainer rank), or give the trainer one node's devices"
+            )
 
 
 def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, progress: bool) -> list[Any]:

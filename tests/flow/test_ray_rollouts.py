@@ -328,12 +328,12 @@ class _SendingWiring:
         pass
 
 
-def _dies_once(marker: str):
-    """A rollout actor stand-in whose first `run` kills its process; Ray restarts it once,
-    and the new process runs until stopped."""
+def _dies_once(marker: str, *, max_restarts: int = 1):
+    """A rollout actor stand-in whose first `run` kills its process; Ray restarts it (once
+    by default), and the new process runs until stopped."""
     import ray
 
-    @ray.remote(num_cpus=0, max_restarts=1)
+    @ray.remote(num_cpus=0, max_restarts=max_restarts)
     class DiesOnce:
         def __init__(self):
             self.stopped = threading.Event()
@@ -422,3 +422,58 @@ def test_an_actor_with_no_restarts_left_fails_a_send_blocked_on_it_at_once(ray_s
     assert not publisher.is_alive()  # it heard at once
     assert [str(e) for e in ended] == [str(e) for e in sent] and "rollout actor 0 died 1 times (fault.rollout_restarts=0)" in str(sent[0])
     ray.kill(actor)
+
+
+def test_a_guest_that_dies_for_good_gives_up_its_seat_so_the_trainers_turn_goes_on(ray_session, tmp_path):
+    """A rollout actor time-sharing the trainer's devices dies with its state resident and
+    no restarts left: nothing parks that state, so the trainer's turn waited for ever (the
+    run never reached `RemoteRollouts.close`, which makes the seat leave). `on_death` is
+    told, its seat leaves, and the trainer's waiting turn gets the devices."""
+    import ray
+
+    from tidal.flow.timeshare import Turns
+
+    turns = Turns()
+    turns.join("rollout-0")
+    assert turns.acquire("rollout-0") is True
+    turns.release("rollout-0")  # its state stays on the devices until another seat asks it to park
+    turns.join("train")
+    with pytest.raises(TimeoutError, match="state of 'rollout-0' on the devices"):
+        turns.acquire("train", timeout=0.3)  # nobody parks the dead seat's state: the fault
+    actor = _dies_once(str(tmp_path / "died"), max_restarts=0)
+    told: list[int] = []
+    rollouts = RayRollouts([actor], _SendingWiring(), max_restarts=0, on_death=lambda i: (told.append(i), turns.leave(f"rollout-{i}")))
+    ended: list[BaseException] = []
+    supervisor = threading.Thread(target=lambda: _capture(rollouts.run, ended))
+    supervisor.start()
+    got: list[bool] = []
+    trainer = threading.Thread(target=lambda: got.append(turns.acquire("train", timeout=60)))  # the trainer's next step
+    trainer.start()
+    supervisor.join(60)
+    trainer.join(10)
+    assert not trainer.is_alive() and got == [True] and told == [0]  # the devices are the trainer's again
+    assert "rollout actor 0 died 1 times (fault.rollout_restarts=0)" in str(ended[0])
+    ray.kill(actor)
+
+
+def test_a_guest_ray_restarts_is_not_given_up_and_its_new_process_rejoins_the_seat(ray_session, tmp_path):
+    """With a restart left the seat stays: the new process joins it again, which drops the
+    dead one's claims (a `leave` that could land after that join would drop the new one's)."""
+    from tidal.flow.timeshare import Turns
+
+    turns = Turns()
+    turns.join("rollout-0")
+    turns.acquire("rollout-0")
+    turns.release("rollout-0")
+    told: list[int] = []
+    rollouts = RayRollouts([_dies_once(str(tmp_path / "died"))], _SendingWiring(), max_restarts=1, on_death=told.append)
+    ended: list[BaseException] = []
+    supervisor = threading.Thread(target=lambda: _capture(rollouts.run, ended))
+    supervisor.start()
+    rollouts.weights_wanted().result(timeout=60)  # back from its restart
+    assert told == [] and rollouts.restarts == [1]
+    turns.join("rollout-0")  # what the restarted process's `Seat` does
+    assert turns.acquire("train", timeout=5) is True  # the dead process's state no longer stands in the way
+    rollouts.stop()
+    supervisor.join(30)
+    assert not supervisor.is_alive() and [type(e).__name__ for e in ended] == ["Stop"]

@@ -215,6 +215,7 @@ def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli
     follower_share = follower["timeshare"]  # rank 1 took turns with its own guest, at its own Turns
     assert follower_share["handoffs"] >= 2 and follower_share["seats"]["train"]["parks"] >= 1
     assert follower_share["seats"]["train"]["parked_bytes"] > 0  # its FSDP shards, gradients and AdamW moments
+    assert follower_share["since_version"] == summary["timeshare"]["since_version"] == 0  # this attempt's, from its start, as rank 0's
 
 
 def test_ray_rollout_guest_spanning_both_fsdp_ranks_takes_both_turns(tidal_cli, tmp_path, ray_session):
@@ -234,3 +235,43 @@ def test_ray_rollout_guest_spanning_both_fsdp_ranks_takes_both_turns(tidal_cli, 
     assert summary["steps"] == num_steps and summary["timeshare"]["seats"]["train"]["parks"] >= 1  # rank 0 parked its shards
     follower = summary["trainer_ranks"][1]
     assert follower["steps"] == 20 + num_steps and follower["timeshare"]["seats"]["train"]["parks"] >= 1  # and rank 1 its own
+
+
+def test_ray_colocated_guest_that_dies_for_good_fails_the_run_naming_it(tmp_path, ray_session):
+    """A colocated rollout actor killed with no restarts left (`fault.rollout_restarts=0`)
+    most likely dies with its state resident on the shared device: the trainer's next turn
+    waited for it to park, for ever. Its seat leaves the `Turns` once the death is seen,
+    and the run fails, naming the actor, instead of hanging."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    run_dir = tmp_path / "run"
+    cluster = "cluster.nodes=[{name: box, kind: cpu, devices: 1}]"
+    args = [*SMALL, "algorithm.num_steps=40", "runtime=ray", "cluster.fake=true", cluster, *COLOCATED, "fault.rollout_restarts=0"]
+    cmd = [str(Path(sys.executable).parent / "tidal"), "run", "quickstart_cpu", f"run_dir={run_dir}", *args, "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"} | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, f"the run ended before step 2: {proc.communicate()[1][-3000:]}"
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.05)
+        (actor,) = json.loads((run_dir / "runtime.json").read_text())["rollout_actors"]
+        os.kill(actor["pid"], signal.SIGKILL)
+        try:
+            _, err = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run hung after its colocated rollout actor died for good")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "rollout actor 0 died 1 times (fault.rollout_restarts=0)" in err, err[-3000:]
+    assert len(metrics.read_text().splitlines()) < 40
