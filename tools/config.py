@@ -1,8 +1,9 @@
 """Typed recipe configuration: OmegaConf structured configs built from dataclasses.
 
-The dataclasses are the source of truth; a recipe YAML is only data. Every field has a
-docstring (the string literal under it), which `tidal config --keys` prints and a test
-checks (`config_keys` reads them). Loading merges schema defaults <- recipe file <-
+The dataclasses (`config_schema`, re-exported here: import them from this module) are the
+source of truth; a recipe YAML is only data. Every field has a docstring (the string
+literal under it), which `tidal config --keys` prints and a test checks (`config_keys`
+reads them). Loading merges schema defaults <- recipe file <-
 `key=value` overrides, and turns OmegaConf's errors into `ConfigError`s that name the
 key: an unknown key comes with close matches, a wrong type with the expected type and
 the value given.
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import math
+import re
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -25,293 +26,28 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from tidal.engines import tasks
 from tidal.tools.config_keys import iter_keys, key_type
+from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home is this module
+    AlgorithmConfig,
+    Attention,
+    ClusterConfig,
+    FaultConfig,
+    ModelConfig,
+    NodeConfig,
+    PlacementConfig,
+    Precision,
+    RecipeConfig,
+    RoleConfig,
+    RolloutConfig,
+    Runtime,
+    SFTConfig,
+    TaskConfig,
+    TrainConfig,
+    TransportConfig,
+)
 
 
 class ConfigError(ValueError):
     """A user mistake in a recipe or an override; the CLI prints it and exits with code 2."""
-
-
-class Runtime(enum.Enum):
-    local = "local"
-    ray = "ray"
-
-
-class Precision(enum.Enum):
-    """Compute precisions of the train engines (`Platform.autocast`). No fp16: it needs
-    loss scaling, which the engines do not do."""
-
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class Attention(enum.Enum):
-    """transformers attention implementations the tiny model runs with."""
-
-    sdpa = "sdpa"
-    eager = "eager"
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """The policy model. The CPU recipes build a tiny Qwen2-architecture model locally."""
-
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 2
-    """Transformer layers of the tiny model."""
-    num_heads: int = 4
-    """Attention heads."""
-    num_kv_heads: int = 2
-    """Key/value heads (grouped-query attention)."""
-    intermediate_size: int = 256
-    """MLP width."""
-    max_positions: int = 64
-    """Longest sequence (prompt + answer) in tokens: at least the task's longest prompt (and <bos>) plus `rollout.max_new_tokens`."""
-    attention: Attention = Attention.sdpa
-    """transformers attention implementation: sdpa (torch's fused kernels) or eager (plain
-    matmuls: faster on CPU for sequences of a few tokens, where the fused CPU kernel's
-    per-call cost dominates)."""
-
-
-@dataclasses.dataclass
-class TaskConfig:
-    """What the policy learns: prompts and the verifier that scores answers."""
-
-    name: str = "arithmetic"
-    """Prompt generator: arithmetic | countdown."""
-    reward: str = ""
-    """Reward: a registry name (arithmetic, countdown, exact_match) or `module:function` (from the Python path, then the current directory); empty = the task's own."""
-    max_value: int = 20
-    """Largest operand of arithmetic prompts."""
-    ops: str = "+-"
-    """Operators arithmetic prompts use."""
-    num_numbers: int = 3
-    """Numbers in a countdown prompt (each used once to reach its target)."""
-    max_number: int = 10
-    """Largest number of countdown prompts (numbers are 1..max_number)."""
-    num_eval_prompts: int = 200
-    """Held-out prompts (drawn with another seed) for the accuracy reported before and after RL."""
-    exclude_eval_prompts: bool = False
-    """Never train on a problem of the evaluation set (countdown: the same numbers, in any order, and target; use for tasks with many distinct prompts)."""
-
-
-@dataclasses.dataclass
-class SFTConfig:
-    """Supervised warm start, so RL begins with some signal."""
-
-    steps: int = 150
-    """Optimizer steps of supervised training on prompt + answer (0 = none)."""
-    batch_size: int = 64
-    """Examples per supervised step."""
-    lr: float = 3e-3
-    """Learning rate of the warm start."""
-
-
-@dataclasses.dataclass
-class RolloutConfig:
-    """The rollout engine."""
-
-    backend: str = "hf"
-    """Rollout adapter: hf (a transformers model sampled with a KV cache, any platform)."""
-    temperature: float = 1.0
-    """Sampling temperature (behavior logprobs are computed at it)."""
-    max_new_tokens: int = 6
-    """Generated-token budget per sample."""
-    chunk_tokens: int = 3
-    """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
-    prompts_per_generate: int = 16
-    """Prompts (times group_size samples) per generate batch."""
-    threads: int = 0
-    """torch intra-op threads of the rollout stage; 0 = the run's `threads`."""
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """The train engine."""
-
-    backend: str = "torch"
-    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance)."""
-    lr: float = 1e-3
-    """AdamW learning rate of the RL phase."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Gradient norm clip."""
-    max_nonfinite_steps: int = 5
-    """Optimizer steps in a row whose gradient norm is NaN or infinite that are skipped (weights and optimizer state kept, the step still counts) before the run stops with an error; 0 = stop at the first."""
-    micro_batch_size: int = 64
-    """Sequences per forward/backward (gradients accumulate over a step)."""
-    threads: int = 0
-    """torch intra-op threads of the train stage; 0 = the run's `threads`."""
-    precision: Precision = Precision.fp32
-    """Compute precision of the RL phase's forward passes: fp32 | bf16 (matmuls in bf16 under the platform's autocast; weights, gradients, optimizer state and logprobs stay fp32; the warm start stays fp32)."""
-
-
-@dataclasses.dataclass
-class AlgorithmConfig:
-    """The RL algorithm and its staleness bound."""
-
-    num_steps: int = 30
-    """Optimizer steps of RL."""
-    prompts_per_step: int = 8
-    """Prompts per optimizer step."""
-    group_size: int = 8
-    """Samples per prompt (GRPO group)."""
-    max_staleness: int = 1
-    """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
-    advantage: str = "grpo"
-    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
-    clip_low: float = 0.2
-    """PPO clip below 1."""
-    clip_high: float = 0.28
-    """PPO clip above 1 (clip-higher when larger than clip_low)."""
-    aggregation: str = "token_mean"
-    """Loss aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm."""
-    decoupled: bool = True
-    """Decoupled PPO: ratio against the trainer's weights before the step (its own logprobs, no extra pass), weighted by behavior IS."""
-    tis_cap: Optional[float] = 2.0
-    """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
-    kl_coef: float = 0.0
-    """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps
-    (and checkpoints); 0 = none. train.backend=torch only."""
-
-
-@dataclasses.dataclass
-class NodeConfig:
-    """Nodes of one shape in the cluster."""
-
-    name: str = "node"
-    """Node name; with count > 1 the nodes are named <name>-0, <name>-1, ..."""
-    kind: str = "cpu"
-    """Device kind of the node: cuda | npu | cpu."""
-    devices: int = 1
-    """Devices per node (for cpu nodes: processes that may run one role instance each)."""
-    tags: list[str] = dataclasses.field(default_factory=list)
-    """Extra tags the devices carry (their kind is a tag already; cuda devices also carry `gpu`)."""
-    count: int = 1
-    """How many such nodes."""
-
-
-@dataclasses.dataclass
-class ClusterConfig:
-    """The devices a run may use (`tidal plan` shows what goes where)."""
-
-    nodes: list[NodeConfig] = dataclasses.field(default_factory=list)
-    """Nodes and their devices; empty = discovered (Ray's nodes under runtime ray, else this machine)."""
-    fake: bool = False
-    """Each process runs the fake:<kind>:<n> platform of its placement (CPU tensors): CI runs of NPU/GPU layouts."""
-
-
-@dataclasses.dataclass
-class RoleConfig:
-    """Where one role's instances go."""
-
-    requires: list[str] = dataclasses.field(default_factory=list)
-    """Tags every device of an instance must carry, e.g. [npu] or [gpu, h100]; empty = any NPU or GPU, or any device on a cluster without them (CPU nodes of a cluster with NPUs or GPUs serve only roles that require [cpu])."""
-    count: int = 1
-    """Instances of the role (engine replicas or data-parallel ranks)."""
-    devices_each: int = 1
-    """Devices per instance, all on one node."""
-    colocate_with: Optional[str] = None
-    """Time-share that role's devices (colocated); instances beyond them take free devices (hybrid)."""
-    lend_to: Optional[str] = None
-    """While this role waits for data, its devices run instances of that role (multiplexed)."""
-
-
-@dataclasses.dataclass
-class TransportConfig:
-    """How new weights travel from the trainer to rollout (runtime ray)."""
-
-    name: str = "auto"
-    """auto | ipc | collective | host; auto picks from the two platforms: ipc on one node (any two CPU processes of it; CUDA only colocated), else collective for one vendor, else host (NPU <-> GPU)."""
-    bucket_mb: int = 16
-    """Bucket size in MB: the unit that is copied off the device while the previous one is sent."""
-    overlap: bool = False
-    """The trainer stops waiting for the rollout actors to receive (rollout still waits for the
-    version its prompts need). Over ipc the trainer's weights live in the shared buffer (the
-    `torch` engine: a publish copies nothing, only announces the version, and the engine waits
-    for the answers before its next optimizer step; `runtime.json`'s `weights_in_place`), or
-    are written into it and announced, the answers collected before the next one; over
-    collective and host it is sent from a copy on a thread of its own while the trainer takes
-    its next step (one copy of the model on the trainer's device). Not with a rollout that
-    time-shares the trainer's devices (a weight pass must end inside its turn)."""
-
-
-@dataclasses.dataclass
-class PlacementConfig:
-    """Which devices each role uses; kept apart from the algorithm's settings."""
-
-    train: RoleConfig = dataclasses.field(default_factory=RoleConfig)
-    """The trainer."""
-    rollout: RoleConfig = dataclasses.field(default_factory=RoleConfig)
-    """The rollout engines."""
-
-
-@dataclasses.dataclass
-class FaultConfig:
-    """What a `runtime: ray` run does when one of its actors dies."""
-
-    rollout_restarts: int = 3
-    """How many times Ray restarts each dead rollout actor; it takes the current weights and continues, and the prompts it held are generated again."""
-    trainer_restarts: int = 1
-    """How many times a dead trainer actor is started again; it resumes from the run's last checkpoint (weights, optimizer, data, store)."""
-
-
-@dataclasses.dataclass
-class RecipeConfig:
-    """A tidal recipe: what to run, on which platform, and where its files go."""
-
-    name: str = "run"
-    """Short name of the run; the default run directory is `<output_dir>/<name>-<timestamp>`."""
-    description: str = ""
-    """One line saying what this recipe trains; `tidal doctor` lists it."""
-    device: str = "auto"
-    """Platform: auto | cpu | cuda | npu | fake:<kind>:<n>. The TIDAL_DEVICE variable overrides it."""
-    runtime: Runtime = Runtime.local
-    """Where roles run: `local` (one process) or `ray` (actors on a Ray cluster)."""
-    seed: int = 0
-    """Seed for Python, NumPy, torch and every device generator."""
-    output_dir: str = "runs"
-    """Folder under which run directories are created."""
-    run_dir: Optional[str] = None
-    """Directory for this run's files (resolved config, metrics, checkpoints); must be new or empty."""
-    resume: Optional[str] = None
-    """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store); its model's shape is kept."""
-    checkpoint_every: int = 10
-    """Save a checkpoint every this many RL steps (and always at the end)."""
-    keep_checkpoints: int = 0
-    """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete. 0 = keep all."""
-    lease_s: float = 3600.0
-    """Seconds a stage may hold rows it took from the store before they are handed out again.
-    Must outlast any generation and two train steps; a stage that dies gives its rows back
-    at once, so this only frees rows that a hung one holds."""
-    tensorboard: bool = True
-    """Also write each step's metrics as TensorBoard scalars to run_dir/tensorboard, when the tensorboard package is installed."""
-    threads: int = 0
-    """torch intra-op threads of the RL stages (rollout and training); 0 = torch's default.
-    `rollout.threads` and `train.threads` set one stage's. The warm start and the evaluations
-    run alone and always get torch's default: every core in one process; under `runtime: ray`
-    the trainer actor's CPUs (Ray sets `OMP_NUM_THREADS` to them, 1 on the CPU quickstart)."""
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    """The policy model."""
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    """Prompts and reward."""
-    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
-    """Supervised warm start."""
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    """Rollout engine."""
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    """Train engine."""
-    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
-    """RL algorithm and staleness bound."""
-    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
-    """Nodes and devices (empty = discovered)."""
-    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
-    """Which devices each role uses."""
-    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
-    """Weight transport from trainer to rollout."""
-    fault: FaultConfig = dataclasses.field(default_factory=FaultConfig)
-    """Restarts after an actor dies (`runtime: ray`)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -478,13 +214,16 @@ _AT_LEAST = {
     "placement.train.count": 1, "placement.train.devices_each": 1, "placement.rollout.count": 1, "placement.rollout.devices_each": 1,
 }
 """Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""
-_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "lease_s")
+_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "algorithm.seq_mask_high", "lease_s")
 """Recipe keys that must be > 0 when set."""
+_FINITE = ("algorithm.seq_mask_low", "algorithm.dual_clip")
+"""Recipe keys with no bound of their own here that must be finite when set (the loss checks the rest)."""
 _WHY = {
     "algorithm.group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",
     "rollout.temperature": "rollout samples, and its behavior logprobs are taken at this temperature",
     "train.grad_clip": "gradients are clipped to this norm",
     "algorithm.tis_cap": "the importance weight is truncated at it; null for no cap",
+    "algorithm.seq_mask_high": "sequences whose behavior weight is above it are left out, and every weight is > 0, so all would be; null for no upper bound",
 }
 
 
@@ -501,7 +240,7 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
-    for name, value in (item for key in (*_AT_LEAST, *_POSITIVE) for item in _selected(cfg, key)):
+    for name, value in (item for key in (*_AT_LEAST, *_POSITIVE, *_FINITE) for item in _selected(cfg, key)):
         if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
             raise ConfigError(f"{name}={value} must be a finite number")
     for key, least in _AT_LEAST.items():
@@ -517,9 +256,9 @@ def _check_values(cfg: Any) -> None:
         if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.hidden_size={m.hidden_size}, model.num_heads={m.num_heads}, model.num_kv_heads={m.num_kv_heads}: hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads")
     if "algorithm" in cfg:
-        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS  # noqa: PLC0415
+        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS  # noqa: PLC0415
 
-        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS)):
+        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS)):
             if key in cfg.algorithm and cfg.algorithm[key] not in names:
                 raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
         if "rollout" in cfg:
@@ -579,20 +318,38 @@ def _check_lengths(cfg: Any) -> None:
         )
 
 
+_LOSS_KEYS = {"max_tokens": "rollout.max_new_tokens", "proximal_is_policy": "algorithm.decoupled"}
+"""`PolicyLossConfig` fields whose recipe key is not `algorithm.<field>`."""
+
+
 def loss_config(cfg: Any) -> Any:
-    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`); "token_sum_norm"
-    divides by `rollout.max_new_tokens`, the longest response.
+    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`): every field from the
+    `algorithm.*` key of its name, but "token_sum_norm"'s `max_tokens`, which is
+    `rollout.max_new_tokens` (the longest response), and `proximal_is_policy`, which the
+    workflow sets from `algorithm.decoupled`.
 
     Raises:
-        ConfigError: naming the `algorithm.*` key whose value the loss refuses.
+        ConfigError: naming the recipe key whose value the loss refuses.
     """
     from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415
 
     algo = cfg.algorithm
+    own = [f.name for f in dataclasses.fields(PolicyLossConfig) if f.name not in _LOSS_KEYS]
     try:
-        return PolicyLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.aggregation, tis_cap=algo.tis_cap, kl_coef=algo.kl_coef, max_tokens=cfg.rollout.max_new_tokens)
-    except ValueError as e:  # the loss names its field: clip_low, clip_high, ...
-        raise ConfigError(f"algorithm.{e}") from None
+        return PolicyLossConfig(**{name: algo[name] for name in own}, max_tokens=cfg.rollout.max_new_tokens)
+    except ValueError as e:  # the loss names its fields: clip_low, clip_high, ...
+        raise loss_error(e) from None
+
+
+def loss_error(error: ValueError) -> ConfigError:
+    """`PolicyLossConfig`'s `error` as a `ConfigError` that names recipe keys: each field it
+    names becomes that field's key (`algorithm.<field>`, or `_LOSS_KEYS`'), and Python's
+    None the recipe's null."""
+    from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415
+
+    fields = re.compile(r"\b(" + "|".join(f.name for f in dataclasses.fields(PolicyLossConfig)) + r")\b")
+    message = fields.sub(lambda m: _LOSS_KEYS.get(m[1], f"algorithm.{m[1]}"), str(error))
+    return ConfigError(re.sub(r"\bNone\b", "null", message))
 
 
 def to_yaml(cfg: Any) -> str:

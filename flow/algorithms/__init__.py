@@ -3,13 +3,14 @@
 Nothing here knows about devices, engines or the store: every function takes tensors and
 returns tensors on the same device, so the trainer can call them wherever its model runs.
 `ADVANTAGES` maps recipe names to estimators; `policy_loss` with a `PolicyLossConfig`
-covers PPO-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
+covers PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
 """
 
 from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo
 from tidal.flow.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
+    LEVELS,
     PolicyLossConfig,
     aggregate,
     kl_estimate,
@@ -22,6 +23,7 @@ __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "LEVELS",
     "PolicyLossConfig",
     "aggregate",
     "compute_advantages",

@@ -1,4 +1,4 @@
-"""Policy losses: PPO-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
+"""Policy losses: PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
 
 Token tensors are `[batch, seq]` with a `mask` of the same shape (bool or float; nonzero
 marks a response token, a float mask's values weight the tokens). Values at masked-out
@@ -63,6 +63,11 @@ class PolicyLossConfig:
     `ref_logprobs` when > 0. >= 0."""
     kl_estimator: str = "k3"
     """Per-token KL estimator: one of `KL_ESTIMATORS` (see `kl_estimate`)."""
+    dual_clip: float | None = None
+    """Dual-clip PPO (Ye et al. 2020; verl's `clip_ratio_c`, AReaL's `c_clip`): where the
+    advantage is negative, the loss is at most `-dual_clip * A`, so a token (a sequence
+    with `level="sequence"`) whose ratio exceeds `dual_clip` gets no gradient however far
+    the policy moved. None: off. > 1 (at or below 1 it would cut into the clip range)."""
     proximal_is_policy: bool = False
     """Decoupled PPO without a pass of its own: when `proximal_logprobs` is None, the
     proximal policy is the trained policy before this update, `logprobs.detach()`. That
@@ -79,6 +84,10 @@ class PolicyLossConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the first field that is out of bounds."""
+        for field in dataclasses.fields(self):  # nan passes every comparison below
+            value = getattr(self, field.name)
+            if isinstance(value, float) and math.isnan(value):
+                raise ValueError(f"{field.name} must be a number, got nan")
         if not 0 <= self.clip_low < 1:
             raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0:
@@ -97,6 +106,8 @@ class PolicyLossConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        if self.dual_clip is not None and not self.dual_clip > 1:  # `not >`: nan is refused too
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
 
 
 def _check_aggregation(how: str, max_tokens: int | None) -> None:
@@ -239,24 +250,37 @@ def _behavior_weight(log_weight: torch.Tensor, adv: torch.Tensor, *, cap: float 
     return torch.where(adv != 0, log_weight.exp(), 0), truncated
 
 
-def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate `min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)` with
-    `r = exp(log_ratio)`, and where the clipped term is the smaller (so it has no gradient).
+    `r = exp(log_ratio)`, where the clipped term is the smaller (so it has no gradient),
+    and where dual-clip bounds it: with `dual_clip = c` and A < 0 the surrogate is at least
+    `c * A` (the loss at most `-c * A`; Ye et al. 2020, verl's `clip_ratio_c`).
 
     Computed as `A * exp(min(log r, log(1 + clip_high)))` for A >= 0 and `A * exp(max(log r,
-    log(1 - clip_low)))` for A < 0, the same value and gradient, so that exp cannot
-    overflow where the clip or a zero advantage makes the ratio irrelevant: there an
+    log(1 - clip_low)))` for A < 0 (with dual-clip, `A * exp(min(max(log r, log(1 -
+    clip_low)), log c))`), the same value and gradient, so that exp cannot overflow where
+    the clip, the dual clip or a zero advantage makes the ratio irrelevant: there an
     overflow gave a NaN gradient (0 * inf in exp's backward) or a NaN loss (inf * 0).
-    Where the unclipped term is selected (A < 0 and a huge ratio) the loss is as large as
-    the ratio. A NaN advantage (a fault upstream) keeps its ratio unbounded, so the NaN
-    reaches the gradient and the train engine skips the step (a clamp would pass back 0 on
-    a clipped token, and the step would go on without the row, its loss NaN).
+    Where the unclipped term is selected (A < 0 and a huge ratio, without dual-clip) the
+    loss is as large as the ratio. A NaN advantage (a fault upstream) keeps its ratio
+    unbounded, so the NaN reaches the gradient and the train engine skips the step (a
+    clamp would pass back 0 on a clipped token, and the step would go on without the row,
+    its loss NaN).
+
+    Returns:
+        The surrogate, where the PPO clip selected the clipped term, and where the dual
+        clip's bound did (A < 0 and r > c; never both).
     """
     upper, lower = math.log1p(clip_high), math.log1p(-clip_low)
-    rising = adv >= 0
-    bounded = torch.where(rising, log_ratio.clamp(max=upper), torch.where(adv < 0, log_ratio.clamp(min=lower), log_ratio))
+    rising, falling = adv >= 0, adv < 0
+    falling_bounded = log_ratio.clamp(min=lower)
+    is_dual_clipped = torch.zeros_like(falling)
+    if dual_clip is not None:
+        is_dual_clipped = falling & (log_ratio > math.log(dual_clip))
+        falling_bounded = falling_bounded.clamp(max=math.log(dual_clip))  # log c > 0 > lower: the clamps never cross
+    bounded = torch.where(rising, log_ratio.clamp(max=upper), torch.where(falling, falling_bounded, log_ratio))
     is_clipped = torch.where(rising, log_ratio > upper, log_ratio < lower) & (adv != 0)
-    return bounded.exp() * adv, is_clipped
+    return bounded.exp() * adv, is_clipped, is_dual_clipped
 
 
 def policy_loss(
@@ -269,7 +293,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     config: PolicyLossConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped policy-gradient loss, with decoupled PPO, truncated IS, masking and KL.
+    """The clipped policy-gradient loss, with dual-clip, decoupled PPO, truncated IS, masking and KL.
 
     Per token (`level="token"`), with `prox` = `proximal_logprobs` (when None:
     `logprobs.detach()` if `config.proximal_is_policy`, else `behavior_logprobs`) and the
@@ -279,13 +303,18 @@ def policy_loss(
         weight = min(exp(prox - behavior), tis_cap)                  # detached
         loss_t = -weight * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
 
+    and with `dual_clip = c` (dual-clip PPO) `loss_t = -weight * max(min(...), c * A)` where
+    A < 0: the bound `-c * A` on a token with negative advantage (before the weight, as in
+    verl and AReaL).
+
     With `level="sequence"` (GSPO) the ratio, the behavior weight and the advantage are
     per sequence: `s = exp(masked mean of (logprobs - prox))`, which passes gradient to
     every response token of the sequence, `weight = min(exp(masked mean of (prox -
     behavior)), tis_cap)`, `A` is the sequence's advantage (the masked mean over its tokens
     when `advantages` is `[batch, seq]`), and the sequence's loss `-weight * min(s * A,
-    clip(s) * A)` is written to each of its response tokens. "seq_mean_token_mean" then
-    gives the GSPO paper's mean over sequences; "token_mean" weights sequences by length.
+    clip(s) * A)` (dual-clipped on `s` likewise) is written to each of its response
+    tokens. "seq_mean_token_mean" then gives the GSPO paper's mean over sequences;
+    "token_mean" weights sequences by length.
 
     Sequence masking first drops (zeroes the mask of) every sequence whose
     `exp(masked mean of (prox - behavior))` lies outside `[seq_mask_low, seq_mask_high]`;
@@ -316,8 +345,11 @@ def policy_loss(
         per token for GSPO), "approx_kl" (`proximal - logprobs`, the k1 estimate of
         KL(proximal || policy) as in verl's `ppo_kl`), "tis_truncated_fraction" (tokens
         whose behavior weight hit `tis_cap`), "seq_masked_fraction" (dropped sequences
-        over sequences with at least one response token), and "kl" (the aggregated KL
-        estimate; only when `ref_logprobs` is given).
+        over sequences with at least one response token), "dual_clip_fraction" (tokens
+        with a negative advantage whose ratio exceeded `dual_clip`, so they get no
+        gradient; only when `dual_clip` is set, and apart from "clip_fraction": a token is
+        in at most one), and "kl" (the aggregated KL estimate; only when `ref_logprobs`
+        is given).
 
     Raises:
         ValueError: If a shape disagrees with `logprobs`, the config is invalid, or
@@ -362,11 +394,11 @@ def policy_loss(
         adv = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=-1)
         level_log_ratio, level_log_weight = masked_mean(log_ratio, mask, dim=-1), seq_log_weight
     weight, truncated = _behavior_weight(level_log_weight, adv, cap=config.tis_cap)
-    surrogate, is_clipped = _clipped_surrogate(level_log_ratio, adv, clip_low=config.clip_low, clip_high=config.clip_high)
+    surrogate, is_clipped, is_dual_clipped = _clipped_surrogate(level_log_ratio, adv, clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip)
     per_token = -weight * surrogate
     ratio = level_log_ratio.detach().exp()  # for the metric
     if config.level == "sequence":
-        per_token, ratio, is_clipped, truncated = (t.unsqueeze(-1).expand(shape) for t in (per_token, ratio, is_clipped, truncated))
+        per_token, ratio, is_clipped, is_dual_clipped, truncated = (t.unsqueeze(-1).expand(shape) for t in (per_token, ratio, is_clipped, is_dual_clipped, truncated))
     loss = aggregate(per_token, mask, how=config.aggregation, max_tokens=config.max_tokens)
 
     metrics: dict[str, torch.Tensor] = {}
@@ -383,4 +415,6 @@ def policy_loss(
         metrics["approx_kl"] = masked_mean(-log_ratio, mask)
         metrics["tis_truncated_fraction"] = masked_mean(truncated.to(mask.dtype), mask)
         metrics["seq_masked_fraction"] = num_dropped / num_seqs_with_tokens.clamp(min=1)
+        if config.dual_clip is not None:
+            metrics["dual_clip_fraction"] = masked_mean(is_dual_clipped.to(mask.dtype), mask)
     return loss, {name: float(value) for name, value in metrics.items()}

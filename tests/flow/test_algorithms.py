@@ -422,6 +422,12 @@ def test_policy_loss_errors_name_the_argument():
         ({"seq_mask_low": 2.0, "seq_mask_high": 1.0}, "seq_mask_low"),
         ({"seq_mask_high": 0.0}, "seq_mask_high"),  # dropped every sequence, the loss silently 0
         ({"kl_coef": -1.0}, "kl_coef"),
+        ({"dual_clip": 1.0}, "dual_clip must be > 1"),  # at 1 it would cut into the clip range
+        ({"dual_clip": 0.5}, "dual_clip must be > 1"),
+        ({"dual_clip": math.nan}, "dual_clip must be a number"),
+        # nan passes every comparison: a nan seq_mask_low dropped every sequence (loss 0),
+        # a nan clip_high made the loss nan
+        *(({name: math.nan}, f"{name} must be a number, got nan") for name in ("clip_high", "tis_cap", "seq_mask_low", "seq_mask_high", "kl_coef")),
     ],
 )
 def test_config_errors_name_the_field(fields, name):

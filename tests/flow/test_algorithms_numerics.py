@@ -93,6 +93,33 @@ def test_gspo_with_an_overflowing_sequence_ratio_is_finite_where_clipped():
     close(grad, [[0.0, 0.0], [-0.5, 0.0]], tol=1e-6)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_dual_clip_bounds_an_overflowing_ratio_of_a_negative_advantage(level):
+    # Row 0: log-ratio 100 (e^100 is inf in float32) with A = -1. Without dual-clip its
+    # unclipped term is selected and the loss is inf, as documented; with c = 3 the loss is
+    # 3 and its gradient 0, not NaN (the bound is taken in log space, before exp). Row 1:
+    # ratio 1, A = 1: loss -1, gradient -1 / 2 under the token mean. (3 - 1) / 2 = 1.
+    logprobs = torch.tensor([[-0.1], [-0.2]], requires_grad=True)
+    behavior = torch.tensor([[-100.1], [-0.2]])
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.ones(2, 1)
+    loss, metrics = policy_loss(logprobs, adv, behavior_logprobs=behavior, mask=mask, config=PolicyLossConfig(level=level, dual_clip=3.0))
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    close(loss, 1.0, tol=1e-6)
+    close(grad, [[0.0], [-0.5]], tol=1e-6)
+    assert metrics["dual_clip_fraction"] == 0.5 and metrics["clip_fraction"] == 0.0
+    unbounded, _ = policy_loss(logprobs.detach(), adv, behavior_logprobs=behavior, mask=mask, config=PolicyLossConfig(level=level))
+    assert unbounded.item() == INF
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_nan_advantage_reaches_the_gradient_under_dual_clip(level):
+    # As without dual-clip (test below): the bound must not pass back 0 for a NaN advantage.
+    logprobs = torch.full((2, 3), 2.0, requires_grad=True)  # ratio e^2 > c: dual-clipped were A < 0
+    loss, _ = policy_loss(logprobs, torch.tensor([-1.0, math.nan]), behavior_logprobs=torch.zeros(2, 3), mask=torch.ones(2, 3), config=PolicyLossConfig(level=level, dual_clip=3.0))
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(logprobs.grad[1]).all()
+
+
 # --- half-precision inputs ----------------------------------------------------------------
 
 

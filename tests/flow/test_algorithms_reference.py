@@ -1,5 +1,5 @@
 """The policy loss against transcriptions of the reference implementations users know
-(verl's PPO, TIS and GSPO losses with `agg_loss`, AReaL's decoupled PPO), and hand values
+(verl's PPO, dual-clip, TIS and GSPO losses with `agg_loss`, AReaL's decoupled PPO), and hand values
 for combinations the unit tests do not reach."""
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ def verl_ppo_loss(old, logp, adv, mask, mode, rollout=None, tis_cap=None):
     if rollout is not None:
         losses = losses * torch.clamp(torch.exp(old - rollout), max=tis_cap)
     return verl_agg_loss(losses, mask, mode)
+
+
+def verl_ppo_loss_dual_clip(old, logp, adv, mask, mode, clip_ratio_c):
+    """verl `compute_policy_loss_vanilla` with dual-clip (`clip_ratio_c`): its loss and its
+    `pg_clipfrac` and `pg_clipfrac_lower` (the share of tokens the bound `-A * c` caps)."""
+    assert clip_ratio_c > 1.0
+    negative_approx_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = ((pg_losses2 > pg_losses1).double() * mask).sum() / mask.sum()
+    pg_losses3 = -adv * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = ((clip_pg_losses1 > pg_losses3).double() * (adv < 0).double() * mask).sum() / mask.sum()
+    pg_losses = torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
+    return verl_agg_loss(pg_losses, mask, mode), float(pg_clipfrac), float(pg_clipfrac_lower)
 
 
 def areal_decoupled_loss(logp, prox, old, adv, mask):
@@ -127,7 +144,83 @@ def test_gspo_matches_verl(seed):
     close(ours[1], verl[1])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("how", sorted(MODES))
+@pytest.mark.parametrize("clip_ratio_c", [1.2, 3.0])
+def test_dual_clip_matches_verl(seed, how, clip_ratio_c):
+    # Ratios spread wide (log-ratio ~ N(0, 1)), so that with c = 1.2 some tokens of negative
+    # advantage are dual-clipped, others clipped below, others not clipped at all.
+    logp, _, behavior, mask, adv = random_batch(seed)
+    logp = behavior + torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed + 10), dtype=torch.float64)
+    per_token = adv[:, None].expand_as(logp)
+    config = PolicyLossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, aggregation=how, dual_clip=clip_ratio_c)
+    ours = loss_and_grad(lambda x: policy_loss(x, adv, behavior_logprobs=behavior, mask=mask, config=config)[0], logp)
+    verl = loss_and_grad(lambda x: verl_ppo_loss_dual_clip(behavior, x, per_token, mask, MODES[how], clip_ratio_c)[0], logp)
+    close(ours[0], verl[0])
+    close(ours[1], verl[1])
+    _, metrics = policy_loss(logp, adv, behavior_logprobs=behavior, mask=mask, config=config)
+    _, clipfrac, clipfrac_lower = verl_ppo_loss_dual_clip(behavior, logp, per_token, mask, MODES[how], clip_ratio_c)
+    assert metrics["clip_fraction"] == pytest.approx(clipfrac, abs=1e-12)
+    assert metrics["dual_clip_fraction"] == pytest.approx(clipfrac_lower, abs=1e-12)
+    if clip_ratio_c == 1.2:
+        assert clipfrac_lower > 0  # the bound is reached, so the comparison covers it
+        without = policy_loss(logp, adv, behavior_logprobs=behavior, mask=mask, config=PolicyLossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, aggregation=how))[0]
+        assert float(without) > float(ours[0])  # dual-clip only ever lowers the loss
+
+
 # --- hand values --------------------------------------------------------------------------
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages_at_c_times_minus_a():
+    # clip 0.2 / 0.28, c = 3; ratios [4, 2, 4, 0.5], A = [-1, -1, +1, -1]:
+    # t0: max(4, 1.28) = 4, bounded by c: 3 (dual-clipped, gradient 0);
+    # t1: max(2, 1.28) = 2 < 3: loss 2, gradient -A * r / 4 = 0.5 under the token mean;
+    # t2: A > 0: -min(4, 1.28) = -1.28 (clipped above, gradient 0);
+    # t3: max(0.5, 0.8) = 0.8 (clipped below, gradient 0).
+    # Token mean (3 + 2 - 1.28 + 0.8) / 4 = 1.13; without dual-clip t0 costs 4: 1.38.
+    behavior = torch.full((1, 4), -3.0, dtype=torch.float64)
+    logp = (behavior + torch.tensor([[LN(4), LN(2), LN(4), LN(0.5)]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    loss, metrics = policy_loss(logp, adv, behavior_logprobs=behavior, mask=mask, config=PolicyLossConfig(dual_clip=3.0))
+    (grad,) = torch.autograd.grad(loss, logp)
+    close(loss, 1.13)
+    close(grad, [[0.0, 0.5, 0.0, 0.0]])
+    assert metrics["dual_clip_fraction"] == pytest.approx(1 / 4) and metrics["clip_fraction"] == pytest.approx(2 / 4)
+    plain, plain_metrics = policy_loss(logp, adv, behavior_logprobs=behavior, mask=mask, config=PolicyLossConfig())
+    close(plain, 1.38)
+    assert "dual_clip_fraction" not in plain_metrics
+
+
+def test_dual_clip_bounds_the_sequence_ratio_under_gspo_and_weighs_by_the_behavior_weight():
+    # Sequence 0 (2 tokens): log-ratios [ln 8, ln 2], s = exp(2 ln 2) = 4, A = -1: bounded at
+    # c = 3 on both tokens, gradient 0. Sequence 1 (1 token): s = 2, A = -1: loss 2, but its
+    # behavior weight exp(prox - behavior) = 1/2 makes it 1; gradient 0.5 * s / 2 = 0.5 under
+    # seq_mean_token_mean, (3 + 1) / 2 = 2. Dual-clipped: 2 of the 3 tokens.
+    behavior = torch.tensor([[-2.0, -1.0], [-1.0, 0.0]], dtype=torch.float64)
+    prox = behavior + torch.tensor([[0.0, 0.0], [LN(0.5), 0.0]], dtype=torch.float64)
+    logp = (prox + torch.tensor([[LN(8), LN(2)], [LN(2), 0.0]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    config = PolicyLossConfig(level="sequence", aggregation="seq_mean_token_mean", dual_clip=3.0, tis_cap=None)
+    loss, metrics = policy_loss(logp, torch.tensor([-1.0, -1.0], dtype=torch.float64), behavior_logprobs=behavior, proximal_logprobs=prox, mask=mask, config=config)
+    (grad,) = torch.autograd.grad(loss, logp)
+    close(loss, 2.0)
+    close(grad, [[0.0, 0.0], [0.5, 0.0]])
+    assert metrics["dual_clip_fraction"] == pytest.approx(2 / 3) and metrics["clip_fraction"] == 0.0
+
+
+def test_dual_clip_at_the_sequence_level_of_one_token_sequences_is_the_token_levels():
+    logp, _, behavior, _, adv = random_batch(4)
+    logp = behavior + torch.randn(logp.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    mask = torch.zeros_like(logp)
+    mask[:, 0] = 1.0
+    token = PolicyLossConfig(dual_clip=1.5)
+    sequence = PolicyLossConfig(dual_clip=1.5, level="sequence")
+    ours = [loss_and_grad(lambda x, c=c: policy_loss(x, adv, behavior_logprobs=behavior, mask=mask, config=c)[0], logp) for c in (token, sequence)]
+    close(ours[0][0], ours[1][0])
+    close(ours[0][1], ours[1][1])
+
+
 
 
 def test_dr_grpo_end_to_end():

@@ -230,3 +230,12 @@ def test_the_longest_prompt_bound_is_the_longest_prompt_the_task_draws(name, par
     cfg = load_config(None, [f"task.name={name}", *(f"task.{k}={v}" for k, v in params.items())])
     drawn = max(len(item["prompt"]) for item in TASKS[name](5000, seed=0, **params))
     assert longest_prompt(cfg) == drawn + 1  # and <bos>
+
+
+def test_every_schema_class_is_importable_from_tidal_tools_config():
+    """The schema lives in `config_schema`; code and recipes' users import it from `config`."""
+    from tidal.tools import config, config_schema
+
+    defined = [value for value in vars(config_schema).values() if isinstance(value, type) and value.__module__ == config_schema.__name__]
+    assert len(defined) >= 16  # RecipeConfig, its sections, the enums
+    assert all(getattr(config, cls.__name__, None) is cls for cls in defined)
