@@ -1,65 +1,104 @@
 """A pipeline timeline in Chrome trace format (opens in Perfetto or chrome://tracing).
 
 Each stage is a track; `with tracer.span("rollout", "generate"):` records one span.
-Thread-safe; spans are kept in memory and written once with `save`. Another process's
+Thread-safe; spans are kept in memory and written with `save`. Another process's
 spans (a Ray rollout actor's) join as a process of their own: it sends `export()`, this
 side calls `merge(...)`, aligned by wall clock (exact on one host, as close as the
 nodes' clocks elsewhere).
+
+A tracer keeps its most recent `max_events` events (`MAX_EVENTS` by default) and counts
+the ones it dropped (the saved file's `otherData.dropped_events`, by process), so a long
+run's timeline stays a bounded size. A span still open when the tracer is saved or
+exported (a stage that hung, or had not finished when the run stopped) is written up to
+that moment with `"unfinished": true` in its args.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+MAX_EVENTS = 200_000
+"""Events a tracer keeps by default: about 110 MB of memory and a 30 MB file, the last
+~30k steps of the quickstart (about 6 events a step)."""
+
 
 class Tracer:
-    def __init__(self, process: str = "tidal") -> None:
+    def __init__(self, process: str = "tidal", *, max_events: int = MAX_EVENTS) -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events={max_events} must be >= 1")
         self._lock = threading.Lock()
         self._start = time.perf_counter()
         self._epoch = time.time()  # wall clock at `_start`: where another process's spans line up
         self._tracks: dict[str, int] = {}
-        self._events: list[dict[str, Any]] = []
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_events)  # this process's, oldest dropped first
+        self._merged: list[dict[str, Any]] = []  # other processes' (each bounded by its own tracer)
+        self._open: dict[int, dict[str, Any]] = {}  # spans entered and not yet left, by entry
+        self._entries = itertools.count()
         self._processes: dict[int, tuple[str, dict[str, int]]] = {1: (process, self._tracks)}
+        self._dropped: dict[int, int] = {1: 0}
 
     def _track(self, name: str) -> int:
         with self._lock:
             return self._tracks.setdefault(name, len(self._tracks) + 1)
 
+    def _now_us(self) -> float:
+        return (time.perf_counter() - self._start) * 1e6
+
+    def _append(self, event: dict[str, Any]) -> None:
+        """Keep `event` (the lock held), counting the oldest one it pushes out."""
+        if len(self._events) == self._events.maxlen:
+            self._dropped[1] += 1
+        self._events.append(event)
+
     @contextlib.contextmanager
     def span(self, track: str, name: str, **args: Any) -> Iterator[None]:
         tid = self._track(track)
-        begin = time.perf_counter()
+        entry = next(self._entries)
+        event = {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": self._now_us()}
+        if args:
+            event["args"] = args
+        with self._lock:
+            self._open[entry] = event
         try:
             yield
         finally:
-            end = time.perf_counter()
-            event = {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": (begin - self._start) * 1e6, "dur": (end - begin) * 1e6}
-            if args:
-                event["args"] = args
+            end = self._now_us()
             with self._lock:
-                self._events.append(event)
+                event["dur"] = end - event["ts"]
+                del self._open[entry]
+                self._append(event)
 
     def instant(self, track: str, name: str, **args: Any) -> None:
         tid = self._track(track)
-        event = {"name": name, "ph": "i", "s": "t", "pid": 1, "tid": tid, "ts": (time.perf_counter() - self._start) * 1e6, "args": args}
+        event = {"name": name, "ph": "i", "s": "t", "pid": 1, "tid": tid, "ts": self._now_us(), "args": args}
         with self._lock:
-            self._events.append(event)
+            self._append(event)
 
     def spans(self, track: str | None = None) -> list[dict[str, Any]]:
+        """This process's finished spans (of `track`, or every track), oldest first."""
         with self._lock:
             tid = self._tracks.get(track) if track is not None else None
-            return [e for e in self._events if e["ph"] == "X" and e["pid"] == 1 and (track is None or e["tid"] == tid)]
+            return [e for e in self._events if e["ph"] == "X" and (track is None or e["tid"] == tid)]
+
+    def _own_events(self) -> list[dict[str, Any]]:
+        """This process's events (the lock held), spans still open among them as they stand now."""
+        now = self._now_us()
+        unfinished = [{**e, "dur": now - e["ts"], "args": {**e.get("args", {}), "unfinished": True}} for e in self._open.values()]
+        return [*self._events, *unfinished]
 
     def export(self) -> dict[str, Any]:
-        """This tracer's spans, to `merge` into another process's tracer (plain data: picklable, JSON-able)."""
+        """This tracer's events, to `merge` into another process's tracer (plain data: picklable, JSON-able)."""
         with self._lock:
-            return {"epoch": self._epoch, "tracks": dict(self._tracks), "events": [e for e in self._events if e["pid"] == 1]}
+            return {"epoch": self._epoch, "tracks": dict(self._tracks), "events": self._own_events(), "dropped": self._dropped[1]}
 
     def merge(self, exported: Mapping[str, Any], *, process: str) -> None:
         """Add another tracer's `export()` as the process `process`, its times moved onto this
@@ -68,15 +107,36 @@ class Tracer:
         with self._lock:
             pid = max(self._processes) + 1
             self._processes[pid] = (process, dict(exported["tracks"]))
-            self._events.extend({**e, "pid": pid, "ts": e["ts"] + shift} for e in exported["events"])
+            self._dropped[pid] = exported.get("dropped", 0)  # an export from before it was counted: none
+            self._merged.extend({**e, "pid": pid, "ts": e["ts"] + shift} for e in exported["events"])
 
     def save(self, path: str | Path) -> None:
+        """Write the timeline to `path` whole or not at all: through a temporary file beside
+        it, renamed over it, so a full disk or a kill part way leaves the previous file."""
         with self._lock:
             meta = []
             for pid, (process, tracks) in self._processes.items():
                 meta.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}})
                 meta.extend({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}} for track, tid in tracks.items())
-            Path(path).write_text(json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}))
+            trace: dict[str, Any] = {"traceEvents": meta + self._own_events() + self._merged, "displayTimeUnit": "ms"}
+            dropped = {self._processes[pid][0]: n for pid, n in self._dropped.items() if n}
+            if dropped:
+                trace["otherData"] = {"dropped_events": dropped}
+        _write_whole(Path(path), json.dumps(trace))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write `path` through a temporary file beside it; an OSError names `path` (a write the
+    disk refuses fails at the file's close, where Python's error names no file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 class Waits:

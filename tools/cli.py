@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shlex
@@ -34,7 +35,9 @@ examples:
   tidal bench store                             the data store against TransferQueue and raw ZeroMQ
 
 exit codes: 0 success, 1 runtime failure (such as a platform that cannot load),
-2 a mistake in the command, recipe or overrides (the message names the key).
+2 a mistake in the command, recipe or overrides (the message names the key),
+128 + the signal's number when stopped by one (130 Ctrl-C, 143 SIGTERM, 141 when the
+reader of tidal's output went away, as in `tidal config --keys | head`).
 """
 
 RUN_HELP = """\
@@ -368,13 +371,56 @@ def _cmd_config(args: argparse.Namespace) -> int:
 COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench}
 
 
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+"""A write refused by the disk (full, over quota, past a file-size limit, read-only): said
+in one line naming the file, not as a traceback."""
+
+SIGPIPE_EXIT = 128 + 13
+"""The exit code when stdout's reader went away (`tidal config --keys | head`), as a
+process killed by SIGPIPE reports it in a shell."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `tidal` command `argv` (default: the process's) and return its exit code."""
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()  # now, not at exit: a reader that went away is answered below
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe: stop quietly, as SIGPIPE would. Python ignores the
+    signal, so the write raised instead; stdout now points at /dev/null, or the interpreter's
+    last flush would print "Exception ignored ... BrokenPipeError" on the way out."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout with no file descriptor (captured): nothing to flush at exit
+        pass
+    return SIGPIPE_EXIT
+
+
+def _unrecognized(extra: list[str], *, takes_overrides: bool) -> str:
+    """The usage error for arguments argparse did not take; `--seed=3` where an override
+    `seed=3` was meant says so."""
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    meant = [x.lstrip("-") for x in extra if x.startswith("--") and "=" in x]
+    if takes_overrides and meant:
+        message += f"; overrides are key=value without dashes: {' '.join(meant)}"
+    return message
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command in ("run", "config", "plan", "bench") and all("=" in x and not x.startswith("-") for x in extra):
+    takes_overrides = args.command in ("run", "config", "plan", "bench")
+    if extra and takes_overrides and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # key=value overrides that came after an option such as --check
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(_unrecognized(extra, takes_overrides=takes_overrides))
     if args.version:
         from tidal import __version__  # noqa: PLC0415
 
@@ -394,9 +440,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = getattr(e, "reason", None)
         print(f"tidal {args.command}: interrupted" + (f" ({reason}), after saving a checkpoint" if reason else ""), file=sys.stderr)
         code = getattr(e, "exit_code", 130)
+    except BrokenPipeError:  # stdout's reader went away: `main` ends quietly (a run that wrote a checkpoint says how to continue, on stderr)
+        _print_resume_hint(args)
+        raise
     except Exception as e:  # noqa: BLE001 - printed here, so the resume command below comes last
         if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal.") or isinstance(e, FloatingPointError):  # the latter: the train engines' non-finite gradients
             print("\n".join([f"tidal {args.command}: error: {e}", *getattr(e, "__notes__", ())]), file=sys.stderr)  # PlatformError and friends: actionable, no traceback
+        elif isinstance(e, OSError) and e.errno in STORAGE_ERRNOS and e.filename:
+            print(f"tidal {args.command}: error: cannot write {e.filename}: {e.strerror}; free space there, or choose another run_dir or output_dir", file=sys.stderr)
         else:
             traceback.print_exc()
         code = 1

@@ -95,9 +95,21 @@ class MetricsLog:
         self._file: TextIO | None = None
 
     def write(self, metrics: Mapping[str, Any]) -> None:
+        """Append one step's line (and its TensorBoard scalars).
+
+        Raises:
+            OSError: naming `metrics.jsonl`, when the disk refuses the line (full, over
+                quota). The line stays buffered: a later `write` or `close` on a disk with
+                room writes it first, whole.
+        """
         if self._file is None:
             self._file = self.path.open("a", buffering=1, encoding="utf-8")  # line-buffered: each step's line is written at once
-        self._file.write(json.dumps(finite(metrics), allow_nan=False) + "\n")
+        try:
+            self._file.write(json.dumps(finite(metrics), allow_nan=False) + "\n")
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self._writer is not None:
             self._writer.write(scalars(metrics), metrics["step"], metrics.get("time"))
 

@@ -6,6 +6,7 @@ data folder `tidal/recipes`, so `tidal run quickstart_cpu` works from either ins
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import tidal
@@ -35,4 +36,6 @@ def resolve_recipe(arg: str) -> Path:
     name = path.stem if path.suffix in (".yaml", ".yml") else path.name
     if path.parent in (Path("."), Path("recipes")) and name in shipped:
         return shipped[name]
-    raise ConfigError(f"recipe {arg!r} is neither a file nor a shipped recipe; shipped recipes: {sorted(shipped)}")
+    close = difflib.get_close_matches(name, shipped, n=1)
+    guess = f"did you mean {close[0]}? " if close else ""
+    raise ConfigError(f"recipe {arg!r} is neither a file nor a shipped recipe; {guess}shipped recipes: {sorted(shipped)}")

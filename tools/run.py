@@ -34,6 +34,23 @@ accuracy after RL is measured on other prompts than the checkpoint's accuracy be
 
 
 def _new_run_dir(cfg: Any) -> Path:
+    """Make the run's directory: `run_dir`, else `<output_dir>/<name>-<timestamp>`.
+
+    Raises:
+        ConfigError: naming the key, when `run_dir` holds files, either key names a file,
+            or the directory cannot be made there (read-only, under a file, no permission).
+    """
+    key = "run_dir" if cfg.run_dir else "output_dir"
+    try:
+        return _make_run_dir(cfg)
+    except OSError as e:  # read-only filesystem, a file in the path, no permission
+        raise ConfigError(
+            f"{key}={cfg[key]!r}: cannot create the run directory {e.filename or cfg[key]!r} ({e.strerror or e}); "
+            "choose a writable run_dir or output_dir"
+        ) from None
+
+
+def _make_run_dir(cfg: Any) -> Path:
     for key in ("run_dir", "output_dir"):
         if cfg[key] and Path(cfg[key]).exists() and not Path(cfg[key]).is_dir():
             raise ConfigError(f"{key}={cfg[key]!r} is a file, not a directory")
@@ -140,9 +157,19 @@ def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
 
 
 def _write(path: Path, text: str) -> None:
+    """Write `path` whole, through a temporary file beside it.
+
+    Raises:
+        OSError: naming `path` (a write the disk refuses fails at the file's close, and
+            Python's error there names no file).
+    """
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def check_runnable(cfg: Any) -> None:

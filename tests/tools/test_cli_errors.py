@@ -1,0 +1,98 @@
+"""The real `tidal` command on mistakes and on pipes: exit codes, messages, no tracebacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SIGPIPE_EXIT = 128 + 13
+
+
+def _tidal_into_closed_pipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`tidal ARGS | head -0`, deterministically: stdout is a pipe whose reader is gone
+    before tidal writes anything, so every write to it fails (EPIPE)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    exe = Path(sys.executable).with_name("tidal")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tidal.tools.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
+    try:
+        return subprocess.run([*cmd, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args", [("config", "--keys"), ("config", "quickstart_cpu"), ("--version",)])
+def test_output_into_a_closed_pipe_ends_quietly_with_the_sigpipe_exit_code(tmp_path, args):
+    """`tidal config --keys | head` printed a BrokenPipeError traceback and exited 1 (or,
+    when the output was still buffered at exit, "Exception ignored ... BrokenPipeError" and
+    120). A reader that went away stops the command as SIGPIPE would: 128 + 13, no noise."""
+    out = _tidal_into_closed_pipe(*args, cwd=tmp_path)
+    assert out.returncode == SIGPIPE_EXIT, out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr and "Exception ignored" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "where"),
+    [("run_dir", "/proc/tidal-no-such-run"), ("output_dir", "/proc/tidal-no-such-runs"), ("run_dir", "{file}/run")],
+)
+def test_a_run_directory_that_cannot_be_made_is_named_with_the_reason_and_exit_2(tidal_cli, tmp_path, key, where):
+    """A run_dir or output_dir on a read-only path (/proc), or under a file, raised a
+    FileNotFoundError / NotADirectoryError traceback with exit 1."""
+    (tmp_path / "a_file").write_text("x")
+    where = where.format(file=tmp_path / "a_file")
+    out = tidal_cli("run", "quickstart_cpu", f"{key}={where}", "--check", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"{key}={where!r}" in out.stderr and "cannot create" in out.stderr
+    assert "choose a writable run_dir or output_dir" in out.stderr
+
+
+def test_an_override_written_as_an_option_suggests_the_key_value_form(tidal_cli, tmp_path):
+    """`tidal run quickstart_cpu --seed=3` said only "unrecognized arguments: --seed=3"."""
+    out = tidal_cli("run", "quickstart_cpu", "--seed=3", "--check", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unrecognized arguments: --seed=3" in out.stderr
+    assert "overrides are key=value without dashes: seed=3" in out.stderr
+    assert not (tmp_path / "runs").exists()
+    out = tidal_cli("doctor", "--seed=3")  # doctor takes no overrides: no suggestion
+    assert out.returncode == 2 and "without dashes" not in out.stderr
+
+
+def test_a_full_disk_is_one_line_naming_the_file_with_exit_1(tmp_path):
+    """A write the disk refuses (here a file-size limit of 64 bytes stands in for a full
+    disk: config.yaml is longer) printed an OSError traceback."""
+    import resource
+    import signal
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing tidal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
+
+    exe = Path(sys.executable).with_name("tidal")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tidal.tools.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*cmd, "run", "quickstart_cpu", f"run_dir={run_dir}", "--check"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # no half-written config.yaml, nor its temporary file
+    assert f"cannot write {run_dir / 'config.yaml'}: File too large; free space there, or choose another run_dir or output_dir" in out.stderr
+
+
+def test_help_lists_the_exit_codes_of_a_stopped_command(tidal_cli):
+    """The top-level help named 0, 1 and 2 only; 130/143 (a run stopped by a signal) and
+    141 (a closed pipe) were nowhere but in `tidal run --help` and the architecture page."""
+    text = " ".join(tidal_cli("--help").stdout.split())
+    assert "128 + the signal's number when stopped by one (130 Ctrl-C, 143 SIGTERM, 141" in text
+
+
+def test_a_misspelt_recipe_name_suggests_the_close_shipped_one(tidal_cli, tmp_path):
+    """`tidal run quickstart_cu` listed every shipped recipe; as for keys, the close match is named."""
+    out = tidal_cli("run", "quickstart_cu", "--check", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "recipe 'quickstart_cu' is neither a file nor a shipped recipe; did you mean quickstart_cpu?" in out.stderr
+    assert "shipped recipes: ['mixed_npu_gpu', 'quickstart_cpu']" in out.stderr

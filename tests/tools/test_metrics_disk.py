@@ -1,0 +1,39 @@
+"""`MetricsLog` when the disk refuses a step's line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+
+def test_a_refused_line_names_the_file_and_is_written_whole_once_there_is_room(tmp_path):
+    """A full disk (a file-size limit stands in for it) made `write` raise an OSError that
+    named no file (`tidal run` could only print a traceback). The line is not lost or cut:
+    it is written, whole and in order, by the next write once the disk has room."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        from tidal.tools.metrics import MetricsLog
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        log = MetricsLog(Path({str(tmp_path)!r}), tensorboard=False)
+        step = lambda n: {{"step": n, "time": 1.0, "reward": 0.5, "note": "x" * 60}}
+        log.write(step(1))
+        size = (Path({str(tmp_path)!r}) / "metrics.jsonl").stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 30, resource.RLIM_INFINITY))
+        try:
+            log.write(step(2))
+        except OSError as e:
+            print("refused:", e.strerror, e.filename)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        log.write(step(3))
+        log.close()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"refused: File too large {tmp_path / 'metrics.jsonl'}" in out.stdout
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
