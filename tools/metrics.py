@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -125,3 +126,17 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def last_metrics(path: Path) -> dict[str, Any] | None:
+    """The last whole line of a `metrics.jsonl`, read from the file's tail (a long run's
+    file is tens of MB, and the Ray driver reads it every second for its progress bar);
+    None when there is none yet, or the line is being written."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):  # not there yet, or a line cut short (`{"wait_s": {"a": 1}` ends with "}" too)
+        return None
+

@@ -35,7 +35,7 @@ from typing import Any
 
 from tidal.flow.ray_placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
-from tidal.tools.metrics import finite
+from tidal.tools.metrics import finite, last_metrics
 from tidal.tools.ray_stop import StopSignal, relay_stop
 from tidal.tools.run import check_runnable
 from tidal.tools.stopping import RunStopped, StopRequest, stop_on_signals
@@ -546,9 +546,7 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
     with bar:
         while pending:
             done, pending = ray.wait(pending, timeout=1.0)
-            lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-            if lines and lines[-1].endswith("}"):  # a resumed trainer rewrites the file: show its last step
-                m = json.loads(lines[-1])
+            if (m := last_metrics(metrics_path)) is not None:  # a resumed trainer rewrites the file: show its last step
                 bar.update(task, completed=m["step"], info="reward " + ("-" if m["reward"] is None else f"{m['reward']:.2f}"))  # null: NaN
             for ref in done:
                 try:

@@ -237,7 +237,7 @@ def plot(metrics: list[dict[str, Any]], path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     top.plot(times, [m["reward"] for m in metrics], marker=".")
     top.set_ylabel("mean reward")
-    bottom.plot(times, [m["samples"] / m["step_s"] for m in metrics], marker=".", color="tab:orange")
+    bottom.plot(times, [m["samples"] / m["step_s"] if m["step_s"] else float("nan") for m in metrics], marker=".", color="tab:orange")  # a step timed at 0 s: no rate
     bottom.set_ylabel("samples / s")
     bottom.set_xlabel("seconds since RL started")
     top.set_title("tidal: reward and throughput")
@@ -492,7 +492,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
     gc.collect()
     gc.freeze()
     started = time.perf_counter()
-    nonfinite = None
+    nonfinite, failed = None, False
     with signals:  # through the final checkpoint: a signal while it is written stops the run once it is whole
         try:
             with bar, torch_threads(stage_threads(cfg, "train")):
@@ -500,6 +500,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         except FloatingPointError as e:  # gradients stayed non-finite: the engine skipped those steps, so its state is the last finite one
             nonfinite = e
         except BaseException:
+            failed = True
             metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
             raise
         finally:
@@ -512,6 +513,9 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
             timeshare = sharing.summary() if sharing is not None else None
             if sharing is not None:
                 sharing.close()
+            if failed or nonfinite is not None:  # what the run did up to the failure (open spans marked unfinished)
+                with contextlib.suppress(Exception):  # the failure is what the run reports
+                    tracer.save(run_dir / "timeline.json")
         rl_seconds = time.perf_counter() - started
         checkpoint()
     if nonfinite is not None:  # saved above: a resume with, say, a lower train.lr loses no finite step

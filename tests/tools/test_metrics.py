@@ -74,3 +74,28 @@ def test_metrics_jsonl_is_standard_json_when_a_number_is_nan_or_infinite(tmp_pat
     line = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=strict)
     assert line["reward"] is None and line["loss"] is None and line["groups"] == [None, 2.5]
     assert line["samples"] == 128 and line["version_gap"] == {"0": 300, "1": 20}
+
+
+def test_the_plot_of_a_step_timed_at_zero_seconds_is_drawn(tmp_path):
+    """A step whose clock read 0 s (a coarse clock) divided by zero in the rate: the run
+    failed at its very end, after the final checkpoint and before summary.json."""
+    from tidal.tools.train import plot  # noqa: PLC0415
+
+    steps = [{"time": 1.0, "step_s": 0.0, "samples": 8, "reward": 0.5}, {"time": 1.5, "step_s": 0.5, "samples": 8, "reward": 0.6}]
+    plot(steps, tmp_path / "progress.png")
+    assert (tmp_path / "progress.png").stat().st_size > 0
+
+
+
+def test_the_last_metrics_line_is_read_from_the_tail_and_a_line_being_written_is_none(tmp_path):
+    """The Ray driver's progress bar read the whole file every second and parsed any last
+    line ending in "}", which a line cut after a nested dict does too."""
+    from tidal.tools.metrics import last_metrics  # noqa: PLC0415
+
+    path = tmp_path / "metrics.jsonl"
+    assert last_metrics(path) is None
+    path.write_text("".join(f'{{"step": {s}, "reward": 0.5, "pad": "{"x" * 200}"}}\n' for s in range(1, 2001)))  # ~450 KB
+    assert last_metrics(path)["step"] == 2000
+    with open(path, "a") as f:
+        f.write('{"step": 2001, "wait_s": {"train": 0.5}')  # cut short after a nested "}"
+    assert last_metrics(path) is None

@@ -49,6 +49,8 @@ def test_a_run_whose_gradients_stay_nan_stops_non_zero_and_keeps_finite_weights(
     optimizer = torch.load(checkpoints / "step-000007" / "trainer.pt", weights_only=False)["optimizer"]
     assert all(torch.isfinite(v).all() for s in optimizer["state"].values() for v in s.values())
     assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # AdamW stepped twice: the skipped steps left no count
+    timeline = json.loads((run_dir / "timeline.json").read_text())  # what the failed run did is kept
+    assert sum(e["name"] == "train" and e["ph"] == "X" for e in timeline["traceEvents"]) >= 7
 
 
 
