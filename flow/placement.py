@@ -143,7 +143,10 @@ class Plan:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout, "assignments": [dataclasses.asdict(a) for a in self.assignments]}
+        """The layout, the cluster it was placed on (each node's kind, capacity and every tag
+        it offers, its kind's included) and every assignment: what `tidal plan --json` prints."""
+        cluster = [{"node": r.node, "kind": r.kind, "capacity": r.capacity, "tags": sorted(r.tags)} for r in self.resources]
+        return {"layout": self.layout, "cluster": cluster, "assignments": [dataclasses.asdict(a) for a in self.assignments]}
 
 
 def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
@@ -151,7 +154,8 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
 
     Roles with devices of their own are placed first, in the given order, each instance
     on a node with room that the role already uses (else one of a device kind it already
-    uses, else the first such node), so a role packs onto few nodes of one vendor. On a
+    uses, else any), so a role packs onto few nodes of one vendor; among those, on the one
+    with the fewest free devices that fit it (`_pick`). On a
     cluster with NPUs or GPUs only roles that require `cpu` get CPU nodes (`_serves`).
     Colocated roles follow on their host's devices; then each lender's own devices are
     lent out (two roles may not lend to each other: each would borrow its own devices
@@ -191,7 +195,7 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
             fits = [r for r in resources if _serves(r, role, accelerated=accelerated) and len(free[r.node]) >= role.devices_each]
             if not fits:
                 raise PlacementError(_explain(role, resources, free, missing=ranks.stop - rank, placed_before=rank))
-            res = _pick(fits, out)
+            res = _pick(fits, out, free)
             devices, free[res.node] = free[res.node][: role.devices_each], free[res.node][role.devices_each :]
             out.append(take(role, rank, res, devices, "own"))
         return out
@@ -262,12 +266,19 @@ def _serves(res: Resource, role: Role, *, accelerated: bool) -> bool:
     return res.offers(role.requires) and not (accelerated and res.kind == "cpu" and "cpu" not in role.requires)
 
 
-def _pick(fits: Sequence[Resource], placed: Sequence[Assignment]) -> Resource:
-    """The node for a role's next instance: one the role already uses, else one of a device
-    kind it already uses (so its ranks stay on one vendor where they can), else the first."""
+def _pick(fits: Sequence[Resource], placed: Sequence[Assignment], free: Mapping[str, list[int]]) -> Resource:
+    """The node for a role's next instance: among the nodes the role already uses, else those
+    of a device kind it already uses (so its ranks stay on one vendor where they can), else
+    all that fit, the one with the fewest free devices (best fit; the first of equals).
+
+    Best fit keeps large free blocks for instances that need them: first fit put a 4-device
+    instance on an 8-device node beside a free 4-device one, and an 8-device instance of the
+    next role then fit nowhere.
+    """
     used = {a.node for a in placed}
     kinds = {a.kind for a in placed}
-    return next((r for r in fits if r.node in used), next((r for r in fits if r.kind in kinds), fits[0]))
+    preferred = [r for r in fits if r.node in used] or [r for r in fits if r.kind in kinds] or list(fits)
+    return min(preferred, key=lambda r: len(free[r.node]))
 
 
 def _devices_by_node(assignments: Sequence[Assignment], resources: Sequence[Resource]) -> list[tuple[Resource, list[int]]]:

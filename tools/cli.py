@@ -92,7 +92,11 @@ instances than the trainer's devices hold) or multiplexed (placement.train.lend_
 idle training devices run rollout until the next optimizer step).
 
 A request the cluster cannot hold fails at once with exit code 2, naming the role and
-what it lacked.
+what it lacked. A plan that `tidal run` would refuse (a combination it cannot run, or
+under runtime=ray a shared layout it cannot seat) is printed, followed by
+"tidal run would refuse this: " and the message `tidal run` gives, with exit code 2.
+--json prints the cluster (each node's kind, devices and tags), the layout, every
+assignment, and run_refuses: that message, or null.
 """
 
 
@@ -335,9 +339,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from tidal.tools.config import load_config  # noqa: PLC0415
-    from tidal.tools.plan import cluster_rows, make_plan  # noqa: PLC0415
+    from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
+    from tidal.tools.plan import cluster_rows, make_plan, run_refusal  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.run import check_runnable  # noqa: PLC0415
 
     cfg = load_config(resolve_recipe(args.recipe), args.overrides)
     ray_nodes = None
@@ -345,13 +350,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from tidal.flow.ray_placement import connected_ray_nodes  # noqa: PLC0415
 
         ray_nodes = connected_ray_nodes
-    plan, source = make_plan(cfg, ray_nodes=ray_nodes)
+    try:
+        plan, source = make_plan(cfg, ray_nodes=ray_nodes)
+    except ConfigError:
+        check_runnable(cfg)  # what `tidal run` says first, before it plans
+        raise
+    refusal = run_refusal(cfg, plan)
     if args.json:
-        print(json.dumps({"cluster_from": source, **plan.to_dict()}, indent=2))
+        print(json.dumps({"cluster_from": source, **plan.to_dict(), "run_refuses": refusal}, indent=2))
+    else:
+        _print_table(f"cluster (from {source})", cluster_rows(plan.resources))
+        _print_table(f"plan: {plan.layout}", plan.table())
+    if refusal is None:
         return 0
-    _print_table(f"cluster (from {source})", cluster_rows(plan.resources))
-    _print_table(f"plan: {plan.layout}", plan.table())
-    return 0
+    sys.stdout.flush()  # the plan, then why it would not run
+    print(f"tidal plan: error: tidal run would refuse this: {refusal}", file=sys.stderr)
+    return 2
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -266,7 +266,7 @@ class RecipeConfig:
     output_dir: str = "runs"
     """Folder under which run directories are created."""
     run_dir: Optional[str] = None
-    """Directory for this run's files (resolved config, metrics, checkpoints); must be new or empty."""
+    """Directory for this run's files (resolved config, metrics, checkpoints); must be new or empty. Relative paths (here, in output_dir and resume) are taken from where tidal run starts and stored absolute in config.yaml, so Ray actors on other nodes use the same folder."""
     resume: Optional[str] = None
     """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store); its model's shape is kept."""
     checkpoint_every: int = 10

@@ -95,6 +95,42 @@ def make_plan(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] 
     return plan, source
 
 
+def check_seatable(cfg: Any, plan: Plan) -> None:
+    """Under `runtime: ray`, where each actor of `plan` would sit (`flow.colocate.spots`):
+    one rule for `tidal run` (`tools.run.check_plan`, and the Ray driver's `role_bundles`)
+    and `tidal plan`. A local run seats its shared devices in one process: nothing to check.
+
+    Raises:
+        ConfigError: a shared layout the Ray runtime cannot seat, naming the keys to change.
+    """
+    if cfg.runtime.value != "ray":
+        return
+    from tidal.flow.colocate import spots  # noqa: PLC0415 - imports torch
+
+    try:
+        spots(plan)
+    except PlacementError as e:
+        raise ConfigError(f"placement: {e}") from None
+
+
+def run_refusal(cfg: Any, plan: Plan) -> str | None:
+    """Why `tidal run` would refuse a recipe whose `plan` can be made, in its words (the
+    message after `tidal run: error: `); None when it would run it.
+
+    `tidal plan` still shows such a plan: a refusal is mostly about where roles sit (a
+    guest or count a runtime cannot seat), which the plan's table shows. Checks `tools.run.check_runnable`, then `check_seatable`, in the
+    order `tidal run` does; not the platform, the run directory or a `resume`.
+    """
+    from tidal.tools.run import check_runnable  # noqa: PLC0415 - tools.run imports this module
+
+    try:
+        check_runnable(cfg)
+        check_seatable(cfg, plan)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _check_one_vendor_trainer(plan: Plan) -> None:
     """Refuse trainer instances on devices of several kinds: they are the ranks of one
     process group, whose collective backend is one vendor's (a fake cluster's CPU group

@@ -173,7 +173,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def check_runnable(cfg: Any) -> None:
-    """Combinations `tidal run` cannot run (`tidal plan` and `tidal config` still show them).
+    """Combinations `tidal run` cannot run (`tidal config` still shows them; `tidal plan`
+    shows the plan and this error, `tools.plan.run_refusal`).
 
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
@@ -234,23 +235,34 @@ def check_plan(cfg: Any) -> None:
         ConfigError: the plan is infeasible, naming the role, or shares devices in a way
             the Ray runtime cannot seat.
     """
-    from tidal.flow.placement import PlacementError  # noqa: PLC0415
-    from tidal.tools.plan import make_plan, shares_devices  # noqa: PLC0415
+    from tidal.tools.plan import check_seatable, make_plan, shares_devices  # noqa: PLC0415
 
     if not (cfg.cluster.nodes or (cfg.runtime.value == "local" and shares_devices(cfg))):
         return
     plan, _ = make_plan(cfg)
-    if cfg.runtime.value == "ray":
-        from tidal.flow.colocate import spots  # noqa: PLC0415
+    check_seatable(cfg, plan)
 
-        try:
-            spots(plan)
-        except PlacementError as e:
-            raise ConfigError(f"placement: {e}") from None
+
+PATH_KEYS = ("run_dir", "output_dir", "resume")
+"""Keys naming folders: `prepare_run` makes them absolute."""
+
+
+def _make_paths_absolute(cfg: Any) -> None:
+    """Each of PATH_KEYS that is set, made absolute against the current directory (not
+    following links): the config goes into config.yaml and, under `runtime: ray`, to actors
+    whose working directory (on other nodes, in Ray's session folder) is not this one, which
+    would resolve a relative run_dir or resume elsewhere."""
+    for key in PATH_KEYS:
+        if cfg[key]:
+            cfg[key] = os.path.abspath(cfg[key])
 
 
 def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     """Validate `recipe` + `overrides`, select the platform, write the run directory.
+
+    `run_dir`, `output_dir` and `resume` are made absolute before config.yaml is written
+    (`_make_paths_absolute`): it and the returned config name the folders the user meant
+    from here, wherever they are read.
 
     Raises:
         ConfigError: a bad key or value, a combination `tidal run` cannot run, a plan
@@ -271,8 +283,9 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
 
         check_checkpoint(latest_checkpoint(Path(cfg.resume)))
     selection.platform.seed_all(cfg.seed)
-    run_dir = _new_run_dir(cfg)
-    cfg.run_dir = str(run_dir)
+    cfg.run_dir = str(_new_run_dir(cfg))
+    _make_paths_absolute(cfg)  # after the checks, whose errors name the folders as the user wrote them
+    run_dir = Path(cfg.run_dir)
     _write(run_dir / "config.yaml", to_yaml(cfg))
     platform_info = {
         "spec": selection.spec,

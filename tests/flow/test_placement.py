@@ -173,3 +173,14 @@ def test_ray_placement_groups_for_a_plan_the_cluster_holds(ray_session):
     finally:
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
+
+
+def test_an_instance_goes_to_the_fullest_node_it_fits_so_a_larger_one_still_fits_later():
+    """First fit put the 4-device trainer on the 8-device node, and the 8-device rollout
+    instance then fit nowhere, though the trainer fits the 4-device node exactly."""
+    nodes = [Resource(node="big", kind="cuda", capacity=8), Resource(node="small", kind="cuda", capacity=4)]
+    plan = schedule(nodes, [Role(name="train", devices_each=4), Role(name="rollout", devices_each=8)])
+    assert [(a.role, a.node, a.devices) for a in plan.assignments] == [("train", "small", (0, 1, 2, 3)), ("rollout", "big", tuple(range(8)))]
+    # ties keep the cluster's order; a role still fills the node it already uses before another
+    plan = schedule(nodes + [Resource(node="small2", kind="cuda", capacity=4)], [Role(name="train", count=3, devices_each=2), Role(name="rollout", devices_each=8)])
+    assert [a.node for a in plan.of("train")] == ["small", "small", "small2"] and plan.of("rollout")[0].node == "big"
