@@ -12,20 +12,23 @@ in one process (`runtime: local`), and `tidal-async-ray` (`max_staleness: 1` wit
 and the actors' are outside the RL wall time). `trl`: TRL 1.16 `GRPOTrainer` with
 transformers generation (no vLLM), on-policy, on the same prompts in the same order,
 the same reward function and the same greedy held-out evaluation (`bench_trl.py` says
-how the recipe maps onto `GRPOConfig`); its wall time is `trainer.train()`. TRL comes
-with the `[bench]` extra; without it the `trl` row says how to install it.
+how the recipe maps onto `GRPOConfig`); its wall time is `trainer.train()` from the end of
+its setup (optimizer, dataloader, accelerate's `prepare`: tidal builds its engines before
+its clock too). TRL comes with the `[bench]` extra; without it the `trl` row says how to
+install it.
 
 torch threads: `tidal-async` runs its rollout and train stages at once, as two threads
 of one process, with the recipe's `threads` (1 in the quickstart: one core each);
 `tidal-async-ray` gives each actor one thread. `tidal-sync` and `trl` run one stage at a
 time, so each runs with every thread torch would use by default (`ALL_CORES`) and, as
 `tidal-sync-1t` / `trl-1t`, with one (set explicitly for each run since all systems
-share this process); `tidal-sync-split` gives its rollout stage one thread and its train
-stage all of them (`rollout.threads`, `train.threads`: decoding small batches loses to
-a second thread's overhead where a train step gains from it). Which is fastest varies
-with the machine (on one 2-vCPU VM two threads made sync a third slower on one day and
-did nothing the day before), so the "x sync" and "x TRL" baselines are the fastest
-variant of each, measured in the same run.
+share this process); `tidal-sync-split` / `trl-split` give their rollout (TRL: its
+`generate`) one thread and their training all of them (`rollout.threads`,
+`train.threads`: decoding small batches loses to a second thread's overhead where a
+train step gains from it). Which is fastest varies with the machine (on one 2-vCPU VM
+two threads made sync a third slower on one day and did nothing the day before), so
+the "x sync" and "x TRL" baselines are the fastest variant of each, measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -53,8 +56,13 @@ SYSTEMS = {
     **SYNC_SYSTEMS,
     "tidal-async-ray": ["algorithm.max_staleness=1", "runtime=ray", "threads=1"],
 }
-TRL_THREADS = {f"trl{suffix}": n for suffix, n in THREAD_VARIANTS.items()}
-BASELINES = {"sync": list(SYNC_SYSTEMS), "TRL": list(TRL_THREADS)}
+TRL_SYSTEMS = {
+    **{f"trl{suffix}": [f"threads={n}"] for suffix, n in THREAD_VARIANTS.items()},
+    **({"trl-split": ["rollout.threads=1", f"train.threads={ALL_CORES}"]} if ALL_CORES > 1 else {}),
+}
+"""TRL's runs: its generation and training take `rollout.threads` / `train.threads` as tidal's
+stages do, so TRL gets every thread setting the sync baseline gets."""
+BASELINES = {"sync": list(SYNC_SYSTEMS), "TRL": list(TRL_SYSTEMS)}
 """Each ratio's baseline: the fastest of these systems in the run."""
 
 
@@ -93,11 +101,11 @@ def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Seque
     def run_one(system: str, seed: int) -> dict[str, Any]:
         if system in SYSTEMS:
             return run_tidal(SYSTEMS[system], seed=seed, num_steps=num_steps, overrides=overrides)
-        return bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[f"threads={TRL_THREADS[system]}", *overrides])
+        return bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[*TRL_SYSTEMS[system], *overrides])
 
     systems = list(SYSTEMS)
     if bench_trl.available():
-        systems += TRL_THREADS
+        systems += TRL_SYSTEMS
     else:
         progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
     results: dict[str, list[dict[str, Any]]] = {}

@@ -18,7 +18,10 @@ held-out `evaluate`. The recipe maps onto `GRPOConfig` as:
   kl_coef 0 -> beta 0 (no reference model);
 - train.precision -> bf16 (accelerate's mixed precision: autocast, fp32 weights, as
   tidal's train engines do), else float32; transformers generation (no vLLM), no
-  activation checkpointing, no logging, saving or evaluation during training.
+  activation checkpointing, no logging, saving or evaluation during training;
+- threads / train.threads -> torch threads of `trainer.train()`, rollout.threads (else
+  threads) -> torch threads of its `model.generate` calls (`generating_with_threads`),
+  as tidal's stages get them.
 
 TRL needs a Hugging Face tokenizer: `hf_tokenizer` wraps `CharTokenizer` (one token per
 character, same ids, BOS prepended) with the `tokenizers` library.
@@ -26,11 +29,13 @@ character, same ids, BOS prepended) with the `tokenizers` library.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import importlib.util
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +162,59 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
     )
 
 
+@contextlib.contextmanager
+def generating_with_threads(model: Any, num_threads: int) -> Iterator[None]:
+    """Inside the block, `model.generate` (TRL's rollout: `GRPOTrainer` samples through it)
+    runs with `num_threads` torch threads (0: the caller's), as `rollout.threads` sets
+    tidal's rollout stage; the rest of the step (training) keeps the caller's threads.
+
+    A count other than the caller's runs the calls on a thread of their own whose count is
+    set once, as tidal's rollout stage runs on a thread with its own count (rather than
+    switching one thread's count back and forth around every call).
+    """
+    import torch  # noqa: PLC0415
+
+    if not num_threads or num_threads == torch.get_num_threads():
+        yield
+        return
+    generate = model.generate
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-generate", initializer=torch.set_num_threads, initargs=(num_threads,)) as pool:
+
+        def generate_on_its_thread(*args: Any, **kwargs: Any) -> Any:  # `generate` is no_grad on any thread (its decorator)
+            return pool.submit(generate, *args, **kwargs).result()
+
+        model.generate = generate_on_its_thread
+        try:
+            yield
+        finally:
+            del model.generate  # the class's method again
+
+
+def start_clock() -> Any:
+    """A `TrainerCallback` whose `started` is the clock when `trainer.train()` has finished its setup.
+
+    `train()` first builds the optimizer, scheduler and dataloader and runs accelerate's
+    `prepare`; tidal builds its engines (optimizer included) before its clock starts, so
+    TRL's clock starts at `on_train_begin`, just before its first step.
+    """
+    import transformers  # noqa: PLC0415
+
+    class StartClock(transformers.TrainerCallback):
+        started = float("nan")
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.started = time.perf_counter()
+
+    return StartClock()
+
+
 def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The quickstart (with `overrides`) trained by TRL's `GRPOTrainer`; a `train()`-style summary.
 
     samples_per_s and tokens_per_s count what the reward function scored during
     `trainer.train()` (completions, and their tokens up to and including EOS, as tidal's
-    step metrics do) over the wall time of `trainer.train()` alone.
+    step metrics do) over the wall time of `trainer.train()` from the end of its setup
+    (`start_clock`) to its return.
     """
     import datasets  # noqa: PLC0415
     import transformers  # noqa: PLC0415
@@ -170,6 +222,7 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
 
     from tidal.engines.rewards import score  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
+    from tidal.tools.config import stage_threads  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
     from tidal.tools.train import Prompts, evaluate, torch_threads  # noqa: PLC0415
@@ -202,11 +255,13 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
             warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 still calls transformers' renamed gradient-checkpointing API
             trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=grpo_config(cfg, Path(tmp) / "trl"), train_dataset=dataset, processing_class=hf_tokenizer(tokenizer))
             trainer.remove_callback(transformers.PrinterCallback)  # it prints the final metrics dict even with logging off
-            started = time.perf_counter()
-            with torch_threads(cfg.threads):  # as tidal's RL stages get them
+            clock = start_clock()
+            trainer.add_callback(clock)
+            with torch_threads(stage_threads(cfg, "train")), generating_with_threads(model, stage_threads(cfg, "rollout")):  # as tidal's RL stages get them
                 trainer.train()
-            rl_seconds = time.perf_counter() - started
-        accuracy_after = evaluate(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_items, reward, max_new_tokens=budget)
+            rl_seconds = time.perf_counter() - clock.started
+        policy = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # the fp32 model without bf16's autocast wrapper, as tidal evaluates
+        accuracy_after = evaluate(policy, tokenizer, held_items, reward, max_new_tokens=budget)
 
     samples = sum(s["samples"] for s in scored)
     return {

@@ -59,8 +59,9 @@ def _spans(weights: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
-def _copy_out(data: Any, like: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(like)
+def _copy_out(data: Any, spec: Any) -> torch.Tensor:
+    """A new tensor of `spec`'s (a `TensorSpec`) shape and dtype holding the bytes of `data`."""
+    out = torch.empty(spec.shape, dtype=spec.torch_dtype)
     out.view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     return out
 
@@ -97,7 +98,8 @@ def _receiver(system: str, size: int, repeats: int, ready: Any, done: Any) -> No
         sock = zmq.Context.instance().socket(zmq.PULL)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         ready.put(f"tcp://127.0.0.1:{port}")
-        receive = lambda: [_copy_out(sock.recv(copy=False).buffer, t) for t in model_of(size).values()]  # noqa: E731
+        specs = list(expected.values())  # known before the clock, as the host receiver's `expected`: nothing is built while timed
+        receive = lambda: [_copy_out(sock.recv(copy=False).buffer, spec) for spec in specs]  # noqa: E731
     elif system == "raw-gloo":
         port = ready.get()
         import torch.distributed as dist  # noqa: PLC0415

@@ -51,15 +51,16 @@ def test_e2e_runs_each_one_stage_system_with_all_threads_with_one_and_sync_split
     tidal_runs, trl_runs = [], []
     monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, **_: tidal_runs.append(tuple(system_overrides)) or run)
     monkeypatch.setattr(bench_trl, "available", lambda: True)
-    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: trl_runs.append(overrides[0]) or run)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: trl_runs.append(tuple(overrides)) or run)
     results = bench_e2e.run(seeds=[0], num_steps=3, progress=lambda m: None)
-    assert set(results) == {*bench_e2e.SYSTEMS, *bench_e2e.TRL_THREADS}
-    assert trl_runs == [f"threads={bench_e2e.ALL_CORES}", "threads=1"][: len(bench_e2e.TRL_THREADS)]
+    assert set(results) == {*bench_e2e.SYSTEMS, *bench_e2e.TRL_SYSTEMS}
+    assert trl_runs == [(f"threads={bench_e2e.ALL_CORES}",), ("threads=1",), ("rollout.threads=1", f"train.threads={bench_e2e.ALL_CORES}")][: len(bench_e2e.TRL_SYSTEMS)]
     assert ("algorithm.max_staleness=0", f"threads={bench_e2e.ALL_CORES}") in tidal_runs
     if bench_e2e.ALL_CORES > 1:  # one core has no second setting to try
-        assert ("algorithm.max_staleness=0", "threads=1") in tidal_runs and set(bench_e2e.TRL_THREADS) == {"trl", "trl-1t"}
+        assert ("algorithm.max_staleness=0", "threads=1") in tidal_runs and set(bench_e2e.TRL_SYSTEMS) == {"trl", "trl-1t", "trl-split"}
         assert ("algorithm.max_staleness=0", "rollout.threads=1", f"train.threads={bench_e2e.ALL_CORES}") in tidal_runs
         assert bench_e2e.BASELINES["sync"] == ["tidal-sync", "tidal-sync-1t", "tidal-sync-split"]
+        assert bench_e2e.BASELINES["TRL"] == ["trl", "trl-1t", "trl-split"]  # TRL gets every thread setting sync gets
 
 
 def test_e2e_runs_one_round_per_seed_alternating_the_order(monkeypatch):
@@ -70,11 +71,11 @@ def test_e2e_runs_one_round_per_seed_alternating_the_order(monkeypatch):
     calls = []
     monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, seed, **_: calls.append((names[tuple(system_overrides)], seed)) or run)
     monkeypatch.setattr(bench_trl, "available", lambda: True)
-    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: calls.append((overrides[0], seed)) or run)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: calls.append((tuple(overrides), seed)) or run)
     results = bench_e2e.run(seeds=[3, 4, 5], num_steps=3, progress=lambda m: None)
-    order = [*bench_e2e.SYSTEMS, *(f"threads={n}" for n in bench_e2e.TRL_THREADS.values())]
+    order = [*bench_e2e.SYSTEMS, *(tuple(o) for o in bench_e2e.TRL_SYSTEMS.values())]
     assert calls == [*((s, 3) for s in order), *((s, 4) for s in reversed(order)), *((s, 5) for s in order)]
-    assert list(results) == [*bench_e2e.SYSTEMS, *bench_e2e.TRL_THREADS]  # the table's rows keep their order
+    assert list(results) == [*bench_e2e.SYSTEMS, *bench_e2e.TRL_SYSTEMS]  # the table's rows keep their order
     assert all(len(runs) == 3 for runs in results.values())
 
 
@@ -117,3 +118,12 @@ def test_store_bench_moves_every_row_through_each_tidal_deployment():
     with pytest.raises(ValueError, match="put_window must be >= 1"):
         bench_store.run(systems=("tidal",), put_window=0)
     assert bench_store.embedded_throughput(work)["rows_per_s"] > 0
+
+
+def test_store_latency_p99_is_the_99th_percentile_not_the_maximum():
+    """Of 100 hand-offs (the default trials) p99 is the 99th smallest (nearest rank); it was the
+    100th, the slowest, for every system alike."""
+    latencies = [ms / 1e3 for ms in range(1, 101)][::-1]  # 1 .. 100 ms, in any order
+    assert bench_store._percentiles(latencies) == pytest.approx({"p50_ms": 50.5, "p99_ms": 99.0})
+    assert bench_store._percentiles([0.001] * 199 + [0.5])["p99_ms"] == pytest.approx(1.0)  # one outlier in 200 is above p99
+    assert bench_store._percentiles([0.002])["p99_ms"] == pytest.approx(2.0)

@@ -30,3 +30,43 @@ def test_weights_table_ratios_against_the_raw_channel_under_each_transport():
     assert header == ["system", "4 MB GB/s", "64 MB GB/s", "4 MB % raw", "64 MB % raw"]
     assert host == ["host", "1.00", "1.40", "50%", "70%"]
     assert collective[-2:] == ["50%", "90%"] and raw_zmq[-2:] == ["-", "-"]
+
+
+def test_raw_zmq_receiver_builds_nothing_while_a_transfer_is_timed(monkeypatch):
+    """The raw-zmq receiver's timed receive only takes frames and copies them out, as the host
+    receiver does: it once built a whole model of `size` bytes (allocated and filled) for its
+    shapes inside every transfer, which at 1 GB took longer than the transfer and made the
+    baseline look slow (host at 107-264% of "raw")."""
+    import queue
+    import threading
+
+    import torch
+    import zmq
+
+    built_while_timed = []
+    sending = threading.Event()
+    real_model_of = bench_weights.model_of
+
+    def model_of(size):
+        built_while_timed.append(sending.is_set())
+        return real_model_of(size)
+
+    monkeypatch.setattr(bench_weights, "model_of", model_of)
+    ready, done = queue.Queue(), queue.Queue()
+    threads = torch.get_num_threads()
+    receiver = threading.Thread(target=bench_weights._receiver, args=("raw-zmq", 1 << 20, 2, ready, done), daemon=True)
+    receiver.start()
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        sock.connect(ready.get(timeout=30))
+        weights = real_model_of(1 << 20)
+        for _ in range(2):
+            sending.set()
+            for t in weights.values():
+                sock.send(t.view(torch.uint8).numpy())
+            done.get(timeout=30)
+        receiver.join(timeout=30)
+    finally:
+        sock.close(linger=0)
+        torch.set_num_threads(threads)
+    assert built_while_timed and not any(built_while_timed), built_while_timed
