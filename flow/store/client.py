@@ -20,15 +20,15 @@ ways (see `shm`): a put writes its rows once, a get maps them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import threading
 import time
 import uuid
-import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, 
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
 from tidal.flow.store.pending import PendingPut
 from tidal.flow.store.table import StoreError, StoreTimeout
+from tidal.flow.store.thread_sockets import ClientSockets
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
 
@@ -55,22 +56,19 @@ _ERRORS: dict[str, type[Exception]] = {
 }
 
 
-class _ThreadSockets(dict):
-    """One thread's sockets by address (a `threading.local` value, dropped when the thread ends)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.owned: list[zmq.Socket] = []
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
-def _close_sockets(owned: list[zmq.Socket], registry: list[zmq.Socket], lock: threading.Lock) -> None:
-    """Close a finished thread's sockets (no other thread uses them) and forget them."""
-    with lock:
-        for sock in owned:
-            if sock in registry:
-                registry.remove(sock)
-            sock.close(linger=0)
-        owned.clear()
+def _one_call(method: _Method) -> _Method:
+    """Run a `RemoteStore` method as one call of its thread (`ClientSockets.in_call`): a
+    `close()` meanwhile leaves this thread's sockets to it and ends its wait with `StoreError`."""
+
+    @functools.wraps(method)
+    def run(self: RemoteStore, *args: Any, **kwargs: Any) -> Any:
+        with self._sockets.in_call():
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class RemoteStore:
@@ -102,12 +100,10 @@ class RemoteStore:
         self.unit_address = unit.address if isinstance(unit, StoreServer) else unit
         self._ctx = zmq.Context()
         self._tls = threading.local()
-        self._sockets: list[zmq.Socket] = []
-        self._sockets_lock = threading.Lock()
+        self._sockets = ClientSockets(self._ctx, address)
         self._ids = itertools.count(1)
         self._keys = itertools.count()
         self._uid = uuid.uuid4().hex[:12]
-        self._closed = False
         self._host = _shm.host_id() if shm else None
         self._writer = _shm.Writer()
         self._unclaimed: dict[int, list[str]] = {}
@@ -119,31 +115,16 @@ class RemoteStore:
         self._wake_address = f"inproc://tidal-store-wake-{uuid.uuid4().hex}"
         self._waker.bind(self._wake_address)
         self._wake_lock = threading.Lock()
-        self._sockets.append(self._waker)
         self._shared: dict[str, bool] = {}  # server address -> shares our /dev/shm
 
     # Plumbing ---------------------------------------------------------------------------
-    def _thread_sockets(self) -> _ThreadSockets:
-        if self._closed:  # its sockets are closed, the context terminated
-            raise StoreError(f"the client of store server {self.address} is closed")
-        sockets = getattr(self._tls, "sockets", None)
-        if sockets is None:
-            sockets = self._tls.sockets = _ThreadSockets()
-            # when the thread ends, its sockets close: the server releases the rows it leased
-            weakref.finalize(sockets, _close_sockets, sockets.owned, self._sockets, self._sockets_lock)
-        return sockets
-
     def _socket(self, address: str) -> zmq.Socket:
         """This thread's connection to `address`."""
-        sockets = self._thread_sockets()
+        sockets = self._sockets.of_thread()
         sock = sockets.get(address)
         if sock is None:
-            sock = sockets[address] = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = sockets[address] = self._sockets.open(zmq.DEALER)
             sock.connect(address)
-            sockets.owned.append(sock)
-            with self._sockets_lock:
-                self._sockets.append(sock)
         return sock
 
     def _send(self, address: str, op: str, args: dict[str, Any]) -> tuple[zmq.Socket, int]:
@@ -172,6 +153,7 @@ class RemoteStore:
         if names and not ok:
             self._writer.unlink(names)
 
+    @_one_call
     def shares_host(self, address: str | None = None) -> bool:
         """Whether large buffers to and from the server at `address` (default: the store's)
         go through shared memory."""
@@ -207,16 +189,12 @@ class RemoteStore:
 
     def _wake_listener(self) -> zmq.Socket:
         """This thread's subscription to `wake()`."""
-        sockets = self._thread_sockets()  # first: a closed client says so
+        self._sockets.of_thread()  # first: a closed client says so
         listener = getattr(self._tls, "wake_listener", None)
         if listener is None:
-            listener = self._tls.wake_listener = self._ctx.socket(zmq.SUB)
-            listener.setsockopt(zmq.LINGER, 0)
+            listener = self._tls.wake_listener = self._sockets.open(zmq.SUB)
             listener.setsockopt(zmq.SUBSCRIBE, b"")
             listener.connect(self._wake_address)
-            sockets.owned.append(listener)
-            with self._sockets_lock:
-                self._sockets.append(listener)
         return listener
 
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
@@ -360,6 +338,7 @@ class RemoteStore:
         kind, message = reply.get("error"), reply.get("message")
         raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
 
+    @_one_call
     def _call(self, op: str, args: dict[str, Any], *, wait: float | None = 0.0, address: str | None = None) -> Any:
         """`wait`: how long the server may legitimately wait (None: without bound)."""
         address = address or self.address
@@ -392,6 +371,7 @@ class RemoteStore:
     def set_version(self, version: int) -> None:
         self._call("set_version", {"version": version})
 
+    @_one_call
     def put(
         self,
         partition: str,
@@ -412,6 +392,7 @@ class RemoteStore:
             return self._cancellable(cancel, f"put into {partition!r}", lambda: self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result())
         return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
 
+    @_one_call
     def submit_put(
         self,
         partition: str,
@@ -434,10 +415,10 @@ class RemoteStore:
         meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout, "ack": then_ack}
         keys: list[str] = []
         try:
-            if self.unit_address is None:
+            num_rows = None if self.unit_address is None else len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
+            if num_rows is None or num_rows == 0:  # 0 rows: a chunk on the unit would never be freed (the controller keeps none)
                 args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
             else:
-                num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
                 remote = {}
                 for name, value in columns.items():
                     chunk = check_column(name, value, num_rows)
@@ -473,6 +454,7 @@ class RemoteStore:
             except StoreError:
                 pass  # the unit is gone too; nothing is left to free
 
+    @_one_call
     def get(
         self,
         consumer: str,
@@ -558,21 +540,20 @@ class RemoteStore:
         """End the cancellable waits of this client's threads (`get`/`put` with `cancel`)
         whose event is set now, rather than at their next re-check (`CANCEL_CHECK_S`)."""
         with self._wake_lock:
-            if not self._closed:
+            if not self._sockets.closed:
                 self._waker.send(b"")
 
     def close(self) -> None:
         """Close every socket of this client (their connections end: unacked leases return).
-        A submitted put whose reply was not read may or may not have gone in; the segment
-        of one the server has not read yet is unlinked. Idempotent."""
+        Another thread's get, put or call that waits then ends with `StoreError` ("was
+        closed"), and that thread closes its own sockets (ZeroMQ forbids closing them under
+        it); this returns once it has. A submitted put whose reply was not read may or may
+        not have gone in; the segment of one the server has not read yet is unlinked.
+        Idempotent."""
         with self._wake_lock:
-            if self._closed:
+            if not self._sockets.close_idle():
                 return
-            self._closed = True
-        with self._sockets_lock:
-            for sock in self._sockets:
-                sock.close(linger=0)
-            self._sockets.clear()
+            self._waker.close(linger=0)
         for request_id in list(self._unclaimed):
             self._settle(request_id, ok=False)
         self._ctx.term()

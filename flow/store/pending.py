@@ -35,7 +35,8 @@ class PendingPut:
                 raise RuntimeError(f"read a pending put's result in the thread that submitted it ({self._thread.name})")
             client = self._client
             try:
-                self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001 - its own client
+                with client._sockets.in_call():  # noqa: SLF001 - its own client: a close() meanwhile is a StoreError
+                    self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001
             except BaseException as e:
                 self._outcome = (False, e)
                 client._drop_chunks(self._keys)  # noqa: SLF001 - the controller never took them

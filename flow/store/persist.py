@@ -39,7 +39,11 @@ MAGIC_UNCHECKED = b"TIDALST1"
 def save(store: Store, path: str | Path, *, read_chunk: Callable[[RemoteChunk], Any] | None = None) -> None:
     """Save `store` to `path`. `read_chunk(chunk)`: the rows of a chunk held on a storage
     unit (a tensor or a list), for a controller of a split deployment."""
-    state = store.state_dict(read_chunk=read_chunk)
+    write(store.state_dict(read_chunk=read_chunk), path)
+
+
+def write(state: dict[str, Any], path: str | Path) -> None:
+    """Write a store's state (`Store.state_dict`) to `path`, as `save` does."""
     try:
         header, buffers = encode(state)
     except CodecError as e:

@@ -47,7 +47,7 @@ from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
 from tidal.flow.store.table import Store, StoreTimeout
-from tidal.flow.store.unit_links import UnitLinks
+from tidal.flow.store.unit_links import SavedChunks, UnitLinks
 from tidal.flow.store.units import RemoteChunk, StorageUnit
 from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
 from tidal.hal import owner
@@ -194,14 +194,21 @@ class StoreServer:
 
     def save(self, path: str, *, timeout_s: float = 60.0) -> None:
         """Save the store to `path` (`persist.save`), with the rows it keeps on storage
-        units read from them (each unit must answer within `timeout_s`)."""
+        units read from them (each unit must answer within `timeout_s`). The store's lock
+        is held only while its state is copied: the units are read after (their chunks
+        pinned, `SavedChunks`), so other threads' puts and gets go on meanwhile."""
         assert self.store is not None, "a server of a storage unit alone has no store to save"
         sockets: dict[str, zmq.Socket] = {}
+        saved = SavedChunks(self._units)
         try:
-            persist.save(self.store, path, read_chunk=lambda chunk: self._read_chunk(chunk, sockets, timeout_s))
+            state = self.store.state_dict(read_chunk=saved.refer)
+            saved.resolve(state, lambda chunk: self._read_chunk(chunk, sockets, timeout_s))
         finally:
             for sock in sockets.values():
                 sock.close(linger=0)
+            if saved.close():
+                self._wake()  # the drops that waited for this save go out from the server thread
+        persist.write(state, path)
 
     def _read_chunk(self, chunk: RemoteChunk, sockets: dict[str, zmq.Socket], timeout_s: float) -> Any:
         """Every row of `chunk`, from the unit that holds it (this server's own: in process)."""

@@ -4,12 +4,18 @@ The controller keeps only where each chunk of rows lives (`RemoteChunk`). When i
 of one (every consumer acked its rows, or a put replaced them) the unit is told to drop
 it, and a save reads every chunk back from its unit. Both go over connections of the
 server's own ZeroMQ context, which the server closes with it.
+
+A save notes the chunks it will read (`SavedChunks`) while it holds the store's lock, and
+reads them after letting go of it, so puts and gets go on while the units answer; the
+noted chunks are pinned meanwhile (a drop of one waits until the save is done with it).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,6 +44,29 @@ class UnitLinks:
         self._sockets: dict[str, zmq.Socket] = {}
         self._deaf: set[str] = set()
         """Units that took no message at the last try (warned about once until they take one)."""
+        self._pins: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(unit address, chunk key) of chunks a save will read: not dropped until it has."""
+        self._held: list[tuple[str, str]] = []
+        """Drops of pinned chunks, sent once they are unpinned."""
+        self._pin_lock = threading.Lock()  # pins are set by a saving thread, drops sent by the server thread
+
+    def pin(self, chunk: RemoteChunk) -> None:
+        """Keep `chunk` on its unit (a drop waits) until `unpin`."""
+        with self._pin_lock:
+            self._pins[(chunk.unit, chunk.key)] += 1
+
+    def unpin(self, chunks: list[RemoteChunk]) -> bool:
+        """Let go of pins; True when drops that waited for them are due (`flush_drops`)."""
+        with self._pin_lock:
+            for chunk in chunks:
+                where = (chunk.unit, chunk.key)
+                self._pins[where] -= 1
+                if self._pins[where] <= 0:
+                    del self._pins[where]
+            due = [where for where in self._held if where not in self._pins]
+            self._held = [where for where in self._held if where in self._pins]
+        self.drops.extend(due)
+        return bool(due)
 
     def on_free(self, partition: str, chunk: Any) -> None:
         if isinstance(chunk, RemoteChunk):
@@ -50,9 +79,13 @@ class UnitLinks:
         if not self.drops:
             return
         batches: dict[str, list[str]] = {}
-        while self.drops:
-            unit, key = self.drops.popleft()
-            batches.setdefault(unit, []).append(key)
+        with self._pin_lock:
+            while self.drops:
+                unit, key = self.drops.popleft()
+                if (unit, key) in self._pins:  # a save reads it first
+                    self._held.append((unit, key))
+                else:
+                    batches.setdefault(unit, []).append(key)
         for unit, keys in batches.items():
             sock = self._sockets.get(unit)
             if sock is None:
@@ -92,3 +125,65 @@ class UnitLinks:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(unit)
         return sock
+
+
+class SavedChunks:
+    """The chunks on storage units a save's state refers to, read after the store's lock.
+
+    `refer` is `persist.state_of`'s `read_chunk` (store lock held): it pins the chunk and
+    stands in for its rows; `resolve` (lock released) reads each chunk once and puts its
+    rows into the state where the stand-ins are; `close` unpins them.
+    """
+
+    def __init__(self, links: UnitLinks) -> None:
+        self._links = links
+        self._chunks: dict[tuple[str, str], _ChunkRows] = {}
+
+    def refer(self, chunk: RemoteChunk) -> _ChunkRows:
+        where = (chunk.unit, chunk.key)
+        rows = self._chunks.get(where)
+        if rows is None:
+            self._links.pin(chunk)
+            rows = self._chunks[where] = _ChunkRows(chunk)
+        return rows
+
+    def resolve(self, state: dict[str, Any], read: Callable[[RemoteChunk], Any]) -> None:
+        """Read every referred chunk with `read` and replace its cells' stand-ins in `state`."""
+        for rows in self._chunks.values():
+            rows.rows = read(rows.chunk)
+        for cells in _column_cells(state):
+            for cell in cells:
+                if isinstance(cell[1], _Cell):
+                    cell[1] = cell[1].value()
+
+    def close(self) -> bool:
+        """Unpin the chunks; True when drops that waited for them are due."""
+        chunks, self._chunks = [rows.chunk for rows in self._chunks.values()], {}
+        return self._links.unpin(chunks) if chunks else False
+
+
+class _ChunkRows:
+    """A chunk's rows, read later; indexing gives a stand-in for one cell."""
+
+    def __init__(self, chunk: RemoteChunk) -> None:
+        self.chunk = chunk
+        self.rows: Any = None
+
+    def __getitem__(self, offset: int) -> _Cell:
+        return _Cell(self, offset)
+
+
+class _Cell:
+    __slots__ = ("chunk", "offset")
+
+    def __init__(self, chunk: _ChunkRows, offset: int) -> None:
+        self.chunk, self.offset = chunk, offset
+
+    def value(self) -> Any:
+        return self.chunk.rows[self.offset]
+
+
+def _column_cells(state: dict[str, Any]) -> Iterator[list[list[Any]]]:
+    """Each column's [index, cell] list in a `persist.state_of` state."""
+    for part in state["partitions"].values():
+        yield from part["columns"].values()

@@ -67,3 +67,79 @@ def test_a_split_store_is_saved_with_the_rows_its_units_hold_and_served_again_be
         finally:
             producer.close()
             consumer.close()
+
+
+def test_a_zero_row_put_on_a_unit_leaves_no_chunk_there_and_still_acks(wait_for):
+    """The controller keeps nothing for 0 rows, so a chunk written for them was never freed."""
+    controller = Store()
+    with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit_a, StoreServer(unit=StorageUnit()) as unit_b:
+        producer_a = RemoteStore(ctrl.address, unit=unit_a)
+        producer_b = RemoteStore(ctrl.address, unit=unit_b.address)
+        try:
+            producer_a.create_partition("prompts", consumers=["rollout"])
+            producer_a.create_partition("train", consumers=["train"])
+            producer_a.put("prompts", {"p": torch.ones(2, 1)})
+            leased = producer_b.get("rollout", "prompts", ["p"], 2, timeout=5).indexes
+            assert producer_a.put("train", {"x": torch.ones(0, 4), "meta": []}) == []
+            assert producer_b.put("train", {"x": torch.ones(0, 4)}, ack=("rollout", "prompts", leased)) == []
+            assert producer_b.submit_put("train", {"x": torch.ones(0, 4)}, indexes=[]).result() == []
+            assert len(unit_b.unit) == 0
+            wait_for(lambda: len(unit_a.unit) == 0)  # the acked prompts' chunk is dropped; no 0-row chunk stays
+            assert controller.metrics()["partitions"]["prompts"]["rows"] == 0  # the 0-row put acked them
+            with pytest.raises(ValueError, match="no partition 'nope'"):  # still checked by the controller
+                producer_a.put("nope", {"x": torch.ones(0, 4)})
+            assert (len(unit_a.unit), len(unit_b.unit)) == (0, 0)
+        finally:
+            producer_a.close()
+            producer_b.close()
+
+
+def test_a_save_reads_the_units_without_holding_the_store_and_their_chunks_stay_until_read(tmp_path, wait_for):
+    """The store's lock was held while every unit was read (up to `timeout_s` each): puts
+    and gets stalled for the whole save. A chunk freed meanwhile is dropped only once read."""
+    import threading
+    import time
+
+    controller = Store()
+    with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit:
+        producer, consumer = RemoteStore(ctrl.address, unit=unit.address), RemoteStore(ctrl.address)
+        try:
+            producer.create_partition("train", consumers=["train"])
+            producer.create_partition("other", consumers=["c"])
+            producer.put("train", {"x": torch.arange(4.0).reshape(2, 2)})
+            (key,) = list(unit.unit._chunks)
+            events: list[str] = []
+            reading, read_chunk, read, drop = threading.Event(), ctrl._read_chunk, unit.unit.read, unit.unit.drop
+
+            def slow_read_chunk(*args):
+                reading.set()
+                time.sleep(1.5)  # a slow unit, or a slow way to it
+                return read_chunk(*args)
+
+            def noted_read(k, offsets):
+                events.append("read")
+                return read(k, offsets)
+
+            def noted_drop(keys):
+                events.extend(f"drop {k}" for k in keys)
+                return drop(keys)
+
+            ctrl._read_chunk, unit.unit.read, unit.unit.drop = slow_read_chunk, noted_read, noted_drop
+            saver = threading.Thread(target=ctrl.save, args=(str(tmp_path / "s.bin"),), kwargs={"timeout_s": 10})
+            saver.start()
+            assert reading.wait(5)
+            begin = time.monotonic()
+            controller.put("other", {"y": torch.ones(1, 1)})  # in process: the store's lock
+            assert consumer.get("c", "other", ["y"], 1, timeout=5).indexes == [0]  # the server thread: served during the save
+            assert time.monotonic() - begin < 1.0
+            controller.get("train", "train", ["x"], 2, timeout=0)  # leases them (no read of the unit)
+            consumer.ack("train", "train", [0, 1])  # frees the chunk the save is reading
+            saver.join(10)
+            assert not saver.is_alive()
+            wait_for(lambda: f"drop {key}" in events)
+            assert events == ["read", f"drop {key}"]  # not dropped before the save read it
+        finally:
+            producer.close()
+            consumer.close()
+    restored = persist.load(tmp_path / "s.bin")
+    assert restored.get("train", "train", ["x"], 2, timeout=0).stack("x").tolist() == [[0.0, 1.0], [2.0, 3.0]]
