@@ -18,27 +18,13 @@ from tidal.flow.store import client as client_module
 BIG = shm.MIN_BYTES // 4  # float32 elements: a row of this many goes by shared memory where it can
 
 
-def _wait_in_thread(call) -> tuple[threading.Thread, list]:
-    """Run `call` in a thread of its own (a remote store's waits are per thread); its outcome lands in the list."""
-    outcome: list = []
 
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except Exception as e:  # noqa: BLE001 - checked by the test
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)  # a failed test must not leave the process waiting on it
-    thread.start()
-    return thread, outcome
-
-
-def test_a_cancelled_remote_get_ends_on_wake_and_is_withdrawn_at_the_server(served, monkeypatch):
+def test_a_cancelled_remote_get_ends_on_wake_and_is_withdrawn_at_the_server(in_thread, served, monkeypatch):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)  # only wake() can end the wait in time
     store, _, client = served
     client.create_partition("prompts", consumers=["rollout"])
     cancel = threading.Event()
-    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    thread, outcome = in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
     time.sleep(0.3)  # parked at the server
     assert thread.is_alive()
     cancel.set()
@@ -52,13 +38,13 @@ def test_a_cancelled_remote_get_ends_on_wake_and_is_withdrawn_at_the_server(serv
     assert client.get("rollout", "prompts", ["x"], 1, timeout=5).indexes == [0]
 
 
-def test_a_cancelled_remote_put_into_a_full_partition_ends_on_wake_and_puts_nothing(served, monkeypatch):
+def test_a_cancelled_remote_put_into_a_full_partition_ends_on_wake_and_puts_nothing(in_thread, served, monkeypatch):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
     store, _, client = served
     client.create_partition("train", consumers=["train"], capacity_rows=1)
     client.put("train", {"x": torch.zeros(1, 1)})
     cancel = threading.Event()
-    thread, outcome = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, 1)}, cancel=cancel))
+    thread, outcome = in_thread(lambda: client.put("train", {"x": torch.ones(1, 1)}, cancel=cancel))
     time.sleep(0.3)
     cancel.set()
     client.wake()
@@ -70,7 +56,7 @@ def test_a_cancelled_remote_put_into_a_full_partition_ends_on_wake_and_puts_noth
         store.get("train", "train", ["x"], 1, timeout=0.3)
 
 
-def test_a_stop_just_before_a_threads_first_cancellable_wait_is_not_missed(served, monkeypatch):
+def test_a_stop_just_before_a_threads_first_cancellable_wait_is_not_missed(in_thread, served, monkeypatch):
     # The stop sets the event and wakes before the thread has subscribed to wakes: that
     # wake reaches nobody, so only a look at the event after subscribing can see the stop.
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
@@ -87,16 +73,16 @@ def test_a_stop_just_before_a_threads_first_cancellable_wait_is_not_missed(serve
 
     monkeypatch.setattr(client, "_wake_listener", stopped_first)
     begin = time.monotonic()
-    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    thread, outcome = in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
     thread.join(5)
     assert time.monotonic() - begin < 2 and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
 
 
-def test_a_wake_without_a_cancel_leaves_waits_alone_and_withdrawing_an_answered_request_says_so(served):
+def test_a_wake_without_a_cancel_leaves_waits_alone_and_withdrawing_an_answered_request_says_so(in_thread, served):
     store, _, client = served
     client.create_partition("prompts", consumers=["rollout"])
     cancel = threading.Event()
-    thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
+    thread, outcome = in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=cancel))
     time.sleep(0.2)
     client.wake()  # nothing to cancel: the get waits on
     time.sleep(0.2)
@@ -127,17 +113,17 @@ def _count_puts(client: RemoteStore, monkeypatch) -> dict[str, int]:
     return counts
 
 
-def test_a_cancellable_put_waiting_for_room_is_sent_once_and_keeps_its_place(served, monkeypatch, wait_for):
+def test_a_cancellable_put_waiting_for_room_is_sent_once_and_keeps_its_place(in_thread, served, monkeypatch, wait_for):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)
     store, server, client = served
     client.create_partition("train", consumers=["train"], capacity_rows=1)
     client.put("train", {"x": torch.zeros(1, BIG)})
     counts = _count_puts(client, monkeypatch)
-    first, first_out = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=threading.Event()))
+    first, first_out = in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=threading.Event()))
     wait_for(lambda: len(server._parked) == 1)
     time.sleep(0.5)  # ten cancel checks: none of them sends the put again
     other = RemoteStore(server.address, rpc_timeout_s=10)
-    second, second_out = _wait_in_thread(lambda: other.put("train", {"x": torch.full((1, 1), 2.0)}))
+    second, second_out = in_thread(lambda: other.put("train", {"x": torch.full((1, 1), 2.0)}))
     wait_for(lambda: len(server._parked) == 2)
     time.sleep(0.3)
     assert first.is_alive() and second.is_alive() and counts["puts"] == 1
@@ -152,14 +138,14 @@ def test_a_cancellable_put_waiting_for_room_is_sent_once_and_keeps_its_place(ser
     other.close()
 
 
-def test_a_cancelled_put_without_a_wake_is_withdrawn_and_leaves_nothing_behind(served, monkeypatch, wait_for):
+def test_a_cancelled_put_without_a_wake_is_withdrawn_and_leaves_nothing_behind(in_thread, served, monkeypatch, wait_for):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)  # no wake(): the client's own check sees the event
     store, server, client = served
     client.create_partition("train", consumers=["train"], capacity_rows=1)
     client.put("train", {"x": torch.zeros(1, BIG)})
     before = set(shm.leftovers())
     cancel = threading.Event()
-    thread, outcome = _wait_in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=cancel))
+    thread, outcome = in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=cancel))
     wait_for(lambda: len(server._parked) == 1)
     cancel.set()
     thread.join(5)
@@ -213,7 +199,7 @@ _DOOMED_SERVER = textwrap.dedent(
         ("put", lambda client: client.put("train", {"x": torch.ones(1, 1)}, cancel=threading.Event())),
     ],
 )
-def test_a_cancellable_wait_without_a_timeout_notices_its_server_died(monkeypatch, op, call):
+def test_a_cancellable_wait_without_a_timeout_notices_its_server_died(in_thread, monkeypatch, op, call):
     """Since a cancellable get/put is sent once, one with timeout=None waited for its cancel
     even after its server was killed (the 1 s re-sends it replaced had noticed)."""
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.2)
@@ -222,7 +208,7 @@ def test_a_cancellable_wait_without_a_timeout_notices_its_server_died(monkeypatc
     try:
         assert proc.stdout is not None
         client = RemoteStore(proc.stdout.readline().strip(), rpc_timeout_s=1.0)
-        thread, outcome = _wait_in_thread(lambda: call(client))
+        thread, outcome = in_thread(lambda: call(client))
         assert proc.stdout.readline().strip() == "parked"
         proc.kill()
         proc.wait(timeout=10)
@@ -238,13 +224,13 @@ def test_a_cancellable_wait_without_a_timeout_notices_its_server_died(monkeypatc
             client.close()
 
 
-def test_a_cancellable_wait_on_a_live_server_outlasts_the_rpc_timeout(served, monkeypatch):
+def test_a_cancellable_wait_on_a_live_server_outlasts_the_rpc_timeout(in_thread, served, monkeypatch):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)  # pinged every 0.05 s
     store, server, _ = served
     store.create_partition("prompts", consumers=["rollout"])
     client = RemoteStore(server.address, rpc_timeout_s=0.3)
     try:
-        thread, outcome = _wait_in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=threading.Event()))
+        thread, outcome = in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, cancel=threading.Event()))
         time.sleep(1.0)  # the wait under test: three rpc timeouts without a reply to the get
         assert thread.is_alive()
         store.put("prompts", {"x": torch.ones(1, 1)})

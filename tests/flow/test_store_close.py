@@ -18,23 +18,9 @@ from tidal.flow.store import RemoteStore, StoreError
 from tidal.flow.store import client as client_module
 
 
-def _in_thread(call) -> tuple[threading.Thread, list]:
-    """Run `call` in a thread of its own; its result or exception lands in the list."""
-    outcome: list = []
 
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as e:  # noqa: BLE001 - checked by the test
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)  # a failed test must not leave the process waiting on it
-    thread.start()
-    return thread, outcome
-
-
-def _close_within(client: RemoteStore, seconds: float) -> None:
-    closer, outcome = _in_thread(client.close)
+def _close_within(in_thread, client: RemoteStore, seconds: float) -> None:
+    closer, outcome = in_thread(client.close)
     closer.join(seconds)
     assert not closer.is_alive(), f"close() did not return within {seconds}s"
     assert outcome == [None]
@@ -53,14 +39,14 @@ def _waits(client: RemoteStore, store):
 
 
 @pytest.mark.parametrize("wait", ["get", "cancellable get", "put", "cancellable put"])
-def test_closing_a_client_ends_its_threads_waits_with_a_store_error(served, monkeypatch, wait):
+def test_closing_a_client_ends_its_threads_waits_with_a_store_error(in_thread, served, monkeypatch, wait):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)  # only close() can end the wait in time
     store, server, _ = served
     client = RemoteStore(server.address, rpc_timeout_s=30)
-    thread, outcome = _in_thread(_waits(client, store)[wait])
+    thread, outcome = in_thread(_waits(client, store)[wait])
     time.sleep(0.5)  # parked at the server
     assert thread.is_alive()
-    _close_within(client, 5)
+    _close_within(in_thread, client, 5)
     thread.join(5)
     assert not thread.is_alive()
     (error,) = outcome
@@ -70,20 +56,20 @@ def test_closing_a_client_ends_its_threads_waits_with_a_store_error(served, monk
         client.ping()
 
 
-def test_closing_a_client_whose_threads_waited_leaves_the_server_serving_and_their_rows_unleased(served, monkeypatch):
+def test_closing_a_client_whose_threads_waited_leaves_the_server_serving_and_their_rows_unleased(in_thread, served, monkeypatch):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 30.0)
     store, server, other = served
     client = RemoteStore(server.address, rpc_timeout_s=30)
     store.create_partition("p", consumers=["c"])
-    thread, outcome = _in_thread(lambda: client.get("c", "p", ["x"], 1))
+    thread, outcome = in_thread(lambda: client.get("c", "p", ["x"], 1))
     time.sleep(0.5)
-    _close_within(client, 5)
+    _close_within(in_thread, client, 5)
     thread.join(5)
     store.put("p", {"x": torch.ones(1, 1)})  # not leased to the closed client's dropped get
     assert other.get("c", "p", ["x"], 1, timeout=5).indexes == [0]
 
 
-def test_closing_a_client_closes_an_idle_threads_sockets_and_its_leases_return(served):
+def test_closing_a_client_closes_an_idle_threads_sockets_and_its_leases_return(in_thread, served):
     store, server, _ = served
     client = RemoteStore(server.address, rpc_timeout_s=30)
     store.create_partition("p", consumers=["c"])
@@ -98,20 +84,20 @@ def test_closing_a_client_closes_an_idle_threads_sockets_and_its_leases_return(s
             client.ack("c", "p", batch.indexes)
         return batch.indexes
 
-    thread, outcome = _in_thread(take_and_idle)
+    thread, outcome = in_thread(take_and_idle)
     assert leased.wait(5)
-    _close_within(client, 5)
+    _close_within(in_thread, client, 5)
     go_on.set()
     thread.join(5)
     assert outcome == [[0, 1]]
     assert store.get("c", "p", ["x"], 2, timeout=5).indexes == [0, 1]  # its connection ended: redelivered
 
 
-def test_a_pending_put_read_after_close_raises_a_store_error(served):
+def test_a_pending_put_read_after_close_raises_a_store_error(in_thread, served):
     store, server, _ = served
     client = RemoteStore(server.address, rpc_timeout_s=30)
     store.create_partition("p", consumers=["c"])
     pending = client.submit_put("p", {"x": torch.ones(1, 1)})
-    _close_within(client, 5)
+    _close_within(in_thread, client, 5)
     with pytest.raises(StoreError, match=f"the client of store server {server.address} is closed"):
         pending.result()

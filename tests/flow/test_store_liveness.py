@@ -17,20 +17,6 @@ from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import pack, unpack
 
 
-def _in_thread(call) -> tuple[threading.Thread, list]:
-    """Run `call` in a thread of its own (a remote store's waits are per thread); its outcome lands in the list."""
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except Exception as e:  # noqa: BLE001 - checked by the test
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)  # a failed test must not leave the process waiting on it
-    thread.start()
-    return thread, outcome
-
 
 def _a_store() -> Store:
     """A store where a get for 'prompts' and a put into 'train' both wait (no row; full)."""
@@ -49,7 +35,7 @@ _WAITS = [(op, cancellable) for op in _CALLS for cancellable in (True, False)]
 
 
 @pytest.mark.parametrize(("op", "cancellable"), _WAITS)
-def test_a_wait_without_a_timeout_ends_when_its_server_restarts_on_the_same_address(monkeypatch, wait_for, op, cancellable):
+def test_a_wait_without_a_timeout_ends_when_its_server_restarts_on_the_same_address(in_thread, monkeypatch, wait_for, op, cancellable):
     """The restarted server answers every liveness check, but it never heard of the
     parked request: the client waited for ever (cancellable) or blocked for ever (not)."""
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.2)
@@ -57,7 +43,7 @@ def test_a_wait_without_a_timeout_ends_when_its_server_restarts_on_the_same_addr
     client = RemoteStore(old.address, rpc_timeout_s=1.0)
     new = None
     try:
-        thread, outcome = _in_thread(lambda: _CALLS[op](client, threading.Event() if cancellable else None))
+        thread, outcome = in_thread(lambda: _CALLS[op](client, threading.Event() if cancellable else None))
         wait_for(lambda: len(old._parked) == 1)
         old.close()
         new = StoreServer(_a_store(), address=old.address)
@@ -75,12 +61,12 @@ def test_a_wait_without_a_timeout_ends_when_its_server_restarts_on_the_same_addr
 
 
 @pytest.mark.parametrize("op", list(_CALLS))
-def test_a_wait_without_a_timeout_or_a_cancel_ends_when_its_server_dies(monkeypatch, wait_for, op):
+def test_a_wait_without_a_timeout_or_a_cancel_ends_when_its_server_dies(in_thread, monkeypatch, wait_for, op):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.2)
     server = StoreServer(_a_store())
     client = RemoteStore(server.address, rpc_timeout_s=1.0)
     try:
-        thread, outcome = _in_thread(lambda: _CALLS[op](client, None))
+        thread, outcome = in_thread(lambda: _CALLS[op](client, None))
         wait_for(lambda: len(server._parked) == 1)
         server.close()
         begin = time.monotonic()
@@ -94,13 +80,13 @@ def test_a_wait_without_a_timeout_or_a_cancel_ends_when_its_server_dies(monkeypa
 
 
 @pytest.mark.parametrize("cancellable", [True, False])
-def test_a_wait_on_a_live_server_outlasts_the_rpc_timeout_and_checks_on_its_own_connection(served, monkeypatch, cancellable):
+def test_a_wait_on_a_live_server_outlasts_the_rpc_timeout_and_checks_on_its_own_connection(in_thread, served, monkeypatch, cancellable):
     monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.05)  # checked every 0.05 s
     store, server, _ = served
     store.create_partition("prompts", consumers=["rollout"])
     client = RemoteStore(server.address, rpc_timeout_s=0.3)
     try:
-        thread, outcome = _in_thread(lambda: _CALLS["get"](client, threading.Event() if cancellable else None))
+        thread, outcome = in_thread(lambda: _CALLS["get"](client, threading.Event() if cancellable else None))
         time.sleep(1.0)  # the wait under test: three rpc timeouts without a reply to the get
         assert thread.is_alive()
         assert len(server._peers) == 1  # no second connection per waiting thread
@@ -112,7 +98,7 @@ def test_a_wait_on_a_live_server_outlasts_the_rpc_timeout_and_checks_on_its_own_
         client.close()
 
 
-def test_a_get_cancelled_after_its_server_restarted_ends_at_once(monkeypatch, wait_for):
+def test_a_get_cancelled_after_its_server_restarted_ends_at_once(in_thread, monkeypatch, wait_for):
     """The withdraw reaches the new server, which has nothing parked for this connection:
     the request is gone, so the cancel is done (it waited `rpc_timeout_s` for a reply no
     server would send, and then blamed the server for not running)."""
@@ -122,7 +108,7 @@ def test_a_get_cancelled_after_its_server_restarted_ends_at_once(monkeypatch, wa
     new = None
     try:
         cancel = threading.Event()
-        thread, outcome = _in_thread(lambda: _CALLS["get"](client, cancel))
+        thread, outcome = in_thread(lambda: _CALLS["get"](client, cancel))
         wait_for(lambda: len(old._parked) == 1)
         old.close()
         new = StoreServer(_a_store(), address=old.address)
@@ -143,7 +129,7 @@ def test_a_get_cancelled_after_its_server_restarted_ends_at_once(monkeypatch, wa
 
 
 @pytest.mark.parametrize("question", ["withdraw", "parked"])
-def test_the_answer_about_a_request_comes_after_that_requests_own_reply(served, question):
+def test_the_answer_about_a_request_comes_after_that_requests_own_reply(in_thread, served, question):
     """A put that goes in at once while other requests are parked has its reply sent after
     their retries. A withdraw (or a liveness check) about it read in the same round must
     not overtake that reply: the client takes "not parked" with no reply before it to
@@ -151,7 +137,7 @@ def test_the_answer_about_a_request_comes_after_that_requests_own_reply(served, 
     store, server, client = served
     store.create_partition("prompts", consumers=["rollout"])
     store.create_partition("train", consumers=["train"])
-    waiting, _ = _in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, timeout=5))  # parked: replies to puts are deferred
+    waiting, _ = in_thread(lambda: client.get("rollout", "prompts", ["x"], 1, timeout=5))  # parked: replies to puts are deferred
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
