@@ -19,6 +19,14 @@ def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def seated(platform, model: torch.nn.Module, optimizer: torch.optim.Optimizer, moved=None) -> tuple[Offloader, Turns, Seat, Seat]:
+    """A `Turns` with the trainer's seat (parking `model` and `optimizer` through an
+    `Offloader`, `moved` its hook) and a guest's that parks nothing."""
+    offloader = Offloader(platform, model, optimizer, moved=moved)
+    turns = Turns()
+    return offloader, turns, Seat(turns, "train", park=offloader.park, unpark=offloader.unpark), Seat(turns, "rollout", park=lambda: None, unpark=lambda: None)
+
+
 def values(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()] + [v.clone() for s in optimizer.state.values() for v in s.values()]
 
@@ -50,10 +58,7 @@ def test_a_park_whose_hook_fails_leaves_the_trainer_computing_on_its_own_state()
     model, optimizer = trained()
     before = values(model, optimizer)
     sharded = ShardedLike(model, failures=1)
-    offloader = Offloader(platform, model, optimizer, moved=sharded.moved)
-    turns = Turns()
-    train = Seat(turns, "train", park=offloader.park, unpark=offloader.unpark)
-    guest = Seat(turns, "rollout", park=lambda: None, unpark=lambda: None)
+    offloader, turns, train, guest = seated(platform, model, optimizer, sharded.moved)
     try:
         with train.turn():
             pass
@@ -77,10 +82,7 @@ def test_an_onload_that_fails_is_tried_again_at_the_next_turn(monkeypatch):
     platform = select_platform("fake:cuda:1").platform
     model, optimizer = trained()
     before = values(model, optimizer)
-    offloader = Offloader(platform, model, optimizer)
-    turns = Turns()
-    train = Seat(turns, "train", park=offloader.park, unpark=offloader.unpark)
-    guest = Seat(turns, "rollout", park=lambda: None, unpark=lambda: None)
+    offloader, turns, train, guest = seated(platform, model, optimizer)
     real_empty = torch.empty
 
     def out_of_memory(*args, **kwargs):
@@ -109,10 +111,7 @@ def test_an_onload_whose_hook_fails_points_fsdp_at_the_shards_at_the_next_turn()
     platform = select_platform("fake:cuda:1").platform
     model, optimizer = trained()
     sharded = ShardedLike(model, failures=0)
-    offloader = Offloader(platform, model, optimizer, moved=sharded.moved)
-    turns = Turns()
-    train = Seat(turns, "train", park=offloader.park, unpark=offloader.unpark)
-    guest = Seat(turns, "rollout", park=lambda: None, unpark=lambda: None)
+    offloader, turns, train, guest = seated(platform, model, optimizer, sharded.moved)
     try:
         with train.turn():
             pass

@@ -41,18 +41,23 @@ class OnDevice(torch.Tensor):
         return torch.device("meta")
 
 
+def _stalled_receiver(tmp_path: Path) -> HostReceiver:
+    """A host receiver whose I/O thread takes in one message, then stalls the sender."""
+    ctx = zmq.Context.instance()
+    ctx.setsockopt(zmq.RCVHWM, 1)
+    try:
+        return HostReceiver(CpuPlatform(), bind=f"ipc://{tmp_path}/stalled", token="t")
+    finally:
+        ctx.setsockopt(zmq.RCVHWM, 1000)
+
+
 def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path, receive_in_thread):
     """A receiver stalls (its process stopped, its network gone quiet) and the sends time
     out. The first one's frames, `end` included, were still queued into the staging buffers
     when the second rewrote them: once the receiver woke up it returned version 1 holding
     version 2's values. Now `end` goes only after every bucket left, so neither goes live."""
     numel = 1 << 20  # 4 MiB a tensor: sent without a copy, from the staging buffer
-    ctx = zmq.Context.instance()
-    ctx.setsockopt(zmq.RCVHWM, 1)  # the receiver's I/O thread takes in one message, then stalls the sender
-    try:
-        receiver = HostReceiver(CpuPlatform(), bind=f"ipc://{tmp_path}/stalled", token="t")
-    finally:
-        ctx.setsockopt(zmq.RCVHWM, 1000)
+    receiver = _stalled_receiver(tmp_path)
     stalled = HostSender(CpuPlatform(), bucket_bytes=4 * numel * 4, send_timeout_s=1.0, token="t")  # two buckets, one per staging buffer
     later = HostSender(CpuPlatform(), token="t")
     try:
@@ -185,12 +190,7 @@ def test_host_send_waits_for_every_frame_of_a_bucket_not_only_its_last(tmp_path:
     stalled receiver the send returned without error, having restaged bucket 2 over bucket 0,
     and the receiver later took version 1 with w0 holding w2's values."""
     numel = 1 << 20
-    ctx = zmq.Context.instance()
-    ctx.setsockopt(zmq.RCVHWM, 1)  # the receiver's I/O thread takes in one message, then stalls the sender
-    try:
-        receiver = HostReceiver(CpuPlatform(), bind=f"ipc://{tmp_path}/stalled", token="t")
-    finally:
-        ctx.setsockopt(zmq.RCVHWM, 1000)
+    receiver = _stalled_receiver(tmp_path)
     sender = HostSender(CpuPlatform(), bucket_bytes=numel * 4 + 16, send_timeout_s=1.0, token="t")  # buckets [w_i, s_i]
     weights = [(f"{kind}{i}", torch.full((n,), float(i)).as_subclass(OnDevice)) for i in range(3) for kind, n in (("w", numel), ("s", 4))]
     try:

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.tools.stopping import StopRequest
@@ -66,24 +64,7 @@ def _run(run_dir: Path, *overrides: str, stop: StopRequest | None = None) -> dic
     return train(cfg, made, progress=False, stop=stop)
 
 
-def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
-
-
-def _steps(run_dir: Path) -> list[dict[str, Any]]:
-    """Each step's metrics, less what depends on timing."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if k not in ("time", "step_s", "wait_s")} for m in lines]
-
-
-def _assert_same_run(full: Path, resumed: Path, *, from_step: int) -> None:
-    assert [m["step"] for m in _steps(resumed)] == list(range(from_step + 1, 5))
-    assert _steps(resumed) == _steps(full)[from_step:]
-    a, b = _weights(full, 4), _weights(resumed, 4)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(tmp_path, rewards, monkeypatch):
+def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(runs, tmp_path, rewards, monkeypatch):
     """The periodic checkpoint is written after the step's weights went to rollout, which
     may be generating the next step's samples meanwhile (made sure of here: the save waits
     for rollout to have sampled them, and rollout puts them in the store only after the
@@ -125,20 +106,20 @@ def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(
     (cut / "checkpoints" / "latest").write_text("step-000002\n")
     resumed = tmp_path / "resumed"
     _run(resumed, f"resume={cut}")
-    _assert_same_run(full, resumed, from_step=2)
+    runs.assert_same(full, resumed, from_step=2)
 
 
-def test_a_finished_run_continued_for_more_steps_repeats_the_longer_run(tmp_path, rewards):
+def test_a_finished_run_continued_for_more_steps_repeats_the_longer_run(runs, tmp_path, rewards):
     """Its final checkpoint is written after the workflow stopped, while rollout may have
     generated (or begun to) the samples of the step after the last."""
     full, short, longer = tmp_path / "full", tmp_path / "short", tmp_path / "longer"
     _run(full)
     _run(short, "algorithm.num_steps=2")
     _run(longer, f"resume={short}")
-    _assert_same_run(full, longer, from_step=2)
+    runs.assert_same(full, longer, from_step=2)
 
 
-def test_a_resumed_run_goes_on_counting_the_runs_totals(tmp_path, rewards):
+def test_a_resumed_run_goes_on_counting_the_runs_totals(runs, tmp_path, rewards):
     """`failed_rewards` (like `paused_generations`, `handed_off` and `handoffs`) counts since
     the run started: the checkpoint keeps it, and the continued run's lines and summary are
     the longer run's (they once counted from 0 again)."""
@@ -147,14 +128,14 @@ def test_a_resumed_run_goes_on_counting_the_runs_totals(tmp_path, rewards):
     full_summary = _run(full, failing)
     _run(short, failing, "algorithm.num_steps=2")
     summary = _run(longer, failing, f"resume={short}")
-    counts = [m["failed_rewards"] for m in _steps(full)]
+    counts = [m["failed_rewards"] for m in runs.steps(full)]
     assert 0 < counts[1] < counts[-1], counts  # failures before the checkpoint and after it
-    _assert_same_run(full, longer, from_step=2)
+    runs.assert_same(full, longer, from_step=2)
     assert summary["failed_rewards"] == full_summary["failed_rewards"] == counts[-1]
     assert summary["first_reward"] == full_summary["first_reward"] and summary["resumed_at"] == 2 and "resumed_at" not in full_summary
 
 
-def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(tmp_path, rewards):
+def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(runs, tmp_path, rewards):
     """Each count goes on from the checkpoint's totals, through a resume of a resumed run;
     with rollout taking turns on the trainer's (fake) device, `handoffs` too."""
     colocated = ["device=fake:cuda:1", "placement.rollout.colocate_with=train"]
@@ -167,7 +148,7 @@ def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(tmp_pat
     path.write_text(json.dumps({**state, "totals": earlier}))  # as a long run would have left them
     _run(second, *colocated, "algorithm.num_steps=3", f"resume={first}")
     summary = _run(third, *colocated, "algorithm.num_steps=4", f"resume={second}")
-    steps = _steps(second) + _steps(third)
+    steps = runs.steps(second) + runs.steps(third)
     assert [m["step"] for m in steps] == [3, 4]
     assert all(m[key] >= earlier[key] for m in steps for key in earlier), steps
     assert earlier["handoffs"] < steps[0]["handoffs"] < steps[1]["handoffs"]  # the devices changed hands in each step
@@ -177,7 +158,7 @@ def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_resumed_under_ray_goes_on_from_the_checkpoints_totals(tmp_path, rewards, tidal_cli):
+def test_a_run_resumed_under_ray_goes_on_from_the_checkpoints_totals(runs, tmp_path, rewards, tidal_cli):
     """`runtime: ray` counts rollout's totals in its actors (`RayRollouts`): they go on from
     the checkpoint too, and the run's summary (written by the driver) says so."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -188,14 +169,14 @@ def test_a_run_resumed_under_ray_goes_on_from_the_checkpoints_totals(tmp_path, r
     env = {"PYTHONPATH": str(Path(rewards.__file__).parent), "RAY_AUTH_MODE": "disabled"}
     out = tidal_cli("run", "quickstart_cpu", *TINY, "runtime=ray", f"resume={first}", f"run_dir={second}", "--no-progress", env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    steps = _steps(second)
+    steps = runs.steps(second)
     assert [m["step"] for m in steps] == [3, 4] and all(m[key] >= earlier[key] for m in steps for key in earlier), steps
     summary = json.loads((second / "summary.json").read_text())
     assert summary["resumed_at"] == 2 and all(summary[key] == steps[-1][key] for key in earlier)
 
 
 @pytest.mark.parametrize("where", ["generating", "generating the second half", "scoring"])
-def test_a_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(tmp_path, rewards, monkeypatch, where):
+def test_a_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(runs, tmp_path, rewards, monkeypatch, where):
     """A stop asked while rollout generates step 3's samples (they are thrown away; with
     one prompt per generation, while it generates the second: the first one's are kept),
     or while they are scored (they are in the store): the checkpoint at step 2 resumes to
@@ -221,7 +202,7 @@ def test_a_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(t
     assert summary["stopped_early"] == "test" and summary["steps"] == 2
     resumed = tmp_path / "resumed"
     _run(resumed, *one_by_one, f"resume={stopped}")
-    _assert_same_run(full, resumed, from_step=2)
+    runs.assert_same(full, resumed, from_step=2)
 
 
 DRIVER = """

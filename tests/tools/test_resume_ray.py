@@ -16,7 +16,6 @@ prompts: 20-25 seconds on 2 busy cores.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import threading
 import time
@@ -25,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 REWARD = "task.reward=tests.tools.test_resume_ray:token_parity"
 TINY = [
@@ -50,36 +48,18 @@ def _run(run_dir: Path, *overrides: str) -> dict[str, Any]:
     return run_on_ray(cfg, made, progress=False)
 
 
-def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
-
-
-def _steps(run_dir: Path) -> list[dict[str, Any]]:
-    """Each step's metrics, less what depends on timing."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if k not in ("time", "step_s", "wait_s")} for m in lines]
-
-
-def _assert_same_run(full: Path, resumed: Path, *, from_step: int) -> None:
-    assert [m["step"] for m in _steps(resumed)] == list(range(from_step + 1, 5))
-    assert [m["reward"] for m in _steps(resumed)] == [m["reward"] for m in _steps(full)[from_step:]]
-    assert _steps(resumed) == _steps(full)[from_step:]
-    a, b = _weights(full, 4), _weights(resumed, 4)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.fixture(scope="module")
-def full(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def full(runs, ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted Ray run, with a periodic checkpoint at step 2. (Run twice, it
     repeats itself: each resume below ending as it does says so too.)"""
     run_dir = tmp_path_factory.mktemp("ray") / "full"
     _run(run_dir, "checkpoint_every=2")
-    assert len({m["reward"] for m in _steps(run_dir)}) > 1  # the samples split: the steps train on something
+    assert len({m["reward"] for m in runs.steps(run_dir)}) > 1  # the samples split: the steps train on something
     return run_dir
 
 
 @pytest.mark.slow
-def test_a_ray_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(full, tmp_path):
+def test_a_ray_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(runs, full, tmp_path):
     """Cut off after its step-2 checkpoint (the checkpoint is copied, as a crash left it)
     and resumed: the resumed actor samples steps 3 and 4 as the first run's did."""
     cut = tmp_path / "cut"
@@ -87,7 +67,7 @@ def test_a_ray_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_
     (cut / "checkpoints" / "latest").write_text("step-000002\n")
     resumed = tmp_path / "resumed"
     _run(resumed, "checkpoint_every=2", f"resume={cut}")
-    _assert_same_run(full, resumed, from_step=2)
+    runs.assert_same(full, resumed, from_step=2)
 
 
 _slept = False
@@ -107,7 +87,7 @@ SLOW_S = 5.0
 
 
 @pytest.mark.slow
-def test_a_ray_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(full, tmp_path, monkeypatch):
+def test_a_ray_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(runs, full, tmp_path, monkeypatch):
     """Asked to stop (as Ctrl-C at the driver does) once step 2 is done, while step 3's
     samples are scored: the run ends at step 2 with a checkpoint written after the workflow
     stopped, its store holding step 3's samples; the resumed run's new actor samples step
@@ -136,7 +116,7 @@ def test_a_ray_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_r
     watcher.join(10)
     assert summary["stopped_early"] == "test" and summary["steps"] == 2, summary
     _run(resumed, f"resume={stopped}")
-    _assert_same_run(full, resumed, from_step=2)
+    runs.assert_same(full, resumed, from_step=2)
 
 
 def _generate(*, sample_seed: int | None, draws_before: int = 0) -> list[list[int]]:
