@@ -19,12 +19,13 @@ import collections
 import contextlib
 import itertools
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from tidal.flow.files import write_whole
 
 MAX_EVENTS = 200_000
 """Events a tracer keeps by default: about 110 MB of memory and a 30 MB file, the last
@@ -122,21 +123,7 @@ class Tracer:
             dropped = {self._processes[pid][0]: n for pid, n in self._dropped.items() if n}
             if dropped:
                 trace["otherData"] = {"dropped_events": dropped}
-        _write_whole(Path(path), json.dumps(trace))
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write `path` through a temporary file beside it; an OSError names `path` (a write the
-    disk refuses fails at the file's close, where Python's error names no file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
+        write_whole(Path(path), json.dumps(trace))
 
 
 class Waits:

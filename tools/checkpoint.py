@@ -25,6 +25,7 @@ import torch
 
 from tidal.engines.tiny import CharTokenizer, load_model, save_model
 from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.files import write_whole
 from tidal.flow.store import Store, persist
 from tidal.hal import current_platform
 from tidal.tools.config import ConfigError
@@ -172,8 +173,7 @@ def truncate_metrics(path: Path, version: int) -> None:
     rest), and drop a line cut short (a process killed while writing it)."""
     if path.exists():
         kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= version]
-        path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
-        os.replace(path.with_suffix(".tmp"), path)
+        write_whole(path, "".join(line + "\n" for line in kept))
 
 
 def _step_of(line: str) -> int | None:

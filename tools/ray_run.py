@@ -33,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tidal.flow.files import write_whole
 from tidal.flow.ray_placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
 from tidal.tools.metrics import finite, last_metrics
@@ -199,9 +200,7 @@ class StartedRollouts:
 
         def write_info(descriptions: list[dict[str, Any]]) -> None:
             info.update(rollout_actors=descriptions, rollout_restarts=list(rollouts.restarts) if rollouts else info["rollout_restarts"])
-            tmp = Path(self.info_path + ".tmp")
-            tmp.write_text(json.dumps(info, indent=2) + "\n")
-            os.replace(tmp, self.info_path)
+            write_whole(Path(self.info_path), json.dumps(info, indent=2) + "\n")
 
         seats = [[(self.turns[r], f"rollout-{a.rank}") for r in self.spots[("rollout", a.rank)].turns] for a in self.assignments]  # each actor's, at each Turns it sits at
 

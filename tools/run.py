@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from tidal.flow.files import write_whole
 from tidal.tools.config import ConfigError, RecipeConfig, iter_keys, load_config, to_yaml
 
 FIXED_ON_RESUME = {
@@ -156,22 +157,6 @@ def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
         )
 
 
-def _write(path: Path, text: str) -> None:
-    """Write `path` whole, through a temporary file beside it.
-
-    Raises:
-        OSError: naming `path` (a write the disk refuses fails at the file's close, and
-            Python's error there names no file).
-    """
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from e
-
-
 def check_runnable(cfg: Any) -> None:
     """Combinations `tidal run` cannot run (`tidal config` still shows them; `tidal plan`
     shows the plan and this error, `tools.plan.run_refusal`).
@@ -286,12 +271,12 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     cfg.run_dir = str(_new_run_dir(cfg))
     _make_paths_absolute(cfg)  # after the checks, whose errors name the folders as the user wrote them
     run_dir = Path(cfg.run_dir)
-    _write(run_dir / "config.yaml", to_yaml(cfg))
+    write_whole(run_dir / "config.yaml", to_yaml(cfg))
     platform_info = {
         "spec": selection.spec,
         "chosen_by": selection.chosen_by,
         "reason": selection.reason,
         "descriptor": selection.platform.descriptor.to_dict(),
     }
-    _write(run_dir / "platform.json", json.dumps(platform_info, indent=2) + "\n")
+    write_whole(run_dir / "platform.json", json.dumps(platform_info, indent=2) + "\n")
     return cfg, run_dir
