@@ -17,7 +17,7 @@ are four configurations of the roles, not four code paths:
 
 An infeasible request is a `PlacementError` naming the role and what it lacked, raised
 before anything starts. Nothing here imports Ray or torch: under `runtime: ray` the plan
-is turned into placement groups by `flow.runtime`.
+is turned into placement groups by `flow.ray_placement`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class Resource:
     kind: str
     capacity: int
     tags: frozenset[str] = frozenset()
+    ray_node_id: str | None = None
+    """The Ray node (`ray.nodes()`'s `NodeID`) these devices are on, for a cluster read off
+    Ray: its placement groups are pinned to the node the plan chose (`flow.ray_placement`).
+    None for a recipe's `cluster.nodes`, whose names are not Ray's."""
 
     def __post_init__(self) -> None:
         if self.kind not in KIND_TAGS:
@@ -145,7 +149,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The layout, the cluster it was placed on (each node's kind, capacity and every tag
         it offers, its kind's included) and every assignment: what `tidal plan --json` prints."""
-        cluster = [{"node": r.node, "kind": r.kind, "capacity": r.capacity, "tags": sorted(r.tags)} for r in self.resources]
+        cluster = [{"node": r.node, "kind": r.kind, "capacity": r.capacity, "tags": sorted(r.tags), **({"ray_node_id": r.ray_node_id} if r.ray_node_id else {})} for r in self.resources]
         return {"layout": self.layout, "cluster": cluster, "assignments": [dataclasses.asdict(a) for a in self.assignments]}
 
 
@@ -317,7 +321,8 @@ def resources_from_ray_nodes(nodes: Sequence[Mapping[str, Any]]) -> list[Resourc
     offers its CPUs; custom resources (not `node:` or `accelerator_type:` entries) become
     tags, and `accelerator_type:X` becomes tag X. A resource is named by its node
     (`NodeName`, with `#<index>` added when an earlier node had the name), and by
-    `<node>/npu` and `<node>/cuda` when the node carries both.
+    `<node>/npu` and `<node>/cuda` when the node carries both. Each resource keeps its
+    node's `NodeID` (`Resource.ray_node_id`).
     """
     out = []
     names: set[str] = set()  # every node's name, and every resource's
@@ -327,10 +332,11 @@ def resources_from_ray_nodes(nodes: Sequence[Mapping[str, Any]]) -> list[Resourc
         name = f"{name}#{i}" if names & {name, f"{name}/npu", f"{name}/cuda"} else name
         tags = {k.split(":", 1)[1] if k.startswith("accelerator_type:") else k for k in res if k not in _RAY_BUILTIN and not k.startswith("node:")}
         tags = {t for t in tags if not t.startswith("tidal_node_")}
+        node_id = node.get("NodeID") or None
         for kind in ("npu", "cuda"):
             if res.get(RAY_RESOURCES[kind], 0) >= 1:
-                out.append(Resource(node=f"{name}/{kind}" if res.get("NPU") and res.get("GPU") else name, kind=kind, capacity=int(res[RAY_RESOURCES[kind]]), tags=frozenset(tags)))
+                out.append(Resource(node=f"{name}/{kind}" if res.get("NPU") and res.get("GPU") else name, kind=kind, capacity=int(res[RAY_RESOURCES[kind]]), tags=frozenset(tags), ray_node_id=node_id))
         if not res.get("NPU") and not res.get("GPU"):
-            out.append(Resource(node=name, kind="cpu", capacity=int(res.get("CPU", 0)), tags=frozenset(tags)))
+            out.append(Resource(node=name, kind="cpu", capacity=int(res.get("CPU", 0)), tags=frozenset(tags), ray_node_id=node_id))
         names |= {name, *(r.node for r in out)}
     return out

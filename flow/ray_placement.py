@@ -5,6 +5,12 @@ Each role's devices become one bundle per instance (`{"GPU": 2}`, `{"NPU": 1}`, 
 custom resources its tags need), packed into a placement group per role; an actor is
 scheduled on its bundle with `TIDAL_DEVICE` naming the devices (or a fake platform) it
 selects in its own process. Ray is imported only when a placement group is made.
+
+When the plan's cluster was read off Ray (`flow.placement.resources_from_ray_nodes`, what
+`tidal run` does without `cluster.nodes`), each bundle is pinned to the node the plan chose
+(a `ray.io/node-id` label selector), so the run sits where `tidal plan` says: left to
+PACK, Ray could put the trainer's 4 devices on an 8-device node, and an 8-device rollout
+instance that the plan had placed there would wait for a node that no longer has room.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def connected_ray_nodes() -> Sequence[Mapping[str, Any]] | None:
 
 
 # Placement groups ------------------------------------------------------------------------
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries: its `NodeID`, which pins a bundle to that node."""
 TAG_AMOUNT = 0.001
 """How much of a custom-tag resource one bundle asks for: the tag is a label, not a quantity."""
 
@@ -145,8 +153,20 @@ def _taken_by(key: str, taken: Mapping[str, float], earlier: Mapping[str, list[d
     return f", of which {taken[key]:g} go to {', '.join(r for r, bundles in earlier.items() if any(key in b for b in bundles))}"
 
 
+def node_selectors(plan: Plan, role: str) -> list[dict[str, str]] | None:
+    """A label selector per bundle of `role` (its own instances, in bundle order) pinning it
+    to the Ray node the plan put it on; None where the plan's nodes are not Ray's (a recipe's
+    `cluster.nodes`: Ray chooses, packing each role's bundles)."""
+    node_ids = {r.node: r.ray_node_id for r in plan.resources}
+    own = plan.of(role, mode="own")
+    if not own or not all(node_ids.get(a.node) for a in own):
+        return None
+    return [{NODE_ID_LABEL: str(node_ids[a.node])} for a in own]
+
+
 def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str, Any]:
-    """One placement group per role (a bundle per instance, packed); fails fast naming the role.
+    """One placement group per role (a bundle per instance, packed, each pinned to its
+    plan's node where the plan was read off Ray: `node_selectors`); fails fast naming the role.
 
     Raises:
         PlacementError: the cluster lacks the resources (checked against
@@ -158,13 +178,16 @@ def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str
 
     groups: dict[str, Any] = {}
     for role, bundles in role_bundles(plan, ray.cluster_resources(), largest=largest_node_resources(ray.nodes())).items():
-        pg = placement_group(bundles, strategy="PACK", name=f"tidal-{role}-{secrets.token_hex(3)}")
+        selectors = node_selectors(plan, role)
+        pg = placement_group(bundles, strategy="PACK", name=f"tidal-{role}-{secrets.token_hex(3)}", bundle_label_selector=selectors)
         ready, _ = ray.wait([pg.ready()], timeout=wait_s)
         if not ready:
             ray.util.remove_placement_group(pg)
             for other in groups.values():
                 ray.util.remove_placement_group(other)
-            raise PlacementError(f"cannot place role {role!r}: its {len(bundles)} bundle(s) {bundles[0]} were not granted within {wait_s:.0f}s (other runs may hold them)")
+            nodes = list(dict.fromkeys(a.node for a in plan.of(role, mode="own")))
+            where = f" on the node(s) the plan chose ({', '.join(nodes)}: one may have left the cluster since)" if selectors else ""
+            raise PlacementError(f"cannot place role {role!r}: its {len(bundles)} bundle(s) {bundles[0]} were not granted{where} within {wait_s:.0f}s (other runs may hold them)")
         groups[role] = pg
     return groups
 

@@ -103,6 +103,31 @@ def test_resources_from_ray_nodes():
     assert (res["10.0.0.1"].kind, res["10.0.0.1"].capacity) == ("npu", 8) and "ascend910b" in res["10.0.0.1"].tags
     assert (res["10.0.0.2"].kind, res["10.0.0.2"].capacity) == ("cuda", 8) and {"H100", "gpu"} <= res["10.0.0.2"].tags
     assert (res["10.0.0.3"].kind, res["10.0.0.3"].capacity) == ("cpu", 16)
+    assert all(r.ray_node_id is None for r in res.values())  # these nodes carry no NodeID
+
+
+def test_a_plan_read_off_ray_pins_each_bundle_to_its_node():
+    """PACK alone may put the 4-device trainer on the 8-device node, where the plan put the
+    8-device rollout instance; pinned, each bundle goes where `tidal plan` says."""
+    from tidal.flow.ray_placement import NODE_ID_LABEL, node_selectors
+
+    nodes = [
+        {"NodeName": "10.0.0.1", "NodeID": "aa11", "Resources": {"CPU": 8.0, "GPU": 8.0}},
+        {"NodeName": "10.0.0.2", "NodeID": "bb22", "Resources": {"CPU": 8.0, "GPU": 4.0}},
+        {"NodeName": "10.0.0.3", "NodeID": "cc33", "Resources": {"CPU": 8.0, "NPU": 2.0, "GPU": 2.0}},
+    ]
+    resources = resources_from_ray_nodes(nodes)
+    assert {r.node: r.ray_node_id for r in resources} == {"10.0.0.1": "aa11", "10.0.0.2": "bb22", "10.0.0.3/npu": "cc33", "10.0.0.3/cuda": "cc33"}
+    plan = schedule(resources, [Role(name="train", devices_each=4), Role(name="rollout", devices_each=8), Role(name="ref", requires=("npu",), count=2)])
+    assert node_selectors(plan, "train") == [{NODE_ID_LABEL: "bb22"}]
+    assert node_selectors(plan, "rollout") == [{NODE_ID_LABEL: "aa11"}]
+    assert node_selectors(plan, "ref") == [{NODE_ID_LABEL: "cc33"}] * 2
+    assert plan.to_dict()["cluster"][0]["ray_node_id"] == "aa11"
+    # colocated instances have no bundle of their own; a recipe's nodes are not Ray's: Ray chooses
+    colocated = schedule(resources, [Role(name="train", devices_each=4), Role(name="rollout", colocate_with="train")])
+    assert node_selectors(colocated, "rollout") is None and node_selectors(colocated, "train") == [{NODE_ID_LABEL: "bb22"}]
+    recipe = schedule([Resource(node="g0", kind="cuda", capacity=8)], [Role(name="train")])
+    assert node_selectors(recipe, "train") is None and "ray_node_id" not in recipe.to_dict()["cluster"][0]
 
 
 def test_same_named_ray_nodes_with_npus_and_gpus_stay_distinct():
@@ -173,6 +198,32 @@ def test_ray_placement_groups_for_a_plan_the_cluster_holds(ray_session):
     finally:
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
+
+
+def test_ray_placement_groups_sit_on_the_nodes_the_plan_read_off_ray(ray_session):
+    import dataclasses
+
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from tidal.flow.ray_placement import placement_groups
+
+    resources = resources_from_ray_nodes(ray.nodes())
+    (local,) = resources
+    plan = schedule(resources, [Role(name="train"), Role(name="rollout")])
+    groups = placement_groups(plan)
+    try:
+        assert {role: list(placement_group_table(pg)["bundles_to_node_id"].values()) for role, pg in groups.items()} == {"train": [local.ray_node_id], "rollout": [local.ray_node_id]}
+    finally:
+        for pg in groups.values():
+            ray.util.remove_placement_group(pg)
+    # a node the plan chose that has left: the group is never granted, and the error says where it was pinned
+    gone = schedule([dataclasses.replace(local, ray_node_id="f" * 56)], [Role(name="train")])
+    live = lambda: {k for k, pg in placement_group_table().items() if pg["state"] != "REMOVED"}  # noqa: E731
+    before = live()
+    with pytest.raises(PlacementError, match=rf"cannot place role 'train': its 1 bundle\(s\) .* were not granted on the node\(s\) the plan chose \({local.node}: one may have left"):
+        placement_groups(gone, wait_s=2)
+    assert live() == before  # the refused group is removed, not left waiting
 
 
 def test_an_instance_goes_to_the_fullest_node_it_fits_so_a_larger_one_still_fits_later():
