@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import NonfiniteGuard, check_settings, evaluating, mask_sequences, masked_fraction, own_settings, padded_positions, rows_with_signal
+from tidal.engines.torch_train import NonfiniteGuard, check_settings, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -254,14 +254,14 @@ class FSDPTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+    def _token_logprobs(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each next token's logprob, and its distribution's entropy with `entropy` (`next_token_stats`)."""
         batch = batch.to(self.device)
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _dummy_pass(self, *, backward: bool) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives."""
@@ -306,7 +306,7 @@ class FSDPTrainEngine:
         """In eval mode (no dropout), as a rollout engine computes them."""
         _, num_micro = self._global(batch)
         with evaluating(self.model):
-            out = [self._token_logprobs(batch.select(mb)).cpu() for mb in self._micro_batches(len(batch))]
+            out = [self._token_logprobs(batch.select(mb))[0].cpu() for mb in self._micro_batches(len(batch))]
             for _ in range(num_micro - len(out)):
                 self._dummy_pass(backward=False)
         self._reshard()
@@ -374,7 +374,7 @@ class FSDPTrainEngine:
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
             whole = None
-            if loss.kl_coef == 0:
+            if not loss.zero_advantage_counts:
                 whole = _counts(batch)
                 batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
             (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], loss=loss, whole=whole)
@@ -384,12 +384,12 @@ class FSDPTrainEngine:
     def _train_step(
         self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
     ) -> dict[str, float]:
-        """Without a KL term, rows whose advantage is zero on every loss token add nothing
+        """Without a KL or entropy term, rows whose advantage is zero on every loss token add nothing
         to the loss or its gradient and get no pass (as in the torch engine); the counts
         that weigh the micro-batches are still the whole batch's (`whole`, when the leader
         dropped those rows already). `masked`: this rank's sequence masking counts
         (`mask_sequences`; a follower has none: its leader's are the whole batch's)."""
-        among = rows_with_signal(advantages, batch.loss_mask) if loss.kl_coef == 0 and whole is None else None
+        among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
         counts, num_micro = self._global(batch, None if among is None else len(among), masked)
         if whole is not None:
             counts.update(whole)
@@ -405,12 +405,14 @@ class FSDPTrainEngine:
             return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs, entropy = self._token_logprobs(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
             return policy_loss(
-                self._token_logprobs(part),
+                logprobs,
                 advantages[mb].to(self.device),
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
                 proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb].to(self.device),
+                entropy=entropy,
                 config=loss,
             )
 
@@ -434,7 +436,7 @@ class FSDPTrainEngine:
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
             mask = part.loss_mask.to(self.device)
-            return -(self._token_logprobs(part) * mask).sum() / mask.sum().clamp(min=1), {}
+            return -(self._token_logprobs(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
 
         metrics = self._step(batch, num_micro, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]

@@ -15,7 +15,7 @@ real, tokens; and rows go through the model packed (`_pack`): each distinct prom
 (a GRPO group's samples share theirs), followed by the responses of its rows, under an
 attention mask that keeps each response to its prompt and itself. Rows whose
 advantage is zero on every loss token (a GRPO group whose samples all got the same
-reward) add nothing to the loss or its gradient when there is no KL term, so they get no
+reward) add nothing to the loss or its gradient when there is no KL or entropy term, so they get no
 forward or backward pass (`skipped_rows` in the step's metrics; the other metrics, such
 as `clip_fraction`, are over the rows that ran).
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss, sequence_keep
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss, sequence_keep, token_entropy
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
@@ -118,6 +118,11 @@ class TorchTrainEngine:
     def _token_logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """[rows, seq - 1] logprob of each next token under `model` (the trained one by
         default); with grad when grad is enabled."""
+        return self._token_stats(batch, model)[0]
+
+    def _token_stats(self, batch: TokenBatch, model: torch.nn.Module | None = None, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_token_logprobs` and, with `entropy` ("grad": for the bonus, "metric": detached),
+        the entropy of the distribution at each of those positions (0 where the logprob is)."""
         model = self.model if model is None else model
         batch = batch.to(self.device)
         mask = batch.attention_mask
@@ -125,14 +130,13 @@ class TorchTrainEngine:
         if right_padded and self._packs:
             shared = _shared_prompts(batch)
             if shared is not None:
-                return self._packed_logprobs(model, batch, shared, _pack(batch, shared))
+                return self._packed_logprobs(model, batch, shared, _pack(batch, shared), entropy=entropy)
         positions = {} if right_padded else {"position_ids": padded_positions(mask)}
         with self.platform.autocast(self.precision):
             logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
-    def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed) -> torch.Tensor:
+    def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).
 
         One forward over packed rows: each distinct prompt followed by the responses of
@@ -156,11 +160,12 @@ class TorchTrainEngine:
         num_response = torch.tensor(shared.lengths, device=device) - starts
         width = logits.shape[1]
         response = batch.input_ids.gather(1, (starts[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=batch.input_ids.shape[1] - 1))
-        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(-1, response[..., None]).squeeze(-1)
+        logprobs, entropies = next_token_stats(logits, response, temperature=self.temperature, entropy=entropy)
         # position t of the batch layout predicts input_ids[:, t + 1]: response token j is at t = start - 1 + j
         j = torch.arange(batch.loss_mask.shape[1], device=device)[None, :] - (starts[:, None] - 1)
         placed = (j >= 0) & (j < num_response[:, None])
-        return torch.where(placed, logprobs.gather(1, j.clamp(0, width - 1)), 0.0)
+        at = j.clamp(0, width - 1)
+        return torch.where(placed, logprobs.gather(1, at), 0.0), None if entropies is None else torch.where(placed, entropies.gather(1, at), 0.0)
 
     def _micro_batches(self, batch: TokenBatch, among: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
         """(rows, micro-batch): rows of similar length, cut to the longest of them; only
@@ -233,7 +238,7 @@ class TorchTrainEngine:
             return float(part.loss_mask.sum()) / max(num_tokens, 1.0)
 
         def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs = self._token_logprobs(part)
+            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
             width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
             return policy_loss(
                 logprobs,
@@ -242,11 +247,12 @@ class TorchTrainEngine:
                 mask=part.loss_mask.to(self.device),
                 proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
                 ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
+                entropy=entropy,
                 config=loss,
             )
 
         among = None
-        if loss.kl_coef == 0:  # every other term of the loss is a multiple of the advantage
+        if not loss.zero_advantage_counts:  # every other term of the loss is a multiple of the advantage
             among = rows_with_signal(advantages, batch.loss_mask)
         metrics = self._step(batch, micro_loss, weight_of, among)
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
@@ -471,6 +477,16 @@ def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: floa
         raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
     if max_nonfinite_steps < 0:
         raise ValueError(f"max_nonfinite_steps must be >= 0 (non-finite steps in a row that are skipped; 0 = raise at the first), got {max_nonfinite_steps}")
+
+
+def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each position's logprob of its target under softmax(logits / temperature), in float32
+    (`logits` [..., vocab], `targets` [...]), and with `entropy` the entropy of that
+    distribution (`token_entropy`: "grad" with gradient, for the entropy bonus; "metric"
+    detached, a chunk of positions at a time)."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+    return chosen, None if entropy is None else token_entropy(logprobs, grad=entropy == "grad")
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -156,6 +156,8 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps
     (and checkpoints); 0 = none. train.backend=torch only."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (verl's entropy_coeff): this times the aggregated entropy of the policy's next-token distributions is subtracted from the loss, against entropy collapse; 0 = none (the entropy is still reported as the `entropy` metric); >= 0. Like kl_coef, a value > 0 trains rows whose advantage is 0 too."""
     kl_estimator: str = "k3"
     """Per-token estimator of the KL penalty, with d = reference - policy logprob: k1 (-d) | k2 (d^2 / 2) | k3 (exp(d) - d - 1: unbiased, low variance, >= 0; verl's low_var_kl)."""
     level: str = "token"

@@ -3,7 +3,8 @@
 Nothing here knows about devices, engines or the store: every function takes tensors and
 returns tensors on the same device, so the trainer can call them wherever its model runs.
 `ADVANTAGES` maps recipe names to estimators; `policy_loss` with a `PolicyLossConfig`
-covers PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
+covers PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO, KL and
+entropy terms (`token_entropy` gives the entropy from log-probabilities).
 """
 
 from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo
@@ -17,6 +18,7 @@ from tidal.flow.algorithms.losses import (
     masked_mean,
     policy_loss,
     sequence_keep,
+    token_entropy,
 )
 
 __all__ = [
@@ -34,4 +36,5 @@ __all__ = [
     "policy_loss",
     "rloo",
     "sequence_keep",
+    "token_entropy",
 ]

@@ -1,4 +1,4 @@
-"""Policy losses: PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO and KL terms.
+"""Policy losses: PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO, KL and entropy terms.
 
 Token tensors are `[batch, seq]` with a `mask` of the same shape (bool or float; nonzero
 marks a response token, a float mask's values weight the tokens). Values at masked-out
@@ -63,6 +63,10 @@ class PolicyLossConfig:
     `ref_logprobs` when > 0. >= 0."""
     kl_estimator: str = "k3"
     """Per-token KL estimator: one of `KL_ESTIMATORS` (see `kl_estimate`)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (verl's `entropy_coeff`): `entropy_coef` times the
+    aggregated entropy of the policy's next-token distributions is subtracted from the
+    loss, against entropy collapse; needs `entropy` when > 0. >= 0."""
     dual_clip: float | None = None
     """Dual-clip PPO (Ye et al. 2020; verl's `clip_ratio_c`, AReaL's `c_clip`): where the
     advantage is negative, the loss is at most `-dual_clip * A`, so a token (a sequence
@@ -104,10 +108,19 @@ class PolicyLossConfig:
             raise ValueError(f"seq_mask_low ({low}) must be <= seq_mask_high ({high})")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.dual_clip is not None and not self.dual_clip > 1:  # `not >`: nan is refused too
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+
+    @property
+    def zero_advantage_counts(self) -> bool:
+        """Whether a row whose advantage is zero on every token still adds to the loss and
+        its gradient: through the KL or the entropy term. Without them a train engine may
+        leave such rows out of its passes."""
+        return self.kl_coef > 0 or self.entropy_coef > 0
 
 
 def _check_aggregation(how: str, max_tokens: int | None) -> None:
@@ -235,6 +248,36 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator
     raise ValueError(f"kl estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
 
 
+ENTROPY_CHUNK = 4096
+"""Positions per chunk when `token_entropy` runs without gradient."""
+
+
+def token_entropy(logprobs: torch.Tensor, *, grad: bool = True) -> torch.Tensor:
+    """The entropy `-sum p log p` of each distribution given by its log-probabilities.
+
+    A probability of 0 (log-probability -inf) adds 0, and no nan to the gradient. Without
+    `grad` the result is detached and computed `ENTROPY_CHUNK` positions at a time, so a
+    large vocabulary's temporaries are a chunk's, not the batch's (the metric's case).
+
+    Args:
+        logprobs: `[..., vocab]` log-probabilities (a `log_softmax`).
+        grad: Whether the result carries gradient to `logprobs` (the entropy bonus).
+
+    Returns:
+        `[...]`, in nats.
+    """
+    def entropy(lp: torch.Tensor) -> torch.Tensor:
+        lp = lp.clamp(min=torch.finfo(lp.dtype).min)  # exp(min) * min = 0, where exp(-inf) * -inf is nan
+        return -(lp.exp() * lp).sum(-1)
+
+    if grad:
+        return entropy(logprobs)
+    with torch.no_grad():
+        flat = logprobs.detach().flatten(0, -2)
+        parts = [entropy(chunk) for chunk in flat.split(ENTROPY_CHUNK)]
+        return (torch.cat(parts) if parts else flat.new_zeros(0)).view(logprobs.shape[:-1])
+
+
 def _behavior_weight(log_weight: torch.Tensor, adv: torch.Tensor, *, cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The behavior weight `min(exp(log_weight), cap)` and where the cap truncated it.
 
@@ -291,9 +334,10 @@ def policy_loss(
     mask: torch.Tensor,
     proximal_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
     config: PolicyLossConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped policy-gradient loss, with dual-clip, decoupled PPO, truncated IS, masking and KL.
+    """The clipped policy-gradient loss, with dual-clip, decoupled PPO, truncated IS, masking, KL and entropy.
 
     Per token (`level="token"`), with `prox` = `proximal_logprobs` (when None:
     `logprobs.detach()` if `config.proximal_is_policy`, else `behavior_logprobs`) and the
@@ -319,8 +363,8 @@ def policy_loss(
     Sequence masking first drops (zeroes the mask of) every sequence whose
     `exp(masked mean of (prox - behavior))` lies outside `[seq_mask_low, seq_mask_high]`;
     everything below, the KL term and the metrics use the remaining tokens. The loss is
-    `aggregate(loss_t) + kl_coef * aggregate(kl_estimate(logprobs, ref_logprobs))`, both
-    with `config.aggregation`. Only `logprobs` carries gradient; the other tensors are
+    `aggregate(loss_t) + kl_coef * aggregate(kl_estimate(logprobs, ref_logprobs)) -
+    entropy_coef * aggregate(entropy)`, each with `config.aggregation`. Only `logprobs` carries gradient; the other tensors are
     treated as constants. Half-precision inputs are computed in float32 (the loss is
     float32; the gradient reaches `logprobs` in its own dtype), so a ratio above float16's
     65504 or an advantage rounded to bfloat16 does not change the loss. A token (sequence
@@ -336,6 +380,8 @@ def policy_loss(
             None for `logprobs.detach()` (`config.proximal_is_policy`) or plain PPO.
         ref_logprobs: Log-probabilities under the reference policy, `[batch, seq]`; needed
             when `config.kl_coef > 0`.
+        entropy: The entropy of the policy's distribution at each token, `[batch, seq]`
+            (with gradient for the bonus); needed when `config.entropy_coef > 0`.
         config: The loss settings; None uses `PolicyLossConfig()`.
 
     Returns:
@@ -348,19 +394,20 @@ def policy_loss(
         over sequences with at least one response token), "dual_clip_fraction" (tokens
         with a negative advantage whose ratio exceeded `dual_clip`, so they get no
         gradient; only when `dual_clip` is set, and apart from "clip_fraction": a token is
-        in at most one), and "kl" (the aggregated KL estimate; only when `ref_logprobs`
-        is given).
+        in at most one), "kl" (the aggregated KL estimate; only when `ref_logprobs`
+        is given) and "entropy" (the mean entropy over tokens; only when `entropy` is
+        given).
 
     Raises:
-        ValueError: If a shape disagrees with `logprobs`, the config is invalid, or
-            `kl_coef > 0` without `ref_logprobs`.
+        ValueError: If a shape disagrees with `logprobs`, the config is invalid,
+            `kl_coef > 0` without `ref_logprobs`, or `entropy_coef > 0` without `entropy`.
     """
     config = PolicyLossConfig() if config is None else config
     config.validate()
     if logprobs.dim() != 2 or not logprobs.is_floating_point():
         raise ValueError(f"logprobs must be a floating-point [batch, seq] tensor, got shape {tuple(logprobs.shape)}")
     shape = logprobs.shape
-    named = {"behavior_logprobs": behavior_logprobs, "mask": mask, "proximal_logprobs": proximal_logprobs, "ref_logprobs": ref_logprobs}
+    named = {"behavior_logprobs": behavior_logprobs, "mask": mask, "proximal_logprobs": proximal_logprobs, "ref_logprobs": ref_logprobs, "entropy": entropy}
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} but logprobs has {tuple(shape)}")
@@ -368,6 +415,8 @@ def policy_loss(
         raise ValueError(f"advantages must be [batch] or [batch, seq] = {tuple(shape)}, got {tuple(advantages.shape)}")
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when kl_coef > 0 (kl_coef={config.kl_coef})")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy is required when entropy_coef > 0 (entropy_coef={config.entropy_coef})")
 
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # half-precision inputs: the loss in float32
     logprobs = logprobs.to(dtype)
@@ -409,6 +458,11 @@ def policy_loss(
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * kl
         metrics["kl"] = kl.detach()
+    if entropy is not None:
+        entropy = torch.where(valid, entropy.to(dtype), 0)  # a masked position's value (even nan) reaches neither the loss nor the gradient
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * aggregate(entropy, mask, how=config.aggregation, max_tokens=config.max_tokens)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
     with torch.no_grad():
         metrics["clip_fraction"] = masked_mean(is_clipped.to(mask.dtype), mask)
         metrics["ratio_mean"] = masked_mean(ratio, mask)

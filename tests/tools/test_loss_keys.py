@@ -19,7 +19,7 @@ from tidal.tools.train import workflow_config
 FROM_OTHER_KEYS = {"max_tokens": "rollout.max_new_tokens", "proximal_is_policy": "algorithm.decoupled"}
 """PolicyLossConfig fields a recipe sets through another key."""
 
-NEW_VALUES = {"level": "sequence", "seq_mask_low": 0.5, "seq_mask_high": 2.0, "kl_estimator": "k2", "dual_clip": 3.0, "clip_low": 0.1, "clip_high": 0.4, "aggregation": "seq_mean_token_sum", "tis_cap": 5.0, "kl_coef": 0.1}
+NEW_VALUES = {"level": "sequence", "seq_mask_low": 0.5, "seq_mask_high": 2.0, "kl_estimator": "k2", "dual_clip": 3.0, "clip_low": 0.1, "clip_high": 0.4, "aggregation": "seq_mean_token_sum", "tis_cap": 5.0, "kl_coef": 0.1, "entropy_coef": 0.01}
 """A value other than the default for every loss field a recipe sets under its own name."""
 
 
@@ -57,6 +57,7 @@ def test_the_defaults_are_the_loss_recipes_trained_with_before():
         (["algorithm.dual_clip=.nan"], r"algorithm.dual_clip=nan must be a finite number"),
         (["algorithm.dual_clip=high"], r"key 'algorithm.dual_clip' in the command-line overrides expects float or null, got 'high'"),
         (["algorithm.seq_mask_high=0"], r"algorithm.seq_mask_high=0.0 must be > 0"),
+        (["algorithm.entropy_coef=-0.1"], r"algorithm.entropy_coef must be >= 0, got -0.1"),
         (["algorithm.seq_mask_low=.nan"], r"algorithm.seq_mask_low=nan must be a finite number"),
         (["algorithm.seq_mask_low=2", "algorithm.seq_mask_high=1"], r"algorithm.seq_mask_low \(2.0\) must be <= algorithm.seq_mask_high \(1.0\)"),
     ],
@@ -77,7 +78,7 @@ def test_a_loss_error_names_the_recipe_key_of_each_field_it_names():
 def test_tidal_config_keys_lists_the_loss_keys_with_their_meaning(tidal_cli):
     out = tidal_cli("config", "--keys")
     assert out.returncode == 0, out.stderr
-    for key, word in (("level", "GSPO"), ("seq_mask_low", "geometric"), ("seq_mask_high", "geometric"), ("kl_estimator", "k3"), ("dual_clip", "clip_ratio_c")):
+    for key, word in (("level", "GSPO"), ("seq_mask_low", "geometric"), ("seq_mask_high", "geometric"), ("kl_estimator", "k3"), ("dual_clip", "clip_ratio_c"), ("entropy_coef", "entropy_coeff")):
         assert f"algorithm.{key}" in out.stdout
         assert word in out.stdout.split(f"algorithm.{key}", 1)[1].split("algorithm.", 1)[0], key
 
