@@ -159,7 +159,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus (verl's entropy_coeff): this times the aggregated entropy of the policy's next-token distributions is subtracted from the loss, against entropy collapse; 0 = none (the entropy is still reported as the `entropy` metric); >= 0. Like kl_coef, a value > 0 trains rows whose advantage is 0 too."""
     kl_estimator: str = "k3"
-    """Per-token estimator of the KL penalty, with d = reference - policy logprob: k1 (-d) | k2 (d^2 / 2) | k3 (exp(d) - d - 1: unbiased, low variance, >= 0; verl's low_var_kl)."""
+    """Per-token estimator of the KL penalty, with d = reference - policy logprob: k1 (-d) | k2 (d^2 / 2) | k3 (exp(d) - d - 1: unbiased, low variance, >= 0; verl's low_var_kl, bounded as verl bounds it: d within [-20, 20], the estimate at most 10)."""
     level: str = "token"
     """Where the PPO ratio lives: token (one per token, PPO) | sequence (GSPO: one per sequence, the geometric mean of its token ratios, with the sequence's advantage; the GSPO paper pairs it with aggregation=seq_mean_token_mean)."""
     seq_mask_low: Optional[float] = None

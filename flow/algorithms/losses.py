@@ -27,6 +27,10 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "toke
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """Per-token estimators of KL(policy || reference) that `kl_estimate` offers."""
+K3_MAX_LOG_RATIO = 20.0
+K3_MAX = 10.0
+"""The bounds of the k3 estimate (verl's `low_var_kl`): its log-ratio `d` within
+`[-K3_MAX_LOG_RATIO, K3_MAX_LOG_RATIO]`, the estimate at most `K3_MAX`."""
 
 LEVELS = ("token", "sequence")
 """Where the importance ratio lives: per token (PPO) or per sequence (GSPO)."""
@@ -223,7 +227,12 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator
 
     With `d = ref_logprobs - logprobs` (Schulman, "Approximating KL divergence"):
     "k1" is `-d` (unbiased, high variance, can be negative), "k2" is `0.5 * d**2`
-    (biased, low variance), "k3" is `exp(d) - d - 1` (unbiased, low variance, >= 0).
+    (biased, low variance), "k3" is `exp(d) - d - 1` (unbiased, low variance, >= 0), with
+    `d` clamped to `[-K3_MAX_LOG_RATIO, K3_MAX_LOG_RATIO]` and the estimate to at most
+    `K3_MAX`, as verl's `low_var_kl` does: a token the policy moved far below the
+    reference (`d` past ~88 in float32) made the estimate, the loss and the gradient
+    infinite, and the step was lost; clamped, that token's KL is bounded and passes no
+    gradient.
 
     Args:
         logprobs: Log-probabilities under the policy, any shape.
@@ -244,7 +253,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator
     if estimator == "k2":
         return 0.5 * d.square()
     if estimator == "k3":
-        return torch.expm1(d) - d
+        d = d.clamp(-K3_MAX_LOG_RATIO, K3_MAX_LOG_RATIO)
+        return (torch.expm1(d) - d).clamp(max=K3_MAX)
     raise ValueError(f"kl estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
 
 

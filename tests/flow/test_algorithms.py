@@ -453,3 +453,19 @@ def test_sequence_keep_is_policy_losss_own_decision():
     assert sequence_keep(prox, behavior, mask, low=None, high=None).tolist() == [True, True, True]
     _, metrics = policy_loss(torch.zeros(3, 3), torch.ones(3), behavior_logprobs=behavior, mask=mask, proximal_logprobs=prox, config=PolicyLossConfig(seq_mask_low=0.5, seq_mask_high=1.5))
     assert metrics["seq_masked_fraction"] == pytest.approx(2 / 3)
+
+
+def test_k3_is_bounded_as_verls_low_var_kl_so_a_far_token_loses_no_step():
+    """d = ref - logp = 100: e^d overflows float32, and the loss and its gradient were inf
+    (the engine then skipped the step). Clamped as verl clamps it: the estimate is 10 and
+    that token passes no gradient; a token within the bounds keeps its exact value."""
+    logp = torch.tensor([[-101.0, LN(0.5)]], dtype=torch.float32, requires_grad=True)
+    ref = torch.tensor([[-1.0, LN(0.25)]], dtype=torch.float32)
+    estimate = kl_estimate(logp, ref, estimator="k3")
+    assert estimate[0, 0].item() == 10.0 and estimate[0, 1].item() == pytest.approx(LN(2) - 0.5)
+    config = PolicyLossConfig(kl_coef=0.1)
+    loss, _ = policy_loss(logp, torch.zeros(1), behavior_logprobs=logp.detach(), mask=torch.ones(1, 2), ref_logprobs=ref, config=config)
+    loss.backward()
+    assert torch.isfinite(loss) and logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(0.1 * (1 - 0.5) / 2)
+    # the policy far above the reference (d = -50): bounded too; d = -5 is within the bounds
+    assert kl_estimate(torch.tensor([0.0, 0.0]), torch.tensor([-50.0, -5.0]), estimator="k3").tolist() == pytest.approx([10.0, math.exp(-5) + 5 - 1])
