@@ -361,6 +361,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_table(f"cluster (from {source})", cluster_rows(plan.resources))
         _print_table(f"plan: {plan.layout}", plan.table())
+        if any(r.ray_node_id for r in plan.resources):
+            print("tidal run pins each instance with devices of its own to the Ray node named here")
     if refusal is None:
         return 0
     sys.stdout.flush()  # the plan, then why it would not run

@@ -75,3 +75,21 @@ def test_plan_json_includes_the_cluster_and_no_refusal_for_a_runnable_recipe(cap
         {"node": "g-1", "kind": "cuda", "capacity": 16, "tags": ["cuda", "gpu"]},
     ]
     assert {a["node"] for a in data["assignments"] if a["role"] == "train"} == {"n"}
+
+
+def test_a_plan_read_off_a_running_ray_names_each_nodes_ray_id_and_says_instances_are_pinned(capsys, monkeypatch, ray_session):
+    """Under RAY_ADDRESS the plan's cluster is Ray's nodes; `tidal run` pins each bundle to the
+    node the plan chose (`flow.ray_placement.node_selectors`), by the id --json shows."""
+    import ray
+
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    code, out, _ = _tidal(capsys, "plan", "quickstart_cpu", "runtime=ray", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["cluster_from"] == "ray" and [c["ray_node_id"] for c in plan["cluster"]] == [node["NodeID"]]
+    code, out, _ = _tidal(capsys, "plan", "quickstart_cpu", "runtime=ray")
+    assert code == 0 and "cluster (from ray)" in out and "tidal run pins each instance with devices of its own to the Ray node named here" in out
+    monkeypatch.delenv("RAY_ADDRESS")
+    code, out, _ = _tidal(capsys, "plan", "quickstart_cpu", "runtime=ray")
+    assert code == 0 and "cluster (from this machine)" in out and "pinned" not in out
