@@ -254,7 +254,7 @@ class FSDPTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_logprobs(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob, and its distribution's entropy with `entropy` (`next_token_stats`)."""
         batch = batch.to(self.device)
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
@@ -306,7 +306,7 @@ class FSDPTrainEngine:
         """In eval mode (no dropout), as a rollout engine computes them."""
         _, num_micro = self._global(batch)
         with evaluating(self.model):
-            out = [self._token_logprobs(batch.select(mb))[0].cpu() for mb in self._micro_batches(len(batch))]
+            out = [self._token_stats(batch.select(mb))[0].cpu() for mb in self._micro_batches(len(batch))]
             for _ in range(num_micro - len(out)):
                 self._dummy_pass(backward=False)
         self._reshard()
@@ -405,7 +405,7 @@ class FSDPTrainEngine:
             return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = self._token_logprobs(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
+            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
             return policy_loss(
                 logprobs,
                 advantages[mb].to(self.device),
@@ -436,7 +436,7 @@ class FSDPTrainEngine:
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
             mask = part.loss_mask.to(self.device)
-            return -(self._token_logprobs(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+            return -(self._token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
 
         metrics = self._step(batch, num_micro, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]

@@ -376,9 +376,10 @@ def policy_loss(
     `exp(masked mean of (prox - behavior))` lies outside `[seq_mask_low, seq_mask_high]`;
     everything below, the KL term and the metrics use the remaining tokens. The loss is
     `aggregate(loss_t) + kl_coef * aggregate(kl_estimate(logprobs, ref_logprobs)) -
-    entropy_coef * aggregate(entropy)`, each with `config.aggregation`. Only `logprobs` carries gradient; the other tensors are
-    treated as constants. Half-precision inputs are computed in float32 (the loss is
-    float32; the gradient reaches `logprobs` in its own dtype), so a ratio above float16's
+    entropy_coef * aggregate(entropy)`, each with `config.aggregation`. Only `logprobs` and
+    `entropy` carry gradient; the other tensors are treated as constants. Half-precision
+    inputs are computed in float32 (the loss is float32; the gradient reaches `logprobs` in
+    its own dtype), so a ratio above float16's
     65504 or an advantage rounded to bfloat16 does not change the loss. A token (sequence
     for GSPO) whose clipped term is selected, or whose advantage is 0, has gradient 0 even
     when its ratio or behavior weight overflows (see `_clipped_surrogate`).
