@@ -186,7 +186,7 @@ def placement_groups(plan: Plan, *, wait_s: float = RESOURCE_WAIT_S) -> dict[str
             for other in groups.values():
                 ray.util.remove_placement_group(other)
             nodes = list(dict.fromkeys(a.node for a in plan.of(role, mode="own")))
-            where = f" on the node(s) the plan chose ({', '.join(nodes)}: one may have left the cluster since)" if selectors else ""
+            where = f" on the node(s) the plan chose ({', '.join(nodes)}: one may have left the cluster since; `ray status` lists the nodes, and a new run plans on them as they are)" if selectors else ""
             raise PlacementError(f"cannot place role {role!r}: its {len(bundles)} bundle(s) {bundles[0]} were not granted{where} within {wait_s:.0f}s (other runs may hold them)")
         groups[role] = pg
     return groups
