@@ -37,6 +37,12 @@ class PlacementError(ValueError):
     """A role cannot be placed; the message names the role and what it lacked."""
 
 
+MAX_CAPACITY = 65_536
+"""The most devices one node may have: far above any machine's accelerators or CPUs, and
+low enough that a count with digits too many is an error rather than a planner listing
+every device until memory runs out."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Resource:
     """`capacity` devices of one `kind` on `node`, carrying `tags`."""
@@ -53,8 +59,8 @@ class Resource:
     def __post_init__(self) -> None:
         if self.kind not in KIND_TAGS:
             raise PlacementError(f"node {self.node!r}: kind {self.kind!r} is not one of {', '.join(KIND_TAGS)}")
-        if self.capacity < 0:
-            raise PlacementError(f"node {self.node!r}: capacity must be >= 0, got {self.capacity}")
+        if not 0 <= self.capacity <= MAX_CAPACITY:
+            raise PlacementError(f"node {self.node!r}: capacity must be in 0..{MAX_CAPACITY:,} (devices, or CPUs of a CPU node), got {self.capacity:,}")
         object.__setattr__(self, "tags", frozenset(self.tags) | frozenset(KIND_TAGS[self.kind]))
 
     def offers(self, requires: Iterable[str]) -> bool:

@@ -226,9 +226,15 @@ class CpuPlatform:
         return contextlib.nullcontext()
 
 
+MAX_FAKE_DEVICES = 1024
+"""The most devices a fake platform reports. It stands for one machine's (16 on the
+largest NPU and GPU servers); a count with digits too many would reach a planner that
+lists every device."""
+
+
 def fake_platform(kind: str, num_devices: int) -> CpuPlatform:
     """A platform that computes on CPU but reports `num_devices` devices of `kind`."""
-    if num_devices < 0:
-        raise ValueError(f"a fake platform needs num_devices >= 0, got {num_devices}")
+    if not 0 <= num_devices <= MAX_FAKE_DEVICES:
+        raise ValueError(f"a fake platform needs 0 <= num_devices <= {MAX_FAKE_DEVICES}, got {num_devices:,}")
     return CpuPlatform(describe(kind, device_count=num_devices, fake=True))
 

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import torch
 
 from tidal.hal import cuda, npu
-from tidal.hal.cpu import CpuPlatform, fake_platform
+from tidal.hal.cpu import MAX_FAKE_DEVICES, CpuPlatform, fake_platform
 from tidal.hal.platform import KINDS, Platform, PlatformUnavailable
 
 ENV_VAR = "TIDAL_DEVICE"
-VALID_SPECS = "auto, cpu, cuda, npu, fake:<kind>:<n> (kind one of cuda, npu, cpu; n >= 0), e.g. fake:npu:8"
+VALID_SPECS = f"auto, cpu, cuda, npu, fake:<kind>:<n> (kind one of cuda, npu, cpu; 0 <= n <= {MAX_FAKE_DEVICES}), e.g. fake:npu:8"
 _FAKE = re.compile(r"fake:(?P<kind>[a-z]+):(?P<n>[0-9]+)")  # ASCII digits only (`\d` takes any script's)
 
 _LOADERS: dict[str, Callable[[], Platform]] = {"cpu": CpuPlatform, "cuda": cuda.load, "npu": npu.load}
@@ -51,7 +51,10 @@ def check_spec(spec: str, *, source: str = ENV_VAR) -> str:
         return text
     m = _FAKE.fullmatch(text)
     if m and m["kind"] in KINDS:
-        return f"fake:{m['kind']}:{int(m['n'])}"
+        n = m["n"].lstrip("0") or "0"
+        if len(n) > len(str(MAX_FAKE_DEVICES)) or int(n) > MAX_FAKE_DEVICES:  # by length first: int() refuses over 4300 digits
+            raise ValueError(f"{source}={spec!r}: a fake platform has at most {MAX_FAKE_DEVICES} devices (one machine's), got {n}")
+        return f"fake:{m['kind']}:{n}"
     raise ValueError(f"{source}={spec!r} is not a platform; valid values: {VALID_SPECS}")
 
 

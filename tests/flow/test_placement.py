@@ -2,7 +2,7 @@
 
 import pytest
 
-from tidal.flow.placement import PlacementError, Resource, Role, resources_from_ray_nodes, schedule
+from tidal.flow.placement import MAX_CAPACITY, PlacementError, Resource, Role, resources_from_ray_nodes, schedule
 
 MIXED = [
     Resource(node="npu-0", kind="npu", capacity=8),
@@ -89,6 +89,15 @@ def test_bad_roles_and_resources_are_named():
         Role(name="x", count=0)
     with pytest.raises(PlacementError, match="node 'n': kind 'tpu'"):
         Resource(node="n", kind="tpu", capacity=1)
+
+
+def test_a_node_with_a_count_out_of_range_is_named_not_listed():
+    """A devices count with digits too many (a recipe's cluster.nodes, a Ray node) was a
+    MemoryError from the planner listing every device."""
+    assert Resource(node="big", kind="cpu", capacity=MAX_CAPACITY).capacity == MAX_CAPACITY
+    for capacity in (-1, MAX_CAPACITY + 1, 10**11):
+        with pytest.raises(PlacementError, match=rf"node 'n': capacity must be in 0\.\.65,536 \(devices, or CPUs of a CPU node\), got {capacity:,}"):
+            Resource(node="n", kind="npu", capacity=capacity)
 
 
 def test_resources_from_ray_nodes():

@@ -46,6 +46,17 @@ def test_check_spec_takes_only_ascii_digits_and_no_inner_spaces(spec):
         hal.check_spec(spec)
 
 
+@pytest.mark.parametrize("count", ["1025", "100000000000", "0" * 9 + "2000", "9" * 5000])
+def test_a_fake_platform_has_at_most_one_machines_devices(count):
+    """A count with digits too many (fake:npu:80 for 8) reached the planner, which listed
+    every device until memory ran out; one of 5000 digits is over what int() reads."""
+    with pytest.raises(ValueError, match=rf"TIDAL_DEVICE='fake:npu:{count}': a fake platform has at most 1024 devices \(one machine's\), got {count.lstrip('0')}"):
+        hal.check_spec(f"fake:npu:{count}")
+    assert hal.check_spec("fake:npu:01024") == "fake:npu:1024"
+    with pytest.raises(ValueError, match="a fake platform needs 0 <= num_devices <= 1024, got 1,025"):
+        fake_platform("npu", 1025)
+
+
 def test_two_spellings_of_one_fake_platform_are_one_platform():
     first = hal.init_platform("fake:npu:8")
     assert first.spec == "fake:npu:8"
