@@ -39,7 +39,7 @@ from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
-from tidal.flow.store.pending import PendingPut
+from tidal.flow.store.pending import PendingPut, not_done
 from tidal.flow.store.table import StoreError, StoreTimeout
 from tidal.flow.store.thread_sockets import ClientSockets
 from tidal.flow.store.units import RemoteChunk
@@ -229,7 +229,7 @@ class RemoteStore:
                 due = min(due, math.inf if deadline is None else deadline, math.inf if poller is None else now + CANCEL_CHECK_S)
                 reply = self._wait_reply(sock, request_id, address, op, due - now, poller=poller, until=question)
                 if reply is not None:
-                    return self._result(reply)
+                    return self._own_result(reply)
                 answer = None if question is None else self._tls.stash.pop(question, None)
                 if answer is not None:
                     self._tls.submitted.discard(question)
@@ -287,8 +287,10 @@ class RemoteStore:
             reply = None if withdrawn else self._next_reply(sock, request_id, address, op, 0.0)  # kept, if it came
             if reply is None:
                 self._settle(request_id, ok=False)
-                raise StoreError(f"{op} was cancelled" + ("" if withdrawn else f" (store server {address} no longer held it: it restarted, or the connection broke)"))
-            return self._result(reply)
+                if withdrawn:
+                    raise not_done(StoreError(f"{op} was cancelled"))
+                raise StoreError(f"{op} was cancelled (store server {address} no longer held it: it restarted, or the connection broke)")
+            return self._own_result(reply)
         finally:
             self._tls.cancel = cancel
             if not kept:
@@ -329,6 +331,16 @@ class RemoteStore:
                 reply = None
         self._settle(request_id, ok=bool(reply.get("ok")))
         return reply
+
+    @classmethod
+    def _own_result(cls, reply: dict[str, Any]) -> Any:
+        """`_result` of a get's or put's own reply: its error is the server's word that it did
+        nothing of the request (`not_done`)."""
+        try:
+            return cls._result(reply)
+        except Exception as e:
+            not_done(e)
+            raise
 
     @staticmethod
     def _result(reply: dict[str, Any]) -> Any:

@@ -3,6 +3,11 @@
 A producer keeps a few puts in flight on its thread's connection; each one's reply may be
 read by another request's wait on that connection first, so the client keeps it (its
 thread's `submitted` ids and `stash` of their replies) until `result()` takes it.
+
+A put of a split deployment wrote its columns to a storage unit first. When it fails, the
+chunks there are freed only if the server said it did nothing of the put (an error reply,
+a withdrawn wait); after a failure that leaves that open (no reply in time, a broken
+connection) they stay, since the controller may hold rows that refer to them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,23 @@ import zmq
 
 if TYPE_CHECKING:
     from tidal.flow.store.client import RemoteStore
+
+
+NOT_DONE = "tidal_store_not_done"
+
+
+def not_done(error: BaseException) -> BaseException:
+    """Mark `error` as the store server's word that it did nothing of a request (its error
+    reply; a withdrawn wait); returns it."""
+    setattr(error, NOT_DONE, True)
+    return error
+
+
+def was_not_done(error: BaseException) -> bool:
+    """Whether `error` says the server did nothing of the request (`not_done`). Any other
+    failure (no reply in time, a broken connection, a malformed reply) leaves it open: the
+    server may have done it."""
+    return getattr(error, NOT_DONE, False)
 
 
 class PendingPut:
@@ -39,7 +61,10 @@ class PendingPut:
                     self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001
             except BaseException as e:
                 self._outcome = (False, e)
-                client._drop_chunks(self._keys)  # noqa: SLF001 - the controller never took them
+                if was_not_done(e):  # the server refused it or withdrew it: free its chunks on the unit
+                    client._drop_chunks(self._keys)  # noqa: SLF001
+                # else (no reply in time, a broken connection) the controller may hold the rows:
+                # their chunks stay, for as long as the unit runs, rather than rows without data
             finally:
                 self._forget()
         ok, value = self._outcome

@@ -3,6 +3,9 @@ the column data of the producers that wrote it."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -143,3 +146,58 @@ def test_a_save_reads_the_units_without_holding_the_store_and_their_chunks_stay_
             consumer.close()
     restored = persist.load(tmp_path / "s.bin")
     assert restored.get("train", "train", ["x"], 2, timeout=0).stack("x").tolist() == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_a_put_whose_reply_is_lost_keeps_its_chunks_on_the_unit(wait_for):
+    """A put the controller took but whose reply never came (a broken connection) failed
+    with `StoreError`, and its chunks were freed on the unit: the controller then held
+    rows without data. They stay now; a put the server refused frees its chunks."""
+    controller = Store()
+    with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit:
+        producer, consumer = RemoteStore(ctrl.address, unit=unit.address, rpc_timeout_s=2.0), RemoteStore(ctrl.address)
+        answer = ctrl._answer
+        lost = []
+
+        def lose_the_first_put_reply(peer, request_id, op, result, args):
+            if op == "put" and not lost:
+                lost.append(result)  # taken, and the reply never goes out
+                return
+            answer(peer, request_id, op, result, args)
+
+        ctrl._answer = lose_the_first_put_reply
+        try:
+            producer.create_partition("train", consumers=["train"])
+            with pytest.raises(StoreError, match="no longer holds this 'put'"):
+                producer.put("train", {"x": torch.arange(6.0).reshape(3, 2)}, groups=[0, 0, 1])
+            assert list(lost[0]) == [0, 1, 2] and len(unit.unit) == 1
+            batch = consumer.get("train", "train", ["x"], 3, timeout=5)
+            assert batch.indexes == [0, 1, 2] and batch.stack("x").tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+            consumer.ack("train", "train", batch.indexes)
+            wait_for(lambda: len(unit.unit) == 0)  # acked: freed as any chunk
+            with pytest.raises(ValueError, match="no partition 'nope'|partition 'nope'"):
+                producer.put("nope", {"x": torch.ones(2, 2)})  # refused: nothing of it was done
+            wait_for(lambda: len(unit.unit) == 0)
+        finally:
+            for client in (producer, consumer):
+                client.close()
+
+
+def test_a_cancelled_put_on_a_unit_frees_its_chunks(in_thread, wait_for):
+    """The server withdrew the put (it was still waiting for room): nothing of it went in,
+    so its chunks on the unit go too."""
+    with StoreServer(Store()) as ctrl, StoreServer(unit=StorageUnit()) as unit:
+        producer = RemoteStore(ctrl.address, unit=unit.address)
+        try:
+            producer.create_partition("train", consumers=["train"], capacity_rows=1)
+            producer.put("train", {"x": torch.zeros(1, 1)})
+            cancel = threading.Event()
+            thread, outcome = in_thread(lambda: producer.put("train", {"x": torch.ones(1, 1)}, cancel=cancel))
+            wait_for(lambda: len(unit.unit) == 2)  # its chunk is written; the put waits for room
+            time.sleep(0.2)
+            cancel.set()
+            producer.wake()
+            thread.join(5)
+            assert not thread.is_alive() and isinstance(outcome[0], StoreError) and str(outcome[0]) == "put was cancelled"
+            wait_for(lambda: len(unit.unit) == 1)  # the first put's chunk only
+        finally:
+            producer.close()
