@@ -198,7 +198,7 @@ class RemoteStore:
         return listener
 
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
-        if op in ("get", "put"):  # the requests a server parks
+        if op in ("get", "put", "save"):  # the requests a server may hold (parked, or saving) while it answers liveness checks
             return self._await_parked(sock, request_id, address, op, wait_s, getattr(self._tls, "cancel", None))
         return self._receive_reply(sock, request_id, address, op, wait_s)
 
@@ -545,8 +545,11 @@ class RemoteStore:
 
     def save(self, path: str) -> None:
         """Save the server's store to `path` on the server's machine (`StoreServer.save`:
-        rows on storage units are read from them and saved too)."""
-        self._call("save", {"path": str(path)})
+        rows on storage units are read from them and saved too). The server saves on a
+        thread of its own and keeps serving; this waits for as long as the save takes, while
+        the server answers that it is still saving (`rpc_timeout_s` bounds each check, not
+        the save)."""
+        self._call("save", {"path": str(path)}, wait=None)
 
     def wake(self) -> None:
         """End the cancellable waits of this client's threads (`get`/`put` with `cancel`)

@@ -146,9 +146,11 @@ class StoreServer:
         self._by_fd: dict[int, _Peer] = {}
         self._parked: list[_Parked] = []
         self._deferred: list[tuple[_Peer, int, Any]] = []  # replies sent after the parked requests are retried
+        self._saving: set[tuple[_Peer, int]] = set()
+        """(peer, request id) of the remote saves in progress, each on a thread of its own."""
         self._units = UnitLinks(self._ctx, token)
         self._listening = False  # for evictions, once cells on storage units are put
-        self._ops: dict[str, Callable[[_Peer, dict[str, Any]], Any]] = {"ping": self._ping}
+        self._ops: dict[str, Callable[..., Any]] = {"ping": self._ping}  # (peer, args) -> the result
         if store is not None:
             store.add_change_listener(self._on_change)
             self._ops.update(
@@ -161,7 +163,7 @@ class StoreServer:
                 ack=self._ack,
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
                 metrics=lambda peer, a: store.metrics(),
-                save=lambda peer, a: self.save(a["path"]),
+                save=self._start_save,  # called with the request id too (`_handle`): the thread that saves replies
                 withdraw=self._withdraw,
                 parked=self._holds,
             )
@@ -387,11 +389,39 @@ class StoreServer:
                 except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
                     self._fail(peer, request_id, e)
                 return op in _MUTATING
+        if op == "save":
+            self._start_save(peer, request_id, args)
+            return False
         try:
             self._answer(peer, request_id, op, self._ops[op](peer, args), args)
         except Exception as e:  # noqa: BLE001 - as above
             self._fail(peer, request_id, e)
         return op in _MUTATING
+
+    def _start_save(self, peer: _Peer, request_id: int, a: dict[str, Any]) -> None:
+        """A client's `save`, on a thread of its own that replies when the file is written:
+        reading the storage units and writing a large store take long, and this thread
+        keeps serving meanwhile (other clients' puts and gets, and the saving client's
+        liveness checks, which `_holds` answers yes until the reply has gone)."""
+        path = a.get("path")
+        if not isinstance(path, str):
+            self._reply_error(peer, request_id, "ValueError", f"save needs a path (a string), got {path!r}")
+            return
+        with self._lock:
+            self._saving.add((peer, request_id))
+
+        def save() -> None:
+            try:
+                self.save(path)
+            except Exception as e:  # noqa: BLE001 - the client gets the error; the server keeps serving
+                self._fail(peer, request_id, e)
+            else:
+                self._reply(peer, request_id, None)
+            finally:
+                with self._lock:  # after the reply: a liveness check answered "no" from here on is read after it
+                    self._saving.discard((peer, request_id))
+
+        threading.Thread(target=save, name="tidal-store-save", daemon=True).start()
 
     def _withdraw(self, peer: _Peer, a: dict[str, Any]) -> bool:
         """Drop `peer`'s parked get or put `a["request"]` (its client stopped waiting: the
@@ -405,13 +435,14 @@ class StoreServer:
         return withdrawn
 
     def _holds(self, peer: _Peer, a: dict[str, Any]) -> bool:
-        """Whether `peer`'s get or put `a["request"]` is parked here: a waiting client's
+        """Whether `peer`'s get or put `a["request"]` is parked here (or its save is in
+        progress, `_start_save`): a waiting client's
         liveness check. False means its reply went out before this one (`_answer`), or this
         server never got it through this connection (it restarted, or the connection broke,
         which drops a connection's parked requests): no reply is coming."""
         request_id = _request_of(a)
         with self._lock:
-            return any(p.peer is peer and p.request_id == request_id for p in self._parked)
+            return (peer, request_id) in self._saving or any(p.peer is peer and p.request_id == request_id for p in self._parked)
 
     def _retry_parked(self) -> None:
         """Retry parked requests in arrival order; answer those that succeed or expire."""

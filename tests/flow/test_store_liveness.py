@@ -221,3 +221,40 @@ def test_a_late_reply_to_a_call_that_timed_out_is_never_taken_for_the_next_ones(
         assert client.ping()["store"]
     finally:
         client.close()
+
+
+def test_a_remote_save_runs_beside_the_server_and_outlasts_the_rpc_timeout(in_thread, monkeypatch, tmp_path):
+    """The server thread itself saved: every other client waited for the whole save, and a
+    save longer than `rpc_timeout_s` failed its own client and the other clients' waits.
+    It saves on a thread of its own now, and says it is still saving while it does."""
+    from tidal.flow.store import persist
+
+    monkeypatch.setattr(client_module, "CANCEL_CHECK_S", 0.2)
+    write, writing = persist.write, threading.Event()
+
+    def slow_write(state, path):
+        writing.set()
+        time.sleep(1.5)  # a large store, a slow disk
+        write(state, path)
+
+    monkeypatch.setattr(persist, "write", slow_write)
+    store = _a_store()
+    with StoreServer(store) as server:
+        saver, other = RemoteStore(server.address, rpc_timeout_s=0.5), RemoteStore(server.address, rpc_timeout_s=0.5)
+        try:
+            thread, outcome = in_thread(lambda: saver.save(str(tmp_path / "store.bin")))
+            assert writing.wait(5)
+            begin = time.monotonic()
+            other.create_partition("more", consumers=["c"])
+            other.put("more", {"y": torch.ones(2, 1)})
+            assert other.get("c", "more", ["y"], 2, timeout=1).indexes == [0, 1]
+            assert time.monotonic() - begin < 0.5 and thread.is_alive()  # served while the save goes on
+            thread.join(10)
+            assert outcome == [None]  # 1.5 s, three times the rpc timeout
+            assert persist.load(tmp_path / "store.bin").metrics()["partitions"]["train"]["rows"] == 1
+            with pytest.raises(StoreError, match="FileNotFoundError"):  # the save's own error reaches its client
+                saver.save(str(tmp_path / "no-such-dir" / "store.bin"))
+            assert other.ping()["store"] is True
+        finally:
+            saver.close()
+            other.close()
