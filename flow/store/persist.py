@@ -71,47 +71,71 @@ def write(state: dict[str, Any], path: str | Path) -> None:
 def load(path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> Store:
     """The store saved at `path` (timing leases with `clock`); `StoreError` naming the
     file when it is not a whole, unchanged store file (bad magic, truncated, checksum
-    mismatch, bad contents)."""
-    data = Path(path).read_bytes()
-    view = memoryview(data)
+    mismatch, bad contents).
+
+    The checksum is checked in a first pass over the file, a chunk at a time, and each
+    buffer is then read straight into memory of its own: the file is never held whole
+    beside its buffers, so a load peaks at about the file's size, not twice it."""
     try:
-        view = _checked_body(view)
-        (header_len,) = struct.unpack_from("<Q", view, 8)
-        pos = 16 + header_len
-        if pos + 4 > len(view):
-            raise CodecError(f"header of {header_len} bytes does not fit a {len(view)}-byte file (truncated?)")
-        header = bytes(view[16:pos])
-        (num_buffers,) = struct.unpack_from("<I", view, pos)
-        pos += 4
-        buffers = []
-        for _ in range(num_buffers):
-            (n,) = struct.unpack_from("<Q", view, pos)
-            pos += 8
-            if pos + n > len(view):
-                raise CodecError("file is truncated")
-            buffers.append(bytearray(view[pos : pos + n]))
-            pos += n
-        if pos != len(view) and data[:8] == MAGIC:
-            raise CodecError(f"{len(view) - pos} bytes after the last buffer")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            body = _checked_body(f, size)
+            f.seek(8)
+            header_len = _unpack(f, "<Q", body)
+            if 16 + header_len + 4 > body:
+                raise CodecError(f"header of {header_len} bytes does not fit a {body}-byte file (truncated?)")
+            header = f.read(header_len)
+            buffers = [_read_buffer(f, _unpack(f, "<Q", body), body) for _ in range(_unpack(f, "<I", body))]
+            if f.tell() != body and body != size:  # an older file (unchecked) may end with anything
+                raise CodecError(f"{body - f.tell()} bytes after the last buffer")
         return Store.from_state_dict(decode(header, buffers), clock=clock)
     except (CodecError, struct.error, KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError) as e:  # what a malformed file's contents raise
         raise StoreError(f"cannot load store from {str(path)!r}: {e}") from e
 
 
-def _checked_body(view: memoryview) -> memoryview:
-    """The file without its checksum, once the checksum matches (an older file: as it is)."""
-    magic = bytes(view[:8])
+READ_CHUNK_BYTES = 1 << 24
+"""How much of the file the checksum pass reads at a time."""
+
+
+def _checked_body(f: Any, size: int) -> int:
+    """The length of the file's contents without its checksum, once the checksum matches
+    (an older file: its whole size)."""
+    magic = f.read(8)
     if magic == MAGIC_UNCHECKED:
-        return view
+        return size
     if magic != MAGIC:
         raise CodecError(f"not a tidal store file (bad magic {magic!r}; expected {MAGIC!r})")
-    if len(view) < 8 + 8 + 4 + 4:
-        raise CodecError(f"file is truncated ({len(view)} bytes)")
-    body, (expected,) = view[:-4], struct.unpack_from("<I", view, len(view) - 4)
-    actual = zlib.crc32(body)
+    if size < 8 + 8 + 4 + 4:
+        raise CodecError(f"file is truncated ({size} bytes)")
+    body = size - 4
+    actual, left = zlib.crc32(magic), body - 8
+    while left:
+        chunk = f.read(min(left, READ_CHUNK_BYTES))
+        if not chunk:
+            raise CodecError("file is truncated")  # it shrank while being read
+        actual, left = zlib.crc32(chunk, actual), left - len(chunk)
+    (expected,) = struct.unpack("<I", f.read(4))
     if actual != expected:
         raise CodecError(f"checksum mismatch (file says {expected:#010x}, contents give {actual:#010x}): the file was changed or cut short after it was saved")
     return body
+
+
+def _unpack(f: Any, fmt: str, body: int) -> int:
+    """One number of `fmt` read from `f`, which must end before `body`."""
+    n = struct.calcsize(fmt)
+    if f.tell() + n > body:
+        raise CodecError("file is truncated")
+    return struct.unpack(fmt, f.read(n))[0]
+
+
+def _read_buffer(f: Any, n: int, body: int) -> bytearray:
+    """The next `n` bytes of `f` (which must end before `body`), read into a buffer of their own."""
+    if f.tell() + n > body:
+        raise CodecError("file is truncated")
+    buf = bytearray(n)
+    if f.readinto(buf) != n:
+        raise CodecError("file is truncated")
+    return buf
 
 
 def _parts(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -140,6 +141,22 @@ def test_a_store_file_with_a_flipped_bit_is_refused_not_loaded_wrong(tmp_path, w
         load(path)
 
 
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [
+        (lambda data: data[: len(data) // 2], "checksum mismatch"),
+        (lambda data: data[:12], r"file is truncated \(12 bytes\)"),
+        (lambda data: b"TIDALST1" + data[8 : len(data) // 2], "file is truncated"),  # the format before checksums, cut inside a buffer
+        (lambda data: b"NOTASTOR" + data[8:], "bad magic"),
+    ],
+)
+def test_a_store_file_cut_short_or_foreign_is_refused_by_name(tmp_path, cut, message):
+    path = _saved(tmp_path)
+    path.write_bytes(cut(path.read_bytes()))
+    with pytest.raises(StoreError, match=rf"cannot load store from '{path}': .*{message}"):
+        load(path)
+
+
 def test_a_store_file_of_the_format_before_checksums_still_loads(tmp_path):
     path = _saved(tmp_path)
     data = path.read_bytes()
@@ -197,3 +214,24 @@ def test_a_put_with_an_unhashable_group_is_refused_before_it_wedges_grouped_gets
         store.put("p", {"x": [1, 2]}, groups=[(0,), [0]])
     store.put("p", {"x": [3, 4]}, groups=[(0, "a"), (0, "a")])
     assert store.get("c", "p", ["x"], 2, sampler=Grouped(2), timeout=0).columns["x"] == [3, 4]
+
+
+def test_a_load_holds_the_file_about_once_not_twice(tmp_path):
+    """`load` read the whole file, then copied each buffer out of it: a resume peaked at
+    twice the file's size. The buffers are read straight from the file now."""
+    store = Store()
+    store.create_partition("p", consumers=["c"])
+    for k in range(8):
+        store.put("p", {"x": torch.full((16, 32768), float(k))})  # 2 MB a put, 16 MB in all
+    path = tmp_path / "store.bin"
+    save(store, path)
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        again = load(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size > 16 * 2**20 and peak < 1.3 * size, (peak, size)
+    batch = again.get("c", "p", ["x"], 128, timeout=0)
+    assert torch.equal(batch.stack("x")[::16, 0], torch.arange(8.0))
