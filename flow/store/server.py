@@ -435,11 +435,11 @@ class StoreServer:
         return withdrawn
 
     def _holds(self, peer: _Peer, a: dict[str, Any]) -> bool:
-        """Whether `peer`'s get or put `a["request"]` is parked here (or its save is in
-        progress, `_start_save`): a waiting client's
-        liveness check. False means its reply went out before this one (`_answer`), or this
-        server never got it through this connection (it restarted, or the connection broke,
-        which drops a connection's parked requests): no reply is coming."""
+        """Whether `peer`'s get or put `a["request"]` is parked here, or its save still runs
+        (`_start_save`): a waiting client's liveness check. False means its reply went out
+        before this one (`_answer`), or this server never got it through this connection (it
+        restarted, or the connection broke, which drops a connection's parked requests): no
+        reply is coming."""
         request_id = _request_of(a)
         with self._lock:
             return (peer, request_id) in self._saving or any(p.peer is peer and p.request_id == request_id for p in self._parked)
