@@ -46,12 +46,17 @@ def num_rows_of(item: tuple[str, Any]) -> int:
 
 
 def check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
-    """A put's per-row metadata has one entry per row (each may be None), and each group
-    id is hashable (samplers key groups by it)."""
+    """A put's per-row metadata has one entry per row (each may be None), each group id is
+    hashable by value (samplers key groups by it), and each row's tags are a map."""
     for name, per_row in (("groups", groups), ("versions", versions), ("tags", tags)):
         if per_row is not None and len(per_row) != num_rows:
             raise ValueError(f"{name} has {len(per_row)} entries for {num_rows} rows")
+    for k, row_tags in enumerate(tags if tags is not None else ()):
+        if row_tags is not None and not isinstance(row_tags, Mapping):
+            raise ValueError(f"tags[{k}] is {row_tags!r}, not a map of tag names to values (or None)")
     for k, group in enumerate(groups if groups is not None else ()):
+        if isinstance(group, torch.Tensor):  # hashed by identity: no two rows would share a group, and a grouped get waits for ever
+            raise ValueError(f"groups[{k}] is a tensor ({group!r}); a group id is an int, a str or a tuple of them (pass groups.tolist())")
         try:
             hash(group)
         except TypeError:  # a grouped get would fail on it for ever, never naming the row

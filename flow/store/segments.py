@@ -133,7 +133,7 @@ class Segment:
         self.versions = _versions(n, versions)
         self.versions.flags.writeable = False  # set once; batches and samplers share it
         self.same_version: int | None = NO_VERSION if versions is None else (int(self.versions[0]) if n and bool((self.versions == self.versions[0]).all()) else None)
-        self.tags = [dict(t) for t in tags] if tags is not None else None
+        self.tags = [dict(t) if t is not None else {} for t in tags] if tags is not None else None
         self.columns: dict[str, Column] = {}
         self.idle: set[tuple[str, frozenset[str]]] = set()  # (consumer, columns) with nothing ready here
         self.whole_since: dict[frozenset[str], int] = {}  # columns every live row has, all from one put each: the newest stamp

@@ -342,7 +342,7 @@ class Store:
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
             # Only evictions (acks) free room, and they notify: wait for them or the deadline.
-            self._room_in(part).wait(None if deadline is None else max(deadline - self._clock(), 0.0))
+            self._room_in(part).wait(_bounded(None if deadline is None else max(deadline - self._clock(), 0.0)))
 
     # Get / ack --------------------------------------------------------------------------
     def get(
@@ -374,6 +374,8 @@ class Store:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(columns, str):  # else a get of "reward" waits for columns 'r', 'e', 'w', 'a', 'd'
+            raise ValueError(f"columns must be a list of column names, got the string {columns!r}")
         sampler = sampler or Sequential()
         key = frozenset(columns)
         start = self._clock()
@@ -500,7 +502,10 @@ class Store:
 
     def _cell(self, part: Partition, index: int, column: str) -> Any:
         for seg, local, _ in part.locate(np.asarray([index], dtype=np.int64)):
-            chunk_id, offset = seg.columns[column].cell(int(local[0]))
+            cells = seg.columns.get(column)
+            chunk_id, offset = cells.cell(int(local[0])) if cells is not None else (-1, 0)
+            if chunk_id < 0:  # a sampler reading a column the get did not ask for (ready rows have those)
+                raise ValueError(f"row {index} of partition {part.name!r} has no column {column!r}; a sampler that reads a column needs the get to ask for it")
             return part.chunks[chunk_id][offset]
         raise StoreError(f"partition {part.name!r} has no row {index}")
 
@@ -541,7 +546,7 @@ class Store:
         waits = [deadline - now] if deadline is not None else []
         if part.leases:
             waits.append(max(part.leases[0][0] - now, 0.0))
-        return min(waits) if waits else None
+        return _bounded(min(waits)) if waits else None
 
     # Introspection ----------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -583,3 +588,9 @@ class Store:
         with self._lock:
             self._closed = True
             self._notify()
+
+
+def _bounded(wait: float | None) -> float | None:
+    """A condition wait of `wait` seconds as threading takes it: None (until notified) for one
+    longer than it can time (an infinite lease or timeout), which would raise OverflowError."""
+    return None if wait is not None and wait >= threading.TIMEOUT_MAX else wait

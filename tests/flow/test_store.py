@@ -406,3 +406,19 @@ def test_a_put_that_acks_rows_of_its_own_full_partition_counts_the_room_they_fre
         two.put("p", {"x": [3, 4]}, timeout=0.05, ack=("c", "p", rows))
     assert two.put("p", {"x": [3]}, timeout=1, ack=("c", "p", rows)) == [2]
     assert two.metrics()["partitions"]["p"]["rows"] == 2 and two.get("d", "p", ["x"], 2).indexes == [1, 2]
+
+
+def test_tags_of_a_row_may_be_none_and_bad_tags_are_named():
+    store = make(consumers=["c"])
+    store.put("p", {"x": [0, 1]}, tags=[None, {"resume": True}])  # no tags, like groups and versions
+    assert store.get("c", "p", ["x"], 2, sampler=TaggedFirst("resume"), timeout=0).indexes == [1, 0]
+    with pytest.raises(ValueError, match=r"tags\[1\] is 'resume'"):
+        store.put("p", {"x": [2, 3]}, tags=[{}, "resume"])
+    assert store.metrics()["partitions"]["p"]["rows"] == 2
+
+
+def test_a_get_of_columns_given_as_one_string_is_refused_not_left_waiting():
+    store = make(consumers=["c"])
+    store.put("p", {"reward": [1.0]})
+    with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'"):
+        store.get("c", "p", "reward", 1, timeout=0)  # waited (for ever, without a timeout) for columns 'r', 'e', 'w', 'a', 'd'

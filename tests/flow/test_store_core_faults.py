@@ -235,3 +235,19 @@ def test_a_load_holds_the_file_about_once_not_twice(tmp_path):
     assert size > 16 * 2**20 and peak < 1.3 * size, (peak, size)
     batch = again.get("c", "p", ["x"], 128, timeout=0)
     assert torch.equal(batch.stack("x")[::16, 0], torch.arange(8.0))
+
+
+def test_a_lease_or_timeout_longer_than_threads_can_wait_still_waits_for_rows_and_room():
+    # lease_s: .inf ("never hand rows out again") passes the recipe check; waits past
+    # threading.TIMEOUT_MAX made every get that had to wait raise OverflowError.
+    store = Store()
+    store.create_partition("p", consumers=["c"], capacity_rows=1, lease_s=float("inf"))
+    store.put("p", {"x": [0]})
+    taken = store.get("c", "p", ["x"], 1, timeout=0)
+    threading.Timer(0.05, lambda: store.ack("c", "p", taken.indexes)).start()
+    assert store.put("p", {"x": [1]}, timeout=float("inf")) == [1]  # waited for room
+    assert store.get("c", "p", ["x"], 1, timeout=0).indexes == [1]  # leased for ever
+    for row, timeout in ((2, None), (3, 1e12)):  # waits for a put, until the next lease expiry (never)
+        store.ack("c", "p", [row - 1])
+        threading.Timer(0.05, lambda row=row: store.put("p", {"x": [row]}, timeout=10)).start()
+        assert store.get("c", "p", ["x"], 1, timeout=timeout).indexes == [row]

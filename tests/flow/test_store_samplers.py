@@ -192,3 +192,21 @@ def test_from_spec_without_an_inner_sampler_names_the_kind_and_the_key(sampler):
         from_spec(spec)
     with pytest.raises(ValueError, match=rf"sampler '{kind}' needs inner to be a sampler spec \(a map\), got 3"):
         from_spec({**spec, "inner": 3})
+
+
+def test_a_sampler_reading_a_column_a_row_lacks_is_told_which_row_and_column():
+    store = make()
+    store.put("p", {"x": [1, 2], "tokens": [[1], [1, 2]]})
+    store.put("p", {"x": [3, 4]})
+    store.put("p", {"tokens": [[1]]}, indexes=[2])  # row 3 has no tokens: was KeyError(-1)
+    with pytest.raises(ValueError, match="row 3 of partition 'p' has no column 'tokens'"):
+        store.get("c", "p", ["x"], 4, sampler=SeqlenBalanced(2, "tokens"), timeout=0)
+    assert store.get("c", "p", ["x", "tokens"], 2, sampler=SeqlenBalanced(2, "tokens"), timeout=0).indexes == [1, 0]
+
+
+def test_group_ids_given_as_a_tensor_are_refused_not_left_to_starve_grouped_gets():
+    store = make()
+    with pytest.raises(ValueError, match=r"groups\[0\] is a tensor .*pass groups.tolist\(\)"):
+        store.put("p", {"x": [0, 1]}, groups=torch.tensor([7, 7]))  # each element hashed by identity: no group ever complete
+    store.put("p", {"x": [0, 1]}, groups=torch.tensor([7, 7]).tolist())
+    assert store.get("c", "p", ["x"], 2, sampler=Grouped(2), timeout=0).indexes == [0, 1]
