@@ -492,7 +492,7 @@ class RemoteStore:
             "ack": None if ack is None else as_indexes(ack),
             "consumer": consumer,
             "partition": partition,
-            "columns": list(columns),
+            "columns": columns if isinstance(columns, str) else list(columns),  # a string: the server names it (`Store.get`)
             "batch_size": batch_size,
             "sampler": _SEQUENTIAL_SPEC if sampler is None else to_spec(sampler),
             "timeout": timeout,

@@ -498,3 +498,13 @@ def test_a_server_whose_port_is_taken_leaks_nothing(wait_for):
                 StoreServer(Store(), address=taken.address)
             errors.append(info)  # held, as a caller that reports it does (its traceback holds the half-built server)
         wait_for(lambda: len(os.listdir("/proc/self/fd")) <= before, timeout=10)
+
+
+def test_a_remote_get_of_columns_given_as_one_string_is_refused_not_left_waiting(served):
+    """The client split "reward" into columns 'r', 'e', ... before the store could name it."""
+    _, _, client = served
+    client.create_partition("p", consumers=["c"])
+    client.put("p", {"reward": [1.0]})
+    with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'"):
+        client.get("c", "p", "reward", 1, timeout=0)
+    assert client.get("c", "p", ["reward"], 1, timeout=0).indexes == [0]
