@@ -119,7 +119,7 @@ class IpcSender:
         version posted before (raising its error, if any), then writes and announces this one."""
         if not self._sockets:
             raise TransferError("no weight receiver is connected")
-        self._settle()
+        self.collect()
         self._posted = None
         source = weight_source(weights)
         manifest = plan_manifest(version, source.specs(), bucket_bytes=1 << 62)  # one bucket: the whole buffer
@@ -134,13 +134,16 @@ class IpcSender:
         return manifest
 
     def _settle(self) -> None:
-        """`collect`, then raise `TransferError` while a receiver reset by an earlier failure may still read the buffer."""
-        self.collect()
+        """The end of every `collect`: raise `TransferError` while a receiver reset by an earlier
+        failure may still read the buffer; else placed weights are the caller's to change, so
+        the buffer no longer holds the version posted (nothing to announce again)."""
         if self._unsettled:
             raise TransferError(
                 f"weight receiver {', '.join(sorted(self._unsettled))} may still be reading version {self._posted[0].version if self._posted else '?'} "
                 "(its answer never came): post_again() and collect() to hear from it, or disconnect() it, before the buffer is written again"
             )
+        if self._placed is not None:
+            self._posted = None
 
     def _write(self, manifest: Manifest, source: WeightSource) -> torch.Tensor:
         """Copy the source's tensors into the buffer, in the manifest's order; the buffer."""
@@ -189,7 +192,7 @@ class IpcSender:
                 reset by an earlier failure may still be reading the buffer (as `post`).
                 Nothing is placed.
         """
-        self._settle()
+        self.collect()
         ties = dict(ties or {})
         manifest = plan_manifest(0, specs, bucket_bytes=1 << 62)  # checks the names are unique
         index = {spec.name: i for i, spec in enumerate(manifest.specs)}
@@ -215,7 +218,8 @@ class IpcSender:
     def post_again(self) -> None:
         """Announce the version in the buffer again to every receiver not waited on (after a
         receiver was replaced: the new one gets it, the others take it twice, harmlessly).
-        Nothing to announce before the first `post`, or after one that failed."""
+        Nothing to announce before the first `post`, after one that failed, or once every
+        receiver answered a version of placed weights (the trainer may have changed them)."""
         if self._posted is None:
             return
         for address, sock in self._sockets.items():
@@ -227,8 +231,11 @@ class IpcSender:
         """Wait until every receiver answered the posted version (nothing to do when none
         is out). Raises `TransferError` when one refused it, did not answer within
         `timeout_s` (default: the reply timeout), or `abort` was called; the sockets still
-        waiting are then reset."""
+        waiting are then reset. A reset receiver may still read the buffer (placed weights
+        too, which the caller changes once this returns): until it answers again
+        (`post_again`, then `collect`) or is disconnected, this raises `TransferError`."""
         if not self._waiting:
+            self._settle()
             return
         version = self._posted[0].version if self._posted is not None else None
         poller = zmq.Poller()
@@ -254,6 +261,7 @@ class IpcSender:
             for address in list(self._waiting):
                 self._reset(address)
             raise
+        self._settle()
 
     def abort(self) -> None:
         """Make a `collect` in progress in another thread, and every later one, give up with

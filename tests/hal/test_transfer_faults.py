@@ -280,3 +280,71 @@ def test_a_weight_broadcast_group_applies_the_platforms_communication_defaults(m
     assert applied == [True, True]
     receiver.close()
     sender.close()
+
+
+def test_ipc_collect_does_not_clear_placed_weights_for_change_under_a_receiver_that_may_still_read():
+    """Placed weights change as soon as `collect` returns (the trainer's next optimizer
+    step). A receiver whose answer never came (reset) may still read them: a second
+    `collect` returned at once (nothing waited on), the trainer changed its weights, and
+    the late receiver returned version 1 holding what the step wrote."""
+    v1 = {"w": torch.full((1024,), 1.0)}
+    receiver = IpcReceiver(CpuPlatform(), expected=expected_specs(v1.items()))
+    sender = IpcSender(CpuPlatform(), reply_timeout_s=0.3)
+    sender.connect(receiver.address)
+    try:
+        (view,) = sender.place([TensorSpec.of("w", v1["w"])])
+        view.copy_(v1["w"])
+        sender.post(1, [("w", view)])
+        with pytest.raises(TransferError, match=r"did not answer within 0.3s \(version 1\)"):
+            sender.collect()
+        with pytest.raises(TransferError, match=f"{receiver.address} may still be reading version 1"):
+            sender.collect()  # the trainer asks again before its step: not yet
+        got = receiver.receive(30)  # version 1's announcement, late: the weights are still version 1's
+        assert got.version == 1 and got.tensors["w"].unique().tolist() == [1.0]
+        t = threading.Thread(target=receiver.receive, args=(30,), daemon=True)
+        t.start()
+        sender.post_again()
+        sender.collect()  # it answered: now the trainer may change them
+        t.join(30)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["answered", "refused"])
+def test_ipc_placed_version_is_not_announced_again_once_the_trainer_may_have_changed_it(refused, receive_in_thread):
+    """`post_again` gives a replaced receiver the version in the buffer. Placed weights are
+    no longer that version once `collect` returned (the trainer steps them in place): a
+    receiver connected after the step was announced version 1 and returned the stepped
+    weights as version 1 (also when the first receiver had refused version 1)."""
+    v1 = {"w": torch.full((1024,), 1.0)}
+    first = IpcReceiver(CpuPlatform(), expected=expected_specs([("other", torch.zeros(3))] if refused else v1.items()))
+    sender = IpcSender(CpuPlatform(), reply_timeout_s=30)
+    sender.connect(first.address)
+    replacement = None
+    try:
+        (view,) = sender.place([TensorSpec.of("w", v1["w"])])
+        view.copy_(v1["w"])
+        t, out = receive_in_thread(first.receive, 30)
+        sender.post(1, [("w", view)])
+        if refused:
+            with pytest.raises(TransferError, match="refused version 1"):
+                sender.collect()
+        sender.collect()  # every receiver answered: the trainer may change its weights
+        t.join(30)
+        view.fill_(2.0)  # the trainer's optimizer step, in place
+        sender.disconnect(first.address)
+        replacement = IpcReceiver(CpuPlatform(), expected=expected_specs(v1.items()))
+        sender.connect(replacement.address)
+        sender.post_again()  # nothing to announce: the buffer holds no posted version now
+        with pytest.raises(TransferError, match="no weights arrived"):
+            replacement.receive(0.3)
+        t, out = receive_in_thread(replacement.receive, 30)
+        sender.post(2, [("w", view)])  # the next version reaches it
+        t.join(30)
+        assert out["weights"].version == 2 and out["weights"].tensors["w"].unique().tolist() == [2.0]
+    finally:
+        sender.close()
+        first.close()
+        if replacement is not None:
+            replacement.close()
