@@ -120,12 +120,24 @@ class MetricsLog:
             self._writer.write(scalars(values), step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Close both files.
+
+        Raises:
+            OSError: naming `metrics.jsonl`, when the disk still refuses the line a `write`
+                could not write (TensorBoard's file is closed all the same).
+        """
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.close()
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
 
 def last_metrics(path: Path) -> dict[str, Any] | None:

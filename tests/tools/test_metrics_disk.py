@@ -37,3 +37,34 @@ def test_a_refused_line_names_the_file_and_is_written_whole_once_there_is_room(t
     assert f"refused: File too large {tmp_path / 'metrics.jsonl'}" in out.stdout
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+
+def test_closing_on_a_disk_that_still_refuses_the_line_names_the_file(tmp_path):
+    """The run that a refused line stops closes its metrics on the way out, on the same full
+    disk: `close` raised an OSError that named no file, in place of `write`'s (so `tidal run`
+    printed a traceback instead of the file to free space for)."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        from tidal.tools.metrics import MetricsLog
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        log = MetricsLog(Path({str(tmp_path)!r}), tensorboard=False)
+        step = lambda n: {{"step": n, "time": 1.0, "reward": 0.5, "note": "x" * 60}}
+        log.write(step(1))
+        size = (Path({str(tmp_path)!r}) / "metrics.jsonl").stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 30, resource.RLIM_INFINITY))
+        try:
+            log.write(step(2))
+        except OSError as e:
+            print("refused:", e.strerror, e.filename)
+        try:
+            log.close()
+        except OSError as e:
+            print("close refused:", e.strerror, e.filename)
+        log.close()  # closed already: nothing more to say
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"refused: File too large {tmp_path / 'metrics.jsonl'}", f"close refused: File too large {tmp_path / 'metrics.jsonl'}"]

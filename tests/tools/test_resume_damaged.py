@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,147 @@ def test_run_check_of_a_whole_checkpoint_passes_without_loading_its_weights(fini
     monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("the check loaded the model"))
     assert main(["run", "quickstart_cpu", *TINY, f"run_dir={tmp_path / 'new'}", f"resume={finished}", "--check"]) == 0
     assert (tmp_path / "new" / "config.yaml").is_file()
+
+
+SAVE_ON_A_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.store import Store, persist
+from tidal.tools.checkpoint import save_checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+run_dir = Path(sys.argv[1])
+tokenizer = CharTokenizer()
+model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+trainer = TorchTrainEngine(model(), version=1)
+save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}
+save = lambda pad: save_checkpoint(run_dir, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={"accuracy_before": 0.0, "pad": "x" * pad})
+save(0)
+trainer.version = 2
+for limit, pad in ((100_000, 200_000), (20_000, 0)):  # state.json refused; model.safetensors refused
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+        save(pad)
+    except Exception as e:
+        print(json.dumps({"error": type(e).__name__, "filename": getattr(e, "filename", None), "left": sorted(p.name for p in (run_dir / "checkpoints").iterdir())}))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+"""
+
+
+def test_a_checkpoint_the_disk_refuses_leaves_the_last_one_named_and_none_of_its_own_files(tmp_path):
+    """A full disk (a file-size limit stands in for it) while a checkpoint is written: `latest`
+    still names the last whole one, and the half-written `step-NNNNNN.tmp` is gone (it was
+    left, as large as the weights, on the disk that was full, in a run directory no later
+    save cleans: `resume=` continues in a new one). The OSError names the checkpoint (it
+    named no file, so `tidal run` printed a traceback)."""
+    import subprocess
+    import sys
+
+    from tidal.tools.checkpoint import load_checkpoint
+    from tidal.tools.run import latest_checkpoint
+
+    out = subprocess.run([sys.executable, "-c", SAVE_ON_A_FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    state_json, safetensors = (json.loads(line) for line in out.stdout.splitlines())
+    assert state_json == {"error": "OSError", "filename": str(tmp_path / "checkpoints" / "step-000002"), "left": ["latest", "step-000001"]}
+    assert safetensors["left"] == ["latest", "step-000001"]
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+    load_checkpoint(latest_checkpoint(tmp_path), attention="eager")
+
+
+def test_a_second_ctrl_c_while_a_checkpoint_is_written_leaves_the_last_one_and_no_half_of_the_new_one(tmp_path):
+    """The second Ctrl-C stops at once, often while the checkpoint the first asked for is
+    written: its half-written folder went with it, not left in the run directory."""
+    from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+    from tidal.engines.torch_train import TorchTrainEngine
+    from tidal.flow.store import Store, persist
+    from tidal.tools.checkpoint import save_checkpoint
+    from tidal.tools.run import latest_checkpoint
+
+    tokenizer = CharTokenizer()
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    trainer = TorchTrainEngine(model(), version=1)
+
+    def save_data(path: Path) -> dict:
+        persist.save(Store(), path)
+        if trainer.version == 2:
+            raise KeyboardInterrupt  # the second Ctrl-C, once the weights are written
+        return {"prompt_position": 0}
+
+    save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
+    trainer.version = 2
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+
+
+def test_a_checkpoint_folders_new_name_reaches_the_disk_before_latest_names_it(tmp_path, monkeypatch):
+    """`step-NNNNNN.tmp` renamed to `step-NNNNNN` and `latest.tmp` renamed over `latest`
+    are two entries of `checkpoints/`: until the folder is flushed, a power loss may keep
+    the second rename without the first (POSIX orders neither), and `latest` would name a
+    folder that is not there. The folder was flushed only after both."""
+    import os
+
+    from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+    from tidal.engines.torch_train import TorchTrainEngine
+    from tidal.flow.store import Store, persist
+    from tidal.tools import checkpoint as checkpoint_module
+
+    tokenizer = CharTokenizer()
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    trainer = TorchTrainEngine(model(), version=1)
+    events: list[tuple[str, str]] = []
+    fsync, replace, rename = os.fsync, os.replace, Path.rename
+
+    def noted_fsync(fd: int) -> None:
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        fsync(fd)
+
+    def noted_replace(src: Any, dst: Any) -> None:
+        events.append(("replace", Path(dst).name))
+        replace(src, dst)
+
+    def noted_rename(self: Path, target: Any) -> Path:
+        events.append(("rename", Path(target).name))
+        return rename(self, target)
+
+    monkeypatch.setattr(checkpoint_module.os, "fsync", noted_fsync)
+    monkeypatch.setattr(checkpoint_module.os, "replace", noted_replace)
+    monkeypatch.setattr(Path, "rename", noted_rename)
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
+    checkpoint_module.save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
+    renamed, named = events.index(("rename", "step-000001")), events.index(("replace", "latest"))
+    assert ("fsync", "checkpoints") in events[renamed:named]
+
+
+def test_a_save_cut_after_setting_the_steps_old_checkpoint_aside_puts_it_back(tmp_path, monkeypatch):
+    """Saving a step again (a resumed finished run) sets the old one aside as `.old` before
+    the new one takes its name, while `latest` names that step. A save cut between the two
+    renames (a second Ctrl-C) removed the new one and left `latest` naming no folder."""
+    from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+    from tidal.engines.torch_train import TorchTrainEngine
+    from tidal.flow.store import Store, persist
+    from tidal.tools.checkpoint import load_checkpoint, save_checkpoint
+    from tidal.tools.run import latest_checkpoint
+
+    tokenizer = CharTokenizer()
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    trainer = TorchTrainEngine(model(), version=1)
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
+    save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={"attempt": "first", "accuracy_before": 0.0})
+    rename = Path.rename
+
+    def cut_before_the_new_one_is_named(self: Path, target: Any) -> Path:
+        if self.name.endswith(".tmp") and Path(target).name == "step-000001":
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", cut_before_the_new_one_is_named)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={"attempt": "second", "accuracy_before": 0.0})
+    monkeypatch.setattr(Path, "rename", rename)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
+    assert json.loads((latest_checkpoint(tmp_path) / "state.json").read_text())["attempt"] == "first"
+    load_checkpoint(latest_checkpoint(tmp_path), attention="eager")
