@@ -27,6 +27,8 @@ from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows
 
 WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
 """Upper bounds (seconds) of the get wait-time histogram."""
+LEASES_COMPACT_MIN = 1024
+"""A partition's lease heap is never compacted below this many entries."""
 
 
 class Column:
@@ -213,6 +215,8 @@ class Partition:
         self.nbytes = 0
         self.num_evicted = 0
         self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
+        self.leases_compact_at = LEASES_COMPACT_MIN
+        """Heap size at which the entries of leases acked since are dropped (`Store._compact_leases`)."""
 
     @property
     def starts(self) -> np.ndarray:

@@ -36,7 +36,7 @@ import numpy as np
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of, row_nbytes, unique_sorted
 from tidal.flow.store.evict import ack_rows, replace_cells
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential, group_size_of
-from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
+from tidal.flow.store.segments import LEASES_COMPACT_MIN, WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
 
 
 class StoreError(RuntimeError):
@@ -178,7 +178,7 @@ class Store:
         """When the earliest outstanding lease expires (store clock), or None."""
         with self._lock:
             for part in self._parts.values():
-                self._expire_leases(part)  # also drops heap entries of leases acked since
+                self._expire_leases(part)  # redelivers what expired, and drops its heap entries
             deadlines = [part.leases[0][0] for part in self._parts.values() if part.leases]
             return min(deadlines) if deadlines else None
 
@@ -420,6 +420,8 @@ class Store:
             expiry = self._clock() + part.lease_s
             self._lease_seq += 1
             heapq.heappush(part.leases, (expiry, self._lease_seq, consumer, take))
+            if len(part.leases) >= part.leases_compact_at:
+                self._compact_leases(part)
             span = part.span(take[0], len(take)) if isinstance(take, range) or contiguous(take) else None
             groups: list[Any] | None
             if span is not None:  # the usual case: consecutive rows of one segment
@@ -530,6 +532,20 @@ class Store:
             count += len(local)
         part.consumers[consumer].num_redelivered += count
         return count
+
+    def _compact_leases(self, part: Partition) -> None:
+        """Drop the heap entries of leases whose rows were all acked or released since: an
+        entry otherwise stays until its deadline (`lease_s`, an hour in the workflow), and
+        a run taking many batches a second held hundreds of thousands. Compacted again once
+        the heap has doubled, so each entry is looked at a constant number of times."""
+        live = [
+            entry
+            for entry in part.leases
+            if any(bool((seg.lease[entry[2]][local] == entry[0]).any()) for seg, local, _ in part.locate(as_indexes(entry[3])))
+        ]
+        heapq.heapify(live)
+        part.leases = live
+        part.leases_compact_at = max(2 * len(live), LEASES_COMPACT_MIN)
 
     def _expire_leases(self, part: Partition) -> int:
         now, expired = self._clock(), 0

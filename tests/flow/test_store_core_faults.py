@@ -251,3 +251,20 @@ def test_a_lease_or_timeout_longer_than_threads_can_wait_still_waits_for_rows_an
         store.ack("c", "p", [row - 1])
         threading.Timer(0.05, lambda row=row: store.put("p", {"x": [row]}, timeout=10)).start()
         assert store.get("c", "p", ["x"], 1, timeout=timeout).indexes == [row]
+
+
+def test_the_lease_heap_forgets_leases_acked_long_before_their_deadline():
+    """Every get pushed a heap entry that stayed until its deadline (an hour in the
+    workflow) though its rows were acked at once: a run of many batches a second held
+    hundreds of thousands. A lease still out keeps its entry and still expires."""
+    now = [0.0]
+    store = Store(clock=lambda: now[0])
+    store.create_partition("p", consumers=["c"], lease_s=3600)
+    store.put("p", {"x": [-1]})
+    kept = store.get("c", "p", ["x"], 1, timeout=0)  # never acked
+    for k in range(5000):
+        store.put("p", {"x": [k]})
+        store.ack("c", "p", store.get("c", "p", ["x"], 1, timeout=0).indexes)
+    assert len(store._parts["p"].leases) <= 2048  # noqa: SLF001 - was 5001
+    now[0] = 3601.0
+    assert store.get("c", "p", ["x"], 1, timeout=0).indexes == kept.indexes  # expired: delivered again
