@@ -94,7 +94,7 @@ class RemoteRollouts:
         info["rollout_summaries"] = self._rollouts.summaries  # filled when the actors returned
         info["rollout_restarts"] = self._rollouts.restarts
         info["versions_replaced"] = self._rollouts.versions_replaced
-        self._info_path.write_text(json.dumps(info, indent=2) + "\n")
+        write_whole(self._info_path, json.dumps(info, indent=2) + "\n")
         for actor in self._actors:
             ray.kill(actor)
         # their state went with them: a trainer rank's next turn (a follower's, for the final
@@ -388,7 +388,7 @@ class TrainerActor:
                 stopper.release.remote()  # the relay thread's wait returns
         summary["trainer_platform"] = self.describe()
         summary["trainer_restarts"] = attempt
-        (Path(run_dir) / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+        write_whole(Path(run_dir) / "summary.json", json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
         return summary
 
 
@@ -486,7 +486,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     for follower in (f for f in followers if f.get("timeshare") is not None):  # labelled as rank 0's (tools/train.py): this attempt's
                         follower["timeshare"] = {"since_version": summary.get("resumed_at", 0), **follower["timeshare"]}
                     summary["trainer_ranks"] = [{"rank": 0, **where[0]}, *followers]
-                    (run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+                    write_whole(run_dir / "summary.json", json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
                 return summary
             except ray.exceptions.RayActorError as e:  # a trainer process died (rank 0's rollout actors with it)
                 if not rank_died(e):  # a rank raised it (say, a rollout actor that cannot be built): an error, not a death

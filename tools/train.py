@@ -35,6 +35,7 @@ from tidal.engines.rewards import resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS, TASKS, problem_key
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, save_model
 from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.files import write_whole
 from tidal.flow.store import Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -549,7 +550,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         summary["timeshare"] = {"since_version": state["version"] if resume_from is not None else 0, **timeshare}
     if stop.reason is not None:
         summary["stopped_early"] = stop.reason
-    (run_dir / "summary.json").write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+    write_whole(run_dir / "summary.json", json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
     if group_file is not None:
         torch.distributed.destroy_process_group()
         group_file.unlink(missing_ok=True)
