@@ -8,6 +8,8 @@ runs it (generate, logprobs, save_pretrained) is the one a real model takes.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -104,10 +106,25 @@ def build_tiny_qwen2(
 
 
 def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, directory: str | Path) -> None:
-    """safetensors weights + config.json + tokenizer.json."""
+    """safetensors weights + config.json + tokenizer.json.
+
+    Raises:
+        OSError: naming the weights file, when writing it failed in the operating system
+            (a full disk): safetensors raises its own error, which says "os error N" in
+            its text only.
+    """
     transformers.utils.logging.disable_progress_bar()  # no shard bars in a run's output
-    model.save_pretrained(directory, safe_serialization=True)
+    try:
+        model.save_pretrained(directory, safe_serialization=True)
+    except Exception as e:
+        code = _OS_ERROR.search(str(e)) if type(e).__name__ == "SafetensorError" else None
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(Path(directory) / "model.safetensors")) from e
     tokenizer.save(directory)
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def load_model(directory: str | Path, *, attention: str = "sdpa") -> tuple[transformers.PreTrainedModel, CharTokenizer]:
