@@ -80,6 +80,7 @@ class Store:
     # Setup ------------------------------------------------------------------------------
     def create_partition(self, name: str, *, consumers: Sequence[str], capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float = 300.0) -> None:
         """Create a table. Every row stays until each of `consumers` has acked it."""
+        _check_settings(name, capacity_rows=capacity_rows, capacity_bytes=capacity_bytes, lease_s=lease_s)
         with self._lock:
             if name in self._parts:
                 raise ValueError(f"partition {name!r} already exists")
@@ -87,6 +88,7 @@ class Store:
 
     def configure_partition(self, name: str, *, capacity_rows: int | None = None, lease_s: float | None = None) -> None:
         """Set a partition's row capacity and lease (those given; a resumed run's settings)."""
+        _check_settings(name, capacity_rows=capacity_rows, lease_s=lease_s)
         with self._lock:
             part = self._part(name)
             part.capacity_rows = part.capacity_rows if capacity_rows is None else capacity_rows
@@ -171,7 +173,10 @@ class Store:
     def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
         """Cheap counters of one consumer: rows acked, dropped by its sampler, redelivered."""
         with self._lock:
-            state = self._part(partition).consumers[consumer]
+            part = self._part(partition)
+            if consumer not in part.consumers:
+                raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
+            state = part.consumers[consumer]
             return {"acked": state.num_acked, "dropped": state.num_dropped, "redelivered": state.num_redelivered}
 
     def next_lease_expiry(self) -> float | None:
@@ -459,11 +464,14 @@ class Store:
     def release(self, consumer: str, partition: str | None = None, indexes: Iterable[int] | None = None) -> int:
         """Return rows leased to `consumer` (it died or disconnected) to its ready set.
 
-        By default every row it holds in every partition; `partition` and `indexes` narrow
-        it. Rows already acked or no longer leased are skipped. Returns how many came back.
+        By default every row it holds in every partition (none where it is no consumer);
+        `partition` and `indexes` narrow it, and a named partition must have `consumer`.
+        Rows already acked or no longer leased are skipped. Returns how many came back.
         """
         with self._lock:
             parts = [self._part(partition)] if partition else list(self._parts.values())
+            if partition and consumer not in parts[0].consumers:
+                raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
             released = 0
             for part in parts:
                 if consumer not in part.consumers:
@@ -604,6 +612,17 @@ class Store:
         with self._lock:
             self._closed = True
             self._notify()
+
+
+def _check_settings(name: str, *, capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float | None = None) -> None:
+    """A partition's settings, those given: capacities of at least 1 (0 would make every
+    put wait for ever) and a lease of more than 0 seconds (infinite: rows are never handed
+    out again)."""
+    for key, value in (("capacity_rows", capacity_rows), ("capacity_bytes", capacity_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"partition {name!r}: {key} must be an int >= 1 or None, got {value!r}")
+    if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0):
+        raise ValueError(f"partition {name!r}: lease_s must be a number of seconds > 0, got {lease_s!r}")
 
 
 def _bounded(wait: float | None) -> float | None:

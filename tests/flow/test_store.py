@@ -422,3 +422,35 @@ def test_a_get_of_columns_given_as_one_string_is_refused_not_left_waiting():
     store.put("p", {"reward": [1.0]})
     with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'"):
         store.get("c", "p", "reward", 1, timeout=0)  # waited (for ever, without a timeout) for columns 'r', 'e', 'w', 'a', 'd'
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"capacity_rows": 0}, r"partition 'p': capacity_rows must be an int >= 1 or None, got 0"),
+        ({"capacity_bytes": -5}, r"partition 'p': capacity_bytes must be an int >= 1 or None, got -5"),
+        ({"capacity_rows": 2.5}, r"capacity_rows must be an int >= 1 or None, got 2.5"),
+        ({"lease_s": 0}, r"partition 'p': lease_s must be a number of seconds > 0, got 0"),
+        ({"lease_s": float("nan")}, r"lease_s must be a number of seconds > 0, got nan"),
+    ],
+)
+def test_partition_settings_that_would_block_for_ever_or_never_lease_are_named(settings, message):
+    """A capacity of 0 made every put wait for ever; a lease of 0 (or NaN) handed rows out
+    again at once. `configure_partition` checks the same."""
+    store = Store()
+    with pytest.raises(ValueError, match=message):
+        store.create_partition("p", consumers=["c"], **settings)
+    store.create_partition("p", consumers=["c"], capacity_rows=1, lease_s=float("inf"))
+    if "capacity_bytes" not in settings:
+        with pytest.raises(ValueError, match=message):
+            store.configure_partition("p", **settings)
+
+
+def test_counts_and_releases_of_a_consumer_a_partition_lacks_are_named():
+    store = make(consumers=["c"])
+    store.put("p", {"x": [0]})
+    with pytest.raises(ValueError, match="'d' is not a consumer of partition 'p'"):
+        store.consumer_counts("p", "d")  # was a bare KeyError
+    with pytest.raises(ValueError, match="'d' is not a consumer of partition 'p'"):
+        store.release("d", "p")  # was 0, as for a consumer that holds nothing
+    assert store.release("d") == 0  # every partition: none where it is no consumer
