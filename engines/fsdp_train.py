@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import NonfiniteGuard, check_settings, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
+from tidal.engines.torch_train import LOSS_METRICS, NonfiniteGuard, check_settings, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -92,7 +92,7 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 _HOST = torch.device("cpu")
 _COVERED = "_covered"
-"""A step's internal total: the share of the batch whose micro-batches ran."""
+"""A step's internal total: the loss tokens of the micro-batches that ran."""
 
 
 def _counts(batch: TokenBatch) -> dict[str, float]:
@@ -314,9 +314,10 @@ class FSDPTrainEngine:
 
     # Steps -----------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
-        """One optimizer step; "loss" is the global batch's loss, the other metrics are
-        means over the rows that ran (on every rank). With no rows to run anywhere, one
-        dummy pass gives every parameter a zero gradient, so AdamW still steps."""
+        """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics are
+        means over the loss tokens of the rows that ran (on every rank; `LOSS_METRICS`). With
+        no rows to run anywhere, one dummy pass gives every parameter a zero gradient, so
+        AdamW still steps."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
         slices = self._micro_batches(len(batch))
@@ -328,9 +329,10 @@ class FSDPTrainEngine:
                 continue
             loss, metrics = micro_loss(part, slices[k])
             (loss * weight).backward()
-            totals[_COVERED] += weight
+            tokens = float(part.loss_mask.sum())
+            totals[_COVERED] += tokens
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + weight * float(value)
+                totals[key] = totals.get(key, 0.0) + (weight if key in LOSS_METRICS else tokens) * float(value)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(grad_norm, DTensor):
@@ -338,8 +340,8 @@ class FSDPTrainEngine:
         step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
         summed = self._sum_over_ranks(totals)
         covered = summed.pop(_COVERED)
-        for key in summed.keys() - {"loss"}:
-            summed[key] /= covered
+        for key in summed.keys() - LOSS_METRICS:
+            summed[key] /= covered or 1.0  # no loss token ran: each of these is 0
         summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
         return summed
 

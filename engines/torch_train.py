@@ -44,6 +44,12 @@ from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
 
 
+LOSS_METRICS = frozenset({"loss", "kl"})
+"""A step's metrics that are terms of the batch's loss (each micro-batch's weighed by its share
+of the loss's `aggregation`, summed); the others (`clip_fraction`, `entropy`, ...) are means
+over the loss tokens of the rows that ran, as `policy_loss` gives them for one batch."""
+
+
 class TorchTrainEngine:
     """A `TrainEngine` for a transformers-style causal LM (forward returns `.logits`)."""
 
@@ -197,22 +203,23 @@ class TorchTrainEngine:
 
     def _step(self, batch: TokenBatch, micro_loss: Any, weight_of: Any, among: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step over the micro-batches of `batch` (of its rows `among`, when
-        given: the others must contribute no gradient). "loss" is the batch's loss; the
-        other metrics are means over the rows that ran."""
+        given: the others must contribute no gradient). "loss" (and "kl") are the batch's; the
+        other metrics are means over the loss tokens of the rows that ran (`LOSS_METRICS`)."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0}  # nothing ran: the loss is 0
-        covered = 0.0
+        covered = 0.0  # loss tokens that ran
         for rows, part in self._micro_batches(batch, among):
             weight = weight_of(part)
             if weight == 0:
                 continue
             loss, metrics = micro_loss(part, rows)
             (loss * weight).backward()
-            covered += weight
+            tokens = float(part.loss_mask.sum())
+            covered += tokens
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + weight * float(value)
-        for key in totals.keys() - {"loss"}:
-            totals[key] /= covered
+                totals[key] = totals.get(key, 0.0) + (weight if key in LOSS_METRICS else tokens) * float(value)
+        for key in totals.keys() - LOSS_METRICS:
+            totals[key] /= covered or 1.0  # no loss token ran: each of these is 0
         for p in self.model.parameters():  # nothing ran: a zero gradient, so AdamW still steps (momentum, decay) as it would have
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)

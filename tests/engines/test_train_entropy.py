@@ -100,3 +100,46 @@ def test_the_fsdp_engine_reports_the_entropy_and_trains_the_bonus(tmp_path):
         assert bonus["skipped_rows"] == 0 and bonus["loss"] == pytest.approx(-bonus["entropy"], rel=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def _uneven_batch():
+    """Rows of 5, 1, 3 and 1 loss tokens under two prompts, and a row without one (an environment turn alone)."""
+    rows = []
+    for prompt, response in [("7=", [5, 6, 7, 8, 9]), ("7=", [5]), ("13-4=", [6, 2, 7]), ("13-4=", [8])]:
+        t = Trajectory(prompt_ids=T.encode(prompt))
+        t.extend(response, [-1.0] * len(response), 0)
+        rows.append(t)
+    env_only = Trajectory(prompt_ids=T.encode("9="))
+    env_only.append_env([5, 6])
+    return to_token_batch([*rows, env_only], pad_id=T.pad_id), torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("aggregation, entropy_coef", [("seq_mean_token_mean", 0.0), ("token_sum_norm", 1e-3)])
+def test_the_token_metrics_are_means_over_loss_tokens_whatever_the_aggregation(aggregation, entropy_coef):
+    """`entropy`, `ratio_mean` and the like are means over loss tokens, one micro-batch per row
+    as with one for all: once each micro-batch's were weighed by its share of the loss
+    (sequences, rows), a row without a loss token (it runs for the entropy bonus) counted as a
+    ratio of 0, and a one-token row as much as a five-token one."""
+    batch, advantages = _uneven_batch()
+    config = PolicyLossConfig(aggregation=aggregation, max_tokens=8, proximal_is_policy=True, entropy_coef=entropy_coef)
+    expected = _entropy_by_hand(tiny(dtype=torch.float64).eval(), batch)
+    runs = [TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=micro).train_step(batch, advantages, loss=config) for micro in (1, 8)]
+    for metrics in runs:
+        assert metrics["entropy"] == pytest.approx(expected, rel=1e-6)
+        assert metrics["ratio_mean"] == pytest.approx(1.0, rel=1e-9)  # the proximal policy is the policy
+    assert runs[0] == pytest.approx(runs[1], rel=1e-6)
+
+
+def test_the_fsdp_engine_averages_the_token_metrics_over_loss_tokens(tmp_path):
+    batch, advantages = _uneven_batch()
+    config = PolicyLossConfig(aggregation="token_sum_norm", max_tokens=8, proximal_is_policy=True, entropy_coef=1e-3)
+    current_platform().init_process_group(rank=0, world_size=1, init_method=f"file://{tmp_path / 'group'}")
+    try:
+        expected = _entropy_by_hand(tiny().eval(), batch)
+        runs = [FSDPTrainEngine(tiny(), lr=1e-2, micro_batch_size=micro).train_step(batch, advantages.float(), loss=config) for micro in (1, 8)]
+        for metrics in runs:
+            assert metrics["entropy"] == pytest.approx(expected, rel=1e-4)
+            assert metrics["ratio_mean"] == pytest.approx(1.0, rel=1e-6)
+        assert runs[0] == pytest.approx(runs[1], rel=1e-4)
+    finally:
+        dist.destroy_process_group()
