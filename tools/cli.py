@@ -267,6 +267,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run, resume_changes  # noqa: PLC0415
 
+    _check_device_variable()
     cfg, run_dir = prepare_run(resolve_recipe(args.recipe), args.overrides)
     print(f"tidal: resolved config written to {run_dir / 'config.yaml'}")
     if changes := resume_changes(cfg):
@@ -312,6 +313,23 @@ def _print_resume_hint(args: argparse.Namespace) -> None:
     print(f"tidal run: stopped early; its last checkpoint is {pointer.read_text().strip()}, continue with:\n  {command}", file=sys.stderr)
 
 
+def _check_device_variable() -> None:
+    """A TIDAL_DEVICE that names no platform is a usage error (exit 2), as a bad `device` key is.
+
+    Raises:
+        ConfigError: naming the variable and the valid values.
+    """
+    from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415 - imports torch
+
+    from tidal.tools.config import ConfigError  # noqa: PLC0415
+
+    if os.environ.get(ENV_VAR):
+        try:
+            check_spec(os.environ[ENV_VAR])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from tidal.hal.versions import explain_torch_import_failure  # noqa: PLC0415 - imports no torch
 
@@ -320,16 +338,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - report any failure of the torch import itself
         print(f"tidal doctor: {explain_torch_import_failure(e)}", file=sys.stderr)
         return 1
-    from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415
     from tidal.tools.doctor import render, report  # noqa: PLC0415
 
-    from tidal.tools.config import ConfigError  # noqa: PLC0415
-
-    if os.environ.get(ENV_VAR):
-        try:
-            check_spec(os.environ[ENV_VAR])
-        except ValueError as e:
-            raise ConfigError(str(e)) from None  # a usage error: exit 2
+    _check_device_variable()
     data, code = report(clean=args.clean)
     if args.json:
         print(json.dumps(data, indent=2))
@@ -344,6 +355,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import check_runnable  # noqa: PLC0415
 
+    _check_device_variable()
     cfg = load_config(resolve_recipe(args.recipe), args.overrides)
     ray_nodes = None
     if cfg.runtime.value == "ray" and not cfg.cluster.nodes:
@@ -379,6 +391,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
             print(f"{k.key}  ({k.type}, default {k.default!r})")
             print(textwrap.indent(textwrap.fill(k.doc, 84), "    "))
         return 0
+    if args.recipe and "=" in args.recipe and not Path(args.recipe).is_file():  # `tidal config seed=1`: the schema defaults, overridden
+        args.recipe, args.overrides = None, [args.recipe, *args.overrides]
     path = resolve_recipe(args.recipe) if args.recipe else None
     print(to_yaml(load_config(path, args.overrides)), end="")
     return 0

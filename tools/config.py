@@ -84,6 +84,11 @@ def _misplaced(schema: type, given: Any, *, origin: str, prefix: str = "") -> Co
         tp = hints.get(name)
         args = typing.get_args(tp)
         item = args[0] if typing.get_origin(tp) is list and args else None
+        if typing.get_origin(tp) is list and isinstance(value, dict):  # OmegaConf: a TypeError, "Cannot merge incompatible container types"
+            return ConfigError(
+                f"key {prefix + name!r} in {origin} expects a {key_type(schema, name)}, got a mapping {value!r}; "
+                f"a list is given whole ({prefix + name}=[...]), not one entry at a time ({prefix + name}[0]...)"
+            )
         if dataclasses.is_dataclass(tp):
             entries = [(f"{prefix}{name}", tp, value)]
         elif dataclasses.is_dataclass(item) and isinstance(value, list):
@@ -146,6 +151,33 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {e}") from e
 
 
+_YAML_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_YAML_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+"""Number forms of YAML 1.1 that read otherwise than they look: `010` is 8, `1:30` is 90."""
+
+
+def _as_written(given: DictConfig, overrides: Sequence[str], schema: type) -> None:
+    """Fix what YAML made of an override's text where its key's type wants the text: a
+    string key keeps it as written (YAML reads `run_dir=001` as 1 and `name=no` as False,
+    which a str key holds as '1' and 'False'); a number key refuses YAML 1.1's octal and
+    base-60 forms (`seed=010` is 8).
+
+    Raises:
+        ConfigError: naming the override whose number YAML reads as another.
+    """
+    written = dict(item.partition("=")[::2] for item in overrides)  # a key given twice: its last text, the one `given` holds
+    types = {k.key: k.type for k in iter_keys(schema)}
+    for key, text in written.items():
+        kind, text = types.get(key), text.strip()
+        if kind not in ("str", "str or null", "int", "float", "float or null"):
+            continue
+        value = OmegaConf.select(given, key, default=None, throw_on_resolution_failure=False)  # `${...}`: resolved later
+        if kind.startswith("str") and isinstance(value, (bool, int, float)):
+            OmegaConf.update(given, key, text)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and (_YAML_BASE_60.fullmatch(text) or _YAML_OCTAL.fullmatch(text) and value != int(text.replace("_", ""))):
+            raise ConfigError(f"{key}={text}: YAML reads it as {value} (octal or base 60); write the number in plain decimal")
+
+
 def _parses(item: str) -> bool:
     try:
         OmegaConf.from_dotlist([item])
@@ -173,14 +205,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
             raise ConfigError(f"recipe {str(path)!r} must be a mapping of keys to values")
         try:
             cfg = OmegaConf.merge(cfg, data)
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError) as e:
             origin = f"recipe {str(path)!r}"
             raise _misplaced(schema, data, origin=origin) or _explain(e, schema, origin, data) from None
     if overrides:
         given = parse_overrides(overrides)
+        _as_written(given, overrides, schema)
         try:
             cfg = OmegaConf.merge(cfg, given)
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError) as e:
             origin = "the command-line overrides"
             raise _misplaced(schema, given, origin=origin) or _explain(e, schema, origin, given) from None
     try:
@@ -216,7 +249,7 @@ _AT_LEAST = {
 """Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""
 _POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "algorithm.seq_mask_high", "lease_s")
 """Recipe keys that must be > 0 when set."""
-_FINITE = ("algorithm.seq_mask_low", "algorithm.dual_clip")
+_FINITE = ("algorithm.seq_mask_low", "algorithm.dual_clip", "algorithm.entropy_coef")
 """Recipe keys with no bound of their own here that must be finite when set (the loss checks the rest)."""
 _WHY = {
     "algorithm.group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",

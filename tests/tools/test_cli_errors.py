@@ -96,3 +96,34 @@ def test_a_misspelt_recipe_name_suggests_the_close_shipped_one(tidal_cli, tmp_pa
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "recipe 'quickstart_cu' is neither a file nor a shipped recipe; did you mean quickstart_cpu?" in out.stderr
     assert "shipped recipes: ['mixed_npu_gpu', 'quickstart_cpu']" in out.stderr
+
+
+def test_an_override_of_one_list_entry_is_a_usage_error_naming_the_list(tidal_cli, tmp_path):
+    """`tidal plan mixed_npu_gpu cluster.nodes[0].devices=4` printed OmegaConf's
+    "TypeError: Cannot merge incompatible container types" traceback and exited 1."""
+    out = tidal_cli("config", "mixed_npu_gpu", "cluster.nodes[0].devices=4", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "key 'cluster.nodes' in the command-line overrides expects a list of NodeConfig, got a mapping" in out.stderr
+    assert "a list is given whole (cluster.nodes=[...])" in out.stderr
+
+
+def test_config_without_a_recipe_takes_overrides_of_the_schema_defaults(tidal_cli, tmp_path):
+    """`tidal config [recipe] [key=value ...]`, the recipe defaulting to the schema's: but
+    `tidal config seed=5` took `seed=5` for the recipe and failed, "neither a file nor a
+    shipped recipe"."""
+    import yaml
+
+    out = tidal_cli("config", "seed=5", "name=no", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert (cfg["seed"], cfg["name"], cfg["device"]) == (5, "no", "auto")
+
+
+@pytest.mark.parametrize("command", [("run", "quickstart_cpu", "--check"), ("plan", "quickstart_cpu")])
+def test_a_tidal_device_that_names_no_platform_is_a_usage_error_for_run_and_plan(tidal_cli, tmp_path, command):
+    """`tidal doctor` answered a bad TIDAL_DEVICE with exit 2 and the valid values; `tidal
+    run` and `tidal plan` printed a ValueError traceback and exited 1."""
+    out = tidal_cli(*command, env={"TIDAL_DEVICE": "bogus"}, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"tidal {command[0]}: error: TIDAL_DEVICE='bogus' is not a platform; valid values: auto, cpu" in out.stderr
+    assert not (tmp_path / "runs").exists()

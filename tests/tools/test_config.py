@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 import pytest
@@ -239,3 +240,51 @@ def test_every_schema_class_is_importable_from_tidal_tools_config():
     defined = [value for value in vars(config_schema).values() if isinstance(value, type) and value.__module__ == config_schema.__name__]
     assert len(defined) >= 16  # RecipeConfig, its sections, the enums
     assert all(getattr(config, cls.__name__, None) is cls for cls in defined)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [("run_dir=001", "run_dir", "001"), ("name=no", "name", "no"), ("name=1e-3", "name", "1e-3"), ("task.ops=0.10", "task.ops", "0.10"), ("output_dir=2024_01", "output_dir", "2024_01")],
+)
+def test_a_string_key_keeps_the_text_of_its_override(override, key, expected):
+    """YAML read `run_dir=001` as the int 1 and `name=no` as False, which the str key then
+    held as '1' and 'False': another folder, another name, and no error."""
+    assert OmegaConf.select(load_config(None, [override]), key) == expected
+
+
+def test_a_string_override_given_twice_keeps_the_last_text():
+    assert load_config(None, ["name=abc", "name=001"]).name == "001"
+    assert load_config(None, ["name=001", "name=abc"]).name == "abc"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("seed=010", "seed=010: YAML reads it as 8"), ("seed=-010", "seed=-010: YAML reads it as -8"), ("seed=1:30", "seed=1:30: YAML reads it as 90"), ("train.lr=1:30", "train.lr=1:30: YAML reads it as 90 (octal or base 60)")],
+)
+def test_a_number_override_in_yaml_octal_or_base_60_is_refused(override, expected):
+    """YAML 1.1 reads `010` as octal 8 and `1:30` as base 60, 90: `seed=010` ran with seed 8."""
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(None, [override])
+    assert load_config(None, ["seed=07", "train.lr=1e-3"]).seed == 7  # the same in octal and decimal
+
+
+@pytest.mark.parametrize("override", ["cluster.nodes[0].kind=cuda", "cluster.nodes.0.kind=cuda", "placement.train.requires[0]=npu", "placement.train.requires={a: 1}"])
+def test_a_list_key_given_one_entry_or_a_mapping_is_a_config_error(override):
+    """OmegaConf raised `TypeError: Cannot merge incompatible container types`, a traceback
+    and exit 1, for an override of one list entry or a list given a mapping."""
+    key = override.split("[")[0].split(".0")[0].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"key '{re.escape(key)}' in the command-line overrides expects a list .*, got a mapping"):
+        load_config(resolve_recipe("mixed_npu_gpu"), [override])
+
+
+def test_a_list_key_given_a_mapping_in_a_recipe_file_is_a_config_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("cluster:\n  nodes:\n    a: {kind: cuda}\n")
+    with pytest.raises(ConfigError, match=r"key 'cluster.nodes' in recipe '.*r.yaml' expects a list of NodeConfig, got a mapping"):
+        load_config(recipe)
+
+
+def test_entropy_coef_must_be_finite():
+    """Every other float key refused inf; `algorithm.entropy_coef=.inf` loaded and made the loss -inf."""
+    with pytest.raises(ConfigError, match=r"algorithm.entropy_coef=inf must be a finite number"):
+        load_config(None, ["algorithm.entropy_coef=.inf"])
