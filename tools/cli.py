@@ -229,6 +229,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.systems is not None:
             print("tidal bench: error: e2e runs every system; --systems is for store and weights", file=sys.stderr)
             return 2
+        _check_device_variable()  # before minutes of runs, not at the first one
         results = bench_e2e.run(seeds=args.seeds, num_steps=args.steps, overrides=args.overrides, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))

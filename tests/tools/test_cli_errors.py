@@ -119,7 +119,7 @@ def test_config_without_a_recipe_takes_overrides_of_the_schema_defaults(tidal_cl
     assert (cfg["seed"], cfg["name"], cfg["device"]) == (5, "no", "auto")
 
 
-@pytest.mark.parametrize("command", [("run", "quickstart_cpu", "--check"), ("plan", "quickstart_cpu")])
+@pytest.mark.parametrize("command", [("run", "quickstart_cpu", "--check"), ("plan", "quickstart_cpu"), ("bench", "e2e", "--steps", "1")])
 def test_a_tidal_device_that_names_no_platform_is_a_usage_error_for_run_and_plan(tidal_cli, tmp_path, command):
     """`tidal doctor` answered a bad TIDAL_DEVICE with exit 2 and the valid values; `tidal
     run` and `tidal plan` printed a ValueError traceback and exited 1."""
