@@ -545,3 +545,38 @@ def test_rows_dropped_while_the_step_before_trains_count_in_their_own_steps_metr
     rollout.generate, trainer.train_step = generate_step_5_first, train_step_5_with_an_old_group_arriving
     _run_or_fail(workflow)
     assert [(m["step"], m["dropped"]) for m in steps] == [(5, 0), (6, cfg.group_size)]
+
+
+def test_a_stage_wait_that_spans_a_step_report_counts_on_each_steps_line_as_it_passes():
+    # With max_staleness: 0 the reward and advantage stages wait for the next step's rows
+    # while a step trains. Their wait used to be counted only once it ended, so a long step
+    # 1 showed no such wait, and step 2's line showed step 1's (more seconds than had passed
+    # since step 1's line was made).
+    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    trainer, rollout = _engines()
+    train_step = trainer.train_step
+
+    def slow_first_step(*args, **kwargs):
+        if trainer.version == 0:
+            time.sleep(1.0)
+        return train_step(*args, **kwargs)
+
+    trainer.train_step = slow_first_step
+    steps, calls = [], []
+    workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
+    metrics = workflow.stages.metrics
+
+    def timed_metrics():  # (when the call began, when it returned): a step line's waits lie between the calls
+        begin = time.perf_counter()
+        out = metrics()
+        calls.append((begin, time.perf_counter()))
+        return out
+
+    workflow.stages.metrics = timed_metrics
+    started = time.perf_counter()
+    _run_or_fail(workflow)
+    since = [started, *(begin for begin, _ in calls[:-1])]
+    for stage in ("reward", "advantage"):
+        assert steps[0]["wait_s"][stage] >= 0.9  # step 1 trained for a second while they waited
+        for m, begin, (_, end) in zip(steps, since, calls):
+            assert m["wait_s"].get(stage, 0.0) <= end - begin, (m["step"], stage, m["wait_s"], end - begin)
