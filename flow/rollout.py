@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -259,11 +258,8 @@ class RolloutWorker:
         while True:
             if self.stopping.is_set():
                 raise Stop
-            begin = time.perf_counter()
-            try:
+            with self.waits.waiting("rollout"):
                 batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping, sampler=RESUMED_FIRST)
-            finally:
-                self.waits.add("rollout", time.perf_counter() - begin)
             rows = list(zip(batch.indexes, batch.columns["prompt"]))
             groups = [group_of(index, prompt, self.group_size) for index, prompt in rows]
             trajectories = [t for group in groups for t in group]
@@ -321,14 +317,11 @@ class RolloutWorker:
         needed = max(admitted, default=None)
         if needed is None or self.engine.version >= needed:
             return
-        begin = time.perf_counter()
-        try:
+        with self.waits.waiting("weights"):
             while self.engine.version < needed:
                 if not self.inbox.wait(needed, self.stopping):
                     raise Stop
                 self.apply_weights()
-        finally:
-            self.waits.add("weights", time.perf_counter() - begin)
 
     def stop(self) -> None:
         """Stop the loop at its next check, including a wait for weights or for the store."""

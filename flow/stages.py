@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -116,8 +115,6 @@ class Stages:
         # restored store holds in flight (prompts not yet generated, samples not yet trained).
         self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
         self._waits = Waits()
-        self._waiting: dict[str, float] = {}  # stage -> when its store wait began, or was last reported (`metrics`)
-        self._waiting_lock = threading.Lock()
         self._num_failed_rewards = num_failed_rewards
         self._threads: dict[str, threading.Thread] = {}
         self._errors: list[BaseException] = []
@@ -156,12 +153,7 @@ class Stages:
     def metrics(self) -> dict[str, Any]:
         """{"failed_rewards": rows whose reward failed in the run so far, "wait_s": {stage:
         seconds waited since the last call}}: a wait still going on counts its seconds so far."""
-        with self._waiting_lock:
-            now = time.perf_counter()
-            for stage, since in self._waiting.items():
-                self._waits.add(stage, now - since)
-                self._waiting[stage] = now
-            return {"failed_rewards": self._num_failed_rewards, "wait_s": self._waits.take()}
+        return {"failed_rewards": self._num_failed_rewards, "wait_s": self._waits.take()}
 
     def save(self, path: str | Path) -> dict[str, Any]:
         """Save the store to `path` (`persist.save`) with no prompt put and no reward counted
@@ -211,13 +203,8 @@ class Stages:
     def _get(self, stage: str, *args: Any, **kwargs: Any) -> Any:
         """A store get that ends when the stages stop, and counts the wait (`metrics` takes
         the part of it before each step's report)."""
-        with self._waiting_lock:
-            self._waiting[stage] = time.perf_counter()
-        try:
+        with self._waits.waiting(stage):
             return self.store.get(*args, cancel=self._stopping, **kwargs)
-        finally:
-            with self._waiting_lock:
-                self._waits.add(stage, time.perf_counter() - self._waiting.pop(stage))
 
     def _loader(self) -> None:
         """Admission control: put prompts only while the staleness bound admits their groups.

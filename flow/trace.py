@@ -133,13 +133,34 @@ class Waits:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seconds: dict[str, float] = {}
+        self._ongoing: dict[int, tuple[str, float]] = {}  # a `waiting` block's id -> (stage, when it began or was last taken)
+        self._ids = itertools.count()
 
     def add(self, stage: str, seconds: float) -> None:
         with self._lock:
             self._seconds[stage] = self._seconds.get(stage, 0.0) + seconds
 
-    def take(self) -> dict[str, float]:
-        """The seconds added since the last `take`, by stage."""
+    @contextlib.contextmanager
+    def waiting(self, stage: str) -> Iterator[None]:
+        """Count the time inside as `stage`'s wait. A `take` meanwhile gets the part so far,
+        so a wait that spans a step's report counts on each step's line as it passes (added
+        only at its end, a long one landed whole on a later step's)."""
+        key = next(self._ids)
         with self._lock:
+            self._ongoing[key] = (stage, time.perf_counter())
+        try:
+            yield
+        finally:
+            with self._lock:
+                stage, since = self._ongoing.pop(key)
+                self._seconds[stage] = self._seconds.get(stage, 0.0) + time.perf_counter() - since
+
+    def take(self) -> dict[str, float]:
+        """The seconds waited since the last `take`, by stage (waits still going on: their part so far)."""
+        with self._lock:
+            now = time.perf_counter()
+            for key, (stage, since) in self._ongoing.items():
+                self._seconds[stage] = self._seconds.get(stage, 0.0) + now - since
+                self._ongoing[key] = (stage, now)
             seconds, self._seconds = self._seconds, {}
             return seconds

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from tidal.flow.trace import Tracer
+from tidal.flow.trace import Tracer, Waits
 
 
 def test_spans_are_saved_as_tracks_of_one_process(tmp_path):
@@ -63,4 +63,15 @@ def test_waits_added_while_they_are_taken_are_never_lost():
     thread.join()
     taken.append(waits.take())
     assert sum(t.get("reward", 0.0) for t in taken) == 20000.0
+    assert waits.take() == {}
+
+
+def test_a_wait_still_going_on_is_taken_in_parts_as_it_passes():
+    waits = Waits()
+    with waits.waiting("reward"):
+        time.sleep(0.2)
+        first = waits.take()
+        time.sleep(0.1)
+    second = waits.take()
+    assert 0.2 <= first["reward"] < 0.3 and 0.1 <= second["reward"] < 0.2  # not 0, then 0.3
     assert waits.take() == {}

@@ -576,7 +576,8 @@ def test_a_stage_wait_that_spans_a_step_report_counts_on_each_steps_line_as_it_p
     started = time.perf_counter()
     _run_or_fail(workflow)
     since = [started, *(begin for begin, _ in calls[:-1])]
-    for stage in ("reward", "advantage"):
+    for stage in ("reward", "advantage", "rollout"):  # rollout: the worker's wait for prompts (its own `Waits`)
         assert steps[0]["wait_s"][stage] >= 0.9  # step 1 trained for a second while they waited
+        slack = 0.0 if stage != "rollout" else 0.05  # the rollout group's metrics are taken just after the stages'
         for m, begin, (_, end) in zip(steps, since, calls):
-            assert m["wait_s"].get(stage, 0.0) <= end - begin, (m["step"], stage, m["wait_s"], end - begin)
+            assert m["wait_s"].get(stage, 0.0) <= end - begin + slack, (m["step"], stage, m["wait_s"], end - begin)
