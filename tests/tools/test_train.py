@@ -138,6 +138,9 @@ def test_saving_the_step_latest_names_again_never_leaves_latest_without_a_checkp
     with pytest.raises(OSError, match="between the renames"):
         save(3)
     monkeypatch.undo()
+    assert latest_checkpoint(tmp_path).name == "step-000005"  # a save that fails puts back the one it set aside
+    assert saved_position() == 2 and not (tmp_path / "checkpoints" / "step-000005.old").exists()
+    (tmp_path / "checkpoints" / "step-000005").rename(tmp_path / "checkpoints" / "step-000005.old")  # a kill there leaves it set aside
     assert latest_checkpoint(tmp_path).name == "step-000005.old"  # the one set aside, complete
     assert saved_position() == 2 and (latest_checkpoint(tmp_path) / "trainer.pt").is_file()
     (tmp_path / "checkpoints" / "step-000003.tmp").mkdir()  # an older save a crash cut short
