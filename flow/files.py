@@ -6,23 +6,37 @@ new, never half of either, even after a kill or a full disk part way.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Raise an operating-system error from inside that names no file as one naming `path`.
+    A write the disk refuses (full, over quota) fails at a flush or close, where Python's
+    error names no file, and `tidal run` can then only print a traceback instead of the
+    file to free space for."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def write_whole(path: Path, text: str) -> None:
     """Write `text` to `path` through `.<name>.<pid>.tmp` beside it, renamed over it.
 
     Raises:
-        OSError: naming `path` (a write the disk refuses fails at the file's close, where
-            Python's error names no file); the temporary file is removed.
+        OSError: naming `path` (`naming`); the temporary file is removed.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException as e:
+        with naming(path):
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from e
         raise

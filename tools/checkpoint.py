@@ -25,7 +25,7 @@ import torch
 
 from tidal.engines.tiny import CharTokenizer, load_model, save_model
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.files import write_whole
+from tidal.flow.files import naming, write_whole
 from tidal.flow.store import Store, persist
 from tidal.hal import current_platform
 from tidal.tools.config import ConfigError
@@ -78,29 +78,28 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     old = final.with_name(final.name + ".old")
     pointer = run_dir / "checkpoints" / "latest"
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        state = trainer.state_dict()
-        model = copy.deepcopy(template)
-        model.load_state_dict(state["model"])
-        save_model(model, tokenizer, tmp)
-        torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
-        saved = save_data(tmp / "store.bin")
-        (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
-        _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
-        if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
-            shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
-            final.rename(old)
-        tmp.rename(final)
-        _sync(final.parent)  # its new name on disk before `latest` names it (POSIX orders no two renames)
-        _write_synced(pointer.with_suffix(".tmp"), final.name + "\n")
-        os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
-    except BaseException as e:  # a full disk, a second Ctrl-C: `latest` names the last whole one; no half of this one stays
+        with naming(final):  # a refused write that names no file names the checkpoint
+            tmp.mkdir(parents=True, exist_ok=True)
+            state = trainer.state_dict()
+            model = copy.deepcopy(template)
+            model.load_state_dict(state["model"])
+            save_model(model, tokenizer, tmp)
+            torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
+            saved = save_data(tmp / "store.bin")
+            (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
+            _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
+            if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
+                shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
+                final.rename(old)
+            tmp.rename(final)
+            _sync(final.parent)  # its new name on disk before `latest` names it (POSIX orders no two renames)
+            _write_synced(pointer.with_suffix(".tmp"), final.name + "\n")
+            os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
+    except BaseException:  # a full disk, a second Ctrl-C: `latest` names the last whole one; no half of this one stays
         shutil.rmtree(tmp, ignore_errors=True)
         pointer.with_suffix(".tmp").unlink(missing_ok=True)
         if old.exists() and not final.exists():  # cut between setting the step's old one aside and naming the new one: `latest` may name it
             old.rename(final)
-        if isinstance(e, OSError) and e.errno is not None and e.filename is None:  # a refused write names no file
-            raise OSError(e.errno, e.strerror, str(final)) from e
         raise
     _sync(pointer.parent)  # the renames, before anything older is deleted
     for leftover in pointer.parent.glob("step-*"):  # `old`, and what saves a crash cut short left behind

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from tidal.flow.files import naming
+
 TENSORBOARD_DIR = "tensorboard"
 _NOT_SCALARS = ("step", "time")
 
@@ -105,12 +107,8 @@ class MetricsLog:
         """
         if self._file is None:
             self._file = self.path.open("a", buffering=1, encoding="utf-8")  # line-buffered: each step's line is written at once
-        try:
+        with naming(self.path):
             self._file.write(json.dumps(finite(metrics), allow_nan=False) + "\n")
-        except OSError as e:
-            if e.filename is not None:
-                raise
-            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self._writer is not None:
             self._writer.write(scalars(metrics), metrics["step"], metrics.get("time"))
 
@@ -129,11 +127,8 @@ class MetricsLog:
         file, self._file = self._file, None
         try:
             if file is not None:
-                file.close()
-        except OSError as e:
-            if e.filename is not None:
-                raise
-            raise OSError(e.errno, e.strerror, str(self.path)) from e
+                with naming(self.path):
+                    file.close()
         finally:
             if self._writer is not None:
                 self._writer.close()
