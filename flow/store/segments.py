@@ -18,11 +18,13 @@ the arrays.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from tidal.flow.store.cells import as_indexes
 from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows
 
 WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
@@ -195,8 +197,20 @@ class ConsumerState:
         self.wait_sum = 0.0
 
 
+def check_partition_settings(name: str, *, capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float | None = None) -> None:
+    """A partition's settings, those given: capacities of at least 1 (0 would make every
+    put wait for ever) and a lease of more than 0 seconds (infinite: rows are never handed
+    out again)."""
+    for key, value in (("capacity_rows", capacity_rows), ("capacity_bytes", capacity_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"partition {name!r}: {key} must be an int >= 1 or None, got {value!r}")
+    if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0):
+        raise ValueError(f"partition {name!r}: lease_s must be a number of seconds > 0, got {lease_s!r}")
+
+
 class Partition:
     def __init__(self, name: str, consumers: Iterable[str], capacity_rows: int | None, capacity_bytes: int | None, lease_s: float) -> None:
+        check_partition_settings(name, capacity_rows=capacity_rows, capacity_bytes=capacity_bytes, lease_s=lease_s)
         self.name = name
         self.consumers = {c: ConsumerState(c) for c in consumers}
         if not self.consumers:
@@ -216,7 +230,21 @@ class Partition:
         self.num_evicted = 0
         self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
         self.leases_compact_at = LEASES_COMPACT_MIN
-        """Heap size at which the entries of leases acked since are dropped (`Store._compact_leases`)."""
+        """Heap size at which the entries of leases acked since are dropped (`add_lease`)."""
+
+    def add_lease(self, entry: tuple[float, int, str, Any]) -> None:
+        """Push a get's (deadline, seq, consumer, indexes) onto the lease heap. Once the heap
+        has doubled, entries whose rows were all acked or released since are dropped: each
+        otherwise stayed until its deadline (`lease_s`, an hour in the workflow), hundreds of
+        thousands in a run taking many batches a second. Each entry is looked at a constant
+        number of times."""
+        heapq.heappush(self.leases, entry)
+        if len(self.leases) < self.leases_compact_at:
+            return
+        live = [(deadline, seq, consumer, indexes) for deadline, seq, consumer, indexes in self.leases if any(bool((seg.lease[consumer][local] == deadline).any()) for seg, local, _ in self.locate(as_indexes(indexes)))]
+        heapq.heapify(live)
+        self.leases = live
+        self.leases_compact_at = max(2 * len(live), LEASES_COMPACT_MIN)
 
     @property
     def starts(self) -> np.ndarray:

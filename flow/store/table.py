@@ -36,7 +36,7 @@ import numpy as np
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of, row_nbytes, unique_sorted
 from tidal.flow.store.evict import ack_rows, replace_cells
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential, group_size_of
-from tidal.flow.store.segments import LEASES_COMPACT_MIN, WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, contiguous
+from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, check_partition_settings, contiguous
 
 
 class StoreError(RuntimeError):
@@ -80,7 +80,6 @@ class Store:
     # Setup ------------------------------------------------------------------------------
     def create_partition(self, name: str, *, consumers: Sequence[str], capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float = 300.0) -> None:
         """Create a table. Every row stays until each of `consumers` has acked it."""
-        _check_settings(name, capacity_rows=capacity_rows, capacity_bytes=capacity_bytes, lease_s=lease_s)
         with self._lock:
             if name in self._parts:
                 raise ValueError(f"partition {name!r} already exists")
@@ -88,7 +87,7 @@ class Store:
 
     def configure_partition(self, name: str, *, capacity_rows: int | None = None, lease_s: float | None = None) -> None:
         """Set a partition's row capacity and lease (those given; a resumed run's settings)."""
-        _check_settings(name, capacity_rows=capacity_rows, lease_s=lease_s)
+        check_partition_settings(name, capacity_rows=capacity_rows, lease_s=lease_s)
         with self._lock:
             part = self._part(name)
             part.capacity_rows = part.capacity_rows if capacity_rows is None else capacity_rows
@@ -424,9 +423,7 @@ class Store:
             take = choice.take if isinstance(choice.take, range) and choice.take.step == 1 else as_indexes(choice.take)
             expiry = self._clock() + part.lease_s
             self._lease_seq += 1
-            heapq.heappush(part.leases, (expiry, self._lease_seq, consumer, take))
-            if len(part.leases) >= part.leases_compact_at:
-                self._compact_leases(part)
+            part.add_lease((expiry, self._lease_seq, consumer, take))
             span = part.span(take[0], len(take)) if isinstance(take, range) or contiguous(take) else None
             groups: list[Any] | None
             if span is not None:  # the usual case: consecutive rows of one segment
@@ -541,20 +538,6 @@ class Store:
         part.consumers[consumer].num_redelivered += count
         return count
 
-    def _compact_leases(self, part: Partition) -> None:
-        """Drop the heap entries of leases whose rows were all acked or released since: an
-        entry otherwise stays until its deadline (`lease_s`, an hour in the workflow), and
-        a run taking many batches a second held hundreds of thousands. Compacted again once
-        the heap has doubled, so each entry is looked at a constant number of times."""
-        live = [
-            entry
-            for entry in part.leases
-            if any(bool((seg.lease[entry[2]][local] == entry[0]).any()) for seg, local, _ in part.locate(as_indexes(entry[3])))
-        ]
-        heapq.heapify(live)
-        part.leases = live
-        part.leases_compact_at = max(2 * len(live), LEASES_COMPACT_MIN)
-
     def _expire_leases(self, part: Partition) -> int:
         now, expired = self._clock(), 0
         while part.leases and part.leases[0][0] <= now:
@@ -612,17 +595,6 @@ class Store:
         with self._lock:
             self._closed = True
             self._notify()
-
-
-def _check_settings(name: str, *, capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float | None = None) -> None:
-    """A partition's settings, those given: capacities of at least 1 (0 would make every
-    put wait for ever) and a lease of more than 0 seconds (infinite: rows are never handed
-    out again)."""
-    for key, value in (("capacity_rows", capacity_rows), ("capacity_bytes", capacity_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"partition {name!r}: {key} must be an int >= 1 or None, got {value!r}")
-    if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0):
-        raise ValueError(f"partition {name!r}: lease_s must be a number of seconds > 0, got {lease_s!r}")
 
 
 def _bounded(wait: float | None) -> float | None:
