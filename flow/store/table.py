@@ -379,7 +379,7 @@ class Store:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if isinstance(columns, str):  # else a get of "reward" waits for columns 'r', 'e', 'w', 'a', 'd'
-            raise ValueError(f"columns must be a list of column names, got the string {columns!r}")
+            raise ValueError(f"columns must be a list of column names, got the string {columns!r}; pass [{columns!r}]")
         sampler = sampler or Sequential()
         key = frozenset(columns)
         start = self._clock()

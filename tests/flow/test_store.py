@@ -420,7 +420,7 @@ def test_tags_of_a_row_may_be_none_and_bad_tags_are_named():
 def test_a_get_of_columns_given_as_one_string_is_refused_not_left_waiting():
     store = make(consumers=["c"])
     store.put("p", {"reward": [1.0]})
-    with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'"):
+    with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'; pass \['reward'\]"):
         store.get("c", "p", "reward", 1, timeout=0)  # waited (for ever, without a timeout) for columns 'r', 'e', 'w', 'a', 'd'
 
 

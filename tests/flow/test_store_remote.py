@@ -505,6 +505,6 @@ def test_a_remote_get_of_columns_given_as_one_string_is_refused_not_left_waiting
     _, _, client = served
     client.create_partition("p", consumers=["c"])
     client.put("p", {"reward": [1.0]})
-    with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'"):
+    with pytest.raises(ValueError, match=r"columns must be a list of column names, got the string 'reward'; pass \['reward'\]"):
         client.get("c", "p", "reward", 1, timeout=0)
     assert client.get("c", "p", ["reward"], 1, timeout=0).indexes == [0]
