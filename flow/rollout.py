@@ -300,10 +300,11 @@ class RolloutWorker:
         """Put paused groups back into `prompts` as resumable rows, acking the rows they came
         from in the same step: a worker that dies before the put gets those rows redelivered,
         one that dies after has left the groups in the store for the next worker. Each keeps
-        the version that admitted it, or its newest token's if newer, so the worker that
+        the version that admitted it, or its newest generated token's if newer, so the worker that
         continues it catches up to that version first (`_catch_up`), as for a fresh row."""
         resumable = [resumable_prompt(prompt, group) for (_, prompt), group in zip(rows, groups)]
-        versions = [max([v for v in (a, *(t.versions[-1] for t in group if t.versions)) if v is not None], default=None) for a, group in zip(admitted, groups)]
+        newest = [max((v for t in group for v in t.versions_used[-1:]), default=None) for group in groups]  # generated tokens only: environment tokens are version -1
+        versions = [max([v for v in (a, n) if v is not None], default=None) for a, n in zip(admitted, newest)]
         with self.tracer.span("rollout", "hand off", groups=len(groups)):
             self.store.put("prompts", {"prompt": resumable}, versions=versions, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
         self.num_handed_off += len(groups)
