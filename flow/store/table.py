@@ -289,11 +289,7 @@ class Store:
         part = self._part(partition)
         if consumer not in part.consumers:
             raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
-        where = as_indexes(indexes)
-        bad = where[(where < 0) | (where >= part.next_index)]
-        if len(bad):
-            raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
-        return part, consumer, where
+        return part, consumer, _had(part, partition, as_indexes(indexes))
 
     def _create_rows(
         self,
@@ -397,7 +393,7 @@ class Store:
                 raise StoreError(f"a group of {group_size} rows can never be complete in partition {partition!r} (capacity_rows={part.capacity_rows}): its producers block first; raise capacity_rows to at least the group size")
             state.keys.add(key)
             if ack is not None:
-                where = as_indexes(ack)
+                where = _had(part, partition, as_indexes(ack))
                 if len(where):
                     self._ack_many(part, consumer, where)
                     self._notify(part, room=True)
@@ -451,10 +447,7 @@ class Store:
             part = self._part(partition)
             if consumer not in part.consumers:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
-            bad = where[(where < 0) | (where >= part.next_index)]
-            if len(bad):
-                raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
-            newly = self._ack_many(part, consumer, where)
+            newly = self._ack_many(part, consumer, _had(part, partition, where))
             self._notify(part, room=True)
             return newly
 
@@ -601,3 +594,12 @@ def _bounded(wait: float | None) -> float | None:
     """A condition wait of `wait` seconds as threading takes it: None (until notified) for one
     longer than it can time (an infinite lease or timeout), which would raise OverflowError."""
     return None if wait is not None and wait >= threading.TIMEOUT_MAX else wait
+
+
+def _had(part: Partition, partition: str, where: np.ndarray) -> np.ndarray:
+    """`where`, once every index in it is a row `part` has had (acked or evicted is fine:
+    acks are idempotent); raise StoreError naming the first that never was."""
+    bad = where[(where < 0) | (where >= part.next_index)]
+    if len(bad):
+        raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
+    return where

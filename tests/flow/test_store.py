@@ -454,3 +454,12 @@ def test_counts_and_releases_of_a_consumer_a_partition_lacks_are_named():
     with pytest.raises(ValueError, match="'d' is not a consumer of partition 'p'"):
         store.release("d", "p")  # was 0, as for a consumer that holds nothing
     assert store.release("d") == 0  # every partition: none where it is no consumer
+
+
+def test_a_get_acking_a_row_the_partition_never_had_says_so_and_takes_nothing():
+    store = make(consumers=("train",))
+    store.put("p", {"x": [1, 2]})
+    with pytest.raises(StoreError, match="never had row 7"):
+        store.get("train", "p", ["x"], 1, timeout=0, ack=[0, 7])  # a typo'd index is no silent no-op
+    assert store.consumer_counts("p", "train")["acked"] == 0  # and row 0's ack did not half happen
+    assert store.get("train", "p", ["x"], 2, timeout=0).indexes == [0, 1]

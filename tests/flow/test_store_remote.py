@@ -316,6 +316,8 @@ def test_get_can_ack_the_previous_batch(served):
     assert second.indexes == [2, 3]
     assert store.metrics()["partitions"]["train"]["rows"] == 2  # the first batch was acked and evicted
     client.put("train", {"x": torch.zeros(2, 1)}, timeout=5)  # room freed by that ack
+    with pytest.raises(StoreError, match="never had row 99"):
+        client.get("train", "train", ["x"], 1, timeout=5, ack=[99])
 
 
 def test_put_acks_its_prompts_atomically_even_when_it_waits_for_room(served):
