@@ -156,14 +156,15 @@ _YAML_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
 """Number forms of YAML 1.1 that read otherwise than they look: `010` is 8, `1:30` is 90."""
 
 
-def _as_written(given: DictConfig, overrides: Sequence[str], schema: type) -> None:
+def _as_written(given: DictConfig, overrides: Sequence[str], schema: type, *, origin: str | None = None) -> None:
     """Fix what YAML made of an override's text where its key's type wants the text: a
     string key keeps it as written (YAML reads `run_dir=001` as 1 and `name=no` as False,
     which a str key holds as '1' and 'False'); a number key refuses YAML 1.1's octal and
-    base-60 forms (`seed=010` is 8).
+    base-60 forms (`seed=010` is 8). `overrides` are `key=text`; `origin` names the recipe
+    file they were written in (None: the command line).
 
     Raises:
-        ConfigError: naming the override whose number YAML reads as another.
+        ConfigError: naming the override (or the recipe's key) whose number YAML reads as another.
     """
     written = dict(item.partition("=")[::2] for item in overrides)  # a key given twice: its last text, the one `given` holds
     types = {k.key: k.type for k in iter_keys(schema)}
@@ -175,7 +176,24 @@ def _as_written(given: DictConfig, overrides: Sequence[str], schema: type) -> No
         if kind.startswith("str") and isinstance(value, (bool, int, float)):
             OmegaConf.update(given, key, text)
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and (_YAML_BASE_60.fullmatch(text) or _YAML_OCTAL.fullmatch(text) and value != int(text.replace("_", ""))):
-            raise ConfigError(f"{key}={text}: YAML reads it as {value} (octal or base 60); write the number in plain decimal")
+            written_as = f"{key}={text}" if origin is None else f"key {key!r} in {origin} ({text})"
+            raise ConfigError(f"{written_as}: YAML reads it as {value} (octal or base 60); write the number in plain decimal")
+
+
+def _plain_scalars(text: str) -> list[str]:
+    """`key=text` for each unquoted scalar in a YAML document's mappings (keys dotted, none
+    inside lists), as written: what `_as_written` checks in a recipe file."""
+    found: list[str] = []
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+            name = f"{prefix}{key.value}"
+            if isinstance(value, yaml.ScalarNode) and value.style is None:
+                found.append(f"{name}={value.value}")
+            walk(value, name + ".")
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return found
 
 
 def _parses(item: str) -> bool:
@@ -203,6 +221,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from e
         if not isinstance(data, DictConfig):
             raise ConfigError(f"recipe {str(path)!r} must be a mapping of keys to values")
+        _as_written(data, _plain_scalars(path.read_text()), schema, origin=f"recipe {str(path)!r}")
         try:
             cfg = OmegaConf.merge(cfg, data)
         except (OmegaConfBaseException, TypeError) as e:

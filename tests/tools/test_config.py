@@ -288,3 +288,18 @@ def test_entropy_coef_must_be_finite():
     """Every other float key refused inf; `algorithm.entropy_coef=.inf` loaded and made the loss -inf."""
     with pytest.raises(ConfigError, match=r"algorithm.entropy_coef=inf must be a finite number"):
         load_config(None, ["algorithm.entropy_coef=.inf"])
+
+
+def test_a_recipe_file_keeps_a_string_keys_text_and_refuses_a_number_in_octal(tmp_path):
+    """The overrides' rule holds in a recipe file too: `run_dir: 001` ran in folder '1', and
+    `seed: 010` ran with seed 8."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run_dir: 001\nname: no\ntask:\n  ops: 0.10\nseed: 7\n")
+    cfg = load_config(recipe)
+    assert (cfg.run_dir, cfg.name, cfg.task.ops, cfg.seed) == ("001", "no", "0.10", 7)
+    recipe.write_text("name: '001'\ntrain:\n  lr: 1:30\n")
+    with pytest.raises(ConfigError, match=re.escape(f"key 'train.lr' in recipe {str(recipe)!r} (1:30): YAML reads it as 90")):
+        load_config(recipe)
+    recipe.write_text("seed: 010\n")
+    with pytest.raises(ConfigError, match="YAML reads it as 8"):
+        load_config(recipe)
