@@ -285,7 +285,7 @@ def token_entropy(logprobs: torch.Tensor, *, grad: bool = True) -> torch.Tensor:
     if grad:
         return entropy(logprobs)
     with torch.no_grad():
-        flat = logprobs.detach().flatten(0, -2)
+        flat = logprobs.detach().reshape(math.prod(logprobs.shape[:-1]), logprobs.shape[-1])  # [vocab] too, where flatten(0, -2) has no dim -2
         parts = [entropy(chunk) for chunk in flat.split(max(1, ENTROPY_CHUNK // max(flat.shape[-1], 1)))]
         return (torch.cat(parts) if parts else flat.new_zeros(0)).view(logprobs.shape[:-1])
 

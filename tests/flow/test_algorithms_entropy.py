@@ -36,6 +36,14 @@ def test_the_metric_path_is_chunked_detached_and_equal(monkeypatch):
     assert token_entropy(torch.zeros(0, 4), grad=False).shape == (0,)
 
 
+def test_the_metric_path_takes_a_single_distribution_like_the_bonus_path():
+    """`[..., vocab]` with no leading dimension: the chunked path flattened dimension -2,
+    which a 1-D tensor does not have, and raised where the gradient path gave a scalar."""
+    two = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    entropy = token_entropy(two, grad=False)
+    assert entropy.shape == () and entropy.item() == pytest.approx(1.5 * math.log(2))
+
+
 def _inputs():
     g = torch.Generator().manual_seed(1)
     logprobs = -torch.rand(2, 4, generator=g) - 0.1
