@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ def _group_index(rewards: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, i
             raise ValueError(f"groups has {groups.shape[0]} ids but rewards has {num_rows} rows")
         _, index = torch.unique(groups.to(rewards.device), return_inverse=True)
     else:
-        ids = list(groups)
+        ids = [_hashable(g) for g in groups]
         if len(ids) != num_rows:
             raise ValueError(f"groups has {len(ids)} ids but rewards has {num_rows} rows")
         dense: dict[Hashable, int] = {}
@@ -48,6 +49,16 @@ def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a {x.dim()}-D {x.dtype} tensor of shape {tuple(x.shape)}"
     return type(x).__name__
+
+
+def _hashable(group: Any) -> Hashable:
+    """A group id by its value: a tensor hashes by identity (`list(uid_tensor)` made every
+    row a group of its own, and every advantage 0), so a 0-d one stands for its number."""
+    if isinstance(group, torch.Tensor):
+        if group.dim() != 0:
+            raise ValueError(f"a group id must be a number or another hashable id, got a tensor of shape {tuple(group.shape)}")
+        return group.item()
+    return group
 
 
 def _group_sums(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -81,6 +81,9 @@ def test_integer_tensor_groups_match_list_groups():
     ids = torch.tensor([10, -3, 10, 10, -3, 10])
     for name in ADVANTAGES:
         close(compute_advantages(name, REWARDS, ids), compute_advantages(name, REWARDS, GROUPS))
+        close(compute_advantages(name, REWARDS, list(ids)), compute_advantages(name, REWARDS, GROUPS))  # 0-d tensors, by value
+    with pytest.raises(ValueError, match=r"a tensor of shape \(1,\)"):
+        compute_advantages("grpo", REWARDS, [torch.tensor([1])] * 6)
 
 
 def test_a_group_of_one_row_gets_advantage_zero():
