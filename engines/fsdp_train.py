@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import LOSS_METRICS, NonfiniteGuard, check_settings, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
+from tidal.engines.torch_train import LOSS_METRICS, NonfiniteGuard, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -368,11 +368,12 @@ class FSDPTrainEngine:
         `_global`'s all-gather).
 
         Raises:
-            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy),
-                before any rank runs anything.
+            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy), or
+                advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
         if loss.kl_coef > 0:
             raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the fsdp engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
+        check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
             whole = None
@@ -518,9 +519,7 @@ class FSDPTrainEngine:
 
     def _state_dict(self) -> dict[str, Any]:
         if not self.optimizer.state:  # nothing to gather; asking would create zero moments
-            model = get_model_state_dict(self.model, options=_FULL)
-            optimizer = self.optimizer.state_dict()
-            return {"model": model, "optimizer": optimizer, "version": self.version}
+            return {"model": self._unshared(get_model_state_dict(self.model, options=_FULL)), "optimizer": self.optimizer.state_dict(), "version": self.version}
         model, optim = get_state_dict(self.model, self.optimizer, options=_FULL)
         index = {name: i for i, name in enumerate(self._fqns())}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim.get("param_groups", [])]

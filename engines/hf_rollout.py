@@ -51,7 +51,7 @@ class HFRolloutEngine:
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
-        if temperature <= 0:
+        if not temperature > 0:  # `not >`: nan is refused too
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -77,11 +77,16 @@ class HFRolloutEngine:
 
         Raises:
             ValueError: an unfinished trajectory has no prompt token (its row would attend
-                to nothing).
+                to nothing), or is given twice (`[t] * n`: its rows' samples would all go
+                into it); nothing is generated.
         """
         rows = list(trajectories)
         if any(not t.prompt_ids and not t.done for t in rows):
             raise ValueError("a trajectory needs at least one prompt token")
+        seen: dict[int, int] = {}
+        for k, t in enumerate(rows):
+            if not t.done and seen.setdefault(id(t), k) != k:
+                raise ValueError(f"trajectories {seen[id(t)]} and {k} are the same object: give each sample its own Trajectory (not [t] * n)")
         for t in rows:
             if not t.done and t.num_generated >= max_new_tokens:
                 t.finish_reason = "length"

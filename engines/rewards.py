@@ -17,6 +17,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 
 
 from tidal.flow.trajectory import Trajectory
@@ -42,11 +43,12 @@ def arithmetic(trajectory: Trajectory, text: str) -> float:
     return float(("" if digits == "0" else sign) + digits == str(int(trajectory.meta["answer"])))
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: lambda a, b: Fraction(a) / b}
+"""Exact arithmetic: a division gives a `Fraction`, never a rounded float."""
 
 
-def _evaluate(node: ast.AST, available: list[int]) -> float:
-    """The expression's value; each number it uses is taken from `available` before any
+def _evaluate(node: ast.AST, available: list[int]) -> Fraction | int:
+    """The expression's exact value; each number it uses is taken from `available` before any
     arithmetic, so one that is not there (or a huge literal) fails before it is computed."""
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, available)
@@ -63,7 +65,8 @@ def _evaluate(node: ast.AST, available: list[int]) -> float:
 def countdown(trajectory: Trajectory, text: str) -> float:
     """1.0 for an expression that uses each of `meta["numbers"]` exactly once (as the task
     asks: a subset would solve many prompts more easily) and equals `meta["target"]`; 0.1 for
-    such an expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd."""
+    such an expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd, and
+    computed exactly (fractions): a float tolerance let a value near a large target score 1.0."""
     expression = text.strip().split("\n")[0]
     left = list(trajectory.meta["numbers"])
     try:
@@ -73,7 +76,7 @@ def countdown(trajectory: Trajectory, text: str) -> float:
         return 0.0
     if left:
         return 0.0
-    return 1.0 if math.isclose(value, trajectory.meta["target"], abs_tol=1e-9) else 0.1
+    return 1.0 if value == Fraction(trajectory.meta["target"]) else 0.1
 
 
 REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "countdown": countdown}

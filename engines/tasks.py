@@ -11,6 +11,8 @@ def arithmetic(num_prompts: int, *, seed: int, min_value: int = 0, max_value: in
     """`{"prompt": "12+7=", "answer": "19"}` items; answers have 1-3 characters (may be negative)."""
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"ops must be a non-empty subset of '+-*', got {ops!r}")
+    if max_value < min_value:
+        raise ValueError(f"max_value ({max_value}) must be >= min_value ({min_value})")
     rng = random.Random(seed)
     out = []
     for _ in range(num_prompts):
@@ -24,6 +26,9 @@ def countdown(num_prompts: int, *, seed: int, num_numbers: int = 3, max_number: 
     """`{"prompt": "3 5 7>22:", "numbers": [3, 5, 7], "target": 22, "answer": "5*3+7"}`:
     reach the target with + - * and each number once. `answer` is one solution (the one
     the target was built from), for a supervised warm start; the verifier accepts any."""
+    for name, value in (("num_numbers", num_numbers), ("max_number", max_number)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     rng = random.Random(seed)
     out = []
     while len(out) < num_prompts:

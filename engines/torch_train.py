@@ -231,9 +231,15 @@ class TorchTrainEngine:
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step over `batch`; version += 1. A loss with `kl_coef > 0` takes its
-        reference logprobs from `self.reference` (an engine built with `kl_reference=True`)."""
+        reference logprobs from `self.reference` (an engine built with `kl_reference=True`).
+
+        Raises:
+            ValueError: `kl_coef > 0` without a reference, or advantages or proximal
+                logprobs not shaped like the batch (`check_step_inputs`), before anything runs.
+        """
         if loss.kl_coef > 0 and self.reference is None:
             raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
+        check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         num_tokens = float(batch.loss_mask.sum())
         num_sequences = float((batch.loss_mask.sum(1) > 0).sum())
@@ -484,6 +490,16 @@ def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: floa
         raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
     if max_nonfinite_steps < 0:
         raise ValueError(f"max_nonfinite_steps must be >= 0 (non-finite steps in a row that are skipped; 0 = raise at the first), got {max_nonfinite_steps}")
+
+
+def check_step_inputs(batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> None:
+    """Raises ValueError naming a train step's input whose shape does not fit `batch` (each
+    micro-batch takes its rows and width of them: a wrong one went in cut, without a word)."""
+    shape = list(batch.loss_mask.shape)
+    if list(advantages.shape) not in (shape, shape[:1]):
+        raise ValueError(f"advantages must be [batch] or [batch, seq - 1] = {shape}, got {list(advantages.shape)}")
+    if proximal_logprobs is not None and list(proximal_logprobs.shape) != shape:
+        raise ValueError(f"proximal_logprobs must be [batch, seq - 1] = {shape}, got {list(proximal_logprobs.shape)}")
 
 
 def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

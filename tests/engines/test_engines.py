@@ -223,6 +223,26 @@ def test_generate_refuses_a_trajectory_without_a_prompt():
     assert done.tokens == []
 
 
+def test_generate_refuses_one_unfinished_trajectory_given_twice():
+    # `[Trajectory(...)] * n` is n names for one object: its rows' samples went into it one
+    # after another, until the next failed with "the trajectory is finished ... append_env"
+    engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
+    t = Trajectory(prompt_ids=T.encode("1+2="))
+    with pytest.raises(ValueError, match=r"trajectories 0 and 2 are the same object"):
+        engine.generate([t, Trajectory(prompt_ids=T.encode("1+2=")), t], max_new_tokens=3)
+    assert t.tokens == [] and not t.done
+    done = Trajectory(prompt_ids=[1], finish_reason="stop")
+    engine.generate([done, done], max_new_tokens=3)  # a finished one is left alone, however often given
+
+
+def test_a_temperature_that_is_not_a_positive_number_is_refused_when_the_engine_is_built():
+    # nan passed `temperature <= 0`, and the first generate failed in torch.multinomial
+    # with "probability tensor contains either `inf`, `nan` or element < 0"
+    for temperature in (0.0, float("nan")):
+        with pytest.raises(ValueError, match=f"temperature must be > 0 for sampling, got {temperature}"):
+            HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id, temperature=temperature)
+
+
 def test_verifiers():
     t = Trajectory(prompt_ids=[1], meta={"answer": "-3"})
     assert arithmetic(t, "-3") == 1.0 and arithmetic(t, " -3 and more") == 1.0 and arithmetic(t, "3") == 0.0 and arithmetic(t, "abc") == 0.0
@@ -248,6 +268,15 @@ def test_countdown_needs_every_number_exactly_once():
     for item in countdown_prompts(200, seed=6):  # no prompt of the task is solved by fewer numbers
         t = Trajectory(prompt_ids=[1], meta=item)
         assert not any(countdown(t, e) > 0 for r in range(1, len(item["numbers"])) for e in _expressions(item["numbers"][:r]))
+
+
+def test_countdown_compares_values_exactly_however_large_the_target():
+    # math.isclose's default rel_tol=1e-9 let a value off by up to target / 1e9 score 1.0
+    # (a large task: num_numbers=6, max_number=100 draws targets up to 10**12).
+    t = Trajectory(prompt_ids=[1], meta={"numbers": [100000, 100000, 1], "target": 10**10 + 1})
+    assert countdown(t, "100000*100000+1") == 1.0 and countdown(t, "100000*100000*1") == 0.1
+    exact = Trajectory(prompt_ids=[1], meta={"numbers": [10**9 + 7, 97, 97], "target": 10**9 + 7})
+    assert countdown(exact, f"{10**9 + 7}/97*97") == 1.0  # no float rounding (1000000006.9999999 in floats)
 
 
 def test_verifiers_score_pathological_outputs_zero_instead_of_failing():
@@ -313,6 +342,16 @@ def test_tasks_are_deterministic_and_correct():
     assert all(len(item["numbers"]) == 2 and max(item["numbers"]) <= 5 for item in small)
     assert all(countdown(Trajectory(prompt_ids=[1], meta=item), item["answer"]) == 1.0 for item in small)
     assert any("(" in item["answer"] for item in countdown_prompts(50, seed=5))  # a product of a sum keeps its brackets
+
+
+def test_task_arguments_out_of_range_are_refused_naming_them():
+    # they failed inside random with "empty range for randrange() (0, 0, 0)" or an IndexError
+    with pytest.raises(ValueError, match=r"max_value \(-1\) must be >= min_value \(0\)"):
+        arithmetic_prompts(2, seed=0, max_value=-1)
+    with pytest.raises(ValueError, match="num_numbers must be >= 1, got 0"):
+        countdown_prompts(2, seed=0, num_numbers=0)
+    with pytest.raises(ValueError, match="max_number must be >= 1, got 0"):
+        countdown_prompts(2, seed=0, max_number=0)
 
 
 def test_problem_key_matches_countdown_prompts_whose_numbers_are_reordered():

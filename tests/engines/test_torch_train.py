@@ -532,6 +532,23 @@ def test_a_grad_clip_or_temperature_that_is_not_positive_is_refused(setting):
         TorchTrainEngine(tiny(), **setting)
 
 
+def test_step_inputs_whose_shape_does_not_fit_the_batch_are_refused_naming_them():
+    """Advantages of the wrong number of rows (with an entropy term: no row is skipped) and
+    proximal logprobs one column too wide (aligned to `input_ids`) were cut to each
+    micro-batch's rows and width without a word; advantages one column too wide failed
+    inside a micro-batch with torch's "The size of tensor a (11) must match"."""
+    engine = TorchTrainEngine(tiny(), lr=1e-2, micro_batch_size=2)
+    batch = _batch()
+    rows, width = batch.loss_mask.shape
+    with pytest.raises(ValueError, match=rf"advantages must be \[batch\] or \[batch, seq - 1\] = \[{rows}, {width}\], got \[{rows + 1}\]"):
+        engine.train_step(batch, torch.ones(rows + 1), loss=PolicyLossConfig(entropy_coef=0.01))
+    with pytest.raises(ValueError, match=rf"got \[{rows}, {width + 1}\]"):
+        engine.train_step(batch, torch.ones(rows, width + 1), loss=PolicyLossConfig())
+    with pytest.raises(ValueError, match=rf"proximal_logprobs must be \[batch, seq - 1\] = \[{rows}, {width}\], got \[{rows}, {width + 1}\]"):
+        engine.train_step(batch, torch.ones(rows), loss=PolicyLossConfig(), proximal_logprobs=torch.zeros(rows, width + 1))
+    assert engine.version == 0 and not engine.optimizer.state
+
+
 def test_a_step_leaves_no_gradients_behind():
     """The gradients are dead once the optimizer stepped (the next step starts from zero):
     they are freed, not held (and parked and onloaded by a time-sharing seat) until then."""

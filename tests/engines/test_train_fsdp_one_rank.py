@@ -65,6 +65,15 @@ def test_a_kl_term_is_refused_before_anything_runs(group):
     assert engine.version == 0 and not engine.optimizer.state
 
 
+def test_advantages_whose_shape_does_not_fit_the_batch_are_refused(group):
+    """Advantages for more rows than the batch has were cut to its rows without a word."""
+    batch, advantages = _batch()
+    engine = FSDPTrainEngine(_model(), **ENGINE)
+    with pytest.raises(ValueError, match=r"advantages must be \[batch\] or \[batch, seq - 1\] = \[3, 10\], got \[4\]"):
+        engine.train_step(batch, torch.ones(4), loss=PolicyLossConfig())
+    assert engine.version == 0 and not engine.optimizer.state
+
+
 def test_a_left_padded_row_gets_the_logprobs_it_has_unpadded(group):
     """Positions count from a row's first real token, as the rollout engine's do: on a model
     with absolute positions (GPT-2) they once shifted with the padding."""
@@ -87,6 +96,17 @@ def test_a_step_leaves_no_gradients_behind(group):
     assert engine.optimizer.state and all(p.grad is None for p in engine.model.parameters())
     engine.sft_step(batch)
     assert all(p.grad is None for p in engine.model.parameters())
+
+
+def test_a_state_taken_before_the_first_step_is_a_snapshot(group):
+    """Without optimizer state, `state_dict()` once returned the live weights (a group of one
+    on CPU gathers and offloads nothing): the next step changed the state already taken."""
+    batch, advantages = _batch()
+    engine = FSDPTrainEngine(_model(), **ENGINE)
+    state = engine.state_dict()
+    before = {name: tensor.clone() for name, tensor in state["model"].items()}
+    engine.train_step(batch, advantages, loss=PolicyLossConfig())
+    assert all(torch.equal(tensor, before[name]) for name, tensor in state["model"].items())
 
 
 @pytest.mark.parametrize("setting", [{"grad_clip": 0.0}, {"temperature": 0.0}, {"micro_batch_size": 0}])
