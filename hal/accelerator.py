@@ -100,8 +100,14 @@ class AcceleratorPlatform:
         return self._mod.device_count()
 
     def synchronize(self, device: torch.device | str | None = None) -> None:
+        """Wait for `device` (default the current one); an index this process does not see
+        is an IndexError, as in `set_device`."""
         self._require()
-        self._mod.synchronize(None if device is None else as_device(device, device_type=self.kind))
+        if device is not None:
+            device = as_device(device, device_type=self.kind)
+            if device.index is not None:
+                self.device(device.index)  # checks the index
+        self._mod.synchronize(device)
 
     # RNG -----------------------------------------------------------------------------
     def seed_all(self, seed: int) -> None:

@@ -78,7 +78,8 @@ class CpuPlatform:
 
     def synchronize(self, device: torch.device | str | None = None) -> None:
         self._require()
-        return None
+        if device is not None:
+            as_device(device, device_type="cpu")  # refused as the accelerator platform refuses it
 
     # RNG -----------------------------------------------------------------------------
     def seed_all(self, seed: int) -> None:
@@ -187,7 +188,8 @@ class CpuPlatform:
     def autocast(self, precision: str) -> AbstractContextManager[None]:
         """`torch.autocast("cpu")` (a fake platform computes on CPU too). On a CPU with AMX
         (Sapphire Rapids and later), bf16 matmuls run 2-7x faster than fp32 ones."""
-        return autocast("cpu", precision, supported=self.dtype_support(), kind=self.kind)
+        supported = self.dtype_support() if precision != "fp32" else {}  # fp32 changes nothing: no device needed, as on an accelerator
+        return autocast("cpu", precision, supported=supported, kind=self.kind)
 
     # Optimizers ----------------------------------------------------------------------
     def optimizer_options(self) -> dict[str, Any]:

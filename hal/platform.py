@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -291,6 +291,8 @@ def check_visible_ids(ids: Sequence[Any], *, count: int | None, kind: str) -> li
     Raises:
         ValueError: naming the ids at fault.
     """
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):  # a string would be taken character by character
+        raise ValueError(f"cannot make devices {ids!r} visible: expected a list of device ids (integers, the machine's indexes), such as [0, 1]")
     ids = list(ids)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"cannot make devices {ids} visible: device ids are integers (the machine's indexes)")

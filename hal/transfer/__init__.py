@@ -26,6 +26,7 @@ pull). A plain iterable of (name, tensor) is still accepted (`weight_source` lis
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -142,7 +143,8 @@ def plan_manifest(version: int, specs: Sequence[TensorSpec], *, bucket_bytes: in
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise TransferError(f"weights of version {version} repeat tensor names")
+        repeated = sorted(n for n, k in collections.Counter(names).items() if k > 1)
+        raise TransferError(f"weights of version {version} repeat tensor names {repeated[:5]}")
     specs = tuple(_checked(version, s) for s in specs)
     buckets: list[list[int]] = []
     size = 0
@@ -237,7 +239,12 @@ def weight_source(weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) ->
     the iterable made them)."""
     if isinstance(weights, WeightSource):
         return weights
+    if isinstance(weights, Mapping):  # its iteration gives names only, each unpacked as a pair below
+        raise TransferError(f"weights are (name, tensor) pairs, got a {type(weights).__name__}: pass its .items()")
     pairs = list(weights)
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TransferError(f"weights are (name, tensor) pairs, got {type(pair).__name__} {str(pair)[:80]}")
     specs = [TensorSpec.of(n, t) for n, t in pairs]  # first: each must be a tensor, named if not
     listed = [(n, t.detach()) for n, t in pairs]
     return LazyWeights(lambda: specs, lambda: iter(listed))

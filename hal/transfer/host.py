@@ -261,7 +261,7 @@ class HostReceiver:
                 raise TransferError(f"weights incomplete after {timeout_s:g}s ({where}); nothing went live")
             frames = self._sock.recv_multipart(copy=False)
             header = unpack_header(frames[0].bytes)
-            if not hmac.compare_digest(str(header.get("token", "")), self._token):
+            if not hmac.compare_digest(str(header.get("token", "")).encode(), self._token.encode()):  # bytes: str refuses non-ASCII
                 continue  # not from our trainer
             kind = header["kind"]
             if kind == "begin":

@@ -342,7 +342,7 @@ class IpcReceiver:
         frames = self._sock.recv_multipart()
         try:
             header = unpack_header(frames[0])
-            if not hmac.compare_digest(str(header.get("token", "")), self._token):
+            if not hmac.compare_digest(str(header.get("token", "")).encode(), self._token.encode()):  # bytes: str refuses non-ASCII
                 raise TransferError("weights arrived with a wrong token")
             manifest = Manifest.unpack(frames[1])
             manifest.check_against(self._expected)

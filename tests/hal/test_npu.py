@@ -224,3 +224,11 @@ def test_init_process_group_uses_gloo_for_host_and_hccl_for_npu(fake_npu, monkey
     assert (seen["rank"], seen["world_size"], seen["init_method"]) == (1, 4, "tcp://127.0.0.1:29500")
     assert seen["timeout"].total_seconds() == 30
     assert os.environ["HCCL_NPU_SOCKET_PORT_RANGE"] == "auto"  # comm defaults applied first
+
+
+def test_synchronize_on_a_device_this_process_does_not_see_names_the_count(fake_npu):
+    """As `set_device`: the vendor's "invalid device ordinal" names no count."""
+    p = hal.select_platform("npu").platform
+    p.synchronize("npu:1")
+    with pytest.raises(IndexError, match="device index 2 out of range: this process sees 2 npu devices"):
+        p.synchronize(torch.device("npu", 2))

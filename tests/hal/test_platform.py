@@ -371,3 +371,34 @@ def test_zero_devices_report_and_refuse_to_compute():
 def test_cpu_platform_repr_names_fakes():
     assert repr(CpuPlatform()) == "CpuPlatform()"
     assert repr(fake_platform("npu", 8)) == "FakePlatform(npu, 8)"
+
+
+def test_a_fake_platform_with_zero_devices_still_gives_fp32_autocast_as_the_accelerator_does():
+    """fp32 autocast changes nothing and needs no device: the accelerator platform gives it
+    with zero devices, the fake one raised NoDeviceError (it asked for its dtype flags first)."""
+    p = hal.select_platform("fake:npu:0").platform
+    with p.autocast("fp32"):
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float32
+    with pytest.raises(hal.NoDeviceError):
+        p.autocast("bf16")
+
+
+@pytest.mark.parametrize(("device", "error"), [(0, TypeError), ("cuda:0", ValueError), ("cpu:x", ValueError)])
+def test_synchronize_refuses_a_device_that_is_not_the_platforms_as_set_device_does(platform, device, error):
+    """The accelerator platform refuses a bare int or another kind's device; the cpu and
+    fake platforms ignored the argument, so code passing one ran in CI and failed on a GPU."""
+    with pytest.raises(error, match=re.escape(repr(device)) if isinstance(device, int) else re.escape(device)):
+        platform.synchronize(device)
+    platform.synchronize(platform.device(0))
+    platform.synchronize("cpu")
+
+
+@pytest.mark.parametrize("ids", ["0,1", 3])
+def test_visible_devices_not_given_as_a_list_are_refused_naming_them(ids, monkeypatch):
+    """The variable's own text "0,1" was split into characters (['0', ',', '1'] named as
+    the ids), and a bare int was Python's "'int' object is not iterable"."""
+    platform = fake_platform("cuda", 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # recorded: the test leaves it as it was
+    with pytest.raises(ValueError, match=rf"cannot make devices {re.escape(repr(ids))} visible: expected a list of device ids"):
+        platform.set_visible_devices(ids)
+    assert platform.device_count() == 4

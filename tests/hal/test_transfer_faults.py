@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from tidal.hal.cpu import CpuPlatform
-from tidal.hal.transfer import LazyWeights, TensorSpec, TransferError, expected_specs, plan_manifest
+from tidal.hal.transfer import LazyWeights, TensorSpec, TransferError, expected_specs, pack_header, plan_manifest
 from tidal.hal.transfer.collective import CollectiveReceiver, CollectiveSender
 from tidal.hal.transfer.host import HostReceiver, HostSender
 from tidal.hal.transfer.ipc import IpcReceiver, IpcSender
@@ -348,3 +348,39 @@ def test_ipc_placed_version_is_not_announced_again_once_the_trainer_may_have_cha
         first.close()
         if replacement is not None:
             replacement.close()
+
+
+def test_a_receiver_takes_a_token_that_is_not_ascii_for_a_wrong_one():
+    """The host receiver skips a message with another token ("not from our trainer"), the
+    ipc receiver refuses it; one whose token held a non-ASCII character made
+    `hmac.compare_digest` raise TypeError (out of the host receiver's `receive`)."""
+    receiver = HostReceiver(CpuPlatform(), token="secret")
+    stray = zmq.Context.instance().socket(zmq.PUSH)
+    sender = HostSender(CpuPlatform(), token="secret")
+    try:
+        stray.connect(receiver.address)
+        stray.send_multipart([pack_header(kind="begin", version=9, token="\u00e9"), b""])
+        sender.connect(receiver.address)
+        sender.send(1, [("w", torch.ones(3))])
+        got = receiver.receive(5)
+        assert got.version == 1 and torch.equal(got.tensors["w"], torch.ones(3))
+    finally:
+        stray.close(linger=0)
+        sender.close()
+        receiver.close()
+    ipc = IpcReceiver(CpuPlatform(), token="secret")
+    stray = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        stray.connect(ipc.address)
+        stray.send_multipart([pack_header(kind="ipc", version=9, token="\u00e9"), b""])
+        with pytest.raises(TransferError, match="wrong token"):  # was "comparing strings with non-ASCII characters is not supported"
+            ipc.receive(5)
+    finally:
+        stray.close(linger=0)
+        ipc.close()
+
+
+def test_weights_that_repeat_a_name_are_refused_naming_it():
+    specs = [TensorSpec(n, "float32", (2,)) for n in ("embed.weight", "head.weight", "norm.weight", "head.weight")]
+    with pytest.raises(TransferError, match=r"weights of version 3 repeat tensor names \['head.weight'\]"):
+        plan_manifest(3, specs)

@@ -195,3 +195,17 @@ def test_ipc_version_that_breaks_its_specs_is_never_announced(receive_in_thread)
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("weights", "error"),
+    [
+        ({"embed.weight": torch.ones(2)}, r"weights are \(name, tensor\) pairs, got a dict: pass its \.items\(\)"),
+        ({"ab": torch.ones(2)}, r"got a dict"),  # was "weight 'a' is a str": the name unpacked as a pair
+        ([torch.ones(3)], r"weights are \(name, tensor\) pairs, got Tensor"),  # was "too many values to unpack"
+        ([("w", torch.ones(2), 1)], r"weights are \(name, tensor\) pairs, got tuple \('w'"),
+    ],
+)
+def test_weights_that_are_not_name_tensor_pairs_are_refused_saying_so(weights, error):
+    with pytest.raises(TransferError, match=error):
+        weight_source(weights)
