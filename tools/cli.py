@@ -150,6 +150,25 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1 (runs, trials, steps, puts in flight)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """An argparse type: comma-separated sizes in MB, each >= 1."""
+    values = _int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be >= 1 MB")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="tidal", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
@@ -184,27 +203,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=["store", "e2e", "weights"], help="which benchmark")
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
     bench.add_argument("--systems", default=None, help="store, weights: comma-separated systems to measure (default: all)")
-    bench.add_argument("--trials", type=int, default=200, help="hand-off latency trials per system (default: 200)")
-    bench.add_argument("--repeats", type=int, default=3, help="throughput runs per system; the best is reported (default: 3)")
+    bench.add_argument("--trials", type=_count, default=200, help="hand-off latency trials per system (default: 200)")
+    bench.add_argument("--repeats", type=_count, default=3, help="throughput runs per system; the best is reported (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
-    bench.add_argument("--put-window", type=int, default=4, help="store: puts a tidal producer keeps in flight; 1 waits for each reply (default: 4)")
-    bench.add_argument("--steps", type=int, default=200, help="e2e: RL steps per run (default: 200)")
+    bench.add_argument("--put-window", type=_count, default=4, help="store: puts a tidal producer keeps in flight; 1 waits for each reply (default: 4)")
+    bench.add_argument("--steps", type=_count, default=200, help="e2e: RL steps per run (default: 200)")
     bench.add_argument("--seeds", type=_int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
-    bench.add_argument("--sizes", type=_int_list, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
+    bench.add_argument("--sizes", type=_sizes, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
     return parser
 
 
 def _print_table(title: str, header_and_rows: list[list[str]]) -> None:
     from rich.console import Console  # noqa: PLC0415
+    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
     header, *rows = header_and_rows
-    table = Table(title=title)
+    table = Table(title=escape(title))
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*map(escape, row))  # node names and tags as written: `[a100]` is no markup
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 

@@ -257,7 +257,7 @@ def stage_threads(cfg: Any, stage: str) -> int:
 _AT_LEAST = {
     "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0,
     "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
-    "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
+    "task.max_value": 0, "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
     "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1, "rollout.threads": 0,
     "train.micro_batch_size": 1, "train.weight_decay": 0, "train.threads": 0, "train.max_nonfinite_steps": 0, "cluster.nodes[].count": 1,
     "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
@@ -290,6 +290,8 @@ def _check_values(cfg: Any) -> None:
             check_spec(cfg.device, source="device")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if "task" in cfg and (not cfg.task.ops or set(cfg.task.ops) - set("+-*")):  # the arithmetic prompts' own check, before the run directory
+        raise ConfigError(f"task.ops={cfg.task.ops!r} is not a non-empty set of the operators + - * (e.g. +-)")
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
     for name, value in (item for key in (*_AT_LEAST, *_POSITIVE, *_FINITE) for item in _selected(cfg, key)):

@@ -52,9 +52,9 @@ def _new_run_dir(cfg: Any) -> Path:
 
 
 def _make_run_dir(cfg: Any) -> Path:
-    for key in ("run_dir", "output_dir"):
-        if cfg[key] and Path(cfg[key]).exists() and not Path(cfg[key]).is_dir():
-            raise ConfigError(f"{key}={cfg[key]!r} is a file, not a directory")
+    key = "run_dir" if cfg.run_dir else "output_dir"  # the one that names where the run goes
+    if Path(cfg[key]).exists() and not Path(cfg[key]).is_dir():
+        raise ConfigError(f"{key}={cfg[key]!r} is a file, not a directory")
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         if run_dir.exists() and any(run_dir.iterdir()):
@@ -84,7 +84,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.exists():
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (no checkpoints/latest)")
-    name = pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, ValueError) as e:  # a folder (a symlink to one), or bytes that are no text
+        raise FileNotFoundError(f"{run_dir}'s checkpoints/latest cannot be read ({e}); write the name of one, e.g. step-000010") from None
     if name in ("", ".", "..") or "/" in name or "\\" in name:  # one folder beside `latest`, never the folder itself or one elsewhere
         raise FileNotFoundError(f"{run_dir}'s checkpoints/latest names {name!r}, which is no checkpoint folder (write the name of one, e.g. step-000010)")
     named = run_dir / "checkpoints" / name

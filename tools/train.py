@@ -35,7 +35,7 @@ from tidal.engines.rewards import resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS, TASKS, problem_key
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, save_model
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.files import write_whole
+from tidal.flow.files import naming, write_whole
 from tidal.flow.store import Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -243,8 +243,11 @@ def plot(metrics: list[dict[str, Any]], path: Path) -> None:
     bottom.set_xlabel("seconds since RL started")
     top.set_title("tidal: reward and throughput")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with naming(path):  # a full disk fails in the PNG writer's buffered write, which names no file
+            fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 @contextlib.contextmanager
@@ -374,7 +377,7 @@ def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any
         if Path(cfg.resume).resolve() == run_dir.resolve():
             truncate_metrics(run_dir / "metrics.jsonl", state["version"])
         accuracy_before = state["accuracy_before"]
-        console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({resume_from.name})")
+        console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({resume_from.name})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
     else:
         model = build_policy(cfg, tokenizer)
         save_model(model, tokenizer, run_dir / "cache" / "initial")

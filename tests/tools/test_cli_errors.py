@@ -127,3 +127,14 @@ def test_a_tidal_device_that_names_no_platform_is_a_usage_error_for_run_and_plan
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"tidal {command[0]}: error: TIDAL_DEVICE='bogus' is not a platform; valid values: auto, cpu" in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("name", "option", "value"), [("store", "--repeats", "0"), ("store", "--trials", "0"), ("store", "--put-window", "0"), ("e2e", "--steps", "-1"), ("weights", "--sizes", "4,0")])
+def test_a_bench_count_below_one_is_a_usage_error(name, option, value, capsys):
+    """`--repeats 0` was a traceback (`max()` of no runs) once the first system was set up;
+    `--sizes 0` measured an empty model at 0.00 GB/s."""
+    from tidal.tools.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, option, value])
+    assert e.value.code == 2 and f"argument {option}: " in capsys.readouterr().err

@@ -66,6 +66,9 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("checkpoint_every=0", "checkpoint_every=0 must be >= 1"),
         ("task.num_numbers=0", "task.num_numbers=0 must be >= 1"),
         ("task.max_number=0", "task.max_number=0 must be >= 1"),
+        ("task.max_value=-1", "task.max_value=-1 must be >= 0"),  # was a traceback from the prompt generator, after the run directory was made
+        ("task.ops=x", "task.ops='x' is not a non-empty set of the operators + - *"),
+        ("task.ops=+/", "task.ops='+/' is not a non-empty set of the operators + - *"),
         ("keep_checkpoints=-1", "keep_checkpoints=-1 must be >= 0"),
         ("train.threads=-1", "train.threads=-1 must be >= 0"),
         ("train.precision=fp16", "key 'train.precision' in the command-line overrides expects one of fp32 | bf16, got 'fp16'"),
@@ -244,7 +247,7 @@ def test_every_schema_class_is_importable_from_tidal_tools_config():
 
 @pytest.mark.parametrize(
     ("override", "key", "expected"),
-    [("run_dir=001", "run_dir", "001"), ("name=no", "name", "no"), ("name=1e-3", "name", "1e-3"), ("task.ops=0.10", "task.ops", "0.10"), ("output_dir=2024_01", "output_dir", "2024_01")],
+    [("run_dir=001", "run_dir", "001"), ("name=no", "name", "no"), ("name=1e-3", "name", "1e-3"), ("description=0.10", "description", "0.10"), ("output_dir=2024_01", "output_dir", "2024_01")],
 )
 def test_a_string_key_keeps_the_text_of_its_override(override, key, expected):
     """YAML read `run_dir=001` as the int 1 and `name=no` as False, which the str key then
@@ -294,9 +297,9 @@ def test_a_recipe_file_keeps_a_string_keys_text_and_refuses_a_number_in_octal(tm
     """The overrides' rule holds in a recipe file too: `run_dir: 001` ran in folder '1', and
     `seed: 010` ran with seed 8."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("run_dir: 001\nname: no\ntask:\n  ops: 0.10\nseed: 7\n")
+    recipe.write_text("run_dir: 001\nname: no\ntask:\n  reward: 0.10\nseed: 7\n")
     cfg = load_config(recipe)
-    assert (cfg.run_dir, cfg.name, cfg.task.ops, cfg.seed) == ("001", "no", "0.10", 7)
+    assert (cfg.run_dir, cfg.name, cfg.task.reward, cfg.seed) == ("001", "no", "0.10", 7)
     recipe.write_text("name: '001'\ntrain:\n  lr: 1:30\n")
     with pytest.raises(ConfigError, match=re.escape(f"key 'train.lr' in recipe {str(recipe)!r} (1:30): YAML reads it as 90")):
         load_config(recipe)

@@ -93,3 +93,11 @@ def test_a_plan_read_off_a_running_ray_names_each_nodes_ray_id_and_says_instance
     monkeypatch.delenv("RAY_ADDRESS")
     code, out, _ = _tidal(capsys, "plan", "quickstart_cpu", "runtime=ray")
     assert code == 0 and "cluster (from this machine)" in out and "pinned" not in out
+
+
+def test_node_names_and_tags_print_as_written_not_as_rich_markup(capsys):
+    """The plan's tables read each cell as rich markup: a node named `box[a100]` printed as
+    `box`, and `box[/x]` (or a tag `[/old]`) stopped `tidal plan` with a MarkupError traceback."""
+    nodes = "cluster.nodes=[{name: 'box[/x]', kind: cpu, devices: 2, tags: ['[a100]']}]"
+    code, out, _ = _tidal(capsys, "plan", "quickstart_cpu", nodes)
+    assert code == 0 and "box[/x]" in out and "[a100]" in out

@@ -91,6 +91,16 @@ def test_the_undamaged_checkpoint_resumes(finished, tmp_path):
     assert _run(tmp_path / "resumed", f"resume={tmp_path / 'copy'}", "algorithm.num_steps=2")["steps"] == 2
 
 
+def test_a_run_folder_with_brackets_in_its_name_resumes_and_is_named_as_written(finished, tmp_path, capsys):
+    """"tidal: resuming <folder>" went through rich's markup: `exp[lr=1e-4]` printed as
+    `exp`, and `exp[/old]` stopped the resume with a MarkupError traceback; a long one was
+    split over two lines of the log."""
+    copy = tmp_path / "exp[/old]"
+    shutil.copytree(finished, copy)
+    assert _run(tmp_path / "resumed", f"resume={copy}", "algorithm.num_steps=1")["steps"] == 1
+    assert f"tidal: resuming {copy} at version 1" in capsys.readouterr().err
+
+
 def test_a_damaged_config_json_is_named_where_the_run_was_not_checked_first(finished, tmp_path):
     """A trainer restarted by the Ray driver loads the checkpoint without `tidal run`'s check
     of config.json: the loader names it, not the weights it reads with it."""

@@ -326,3 +326,33 @@ def test_a_resume_is_checked_against_its_checkpoint(tmp_path):
     for key in ("run_dir", "output_dir"):
         with pytest.raises(ConfigError, match=f"{key}=.* is a file, not a directory"):
             _new_run_dir(load_config(recipe, [f"{key}={tmp_path / 'a-file'}"]))
+
+
+def test_a_latest_that_cannot_be_read_as_a_name_is_a_config_error_naming_it(tmp_path):
+    """A `latest` made a symlink to its folder (`ln -s step-000003 latest`), or holding
+    bytes that are no text: was a traceback (IsADirectoryError, UnicodeDecodeError), exit 1."""
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import resume_changes
+
+    old = tmp_path / "old"
+    (old / "checkpoints" / "step-000003").mkdir(parents=True)
+    (old / "checkpoints" / "latest").symlink_to("step-000003")
+    cfg = load_config(resolve_recipe("quickstart_cpu"), [f"resume={old}"])
+    with pytest.raises(ConfigError, match=r"checkpoints/latest cannot be read .*write the name of one, e.g. step-000010"):
+        resume_changes(cfg)
+    (old / "checkpoints" / "latest").unlink()
+    (old / "checkpoints" / "latest").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match=r"checkpoints/latest cannot be read"):
+        resume_changes(cfg)
+
+
+def test_an_output_dir_that_is_a_file_does_not_stop_a_run_given_its_run_dir(tmp_path, monkeypatch):
+    """With run_dir set, output_dir is not used: a file named `runs` (the default
+    output_dir) in the current directory refused `tidal run ... run_dir=...`."""
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import _new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("")
+    assert _new_run_dir(load_config(resolve_recipe("quickstart_cpu"), [f"run_dir={tmp_path / 'mine'}", "output_dir=runs"])) == tmp_path / "mine"
