@@ -30,7 +30,8 @@ class StoreActor:
         retain_freed_memory()
         self.store = Store() if role == "controller" else None
         self.server = StoreServer(self.store, unit=StorageUnit() if role == "unit" else None, address=f"tcp://{host}:0", token=token)
-        self.metrics_server = MetricsServer(self.store.metrics, host=host, port=metrics_port) if self.store is not None and metrics_port is not None else None
+        metrics_host = "0.0.0.0" if host == "*" else host  # ZeroMQ's wildcard; HTTP names every interface so
+        self.metrics_server = MetricsServer(self.store.metrics, host=metrics_host, port=metrics_port) if self.store is not None and metrics_port is not None else None
         self._host = host
 
     def address(self) -> str:
@@ -38,7 +39,7 @@ class StoreActor:
         if self._host in ("0.0.0.0", "*"):
             import ray
 
-            return self.server.address.replace(f"//{self._host}:", f"//{ray.util.get_node_ip_address()}:")
+            return self.server.address.replace("//0.0.0.0:", f"//{ray.util.get_node_ip_address()}:")  # ZeroMQ reports "*" as 0.0.0.0
         return self.server.address
 
     def metrics(self) -> dict[str, Any]:

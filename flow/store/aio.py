@@ -13,6 +13,8 @@ cancel came keeps its rows: the store never drops rows it has taken.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -49,7 +51,9 @@ class AsyncStore:
         through `cancel`, wait for its thread, `undo` a result it still produced, and
         re-raise the cancellation."""
         cancel = threading.Event()
-        future = asyncio.ensure_future(asyncio.to_thread(call, cancel))
+        # a plain future, not a task (as `asyncio.to_thread` makes): `asyncio.run` cancels the
+        # tasks left at its end, and a cancelled one would hide the rows its call still leased
+        future = asyncio.get_running_loop().run_in_executor(None, functools.partial(contextvars.copy_context().run, call, cancel))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tidal.flow.store import RemoteStore, Store
-from tidal.flow.store.actor import start_store_actor
+from tidal.flow.store.actor import StoreActor, start_store_actor
 from tidal.flow.store.prometheus import render, serve_metrics
 
 
@@ -40,6 +40,30 @@ def test_actor_refuses_a_public_bind_without_token(ray_session):
 
     with pytest.raises(ray.exceptions.RayActorError, match="reachable from other machines"):
         start_store_actor(host="0.0.0.0")
+
+
+def test_an_actor_bound_by_the_wildcard_gives_its_node_address_and_serves_metrics(monkeypatch):
+    """host="*" (ZeroMQ's every-interface bind, reported back as 0.0.0.0): the address was
+    tcp://0.0.0.0:<port>, which no other node can reach, and a metrics_port made the actor
+    fail (HTTP cannot bind "*"). Servers stand in for the real ones: tests bind loopback only."""
+    import ray
+
+    bound: dict[str, str] = {}
+
+    class Server:
+        def __init__(self, store, *, unit, address, token):  # noqa: ANN001
+            bound["store"], self.address = address, "tcp://0.0.0.0:5555"  # what ZeroMQ reports for tcp://*:0
+
+    class Metrics:
+        def __init__(self, metrics, *, host, port):  # noqa: ANN001
+            bound["metrics"] = host
+
+    monkeypatch.setattr("tidal.flow.store.actor.retain_freed_memory", lambda: True)  # the actor's body runs in the test's process here
+    monkeypatch.setattr("tidal.flow.store.actor.StoreServer", Server)
+    monkeypatch.setattr("tidal.flow.store.actor.MetricsServer", Metrics)
+    actor = StoreActor(host="*", token="t", metrics_port=0)
+    assert bound == {"store": "tcp://*:0", "metrics": "0.0.0.0"}
+    assert actor.address() == f"tcp://{ray.util.get_node_ip_address()}:5555"
 
 
 def test_prometheus_text_and_endpoint():
