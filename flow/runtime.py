@@ -376,7 +376,9 @@ class RayRollouts:
                 self.wiring.abort()  # a send blocked on the dead receiver gives up
                 try:
                     self.descriptions[i] = self._back(i)
-                except (RuntimeError, ray.exceptions.RayActorError) as back:  # not back in time, or its new process failed to start
+                except ray.exceptions.RayActorError as back:  # its new process failed to start
+                    raise self._give_up(f"rollout actor {i} died, and Ray could not restart it (restart {self.restarts[i]} of {self.max_restarts}): {back}", dead=i) from None
+                except RuntimeError as back:  # not back in time
                     raise self._give_up(str(back), dead=i) from None
                 if self._stopping.is_set():  # the run ended while Ray restarted it: nothing to generate for
                     self.actors[i].stop.remote()
@@ -523,8 +525,10 @@ class RayRollouts:
                 log.warning("the last weight send to rollout failed as the run ended: %s", self._queued.error)
             self._queued.close()
         self._stopping.set()
-        for a in self.actors:
-            a.stop.remote(self._last_sent)
+        with self._restarted_lock:
+            unwired = set(self._restarted)  # back from a restart and sent nothing since: no version to wait for
+        for i, a in enumerate(self.actors):
+            a.stop.remote(None if i in unwired else self._last_sent)
 
     def metrics(self) -> dict[str, Any]:
         """The actors' metrics without waiting for them: every `METRICS_EVERY_S` a call

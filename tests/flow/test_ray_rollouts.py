@@ -477,3 +477,49 @@ def test_a_guest_ray_restarts_is_not_given_up_and_its_new_process_rejoins_the_se
     rollouts.stop()
     supervisor.join(30)
     assert not supervisor.is_alive() and [type(e).__name__ for e in ended] == ["Stop"]
+
+
+class _Stub:
+    """A rollout actor stand-in (no process): `describe` answers at once, `stop` records the
+    version it is told to wait for, and `run`/`describe` answer with `run_ref`/`describe_ref`
+    when set (refs of tasks that raise what a dead actor's calls raise)."""
+
+    def __init__(self) -> None:
+        import types
+
+        import ray
+
+        self.told: list = []
+        self.run_ref = self.describe_ref = None
+        self.describe = types.SimpleNamespace(remote=lambda: self.describe_ref or ray.put({}))
+        self.run = types.SimpleNamespace(remote=lambda: self.run_ref)
+        self.stop = types.SimpleNamespace(remote=self.told.append)
+
+
+def test_an_actor_back_from_a_restart_and_not_wired_in_again_is_not_told_to_wait_for_the_last_version(ray_session):
+    """Sent nothing since its restart, it waited SEND_ON_STOP_S (10 s) for the version sent
+    before it at the run's end; the others wait for it as before."""
+    import torch
+
+    actors = [_Stub(), _Stub()]
+    rollouts = RayRollouts(actors, _SendingWiring())
+    rollouts.publish(7, [("w", torch.ones(2))])
+    rollouts._restarted.add(1)  # as `run` leaves an actor Ray restarted, until the next publish wires it in
+    rollouts.stop()
+    assert [a.told for a in actors] == [[7], [None]]
+
+
+def test_a_restarted_actor_whose_new_process_fails_is_named_in_the_runs_error(ray_session):
+    import ray
+    import ray.exceptions
+
+    @ray.remote(num_cpus=0)
+    def dead() -> None:
+        raise ray.exceptions.ActorDiedError()
+
+    actor = _Stub()
+    rollouts = RayRollouts([actor], _SendingWiring(), max_restarts=1)
+    actor.run_ref = actor.describe_ref = dead.remote()  # it died, and so did the process Ray started in its place
+    with pytest.raises(RuntimeError, match=r"(?s)^rollout actor 0 died, and Ray could not restart it \(restart 1 of 1\): .*ActorDiedError"):
+        rollouts.run()
+    assert rollouts.restarts == [1]
