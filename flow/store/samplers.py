@@ -130,6 +130,12 @@ class Sequential:
         return Selection([])
 
 
+def _check_count(sampler: str, name: str, value: Any) -> None:
+    """Raise ValueError unless `value` is an int >= 1 (a batch is cut by it: 0 divided by zero at the first get)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{sampler} needs an integer {name} >= 1, got {value!r}")
+
+
 @dataclasses.dataclass
 class Grouped:
     """Complete groups only (GRPO): a batch holds every row of each group it touches.
@@ -140,6 +146,9 @@ class Grouped:
     """
 
     group_size: int
+
+    def __post_init__(self) -> None:
+        _check_count("Grouped", "group_size", self.group_size)
 
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if batch_size % self.group_size:
@@ -209,6 +218,9 @@ class SeqlenBalanced:
     num_ranks: int
     length_column: str
     inner: Any = dataclasses.field(default_factory=Sequential)
+
+    def __post_init__(self) -> None:
+        _check_count("SeqlenBalanced", "num_ranks", self.num_ranks)
 
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if batch_size % self.num_ranks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -210,3 +212,11 @@ def test_group_ids_given_as_a_tensor_are_refused_not_left_to_starve_grouped_gets
         store.put("p", {"x": [0, 1]}, groups=torch.tensor([7, 7]))  # each element hashed by identity: no group ever complete
     store.put("p", {"x": [0, 1]}, groups=torch.tensor([7, 7]).tolist())
     assert store.get("c", "p", ["x"], 2, sampler=Grouped(2), timeout=0).indexes == [0, 1]
+
+
+@pytest.mark.parametrize(("make", "message"), [(lambda: Grouped(0), "Grouped needs an integer group_size >= 1, got 0"), (lambda: SeqlenBalanced(0, "n"), "SeqlenBalanced needs an integer num_ranks >= 1, got 0"), (lambda: Grouped(2.0), "got 2.0")])
+def test_a_sampler_that_cuts_batches_by_zero_is_refused_when_made(make, message):
+    """`from_spec` checked these, a sampler made in process did not: Grouped(0) failed at the
+    first get with ZeroDivisionError."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
