@@ -30,7 +30,9 @@ comparable across processes).
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import dataclasses
 import itertools
 import multiprocessing as mp
@@ -54,12 +56,20 @@ _endpoints = itertools.count()
 
 
 def endpoint(transport: str) -> str:
-    """A fresh address to bind: loopback TCP on a free port, or a Unix-domain socket path."""
+    """A fresh address to bind: loopback TCP on a free port, or a Unix-domain socket path
+    (removed when this process exits: libzmq leaves the file when the socket closes)."""
     if transport == "tcp":
         return "tcp://127.0.0.1:0"
     if transport == "ipc":
-        return f"ipc://{tempfile.gettempdir()}/tidal-bench-{os.getpid()}-{next(_endpoints)}"
+        path = f"{tempfile.gettempdir()}/tidal-bench-{os.getpid()}-{next(_endpoints)}"
+        atexit.register(_unlink, path)
+        return f"ipc://{path}"
     raise ValueError(f"unknown transport {transport!r}; transports: {', '.join(TRANSPORTS)}")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @dataclasses.dataclass

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -199,12 +200,27 @@ def measure(system: str, size: int, repeats: int) -> list[float]:
     receiver.start()
     sender.start()
     try:
-        return out.get(timeout=900)
+        return _times(out, system, sender=sender, receiver=receiver)
     finally:
         for p in (sender, receiver):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def _times(out: Any, system: str, *, sender: Any, receiver: Any, timeout_s: float = 900) -> list[float]:
+    """The sender's times from `out`; raises, naming `system`, as soon as the sender or the
+    receiver has exited with an error (without the times), or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return out.get(timeout=0.1)
+        except queue.Empty:
+            for name, proc in (("sender", sender), ("receiver", receiver)):
+                if proc.exitcode:
+                    raise RuntimeError(f"{system}: the {name} process exited with code {proc.exitcode}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{system}: no transfer finished in {timeout_s:.0f} s") from None
 
 
 def run(*, sizes_mb: Sequence[int] = (4, 64, 256, 1024), systems: Sequence[str] = SYSTEMS, repeats: int = 3, progress: Callable[[str], None] = print) -> dict[str, dict[str, float]]:

@@ -127,3 +127,24 @@ def test_store_latency_p99_is_the_99th_percentile_not_the_maximum():
     assert bench_store._percentiles(latencies) == pytest.approx({"p50_ms": 50.5, "p99_ms": 99.0})
     assert bench_store._percentiles([0.001] * 199 + [0.5])["p99_ms"] == pytest.approx(1.0)  # one outlier in 200 is above p99
     assert bench_store._percentiles([0.002])["p99_ms"] == pytest.approx(2.0)
+
+
+def test_store_bench_ipc_endpoints_leave_no_socket_file_behind(monkeypatch, tmp_path):
+    """libzmq keeps a Unix-domain socket's file after the socket closes: every `--transport ipc`
+    run left one in the temp folder per store server, storage unit and raw-ZeroMQ consumer.
+    The process that makes an ipc endpoint removes its file when it exits."""
+    import atexit
+    import tempfile
+
+    import zmq
+
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args, **kwargs: at_exit.append(lambda: fn(*args, **kwargs)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.bind(bench_store.endpoint("ipc"))
+    sock.close(linger=0)
+    assert len(list(tmp_path.iterdir())) == 1  # the socket closed, its file stays
+    for fn in at_exit:
+        fn()
+    assert not list(tmp_path.iterdir())

@@ -70,3 +70,19 @@ def test_raw_zmq_receiver_builds_nothing_while_a_transfer_is_timed(monkeypatch):
         sock.close(linger=0)
         torch.set_num_threads(threads)
     assert built_while_timed and not any(built_while_timed), built_while_timed
+
+
+def test_a_transfer_whose_process_dies_fails_at_once_naming_the_system():
+    """A sender or receiver that exits without the times (it raised: a port, /dev/shm full)
+    once left `measure` waiting out its 15-minute timeout, then raising a bare `queue.Empty`."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="raw-shm: the receiver process exited with code 1"):
+        bench_weights._times(queue.Queue(), "raw-shm", sender=SimpleNamespace(exitcode=None), receiver=SimpleNamespace(exitcode=1))
+    assert time.monotonic() - started < 0.5
+    out = queue.Queue()
+    out.put([0.25, 0.5])
+    assert bench_weights._times(out, "host", sender=SimpleNamespace(exitcode=0), receiver=SimpleNamespace(exitcode=0)) == [0.25, 0.5]
