@@ -234,8 +234,9 @@ def _systems(given: str | None, known: tuple[str, ...]) -> tuple[str, ...] | Non
         return known
     systems = tuple(s.strip() for s in given.split(",") if s.strip())
     unknown = sorted(set(systems) - set(known))
-    if unknown:
-        print(f"tidal bench: error: unknown system(s) {unknown}; systems: {', '.join(known)}", file=sys.stderr)
+    if unknown or not systems:
+        why = f"unknown system(s) {unknown}" if unknown else f"--systems {given!r} names no system"
+        print(f"tidal bench: error: {why}; systems: {', '.join(known)}", file=sys.stderr)
         return None
     return systems
 

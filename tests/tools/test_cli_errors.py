@@ -138,3 +138,13 @@ def test_a_bench_count_below_one_is_a_usage_error(name, option, value, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", name, option, value])
     assert e.value.code == 2 and f"argument {option}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["store", "weights"])
+def test_bench_systems_that_name_no_system_are_a_usage_error(name, capsys):
+    """`--systems ,` ran nothing, and `tidal bench weights` then failed on its empty table
+    with a StopIteration traceback."""
+    from tidal.tools.cli import main
+
+    assert main(["bench", name, "--systems", ","]) == 2
+    assert "--systems ',' names no system; systems: " in capsys.readouterr().err
