@@ -527,7 +527,7 @@ class RemoteStore:
         out = {}
         for name, blocks in remote.items():
             parts = [pieces[(name, k)] for k in range(len(blocks))]
-            if all(isinstance(p, torch.Tensor) for p in parts):
+            if all(isinstance(p, torch.Tensor) for p in parts) and len({(p.dtype, p.shape[1:]) for p in parts}) == 1:  # cat would promote or fail
                 out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
                 out[name] = [cell for p in parts for cell in p]

@@ -50,6 +50,7 @@ MAX_RANGE = 1 << 24
 """The longest `range` a message may carry (row indexes: a few header bytes must not become gigabytes)."""
 _SCALARS = frozenset({int, float, str, bool, type(None), bytes})
 _NESTED = (dict, list)
+_KEYS = (str, int, float, bytes, type(None))
 
 
 def _encode(value: Any, buffers: list[Any]) -> Any:
@@ -59,6 +60,9 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
     if kind is dict:
         if "__" in value:
             raise CodecError("dict key '__' is reserved by the store codec")
+        for key in value:
+            if not isinstance(key, _KEYS):  # a tuple would be written as a list, which no decode can make a key
+                raise CodecError(f"dict keys of type {type(key).__name__} cannot be saved or sent to another process (str, int, float, bytes, None can)")
         return {k: v if type(v) in _SCALARS else _encode(v, buffers) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
         name = _NAMES.get(value.dtype)
@@ -100,7 +104,8 @@ def _raw(arr: np.ndarray, buffers: list[Any]) -> dict[str, Any]:
     """Where a contiguous array's bytes go: inline in the header when small, else a buffer."""
     if arr.nbytes <= INLINE_MAX_BYTES:
         return {"x": arr.tobytes()}
-    buffers.append(arr.reshape(-1) if arr.ndim != 1 else arr)  # its raw bytes go as they are
+    flat = arr.reshape(-1) if arr.ndim != 1 else arr  # its raw bytes go as they are
+    buffers.append(flat.view(np.uint8) if arr.dtype.kind in "Mm" else flat)  # NumPy gives no buffer of datetimes
     return {"b": len(buffers) - 1}
 
 
@@ -118,7 +123,10 @@ def encode_tree(value: Any) -> tuple[Any, list[Any]]:
 
 
 def pack_header(tree: Any) -> bytes:
-    return msgpack.packb(tree, use_bin_type=True)
+    try:
+        return msgpack.packb(tree, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # an int past 64 bits, say
+        raise CodecError(f"cannot be saved or sent to another process: {e}") from e
 
 
 def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
@@ -157,7 +165,7 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
         if any(n < 0 for n in shape):
             raise CodecError(f"negative dimension in shape {shape}")
         if kind == _TENSOR:
-            if dtype_name not in _TORCH_DTYPES:
+            if not isinstance(dtype_name, str) or dtype_name not in _TORCH_DTYPES:
                 raise CodecError(f"unknown tensor dtype {dtype_name!r}")
             itemsize = _ITEMSIZE[dtype_name]
         elif kind == _ARRAY:
@@ -176,17 +184,20 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
             raw = raw.cast("B")
         if raw.nbytes != numel * itemsize:
             raise CodecError(f"{'inline data' if index is None else f'buffer {index}'} holds {raw.nbytes} bytes, expected {numel * itemsize} for shape {shape}")
-        if kind == _ARRAY:
-            arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
-            if obj.get("g"):
-                return arr[()]
-            return arr.copy() if copy or raw.readonly else arr
-        if numel == 0:
-            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype_name])
-        if copy or raw.readonly:  # torch tensors must own or share writable memory
-            raw = bytearray(raw)
-        tensor = torch.frombuffer(raw, dtype=_TORCH_DTYPES[dtype_name])  # keeps the buffer alive
-        return tensor if len(shape) == 1 else tensor.reshape(shape)
+        try:
+            if kind == _ARRAY:
+                arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+                if obj.get("g"):
+                    return arr[()]
+                return arr.copy() if copy or raw.readonly else arr
+            if numel == 0:
+                return torch.empty(shape, dtype=_TORCH_DTYPES[dtype_name])
+            if copy or raw.readonly:  # torch tensors must own or share writable memory
+                raw = bytearray(raw)
+            tensor = torch.frombuffer(raw, dtype=_TORCH_DTYPES[dtype_name])  # keeps the buffer alive
+            return tensor if len(shape) == 1 else tensor.reshape(shape)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # a shape or dtype NumPy or torch refuses (a zero itemsize, a dimension too big)
+            raise CodecError(f"cannot make a {dtype_name} array of shape {shape}: {e}") from e
     if isinstance(obj, list):
         if not any(isinstance(v, _NESTED) for v in obj):
             return obj
@@ -217,7 +228,7 @@ def name_failure(error: CodecError, parts: Iterable[tuple[str, Any]]) -> CodecEr
     encodes the parts again, one by one."""
     for label, value in parts:
         try:
-            encode_tree(value)
+            pack_header(encode_tree(value)[0])
         except CodecError as e:
             return CodecError(f"{label}: {e}")
     return error

@@ -50,22 +50,26 @@ def write(state: dict[str, Any], path: str | Path) -> None:
         raise name_failure(e, _parts(state)) from e
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        crc = 0
+    try:
+        with open(tmp, "wb") as f:
+            crc = 0
 
-        def write(data: Any) -> None:
-            nonlocal crc
-            crc = zlib.crc32(data, crc)
-            f.write(data)
+            def write(data: Any) -> None:
+                nonlocal crc
+                crc = zlib.crc32(data, crc)
+                f.write(data)
 
-        write(MAGIC + struct.pack("<Q", len(header)) + header + struct.pack("<I", len(buffers)))
-        for buf in buffers:
-            write(struct.pack("<Q", buf.nbytes))
-            write(buf)
-        f.write(struct.pack("<I", crc))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            write(MAGIC + struct.pack("<Q", len(header)) + header + struct.pack("<I", len(buffers)))
+            for buf in buffers:
+                write(struct.pack("<Q", buf.nbytes))
+                write(buf)
+            f.write(struct.pack("<I", crc))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk, say: no half-written file stays behind
+        raise
 
 
 def load(path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> Store:

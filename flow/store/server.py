@@ -368,7 +368,7 @@ class StoreServer:
             self._reply_error(peer, request_id, "Unauthorized", "missing or wrong store token")
             return False
         timeout = args.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):  # NaN too
             self._reply_error(peer, request_id, "ValueError", f"timeout must be a number of seconds >= 0 or null, got {timeout!r}")
             return False
         if op in _BLOCKING and timeout != 0:

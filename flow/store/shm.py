@@ -164,10 +164,10 @@ class Writer:
                 while view:  # pwrite may write less than asked
                     n = os.pwrite(fd, view, offset)
                     view, offset = view[n:], offset + n
-        except OSError as e:
+        except BaseException as e:  # no message will name it
             os.close(fd)
             os.unlink(path)
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+            if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise
             return self._short_of_room(str(e))
         os.close(fd)

@@ -89,7 +89,11 @@ class UnitLinks:
         for unit, keys in batches.items():
             sock = self._sockets.get(unit)
             if sock is None:
-                sock = self._sockets[unit] = self._connect(unit)
+                try:
+                    sock = self._sockets[unit] = self._connect(unit)
+                except zmq.ZMQError as e:  # a put named an address ZeroMQ refuses: no unit to tell
+                    log.warning("storage unit %r cannot be reached (%s): chunks it holds are not dropped there", unit, e)
+                    continue
             while sock.poll(0):  # replies to earlier drops carry nothing we need
                 sock.recv_multipart()
             try:
@@ -123,7 +127,11 @@ class UnitLinks:
     def _connect(self, unit: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(unit)
+        try:
+            sock.connect(unit)
+        except zmq.ZMQError:
+            sock.close()
+            raise
         return sock
 
 

@@ -82,7 +82,7 @@ class StorageUnit:
             self.nbytes += int(cell_sizes(chunk).sum())
 
     def read(self, key: str, offsets: np.ndarray) -> Any:
-        """The rows `offsets` of chunk `key`: a tensor (a view when contiguous) or a list."""
+        """The rows `offsets` of chunk `key`: a tensor (a view when contiguous), an array or a list."""
         with self._lock:
             chunk = self._chunks.get(key)
         if chunk is None:
@@ -90,8 +90,10 @@ class StorageUnit:
         offsets = np.asarray(offsets, dtype=np.int64)
         if len(offsets) and (offsets.min() < 0 or offsets.max() >= len(chunk)):
             raise IndexError(f"chunk {key!r} has {len(chunk)} rows; asked for rows up to {int(offsets.max())}")
-        if isinstance(chunk, (torch.Tensor, np.ndarray)):
-            return rows_of(torch.as_tensor(chunk), offsets) if len(offsets) else chunk[:0]
+        if isinstance(chunk, torch.Tensor):
+            return rows_of(chunk, offsets) if len(offsets) else chunk[:0]
+        if isinstance(chunk, np.ndarray):  # stays NumPy, as an in-process store gives it (strings too)
+            return chunk[offsets]
         return [chunk[int(k)] for k in offsets]
 
     def drop(self, keys: Iterable[str]) -> int:

@@ -85,7 +85,10 @@ def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token
         placed = message.pop("shm", None)
         if placed is not None:
             _map_placed(placed, buffers, segments, token, message)
-        return decode_tree(message, buffers)
+        decoded = decode_tree(message, buffers)
+        if not isinstance(decoded, dict):  # the map was a codec descriptor (a range, a tuple, ...)
+            raise WireError(f"message must be a map, got {type(decoded).__name__}")
+        return decoded
     except (CodecError, shm.ShmError, WireError) as e:
         request_id = message.get("id")
         raise WireError(str(e), request_id=request_id if type(request_id) is int else None) from e

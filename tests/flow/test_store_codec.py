@@ -154,3 +154,30 @@ def test_conjugated_views_carry_their_values_and_sparse_tensors_are_refused_by_n
         assert torch.equal(decode(header, buffers), view.resolve_conj().resolve_neg())
     with pytest.raises(CodecError, match="layout torch.sparse_coo.*to_dense"):
         encode(torch.eye(3).to_sparse())
+
+
+@pytest.mark.parametrize("cell", [{(1, 2): "pair key"}, {"n": 2**64}], ids=["tuple-key", "int-too-big"])
+def test_a_cell_msgpack_cannot_carry_is_refused_by_name_and_never_saved_unloadable(served, tmp_path, cell):
+    """A dict with a tuple key was saved (msgpack writes it as a list) into a file that no
+    load could read: the whole store was lost. An int past 64 bits failed as a bare
+    OverflowError that named no column."""
+    store, client = served
+    with pytest.raises(CodecError, match=r"column 'meta' row 1: "):
+        client.put("p", {"x": torch.zeros(2), "meta": [{}, cell]})
+    store.put("p", {"x": torch.zeros(2), "meta": [{}, cell]})  # in process, anything is kept
+    with pytest.raises(CodecError, match=r"partition 'p' column 'meta' row 1: "):
+        save(store, tmp_path / "s.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", ["datetime64[s]", "timedelta64[ms]"])
+def test_large_time_arrays_are_saved_and_sent(served, tmp_path, dtype):
+    """Past `INLINE_MAX_BYTES` an array's buffer is the array itself, and NumPy gives no
+    buffer of a datetime or timedelta: saving or sending one failed with ValueError."""
+    value = np.arange(1000).astype(dtype)
+    store, client = served
+    client.put("p", {"t": value[None]})
+    save(store, tmp_path / "s.bin")
+    for source in (client, load(tmp_path / "s.bin")):
+        (out,) = source.get("c", "p", ["t"], 1, timeout=5).columns["t"]
+        assert out.dtype == value.dtype and np.array_equal(out, value)

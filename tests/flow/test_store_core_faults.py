@@ -268,3 +268,19 @@ def test_the_lease_heap_forgets_leases_acked_long_before_their_deadline():
     assert len(store._parts["p"].leases) <= 2048  # noqa: SLF001 - was 5001
     now[0] = 3601.0
     assert store.get("c", "p", ["x"], 1, timeout=0).indexes == kept.indexes  # expired: delivered again
+
+
+def test_a_save_that_fails_while_writing_leaves_no_partial_file_and_the_last_save_whole(tmp_path, monkeypatch):
+    """A write error (a full disk) left the half-written `.tmp` file behind."""
+    import tidal.flow.store.persist as persist
+
+    path = _saved(tmp_path)
+    before = path.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save(load(path), path)
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == before

@@ -63,7 +63,7 @@ def test_remote_errors_name_the_problem(served):
 def test_bad_timeouts_get_an_error_and_the_server_keeps_serving(served):
     _, server, client = served
     client.create_partition("train", consumers=["train"])
-    for timeout in ("soon", -1, True):
+    for timeout in ("soon", -1, True, float("nan")):  # NaN passed the check, was parked, and its deadline ended the server thread
         with pytest.raises(ValueError, match="timeout must be a number"):
             client._call("get", {"consumer": "train", "partition": "train", "columns": ["x"], "batch_size": 1, "timeout": timeout})
     assert client.ping()["store"]
@@ -291,6 +291,29 @@ def test_fuzzed_frames_get_replies_and_never_stop_the_server(fuzz_server, frames
         assert reply["error"] and isinstance(reply["message"], str)
     ping = _raw_call(sock, [msgpack.packb({"op": "ping", "id": 1, "args": {}})])
     assert ping["ok"] and ping["result"]["store"] is True and ping["result"]["unit"] is True
+
+
+@pytest.mark.parametrize("value", [
+    {"__": "a", "d": "S0", "s": [1], "x": b""},  # a zero-size dtype
+    {"__": "a", "d": "<f4", "s": [0, 2**62], "x": b""},  # empty, and too big for NumPy
+    {"__": "t", "d": "float32", "s": [0, 2**64 - 1], "x": b""},  # empty, and too big for torch
+    {"__": "t", "d": ["float32"], "s": [1], "x": b"1234"},  # an unhashable dtype name
+], ids=["zero-itemsize", "np-too-big", "torch-too-big", "unhashable-dtype"])
+def test_a_descriptor_numpy_or_torch_refuses_gets_an_error_reply(fuzz_server, value):
+    """Such descriptors raised ValueError / TypeError out of the codec, past the server's
+    error reply: the request was never answered."""
+    server, sock = fuzz_server
+    reply = _raw_call(sock, [msgpack.packb({"op": "ping", "id": 7, "args": {"x": value}})])
+    assert not reply["ok"] and reply["id"] == 7 and reply["error"] == "WireError"
+
+
+def test_a_request_that_decodes_to_something_but_a_map_gets_an_error_reply(fuzz_server):
+    """A header map that is itself a codec descriptor decoded to a range or a tuple, which
+    the server then read as a map: AttributeError, and the request was never answered."""
+    server, sock = fuzz_server
+    for header in ({"__": "r", "r": [0, 1, 1], "id": 4}, {"__": "u", "v": [1], "id": 5}):
+        reply = _raw_call(sock, [msgpack.packb(header)])
+        assert not reply["ok"] and reply["id"] == header["id"] and reply["error"] == "WireError"
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from tidal.flow.store import RemoteStore, Store, StoreError, StoreServer, StoreTimeout, shm
+from tidal.flow.store.codec import CodecError
 from tidal.flow.store.wire import pack
 from tidal.hal import owner
 
@@ -177,7 +178,7 @@ def test_failed_and_timed_out_puts_leave_no_segment():
             producer.put("train", {"x": torch.randn(1, BIG)})
             with pytest.raises(StoreTimeout):  # full: parked, then given up
                 producer.put("train", {"x": torch.randn(1, BIG)}, timeout=0.2)
-            with pytest.raises(OverflowError):  # its header cannot be packed, after its rows were written
+            with pytest.raises(CodecError, match="groups row 0"):  # its header cannot be packed, after its rows were written
                 producer.put("train", {"x": torch.randn(1, BIG)}, groups=[2**64])
             gc.collect()
             assert len(_ours(producer)) == 1 and len(server.segments) == 1  # only the row the store holds
@@ -444,3 +445,16 @@ def test_rows_replaced_while_their_reply_is_on_its_way_stay_mappable(served, mon
     assert late == [[0, 1]] and len(got) == 1, got  # the get mapped its segment (it raised WireError when unlinked)
     assert torch.equal(got[0].stack("x"), old)  # what was leased, as it was
     assert torch.equal(a.get("b", "train", ["x"], 2, timeout=5).stack("x"), new)  # others read the new cells
+
+
+def test_a_segment_whose_buffer_fails_to_write_is_not_left_behind():
+    """Only an OSError closed and unlinked the new segment: any other error writing a
+    buffer into it (one without the buffer protocol) left the file in `/dev/shm`."""
+
+    class NoBuffer:
+        nbytes = shm.MIN_BYTES
+
+    writer = shm.Writer()
+    with pytest.raises(TypeError):
+        writer.write([np.zeros(shm.MIN_BYTES, dtype=np.uint8), NoBuffer()])
+    assert [name for name in shm.leftovers() if name.startswith(writer._prefix)] == []

@@ -201,3 +201,55 @@ def test_a_cancelled_put_on_a_unit_frees_its_chunks(in_thread, wait_for):
             wait_for(lambda: len(unit.unit) == 1)  # the first put's chunk only
         finally:
             producer.close()
+
+
+def test_numpy_columns_read_from_a_unit_stay_numpy_with_their_dtype():
+    """A unit turned a NumPy chunk into a tensor when read: a split store gave back tensors
+    where the in-process store gives NumPy values, and strings failed the get outright."""
+    import numpy as np
+
+    columns = {"f": np.array([1.5, 2.5], dtype=np.float16), "s": np.array(["a", "bc"]), "b": np.array([[True], [False]])}
+    local = Store()
+    local.create_partition("train", consumers=["train"])
+    local.put("train", columns)
+    expected = local.get("train", "train", list(columns), 2, timeout=0).columns
+    with StoreServer(Store()) as ctrl, StoreServer(unit=StorageUnit()) as unit:
+        for where in (unit, unit.address):  # in process, and over the wire
+            client = RemoteStore(ctrl.address, unit=where, rpc_timeout_s=5)
+            try:
+                client.create_partition(f"train-{where is unit}", consumers=["train"])
+                client.put(f"train-{where is unit}", columns)
+                got = client.get("train", f"train-{where is unit}", list(columns), 2, timeout=5).columns
+                for name, cells in expected.items():
+                    assert [(type(c), c.dtype, np.shape(c)) for c in got[name]] == [(type(c), c.dtype, np.shape(c)) for c in cells]
+                    assert all(np.array_equal(a, b) for a, b in zip(got[name], cells))
+            finally:
+                client.close()
+
+
+def test_a_put_naming_a_unit_zeromq_cannot_reach_never_stops_the_server(served, wait_for):
+    """Freeing its chunk made the server thread connect to that address to drop it there:
+    ZeroMQ's error ended the thread, and no request was answered again."""
+    import numpy as np
+
+    store, server, client = served
+    client.create_partition("train", consumers=["train"])
+    client._call("put", {"partition": "train", "remote": {"x": {"unit": "not an address", "key": "k", "sizes": np.array([4])}}})
+    client.put("train", {"x": torch.zeros(1)}, indexes=[0])  # replaces the row's cell: its chunk is freed
+    wait_for(lambda: not server._units.drops)
+    assert server._thread.is_alive() and client.ping()["store"]
+
+
+def test_rows_of_several_puts_on_units_keep_each_puts_dtype_and_shape():
+    """The client concatenated the pieces read from units: a float32 row came back float64
+    beside a float64 one, and rows of different shapes failed the get."""
+    with StoreServer(Store()) as ctrl, StoreServer(unit=StorageUnit()) as unit:
+        client = RemoteStore(ctrl.address, unit=unit.address, rpc_timeout_s=5)
+        try:
+            client.create_partition("train", consumers=["train"])
+            for x in (torch.ones(1, 2), torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)):
+                client.put("train", {"x": x})
+            cells = client.get("train", "train", ["x"], 3, timeout=5).columns["x"]
+            assert [(c.dtype, tuple(c.shape)) for c in cells] == [(torch.float32, (2,)), (torch.float64, (2,)), (torch.float64, (3,))]
+        finally:
+            client.close()
