@@ -221,7 +221,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from e
         if not isinstance(data, DictConfig):
             raise ConfigError(f"recipe {str(path)!r} must be a mapping of keys to values")
-        _as_written(data, _plain_scalars(path.read_text()), schema, origin=f"recipe {str(path)!r}")
+        _as_written(data, _plain_scalars(path.read_text(encoding="utf-8")), schema, origin=f"recipe {str(path)!r}")
         try:
             cfg = OmegaConf.merge(cfg, data)
         except (OmegaConfBaseException, TypeError) as e:
