@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,12 +28,14 @@ def naming(path: str | Path) -> Iterator[None]:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` through `.<name>.<pid>.tmp` beside it, renamed over it.
+    """Write `text` to `path` through `.<name>.<pid>.<thread>.tmp` beside it, renamed over
+    it (a temporary file of each writer's own: two threads writing one file, such as a Ray
+    run's info file, neither rename the other's half-written one nor find it gone).
 
     Raises:
         OSError: naming `path` (`naming`); the temporary file is removed.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with naming(path):
             tmp.write_text(text)

@@ -12,6 +12,7 @@ import torch
 
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
+from tidal.flow.files import write_whole
 from tidal.flow.store import Store, persist
 from tidal.tools.run import _new_run_dir, latest_checkpoint
 from tidal.tools.config import load_config, stage_threads
@@ -197,6 +198,29 @@ def test_a_run_resumed_in_its_own_directory_keeps_its_steps_and_drops_a_line_cut
     path.write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "rew')
     truncate_metrics(path, 3)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_threads_writing_the_same_file_whole_each_leave_one_whole_version(tmp_path):
+    """`write_whole` from two threads of one process (a Ray run's info file: the actors'
+    restarts and the run's end): each write goes through a temporary file of its own, so
+    none fails for want of it and the file ends as one write's text, never a mix."""
+    path, errors = tmp_path / "info.json", []
+
+    def write(text: str) -> None:
+        for _ in range(300):
+            try:
+                write_whole(path, text)
+            except OSError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(c * 20_000,)) for c in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert path.read_text() in ("a" * 20_000, "b" * 20_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["info.json"]
 
 
 def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
