@@ -266,6 +266,8 @@ _AT_LEAST = {
     "placement.train.count": 1, "placement.train.devices_each": 1, "placement.rollout.count": 1, "placement.rollout.devices_each": 1,
 }
 """Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""
+MAX_SEED = 2**64 - 1
+"""The largest `seed` (torch.manual_seed's bound; larger ones failed with a traceback once the run directory was made)."""
 _POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "algorithm.seq_mask_high", "lease_s")
 """Recipe keys that must be > 0 when set."""
 _FINITE = ("algorithm.seq_mask_low", "algorithm.dual_clip", "algorithm.entropy_coef")
@@ -301,6 +303,8 @@ def _check_values(cfg: Any) -> None:
         for name, value in _selected(cfg, key):
             if value is not None and value < least:
                 raise ConfigError(f"{name}={value} must be >= {least}" + (f": {_WHY[key]}" if key in _WHY else ""))
+    if "seed" in cfg and cfg.seed is not None and cfg.seed > MAX_SEED:
+        raise ConfigError(f"seed={cfg.seed} must be <= {MAX_SEED}: torch's generators take a 64-bit seed")
     for key in _POSITIVE:
         value = OmegaConf.select(cfg, key)
         if value is not None and value <= 0:

@@ -58,6 +58,7 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("algorithm.num_stps=3", "unknown key 'algorithm.num_stps' in the command-line overrides; did you mean 'algorithm.num_steps' or"),
         ("seed=abc", "key 'seed' in the command-line overrides expects int, got 'abc' of type str"),
         ("seed=1.5", "expects int, got '1.5' of type float"),
+        ("seed=18446744073709551616", "seed=18446744073709551616 must be <= 18446744073709551615"),  # was torch.manual_seed's traceback, after the run directory was made
         ("runtime=rey", "key 'runtime' in the command-line overrides expects one of local | ray, got 'rey'"),
         ("device=gpu", "device='gpu' is not a platform; valid values: auto, cpu, cuda, npu, fake:<kind>:<n>"),
         ("seed", "override 'seed' is not key=value"),
