@@ -69,21 +69,27 @@ def test_a_cancelled_async_get_ends_its_thread_and_leases_nothing():
     assert store.get("c", "p", ["x"], 1, timeout=0).columns["x"] == [1]  # ready now, not after a lease expiry
 
 
-def test_a_cancelled_async_get_that_had_leased_rows_gives_them_back():
+def _leasing_store(delay_s: float):
+    """A store of two rows whose `get` returns `delay_s` after leasing them (the cancel reaches
+    the thread in between); (store, its AsyncStore, set once leased, the undelayed get)."""
     store = Store()
     store.create_partition("p", consumers=["c"])
     leased = threading.Event()
-    aio = AsyncStore(store)
     original = store.get
 
-    def slow_get(*args, **kwargs):  # the rows are leased before the cancel reaches the thread
+    def slow_get(*args, **kwargs):
         batch = original(*args, **kwargs)
         leased.set()
-        time.sleep(0.1)
+        time.sleep(delay_s)
         return batch
 
     store.get = slow_get  # type: ignore[method-assign]
     store.put("p", {"x": [1, 2]})
+    return store, AsyncStore(store), leased, original
+
+
+def test_a_cancelled_async_get_that_had_leased_rows_gives_them_back():
+    store, aio, leased, original = _leasing_store(0.1)
 
     async def main():
         task = asyncio.create_task(aio.get("c", "p", ["x"], 2))
@@ -284,3 +290,20 @@ def test_a_save_that_fails_while_writing_leaves_no_partial_file_and_the_last_sav
     with pytest.raises(OSError, match="No space"):
         save(load(path), path)
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == before
+
+
+def test_a_get_left_waiting_when_asyncio_run_ends_gives_its_leased_rows_back():
+    """`asyncio.run` cancels every task left at its end, the call's own worker task too: a
+    get whose rows were leased by then kept them leased until the lease expired."""
+    store, aio, leased, original = _leasing_store(0.05)
+    left: list[asyncio.Task] = []
+
+    async def main():
+        left.append(asyncio.create_task(aio.get("c", "p", ["x"], 2)))  # not awaited: asyncio.run cancels it
+        while not leased.is_set():
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
+    assert left[0].cancelled()
+    assert store.metrics()["partitions"]["p"]["consumers"]["c"]["leased"] == 0
+    assert original("c", "p", ["x"], 2, timeout=0).indexes == [0, 1]
