@@ -152,8 +152,8 @@ class Waits:
             yield
         finally:
             with self._lock:
-                stage, since = self._ongoing.pop(key)
-                self._seconds[stage] = self._seconds.get(stage, 0.0) + time.perf_counter() - since
+                stage, since = self._ongoing.pop(key)  # a `take` from here on leaves the rest to this `add`
+            self.add(stage, time.perf_counter() - since)
 
     def take(self) -> dict[str, float]:
         """The seconds waited since the last `take`, by stage (waits still going on: their part so far)."""
