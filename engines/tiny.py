@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 DEFAULT_ALPHABET = "0123456789+-*/=() ,?:abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.>"
 SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -116,8 +117,8 @@ def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, di
     transformers.utils.logging.disable_progress_bar()  # no shard bars in a run's output
     try:
         model.save_pretrained(directory, safe_serialization=True)
-    except Exception as e:
-        code = _OS_ERROR.search(str(e)) if type(e).__name__ == "SafetensorError" else None
+    except SafetensorError as e:
+        code = _OS_ERROR.search(str(e))
         if code is None:
             raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(Path(directory) / "model.safetensors")) from e
