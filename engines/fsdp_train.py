@@ -81,7 +81,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
-from tidal.engines.torch_train import LOSS_METRICS, NonfiniteGuard, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
+from tidal.engines.torch_train import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -329,19 +329,14 @@ class FSDPTrainEngine:
                 continue
             loss, metrics = micro_loss(part, slices[k])
             (loss * weight).backward()
-            tokens = float(part.loss_mask.sum())
-            totals[_COVERED] += tokens
-            for key, value in {"loss": float(loss.detach()), **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + (weight if key in LOSS_METRICS else tokens) * float(value)
+            totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()  # all-reduced: every rank steps, or skips a non-finite norm, alike
         step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
         summed = self._sum_over_ranks(totals)
-        covered = summed.pop(_COVERED)
-        for key in summed.keys() - LOSS_METRICS:
-            summed[key] /= covered or 1.0  # no loss token ran: each of these is 0
+        average_metrics(summed, summed.pop(_COVERED))
         summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
         return summed
 

@@ -214,12 +214,8 @@ class TorchTrainEngine:
                 continue
             loss, metrics = micro_loss(part, rows)
             (loss * weight).backward()
-            tokens = float(part.loss_mask.sum())
-            covered += tokens
-            for key, value in {"loss": float(loss.detach()), **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + (weight if key in LOSS_METRICS else tokens) * float(value)
-        for key in totals.keys() - LOSS_METRICS:
-            totals[key] /= covered or 1.0  # no loss token ran: each of these is 0
+            covered += add_metrics(totals, part, loss, metrics, weight=weight)
+        average_metrics(totals, covered)
         for p in self.model.parameters():  # nothing ran: a zero gradient, so AdamW still steps (momentum, decay) as it would have
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -490,6 +486,21 @@ def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: floa
         raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
     if max_nonfinite_steps < 0:
         raise ValueError(f"max_nonfinite_steps must be >= 0 (non-finite steps in a row that are skipped; 0 = raise at the first), got {max_nonfinite_steps}")
+
+
+def add_metrics(totals: dict[str, float], part: TokenBatch, loss: torch.Tensor, metrics: dict[str, Any], *, weight: float) -> float:
+    """Add a micro-batch's loss and metrics to a step's `totals`: `LOSS_METRICS` weighed by
+    `weight` (its share of the loss), the others by its loss tokens; returns those tokens."""
+    tokens = float(part.loss_mask.sum())
+    for key, value in {"loss": float(loss.detach()), **metrics}.items():
+        totals[key] = totals.get(key, 0.0) + (weight if key in LOSS_METRICS else tokens) * float(value)
+    return tokens
+
+
+def average_metrics(totals: dict[str, float], tokens: float) -> None:
+    """Turn `add_metrics`' token-weighed sums into means over the `tokens` that ran (0 when none did)."""
+    for key in totals.keys() - LOSS_METRICS:
+        totals[key] /= tokens or 1.0
 
 
 def check_step_inputs(batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> None:
