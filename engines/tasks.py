@@ -7,10 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-def arithmetic(num_prompts: int, *, seed: int, min_value: int = 0, max_value: int = 20, ops: str = "+-") -> list[dict[str, Any]]:
-    """`{"prompt": "12+7=", "answer": "19"}` items; answers have 1-3 characters (may be negative)."""
+def check_ops(ops: str) -> None:
+    """Raise ValueError unless `ops` is a non-empty string of the operators + - * (`arithmetic`'s)."""
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"ops must be a non-empty subset of '+-*', got {ops!r}")
+
+
+def arithmetic(num_prompts: int, *, seed: int, min_value: int = 0, max_value: int = 20, ops: str = "+-") -> list[dict[str, Any]]:
+    """`{"prompt": "12+7=", "answer": "19"}` items; answers have 1-3 characters (may be negative)."""
+    check_ops(ops)
     if max_value < min_value:
         raise ValueError(f"max_value ({max_value}) must be >= min_value ({min_value})")
     rng = random.Random(seed)

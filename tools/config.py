@@ -292,8 +292,11 @@ def _check_values(cfg: Any) -> None:
             check_spec(cfg.device, source="device")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if "task" in cfg and (not cfg.task.ops or set(cfg.task.ops) - set("+-*")):  # the arithmetic prompts' own check, before the run directory
-        raise ConfigError(f"task.ops={cfg.task.ops!r} is not a non-empty set of the operators + - * (e.g. +-)")
+    if "task" in cfg:
+        try:
+            tasks.check_ops(cfg.task.ops)  # the arithmetic prompts' own check, before the run directory
+        except ValueError:
+            raise ConfigError(f"task.ops={cfg.task.ops!r} is not a non-empty set of the operators + - * (e.g. +-)") from None
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
     for name, value in (item for key in (*_AT_LEAST, *_POSITIVE, *_FINITE) for item in _selected(cfg, key)):
