@@ -56,7 +56,7 @@ def _hashable(group: Any) -> Hashable:
     row a group of its own, and every advantage 0), so a 0-d one stands for its number."""
     if isinstance(group, torch.Tensor):
         if group.dim() != 0:
-            raise ValueError(f"a group id must be a number or another hashable id, got a tensor of shape {tuple(group.shape)}")
+            raise ValueError(f"a group id must be a number or another hashable id, got a tensor of shape {tuple(group.shape)} (pass groups as a 1-D integer tensor, or ids.tolist())")
         return group.item()
     return group
 
