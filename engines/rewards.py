@@ -1,9 +1,19 @@
 """Reward functions: rule-based verifiers and user functions named `module:function`.
 
-A reward function takes a finished trajectory and its decoded continuation and returns a
-float; the reference it checks against lives in `trajectory.meta`. `score` runs one over
-a batch and never lets a failing function stop a run: a function that raises or returns
-NaN/inf gives that row 0.0 and reports it as failed (counted in the step metrics).
+A reward function takes a finished trajectory and its decoded continuation (end tokens
+left out) and returns a float; the reference it checks against lives in
+`trajectory.meta`, and `trajectory.finish_reason` says how the response ended ("stop": an
+end token; "length": cut at the token budget).
+
+The built-in verifiers are strict: the response must be the answer and nothing else,
+closed by an end token. A response cut at the budget scores 0 whatever its text, and so
+does one with anything after the answer: a lenient rule (the first integer anywhere)
+paid full reward for `10c8c1` as an answer to `3+7=`, and a policy trained on it learnt
+to stop emitting the end token.
+
+`score` runs one over a batch and never lets a failing function stop a run: a function
+that raises or returns NaN/inf gives that row 0.0 and reports it as failed (counted in
+the step metrics).
 """
 
 from __future__ import annotations
@@ -14,7 +24,6 @@ import logging
 import math
 import operator
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -24,23 +33,24 @@ from tidal.flow.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[[Trajectory, str], float]
-_INTEGER = re.compile(r"(-?)0*(\d+)")
-"""An integer's sign and its digits without leading zeros."""
+
+
+def ended(trajectory: Trajectory) -> bool:
+    """Whether the response was closed by an end token (not cut at the token budget)."""
+    return trajectory.finish_reason == "stop"
 
 
 def exact_match(trajectory: Trajectory, text: str) -> float:
-    """1.0 when the continuation, stripped, equals `meta["answer"]`."""
-    return float(text.strip() == str(trajectory.meta["answer"]).strip())
+    """1.0 when the continuation, stripped of surrounding whitespace, equals `meta["answer"]`
+    and ended with an end token."""
+    return float(ended(trajectory) and text.strip() == str(trajectory.meta["answer"]).strip())
 
 
 def arithmetic(trajectory: Trajectory, text: str) -> float:
-    """1.0 when the first integer in the continuation equals `meta["answer"]`. Compared as
-    text, leading zeros aside: `int()` raises on a run of more than 4300 digits."""
-    found = _INTEGER.search(text)
-    if found is None:
-        return 0.0
-    sign, digits = found.groups()
-    return float(("" if digits == "0" else sign) + digits == str(int(trajectory.meta["answer"])))
+    """1.0 when the continuation is the integer `meta["answer"]` and nothing else (surrounding
+    whitespace aside; written as `str(int(answer))`: no leading zeros, no `+`), ended with an
+    end token; 0.0 otherwise."""
+    return float(ended(trajectory) and text.strip() == str(int(trajectory.meta["answer"])))
 
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: lambda a, b: Fraction(a) / b}
@@ -65,9 +75,13 @@ def _evaluate(node: ast.AST, available: list[int]) -> Fraction | int:
 def countdown(trajectory: Trajectory, text: str) -> float:
     """1.0 for an expression that uses each of `meta["numbers"]` exactly once (as the task
     asks: a subset would solve many prompts more easily) and equals `meta["target"]`; 0.1 for
-    such an expression with another value; 0.0 otherwise. Parsed with `ast`, never eval'd, and
-    computed exactly (fractions): a float tolerance let a value near a large target score 1.0."""
-    expression = text.strip().split("\n")[0]
+    such an expression with another value; 0.0 otherwise, and for a response that is more
+    than the expression (a second line) or did not end with an end token. Parsed with `ast`,
+    never eval'd, and computed exactly (fractions): a float tolerance let a value near a
+    large target score 1.0."""
+    expression = text.strip()
+    if not ended(trajectory) or "\n" in expression:
+        return 0.0
     left = list(trajectory.meta["numbers"])
     try:
         value = _evaluate(ast.parse(expression, mode="eval"), left)

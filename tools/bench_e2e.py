@@ -6,6 +6,13 @@ group size, token budget and number of samples, on this machine, in this process
 each seed it reports RL samples/s, tokens/s, wall time and held-out accuracy after RL;
 the table shows means over seeds and the ratios against sync and against TRL.
 
+Held-out accuracy is the recipe's verifier on greedy answers: for the quickstart's
+arithmetic the strict rule (the answer alone, then the end token). Stability: each run's
+mean response length over its first and last tenth of RL steps; a run whose length grew
+by more than `DRIFT_RATIO` drifted (a policy that stops ending its answers grows them to
+the token budget), and the table counts such runs. `--systems` picks some systems, e.g.
+`tidal-async,tidal-sync` over many seeds for the stability figures alone.
+
 Systems: `tidal-async` (`max_staleness: 1`), `tidal-sync` (`max_staleness: 0`), both
 in one process (`runtime: local`), and `tidal-async-ray` (`max_staleness: 1` with
 `runtime: ray`: trainer and rollout as two actors, one torch thread each; Ray's start
@@ -33,6 +40,7 @@ same run.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -64,6 +72,25 @@ TRL_SYSTEMS = {
 stages do, so TRL gets every thread setting the sync baseline gets."""
 BASELINES = {"sync": list(SYNC_SYSTEMS), "TRL": list(TRL_SYSTEMS)}
 """Each ratio's baseline: the fastest of these systems in the run."""
+DRIFT_RATIO = 1.5
+"""A run drifted when its mean response length over the last tenth of its steps is more
+than this times that over the first tenth."""
+
+
+def length_drift(lengths: Sequence[float]) -> dict[str, float]:
+    """`response_len_start` / `response_len_end`: the mean of `lengths` (one per step, in
+    order) over the first and the last tenth of the steps (at least one step each)."""
+    if not lengths:
+        return {}
+    tenth = max(len(lengths) // 10, 1)
+    return {"response_len_start": statistics.mean(lengths[:tenth]), "response_len_end": statistics.mean(lengths[-tenth:])}
+
+
+def drifted(run: dict[str, Any]) -> bool | None:
+    """Whether a run's response length drifted (`DRIFT_RATIO`); None when it was not measured."""
+    if "response_len_start" not in run:
+        return None
+    return run["response_len_end"] > DRIFT_RATIO * run["response_len_start"]
 
 
 def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -81,14 +108,19 @@ def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, ove
             from tidal.tools.ray_run import run_on_ray  # noqa: PLC0415
 
             try:
-                return run_on_ray(cfg, run_dir, progress=False)
+                summary = run_on_ray(cfg, run_dir, progress=False)
             finally:
                 ray.shutdown()
-        return train(cfg, run_dir, progress=False)
+        else:
+            summary = train(cfg, run_dir, progress=False)
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return {**summary, **length_drift([m["response_len"] for m in steps if "response_len" in m])}
 
 
-def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), progress: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
-    """Every system for every seed; `trl` only when TRL is installed.
+def run(
+    *, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Sequence[str] = (), systems: Sequence[str] | None = None, progress: Callable[[str], None] = print
+) -> dict[str, list[dict[str, Any]]]:
+    """Every system (or those named in `systems`) for every seed; TRL's only when TRL is installed.
 
     One round per seed runs every system once, in the order of `SYSTEMS` then TRL's on
     even rounds and in reverse on odd ones. This machine's speed drifts over the minutes
@@ -103,11 +135,16 @@ def run(*, seeds: Sequence[int] = (0, 1), num_steps: int = 200, overrides: Seque
             return run_tidal(SYSTEMS[system], seed=seed, num_steps=num_steps, overrides=overrides)
         return bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[*TRL_SYSTEMS[system], *overrides])
 
-    systems = list(SYSTEMS)
-    if bench_trl.available():
-        systems += TRL_SYSTEMS
-    else:
+    unknown = [name for name in systems or () if name not in SYSTEMS and name not in TRL_SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown e2e system(s) {unknown}; systems: {', '.join([*SYSTEMS, *TRL_SYSTEMS])}")
+    chosen = list(SYSTEMS) if systems is None else [name for name in SYSTEMS if name in systems]
+    wants_trl = [name for name in TRL_SYSTEMS if systems is None or name in systems]
+    if wants_trl and bench_trl.available():
+        chosen += wants_trl
+    elif wants_trl:
         progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
+    systems = chosen
     results: dict[str, list[dict[str, Any]]] = {}
     for round_, seed in enumerate(seeds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
@@ -128,7 +165,9 @@ def baseline(results: dict[str, list[dict[str, Any]]], name: str) -> str | None:
     return max(measured, key=lambda s: statistics.mean(r["samples_per_s"] for r in results[s]), default=None)
 
 
-def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+def table(results: dict[str, list[dict[str, Any]]], *, with_trl: bool = True) -> list[list[str]]:
+    """The bench's rows, header first. `with_trl`: a row for TRL says why it was not measured
+    (off when `--systems` named none of TRL's)."""
     def mean(system: str, key: str) -> float:
         return statistics.mean(r[key] for r in results[system])
 
@@ -139,8 +178,21 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
     def ratio(system: str, base: str | None) -> str:
         return f"{mean(system, 'samples_per_s') / mean(base, 'samples_per_s'):.2f}" if base is not None else "-"
 
+    def lengths(system: str) -> str:
+        runs = [r for r in results[system] if drifted(r) is not None]
+        if not runs:
+            return "-"
+        return f"{statistics.mean(r['response_len_start'] for r in runs):.2f} -> {statistics.mean(r['response_len_end'] for r in runs):.2f}"
+
+    def drifts(system: str) -> str:
+        measured = [drifted(r) for r in results[system] if drifted(r) is not None]
+        return f"{sum(measured)} of {len(measured)}" if measured else "-"
+
     sync, trl = baseline(results, "sync"), baseline(results, "TRL")
-    rows = [["system", "samples/s", f"x sync ({sync or '-'})", f"x TRL ({trl or '-'})", "tokens/s", "RL wall s", "held-out before", "held-out after (mean +- sd over seeds)"]]
+    rows = [[
+        "system", "samples/s", f"x sync ({sync or '-'})", f"x TRL ({trl or '-'})", "tokens/s", "RL wall s", "held-out before",
+        "held-out after (mean +- sd over seeds)", "response length, first -> last tenth", f"runs drifted (length x{DRIFT_RATIO}+)",
+    ]]
     skipped = {system: runs[0]["skipped"] for system, runs in results.items() if runs and "skipped" in runs[0]}
     results = {system: runs for system, runs in results.items() if system not in skipped}
     for system in results:
@@ -153,9 +205,12 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
             f"{mean(system, 'rl_seconds'):.1f}",
             f"{mean(system, 'accuracy_before'):.1%}",
             spread(system, "accuracy_after"),
+            lengths(system),
+            drifts(system),
         ])
+    blank = ["-"] * (len(rows[0]) - 2)
     for system, why in skipped.items():
-        rows.append([system, "-", "-", "-", "-", "-", "-", f"not measured: {why}"])
-    if trl is None:
-        rows.append(["trl", "-", "-", "-", "-", "-", "-", f"not measured: TRL is not installed ({TRL_INSTALL})"])
+        rows.append([system, *blank, f"not measured: {why}"])
+    if trl is None and with_trl:
+        rows.append(["trl", *blank, f"not measured: TRL is not installed ({TRL_INSTALL})"])
     return rows

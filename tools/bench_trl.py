@@ -222,6 +222,7 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
 
     from tidal.engines.rewards import score  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
+    from tidal.tools.bench_e2e import length_drift  # noqa: PLC0415
     from tidal.tools.config import stage_threads  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
@@ -243,7 +244,8 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
 
         def reward_fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns: Any) -> list[float]:
             keys = [k for k in columns if k in items[0]]
-            trajectories = [Trajectory(prompt_ids=[], meta={"prompt": p, **{k: columns[k][i] for k in keys}}) for i, p in enumerate(prompts)]
+            ends = ["stop" if tokenizer.eos_id in ids else "length" for ids in completion_ids]  # TRL's completion ids keep the EOS that ended them
+            trajectories = [Trajectory(prompt_ids=[], finish_reason=ends[i], meta={"prompt": p, **{k: columns[k][i] for k in keys}}) for i, p in enumerate(prompts)]
             rewards, _ = score(reward, trajectories, completions)
             scored.append({"samples": len(completions), "tokens": sum(map(len, completion_ids)), "reward": sum(rewards) / max(len(rewards), 1)})
             return rewards
@@ -274,4 +276,5 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
         "tokens_per_s": sum(s["tokens"] for s in scored) / rl_seconds if rl_seconds else 0.0,
         "first_reward": scored[0]["reward"] if scored else None,
         "last_reward": scored[-1]["reward"] if scored else None,
+        **length_drift([s["tokens"] / s["samples"] for s in scored if s["samples"]]),  # per reward call, in order
     }

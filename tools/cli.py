@@ -114,15 +114,18 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
   e2e     the quickstart trained with async GRPO (max_staleness=1) in one process and
           on Ray (trainer and rollout actors), and sync GRPO (max_staleness=0), from
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and
-          held-out accuracy, with ratios against sync and against TRL 1.16's
-          GRPOTrainer on the same warm start and prompts (installed with the [bench]
-          extra; skipped otherwise). Sync and TRL run with torch's default threads
-          and with one (-1t), sync also with one for rollout and the default for
-          training (-split); each ratio is against the fastest of them. Systems
+          held-out accuracy (the task's strict verifier), response length at the
+          start and end of RL and how many runs drifted to longer answers, with
+          ratios against sync and against TRL 1.16's GRPOTrainer on the same warm
+          start and prompts (installed with the [bench] extra; skipped otherwise).
+          Sync and TRL run with torch's default threads and with one (-1t), sync
+          also with one for rollout and the default for training (-split); each
+          ratio is against the fastest of them. Systems
           run in rounds, one per seed, in reverse every other round, so the
           machine's drift falls on all of them. --steps and --seeds size it;
-          key=value arguments override the recipe for every system, e.g.
-          device=cuda or train.precision=bf16.
+          --systems picks some (e.g. tidal-async,tidal-sync over --seeds 0,1,2,3,4
+          for the stability figures); key=value arguments override the recipe for
+          every system, e.g. device=cuda or train.precision=bf16.
 
   weights the weight transports (host, collective, ipc, and ipc-placed: the sender's
           weights kept in the shared buffer) moving a model of 4 MB .. 1 GB between two
@@ -202,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights)", description=BENCH_HELP, formatter_class=fmt)
     bench.add_argument("name", choices=["store", "e2e", "weights"], help="which benchmark")
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
-    bench.add_argument("--systems", default=None, help="store, weights: comma-separated systems to measure (default: all)")
+    bench.add_argument("--systems", default=None, help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=_count, default=200, help="hand-off latency trials per system (default: 200)")
     bench.add_argument("--repeats", type=_count, default=3, help="throughput runs per system; the best is reported (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
@@ -247,15 +250,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "e2e":
         from tidal.tools import bench_e2e  # noqa: PLC0415
 
-        if args.systems is not None:
-            print("tidal bench: error: e2e runs every system; --systems is for store and weights", file=sys.stderr)
+        systems = _systems(args.systems, (*bench_e2e.SYSTEMS, *bench_e2e.TRL_SYSTEMS))
+        if systems is None:
             return 2
         _check_device_variable()  # before minutes of runs, not at the first one
-        results = bench_e2e.run(seeds=args.seeds, num_steps=args.steps, overrides=args.overrides, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        results = bench_e2e.run(seeds=args.seeds, num_steps=args.steps, overrides=args.overrides, systems=systems, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))
         else:
-            _print_table("tidal bench e2e (quickstart task, same warm start and samples)", bench_e2e.table(results))
+            with_trl = any(name in bench_e2e.TRL_SYSTEMS for name in systems)
+            _print_table("tidal bench e2e (quickstart task, same warm start and samples)", bench_e2e.table(results, with_trl=with_trl))
         return 0
 
     if args.overrides:
@@ -465,6 +469,22 @@ def _unrecognized(extra: list[str], *, takes_overrides: bool) -> str:
     return message
 
 
+def _one_line(command: str, error: Exception) -> str | None:
+    """What `tidal COMMAND` prints for an error that needs no traceback, or None: tidal's own
+    runtime errors (PlatformError and friends: actionable), non-finite gradients (the train
+    engines' FloatingPointError) and a write the disk refused. Under `runtime: ray` the
+    error raised inside an actor counts, not Ray's wrapper with the remote traceback, and a
+    dead actor is named in one line (`flow.ray_faults.remote_cause`)."""
+    from tidal.flow.ray_faults import remote_cause  # noqa: PLC0415 - imports no Ray
+
+    cause = remote_cause(error)
+    if isinstance(cause, RuntimeError) and type(cause).__module__.startswith("tidal.") or isinstance(cause, FloatingPointError):
+        return "\n".join([f"tidal {command}: error: {cause}", *getattr(cause, "__notes__", ())])
+    if isinstance(cause, OSError) and cause.errno in STORAGE_ERRNOS and cause.filename:
+        return f"tidal {command}: error: cannot write {cause.filename}: {cause.strerror}; free space there, or choose another run_dir or output_dir"
+    return None
+
+
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -496,12 +516,11 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         _print_resume_hint(args)
         raise
     except Exception as e:  # noqa: BLE001 - printed here, so the resume command below comes last
-        if isinstance(e, RuntimeError) and type(e).__module__.startswith("tidal.") or isinstance(e, FloatingPointError):  # the latter: the train engines' non-finite gradients
-            print("\n".join([f"tidal {args.command}: error: {e}", *getattr(e, "__notes__", ())]), file=sys.stderr)  # PlatformError and friends: actionable, no traceback
-        elif isinstance(e, OSError) and e.errno in STORAGE_ERRNOS and e.filename:
-            print(f"tidal {args.command}: error: cannot write {e.filename}: {e.strerror}; free space there, or choose another run_dir or output_dir", file=sys.stderr)
-        else:
+        message = _one_line(args.command, e)
+        if message is None:
             traceback.print_exc()
+        else:
+            print(message, file=sys.stderr)
         code = 1
     _print_resume_hint(args)
     return code

@@ -184,7 +184,8 @@ def warm_start(engine: TorchTrainEngine, cfg: Any, tokenizer: CharTokenizer, hel
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokenizer: CharTokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100) -> float:
-    """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0."""
+    """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0, with the
+    rule RL trains on (the built-in verifiers' is strict: the answer alone, then the end token)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -198,8 +199,10 @@ def evaluate(model: torch.nn.Module, tokenizer: CharTokenizer, items: list[dict[
         out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id)
         trajectories, texts = [], []
         for item, row in zip(chunk, out[:, width:].tolist()):
-            tokens = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-            trajectories.append(Trajectory(prompt_ids=[], meta={k: v for k, v in item.items() if k != "prompt_ids"}))
+            stopped = tokenizer.eos_id in row
+            tokens = row[: row.index(tokenizer.eos_id)] if stopped else row
+            meta = {k: v for k, v in item.items() if k != "prompt_ids"}
+            trajectories.append(Trajectory(prompt_ids=[], finish_reason="stop" if stopped else "length", meta=meta))
             texts.append(tokenizer.decode(tokens))
         rewards, _ = score(reward, trajectories, texts)  # a reward that fails scores the answer 0, as in RL
         correct += sum(r == 1.0 for r in rewards)

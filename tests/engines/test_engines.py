@@ -244,14 +244,14 @@ def test_a_temperature_that_is_not_a_positive_number_is_refused_when_the_engine_
 
 
 def test_verifiers():
-    t = Trajectory(prompt_ids=[1], meta={"answer": "-3"})
-    assert arithmetic(t, "-3") == 1.0 and arithmetic(t, " -3 and more") == 1.0 and arithmetic(t, "3") == 0.0 and arithmetic(t, "abc") == 0.0
-    assert exact_match(Trajectory(prompt_ids=[1], meta={"answer": "ab"}), " ab ") == 1.0
-    c = Trajectory(prompt_ids=[1], meta={"numbers": [3, 5, 7], "target": 22})
+    t = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"answer": "-3"})
+    assert arithmetic(t, "-3") == 1.0 and arithmetic(t, " -3 ") == 1.0 and arithmetic(t, "3") == 0.0 and arithmetic(t, "abc") == 0.0
+    assert exact_match(Trajectory(prompt_ids=[1], finish_reason="stop", meta={"answer": "ab"}), " ab ") == 1.0
+    c = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [3, 5, 7], "target": 22})
     assert countdown(c, "3*5+7") == 1.0 and countdown(c, "(7+5)*3") == 0.1 and countdown(c, "7*3+1") == 0.0
     assert countdown(c, "7+7+8") == 0.0  # 7 twice, 8 not given
     assert countdown(c, "__import__('os')") == 0.0 and countdown(c, "3/0") == 0.0 and countdown(c, "(((") == 0.0
-    assert countdown(Trajectory(prompt_ids=[1], meta={"numbers": [6, 3], "target": 2}), "6/3") == 1.0
+    assert countdown(Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [6, 3], "target": 2}), "6/3") == 1.0
     huge = "9" * 400  # not a number given, and too large for a float: 0.0 before any arithmetic, not an error
     assert countdown(c, f"{huge}/3") == 0.0 and countdown(c, f"(3/5)*{huge}") == 0.0
 
@@ -259,35 +259,56 @@ def test_verifiers():
 def test_countdown_needs_every_number_exactly_once():
     # A subset used to score 1.0 (and any lone number 0.1): on 30% of the default task's
     # prompts a shorter expression than the task asks for reached the target, 10% by one number.
-    c = Trajectory(prompt_ids=[1], meta={"numbers": [3, 5, 7], "target": 8})
+    c = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [3, 5, 7], "target": 8})
     assert countdown(c, "3+5") == 0.0 and countdown(c, "7") == 0.0 and countdown(c, "3") == 0.0
     assert countdown(c, "(7-5)*3") == 0.1 and countdown(c, "(7-5)*3+0") == 0.0  # every number once, another value; 0 not given
     assert countdown(c, "3+5*7/7") == 0.0 and countdown(c, "5+3+7-7") == 0.0  # 7 twice
-    repeated = Trajectory(prompt_ids=[1], meta={"numbers": [3, 3, 5], "target": 14})
+    repeated = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [3, 3, 5], "target": 14})
     assert countdown(repeated, "3*3+5") == 1.0 and countdown(repeated, "3*5") == 0.0  # a number given twice is used twice
     for item in countdown_prompts(200, seed=6):  # no prompt of the task is solved by fewer numbers
-        t = Trajectory(prompt_ids=[1], meta=item)
+        t = Trajectory(prompt_ids=[1], finish_reason="stop", meta=item)
         assert not any(countdown(t, e) > 0 for r in range(1, len(item["numbers"])) for e in _expressions(item["numbers"][:r]))
 
 
 def test_countdown_compares_values_exactly_however_large_the_target():
     # math.isclose's default rel_tol=1e-9 let a value off by up to target / 1e9 score 1.0
     # (a large task: num_numbers=6, max_number=100 draws targets up to 10**12).
-    t = Trajectory(prompt_ids=[1], meta={"numbers": [100000, 100000, 1], "target": 10**10 + 1})
+    t = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [100000, 100000, 1], "target": 10**10 + 1})
     assert countdown(t, "100000*100000+1") == 1.0 and countdown(t, "100000*100000*1") == 0.1
-    exact = Trajectory(prompt_ids=[1], meta={"numbers": [10**9 + 7, 97, 97], "target": 10**9 + 7})
+    exact = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [10**9 + 7, 97, 97], "target": 10**9 + 7})
     assert countdown(exact, f"{10**9 + 7}/97*97") == 1.0  # no float rounding (1000000006.9999999 in floats)
 
 
 def test_verifiers_score_pathological_outputs_zero_instead_of_failing():
     # The parser answers deep nesting with MemoryError, int() a 4300+ digit run with
     # ValueError: both used to escape, and `score` counted the built-in verifier as failed.
-    c = Trajectory(prompt_ids=[1], meta={"numbers": [3, 5, 7], "target": 22})
+    c = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"numbers": [3, 5, 7], "target": 22})
     rewards, failed = score(countdown, [c] * 3, ["-" * 6000 + "3", "3" + "**3" * 3000, "3" + "*3" * 3000])
     assert rewards == [0.0, 0.0, 0.0] and failed == []
-    a, zero = Trajectory(prompt_ids=[1], meta={"answer": "19"}), Trajectory(prompt_ids=[1], meta={"answer": "0"})
-    rewards, failed = score(arithmetic, [a, a, a, zero, zero, a], ["9" * 5000, "-" + "0" * 5000, "0019", "-00", "0" * 5000, "-19"])
-    assert rewards == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0] and failed == []  # leading zeros aside, as int() compared them
+    a, zero = Trajectory(prompt_ids=[1], finish_reason="stop", meta={"answer": "19"}), Trajectory(prompt_ids=[1], finish_reason="stop", meta={"answer": "0"})
+    rewards, failed = score(arithmetic, [a, a, a, zero, zero, a, zero], ["9" * 5000, "-" + "0" * 5000, "0019", "-00", "0" * 5000, "-19", "0"])
+    assert rewards == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0] and failed == []  # the answer as written: no leading zeros, no "-0"
+
+
+def test_a_response_with_trailing_junk_or_without_the_end_token_scores_zero():
+    # The lenient arithmetic verifier (the first integer anywhere) paid 1.0 for "10c8c1" as
+    # the answer to 3+7=, and an async quickstart run learnt to stop ending its answers.
+    def ended(reason, meta):
+        return Trajectory(prompt_ids=[1], finish_reason=reason, meta=meta)
+
+    answer = {"answer": "10"}
+    assert arithmetic(ended("stop", answer), "10") == 1.0
+    for junk in ("10c8c1", "10 11", "10\n", "10=10", "1010", "+10", "010", "10.0"):
+        expected = 1.0 if junk == "10\n" else 0.0  # surrounding whitespace is not junk
+        assert arithmetic(ended("stop", answer), junk) == expected, junk
+    assert arithmetic(ended("length", answer), "10") == 0.0  # the budget ran out before the end token
+    assert arithmetic(ended(None, answer), "10") == 0.0  # unfinished: never rewarded
+    assert exact_match(ended("stop", {"answer": "ab"}), "ab") == 1.0 and exact_match(ended("length", {"answer": "ab"}), "ab") == 0.0
+    numbers = {"numbers": [3, 5, 7], "target": 22}
+    assert countdown(ended("stop", numbers), "3*5+7") == 1.0
+    assert countdown(ended("length", numbers), "3*5+7") == 0.0 and countdown(ended("length", numbers), "(7+5)*3") == 0.0
+    assert countdown(ended("stop", numbers), "3*5+7\n3*5+7") == 0.0 and countdown(ended("stop", numbers), "3*5+7\njunk") == 0.0
+    assert countdown(ended("stop", numbers), "3*5+7 junk") == 0.0
 
 
 def test_resolve_reward_and_failing_rewards_do_not_crash():
@@ -335,12 +356,12 @@ def test_tasks_are_deterministic_and_correct():
         x, op, y = item["prompt"][0], item["prompt"][1], item["prompt"][2:-1]
         assert int(item["answer"]) == (int(x) + int(y) if op == "+" else int(x) - int(y))
     for item in countdown_prompts(20, seed=3):
-        expression_exists = any(countdown(Trajectory(prompt_ids=[1], meta=item), e) == 1.0 for e in _expressions(item["numbers"]))
+        expression_exists = any(countdown(Trajectory(prompt_ids=[1], finish_reason="stop", meta=item), e) == 1.0 for e in _expressions(item["numbers"]))
         assert expression_exists and item["target"] > 0
-        assert countdown(Trajectory(prompt_ids=[1], meta=item), item["answer"]) == 1.0  # the warm start's reference solves it
+        assert countdown(Trajectory(prompt_ids=[1], finish_reason="stop", meta=item), item["answer"]) == 1.0  # the warm start's reference solves it
     small = countdown_prompts(200, seed=4, num_numbers=2, max_number=5)
     assert all(len(item["numbers"]) == 2 and max(item["numbers"]) <= 5 for item in small)
-    assert all(countdown(Trajectory(prompt_ids=[1], meta=item), item["answer"]) == 1.0 for item in small)
+    assert all(countdown(Trajectory(prompt_ids=[1], finish_reason="stop", meta=item), item["answer"]) == 1.0 for item in small)
     assert any("(" in item["answer"] for item in countdown_prompts(50, seed=5))  # a product of a sum keeps its brackets
 
 

@@ -148,3 +148,33 @@ def test_store_bench_ipc_endpoints_leave_no_socket_file_behind(monkeypatch, tmp_
     for fn in at_exit:
         fn()
     assert not list(tmp_path.iterdir())
+
+
+def test_e2e_table_reports_response_length_and_counts_the_runs_that_drifted():
+    def run(start: float, end: float, after: float) -> dict:
+        return {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.6, "accuracy_after": after, **bench_e2e.length_drift([start] * 10 + [end] * 10)}
+
+    assert bench_e2e.length_drift([2.0] * 9 + [5.0]) == {"response_len_start": 2.0, "response_len_end": 5.0}  # a tenth: one step of ten
+    assert bench_e2e.length_drift([]) == {}
+    results = {"tidal-async": [run(2.5, 5.0, 0.28), run(2.5, 2.4, 0.9)], "tidal-sync": [run(2.5, 2.5, 0.9), run(2.4, 3.5, 0.9)]}
+    header, async_row, sync_row, trl = bench_e2e.table(results)
+    assert header[-2:] == ["response length, first -> last tenth", f"runs drifted (length x{bench_e2e.DRIFT_RATIO}+)"]
+    assert async_row[-2:] == ["2.50 -> 3.70", "1 of 2"] and async_row[7] == "59.0% (+-31.0%)"
+    assert sync_row[-2:] == ["2.45 -> 3.00", "0 of 2"]  # 3.5 is not more than 1.5 x 2.4
+    assert bench_e2e.drifted({"samples_per_s": 1.0}) is None
+    header, row = bench_e2e.table({"tidal-async": [{"samples_per_s": 1.0, "tokens_per_s": 1.0, "rl_seconds": 1.0, "accuracy_before": 0.5, "accuracy_after": 0.5}]}, with_trl=False)
+    assert row[-2:] == ["-", "-"]  # a run without lengths
+
+
+def test_e2e_runs_only_the_systems_asked_for(monkeypatch):
+    from tidal.tools import bench_trl
+
+    calls = []
+    names = {tuple(o): name for name, o in bench_e2e.SYSTEMS.items()}
+    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, seed, **_: calls.append((names[tuple(system_overrides)], seed)) or {})
+    monkeypatch.setattr(bench_trl, "available", lambda: True)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda **_: pytest.fail("TRL was not asked for"))
+    results = bench_e2e.run(seeds=[0, 1], num_steps=3, systems=["tidal-sync", "tidal-async"], progress=lambda m: None)
+    assert calls == [("tidal-async", 0), ("tidal-sync", 0), ("tidal-sync", 1), ("tidal-async", 1)] and list(results) == ["tidal-async", "tidal-sync"]
+    with pytest.raises(ValueError, match=r"unknown e2e system\(s\) \['tidal-asink'\]"):
+        bench_e2e.run(seeds=[0], num_steps=3, systems=["tidal-asink"], progress=lambda m: None)

@@ -329,8 +329,8 @@ def test_bench_systems_choose_what_store_and_weights_measure_and_name_an_unknown
     assert out.returncode == 2 and "unknown system(s) ['shm']; systems: host, collective, ipc, ipc-placed" in out.stderr
     out = tidal_cli("bench", "store", "--systems", "tidal,nats")
     assert out.returncode == 2 and "unknown system(s) ['nats']" in out.stderr
-    out = tidal_cli("bench", "e2e", "--systems", "tidal-async")
-    assert out.returncode == 2 and "e2e runs every system; --systems is for store and weights" in out.stderr
+    out = tidal_cli("bench", "e2e", "--systems", "tidal-async,tidal-asink")
+    assert out.returncode == 2 and "unknown system(s) ['tidal-asink']; systems: tidal-async, tidal-sync" in out.stderr
 
 
 def test_bench_overrides_are_for_e2e_only(tidal_cli):
