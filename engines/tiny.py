@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -107,22 +108,47 @@ def build_tiny_qwen2(
 
 
 def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, directory: str | Path) -> None:
-    """safetensors weights + config.json + tokenizer.json.
+    """safetensors weights + config.json + tokenizer.json, all or none: they are written to
+    `directory/.partial/` and moved up once every one is whole, so a save that fails (a full
+    disk) leaves no config.json without its weights, no folder it made, and a model that
+    was there as it was.
 
     Raises:
-        OSError: naming the weights file, when writing it failed in the operating system
-            (a full disk): safetensors raises its own error, which says "os error N" in
-            its text only.
+        OSError: naming the file in `directory` that could not be written (a full disk):
+            safetensors raises its own error, which says "os error N" in its text only.
     """
+    directory = Path(directory)
+    made = next((p for p in reversed((directory, *directory.parents)) if not p.exists()), None)  # the outermost folder this save makes
+    partial = directory / ".partial"
+    try:
+        if partial.exists():  # what a save killed part way left
+            shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        _write_model(model, tokenizer, partial, named=directory)
+        for path in partial.iterdir():
+            os.replace(path, directory / path.name)
+        partial.rmdir()
+    except BaseException:
+        shutil.rmtree(partial if made is None else made, ignore_errors=True)
+        raise
+
+
+def _write_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, folder: Path, *, named: Path) -> None:
+    """Write the model's files to `folder`; an operating-system error names the file as it
+    is called in `named`, where the files go once all are written."""
     transformers.utils.logging.disable_progress_bar()  # no shard bars in a run's output
     try:
-        model.save_pretrained(directory, safe_serialization=True)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save(folder)
     except SafetensorError as e:
         code = _OS_ERROR.search(str(e))
         if code is None:
             raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(Path(directory) / "model.safetensors")) from e
-    tokenizer.save(directory)
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(named / "model.safetensors")) from e
+    except OSError as e:
+        if e.filename is None or Path(e.filename).parent != folder:
+            raise
+        raise OSError(e.errno, e.strerror, str(named / Path(e.filename).name)) from e
 
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")

@@ -33,13 +33,16 @@ def write_whole(path: Path, text: str) -> None:
     run's info file, neither rename the other's half-written one nor find it gone).
 
     Raises:
-        OSError: naming `path` (`naming`); the temporary file is removed.
+        OSError: naming `path`, also where the temporary file was refused (a read-only
+            folder: its open fails, naming it); the temporary file is removed.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with naming(path):
             tmp.write_text(text)
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename == str(tmp):
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise

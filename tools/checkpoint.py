@@ -8,16 +8,25 @@ states, reference policy), `store.bin` (the store's rows and counts) and `state.
 such as `failed_rewards`, and what its summary keeps: accuracy before RL, first reward).
 It is written to `step-NNNNNN.tmp`, flushed to disk (files and folder), renamed, and only
 then named by `checkpoints/latest`; older ones are pruned after that (`keep_checkpoints`).
+
+Nothing in a checkpoint is unpickled: a run directory may come from anyone, and
+unpickling a file runs whatever code it names. trainer.pt holds only tensors and plain
+values (NumPy's RNG state is saved as a list) and is read with `weights_only=True`; one
+that needs pickle (an older tidal's, or not tidal's) is refused, naming it.
 """
 
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +65,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         platform.set_rng_state({**state, "device": []})
 
 
+def _plain_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` as `torch.load(weights_only=True)` reads it back: NumPy's key array as a
+    list of ints (`np.random.set_state` takes either); the rest is tuples, ints and tensors."""
+    name, key, pos, has_gauss, cached_gaussian = state["numpy"]
+    return {**state, "numpy": (name, [int(k) for k in key], int(pos), int(has_gauss), float(cached_gaussian))}
+
+
 def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], dict[str, Any]], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
     """Everything a resume needs, written to a temporary folder, flushed to disk, then
     renamed (never half a checkpoint, even after a power loss).
@@ -79,19 +95,22 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     pointer = run_dir / "checkpoints" / "latest"
     try:
         with naming(final):  # a refused write that names no file names the checkpoint
-            tmp.mkdir(parents=True, exist_ok=True)
-            state = trainer.state_dict()
-            model = copy.deepcopy(template)
-            model.load_state_dict(state["model"])
-            save_model(model, tokenizer, tmp)
-            torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": rng_state() if rng is None else rng, "reference": state.get("reference")}, tmp / "trainer.pt")
-            saved = save_data(tmp / "store.bin")
-            (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
-            _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
-            if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
-                shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
-                final.rename(old)
-            tmp.rename(final)
+            if tmp.exists():  # what a save of this step that was killed left
+                shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            with _writing(tmp):
+                state = trainer.state_dict()
+                model = copy.deepcopy(template)
+                model.load_state_dict(state["model"])
+                save_model(model, tokenizer, tmp)
+                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference")}, tmp / "trainer.pt")
+                saved = save_data(tmp / "store.bin")
+                (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
+                _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
+                if final.exists():  # saved again at the same step (a resumed finished run): set it aside until
+                    shutil.rmtree(old, ignore_errors=True)  # the new one is in place; `latest` may name it meanwhile
+                    final.rename(old)
+                tmp.rename(final)
             _sync(final.parent)  # its new name on disk before `latest` names it (POSIX orders no two renames)
             _write_synced(pointer.with_suffix(".tmp"), final.name + "\n")
             os.replace(pointer.with_suffix(".tmp"), pointer)  # a crash leaves the old pointer or the new one
@@ -123,6 +142,57 @@ def prune_checkpoints(folder: Path, *, keep: int, latest: str) -> list[str]:
     return deleted
 
 
+@contextmanager
+def _writing(folder: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `folder` while a save writes it. The kernel releases it
+    when the process ends, however it ends, so `remove_abandoned` tells the `.tmp` folder of
+    a save that was killed from one another process is still writing (`resume=` a run that
+    is still going). Where the filesystem has no such lock, the folder stays unlocked, and
+    `remove_abandoned`, which cannot lock it either, leaves it alone."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        with suppress(OSError):  # no flock here: see above
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_abandoned(folder: Path, *, latest: str) -> list[str]:
+    """Delete the `step-NNNNNN.tmp` folders in `folder` (a run's `checkpoints/`) that no
+    save is writing (`_writing`): what a trainer killed while saving left there, as large
+    as the weights. Its run is resumed in a new directory, where the saves that clean up
+    after themselves (`save_checkpoint`) happen, so without this they stayed for good.
+    Never `latest` (the folder being resumed from), never a set-aside `.old` (a resume may
+    read it: `latest_checkpoint`); a folder that cannot be deleted (a run directory this
+    user may only read) is left. Returns the names deleted."""
+    deleted = []
+    for tmp in sorted(folder.glob("step-*.tmp")):
+        if tmp.name != latest and tmp.is_dir() and not tmp.is_symlink() and not _being_written(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                deleted.append(tmp.name)
+    if deleted:
+        log.info("removed the unfinished checkpoints %s of %s (saves that were cut short)", ", ".join(deleted), folder)
+    return deleted
+
+
+def _being_written(folder: Path) -> bool:
+    """Whether a save holds `folder`'s lock (`_writing`); true as well when that cannot be
+    told (no lock on this filesystem, no permission), so that nothing is deleted on a guess."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the close below
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 STATE_KEYS = ("version", "prompt_position", "accuracy_before")
 """Keys every state.json has (`totals` and `first_reward` came later: a resume without them starts them afresh)."""
 TRAINER_KEYS = ("optimizer", "version", "rng")
@@ -130,14 +200,17 @@ TRAINER_KEYS = ("optimizer", "version", "rng")
 
 def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Module, CharTokenizer, dict[str, Any], dict[str, Any]]:
     """What `save_checkpoint` wrote to `folder`: the store, model, tokenizer, trainer.pt and
-    state.json; a ConfigError names a file that is missing or cannot be read."""
+    state.json; a ConfigError names a file that is missing, cannot be read, or needs pickle.
+    Once all is read, the unfinished saves beside it go (`remove_abandoned`)."""
     read = _reader(folder)
     read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
     read("tokenizer.json", lambda _: CharTokenizer.load(folder))
     model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
-    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=False), *TRAINER_KEYS)
+    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=True), *TRAINER_KEYS)
     state = read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
-    return read("store.bin", persist.load), model, tokenizer, saved, state
+    store = read("store.bin", persist.load)
+    remove_abandoned(folder.parent, latest=folder.name)
+    return store, model, tokenizer, saved, state
 
 
 def check_checkpoint(folder: Path) -> None:
@@ -161,7 +234,7 @@ def check_checkpoint(folder: Path) -> None:
     read("config.json", lambda path: json.loads(path.read_text()))
     read("tokenizer.json", lambda _: CharTokenizer.load(folder))
     read("model.safetensors", tensor_names)
-    read("trainer.pt", lambda path: torch.load(path, weights_only=False, mmap=True, map_location="cpu"), *TRAINER_KEYS)
+    read("trainer.pt", lambda path: torch.load(path, weights_only=True, mmap=True, map_location="cpu"), *TRAINER_KEYS)
     read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
     read("store.bin", persist.load)  # the rows in flight: a few steps' samples, small beside the weights
 
@@ -176,10 +249,25 @@ def _reader(folder: Path) -> Callable[..., Any]:
             if missing := [k for k in keys if k not in loaded]:
                 raise KeyError(f"no {', '.join(missing)}")
             return loaded
+        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) met what only pickle builds, and built nothing
+            raise ConfigError(
+                f"resume={str(folder.parent.parent)!r}: its checkpoint {folder.name} has a {name} that only pickle can load "
+                f"({_needs(e)}), refused unread: unpickling runs whatever code the file names; "
+                "a checkpoint tidal writes holds only tensors and plain values (an older tidal's NumPy RNG state needed pickle)"
+            ) from None
         except Exception as e:  # noqa: BLE001 - whatever its loader raises, the file is what to name
             raise ConfigError(f"resume={str(folder.parent.parent)!r}: its checkpoint {folder.name} has no readable {name} ({type(e).__name__}: {e}); to continue from an earlier checkpoint the run kept, name it in checkpoints/latest") from None
 
     return read
+
+
+def _needs(e: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, in a few words (its message is a page)."""
+    if found := re.search(r"GLOBAL (\S+) was not an allowed global", str(e)):
+        return f"it names {found[1]}"
+    if found := re.search(r"WeightsUnpickler error:\s*(.+)", str(e)):
+        return found[1].strip()
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def truncate_metrics(path: Path, version: int) -> None:

@@ -8,6 +8,7 @@ any work starts, so every run can be reproduced from its own folder.
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import time
@@ -231,6 +232,10 @@ def check_plan(cfg: Any) -> None:
     check_seatable(cfg, plan)
 
 
+NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+"""Errors of a write to a folder that takes none (a read-only filesystem, no permission),
+where freeing space would not help."""
+
 PATH_KEYS = ("run_dir", "output_dir", "resume")
 """Keys naming folders: `prepare_run` makes them absolute."""
 
@@ -255,7 +260,8 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     Raises:
         ConfigError: a bad key or value, a combination `tidal run` cannot run, a plan
             that cannot be placed (`check_plan`), or a `resume` that cannot continue
-            (`resume_changes`, or a checkpoint file missing or damaged: `check_checkpoint`);
+            (`resume_changes`, or a checkpoint file missing or damaged: `check_checkpoint`),
+            or a run directory that cannot be made or written (read-only, no permission);
             the CLI exits with code 2.
         PlatformError: the platform the recipe or TIDAL_DEVICE asks for cannot load.
     """
@@ -271,10 +277,17 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
 
         check_checkpoint(latest_checkpoint(Path(cfg.resume)))
     selection.platform.seed_all(cfg.seed)
+    key = "run_dir" if cfg.run_dir else "output_dir"
+    asked = cfg[key]
     cfg.run_dir = str(_new_run_dir(cfg))
     _make_paths_absolute(cfg)  # after the checks, whose errors name the folders as the user wrote them
     run_dir = Path(cfg.run_dir)
-    write_whole(run_dir / "config.yaml", to_yaml(cfg))
+    try:
+        write_whole(run_dir / "config.yaml", to_yaml(cfg))
+    except OSError as e:  # an existing run_dir this process may not write: a full disk's advice (free space) would mislead
+        if e.errno not in NOT_WRITABLE:
+            raise
+        raise ConfigError(f"{key}={asked!r}: cannot write the run directory {str(run_dir)!r} ({e.strerror}); choose a writable run_dir or output_dir") from None
     platform_info = {
         "spec": selection.spec,
         "chosen_by": selection.chosen_by,

@@ -249,7 +249,9 @@ class HostReceiver:
         """Versions that started arriving and were abandoned incomplete."""
 
     def receive(self, timeout_s: float) -> Weights:
-        """The next complete version; raises `TransferError` when none completes in time."""
+        """The next complete version; raises `TransferError` when none completes in time.
+        A version that began arriving and does not go live (timed out, aborted by the
+        trainer, ended short or malformed) counts in `num_failed`."""
         deadline = time.monotonic() + timeout_s
         manifest: Manifest | None = None
         tensors: dict[str, torch.Tensor] = {}
@@ -258,6 +260,8 @@ class HostReceiver:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 where = f"version {manifest.version}: {len(got)} of {len(manifest.buckets)} buckets arrived" if manifest else "no version started"
+                if manifest is not None:
+                    self.num_failed += 1  # given up on: the rest of its frames are the tail of a version the next call never saw begin
                 raise TransferError(f"weights incomplete after {timeout_s:g}s ({where}); nothing went live")
             frames = self._sock.recv_multipart(copy=False)
             header = unpack_header(frames[0].bytes)
@@ -276,10 +280,12 @@ class HostReceiver:
                 k = int(header["index"])
                 specs = [manifest.specs[i] for i in manifest.buckets[k]]
                 if len(frames) - 1 != len(specs):
+                    self.num_failed += 1
                     raise TransferError(f"version {manifest.version} bucket {k}: {len(frames) - 1} frames for {len(specs)} tensors")
                 for spec, frame in zip(specs, frames[1:]):
                     data = frame.buffer
                     if len(data) != spec.nbytes:
+                        self.num_failed += 1
                         raise TransferError(f"version {manifest.version}: tensor {spec.name!r} arrived with {len(data)} bytes, expected {spec.nbytes}")
                     tensors[spec.name] = copy_in(data, spec, self._device)
                 got.add(k)

@@ -75,7 +75,7 @@ def test_host_send_that_fails_leaves_no_complete_version_behind(tmp_path: Path, 
         assert "error" not in out, out.get("error")
         got = out["weights"]
         assert got.version == 3 and list(got.tensors) == ["w0"] and got.tensors["w0"].tolist() == [3.0] * 4
-        assert receiver.num_failed == 1  # version 1 began and never ended
+        assert receiver.num_failed == 2  # version 1 began and never ended; version 2 was given up on (the timeout)
     finally:
         stalled.close()
         later.close()
@@ -384,3 +384,24 @@ def test_weights_that_repeat_a_name_are_refused_naming_it():
     specs = [TensorSpec(n, "float32", (2,)) for n in ("embed.weight", "head.weight", "norm.weight", "head.weight")]
     with pytest.raises(TransferError, match=r"weights of version 3 repeat tensor names \['head.weight'\]"):
         plan_manifest(3, specs)
+
+
+def test_a_host_version_given_up_on_a_timeout_counts_as_failed():
+    """A version that began and timed out was abandoned as surely as one the trainer
+    aborted, but `num_failed` counted only the latter: a receiver whose trainer stalled
+    mid-version reported no failure. A timeout with no version begun counts nothing."""
+    receiver = HostReceiver(CpuPlatform(), token="t")
+    trainer = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        with pytest.raises(TransferError, match=r"no version started"):
+            receiver.receive(0.2)
+        assert receiver.num_failed == 0
+        trainer.connect(receiver.address)
+        manifest = plan_manifest(4, [TensorSpec("w", "float32", (2,))])
+        trainer.send_multipart([pack_header(kind="begin", version=4, token="t"), manifest.pack()])  # and then nothing
+        with pytest.raises(TransferError, match=r"weights incomplete after 2s \(version 4: 0 of 1 buckets arrived\)"):
+            receiver.receive(2)
+        assert receiver.num_failed == 1
+    finally:
+        trainer.close(linger=0)
+        receiver.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -81,6 +82,30 @@ def test_a_full_disk_is_one_line_naming_the_file_with_exit_1(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == []  # no half-written config.yaml, nor its temporary file
     assert f"cannot write {run_dir / 'config.yaml'}: File too large; free space there, or choose another run_dir or output_dir" in out.stderr
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES], ids=["read_only_filesystem", "no_permission"])
+def test_an_existing_run_dir_that_takes_no_write_is_named_with_the_reason_and_exit_2(tmp_path, monkeypatch, capsys, code):
+    """An empty run_dir on a read-only mount said "cannot write <run_dir>/.config.yaml.<pid>.<thread>.tmp:
+    Read-only file system; free space there" (exit 1), and one this user may not write
+    printed a PermissionError traceback. Writes are refused as the kernel refuses them (the
+    temporary file's open fails, naming it): tests run as root, whom a chmod does not stop."""
+    from tidal.tools.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_text = Path.write_text
+
+    def refused(self: Path, *args, **kwargs):
+        if self.parent == run_dir:
+            raise OSError(code, os.strerror(code), str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refused)
+    assert main(["run", "quickstart_cpu", f"run_dir={run_dir}", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"tidal run: error: run_dir={str(run_dir)!r}: cannot write the run directory {str(run_dir)!r} ({os.strerror(code)}); choose a writable run_dir or output_dir\n"
+    assert list(run_dir.iterdir()) == []
 
 
 def test_help_lists_the_exit_codes_of_a_stopped_command(tidal_cli):

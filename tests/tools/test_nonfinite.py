@@ -46,7 +46,7 @@ def test_a_run_whose_gradients_stay_nan_stops_non_zero_and_keeps_finite_weights(
     warm, trained, periodic, latest = (load_file(path / "model.safetensors") for path in (run_dir / "cache" / "warm_start", checkpoints / "step-000002", checkpoints / "step-000006", checkpoints / "step-000007"))
     assert all(torch.isfinite(t).all() and torch.equal(t, trained[name]) and torch.equal(t, periodic[name]) for name, t in latest.items())
     assert not all(torch.equal(t, warm[name]) for name, t in trained.items())  # steps 1-2 trained
-    optimizer = torch.load(checkpoints / "step-000007" / "trainer.pt", weights_only=False)["optimizer"]
+    optimizer = torch.load(checkpoints / "step-000007" / "trainer.pt", weights_only=True)["optimizer"]
     assert all(torch.isfinite(v).all() for s in optimizer["state"].values() for v in s.values())
     assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # AdamW stepped twice: the skipped steps left no count
     timeline = json.loads((run_dir / "timeline.json").read_text())  # what the failed run did is kept
