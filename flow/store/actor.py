@@ -20,16 +20,18 @@ class StoreActor:
     """Body of the Ray actor: a store (controller) or a storage unit behind a server.
 
     `host` is the address to bind; anything but loopback needs `token`. With
-    `metrics_port` set, Prometheus metrics are served on it as well. The actor's process
+    `metrics_port` set, Prometheus metrics are served on it as well. `persist_dir`: where
+    clients may save the store (`RemoteStore.save`); None refuses them (`save` here, a
+    call of the actor, writes anywhere). The actor's process
     keeps the memory its rows free for the next rows (`memory.retain_freed_memory`).
     """
 
-    def __init__(self, *, role: str = "controller", host: str = "127.0.0.1", token: str | None = None, metrics_port: int | None = None) -> None:
+    def __init__(self, *, role: str = "controller", host: str = "127.0.0.1", token: str | None = None, metrics_port: int | None = None, persist_dir: str | None = None) -> None:
         if role not in ("controller", "unit"):
             raise ValueError(f"role must be 'controller' or 'unit', got {role!r}")
         retain_freed_memory()
         self.store = Store() if role == "controller" else None
-        self.server = StoreServer(self.store, unit=StorageUnit() if role == "unit" else None, address=f"tcp://{host}:0", token=token)
+        self.server = StoreServer(self.store, unit=StorageUnit() if role == "unit" else None, address=f"tcp://{host}:0", token=token, persist_dir=persist_dir)
         metrics_host = "0.0.0.0" if host == "*" else host  # ZeroMQ's wildcard; HTTP names every interface so
         self.metrics_server = MetricsServer(self.store.metrics, host=metrics_host, port=metrics_port) if self.store is not None and metrics_port is not None else None
         self._host = host
@@ -56,7 +58,7 @@ class StoreActor:
             self.metrics_server.close()
 
 
-def start_store_actor(*, role: str = "controller", num_cpus: float = 0.0, host: str = "127.0.0.1", token: str | None = None, metrics_port: int | None = None, **options: Any) -> tuple[Any, str]:
+def start_store_actor(*, role: str = "controller", num_cpus: float = 0.0, host: str = "127.0.0.1", token: str | None = None, metrics_port: int | None = None, persist_dir: str | None = None, **options: Any) -> tuple[Any, str]:
     """Start a `StoreActor` (Ray must be initialised); return (actor handle, address).
 
     `num_cpus` defaults to 0: the server is mostly idle I/O and must not starve the
@@ -65,5 +67,5 @@ def start_store_actor(*, role: str = "controller", num_cpus: float = 0.0, host: 
     """
     import ray
 
-    actor = ray.remote(StoreActor).options(num_cpus=num_cpus, **options).remote(role=role, host=host, token=token, metrics_port=metrics_port)
+    actor = ray.remote(StoreActor).options(num_cpus=num_cpus, **options).remote(role=role, host=host, token=token, metrics_port=metrics_port, persist_dir=persist_dir)
     return actor, ray.get(actor.address.remote())

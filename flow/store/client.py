@@ -545,10 +545,11 @@ class RemoteStore:
 
     def save(self, path: str) -> None:
         """Save the server's store to `path` on the server's machine (`StoreServer.save`:
-        rows on storage units are read from them and saved too). The server saves on a
-        thread of its own and keeps serving; this waits for as long as the save takes, while
-        the server answers that it is still saving (`rpc_timeout_s` bounds each check, not
-        the save)."""
+        rows on storage units are read from them and saved too): a path relative to the
+        server's `persist_dir`, or inside it; a server started without one refuses. The
+        server saves on a thread of its own and keeps serving; this waits for as long as the
+        save takes, while the server answers that it is still saving (`rpc_timeout_s` bounds
+        each check, not the save)."""
         self._call("save", {"path": str(path)}, wait=None)
 
     def wake(self) -> None:

@@ -8,7 +8,9 @@ are at most `INLINE_MAX_BYTES`; the header describes them by dtype and shape. Tu
 back as tuples (a group id must stay hashable). Anything else is refused with
 `CodecError`; `name_failure` says which part of a message it was in.
 `decode` rejects anything it does not understand with `CodecError`, so a malformed or
-truncated message can be answered with an error instead of crashing a server.
+truncated message can be answered with an error instead of crashing a server. Both ends
+refuse a header nested deeper than `MAX_DEPTH` levels, before recursing past it: what
+one end encodes, the other decodes.
 """
 
 from __future__ import annotations
@@ -48,22 +50,32 @@ INLINE_MAX_BYTES = 4096
 """Tensors and arrays up to this size travel inside the header (one frame fewer each)."""
 MAX_RANGE = 1 << 24
 """The longest `range` a message may carry (row indexes: a few header bytes must not become gigabytes)."""
+MAX_DEPTH = 100
+"""How deeply a header's maps and lists may nest (a message or a saved store, with its
+values; a tuple counts two levels): each level costs `encode` and `decode` Python stack,
+and a few bytes nested deeper would end them in `RecursionError` instead of an answer."""
 _SCALARS = frozenset({int, float, str, bool, type(None), bytes})
 _NESTED = (dict, list)
 _KEYS = (str, int, float, bytes, type(None))
 
 
-def _encode(value: Any, buffers: list[Any]) -> Any:
+def _too_deep() -> CodecError:
+    return CodecError(f"nested deeper than MAX_DEPTH={MAX_DEPTH} levels of maps and lists (the store codec's limit)")
+
+
+def _encode(value: Any, buffers: list[Any], depth: int = 0) -> Any:
     kind = type(value)
     if kind in _SCALARS:
         return value
+    if depth >= MAX_DEPTH and not isinstance(value, (bool, int, float, str, bytes)):  # every other value is a map or list in the header
+        raise _too_deep()
     if kind is dict:
         if "__" in value:
             raise CodecError("dict key '__' is reserved by the store codec")
         for key in value:
             if not isinstance(key, _KEYS):  # a tuple would be written as a list, which no decode can make a key
                 raise CodecError(f"dict keys of type {type(key).__name__} cannot be saved or sent to another process (str, int, float, bytes, None can)")
-        return {k: v if type(v) in _SCALARS else _encode(v, buffers) for k, v in value.items()}
+        return {k: v if type(v) in _SCALARS else _encode(v, buffers, depth + 1) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
         name = _NAMES.get(value.dtype)
         if name is None:
@@ -86,13 +98,13 @@ def _encode(value: Any, buffers: list[Any]) -> Any:
     if kind is range:
         return {"__": _RANGE, "r": [value.start, value.stop, value.step]}
     if isinstance(value, tuple):  # a named tuple comes back a plain one (equal, with the same hash)
-        return {"__": _TUPLE, "v": _encode(list(value), buffers)}
+        return {"__": _TUPLE, "v": _encode(list(value), buffers, depth + 1)}
     if isinstance(value, list):
         if all(type(v) in _SCALARS for v in value):  # e.g. row indexes: no recursion per element
             return value if kind is list else list(value)
-        return [_encode(v, buffers) for v in value]
+        return [_encode(v, buffers, depth + 1) for v in value]
     if isinstance(value, dict):
-        return _encode(dict(value), buffers)
+        return _encode(dict(value), buffers, depth)
     if isinstance(value, np.generic):  # a NumPy scalar keeps its dtype: a 0-d array, read back as the scalar
         return {**_encode(np.asarray(value), buffers), "g": 1} if value.dtype.kind in _NUMPY_KINDS else value.item()
     if isinstance(value, (bool, int, float, str, bytes)):
@@ -129,16 +141,18 @@ def pack_header(tree: Any) -> bytes:
         raise CodecError(f"cannot be saved or sent to another process: {e}") from e
 
 
-def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
+def _decode(obj: Any, buffers: Sequence[Any], copy: bool, depth: int = 0) -> Any:
+    if depth >= MAX_DEPTH and isinstance(obj, _NESTED):
+        raise _too_deep()
     if isinstance(obj, dict):
         kind = obj.get("__")
         if kind is None:
-            return {k: _decode(v, buffers, copy) if isinstance(v, _NESTED) else v for k, v in obj.items()}
+            return {k: _decode(v, buffers, copy, depth + 1) if isinstance(v, _NESTED) else v for k, v in obj.items()}
         if kind == _TUPLE:
             items = obj.get("v")
             if type(items) is not list:
                 raise CodecError(f"malformed tuple {obj!r}")
-            return tuple(_decode(items, buffers, copy))
+            return tuple(_decode(items, buffers, copy, depth + 1))
         if kind == _RANGE:
             bounds = obj.get("r")
             if type(bounds) is not list or len(bounds) != 3 or not all(type(n) is int for n in bounds) or bounds[2] == 0:
@@ -201,7 +215,7 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool) -> Any:
     if isinstance(obj, list):
         if not any(isinstance(v, _NESTED) for v in obj):
             return obj
-        return [_decode(v, buffers, copy) for v in obj]
+        return [_decode(v, buffers, copy, depth + 1) for v in obj]
     return obj
 
 

@@ -11,6 +11,9 @@ A value the codec cannot carry (an arbitrary object an in-process put kept) fail
 with `CodecError` naming its partition, column and row. A controller whose rows live on
 storage units is saved with `read_chunk` (its server's `StoreServer.save` reads them
 from the units); the loaded store holds those rows itself.
+
+A save a client asks for over the wire writes only where `path_inside` allows: inside the
+directory its server was given (`StoreServer(persist_dir=)`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def write(state: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        # not through a link left in its place: the file it names is not this save's to overwrite
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666), "wb") as f:
             crc = 0
 
             def write(data: Any) -> None:
@@ -70,6 +74,17 @@ def write(state: dict[str, Any], path: str | Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk, say: no half-written file stays behind
         raise
+
+
+def path_inside(root: str | Path, path: str | Path) -> Path:
+    """Where a save at `path` (relative paths: from `root`) writes, once `..` and symbolic
+    links are resolved; `ValueError` naming `path` when that is not a file in `root` or
+    under it (a path given by a client must not overwrite whatever the server may write)."""
+    base = Path(os.path.realpath(root))
+    target = Path(os.path.realpath(base / path))  # an absolute `path` replaces `base`
+    if base not in target.parents:
+        raise ValueError(f"save path {str(path)!r} names no file inside the store server's persist_dir {str(root)!r} (it resolves to {str(target)!r})")
+    return target
 
 
 def load(path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> Store:

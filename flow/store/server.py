@@ -20,18 +20,23 @@ same connection; that answer, and a withdraw's, never overtakes the request's ow
 so "not parked" with no reply before it tells the client that none is coming (this
 server restarted, or the connection broke).
 
-Every request is answered: a malformed frame, an unknown op, a bad token or a failing
-call gets an error reply and the server keeps serving. Servers bind 127.0.0.1 unless
-told otherwise, and refuse to bind anything reachable from other machines without a
-shared token.
+Every request is answered: a malformed frame, an unknown op, a bad token, a header
+nested too deeply or a failing call gets an error reply and the server keeps serving.
+Servers bind 127.0.0.1 unless told otherwise, and refuse to bind anything reachable from
+other machines without a shared token. A frame larger than `max_message_bytes` ends its
+connection as its length arrives, before any of it is buffered: ZeroMQ delivers a message
+whole, so the token in its header is read only after all of it came, and this limit is
+what bounds each frame an unauthenticated peer can make the server hold (not the number
+of frames of a message it never finishes: ZeroMQ has no limit on that). A client's `save`
+writes only inside the `persist_dir` the server was started with, and none without one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,10 +51,11 @@ from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
+from tidal.flow.store.peers import Parked, Peer, Peers
 from tidal.flow.store.table import Store, StoreTimeout
 from tidal.flow.store.unit_links import SavedChunks, UnitLinks
 from tidal.flow.store.units import RemoteChunk, StorageUnit
-from tidal.flow.store.wire import WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, token_ok, unpack
+from tidal.flow.store.wire import MAX_MESSAGE_BYTES, WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, request_id_of, token_ok, unpack
 from tidal.hal import owner
 
 log = logging.getLogger(__name__)
@@ -61,36 +67,6 @@ _WAKE, _STOP = b"w", b"s"
 _SEQUENTIAL, _SEQUENTIAL_SPEC = Sequential(), {"kind": "sequential"}
 
 
-_holders = itertools.count(1)
-
-
-class _Peer:
-    """One client connection; `holder` tags the leases taken through it (see `Store.get`)."""
-
-    def __init__(self, identity: bytes, fd: int) -> None:
-        self.identity = identity
-        self.fd = fd
-        self.alive = True
-        self.holder = next(_holders)
-        self.shm = False
-        """Whether it shares this server's `/dev/shm`: replies may name segments."""
-        self.sent: Any = None
-        """The last get result sent to it, which it may not have mapped yet: held until its
-        next request other than a withdraw (a client's thread reads each reply before it
-        sends again) or its disconnect, so a put that replaces those rows' cells, or a lease
-        that ran out, cannot unlink a segment before the client has mapped it."""
-
-
-@dataclasses.dataclass
-class _Parked:
-    peer: _Peer
-    request_id: int
-    op: str
-    args: dict[str, Any]
-    since: float
-    deadline: float
-
-
 class StoreServer:
     """Serve `store` (a `Store`, typically the controller) and/or `unit` at `address`.
 
@@ -98,6 +74,12 @@ class StoreServer:
     Binding anything but loopback requires `token`, which every request must carry.
     With `shm` (the default), clients on this host send large buffers through shared
     memory and get rows that arrived that way as references to it (see `shm`).
+    `persist_dir`: the directory a client's `save` (`RemoteStore.save`) may write in, at a
+    path relative to it or inside it; None (the default) refuses every such save (the
+    server's own `save` writes anywhere). `max_message_bytes`: the largest frame (one
+    buffer of a request) this server takes, and takes from storage units; a peer that sends
+    a larger one is disconnected before it is buffered. Buffers sent through shared memory
+    do not count.
     """
 
     def __init__(
@@ -108,11 +90,17 @@ class StoreServer:
         address: str = "tcp://127.0.0.1:0",
         token: str | None = None,
         shm: bool = True,
+        persist_dir: str | os.PathLike[str] | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         if store is None and unit is None:
             raise ValueError("StoreServer needs a store, a storage unit, or both")
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be a number of bytes >= 1, got {max_message_bytes!r}")
         check_bind(address, token)
         self.store, self.unit, self.token = store, unit, token
+        self.persist_dir = None if persist_dir is None else os.fspath(persist_dir)
+        self.max_message_bytes = max_message_bytes
         self.num_malformed = 0
         self.num_errors = 0
         self.host = _shm.host_id() if shm else None
@@ -123,6 +111,7 @@ class StoreServer:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # checked on each frame's length, before it is read
         try:
             self._router.bind(address[:-2] + ":*" if address.endswith(":0") else address)
         except BaseException:
@@ -140,27 +129,26 @@ class StoreServer:
         self._closed = False
         self._lock = threading.RLock()  # the router socket and the parked requests; taken after the store's lock, never before
         self._local = threading.local()  # `retrying`: this thread is retrying parked requests already
-        self._peers: dict[bytes, _Peer] = {}
-        self._gone: set[bytes] = set()
-        """Identities of clients that disconnected (ROUTER gives each connection its own)."""
-        self._by_fd: dict[int, _Peer] = {}
-        self._parked: list[_Parked] = []
-        self._deferred: list[tuple[_Peer, int, Any]] = []  # replies sent after the parked requests are retried
-        self._saving: set[tuple[_Peer, int]] = set()
+        self._peers = Peers()
+        self._parked: list[Parked] = []
+        self._deferred: list[tuple[Peer, int, Any]] = []  # replies sent after the parked requests are retried
+        self._saving: set[tuple[Peer, int]] = set()
         """(peer, request id) of the remote saves in progress, each on a thread of its own."""
-        self._units = UnitLinks(self._ctx, token)
+        self._units = UnitLinks(self._ctx, token, max_message_bytes=max_message_bytes)
         self._listening = False  # for evictions, once cells on storage units are put
         self._ops: dict[str, Callable[..., Any]] = {"ping": self._ping}  # (peer, args) -> the result
         if store is not None:
             store.add_change_listener(self._on_change)
             self._ops.update(
-                create_partition=self._create_partition,
-                add_consumer=self._add_consumer,
+                create_partition=lambda peer, a: store.create_partition(
+                    a["name"], consumers=a["consumers"], capacity_rows=a.get("capacity_rows"), capacity_bytes=a.get("capacity_bytes"), lease_s=a.get("lease_s", 300.0),
+                ),
+                add_consumer=lambda peer, a: store.add_consumer(a["partition"], a["consumer"]),
                 set_version=lambda peer, a: store.set_version(a["version"]),
                 version=lambda peer, a: store.version,
                 put=self._put,
                 get=self._get,
-                ack=self._ack,
+                ack=lambda peer, a: store.ack(a["consumer"], a["partition"], as_indexes(a["indexes"])),
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
                 metrics=lambda peer, a: store.metrics(),
                 save=self._start_save,  # called with the request id too (`_handle`): the thread that saves replies
@@ -168,7 +156,11 @@ class StoreServer:
                 parked=self._holds,
             )
         if unit is not None:
-            self._ops.update(unit_write=self._unit_write, unit_read=self._unit_read, unit_drop=self._unit_drop)
+            self._ops.update(
+                unit_write=lambda peer, a: unit.write(a["key"], decode_column("chunk", a["chunk"])),
+                unit_read=self._unit_read,
+                unit_drop=lambda peer, a: unit.drop(a["keys"]),
+            )
         self._thread = threading.Thread(target=self._serve, name="tidal-store-server", daemon=True)
         self._thread.start()
 
@@ -194,7 +186,7 @@ class StoreServer:
         self._waker.close(linger=0)
         self._ctx.destroy(linger=0)
 
-    def save(self, path: str, *, timeout_s: float = 60.0) -> None:
+    def save(self, path: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
         """Save the store to `path` (`persist.save`), with the rows it keeps on storage
         units read from them (each unit must answer within `timeout_s`). The store's lock
         is held only while its state is copied: the units are read after (their chunks
@@ -326,13 +318,9 @@ class StoreServer:
                 self._disconnected(event["value"])
 
     def _disconnected(self, fd: int) -> None:
-        peer = self._by_fd.pop(fd, None)
+        peer = self._peers.disconnected(fd)
         if peer is None:
             return
-        if self._peers.get(peer.identity) is peer:
-            del self._peers[peer.identity]
-        self._gone.add(peer.identity)
-        peer.alive, peer.sent = False, None
         with self._lock:
             self._parked = [p for p in self._parked if p.peer is not peer]
         released = 0
@@ -343,16 +331,14 @@ class StoreServer:
         log.info("store client %s disconnected; released %d leased rows", peer.identity.hex(), released)
 
     def _handle(self, frames: list[zmq.Frame]) -> bool:
-        """Serve one request; True when it changed the store."""
-        identity = frames[0].bytes
-        if identity in self._gone:  # queued before its client disconnected: no one would take the reply or release its leases
-            return False
-        fd = frames[-1].get(zmq.SRCFD)
-        peer = self._peers.get(identity)
-        if peer is None or peer.fd != fd:
-            peer = self._peers[identity] = self._by_fd[fd] = _Peer(identity, fd)
+        """Serve one request; True when it changed the store (or may have: it failed
+        unforeseen). Whatever its bytes, it is answered, with its id when that could be
+        read, unless its client is gone."""
         request_id = None
         try:
+            peer = self._peers.of(frames)
+            if peer is None:  # queued before its client disconnected: no one would take the reply or release its leases
+                return False
             message = unpack(frames[1:], segments=self.segments, token=self.token)
             peer.shm = self.host is not None and message.get("host") == self.host
             request_id = message.get("id") if isinstance(message.get("id"), int) else None
@@ -360,11 +346,24 @@ class StoreServer:
             args.pop("waiting_since", None)  # set only by the server itself
             if op not in _ABOUT_A_REQUEST:  # sent while a get waits, whose answer it may not have read yet
                 peer.sent = None
-        except WireError as e:
+        except Exception as e:  # noqa: BLE001 - WireError, or a message nothing foresaw: either way it gets an answer
+            if not isinstance(e, WireError):
+                log.exception("store server: unexpected error while reading a request")
             self.num_malformed += 1
-            self._reply_error(peer, e.request_id if request_id is None else request_id, "WireError", f"malformed request: {e}")
+            if request_id is None:
+                request_id = e.request_id if isinstance(e, WireError) and e.request_id is not None else request_id_of(frames[1:])
+            self._reply_error(frames[0].bytes, request_id, type(e).__name__, f"malformed request: {e}")
             return False
-        if not token_ok(self.token, message.get("token")):
+        try:
+            return self._serve_request(peer, request_id, op, args, message.get("token"))
+        except Exception as e:  # noqa: BLE001 - as above: answered, and the server serves on
+            log.exception("store server: unexpected error while serving request %s", request_id)
+            self._fail(peer, request_id, e)
+            return True
+
+    def _serve_request(self, peer: Peer, request_id: int, op: str, args: dict[str, Any], token: Any) -> bool:
+        """Serve a request that decoded; True when it changed the store."""
+        if not token_ok(self.token, token):
             self._reply_error(peer, request_id, "Unauthorized", "missing or wrong store token")
             return False
         timeout = args.get("timeout")
@@ -384,7 +383,7 @@ class StoreServer:
                     # ack happens only with the put, so it stays for the retries
                     acked = op == "get" and args.pop("ack", None) is not None
                     with self._lock:
-                        self._parked.append(_Parked(peer, request_id, op, args, now, now + wait))
+                        self._parked.append(Parked(peer, request_id, op, args, now, now + wait))
                     return acked
                 except Exception as e:  # noqa: BLE001 - every request gets a reply; the server keeps serving
                     self._fail(peer, request_id, e)
@@ -398,7 +397,7 @@ class StoreServer:
             self._fail(peer, request_id, e)
         return op in _MUTATING
 
-    def _start_save(self, peer: _Peer, request_id: int, a: dict[str, Any]) -> None:
+    def _start_save(self, peer: Peer, request_id: int, a: dict[str, Any]) -> None:
         """A client's `save`, on a thread of its own that replies when the file is written:
         reading the storage units and writing a large store take long, and this thread
         keeps serving meanwhile (other clients' puts and gets, and the saving client's
@@ -407,12 +406,23 @@ class StoreServer:
         if not isinstance(path, str):
             self._reply_error(peer, request_id, "ValueError", f"save needs a path (a string), got {path!r}")
             return
+        if self.persist_dir is None:
+            self._reply_error(peer, request_id, "ValueError", (
+                "this store server takes no save from its clients: start it with StoreServer(..., persist_dir=DIR) "
+                "to let them save inside DIR, or save in its own process (StoreServer.save, persist.save)"
+            ))
+            return
+        try:
+            target = persist.path_inside(self.persist_dir, path)
+        except (ValueError, OSError) as e:  # outside it, or no path at all (a NUL byte)
+            self._reply_error(peer, request_id, "ValueError", str(e))
+            return
         with self._lock:
             self._saving.add((peer, request_id))
 
         def save() -> None:
             try:
-                self.save(path)
+                self.save(target)
             except Exception as e:  # noqa: BLE001 - the client gets the error; the server keeps serving
                 self._fail(peer, request_id, e)
             else:
@@ -423,7 +433,7 @@ class StoreServer:
 
         threading.Thread(target=save, name="tidal-store-save", daemon=True).start()
 
-    def _withdraw(self, peer: _Peer, a: dict[str, Any]) -> bool:
+    def _withdraw(self, peer: Peer, a: dict[str, Any]) -> bool:
         """Drop `peer`'s parked get or put `a["request"]` (its client stopped waiting: the
         wait was cancelled). True when it was still parked: it gets no reply and nothing was
         taken or put for it; False when it was not: its reply went out before this one
@@ -434,7 +444,7 @@ class StoreServer:
             withdrawn, self._parked = len(kept) < len(self._parked), kept
         return withdrawn
 
-    def _holds(self, peer: _Peer, a: dict[str, Any]) -> bool:
+    def _holds(self, peer: Peer, a: dict[str, Any]) -> bool:
         """Whether `peer`'s get or put `a["request"]` is parked here, or its save still runs
         (`_start_save`): a waiting client's liveness check. False means its reply went out
         before this one (`_answer`), or this server never got it through this connection (it
@@ -472,7 +482,7 @@ class StoreServer:
                 changed |= parked.op in _MUTATING
             self._parked = still
 
-    def _answer(self, peer: _Peer, request_id: int, op: str, result: Any, args: dict[str, Any]) -> None:
+    def _answer(self, peer: Peer, request_id: int, op: str, result: Any, args: dict[str, Any]) -> None:
         """Reply; a change that parked requests may wait for is answered after they are
         retried, so a waiting consumer hears first (its wait is what a hand-off costs)."""
         if (self._parked and op in _MUTATING and op != "get") or (self._deferred and op in _ABOUT_A_REQUEST):
@@ -481,7 +491,7 @@ class StoreServer:
         else:
             self._reply(peer, request_id, result, _taken(op, args))
 
-    def _reply(self, peer: _Peer, request_id: int, result: Any, taken: tuple[str, str] | None = None) -> None:
+    def _reply(self, peer: Peer, request_id: int, result: Any, taken: tuple[str, str] | None = None) -> None:
         """Send `result`. `taken`: the (consumer, partition) a get's rows were leased to,
         given back if the reply cannot be encoded (no one would ever ack them)."""
         try:
@@ -502,35 +512,23 @@ class StoreServer:
         if peer.shm and taken is not None:
             peer.sent = result
 
-    def _fail(self, peer: _Peer, request_id: int | None, error: Exception) -> None:
+    def _fail(self, peer: Peer, request_id: int | None, error: Exception) -> None:
         self.num_errors += 1
         self._reply_error(peer, request_id, type(error).__name__, str(error))
 
-    def _reply_error(self, peer: _Peer, request_id: int | None, kind: str, message: str) -> None:
-        frames = [peer.identity, *pack({"id": request_id, "ok": False, "error": kind, "message": message})]
+    def _reply_error(self, to: Peer | bytes, request_id: int | None, kind: str, message: str) -> None:
+        """Send an error reply `to` a peer (or a routing identity: a connection not served)."""
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate (an OS path's) is no msgpack string
+        frames = [to if isinstance(to, bytes) else to.identity, *pack({"id": request_id, "ok": False, "error": kind, "message": message})]
         with self._lock:
             if not self._closed:
                 self._router.send_multipart(frames)
 
     # Store ops --------------------------------------------------------------------------
-    def _ping(self, peer: _Peer, args: dict[str, Any]) -> dict[str, Any]:
+    def _ping(self, peer: Peer, args: dict[str, Any]) -> dict[str, Any]:
         return {"store": self.store is not None, "unit": self.unit is not None, "host": self.host}
 
-    def _create_partition(self, peer: _Peer, a: dict[str, Any]) -> None:
-        assert self.store is not None
-        self.store.create_partition(
-            a["name"],
-            consumers=a["consumers"],
-            capacity_rows=a.get("capacity_rows"),
-            capacity_bytes=a.get("capacity_bytes"),
-            lease_s=a.get("lease_s", 300.0),
-        )
-
-    def _add_consumer(self, peer: _Peer, a: dict[str, Any]) -> None:
-        assert self.store is not None
-        self.store.add_consumer(a["partition"], a["consumer"])
-
-    def _put(self, peer: _Peer, a: dict[str, Any]) -> range | list[int]:
+    def _put(self, peer: Peer, a: dict[str, Any]) -> range | list[int]:
         assert self.store is not None
         columns = dict(a.get("columns") or {})
         for name, descriptor in (a.get("remote") or {}).items():
@@ -554,7 +552,7 @@ class StoreServer:
             as_range=True,
         )
 
-    def _get(self, peer: _Peer, a: dict[str, Any]) -> dict[str, Any]:
+    def _get(self, peer: Peer, a: dict[str, Any]) -> dict[str, Any]:
         assert self.store is not None
         ack = a.get("ack")
         batch: Batch = self.store.get(
@@ -582,23 +580,11 @@ class StoreServer:
             "columns": columns,
         }
 
-    def _ack(self, peer: _Peer, a: dict[str, Any]) -> int:
-        assert self.store is not None
-        return self.store.ack(a["consumer"], a["partition"], as_indexes(a["indexes"]))
-
     # Storage-unit ops ---------------------------------------------------------------------
-    def _unit_write(self, peer: _Peer, a: dict[str, Any]) -> None:
-        assert self.unit is not None
-        self.unit.write(a["key"], decode_column("chunk", a["chunk"]))
-
-    def _unit_read(self, peer: _Peer, a: dict[str, Any]) -> dict[str, Any]:
+    def _unit_read(self, peer: Peer, a: dict[str, Any]) -> dict[str, Any]:
         assert self.unit is not None
         rows = self.unit.read(a["key"], a["offsets"])
         return {"stacked": rows} if not isinstance(rows, list) else encode_column(rows)
-
-    def _unit_drop(self, peer: _Peer, a: dict[str, Any]) -> int:
-        assert self.unit is not None
-        return self.unit.drop(a["keys"])
 
 
 def _request_of(args: dict[str, Any]) -> int:

@@ -34,11 +34,12 @@ class UnitLinks:
     `on_free` is the store's free listener (store lock held: it only notes the chunk);
     the server thread sends the notes with `flush_drops`, which needs no reply. Not
     thread-safe: `flush_drops` and `close` run in the server thread; `read_chunk` uses
-    sockets of its caller's own (one save's).
+    sockets of its caller's own (one save's). A unit whose reply has a frame larger than
+    `max_message_bytes` is disconnected before it is buffered (`StoreServer`'s limit).
     """
 
-    def __init__(self, ctx: zmq.Context, token: str | None) -> None:
-        self._ctx, self._token = ctx, token
+    def __init__(self, ctx: zmq.Context, token: str | None, *, max_message_bytes: int = -1) -> None:
+        self._ctx, self._token, self._max_message_bytes = ctx, token, max_message_bytes
         self.drops: collections.deque[tuple[str, str]] = collections.deque()
         """(unit address, chunk key) of chunks to drop there."""
         self._sockets: dict[str, zmq.Socket] = {}
@@ -127,6 +128,7 @@ class UnitLinks:
     def _connect(self, unit: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         try:
             sock.connect(unit)
         except zmq.ZMQError:

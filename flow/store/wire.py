@@ -33,6 +33,10 @@ from tidal.flow.store.units import RemoteChunk
 
 STACK_MAX_CELL_BYTES = 64 * 1024
 """Cells up to this size are stacked into one buffer per column; larger ones go zero-copy."""
+MAX_MESSAGE_BYTES = 4 << 30
+"""The largest frame (a header, or one buffer) a store server takes by default
+(`StoreServer(max_message_bytes=)`): a stacked column of a put, or a large cell, travels
+as one frame, unless it goes through shared memory."""
 
 
 class WireError(ValueError):
@@ -92,6 +96,17 @@ def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token
     except (CodecError, shm.ShmError, WireError) as e:
         request_id = message.get("id")
         raise WireError(str(e), request_id=request_id if type(request_id) is int else None) from e
+
+
+def request_id_of(frames: Sequence[Any]) -> int | None:
+    """The id in the header of `[header, *buffers]`, when it has one: for the error reply
+    to a request refused before (or while) it was decoded. None when it has none."""
+    try:
+        header = unpack_header(bytes(frames[0]))
+    except (CodecError, IndexError):
+        return None
+    request_id = header.get("id") if isinstance(header, dict) else None
+    return request_id if type(request_id) is int else None
 
 
 def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, token: str | None, message: Mapping[str, Any]) -> None:

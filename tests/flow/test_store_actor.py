@@ -51,7 +51,7 @@ def test_an_actor_bound_by_the_wildcard_gives_its_node_address_and_serves_metric
     bound: dict[str, str] = {}
 
     class Server:
-        def __init__(self, store, *, unit, address, token):  # noqa: ANN001
+        def __init__(self, store, *, unit, address, token, persist_dir):  # noqa: ANN001
             bound["store"], self.address = address, "tcp://0.0.0.0:5555"  # what ZeroMQ reports for tcp://*:0
 
     class Metrics:

@@ -181,3 +181,36 @@ def test_large_time_arrays_are_saved_and_sent(served, tmp_path, dtype):
     for source in (client, load(tmp_path / "s.bin")):
         (out,) = source.get("c", "p", ["t"], 1, timeout=5).columns["t"]
         assert out.dtype == value.dtype and np.array_equal(out, value)
+
+
+def _nested(depth: int, leaf, kind: str = "list"):
+    value = leaf
+    for _ in range(depth):
+        value = [value] if kind == "list" else (value,) if kind == "tuple" else {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("leaf", [1, torch.zeros(2), range(3), (1,)], ids=["int", "tensor", "range", "tuple"])
+@pytest.mark.parametrize("kind", ["list", "map", "tuple"])
+def test_what_the_codec_encodes_at_any_depth_it_decodes_and_deeper_is_refused_by_name(kind, leaf):
+    """A header nested ~500 levels ended `decode` in RecursionError, which no server caught:
+    the request was never answered. Both ends now refuse past `MAX_DEPTH`, before recursing."""
+    from tidal.flow.store.codec import MAX_DEPTH
+
+    deepest = None
+    for depth in range(MAX_DEPTH // (2 if kind == "tuple" else 1) - 3, MAX_DEPTH + 2):
+        try:
+            header, buffers = encode(_nested(depth, leaf, kind))
+        except CodecError as e:
+            assert "MAX_DEPTH=100" in str(e)
+            break
+        decode(header, buffers)  # what one end encodes, the other decodes
+        deepest = depth
+    assert deepest is not None and deepest < MAX_DEPTH + 1
+
+
+@pytest.mark.parametrize("depth", [101, 500, 1000, 1023, 1100, 100_000])
+@pytest.mark.parametrize("prefix", [b"\x91", b"\x81\xa1k"], ids=["lists", "maps"])
+def test_a_header_nested_too_deeply_is_a_codec_error_not_a_recursion_error(prefix, depth):
+    with pytest.raises(CodecError, match="MAX_DEPTH|not valid msgpack"):
+        decode(prefix * depth + b"\xc0", [])

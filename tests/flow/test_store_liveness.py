@@ -239,7 +239,7 @@ def test_a_remote_save_runs_beside_the_server_and_outlasts_the_rpc_timeout(in_th
 
     monkeypatch.setattr(persist, "write", slow_write)
     store = _a_store()
-    with StoreServer(store) as server:
+    with StoreServer(store, persist_dir=tmp_path) as server:
         saver, other = RemoteStore(server.address, rpc_timeout_s=0.5), RemoteStore(server.address, rpc_timeout_s=0.5)
         try:
             thread, outcome = in_thread(lambda: saver.save(str(tmp_path / "store.bin")))

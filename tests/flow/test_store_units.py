@@ -43,7 +43,7 @@ def test_split_deployment_keeps_data_on_the_writers_unit(wait_for):
 
 def test_a_split_store_is_saved_with_the_rows_its_units_hold_and_served_again_beside_new_units(tmp_path):
     controller = Store()
-    with StoreServer(controller) as ctrl, StoreServer(unit=StorageUnit()) as unit_a, StoreServer(unit=StorageUnit()) as unit_b:
+    with StoreServer(controller, persist_dir=tmp_path) as ctrl, StoreServer(unit=StorageUnit()) as unit_a, StoreServer(unit=StorageUnit()) as unit_b:
         producer_a = RemoteStore(ctrl.address, unit=unit_a)
         producer_b = RemoteStore(ctrl.address, unit=unit_b.address)
         try:
