@@ -94,6 +94,8 @@ def countdown(trajectory: Trajectory, text: str) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "countdown": countdown}
+MODULE_REWARDS = {"math": "tidal.engines.math_rewards:math_answer", "math_format": "tidal.engines.math_rewards:math_format", "math_with_format": "tidal.engines.math_rewards:math_with_format"}
+"""Registered rewards imported when first named: math-verify takes a second or more to import."""
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -102,8 +104,11 @@ def resolve_reward(spec: str) -> RewardFn:
     actors of a local Ray start there and do)."""
     if spec in REWARDS:
         return REWARDS[spec]
+    if spec in MODULE_REWARDS:
+        module_name, _, attr = MODULE_REWARDS[spec].partition(":")
+        return getattr(importlib.import_module(module_name), attr)
     if ":" not in spec:
-        raise ValueError(f"unknown reward {spec!r}; registered: {sorted(REWARDS)}, or give module:function")
+        raise ValueError(f"unknown reward {spec!r}; registered: {sorted([*REWARDS, *MODULE_REWARDS])}, or give module:function")
     module_name, _, attr = spec.partition(":")
     if not module_name or module_name.startswith(".") or not attr:  # import_module: ValueError, TypeError
         raise ValueError(f"reward {spec!r}: give module:function with an absolute module name, e.g. my_rewards:score")

@@ -1,0 +1,348 @@
+"""Prompt datasets from local files: JSON lines, JSON and parquet, read with `datasets`.
+
+A data source turns the rows of a few local files (GSM8K's `{"question": ..., "answer":
+"... #### 42"}`, say) into the items the workflow puts in the store:
+
+    {"prompt": str, "prompt_ids": list[int], "answer": ..., "meta": {"file": str, "row": int}}
+
+`prompt_ids` are what the model reads (the chat template applied, or the raw text
+tokenized) and `prompt` is their text (the rendered template, or the raw text); `answer` is the reference the reward checks
+(`trajectory.meta["answer"]`), `meta` says where the row came from. This is the shape
+`tools/train.py`'s task prompts have (`{"prompt", "answer", "prompt_ids"}`), so either
+feeds the same workflow.
+
+Files are read with `datasets.load_dataset("json" | "parquet", data_files=...)` (pyarrow
+underneath; the Arrow copy it makes goes to `cache_dir`, by default datasets' own cache).
+Each file is read on its own so that every mistake in one names it: a missing file, an
+unsupported suffix, a missing column (with the columns it has), no rows, a prompt that
+is not text (its row, counted from 0, and its type). These raise `DataError`, a
+ValueError. Prompts longer than `max_prompt_tokens` are dropped when the files are read
+and counted (`PromptSet.num_dropped`, logged once).
+
+`PromptStream` walks a `PromptSet` epoch by epoch, each epoch in an order drawn from
+`(seed, epoch)`; its `state_dict()` is one position, and a stream loaded from it yields
+exactly the item that would have come next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import logging
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from tidal.engines.tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+"""File suffix -> the `datasets` builder that reads it (JSON: one object per line, or a list of objects)."""
+
+
+class DataError(ValueError):
+    """A data file or data setting that cannot give prompts; the message names the file,
+    the column and the row (counted from 0) where they are known."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where the prompts come from and how they become the model's input."""
+
+    train_files: list[str] = dataclasses.field(default_factory=list)
+    """Local files of training prompts (.jsonl, .json or .parquet; glob patterns such as
+    `data/train-*.parquet` are expanded), read in this order."""
+    eval_files: list[str] = dataclasses.field(default_factory=list)
+    """Local files of held-out prompts, for evaluation (same formats); none: no evaluation set."""
+    prompt_key: str = "question"
+    """Column holding the prompt text (GSM8K's name)."""
+    answer_key: Optional[str] = "answer"
+    """Column holding the reference answer the reward checks (`meta["answer"]`); null: the rows have none."""
+    system_prompt: Optional[str] = None
+    """System message put before each prompt (needs `chat_template`)."""
+    chat_template: bool = True
+    """Render each prompt as a user turn with the tokenizer's chat template, ending with the
+    assistant's header (add_generation_prompt=True); false: the model reads the raw prompt text."""
+    max_prompt_tokens: int = 1024
+    """Longest prompt kept, in tokens (template included); longer ones are dropped and counted when the files are read."""
+    shuffle: bool = True
+    """Visit the training prompts in a new order each epoch, drawn from `seed` and the epoch."""
+    seed: int = 0
+    """Seed of the shuffled order."""
+    num_epochs: Optional[int] = None
+    """Passes over the training prompts; null: as many as the run takes."""
+
+
+def check_config(config: DataConfig) -> None:
+    """Raise DataError, naming the key, for settings no file could satisfy."""
+    if not config.prompt_key:
+        raise DataError("data.prompt_key must name a column")
+    if config.answer_key == config.prompt_key:
+        raise DataError(f"data.answer_key and data.prompt_key are both {config.prompt_key!r}: the answer would be the prompt")
+    if config.max_prompt_tokens < 1:
+        raise DataError(f"data.max_prompt_tokens must be >= 1, got {config.max_prompt_tokens}")
+    if config.num_epochs is not None and config.num_epochs < 1:
+        raise DataError(f"data.num_epochs must be >= 1 or null (no limit), got {config.num_epochs}")
+    if config.system_prompt is not None and not config.chat_template:
+        raise DataError("data.system_prompt needs data.chat_template=true: without a template there is no system turn to put it in")
+
+
+def expand_files(patterns: Sequence[str], *, key: str) -> list[Path]:
+    """The files `patterns` name, in order; each glob pattern expanded (sorted).
+
+    Raises:
+        DataError: naming `key` and the entry: none given, a pattern that matches nothing,
+            a path that does not exist or is a folder, or a suffix other than `FORMATS`'.
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not patterns:
+        raise DataError(f"{key} lists no file")
+    paths: list[Path] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise DataError(f"{key}: {pattern!r} matches no file")
+            paths.extend(Path(m) for m in matches)
+        else:
+            paths.append(Path(pattern))
+    for path in paths:
+        if not path.exists():
+            raise DataError(f"{key}: {str(path)!r} does not exist")
+        if not path.is_file():
+            raise DataError(f"{key}: {str(path)!r} is not a file (list the files of a folder, or give a pattern such as {str(path / '*.parquet')!r})")
+        if path.suffix.lower() not in FORMATS:
+            raise DataError(f"{key}: {str(path)!r} has suffix {path.suffix!r}; readable: {', '.join(FORMATS)}")
+    return paths
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars and no error log lines from `datasets` while a file is read: a run's
+    output stays its own, and a file it cannot parse is reported once, by `DataError`."""
+    import datasets  # noqa: PLC0415 - only data sources need it
+
+    was_enabled, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _num_parquet_rows(path: Path) -> int:
+    """Rows a parquet file's footer declares (datasets fails on a file of none with an
+    unhelpful "BatchSize must be greater than 0")."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as parquet: {type(e).__name__}: {e}") from e
+
+
+def read_table(path: Path, *, columns: Mapping[str, str], cache_dir: str | None = None) -> Any:
+    """The rows of one file as a `datasets.Dataset` with only `columns` (column name -> the
+    setting that names it, for errors).
+
+    Raises:
+        DataError: naming the file: it cannot be parsed (with the parser's reason, which
+            names the row for JSON), has no rows, or lacks one of `columns` (naming its
+            setting and listing the columns it has).
+    """
+    import datasets  # noqa: PLC0415
+
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
+    builder = FORMATS[path.suffix.lower()]
+    if builder == "parquet" and _num_parquet_rows(path) == 0:
+        raise DataError(f"{path}: no rows")
+    try:
+        with _quiet_datasets():
+            table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 - every parser failure of a user's file becomes one error naming it
+        cause = e.__cause__ or e
+        raise DataError(f"{path}: cannot be read as {builder}: {type(cause).__name__}: {cause}") from e
+    for column, key in columns.items():
+        if column not in table.column_names:
+            raise DataError(f"{path}: no column {column!r} ({key}); its columns: {table.column_names}")
+    if table.num_rows == 0:
+        raise DataError(f"{path}: no rows")
+    return table.select_columns(list(columns))
+
+
+def messages_of(text: str, *, system_prompt: str | None) -> list[dict[str, str]]:
+    """The conversation a prompt becomes under a chat template: an optional system turn, then the user's."""
+    return ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + [{"role": "user", "content": text}]
+
+
+class PromptSet:
+    """The usable prompts of some files, in file order; `len`, indexing and iteration give items.
+
+    Built by `load_prompts`. Items are tokenized when asked for (not kept), so a large
+    dataset costs little memory: two integers per prompt.
+    """
+
+    def __init__(self, *, tables: list[Any], files: list[Path], file_index: np.ndarray, rows: np.ndarray, config: DataConfig, tokenizer: Tokenizer, num_dropped: int) -> None:
+        self._tables, self.files, self._file_index, self._rows = tables, files, file_index, rows
+        self.config, self.tokenizer = config, tokenizer
+        self.num_dropped = num_dropped
+        """Prompts left out for being longer than `config.max_prompt_tokens`."""
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        f, row = int(self._file_index[k]), int(self._rows[k])
+        record = self._tables[f][row]
+        text = record[self.config.prompt_key]
+        ids = encode_prompt(text, self.tokenizer, self.config)
+        # the text that encodes to `ids`, as task prompts have it: the rendered template, or the raw prompt
+        item: dict[str, Any] = {"prompt": self.tokenizer.decode(ids, skip_special=False) if self.config.chat_template else text, "prompt_ids": ids}
+        if self.config.answer_key is not None:
+            item["answer"] = record[self.config.answer_key]
+        item["meta"] = {"file": str(self.files[f]), "row": row}
+        return item
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[k] for k in range(len(self)))
+
+
+def encode_prompt(text: str, tokenizer: Tokenizer, config: DataConfig) -> list[int]:
+    """The model's input for prompt `text`: the chat template applied, or the raw text tokenized."""
+    if config.chat_template:
+        return tokenizer.apply_chat_template(messages_of(text, system_prompt=config.system_prompt))
+    return tokenizer.encode(text)
+
+
+def load_prompts(files: Sequence[str], tokenizer: Tokenizer, *, config: DataConfig, key: str = "data.train_files", cache_dir: str | None = None) -> PromptSet:
+    """Read `files` and keep the prompts that fit `config.max_prompt_tokens`.
+
+    Args:
+        files: paths or glob patterns (`config.train_files` or `config.eval_files`).
+        tokenizer: renders and tokenizes prompts (its chat template when `config.chat_template`).
+        config: the data settings.
+        key: the setting `files` came from, named in errors.
+        cache_dir: where `datasets` keeps its Arrow copy of the files (None: its default).
+
+    Raises:
+        DataError: a bad setting or file (see `check_config`, `expand_files`, `read_table`),
+            a prompt that is not text or is empty, a null answer (each naming file, column
+            and row), or no prompt that fits `max_prompt_tokens`.
+    """
+    check_config(config)
+    paths = expand_files(files, key=key)
+    columns = {config.prompt_key: "data.prompt_key", **({config.answer_key: "data.answer_key"} if config.answer_key is not None else {})}
+    tables, file_index, rows = [], [], []
+    num_dropped = longest = 0
+    for f, path in enumerate(paths):
+        table = read_table(path, columns=columns, cache_dir=cache_dir)
+        if config.answer_key is not None:
+            for row, answer in enumerate(table[config.answer_key]):
+                if answer is None:
+                    raise DataError(f"{path}: row {row}, column {config.answer_key!r}: the answer is null")
+        for row, text in enumerate(table[config.prompt_key]):
+            if not isinstance(text, str):
+                raise DataError(f"{path}: row {row}, column {config.prompt_key!r}: the prompt is {type(text).__name__} {_short(text)}, not text")
+            if not text.strip():
+                raise DataError(f"{path}: row {row}, column {config.prompt_key!r}: the prompt is empty")
+            length = len(encode_prompt(text, tokenizer, config))
+            if length > config.max_prompt_tokens:
+                num_dropped += 1
+                longest = max(longest, length)
+                continue
+            file_index.append(f)
+            rows.append(row)
+        tables.append(table)
+    if not rows:
+        raise DataError(f"{key}: none of the {num_dropped} prompts fits data.max_prompt_tokens={config.max_prompt_tokens} (the longest has {longest} tokens)")
+    if num_dropped:
+        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d tokens (the longest: %d)", key, num_dropped, num_dropped + len(rows), config.max_prompt_tokens, longest)
+    return PromptSet(
+        tables=tables, files=paths, file_index=np.asarray(file_index, dtype=np.int32), rows=np.asarray(rows, dtype=np.int64),
+        config=config, tokenizer=tokenizer, num_dropped=num_dropped,
+    )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class PromptStream:
+    """The items of a `PromptSet`, epoch after epoch; `position` (items handed out) resumes it.
+
+    Epoch e visits every prompt once, in an order drawn from `(seed, e)` when `shuffle`
+    (file order otherwise), so a run's order depends on its seed alone. The stream ends
+    after `num_epochs` epochs (None: never).
+    """
+
+    def __init__(self, prompts: PromptSet, *, seed: int = 0, shuffle: bool = True, num_epochs: int | None = None, position: int = 0) -> None:
+        if num_epochs is not None and num_epochs < 1:
+            raise DataError(f"data.num_epochs must be >= 1 or null (no limit), got {num_epochs}")
+        self.prompts, self.seed, self.shuffle, self.num_epochs = prompts, seed, shuffle, num_epochs
+        self.position = position
+        """Items handed out so far (over all epochs): the next item is number `position`."""
+        self._order: tuple[int, np.ndarray] | None = None
+
+    @classmethod
+    def from_config(cls, prompts: PromptSet, config: DataConfig) -> PromptStream:
+        """The training stream `config` describes (its seed, shuffle and epochs)."""
+        return cls(prompts, seed=config.seed, shuffle=config.shuffle, num_epochs=config.num_epochs)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next item belongs to (from 0)."""
+        return self.position // len(self.prompts)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Indexes into the prompt set, in the order epoch `epoch` visits them."""
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.prompts)))
+            if self.shuffle:
+                # a string seed is hashed (sha512) by `random`: stable across runs and Python versions
+                random.Random(f"tidal-data:{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, np.asarray(order, dtype=np.int64))
+        return self._order[1]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        n = len(self.prompts)
+        while self.num_epochs is None or self.position < self.num_epochs * n:
+            epoch, k = divmod(self.position, n)
+            item = self.prompts[int(self.order(epoch)[k])]
+            self.position += 1  # before the yield: a state saved while the consumer holds the item resumes after it
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is, and what makes a position mean the same item."""
+        return {"position": self.position, "num_prompts": len(self.prompts), "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state` (a `state_dict()`): the next item is the one that would have followed.
+
+        Raises:
+            DataError: the state was taken over another number of prompts, another seed or
+                another shuffle setting (the files or settings changed): its position
+                would name other items.
+        """
+        mine = self.state_dict()
+        for name in ("num_prompts", "seed", "shuffle"):
+            if state.get(name) != mine[name]:
+                raise DataError(
+                    f"the saved data position was taken with {name}={state.get(name)!r}, these prompts have {name}={mine[name]!r}: "
+                    "the data files or data settings changed since, and the position would not continue the same order"
+                )
+        position = state["position"]
+        if not isinstance(position, int) or position < 0:
+            raise DataError(f"the saved data position must be an integer >= 0, got {position!r}")
+        self.position = position
