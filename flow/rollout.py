@@ -360,8 +360,10 @@ class RolloutGroup(Protocol):
         report (remote workers' may come a step late: the trainer does not wait for them)."""
 
 
-ROLLOUT_TOTALS = ("paused_generations", "handed_off")
-"""Rollout's counts in a `RolloutGroup`'s metrics: totals so far (the run's, in `Workflow`'s step metrics)."""
+ROLLOUT_TOTALS = ("paused_generations", "handed_off", "silent_rollouts")
+"""Rollout's counts in a `RolloutGroup`'s metrics: totals so far (the run's, in `Workflow`'s step
+metrics). `silent_rollouts`: times a rollout actor stopped answering (`flow.liveness`; a group
+without one leaves it out, 0)."""
 
 
 class LocalRollouts:

@@ -30,7 +30,10 @@ from typing import Any
 
 import torch
 
-from tidal.flow.rollout import ROLLOUT_TOTALS, RolloutWorker, Stop
+from tidal.flow.liveness import Liveness, transfer_timeout_s
+from tidal.flow.ray_faults import ActorLost, death_summary, num_restarts
+from tidal.flow.rollout import RolloutWorker, Stop
+from tidal.flow.sends import QueuedSends
 from tidal.flow.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -100,7 +103,11 @@ class RolloutActor:
             "placement_group": context.get_placement_group_id(),
             "resources": context.get_assigned_resources(),
             "visible_devices": {var: os.environ.get(var)} if var else {},
+            "restarts": num_restarts(),  # by Ray, so far: a death while the trainer warmed up counts too
         }
+
+    def ping(self) -> None:
+        """Answers at once: the trainer's liveness check (`flow.liveness`)."""
 
     def retire_receiver(self) -> None:
         """The trainer is rebuilding the weight group (another actor restarted): the current
@@ -112,29 +119,54 @@ class RolloutActor:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
 
-        receiver = self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
-        self._start_receiving(receiver, lambda: receiver.receive(timeout_s=3600.0))
+        expected = expected_specs(self.engine.named_weights())
+        receiver = self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected, token=token, device=self.weights_device)
+        self._start_receiving(receiver, self._next_version(receiver, expected))
         return receiver.address
 
     def open_ipc_receiver(self, *, bind_host: str, token: str | None) -> str:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.ipc import IpcReceiver  # noqa: PLC0415
 
-        receiver = self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected_specs(self.engine.named_weights()), token=token, device=self.weights_device)
-        self._start_receiving(receiver, lambda: receiver.receive(timeout_s=3600.0))
+        expected = expected_specs(self.engine.named_weights())
+        receiver = self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected, token=token, device=self.weights_device)
+        self._start_receiving(receiver, self._next_version(receiver, expected))
         return receiver.address
 
     def open_collective_receiver(self, *, host: str, port: int, rank: int, num_receivers: int) -> None:
         from tidal.hal.transfer import expected_specs  # noqa: PLC0415
         from tidal.hal.transfer.collective import CollectiveReceiver  # noqa: PLC0415
 
-        receiver = self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected_specs(self.engine.named_weights()), device=self.weights_device)
+        expected = expected_specs(self.engine.named_weights())
+        receiver = self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected, device=self.weights_device)
+        transfer_s = transfer_timeout_s(sum(spec.nbytes for spec in expected.values()))
 
         def join_and_receive() -> Any:
             receiver.join()  # once: blocks until every member joined
-            return receiver.receive(timeout_s=3600.0)  # a version may be an hour apart (a long step, a checkpoint), as over host and ipc
+            # one wait for the version to start (a timed-out broadcast leaves the group out of step: no shorter waits in a loop)
+            return receiver.receive(timeout_s=NEXT_VERSION_S, transfer_s=transfer_s)
 
         self._start_receiving(receiver, join_and_receive)
+
+    def _next_version(self, receiver: Any, expected: Mapping[str, Any]) -> Callable[[], Any]:
+        """`receive()` for a receiver of `expected`'s tensors: the next version, or None once
+        stopping. Waiting for the trainer to start it has no bound here (a long step, an
+        evaluation or a checkpoint may come first; liveness notices a trainer that stopped
+        answering); once started, it must arrive within `transfer_timeout_s` of its size. A
+        receiver that cannot wait apart from receiving waits `NEXT_VERSION_S` for both."""
+        from tidal.hal.transfer import WaitsForVersions  # noqa: PLC0415
+
+        if not isinstance(receiver, WaitsForVersions):
+            return lambda: receiver.receive(timeout_s=NEXT_VERSION_S)
+        transfer_s = transfer_timeout_s(sum(spec.nbytes for spec in expected.values()))
+
+        def receive() -> Any:
+            while not receiver.wait(STOP_CHECK_S):
+                if self.stopping.is_set():
+                    return None
+            return receiver.receive(timeout_s=transfer_s)
+
+        return receive
 
     def _start_receiving(self, receiver: Any, receive: Callable[[], Any]) -> None:
         """Apply what `receive()` gets from `receiver` on a thread of its own, the receiver's
@@ -164,6 +196,8 @@ class RolloutActor:
                     return
                 if generation != self._generation:
                     return
+                if weights is None:  # stopping
+                    continue
                 if self.last_version is not None and weights.version <= self.last_version:
                     continue  # sent again for an actor that restarted: this one has it (applying it again would pause a generation for nothing)
                 self.worker.inbox.offer(weights.version, weights.tensors)
@@ -219,6 +253,13 @@ class RolloutActor:
         return {"paused_generations": self.worker.num_paused, "handed_off": self.worker.num_handed_off, "wait_s": self.worker.waits.take(), "samples": self.worker.num_samples, "started": self.started}
 
 
+NEXT_VERSION_S = 24 * 3600.0
+"""How long a weight receiver waits for the trainer to start the next version where it cannot
+wait apart from receiving (`collective`, and `host` for both waits): in effect no bound, as a
+step, an evaluation or a checkpoint may come first; liveness notices a trainer that stopped
+answering (`fault.liveness_s`)."""
+STOP_CHECK_S = 1.0
+"""How often a receiver waiting for the next version looks whether the actor is stopping."""
 DEATH_NOTICE_S = 120.0
 """How long a failed weight send waits for a dead rollout actor to be back (then it is retried)."""
 SEND_ON_STOP_S = 10.0
@@ -226,80 +267,12 @@ SEND_ON_STOP_S = 10.0
 each rollout actor, to arrive, before it stops anyway."""
 RESTART_WAIT_S = 90.0
 """How long a dead rollout actor may take to restart (build its engine) before the run fails."""
+ACTOR_TOTALS = ("paused_generations", "handed_off")
+"""What each rollout actor counts (`RolloutActor.metrics`), of `ROLLOUT_TOTALS`; `RayRollouts`
+counts `silent_rollouts` itself."""
 METRICS_EVERY_S = 0.5
 """How often the trainer asks the rollout actors for their metrics (and looks for the
 answers): a Ray call and a check of its answer cost the trainer's step 2-3 ms each time."""
-
-
-class QueuedSends:
-    """Weight versions sent by a thread of their own, in order, the newest replacing one not
-    sent yet: `put` returns at once. A send's error is raised by the next `put` or `flush`,
-    and no later version is sent after it."""
-
-    def __init__(self, send: Callable[[int, Any], None]) -> None:
-        self._send = send
-        self._cond = threading.Condition()
-        self._queued: tuple[int, Any] | None = None
-        self._sending = self._closed = False
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self.replaced = 0
-        """Versions replaced by a newer one before they were sent."""
-
-    def put(self, version: int, source: Any) -> None:
-        with self._cond:
-            self._raise()
-            self.replaced += self._queued is not None
-            self._queued = (version, source)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="tidal-weight-sends", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def flush(self) -> None:
-        """Wait until nothing is queued or being sent."""
-        self.drain()
-        with self._cond:
-            self._raise()
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or being sent (or a send failed, or `close`); False at the timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: (self._queued is None and not self._sending) or self._error is not None or self._closed, timeout)
-
-    def close(self) -> None:
-        """End the thread once its send in progress ends; a version still queued is not sent."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended sending, if one did."""
-        return self._error
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"sending weights to rollout failed: {type(self._error).__name__}: {self._error}") from self._error
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._closed)
-                if self._closed:
-                    return
-                (version, source), self._queued = self._queued, None
-                self._sending = True
-            error = None
-            try:
-                self._send(version, source)
-            except BaseException as e:  # noqa: BLE001 - raised in the publisher's thread, at its next put
-                error = e
-            with self._cond:
-                self._sending, self._error = False, error
-                self._cond.notify_all()
-                if error is not None:
-                    return
 
 
 class RayRollouts:
@@ -309,7 +282,10 @@ class RayRollouts:
     actor); its store connection closes, so the prompts it held are redelivered, and it
     rejoins the weight transport and generates again once a version reaches it: the next
     one published, or the current one sent again when the trainer waits for rows
-    (`weights_wanted`).
+    (`weights_wanted`). Ray's count of an actor's restarts is where the count starts: a
+    death while the trainer warmed up (before this group existed) used one of them.
+    An actor that answers no ping for `liveness_s` is reported, and killed (a death, as
+    above) when silent `grace_s` longer (`flow.liveness`; 0 turns the checks off).
     `on_change(descriptions)` is told each actor's description after a restart.
     `on_death(i)` is told that actor `i` died and will not generate again (no restarts
     left, it did not come back, or the run is ending): a seat it held at a trainer's
@@ -328,13 +304,19 @@ class RayRollouts:
         on_change: Callable[[list[dict[str, Any]]], None] | None = None,
         on_death: Callable[[int], None] | None = None,
         overlap: bool = False,
+        liveness_s: float = 0.0,
+        grace_s: float = 0.0,
     ) -> None:
         import ray  # noqa: PLC0415
 
         self.actors, self.wiring, self.max_restarts = list(actors), wiring, max_restarts
         self.descriptions: list[dict[str, Any]] = ray.get([a.describe.remote() for a in self.actors])
         self.summaries: list[dict[str, Any]] = [{} for _ in self.actors]
-        self.restarts = [0] * len(self.actors)
+        self.restarts = [d.get("restarts", 0) for d in self.descriptions]
+        for i, n in enumerate(self.restarts):
+            if n:
+                log.warning("rollout actor %d died before the trainer connected to it (while it warmed up); Ray restarted it (%d of %d)", i, n, max_restarts)
+        self.liveness = Liveness(self.actors, lambda i: f"rollout actor {i} (pid {self.descriptions[i].get('pid', '?')})", silent_s=liveness_s, grace_s=grace_s)
         self._on_change = on_change or (lambda descriptions: None)
         self._on_death = on_death or (lambda i: None)
         self._lock = threading.Lock()  # the wiring is used by publish (trainer thread) only under it
@@ -351,9 +333,9 @@ class RayRollouts:
         self._wanted_lock = threading.Lock()
         self._metrics_asked: list[Any] = []  # requests not answered yet
         self._metrics_next = 0.0  # when `metrics` next calls Ray (time.monotonic)
-        self._counts = dict.fromkeys(ROLLOUT_TOTALS, 0)
+        self._counts = dict.fromkeys(ACTOR_TOTALS, 0)
         self._answered: list[dict[str, Any] | None] = [None] * len(self.actors)  # each actor's latest answer
-        self._before_restarts = dict.fromkeys(ROLLOUT_TOTALS, 0)  # what actors counted before they were restarted
+        self._before_restarts = dict.fromkeys(ACTOR_TOTALS, 0)  # what actors counted before they were restarted
         self.wiring.attach(self.actors, range(len(self.actors)))
 
     def run(self) -> None:
@@ -361,25 +343,32 @@ class RayRollouts:
 
         running = {a.run.remote(): i for i, a in enumerate(self.actors)}
         while running:
-            (ref,), _ = ray.wait(list(running))
-            i = running.pop(ref)
+            done, _ = ray.wait(list(running), timeout=self.liveness.every_s if self.liveness.on else None)
+            if not done:  # none ended: look for the silent
+                for i in [] if self._stopping.is_set() else self.liveness.check():
+                    ray.kill(self.actors[i], no_restart=False)  # its `run` fails: the death below
+                continue
+            i = running.pop(done[0])
             try:
-                self.summaries[i] = ray.get(ref)
+                self.summaries[i] = ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 if self._stopping.is_set():
                     self._dead(i)  # the trainer's last turns (its final checkpoint's) must not wait for it
                     continue
                 self.restarts[i] += 1
+                why = "killed after it stopped answering (fault.liveness_s)" if i in self.liveness.killed else death_summary(e)
                 if self.restarts[i] > self.max_restarts:
-                    raise self._give_up(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {e}", dead=i) from None
-                log.warning("rollout actor %d died (%s); Ray restarts it (%d of %d)", i, type(e).__name__, self.restarts[i], self.max_restarts)
+                    raise self._give_up(f"rollout actor {i} died {self.restarts[i]} times (fault.rollout_restarts={self.max_restarts}): {why}", dead=i) from None
+                log.warning("rollout actor %d died (%s); Ray restarts it (%d of %d)", i, why, self.restarts[i], self.max_restarts)
                 self.wiring.abort()  # a send blocked on the dead receiver gives up
                 try:
                     self.descriptions[i] = self._back(i)
                 except ray.exceptions.RayActorError as back:  # its new process failed to start
-                    raise self._give_up(f"rollout actor {i} died, and Ray could not restart it (restart {self.restarts[i]} of {self.max_restarts}): {back}", dead=i) from None
+                    raise self._give_up(f"rollout actor {i} died, and Ray could not restart it (restart {self.restarts[i]} of {self.max_restarts}): {death_summary(back)}", dead=i) from None
                 except RuntimeError as back:  # not back in time
                     raise self._give_up(str(back), dead=i) from None
+                self.restarts[i] = max(self.restarts[i], self.descriptions[i].get("restarts", 0))  # Ray's count: a death not seen here counts too
+                self.liveness.reset(i)
                 if self._stopping.is_set():  # the run ended while Ray restarted it: nothing to generate for
                     self.actors[i].stop.remote()
                     continue
@@ -482,7 +471,7 @@ class RayRollouts:
                     raise RuntimeError(f"rollout actor {i} did not come back within {RESTART_WAIT_S:.0f}s of dying") from None
                 time.sleep(0.2)  # Ray answers at once while the actor restarts and has no event for "back": ask again (control path, not rows)
 
-    def _give_up(self, why: str, *, dead: int) -> RuntimeError:
+    def _give_up(self, why: str, *, dead: int) -> ActorLost:
         """Actor `dead` will not come back: a send blocked on it, or waiting to hear of its
         death to wire its replacement in, fails now (it waited the reply timeout, then
         `DEATH_NOTICE_S`, about four minutes) with `why`, which is returned to raise; a
@@ -491,7 +480,7 @@ class RayRollouts:
         self._gave_up = why
         self._died.set()
         self.wiring.abort()
-        return RuntimeError(why)
+        return ActorLost(why)
 
     def _dead(self, i: int) -> None:
         """Tell `on_death` that actor `i` is gone; its failure is logged, not raised (the
@@ -504,7 +493,7 @@ class RayRollouts:
     def _rejoin(self) -> None:
         """Wire the restarted actors in again."""
         if self._gave_up is not None:
-            raise RuntimeError(self._gave_up)
+            raise ActorLost(self._gave_up)
         self._died.clear()
         with self._restarted_lock:
             restarted, self._restarted = sorted(self._restarted), set()
@@ -542,7 +531,7 @@ class RayRollouts:
         answers: list[dict[str, Any]] = []
         now = time.monotonic()
         if now < self._metrics_next:
-            return {**self._counts, "wait_s": {}}
+            return {**self._counts, "silent_rollouts": self.liveness.num_silences, "wait_s": {}}
         self._metrics_next = now + METRICS_EVERY_S
         if self._metrics_asked:
             ready, _ = ray.wait(self._metrics_asked, num_returns=len(self._metrics_asked), timeout=0)
@@ -560,7 +549,7 @@ class RayRollouts:
         for m in answers:
             for k, v in m["wait_s"].items():
                 wait_s[k] += v / len(self.actors)
-        return {**self._counts, "wait_s": dict(wait_s)}
+        return {**self._counts, "silent_rollouts": self.liveness.num_silences, "wait_s": dict(wait_s)}
 
     def _count(self, answers: list[dict[str, Any]]) -> None:
         """The counts so far over every actor and its earlier incarnations: a restarted actor
@@ -568,7 +557,7 @@ class RayRollouts:
         for i, answer in enumerate(answers):
             last = self._answered[i]
             if last is not None and last.get("started") != answer.get("started"):
-                for key in ROLLOUT_TOTALS:
+                for key in ACTOR_TOTALS:
                     self._before_restarts[key] += last[key]
             self._answered[i] = answer
-        self._counts = {key: self._before_restarts[key] + sum(m[key] for m in self._answered if m is not None) for key in ROLLOUT_TOTALS}
+        self._counts = {key: self._before_restarts[key] + sum(m[key] for m in self._answered if m is not None) for key in ACTOR_TOTALS}

@@ -318,8 +318,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from tidal.tools.stopping import RunStopped  # noqa: PLC0415
 
         raise RunStopped(summary["stopped_early"])  # its checkpoint is written: `main` prints how to continue
+    from tidal.engines.rewards import MODULE_REWARDS, REWARDS  # noqa: PLC0415
+    from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
+
+    exact = " (exact answers)" if (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS} else ""  # the built-in verifiers are strict
     print(
-        f"tidal: held-out accuracy {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
+        f"tidal: held-out accuracy{exact} {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
         f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
     )
     written = [name for name in RUN_FILES if (run_dir / name.rstrip("/")).exists()]  # a finished run resumed writes no step
@@ -481,7 +485,8 @@ def _one_line(command: str, error: Exception) -> str | None:
     if isinstance(cause, RuntimeError) and type(cause).__module__.startswith("tidal.") or isinstance(cause, FloatingPointError):
         return "\n".join([f"tidal {command}: error: {cause}", *getattr(cause, "__notes__", ())])
     if isinstance(cause, OSError) and cause.errno in STORAGE_ERRNOS and cause.filename:
-        return f"tidal {command}: error: cannot write {cause.filename}: {cause.strerror}; free space there, or choose another run_dir or output_dir"
+        remedy = "the filesystem takes no writes" if cause.errno == errno.EROFS else "free space there"
+        return f"tidal {command}: error: cannot write {cause.filename}: {cause.strerror}; {remedy}, or choose another run_dir or output_dir"
     return None
 
 

@@ -262,7 +262,7 @@ _AT_LEAST = {
     "train.micro_batch_size": 1, "train.weight_decay": 0, "train.threads": 0, "train.max_nonfinite_steps": 0, "cluster.nodes[].count": 1,
     "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
     "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0,
-    "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0,
+    "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0, "fault.liveness_s": 0, "fault.liveness_grace_s": 0,
     "placement.train.count": 1, "placement.train.devices_each": 1, "placement.rollout.count": 1, "placement.rollout.devices_each": 1,
 }
 """Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""

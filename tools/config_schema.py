@@ -62,7 +62,7 @@ class TaskConfig:
     name: str = "arithmetic"
     """Prompt generator: arithmetic | countdown."""
     reward: str = ""
-    """Reward: a registry name (arithmetic, countdown, exact_match) or `module:function` (from the Python path, then the current directory); empty = the task's own."""
+    """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token) or `module:function` (from the Python path, then the current directory); empty = the task's own."""
     max_value: int = 20
     """Largest operand of arithmetic prompts."""
     ops: str = "+-"
@@ -243,12 +243,16 @@ class PlacementConfig:
 
 @dataclasses.dataclass
 class FaultConfig:
-    """What a `runtime: ray` run does when one of its actors dies."""
+    """What a `runtime: ray` run does when one of its actors dies or stops answering."""
 
     rollout_restarts: int = 3
     """How many times Ray restarts each dead rollout actor; it takes the current weights and continues, and the prompts it held are generated again."""
     trainer_restarts: int = 1
     """How many times a dead trainer actor is started again; it resumes from the run's last checkpoint (weights, optimizer, data, store)."""
+    liveness_s: float = 30.0
+    """How long a rollout actor or trainer rank may answer no ping (stopped, hung, its machine swapping) before tidal warns, naming it and how long it has been silent (`silent_rollouts` in the metrics counts rollout actors'); 0 turns the checks off."""
+    liveness_grace_s: float = 60.0
+    """How much longer a silent actor may stay silent before it is killed and handled as a death: restarted, and counted against `rollout_restarts` or `trainer_restarts`."""
 
 
 @dataclasses.dataclass

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.flow.files import write_whole
+from tidal.flow.liveness import Liveness
+from tidal.flow.ray_faults import ActorLost, death_summary, rank_died, remote_cause
 from tidal.flow.ray_placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
 from tidal.tools.metrics import finite, last_metrics
@@ -128,7 +130,7 @@ def start_rollouts(
 
     one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
     host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
-    token = None if one_node else secrets.token_hex(16)
+    token = secrets.token_hex(16)  # on loopback too: another user's process on a shared node reaches 127.0.0.1 as well
     server = StoreServer(store, address=f"tcp://{'127.0.0.1' if one_node else '0.0.0.0'}:0", token=token)
     address = server.address.replace("0.0.0.0", host)
     # Ray restarts a dead rollout actor (running __init__ again); a call in flight when it died fails.
@@ -156,7 +158,7 @@ class StartedRollouts:
     address: str
     actors: list[Any]
     host: str
-    token: str | None
+    token: str
     assignments: list[Any]
     spots: dict[Any, Any]
     turns: dict[int, Any]
@@ -209,7 +211,9 @@ class StartedRollouts:
 
         rollouts = None
         write_info(descriptions)
-        rollouts = RayRollouts(self.actors, wiring, max_restarts=self.cfg.fault.rollout_restarts, on_change=write_info, on_death=leave_seats, overlap=overlap)
+        fault = self.cfg.fault
+        rollouts = RayRollouts(self.actors, wiring, max_restarts=fault.rollout_restarts, on_change=write_info, on_death=leave_seats, overlap=overlap, liveness_s=fault.liveness_s, grace_s=fault.liveness_grace_s)
+        write_info(rollouts.descriptions)  # with Ray's count of restarts while the trainer warmed up
         if transport == "ipc" and overlap:
             info["weights_in_place"] = _share_weights(trainer, wiring, rollouts)
             write_info(rollouts.descriptions)
@@ -252,6 +256,9 @@ class TrainerActor:
     actors); the other ranks, when there are several, follow rank 0's engines."""
 
     _group_store: Any = None  # rank 0's rendezvous store, made by `group_address`
+
+    def ping(self) -> None:
+        """Answers at once, beside `run` (the actor takes two calls at a time): the driver's liveness check."""
 
     def describe(self) -> dict[str, Any]:
         from tidal.hal import current_platform  # noqa: PLC0415
@@ -457,7 +464,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
     except PlacementError as e:
         raise ConfigError(f"placement: {e}") from None
     fake = bool(cfg.cluster.fake)
-    trainer_cls = ray.remote(max_restarts=0)(TrainerActor)
+    trainer_cls = ray.remote(max_restarts=0, max_concurrency=2)(TrainerActor)
     stopper_cls = ray.remote(num_cpus=0)(StopSignal)
     placed = spots(plan)  # checked by placement_groups already
     stop = StopRequest()  # Ctrl-C / SIGTERM here: rank 0 stops after its current step, with a checkpoint
@@ -468,6 +475,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
             turns = start_turns(placed, groups)
             stopper = stopper_cls.remote()
             stop.on_request(lambda reason, stopper=stopper: stopper.request.remote(reason))
+            watch: Liveness | None = None
             ranks = [trainer_cls.options(**actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources)).remote() for i, a in enumerate(plan.of("train"))]
             try:
                 where = ray.get([r.where.remote() for r in ranks])
@@ -480,8 +488,9 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     r.run.remote(to_yaml(cfg), str(run_dir), groups, plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address, spots=placed, turns=turns, stopper=stopper)
                     for i, r in enumerate(ranks)
                 ]
+                watch = Liveness(ranks, lambda i: f"trainer rank {i} (pid {where[i]['pid']})", silent_s=cfg.fault.liveness_s, grace_s=cfg.fault.liveness_grace_s)
                 with stop_on_signals(stop):
-                    summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress)
+                    summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress, watch=watch)
                 if followers:
                     for follower in (f for f in followers if f.get("timeshare") is not None):  # labelled as rank 0's (tools/train.py): this attempt's
                         follower["timeshare"] = {"since_version": summary.get("resumed_at", 0), **follower["timeshare"]}
@@ -493,9 +502,10 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     raise
                 if stop.reason is not None:  # asked to stop: no restart
                     raise RunStopped(stop.reason) from None
+                why = "killed after it stopped answering (fault.liveness_s)" if watch is not None and watch.killed else death_summary(e)
                 if attempt == cfg.fault.trainer_restarts:
-                    raise RuntimeError(f"the trainer died {attempt + 1} times (fault.trainer_restarts={cfg.fault.trainer_restarts}): {e}") from None
-                log.warning("the trainer died (%s); resuming from the last checkpoint (restart %d of %d)", type(e).__name__, attempt + 1, cfg.fault.trainer_restarts)
+                    raise ActorLost(f"the trainer died {attempt + 1} times (fault.trainer_restarts={cfg.fault.trainer_restarts}): {why}") from None
+                log.warning("the trainer died (%s); resuming from the last checkpoint (restart %d of %d)", why, attempt + 1, cfg.fault.trainer_restarts)
             finally:
                 for r in ranks:
                     ray.kill(r)
@@ -526,9 +536,10 @@ def check_guests_on_one_node(placed: dict[Any, Any], where: list[dict[str, Any]]
             )
 
 
-def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, progress: bool) -> list[Any]:
+def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, progress: bool, watch: Liveness | None = None) -> list[Any]:
     """Wait for every trainer rank, showing the steps from metrics.jsonl (display only: checked once
-    a second); return each rank's result.
+    a second); return each rank's result. A rank silent too long for `watch` (its actors: the
+    ranks) is killed, which is a death.
 
     Raises:
         RayActorError: a rank died (also when another rank's failure was caused by that death).
@@ -544,7 +555,9 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
     pending = list(refs)
     with bar:
         while pending:
-            done, pending = ray.wait(pending, timeout=1.0)
+            done, pending = ray.wait(pending, timeout=1.0 if watch is None or not watch.on else min(1.0, watch.every_s))
+            for i in [] if watch is None else watch.check():
+                ray.kill(watch.actors[i])  # its call fails: a death, which the caller restarts
             if (m := last_metrics(metrics_path)) is not None:  # a resumed trainer rewrites the file: show its last step
                 bar.update(task, completed=m["step"], info="reward " + ("-" if m["reward"] is None else f"{m['reward']:.2f}"))  # null: NaN
             for ref in done:
@@ -579,16 +592,6 @@ def _first_error(refs: list[Any], failed: dict[Any, Exception]) -> Exception:
     for rank, ref in enumerate(refs):
         other = failed.get(ref)
         if other is not None and other is not first:
-            cause = getattr(other, "cause", None) or other
-            first.add_note(f"trainer rank {rank} failed too: {type(cause).__name__}: {cause}")
+            cause = remote_cause(other)
+            first.add_note(f"trainer rank {rank} failed too: {cause}" if isinstance(cause, ActorLost) else f"trainer rank {rank} failed too: {type(cause).__name__}: {cause}")
     return first
-
-
-def rank_died(error: BaseException) -> bool:
-    """Whether a trainer rank's call failed because its process died. An error raised inside
-    the call (`RayTaskError`) is not a death, even when it is itself a dead actor's error (a
-    rollout actor that could not be built): Ray makes such an error an instance of its cause
-    too."""
-    import ray  # noqa: PLC0415
-
-    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)

@@ -324,6 +324,26 @@ class Weights:
     tensors: dict[str, torch.Tensor]
 
 
+@runtime_checkable
+class WaitsForVersions(Protocol):
+    """A receiver that waits for the next version to start apart from receiving it.
+
+    The two waits differ: the trainer may start the next version a long step, an evaluation
+    or a checkpoint later, so the first has no useful bound of the transport's own; a
+    version that started should arrive in a time its size sets. `ipc` waits so (its
+    announcement is the start; the copy out of the shared buffer is local); `collective`
+    takes both timeouts in one `receive` (a broadcast that timed out leaves its group out
+    of step, so it cannot wait in short slices); `host` has one deadline for both.
+    """
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once the next version has started arriving (`receive` then takes it at once);
+        False if none started within `timeout_s`. Nothing is consumed."""
+        ...
+
+    def receive(self, timeout_s: float) -> Weights: ...
+
+
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)

@@ -197,12 +197,13 @@ class CollectiveReceiver:
         once: build a new group); later `receive`s raise `TransferError`. Idempotent."""
         self._group.close()
 
-    def receive(self, timeout_s: float | None = None) -> Weights:
+    def receive(self, timeout_s: float | None = None, *, transfer_s: float | None = None) -> Weights:
         """The next version the trainer broadcasts.
 
         Waits up to `timeout_s` (default: the group's timeout) for the trainer to start
         it, which is as long as a train step between two versions can take; each later
-        broadcast of the version, up to the group's timeout. A wait that times out leaves
+        broadcast of the version, up to `transfer_s` (default: the group's timeout), what a
+        version that started may take to arrive. A wait that times out leaves
         the group unusable (its members are out of step): build a new one. gloo honours
         the longer wait (tested); NCCL's and HCCL's watchdogs abort a collective after the
         group's timeout whatever the op's, so there build the group with a timeout as long
@@ -213,16 +214,17 @@ class CollectiveReceiver:
         try:
             length = torch.zeros(1, dtype=torch.int64, device=g.device)
             g.broadcast(length, datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None)
+            started = datetime.timedelta(seconds=transfer_s) if transfer_s is not None else None
             header = torch.empty(int(length.item()), dtype=torch.uint8, device=g.device)
-            g.broadcast(header)
+            g.broadcast(header, started)
             manifest = Manifest.unpack(bytes(header.cpu().numpy()))
             buffers = []
             for k in range(len(manifest.buckets)):
                 flat = torch.empty(manifest.bucket_nbytes(k), dtype=torch.uint8, device=g.device)
-                g.broadcast(flat)
+                g.broadcast(flat, started)
                 buffers.append(flat)
             complete = torch.zeros(1, dtype=torch.int64, device=g.device)
-            g.broadcast(complete)
+            g.broadcast(complete, started)
         except RuntimeError as e:
             which = f"of version {manifest.version}" if manifest is not None else "(waiting for the next version)"
             raise TransferError(f"weight broadcast {which} failed: {e}; nothing went live") from e

@@ -336,6 +336,10 @@ class IpcReceiver:
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._mapped: tuple[str, torch.Tensor] | None = None
 
+    def wait(self, timeout_s: float) -> bool:
+        """True once a version is announced (`WaitsForVersions`); False after `timeout_s`."""
+        return bool(self._sock.poll(int(timeout_s * 1000)))
+
     def receive(self, timeout_s: float) -> Weights:
         if not self._sock.poll(int(timeout_s * 1000)):
             raise TransferError(f"no weights arrived within {timeout_s:g}s")

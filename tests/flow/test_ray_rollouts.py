@@ -109,12 +109,12 @@ def test_rollout_metrics_never_wait_for_an_actor_busy_elsewhere(ray_session, wai
     actor = _metrics_actor(0.5)
     rollouts = RayRollouts([actor], _NoWiring())
     begin = time.perf_counter()
-    assert rollouts.metrics() == {"paused_generations": 0, "handed_off": 0, "wait_s": {}}  # asked, not answered yet
+    assert rollouts.metrics() == {"paused_generations": 0, "handed_off": 0, "silent_rollouts": 0, "wait_s": {}}  # asked, not answered yet
     assert time.perf_counter() - begin < 0.4
     answered = []
     wait_for(lambda: answered.append(rollouts.metrics()) or answered[-1]["handed_off"] == 2)
-    assert answered[-1] == {"paused_generations": 1, "handed_off": 2, "wait_s": {"weights": 0.25}}
-    assert rollouts.metrics() == {"paused_generations": 1, "handed_off": 2, "wait_s": {}}  # asked again: the counts stand, no wait counted twice
+    assert answered[-1] == {"paused_generations": 1, "handed_off": 2, "silent_rollouts": 0, "wait_s": {"weights": 0.25}}
+    assert rollouts.metrics() == {"paused_generations": 1, "handed_off": 2, "silent_rollouts": 0, "wait_s": {}}  # asked again: the counts stand, no wait counted twice
     ray.kill(actor)
 
 

@@ -64,6 +64,8 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("seed", "override 'seed' is not key=value"),
         ("=3", "is not key=value"),
         ("fault.rollout_restarts=-1", "fault.rollout_restarts=-1 must be >= 0"),
+        ("fault.liveness_s=-1", "fault.liveness_s=-1.0 must be >= 0"),
+        ("fault.liveness_grace_s=-5", "fault.liveness_grace_s=-5.0 must be >= 0"),
         ("checkpoint_every=0", "checkpoint_every=0 must be >= 1"),
         ("task.num_numbers=0", "task.num_numbers=0 must be >= 1"),
         ("task.max_number=0", "task.max_number=0 must be >= 1"),

@@ -55,8 +55,8 @@ def _steps_done(run_dir: Path) -> int:
     return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
 
 
-def _run_and_kill(tmp_path: Path, overrides: list[str], *, at_step: int, victim) -> tuple[Path, str]:
-    """Run the mixed recipe; when it reaches `at_step`, SIGKILL the pid `victim(runtime_info)` names."""
+def _run_and_kill(tmp_path: Path, overrides: list[str], *, at_step: int, victim, sig: signal.Signals = signal.SIGKILL) -> tuple[Path, str]:
+    """Run the mixed recipe; when it reaches `at_step`, SIGKILL (or `sig`) the pid `victim(runtime_info)` names."""
     run_dir = tmp_path / "run"
     cmd = [str(Path(sys.executable).parent / "tidal"), "run", "mixed_npu_gpu", f"run_dir={run_dir}", *SMALL, *overrides, "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"} | ENV
@@ -68,14 +68,23 @@ def _run_and_kill(tmp_path: Path, overrides: list[str], *, at_step: int, victim)
             assert time.monotonic() < deadline, "the run did not reach the step to kill at"
             time.sleep(0.05)
         pid = victim(_read_json(run_dir / "runtime.json"))
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         _, err = proc.communicate(timeout=400)
     finally:
+        if sig == signal.SIGSTOP:
+            _resume(pid)  # when tidal did not kill it
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err[-4000:]
     return run_dir, err
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def _check_lineage(run_dir: Path) -> list[dict]:
@@ -170,6 +179,32 @@ def test_a_killed_trainer_rank_restarts_the_whole_trainer_group(tmp_path, rank):
     assert not set(after) & set(before), f"a rank of the old group kept running: {before} -> {after}"
     follower = summary["trainer_ranks"][1]
     assert 0 < follower["steps"] <= NUM_STEPS - 5  # the new group resumed from a checkpoint (every 5 steps), no warm start
+
+
+LIVENESS = ["fault.liveness_s=3", "fault.liveness_grace_s=4"]
+"""Silent 3 s: reported; 7 s: killed (the defaults, 30 s and 90 s, would make the test slow)."""
+
+
+@pytest.mark.slow
+def test_a_stopped_rollout_actor_is_reported_killed_and_restarted_and_the_run_loses_nothing(tmp_path):
+    """SIGSTOP on a rollout actor stopped the run without a word until `lease_s` (an hour)."""
+    at_step = random.Random("rollout-stopped").randint(3, 12)
+    run_dir, err = _run_and_kill(tmp_path, [*ONE_VENDOR, *LIVENESS], at_step=at_step, victim=lambda info: info["rollout_actors"][0]["pid"], sig=signal.SIGSTOP)
+    assert "rollout actor 0 (pid" in err and "has not answered for 3s" in err, err[-3000:]
+    assert "rollout actor 0 died (killed after it stopped answering (fault.liveness_s)); Ray restarts it (1 of 3)" in err
+    steps = _check_lineage(run_dir)
+    assert steps[-1]["silent_rollouts"] == 1 and steps[0]["silent_rollouts"] == 0
+    assert _read_json(run_dir / "runtime.json")["rollout_restarts"] == [1, 0]
+
+
+@pytest.mark.slow
+def test_a_stopped_trainer_is_reported_killed_and_resumed_from_its_last_checkpoint(tmp_path):
+    at_step = random.Random("trainer-stopped").randint(6, 13)  # after the first checkpoint (every 5 steps)
+    run_dir, err = _run_and_kill(tmp_path, [*MIXED, *LIVENESS], at_step=at_step, victim=lambda info: info["trainer"]["pid"], sig=signal.SIGSTOP)
+    assert "trainer rank 0 (pid" in err and "has not answered for 3s" in err, err[-3000:]
+    assert "the trainer died (killed after it stopped answering (fault.liveness_s)); resuming from the last checkpoint (restart 1 of 1)" in err
+    _check_lineage(run_dir)
+    assert _read_json(run_dir / "summary.json")["trainer_restarts"] == 1
 
 
 def test_only_a_dead_trainer_process_counts_as_a_death_not_an_error_it_raised():
