@@ -20,20 +20,20 @@ ways (see `shm`): a put writes its rows once, a get maps them.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import zmq
 
+from tidal.flow.store import auth
 from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
@@ -41,7 +41,7 @@ from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, 
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
 from tidal.flow.store.pending import PendingPut, not_done
 from tidal.flow.store.table import StoreError, StoreTimeout
-from tidal.flow.store.thread_sockets import ClientSockets
+from tidal.flow.store.thread_sockets import ClientSockets, one_call
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
 
@@ -56,25 +56,13 @@ _ERRORS: dict[str, type[Exception]] = {
 }
 
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _one_call(method: _Method) -> _Method:
-    """Run a `RemoteStore` method as one call of its thread (`ClientSockets.in_call`): a
-    `close()` meanwhile leaves this thread's sockets to it and ends its wait with `StoreError`."""
-
-    @functools.wraps(method)
-    def run(self: RemoteStore, *args: Any, **kwargs: Any) -> Any:
-        with self._sockets.in_call():
-            return method(self, *args, **kwargs)
-
-    return run  # type: ignore[return-value]
-
-
 class RemoteStore:
     """A client of the store server at `address` (e.g. ``tcp://127.0.0.1:5555``).
 
-    `token` defaults to the `TIDAL_STORE_TOKEN` environment variable. Calls that do not
+    `token` defaults to the `TIDAL_STORE_TOKEN` environment variable. It is shown in each
+    connection's handshake (`auth`): a server with a token refuses a client without it, or
+    with another, and the call raises `StoreError` ("Unauthorized: missing or wrong store
+    token") at once; a server without one takes this client all the same. Calls that do not
     wait for data fail with `StoreError` when the server has not replied within
     `rpc_timeout_s`; `get`/`put` wait as long as their own `timeout` plus that, and fail
     sooner when the server no longer holds them (it restarted, or the connection broke) or
@@ -118,20 +106,37 @@ class RemoteStore:
         self._shared: dict[str, bool] = {}  # server address -> shares our /dev/shm
 
     # Plumbing ---------------------------------------------------------------------------
-    def _socket(self, address: str) -> zmq.Socket:
-        """This thread's connection to `address`."""
+    def _socket(self, address: str, what: str) -> zmq.Socket:
+        """This thread's connection to `address`. A new one is used once the server took
+        its handshake (`auth`), within `rpc_timeout_s`; `what`: the call it is for."""
         sockets = self._sockets.of_thread()
         sock = sockets.get(address)
         if sock is None:
-            sock = sockets[address] = self._sockets.open(zmq.DEALER)
-            sock.connect(address)
+            sock = sockets[address] = self._connect(address, what)
         return sock
 
+    def _connect(self, address: str, what: str) -> zmq.Socket:
+        return auth.connect(lambda: self._sockets.open(zmq.DEALER), address, self.token, lambda handshake: self._await_handshake(handshake, what))
+
+    def _await_handshake(self, handshake: auth.Handshake, what: str) -> bool:
+        """`handshake.outcome()` once known; `StoreError` when the server refused the
+        connection, did not finish the handshake within `rpc_timeout_s`, or this thread's
+        cancellable call was cancelled meanwhile (nothing was sent)."""
+        cancel = getattr(self._tls, "cancel", None)
+        wake = None if cancel is None else self._wake_listener()
+        took = handshake.wait(self.rpc_timeout_s, wake=wake, cancelled=None if cancel is None else cancel.is_set, check_s=CANCEL_CHECK_S)
+        if took is None and cancel is not None and cancel.is_set():
+            raise not_done(StoreError(f"{what} was cancelled"))
+        if took is None:
+            raise StoreError(f"store server {handshake.address} did not answer {what!r} within {self.rpc_timeout_s:g}s; is it running?{handshake.why_not()}")
+        return took
+
     def _send(self, address: str, op: str, args: dict[str, Any]) -> tuple[zmq.Socket, int]:
-        sock = self._socket(address)
+        shared = self._shares_host(address, op)  # first: a new connection is named by that ping
+        sock = self._socket(address, op)
         request_id = next(self._ids)
         message = {"op": op, "id": request_id, "token": self.token, "args": args}
-        if self._shares_host(address, op):
+        if shared:
             message["host"] = self._host
             written: list[str] = []
             frames = pack(message, writer=self._writer, written=written)
@@ -153,7 +158,7 @@ class RemoteStore:
         if names and not ok:
             self._writer.unlink(names)
 
-    @_one_call
+    @one_call
     def shares_host(self, address: str | None = None) -> bool:
         """Whether large buffers to and from the server at `address` (default: the store's)
         go through shared memory."""
@@ -164,10 +169,10 @@ class RemoteStore:
         if shared is None:
             shared = False
             if self._host is not None:  # one ping per server: does it see our /dev/shm?
-                sock = self._socket(address)
+                what = "ping" if op == "ping" else f"ping (before {op})"
+                sock = self._socket(address, what)
                 request_id = next(self._ids)
                 sock.send_multipart(pack({"op": "ping", "id": request_id, "token": self.token, "args": {}}))
-                what = "ping" if op == "ping" else f"ping (before {op})"
                 shared = self._receive(sock, request_id, address, what, self.rpc_timeout_s).get("host") == self._host
             self._shared[address] = shared
         return shared
@@ -350,7 +355,7 @@ class RemoteStore:
         kind, message = reply.get("error"), reply.get("message")
         raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
 
-    @_one_call
+    @one_call
     def _call(self, op: str, args: dict[str, Any], *, wait: float | None = 0.0, address: str | None = None) -> Any:
         """`wait`: how long the server may legitimately wait (None: without bound)."""
         address = address or self.address
@@ -383,7 +388,7 @@ class RemoteStore:
     def set_version(self, version: int) -> None:
         self._call("set_version", {"version": version})
 
-    @_one_call
+    @one_call
     def put(
         self,
         partition: str,
@@ -404,7 +409,7 @@ class RemoteStore:
             return self._cancellable(cancel, f"put into {partition!r}", lambda: self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result())
         return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
 
-    @_one_call
+    @one_call
     def submit_put(
         self,
         partition: str,
@@ -466,7 +471,7 @@ class RemoteStore:
             except StoreError:
                 pass  # the unit is gone too; nothing is left to free
 
-    @_one_call
+    @one_call
     def get(
         self,
         consumer: str,

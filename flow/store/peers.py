@@ -92,3 +92,16 @@ class Peers:
         self._gone.add(peer.identity)
         peer.alive, peer.sent = False, None
         return peer
+
+
+def request_of(args: dict[str, Any]) -> int:
+    """The request id a withdraw or a liveness check is about."""
+    request_id = args.get("request")
+    if type(request_id) is not int:
+        raise ValueError(f"'request' must be the int id of a get or put sent on this connection, got {request_id!r}")
+    return request_id
+
+
+def taken_by(op: str, args: dict[str, Any]) -> tuple[str, str] | None:
+    """Whom a request's result leases rows to: a get's (consumer, partition)."""
+    return (args["consumer"], args["partition"]) if op == "get" else None

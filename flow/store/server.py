@@ -23,12 +23,13 @@ server restarted, or the connection broke).
 Every request is answered: a malformed frame, an unknown op, a bad token, a header
 nested too deeply or a failing call gets an error reply and the server keeps serving.
 Servers bind 127.0.0.1 unless told otherwise, and refuse to bind anything reachable from
-other machines without a shared token. A frame larger than `max_message_bytes` ends its
-connection as its length arrives, before any of it is buffered: ZeroMQ delivers a message
-whole, so the token in its header is read only after all of it came, and this limit is
-what bounds each frame an unauthenticated peer can make the server hold (not the number
-of frames of a message it never finishes: ZeroMQ has no limit on that). A client's `save`
-writes only inside the `persist_dir` the server was started with, and none without one.
+other machines without a shared token. A server with a token checks it in each
+connection's handshake (`auth`): a peer without it is disconnected before it sends one
+frame, so it can make the server hold nothing. Each request's header carries the token
+too, checked again (were the handshake's check ever missing, ZeroMQ would take every
+peer). A frame larger than `max_message_bytes` ends its connection as its length
+arrives, before any of it is buffered. A client's `save` writes only inside the
+`persist_dir` the server was started with, and none without one.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ import numpy as np
 import zmq
 import zmq.utils.monitor
 
-from tidal.flow.store import persist
+from tidal.flow.store import auth, persist
 from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.cells import Batch, as_indexes
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
-from tidal.flow.store.peers import Parked, Peer, Peers
+from tidal.flow.store.peers import Parked, Peer, Peers, request_of, taken_by
 from tidal.flow.store.table import Store, StoreTimeout
 from tidal.flow.store.unit_links import SavedChunks, UnitLinks
 from tidal.flow.store.units import RemoteChunk, StorageUnit
@@ -71,7 +72,8 @@ class StoreServer:
     """Serve `store` (a `Store`, typically the controller) and/or `unit` at `address`.
 
     `address` is a ZeroMQ endpoint; port 0 picks a free port (read `server.address`).
-    Binding anything but loopback requires `token`, which every request must carry.
+    Binding anything but loopback requires `token`, which a peer must show in its
+    connection's handshake and carry in every request (`auth`; "" is no token).
     With `shm` (the default), clients on this host send large buffers through shared
     memory and get rows that arrived that way as references to it (see `shm`).
     `persist_dir`: the directory a client's `save` (`RemoteStore.save`) may write in, at a
@@ -98,6 +100,7 @@ class StoreServer:
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be a number of bytes >= 1, got {max_message_bytes!r}")
         check_bind(address, token)
+        token = token or None
         self.store, self.unit, self.token = store, unit, token
         self.persist_dir = None if persist_dir is None else os.fspath(persist_dir)
         self.max_message_bytes = max_message_bytes
@@ -113,6 +116,8 @@ class StoreServer:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # checked on each frame's length, before it is read
         try:
+            self._zap = auth.ZapHandler(self._ctx, token) if token is not None else None  # before the bind: no peer comes unchecked
+            auth.require_token(self._router, token)
             self._router.bind(address[:-2] + ":*" if address.endswith(":0") else address)
         except BaseException:
             self._ctx.destroy(linger=0)  # the router and the context's threads: a taken port leaks nothing
@@ -134,7 +139,8 @@ class StoreServer:
         self._deferred: list[tuple[Peer, int, Any]] = []  # replies sent after the parked requests are retried
         self._saving: set[tuple[Peer, int]] = set()
         """(peer, request id) of the remote saves in progress, each on a thread of its own."""
-        self._units = UnitLinks(self._ctx, token, max_message_bytes=max_message_bytes)
+        self._poller = zmq.Poller()  # the server thread's; drop links to units watch their handshakes on it
+        self._units = UnitLinks(self._ctx, token, max_message_bytes=max_message_bytes, poller=self._poller)
         self._listening = False  # for evictions, once cells on storage units are put
         self._ops: dict[str, Callable[..., Any]] = {"ping": self._ping}  # (peer, args) -> the result
         if store is not None:
@@ -247,14 +253,16 @@ class StoreServer:
 
     # The loop ---------------------------------------------------------------------------
     def _serve(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         router_fd = self._router.get(zmq.FD)  # other threads send on the router: wait on its fd, not in ZeroMQ
         poller.register(router_fd, zmq.POLLIN)
-        for sock in (self._wakes, self._monitor):
+        for sock in (self._wakes, self._monitor, *([self._zap.socket] if self._zap else [])):
             poller.register(sock, zmq.POLLIN)
         more = False
         while True:
             events = dict(poller.poll(0 if more else self._timeout_ms()))
+            if self._zap is not None and self._zap.socket in events:
+                self._zap.answer()
             if self._monitor in events:
                 self._drain_monitor()
             retry = not events and not more  # a deadline or lease expiry passed
@@ -309,6 +317,8 @@ class StoreServer:
     def _close_sockets(self) -> None:
         for sock in (self._router, self._wakes, self._monitor):
             sock.close(linger=0)
+        if self._zap is not None:  # after the router: it took no peer unchecked
+            self._zap.close()
         self._units.close()
 
     def _drain_monitor(self) -> None:
@@ -438,7 +448,7 @@ class StoreServer:
         wait was cancelled). True when it was still parked: it gets no reply and nothing was
         taken or put for it; False when it was not: its reply went out before this one
         (`_answer`), or this connection never sent it (a restarted server, a new connection)."""
-        request_id = _request_of(a)
+        request_id = request_of(a)
         with self._lock:
             kept = [p for p in self._parked if not (p.peer is peer and p.request_id == request_id)]
             withdrawn, self._parked = len(kept) < len(self._parked), kept
@@ -450,7 +460,7 @@ class StoreServer:
         before this one (`_answer`), or this server never got it through this connection (it
         restarted, or the connection broke, which drops a connection's parked requests): no
         reply is coming."""
-        request_id = _request_of(a)
+        request_id = request_of(a)
         with self._lock:
             return (peer, request_id) in self._saving or any(p.peer is peer and p.request_id == request_id for p in self._parked)
 
@@ -478,7 +488,7 @@ class StoreServer:
                 except Exception as e:  # noqa: BLE001 - every request gets a reply
                     self._fail(parked.peer, parked.request_id, e)
                     continue
-                self._reply(parked.peer, parked.request_id, result, _taken(parked.op, parked.args))
+                self._reply(parked.peer, parked.request_id, result, taken_by(parked.op, parked.args))
                 changed |= parked.op in _MUTATING
             self._parked = still
 
@@ -489,7 +499,7 @@ class StoreServer:
             # a get's own caller waits too; a word about a request never overtakes its reply
             self._deferred.append((peer, request_id, result))
         else:
-            self._reply(peer, request_id, result, _taken(op, args))
+            self._reply(peer, request_id, result, taken_by(op, args))
 
     def _reply(self, peer: Peer, request_id: int, result: Any, taken: tuple[str, str] | None = None) -> None:
         """Send `result`. `taken`: the (consumer, partition) a get's rows were leased to,
@@ -585,16 +595,3 @@ class StoreServer:
         assert self.unit is not None
         rows = self.unit.read(a["key"], a["offsets"])
         return {"stacked": rows} if not isinstance(rows, list) else encode_column(rows)
-
-
-def _request_of(args: dict[str, Any]) -> int:
-    """The request id a withdraw or a liveness check is about."""
-    request_id = args.get("request")
-    if type(request_id) is not int:
-        raise ValueError(f"'request' must be the int id of a get or put sent on this connection, got {request_id!r}")
-    return request_id
-
-
-def _taken(op: str, args: dict[str, Any]) -> tuple[str, str] | None:
-    """Whom a request's result leases rows to: a get's (consumer, partition)."""
-    return (args["consumer"], args["partition"]) if op == "get" else None

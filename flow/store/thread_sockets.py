@@ -12,9 +12,11 @@ its own sockets as it leaves its call. Termination returns once every socket is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import zmq
 
@@ -72,6 +74,7 @@ class ClientSockets:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         with self._lock:
+            sockets.owned[:] = [s for s in sockets.owned if not s.closed]  # a connection refused in its handshake was closed at once
             sockets.owned.append(sock)
         return sock
 
@@ -108,3 +111,19 @@ class ClientSockets:
                 if sockets.depth == 0 or sockets is mine:
                     _close_all(sockets.owned, self._lock)
             return True
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_call(method: _Method) -> _Method:
+    """Run a method of a client (whose `_sockets` are its `ClientSockets`) as one call of its
+    thread (`ClientSockets.in_call`): a `close()` meanwhile leaves this thread's sockets to
+    it and ends its wait with `StoreError`."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._sockets.in_call():
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

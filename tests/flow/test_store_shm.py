@@ -211,6 +211,7 @@ def test_segments_need_the_token_and_a_tidal_name():
         address = server.address.replace("0.0.0.0", "127.0.0.1")
         writer = shm.Writer()
         sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.plain_username, sock.plain_password = b"tidal", b"s3cret"  # past the handshake: the header's token is checked too
         sock.connect(address)
         try:
             x = torch.randn(1, BIG)

@@ -303,16 +303,18 @@ def _closed_by_server(peer: socket.socket, wait_s: float = REPLY_WAIT_S) -> bool
 
 def test_a_frame_over_max_message_bytes_ends_its_connection_before_it_is_buffered():
     """Without a limit a tokenless peer made a token-protected server buffer a 1 GiB frame
-    before it answered Unauthorized, and half-sent frames claiming GiBs made it reserve them."""
+    before it answered Unauthorized, and half-sent frames claiming GiBs made it reserve them.
+    (A token-protected server now refuses a peer without the token in the handshake, before
+    any frame: `test_store_auth`. The limit bounds each frame of a peer with the token, and
+    of any peer of a server without one.)"""
     limit = 1 << 20
     with pytest.raises(ValueError, match="max_message_bytes"):
         StoreServer(Store(), max_message_bytes=0)
-    with StoreServer(Store(), max_message_bytes=limit, address="tcp://0.0.0.0:0", token="s3cret") as server:
-        address = server.address.replace("0.0.0.0", "127.0.0.1")
+    with StoreServer(Store(), max_message_bytes=limit) as server:
         assert server._router.getsockopt(zmq.MAXMSGSIZE) == limit
         me = psutil.Process()
         before = me.memory_info().vms
-        claims = [_zmtp3_peer(address) for _ in range(4)]
+        claims = [_zmtp3_peer(server.address) for _ in range(4)]
         for k, peer in enumerate(claims):  # a frame header that claims 1 GiB, and a few of its bytes
             peer.sendall(b"\x02" + ((1 << 30) + k).to_bytes(8, "big") + b"x" * 4096)
         try:
@@ -321,13 +323,16 @@ def test_a_frame_over_max_message_bytes_ends_its_connection_before_it_is_buffere
             for peer in claims:
                 peer.close()
         assert me.memory_info().vms - before < (1 << 30)  # nothing of the 4 GiB claimed was reserved
+    with StoreServer(Store(), max_message_bytes=limit, address="tcp://0.0.0.0:0", token="s3cret") as server:
+        address = server.address.replace("0.0.0.0", "127.0.0.1")
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.plain_username, sock.plain_password = b"tidal", b"s3cret"  # it has the token
         events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sock.connect(address)
-            sock.send_multipart([msgpack.packb({"op": "ping", "id": 1, "args": {}}), bytes(limit + 1)])  # no token, and too big
+            sock.send_multipart([msgpack.packb({"op": "ping", "id": 1, "token": "s3cret", "args": {}}), bytes(limit + 1)])  # too big
             assert events.poll(int(REPLY_WAIT_S * 1000)), "the server did not disconnect the peer"
             assert not sock.poll(200)  # and it did not answer
             assert not server.num_malformed  # never read
