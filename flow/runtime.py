@@ -255,7 +255,7 @@ class RolloutActor:
 
 NEXT_VERSION_S = 24 * 3600.0
 """How long a weight receiver waits for the trainer to start the next version where it cannot
-wait apart from receiving (`collective`, and `host` for both waits): in effect no bound, as a
+wait apart from receiving (`collective`): in effect no bound, as a
 step, an evaluation or a checkpoint may come first; liveness notices a trainer that stopped
 answering (`fault.liveness_s`)."""
 STOP_CHECK_S = 1.0

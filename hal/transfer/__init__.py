@@ -331,9 +331,10 @@ class WaitsForVersions(Protocol):
     The two waits differ: the trainer may start the next version a long step, an evaluation
     or a checkpoint later, so the first has no useful bound of the transport's own; a
     version that started should arrive in a time its size sets. `ipc` waits so (its
-    announcement is the start; the copy out of the shared buffer is local); `collective`
-    takes both timeouts in one `receive` (a broadcast that timed out leaves its group out
-    of step, so it cannot wait in short slices); `host` has one deadline for both.
+    announcement is the start; the copy out of the shared buffer is local) and so does
+    `host` (a version's first message is its start); `collective` takes both timeouts in
+    one `receive` (a broadcast that timed out leaves its group out of step, so it cannot
+    wait in short slices).
     """
 
     def wait(self, timeout_s: float) -> bool:

@@ -247,6 +247,34 @@ class HostReceiver:
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.num_failed = 0
         """Versions that started arriving and were abandoned incomplete."""
+        self._begun: tuple[dict[str, Any], list[zmq.Frame]] | None = None
+        """A version's first message, taken by `wait` for `receive`."""
+
+    def _next(self, timeout_s: float) -> tuple[dict[str, Any], list[zmq.Frame]] | None:
+        """The next message from our trainer (its header and frames), or None after `timeout_s`."""
+        if self._begun is not None:
+            message, self._begun = self._begun, None
+            return message
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and self._sock.poll(int(left * 1000) + 1):
+            frames = self._sock.recv_multipart(copy=False)
+            header = unpack_header(frames[0].bytes)
+            if hmac.compare_digest(str(header.get("token", "")).encode(), self._token.encode()):  # bytes: str refuses non-ASCII
+                return header, frames
+        return None  # (a message with another token is not from our trainer)
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once a version has begun arriving (`WaitsForVersions`: `receive` then takes
+        it, within a time its size sets); False after `timeout_s`. Messages before a version's
+        first (the tail of one given up on) are dropped, as `receive` drops them."""
+        deadline = time.monotonic() + timeout_s
+        while self._begun is None:
+            message = self._next(max(deadline - time.monotonic(), 0.0))
+            if message is None:
+                return False
+            if message[0].get("kind") == "begin":
+                self._begun = message
+        return True
 
     def receive(self, timeout_s: float) -> Weights:
         """The next complete version; raises `TransferError` when none completes in time.
@@ -257,16 +285,13 @@ class HostReceiver:
         tensors: dict[str, torch.Tensor] = {}
         got: set[int] = set()
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            message = self._next(deadline - time.monotonic())
+            if message is None:
                 where = f"version {manifest.version}: {len(got)} of {len(manifest.buckets)} buckets arrived" if manifest else "no version started"
                 if manifest is not None:
                     self.num_failed += 1  # given up on: the rest of its frames are the tail of a version the next call never saw begin
                 raise TransferError(f"weights incomplete after {timeout_s:g}s ({where}); nothing went live")
-            frames = self._sock.recv_multipart(copy=False)
-            header = unpack_header(frames[0].bytes)
-            if not hmac.compare_digest(str(header.get("token", "")).encode(), self._token.encode()):  # bytes: str refuses non-ASCII
-                continue  # not from our trainer
+            header, frames = message
             kind = header["kind"]
             if kind == "begin":
                 if manifest is not None:

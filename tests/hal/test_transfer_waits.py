@@ -22,7 +22,7 @@ def test_an_ipc_receiver_waits_for_an_announcement_apart_from_receiving_it():
     receiver = IpcReceiver(CpuPlatform())
     sender = IpcSender(CpuPlatform())
     try:
-        assert isinstance(receiver, WaitsForVersions) and not isinstance(HostReceiver.__new__(HostReceiver), WaitsForVersions)
+        assert isinstance(receiver, WaitsForVersions)
         assert receiver.wait(0.05) is False and receiver.wait(0.05) is False  # nothing consumed, nothing failed
         sender.connect(receiver.address)
         sender.post(1, W)
@@ -31,6 +31,41 @@ def test_an_ipc_receiver_waits_for_an_announcement_apart_from_receiving_it():
         sender.collect()
         assert got.version == 1 and torch.equal(got.tensors["w"], W[0][1])
     finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_host_receiver_waits_for_a_version_to_begin_apart_from_receiving_it():
+    """It had one deadline for both waits (24 h under Ray, so a version that stopped half-way
+    was reported only then); now `wait` has no bound of its own and `receive` the transfer's."""
+    import zmq
+
+    from tidal.hal.transfer import pack_header
+    from tidal.hal.transfer.host import HostSender
+
+    receiver = HostReceiver(CpuPlatform(), token="t")
+    sender = HostSender(CpuPlatform(), token="t")
+    stray = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        assert isinstance(receiver, WaitsForVersions)
+        assert receiver.wait(0.05) is False
+        stray.connect(receiver.address)
+        stray.send_multipart([pack_header(kind="bucket", version=7, index=0, token="t"), b"x"])  # the tail of a version given up on
+        stray.send_multipart([pack_header(kind="begin", version=8, token="other"), b"x"])  # not our trainer's
+        assert receiver.wait(0.3) is False and receiver.num_failed == 0  # both dropped, as receive drops them
+        sender.connect(receiver.address)
+        sender.send(1, W)
+        assert receiver.wait(10) is True and receiver.wait(0) is True  # begun; kept for receive
+        got = receiver.receive(5)
+        assert got.version == 1 and torch.equal(got.tensors["w"], W[0][1])
+        stray.send_multipart([pack_header(kind="begin", version=2, token="t"), plan_manifest(2, _specs(), bucket_bytes=1 << 20).pack()])
+        assert receiver.wait(10) is True  # a version begins and then stops: receive fails at its own timeout
+        begin = time.monotonic()
+        with pytest.raises(TransferError, match=r"version 2: 0 of 1 buckets arrived"):
+            receiver.receive(0.5)
+        assert time.monotonic() - begin < 5 and receiver.num_failed == 1
+    finally:
+        stray.close(linger=0)
         sender.close()
         receiver.close()
 
