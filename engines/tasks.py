@@ -1,10 +1,18 @@
-"""Prompt generators for the built-in tasks, deterministic for a seed."""
+"""Prompt generators for the built-in tasks, deterministic for a seed, behind one `Task` protocol.
+
+A task is what a recipe's `task.name` picks (`tidal.engines.registry.TASKS`): it draws
+prompt items (`{"prompt": ..., "answer": ..., task fields}`) for a seed, names the reward
+that checks them, says when two items are the same problem, and bounds its prompts'
+length. `TaskSpec` is the one implementation: a generator function and the `task.*` keys it
+takes. Prompts read from files (`data.train_files`) need no task: only a reward.
+"""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 
 def check_ops(ops: str) -> None:
@@ -74,7 +82,69 @@ def longest_prompt(name: str, params: dict[str, Any]) -> int | None:
     return None
 
 
+@runtime_checkable
+class Task(Protocol):
+    """A generated task with its settings bound (`TaskSpec.bind`)."""
+
+    reward: str
+    """The reward that checks its answers (a `tidal.engines.rewards` name), unless the recipe names another."""
+
+    def prompts(self, num_prompts: int, *, seed: int) -> list[dict[str, Any]]:
+        """`num_prompts` items drawn with `seed` (the same for the same seed)."""
+        ...
+
+    def problem_key(self, item: dict[str, Any]) -> Any:
+        """What makes two items the same problem (see `problem_key`)."""
+        ...
+
+    def longest_prompt(self) -> int | None:
+        """Characters of the longest prompt it can draw; None without a known bound."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """A task by its generator: `generate(num_prompts, seed=..., **params)`, where `params`
+    are the `task.<name>` keys listed in `params` (those in `length_params` bound the
+    prompts' length, `longest_prompt`)."""
+
+    name: str
+    generate: Callable[..., list[dict[str, Any]]]
+    params: tuple[str, ...]
+    length_params: tuple[str, ...]
+    reward: str
+
+    def bind(self, settings: Mapping[str, Any]) -> BoundTask:
+        """The task with its parameters taken from `settings` (the recipe's `task` section)."""
+        return BoundTask(self, {k: settings[k] for k in self.params})
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundTask:
+    """A `TaskSpec` with its parameter values: the `Task` a run draws from."""
+
+    spec: TaskSpec
+    values: dict[str, Any]
+
+    @property
+    def reward(self) -> str:
+        return self.spec.reward
+
+    def prompts(self, num_prompts: int, *, seed: int) -> list[dict[str, Any]]:
+        return self.spec.generate(num_prompts, seed=seed, **self.values)
+
+    def problem_key(self, item: dict[str, Any]) -> Any:
+        return problem_key(item)
+
+    def longest_prompt(self) -> int | None:
+        return longest_prompt(self.spec.name, {k: self.values[k] for k in self.spec.length_params})
+
+
+ARITHMETIC = TaskSpec("arithmetic", arithmetic, params=("max_value", "ops"), length_params=("max_value",), reward="arithmetic")
+COUNTDOWN = TaskSpec("countdown", countdown, params=("num_numbers", "max_number"), length_params=("num_numbers", "max_number"), reward="countdown")
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {"arithmetic": arithmetic, "countdown": countdown}
-PROMPT_PARAMS = {"arithmetic": ("max_value",), "countdown": ("num_numbers", "max_number")}
+"""The generator functions by name (`tidal.engines.registry.TASKS` names their `TaskSpec`s)."""
+PROMPT_PARAMS = {spec.name: spec.length_params for spec in (ARITHMETIC, COUNTDOWN)}
 """The arguments of each task that its prompts' length follows from."""
-TASK_REWARDS = {"arithmetic": "arithmetic", "countdown": "countdown"}
+TASK_REWARDS = {spec.name: spec.reward for spec in (ARITHMETIC, COUNTDOWN)}

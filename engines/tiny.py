@@ -33,6 +33,19 @@ class CharTokenizer:
     pad_id, bos_id, eos_id = 0, 1, 2
 
     @property
+    def eos_ids(self) -> list[int]:
+        """The one end token (`Tokenizer.eos_ids`)."""
+        return [self.eos_id]
+
+    def apply_chat_template(self, messages: object) -> list[int]:
+        """Refused: a character model has no chat template (`Tokenizer.apply_chat_template`).
+
+        Raises:
+            ValueError: always, saying to feed raw prompt text.
+        """
+        raise ValueError("the character tokenizer of the tiny model has no chat template: set data.chat_template=false to feed the raw prompt text")
+
+    @property
     def vocab_size(self) -> int:
         return len(SPECIALS) + len(self.alphabet)
 
@@ -58,15 +71,65 @@ class CharTokenizer:
         return "".join(out)
 
     def save(self, directory: str | Path) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / "tokenizer.json").write_text(json.dumps({"type": "tidal-char", "alphabet": self.alphabet, "specials": list(SPECIALS)}))
+        """Write the tokenizer to `directory` as a Hugging Face tokenizer (`hf_tokenizer`):
+        tokenizer.json, tokenizer_config.json and special_tokens_map.json, which
+        `transformers.AutoTokenizer.from_pretrained(directory)` loads with the same ids."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        hf_tokenizer(self).save_pretrained(directory)
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        # transformers 5 names its fast class TokenizersBackend; PreTrainedTokenizerFast is
+        # the same class there and the one transformers 4 (and tools built on it) know
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+        specials = {"pad_token": SPECIALS[self.pad_id], "bos_token": SPECIALS[self.bos_id], "eos_token": SPECIALS[self.eos_id]}
+        (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")  # transformers 5 writes none; older loaders read it
 
     @classmethod
     def load(cls, directory: str | Path) -> CharTokenizer:
-        data = json.loads((Path(directory) / "tokenizer.json").read_text())
-        if data.get("type") != "tidal-char":
-            raise ValueError(f"{directory}/tokenizer.json is not a tidal character tokenizer")
-        return cls(data["alphabet"])
+        """The tokenizer `save` wrote to `directory`, or one in the format tidal wrote before
+        (a tokenizer.json of `{"type": "tidal-char", "alphabet": ...}`), so older
+        checkpoints resume.
+
+        Raises:
+            ValueError: naming `directory/tokenizer.json` when it is neither: not a
+                character tokenizer with `<pad>`, `<bos>`, `<eos>` as ids 0, 1, 2.
+        """
+        path = Path(directory) / "tokenizer.json"
+        data = json.loads(path.read_text())
+        if data.get("type") == "tidal-char":
+            return cls(data["alphabet"])
+        model = data.get("model") or {}
+        vocab = model.get("vocab") if model.get("type") == "WordLevel" else None
+        if not isinstance(vocab, dict):
+            raise ValueError(f"{path} is not a tidal character tokenizer (no WordLevel vocabulary in it)")
+        by_id = sorted(vocab.items(), key=lambda item: item[1])
+        if [token for token, _ in by_id[: len(SPECIALS)]] != list(SPECIALS) or [i for _, i in by_id] != list(range(len(by_id))):
+            raise ValueError(f"{path} is not a tidal character tokenizer: its ids must be {', '.join(SPECIALS)} (0, 1, 2), then one per character")
+        alphabet = [token for token, _ in by_id[len(SPECIALS) :]]
+        if any(len(token) != 1 for token in alphabet):
+            raise ValueError(f"{path} is not a tidal character tokenizer: token {next(t for t in alphabet if len(t) != 1)!r} is more than one character")
+        return cls("".join(alphabet))
+
+
+def hf_tokenizer(tokenizer: CharTokenizer) -> transformers.PreTrainedTokenizerFast:
+    """`tokenizer` as a transformers fast tokenizer with the same ids.
+
+    Every character is one token; `<pad>`, `<bos>`, `<eos>` are its special tokens and
+    encoding prepends `<bos>`, as `CharTokenizer.encode` does. Decoding joins the
+    characters without spaces. A character outside the alphabet raises.
+    """
+    import tokenizers  # noqa: PLC0415 - the Hugging Face library (transformers' own dependency)
+
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    vocab.update({c: i + len(SPECIALS) for i, c in enumerate(tokenizer.alphabet)})
+    assert [vocab[t] for t in SPECIALS] == [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id]
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    backend.decoder = tokenizers.decoders.Fuse()
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", tokenizer.bos_id)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", clean_up_tokenization_spaces=False)
 
 
 def build_tiny_qwen2(
@@ -108,7 +171,8 @@ def build_tiny_qwen2(
 
 
 def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, directory: str | Path) -> None:
-    """safetensors weights + config.json + tokenizer.json, all or none: they are written to
+    """safetensors weights, config.json, generation_config.json and the tokenizer's files
+    (`CharTokenizer.save`), all or none: they are written to
     `directory/.partial/` and moved up once every one is whole, so a save that fails (a full
     disk) leaves no config.json without its weights, no folder it made, and a model that
     was there as it was.

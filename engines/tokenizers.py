@@ -41,9 +41,10 @@ class Tokenizer(Protocol):
         embedding table may be larger (Qwen pads it to a multiple of 128)."""
         ...
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         """The ids of `text`, with the special tokens the model expects around plain text
-        (a BOS for models that use one)."""
+        (a BOS for models that use one) unless `add_bos` is False (a continuation, such
+        as a supervised answer after its prompt)."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
@@ -113,8 +114,13 @@ class HFTokenizer:
         """Ids of the base vocabulary and the added tokens (`len(tokenizer)`)."""
         return len(self.tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_bos))
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """The tokenizer's files (`save_pretrained`), which `from_pretrained` loads back; the
+        end ids of a generation config travel with the model's own `generation_config.json`."""
+        self.tokenizer.save_pretrained(directory)
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         # no clean-up of spaces: decoding must give back the text a byte-level BPE encoded

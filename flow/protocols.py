@@ -9,7 +9,7 @@ reward functions score finished trajectories.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -73,3 +73,16 @@ class RewardFn(Protocol):
     def __call__(self, trajectory: Trajectory, text: str) -> float:
         """Score one finished trajectory given its decoded continuation."""
         ...
+
+
+@runtime_checkable
+class Distributed(Protocol):
+    """A train engine whose instance is one rank of a `torch.distributed` group (FSDP): the
+    run sets up a process group for it before building it (a group of one under `runtime:
+    local`), and every rank takes each step together (`collective`: a time-shared seat runs
+    a rank's collective calls inside its turn). Checked on the engine class or instance."""
+
+    distributed: bool
+    """Always True for such an engine: the marker `isinstance` sees."""
+    collective: bool
+    """Its steps and weight exports are collective calls that every rank must make."""

@@ -77,3 +77,28 @@ def test_hal_imports_no_vendor_module_at_top_level():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert not any("torch_npu" in n for n in names), f"{path.name} imports torch_npu at import time"
+
+
+# tools/ composes engines by name (`tidal.engines.registry`); these files still name the tiny
+# model's own code: checkpoint.py saves through `tiny.save_model` (the checkpoint files'
+# format), bench_trl.py hands TRL the character tokenizer as a transformers one.
+CONCRETE_ALLOWED = {"tools/checkpoint.py", "tools/bench_trl.py"}
+CONCRETE = re.compile(r"tidal\.engines\.(tiny|tokenizers\.HFTokenizer)|\b(CharTokenizer|HFTokenizer|build_tiny_qwen2)\b")
+
+
+def test_tools_compose_engines_by_name():
+    """Nothing in tools/ imports the tiny model or a tokenizer class (DESIGN.md: model sources are registered by name)."""
+    offenders = []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel in CONCRETE_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            offenders += [f"{rel}:{node.lineno} imports {name}" for name in names if CONCRETE.search(name)]
+    assert not offenders, "tools/ names engines through tidal.engines.registry / tidal.engines.models:\n" + "\n".join(offenders)

@@ -23,8 +23,8 @@ held-out `evaluate`. The recipe maps onto `GRPOConfig` as:
   threads) -> torch threads of its `model.generate` calls (`generating_with_threads`),
   as tidal's stages get them.
 
-TRL needs a Hugging Face tokenizer: `hf_tokenizer` wraps `CharTokenizer` (one token per
-character, same ids, BOS prepended) with the `tokenizers` library.
+TRL needs a Hugging Face tokenizer: `tidal.engines.tiny.hf_tokenizer` builds one with
+`CharTokenizer`'s ids (one token per character, BOS prepended), the tokenizer checkpoints save.
 """
 
 from __future__ import annotations
@@ -48,28 +48,6 @@ SCALE_REWARDS = {"grpo": "group", "grpo_no_std": "none", "dr_grpo": "none"}
 def available() -> bool:
     """Whether TRL is importable (it comes with the `[bench]` extra)."""
     return importlib.util.find_spec("trl") is not None
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """`tokenizer` (a `CharTokenizer`) as a transformers fast tokenizer with the same ids.
-
-    Every character is one token; `<pad>`, `<bos>`, `<eos>` are its special tokens and
-    encoding prepends `<bos>`, as `CharTokenizer.encode` does. Decoding joins the
-    characters without spaces. A character outside the alphabet raises.
-    """
-    import transformers  # noqa: PLC0415
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: PLC0415
-
-    from tidal.engines.tiny import SPECIALS  # noqa: PLC0415
-
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    vocab.update({c: i + len(SPECIALS) for i, c in enumerate(tokenizer.alphabet)})
-    assert [vocab[t] for t in SPECIALS] == [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id]
-    backend = Tokenizer(models.WordLevel(vocab))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", tokenizer.bos_id)])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", clean_up_tokenization_spaces=False)
 
 
 def warm_started(cfg: Any) -> dict[str, Any]:
@@ -221,6 +199,7 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
     from trl import GRPOTrainer  # noqa: PLC0415
 
     from tidal.engines.rewards import score  # noqa: PLC0415
+    from tidal.engines.tiny import hf_tokenizer  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
     from tidal.tools.bench_e2e import length_drift  # noqa: PLC0415
     from tidal.tools.config import stage_threads  # noqa: PLC0415

@@ -2,10 +2,13 @@
 the end, and what `resume=` reads back.
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` of the run directory: the model
-(model.safetensors, config.json, tokenizer.json), `trainer.pt` (optimizer, version, RNG
-states, reference policy), `store.bin` (the store's rows and counts) and `state.json`
-(version, the prompt stream's position, the run's running totals that its metrics report,
-such as `failed_rewards`, and what its summary keeps: accuracy before RL, first reward).
+(model.safetensors, config.json, generation_config.json) and its tokenizer as a Hugging
+Face one (tokenizer.json, tokenizer_config.json, special_tokens_map.json; an older tidal
+wrote its own tokenizer.json only, which `CharTokenizer.load` reads too), `trainer.pt`
+(optimizer, version, RNG states, reference policy), `store.bin` (the store's rows and
+counts) and `state.json` (version, the prompt stream's position, the run's running totals
+that its metrics report, such as `failed_rewards`, and what its summary keeps: accuracy
+before RL, first reward).
 It is written to `step-NNNNNN.tmp`, flushed to disk (files and folder), renamed, and only
 then named by `checkpoints/latest`; older ones are pruned after that (`keep_checkpoints`).
 
@@ -33,6 +36,8 @@ from typing import Any
 import torch
 
 from tidal.engines.tiny import CharTokenizer, load_model, save_model
+from tidal.engines.models import ModelSource, tiny_source
+from tidal.engines.tokenizers import Tokenizer
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.files import naming, write_whole
 from tidal.flow.store import Store, persist
@@ -198,14 +203,17 @@ STATE_KEYS = ("version", "prompt_position", "accuracy_before")
 TRAINER_KEYS = ("optimizer", "version", "rng")
 
 
-def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Module, CharTokenizer, dict[str, Any], dict[str, Any]]:
+def load_checkpoint(folder: Path, *, attention: str = "sdpa", source: ModelSource | None = None) -> tuple[Store, torch.nn.Module, Tokenizer, dict[str, Any], dict[str, Any]]:
     """What `save_checkpoint` wrote to `folder`: the store, model, tokenizer, trainer.pt and
     state.json; a ConfigError names a file that is missing, cannot be read, or needs pickle.
-    Once all is read, the unfinished saves beside it go (`remove_abandoned`)."""
+    `source` (the run's `model.source`) reads the model and tokenizer; without one, the tiny
+    model's with `attention`. Once all is read, the unfinished saves beside it go (`remove_abandoned`)."""
+    source = source or tiny_source(attention=attention)
     read = _reader(folder)
-    read("config.json", lambda path: json.loads(path.read_text()))  # what `load_model` reads besides the weights
-    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
-    model, tokenizer = read("model.safetensors", lambda _: load_model(folder, attention=attention))
+    read("config.json", lambda path: json.loads(path.read_text()))  # what the source reads besides the weights
+    read("tokenizer.json", lambda _: source.load_tokenizer(folder))
+    policy = read("model.safetensors", lambda _: source.load(folder))
+    model, tokenizer = policy.module, policy.tokenizer
     saved = read("trainer.pt", lambda path: torch.load(path, weights_only=True), *TRAINER_KEYS)
     state = read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
     store = read("store.bin", persist.load)
@@ -213,7 +221,7 @@ def load_checkpoint(folder: Path, *, attention: str) -> tuple[Store, torch.nn.Mo
     return store, model, tokenizer, saved, state
 
 
-def check_checkpoint(folder: Path) -> None:
+def check_checkpoint(folder: Path, *, source: ModelSource | None = None) -> None:
     """Open each file `load_checkpoint` reads, only as far as it takes to find one missing,
     cut short or without its keys, so that `tidal run` (and `--check`) refuse a damaged
     checkpoint before they make a run directory: the safetensors header, and that the file
@@ -232,7 +240,7 @@ def check_checkpoint(folder: Path) -> None:
 
     read = _reader(folder)
     read("config.json", lambda path: json.loads(path.read_text()))
-    read("tokenizer.json", lambda _: CharTokenizer.load(folder))
+    read("tokenizer.json", lambda _: (source or tiny_source()).load_tokenizer(folder))
     read("model.safetensors", tensor_names)
     read("trainer.pt", lambda path: torch.load(path, weights_only=True, mmap=True, map_location="cpu"), *TRAINER_KEYS)
     read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)

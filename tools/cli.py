@@ -33,6 +33,7 @@ examples:
   tidal run recipes/quickstart_cpu.yaml seed=1 --check
   tidal plan mixed_npu_gpu placement.train.lend_to=rollout   where each role would run
   tidal bench store                             the data store against TransferQueue and raw ZeroMQ
+  tidal export runs/quickstart_cpu-... model/   a run's last checkpoint as a Hugging Face model
 
 exit codes: 0 success, 1 runtime failure (such as a platform that cannot load),
 2 a mistake in the command, recipe or overrides (the message names the key),
@@ -137,6 +138,17 @@ Record results in docs/benchmarks.md with the date and machine. --json prints th
 numbers instead of the table.
 """
 
+EXPORT_HELP = """\
+Write a run's checkpoint to OUT_DIR as a Hugging Face model directory: config.json,
+model.safetensors, generation_config.json (with the end and pad token ids) and the
+tokenizer's files, which transformers' AutoModelForCausalLM.from_pretrained(OUT_DIR) and
+AutoTokenizer.from_pretrained(OUT_DIR) load unchanged. The checkpoint is the one
+RUN_DIR/checkpoints/latest names, or --step N's. OUT_DIR must not exist or be empty
+(--force replaces it). The export is written beside OUT_DIR and renamed into place once
+whole, so a failure leaves OUT_DIR as it was. A run directory without that checkpoint,
+or an OUT_DIR in the way, exits with 2, naming it.
+"""
+
 
 RUN_FILES = ("metrics.jsonl", "tensorboard/", "timeline.json", "progress.png", "checkpoints/")
 """What a finished `tidal run` names in its last line, of what its run directory holds."""
@@ -214,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", type=_int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
     bench.add_argument("--sizes", type=_sizes, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
+
+    export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory", description=EXPORT_HELP, formatter_class=fmt)
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (what `tidal run` printed last)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="where the model directory goes")
+    export.add_argument("--step", type=int, default=None, metavar="N", help="export checkpoints/step-N (default: the one checkpoints/latest names)")
+    export.add_argument("--force", action="store_true", help="replace OUT_DIR when it is not empty")
     return parser
 
 
@@ -322,10 +340,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
 
     exact = " (exact answers)" if (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS} else ""  # the built-in verifiers are strict
-    print(
-        f"tidal: held-out accuracy{exact} {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "
-        f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
-    )
+    totals = f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
+    if summary["accuracy_before"] is None:  # prompts from files without data.eval_files
+        print(f"tidal: trained {totals}; no held-out accuracy (no data.eval_files)")
+    else:
+        print(f"tidal: held-out accuracy{exact} {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after {totals}")
     written = [name for name in RUN_FILES if (run_dir / name.rstrip("/")).exists()]  # a finished run resumed writes no step
     print(f"tidal: run directory {run_dir} ({', '.join(written)})")
     return 0
@@ -412,6 +431,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 2
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from tidal.tools.export import export  # noqa: PLC0415 - imports torch and transformers
+
+    checkpoint = export(Path(args.run_dir), Path(args.out_dir), step=args.step, force=args.force)
+    files = sorted(p.name for p in Path(args.out_dir).iterdir())
+    print(f"tidal: exported {checkpoint.name} of {args.run_dir} to {args.out_dir} ({', '.join(files)})")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from tidal.tools.config import RecipeConfig, iter_keys, load_config, to_yaml  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
@@ -428,7 +456,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench}
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export}
 
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})

@@ -30,6 +30,7 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     AlgorithmConfig,
     Attention,
     ClusterConfig,
+    DataConfig,
     FaultConfig,
     ModelConfig,
     NodeConfig,
@@ -285,7 +286,7 @@ def _check_values(cfg: Any) -> None:
     """Checks a type cannot express, each naming its key."""
     from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
 
-    from tidal.tools.backends import REGISTRIES, unknown  # noqa: PLC0415
+    from tidal.engines.registry import CHECKED_ON_LOAD, unknown  # noqa: PLC0415
 
     if "device" in cfg:
         try:
@@ -324,12 +325,30 @@ def _check_values(cfg: Any) -> None:
                 raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
         if "rollout" in cfg:
             loss_config(cfg)  # every bound of the loss, now rather than after the warm start
-    for key in REGISTRIES:
+    for key in CHECKED_ON_LOAD:
         section, _, field = key.partition(".")
-        if section in cfg and (message := unknown(key, cfg[section][field])):
+        if section in cfg and field in cfg[section] and (message := unknown(key, cfg[section][field])):
             raise ConfigError(message)
-    if all(section in cfg for section in ("task", "model", "rollout")):
+    if "model" in cfg and "dtype" in cfg.model:
+        from tidal.engines.models import DTYPES  # noqa: PLC0415
+
+        if cfg.model.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={cfg.model.dtype!r} is not one of {', '.join(DTYPES)}")
+    if "data" in cfg:
+        from tidal.engines.data import DataError, check_config  # noqa: PLC0415
+
+        try:
+            check_config(cfg.data)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+    if all(section in cfg for section in ("task", "model", "rollout")) and _generated_prompts_on_tiny(cfg):
         _check_lengths(cfg)
+
+
+def _generated_prompts_on_tiny(cfg: Any) -> bool:
+    """Whether the run's prompts are the task's and its model the tiny one: the case whose
+    longest sequence is known before any file is read."""
+    return cfg.model.get("source", "tiny") == "tiny" and not ("data" in cfg and cfg.data.train_files)
 
 
 def _selected(cfg: Any, key: str) -> list[tuple[str, Any]]:

@@ -12,6 +12,8 @@ import dataclasses
 import enum
 from typing import Optional
 
+from tidal.engines.data import DataConfig
+
 
 class Runtime(enum.Enum):
     local = "local"
@@ -27,7 +29,7 @@ class Precision(enum.Enum):
 
 
 class Attention(enum.Enum):
-    """transformers attention implementations the tiny model runs with."""
+    """transformers attention implementations a model runs with."""
 
     sdpa = "sdpa"
     eager = "eager"
@@ -35,7 +37,8 @@ class Attention(enum.Enum):
 
 @dataclasses.dataclass
 class ModelConfig:
-    """The policy model. The CPU recipes build a tiny Qwen2-architecture model locally."""
+    """The policy model: the built-in tiny Qwen2-architecture model (the CPU recipes), or a
+    local Hugging Face checkpoint directory."""
 
     hidden_size: int = 128
     """Width of the tiny model."""
@@ -53,6 +56,23 @@ class ModelConfig:
     """transformers attention implementation: sdpa (torch's fused kernels) or eager (plain
     matmuls: faster on CPU for sequences of a few tokens, where the fused CPU kernel's
     per-call cost dominates)."""
+    source: str = "tiny"
+    """Where the model, its tokenizer and its first weights come from: tiny (built here from
+    the shape keys above and the seed, with a character tokenizer) | hf (the checkpoint
+    directory `model.path`, with its own tokenizer; the shape keys do not apply)."""
+    path: Optional[str] = None
+    """Local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files and
+    chat template, generation_config.json) for model.source=hf; loaded with
+    AutoModelForCausalLM and AutoTokenizer, nothing downloaded."""
+    dtype: str = "float32"
+    """Weight dtype of an hf model as loaded: float32 | bfloat16 | auto (the checkpoint's own).
+    float32 keeps master weights and optimizer state exact; train.precision=bf16 still computes in bf16."""
+    trust_remote_code: bool = False
+    """Let transformers run Python code shipped in the checkpoint directory (custom model
+    classes); only for checkpoints whose code you trust."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory,
+    about a third more compute); hf models."""
 
 
 @dataclasses.dataclass
@@ -62,7 +82,7 @@ class TaskConfig:
     name: str = "arithmetic"
     """Prompt generator: arithmetic | countdown."""
     reward: str = ""
-    """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token) or `module:function` (from the Python path, then the current directory); empty = the task's own."""
+    """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token; math, math_format, math_with_format: math-verify on `####` or `\\boxed{}` answers) or `module:function` (from the Python path, then the current directory); empty = the task's own (with data.train_files: needed)."""
     max_value: int = 20
     """Largest operand of arithmetic prompts."""
     ops: str = "+-"
@@ -294,6 +314,8 @@ class RecipeConfig:
     """The policy model."""
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     """Prompts and reward."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Prompts from local dataset files instead of the generated task (`data.train_files`)."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     """Supervised warm start."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)

@@ -58,9 +58,9 @@ def make_rollout_engine(cfg_yaml: str, *, rank: int) -> Any:
     worker seeds each generate call afresh: `start_rollouts`). It starts from freshly
     initialised weights; the trainer's current version arrives over the weight transport
     before the first generate."""
-    from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
+    from tidal.engines.models import model_source  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
-    from tidal.tools.train import build_policy, build_rollout_engine  # noqa: PLC0415
+    from tidal.tools.rl import build_rollout_engine  # noqa: PLC0415
 
     cfg = _config_from_yaml(cfg_yaml)
     threads = stage_threads(cfg, "rollout")
@@ -68,9 +68,9 @@ def make_rollout_engine(cfg_yaml: str, *, rank: int) -> Any:
         import torch  # noqa: PLC0415
 
         torch.set_num_threads(threads)
-    tokenizer = CharTokenizer()
     platform = current_platform()
-    model = build_policy(cfg, tokenizer).to(platform.device(0))  # seeds torch with `seed`, as every instance's
+    policy = model_source(cfg.model).build(seed=cfg.seed)  # the tiny model: from `seed`, as every instance's
+    tokenizer, model = policy.tokenizer, policy.module.to(platform.device(0))
     platform.seed_all(cfg.seed + 7_919 * (rank + 1))
     return build_rollout_engine(cfg, model, tokenizer, platform=platform, version=-1)
 

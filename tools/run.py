@@ -30,7 +30,7 @@ checkpoint's `config.json`: `resume=` with another value is an error."""
 _NOT_COMPARED = ("run_dir", "resume", "output_dir")
 _NO_EFFECT_ON_RESUME = "sft."
 """Keys a resumed run does not use: its warm start is done."""
-_HELD_OUT_KEYS = ("seed", "task.name", "task.max_value", "task.ops", "task.num_numbers", "task.max_number", "task.num_eval_prompts")
+_HELD_OUT_KEYS = ("seed", "data.eval_files", "task.name", "task.max_value", "task.ops", "task.num_numbers", "task.max_number", "task.num_eval_prompts")
 """Keys that draw the held-out set (`tools.train.held_out_prompts`): changed on resume, the
 accuracy after RL is measured on other prompts than the checkpoint's accuracy before."""
 
@@ -152,6 +152,8 @@ def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
         saved = json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"resume={cfg.resume!r}: its checkpoint {checkpoint.name} has no readable config.json ({e})") from None
+    if cfg.model.source != "tiny":  # a checkpoint directory's model: the shape keys do not describe it
+        return
     fixed = [key for key, field in FIXED_ON_RESUME.items() if field in saved and now[key] != saved[field]]
     if fixed:
         raise ConfigError(
@@ -175,12 +177,23 @@ def check_runnable(cfg: Any) -> None:
             rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
             whose borrowed instances continue paused groups on the others).
     """
+    from tidal.engines.registry import MULTI_RANK, TASKS  # noqa: PLC0415
     from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
-    from tidal.engines.tasks import TASKS  # noqa: PLC0415
-    from tidal.tools.backends import MULTI_RANK  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
+    if cfg.model.source == "hf" and not cfg.model.path:
+        raise ConfigError("model.source=hf needs model.path: a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)")
+    if cfg.model.path and cfg.model.source != "hf":
+        raise ConfigError(f"model.path={cfg.model.path!r} is read only with model.source=hf; model.source={cfg.model.source!r}: set model.source=hf or unset model.path")
+    if cfg.model.path and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r} does not exist or is not a folder")
+    if cfg.model.source != "tiny" and not cfg.data.train_files:
+        raise ConfigError(f"model.source={cfg.model.source} trains on prompts from files: set data.train_files (the generated tasks are for the tiny model's character tokenizer)")
+    if cfg.data.train_files and not cfg.task.reward:
+        raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math)")
+    if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
+        raise ConfigError(f"sft.steps={cfg.sft.steps}: a warm start trains on the reference answers, and data.answer_key is null: set sft.steps=0")
     if cfg.task.reward:  # imported now (a user's module), not after the run directory and the warm start
         try:
             resolve_reward(cfg.task.reward)
@@ -273,9 +286,10 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     selection = init_platform(cfg.device)
     check_plan(cfg)
     if cfg.resume:  # its files, before the run directory is made (and under --check)
+        from tidal.engines.models import model_source  # noqa: PLC0415
         from tidal.tools.checkpoint import check_checkpoint  # noqa: PLC0415 - imports transformers
 
-        check_checkpoint(latest_checkpoint(Path(cfg.resume)))
+        check_checkpoint(latest_checkpoint(Path(cfg.resume)), source=model_source(cfg.model))
     selection.platform.seed_all(cfg.seed)
     key = "run_dir" if cfg.run_dir else "output_dir"
     asked = cfg[key]

@@ -1,31 +1,13 @@
-"""The TRL column of `tidal bench e2e`: the tokenizer wrapper, the config mapping and a real run."""
+"""The TRL column of `tidal bench e2e`: the config mapping and a real run (its tokenizer:
+tests/engines/test_tiny_tokenizer.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.engines.tasks import arithmetic, countdown
-from tidal.engines.tiny import CharTokenizer
 from tidal.tools import bench_trl
 
 SMALL = ["task.num_eval_prompts=40", "algorithm.prompts_per_step=4", "algorithm.group_size=4", "threads=1"]
-
-
-def test_hf_tokenizer_has_the_char_tokenizers_ids_both_ways():
-    tokenizer = CharTokenizer()
-    hf = bench_trl.hf_tokenizer(tokenizer)
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, len(hf)) == (0, 1, 2, tokenizer.vocab_size)
-    texts = [item["prompt"] for item in arithmetic(200, seed=0, min_value=-20, max_value=99, ops="+-*") + countdown(100, seed=1)]
-    texts += ["3 5 7>22: (3 + 5) * 7", "  two  spaces ", "a.b?c,d:e=(f)"]
-    encoded = hf(text=texts)["input_ids"]  # how GRPOTrainer tokenizes plain-text prompts
-    assert encoded == [tokenizer.encode(t) for t in texts]
-    completions = [ids[1:] + [tokenizer.eos_id, tokenizer.pad_id] for ids in encoded]
-    assert hf.batch_decode(completions, skip_special_tokens=True) == [tokenizer.decode(ids) for ids in completions] == texts
-
-
-def test_hf_tokenizer_rejects_a_character_outside_the_alphabet():
-    with pytest.raises(Exception, match="UNK|unk"):
-        bench_trl.hf_tokenizer(CharTokenizer())("é")
 
 
 def test_grpo_config_matches_the_recipe(tmp_path):

@@ -1,9 +1,10 @@
 """What a checkpoint's files may hold and what a run's checkpoints folder keeps: trainer.pt
 loads without pickle (a run directory may come from anyone), and the `.tmp` folder of a
-save that was killed does not stay for good."""
+save that was killed does not stay for good; its tokenizer loads with `AutoTokenizer`."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -13,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from tidal.engines.tiny import CharTokenizer
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.store import Store, persist
-from tidal.tools.checkpoint import load_checkpoint, remove_abandoned, save_checkpoint, set_rng_state
+from tidal.tools.checkpoint import check_checkpoint, load_checkpoint, remove_abandoned, save_checkpoint, set_rng_state
 from tidal.tools.config import ConfigError
 from tidal.tools.run import latest_checkpoint
 
@@ -130,3 +132,19 @@ def test_a_save_starts_its_tmp_folder_afresh(tmp_path):
     (tmp_path / "checkpoints" / "step-000001.tmp" / "stray").write_text("left by a killed save")
     folder = _save(tmp_path, version=1)
     assert not (folder / "stray").exists()
+
+
+def test_a_checkpoints_tokenizer_loads_with_auto_tokenizer_and_an_older_ones_still_resumes(tmp_path):
+    """A checkpoint's tokenizer.json was tidal's own format, which AutoTokenizer refused
+    (`KeyError: 'added_tokens'`); now it is a Hugging Face tokenizer with the same ids, and a
+    checkpoint saved before, with the old tokenizer.json alone, still loads."""
+    folder = _save(tmp_path / "run", version=1)
+    tokenizer = CharTokenizer()
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    assert hf.encode("7-3=") == tokenizer.encode("7-3=") and (hf.pad_token_id, hf.eos_token_id) == (tokenizer.pad_id, tokenizer.eos_id)
+    assert load_checkpoint(folder, attention="eager")[2].alphabet == tokenizer.alphabet
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink()
+    (folder / "tokenizer.json").write_text(json.dumps({"type": "tidal-char", "alphabet": tokenizer.alphabet, "specials": ["<pad>", "<bos>", "<eos>"]}))
+    check_checkpoint(folder)
+    assert load_checkpoint(folder, attention="eager")[2].alphabet == tokenizer.alphabet

@@ -76,36 +76,6 @@ def test_metrics_jsonl_is_standard_json_when_a_number_is_nan_or_infinite(tmp_pat
     assert line["samples"] == 128 and line["version_gap"] == {"0": 300, "1": 20}
 
 
-def test_the_plot_of_a_step_timed_at_zero_seconds_is_drawn(tmp_path):
-    """A step whose clock read 0 s (a coarse clock) divided by zero in the rate: the run
-    failed at its very end, after the final checkpoint and before summary.json."""
-    from tidal.tools.train import plot  # noqa: PLC0415
-
-    steps = [{"time": 1.0, "step_s": 0.0, "samples": 8, "reward": 0.5}, {"time": 1.5, "step_s": 0.5, "samples": 8, "reward": 0.6}]
-    plot(steps, tmp_path / "progress.png")
-    assert (tmp_path / "progress.png").stat().st_size > 0
-
-
-
-def test_a_plot_the_disk_refuses_names_the_file(tmp_path, monkeypatch):
-    """A full disk fails inside the PNG writer's buffered write, whose error names no file:
-    `tidal run` printed a traceback for progress.png, where every other file it writes gets
-    one line naming it (`cli.STORAGE_ERRNOS`)."""
-    import errno  # noqa: PLC0415
-
-    from matplotlib.figure import Figure  # noqa: PLC0415
-
-    from tidal.tools.train import plot  # noqa: PLC0415
-
-    def full_disk(self, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(Figure, "savefig", full_disk)
-    with pytest.raises(OSError) as e:
-        plot([{"time": 1.5, "step_s": 0.5, "samples": 8, "reward": 0.6}], tmp_path / "progress.png")
-    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "progress.png")
-
-
 def test_the_last_metrics_line_is_read_from_the_tail_and_a_line_being_written_is_none(tmp_path):
     """The Ray driver's progress bar read the whole file every second and parsed any last
     line ending in "}", which a line cut after a nested dict does too."""

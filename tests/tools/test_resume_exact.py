@@ -72,10 +72,10 @@ def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(
     state and the store a checkpoint saves must agree, so that the resumed run repeats the
     uninterrupted one."""
     from tidal.tools import checkpoint as checkpoint_module
-    from tidal.tools import train as train_module
+    from tidal.tools import rl as rl_module  # where the RL phase saves its checkpoints
 
     sampled, saved = threading.Event(), threading.Event()
-    generate, save_model, save_checkpoint = HFRolloutEngine.generate, checkpoint_module.save_model, train_module.save_checkpoint
+    generate, save_model, save_checkpoint = HFRolloutEngine.generate, checkpoint_module.save_model, rl_module.save_checkpoint
 
     def slow_generate(self: HFRolloutEngine, *args: Any, **kwargs: Any) -> Any:
         out = generate(self, *args, **kwargs)
@@ -99,7 +99,7 @@ def test_a_run_resumed_from_a_periodic_checkpoint_repeats_the_uninterrupted_run(
     with monkeypatch.context() as patched:
         patched.setattr(HFRolloutEngine, "generate", slow_generate)
         patched.setattr(checkpoint_module, "save_model", save_model_after_sampling)
-        patched.setattr(train_module, "save_checkpoint", noted_save_checkpoint)
+        patched.setattr(rl_module, "save_checkpoint", noted_save_checkpoint)
         _run(full, "checkpoint_every=2")
     cut = tmp_path / "cut"  # the run as a crash after its step-2 checkpoint left it
     shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
@@ -143,7 +143,7 @@ def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(runs, t
     _run(first, *colocated, "algorithm.num_steps=2")
     path = first / "checkpoints" / "step-000002" / "state.json"
     state = json.loads(path.read_text())
-    earlier = {"failed_rewards": 1000, "paused_generations": 2000, "handed_off": 3000, "handoffs": 4000}
+    earlier = {"failed_rewards": 1000, "paused_generations": 2000, "handed_off": 3000, "handoffs": 4000, "silent_rollouts": 5000}
     assert set(state["totals"]) == set(earlier)
     path.write_text(json.dumps({**state, "totals": earlier}))  # as a long run would have left them
     _run(second, *colocated, "algorithm.num_steps=3", f"resume={first}")

@@ -31,3 +31,9 @@ def records_gc_freeze(trajectory, text: str) -> float:
 
     frozen_counts.append(gc.get_freeze_count())
     return starts_with_seven(trajectory, text)
+
+
+def first_token_even(trajectory, text: str) -> float:
+    """1.0 when the response's first token id is even: half of a random model's samples at
+    first, and a preference any tokenizer's model can learn in a few steps (the hf fixture's)."""
+    return float(bool(trajectory.tokens) and trajectory.tokens[0] % 2 == 0)

@@ -1,0 +1,50 @@
+"""Every engine, model source and task tidal can build, by the name a recipe gives it.
+
+torchtitan's `TrainSpec` shape: a name maps to its builder, and tools/ composes a run from
+names (`rollout.backend`, `train.backend`, `model.source`, `task.name`) without naming a
+concrete class. Entries are `module:attribute` strings, imported only when a run builds
+them, so checking a recipe's names (before any run directory is made) imports nothing
+heavy. A new backend is one module plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine"}
+"""rollout.backend -> adapter class (vllm arrives with its adapter)."""
+TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine"}
+"""train.backend -> adapter class."""
+MULTI_RANK = frozenset({"fsdp"})
+"""train.backend values that train over several processes, one per `placement.train` instance."""
+MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}
+"""model.source -> `ModelSource` class, built from the recipe's `model` section."""
+TASKS = {"arithmetic": "tidal.engines.tasks:ARITHMETIC", "countdown": "tidal.engines.tasks:COUNTDOWN"}
+"""task.name -> `TaskSpec` of a generated task (prompts from data files need no task: `data.train_files`)."""
+REGISTRIES = {"rollout.backend": ROLLOUT, "train.backend": TRAIN, "model.source": MODEL_SOURCES, "task.name": TASKS}
+"""Recipe key -> its registry."""
+CHECKED_ON_LOAD = ("rollout.backend", "train.backend", "model.source")
+"""Keys whose names a recipe must get right to load at all (`tidal config` shows a recipe
+whose `task.name` is unknown; `tidal run` refuses it)."""
+
+
+def unknown(key: str, value: str) -> str | None:
+    """An error message naming `key` when `value` is not registered under it, else None."""
+    registry = REGISTRIES[key]
+    if value in registry:
+        return None
+    return f"{key}={value!r} is not available in this version; choices: {', '.join(sorted(registry))}"
+
+
+def load(key: str, value: str) -> Any:
+    """What `value` is registered as under `key` (imported now).
+
+    Raises:
+        ValueError: naming `key`, when `value` is not registered.
+    """
+    message = unknown(key, value)
+    if message:
+        raise ValueError(message)
+    module, _, name = REGISTRIES[key][value].partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,264 @@
+"""The RL phase of `tidal run` (`tools.train`): the engines, the workflow, checkpoints on the way.
+
+`RL(run)` builds the RL train engine from the run's model (a resumed run's optimizer and
+RNG from its checkpoint), the rollout engine (here, or the Ray runtime's actors), time-sharing
+when rollout sits on the trainer's devices, and the `Workflow`; `run()` runs it until its
+last step or a stop, and writes the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tidal.engines.registry import load
+from tidal.engines.rewards import resolve_reward, score
+from tidal.engines.tasks import TASK_REWARDS
+from tidal.engines.tokenizers import Tokenizer
+from tidal.flow.trajectory import Trajectory
+from tidal.flow.workflow import Workflow, WorkflowConfig
+from tidal.tools.checkpoint import rng_state, save_checkpoint, set_rng_state
+from tidal.tools.config import loss_config, stage_threads
+from tidal.tools.metrics import MetricsLog
+from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
+
+if TYPE_CHECKING:
+    from tidal.tools.train import Run
+
+
+def run_reward(cfg: Any) -> Any:
+    """The recipe's reward function: `task.reward`, else the task's own."""
+    return resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
+
+
+def make_score(cfg: Any, tokenizer: Tokenizer) -> Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]]:
+    """The recipe's reward over finished trajectories: (rewards, indexes of failed rows)."""
+    reward = run_reward(cfg)
+    ends = set(tokenizer.eos_ids)
+
+    def texts_and_score(trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int]]:
+        texts = [tokenizer.decode([t for t in traj.tokens if t not in ends]) for traj in trajectories]
+        return score(reward, trajectories, texts)
+
+    return texts_and_score
+
+
+def workflow_config(cfg: Any) -> WorkflowConfig:
+    """The recipe's RL loop settings."""
+    algo = cfg.algorithm
+    return WorkflowConfig(
+        num_steps=algo.num_steps,
+        prompts_per_step=algo.prompts_per_step,
+        group_size=algo.group_size,
+        max_staleness=algo.max_staleness,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        prompts_per_generate=cfg.rollout.prompts_per_generate,
+        advantage=algo.advantage,
+        loss=loss_config(cfg),
+        decoupled=algo.decoupled,
+        rollout_threads=stage_threads(cfg, "rollout"),
+        lease_s=cfg.lease_s,
+    )
+
+
+def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
+    """The recipe's rollout engine around `model`, stopping at any of the tokenizer's end ids."""
+    rollout_cls = load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
+    return rollout_cls(model, eos_id=list(tokenizer.eos_ids), pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=version)
+
+
+def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    """A copy of the un-sharded `template` holding an engine's `named_weights()`, whatever the
+    engine's sharding (the copy stays where `template` is: on the host).
+
+    Consumes `named_weights` to the end (for a sharded engine a collective) and copies one
+    tensor at a time, so no second full copy is held.
+    """
+    model = copy.deepcopy(template)
+    own = model.state_dict()
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named_weights:
+            own[name].copy_(tensor)
+            seen.add(name)
+    if set(own) - seen:
+        raise ValueError(f"the train engine exported no weights for {sorted(set(own) - seen)[:5]}")
+    return model
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch intra-op threads `n` of this thread inside the block (0: unchanged), then as
+    before. The RL stages run at once and share the cores; the warm start and evaluations
+    run alone and keep every thread torch would use."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class RL:
+    """The RL phase of one run: engines and workflow built from `run` (`tools.train.Run`);
+    `run()` trains and writes the final checkpoint. What `Run.finish` reads: `trainer`,
+    `history`, `metrics`, `rl_seconds`, `timeshare`, `stop` and the run's first and last reward."""
+
+    def __init__(self, run: Run, *, stop: StopRequest | None) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+        self.r, cfg = run, run.cfg
+        self.template = run.model
+        self.trainer = run.train_cls(
+            copy.deepcopy(self.template),
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            grad_clip=cfg.train.grad_clip,
+            micro_batch_size=cfg.train.micro_batch_size,
+            temperature=cfg.rollout.temperature,
+            precision=cfg.train.precision.value,
+            max_nonfinite_steps=cfg.train.max_nonfinite_steps,
+            platform=run.platform,
+            **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
+            **run.engine_options,
+        )
+        if run.saved is not None:
+            saved = run.saved
+            reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights
+            self.trainer.load_state_dict({**self.trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], **reference})
+            set_rng_state(saved["rng"])
+        self.rollout = build_rollout_engine(cfg, copy.deepcopy(self.template), run.tokenizer, platform=run.platform, version=self.trainer.version)  # the trainer's weights too
+        self.sharing = None
+        if run.turns is not None:
+            from tidal.flow.colocate import Sharing  # noqa: PLC0415
+
+            self.sharing = Sharing(run.turns, run.platform)
+            self.trainer = self.sharing.train(self.trainer)
+            if run.start_rollouts is None:
+                self.rollout = self.sharing.rollout(self.rollout)
+        self.metrics = MetricsLog(run.run_dir, tensorboard=cfg.tensorboard, first_step=self.trainer.version + 1)
+        self.history: list[dict[str, Any]] = []
+        self.bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=run.console, disable=not run.progress)
+        self.bar_task = self.bar.add_task("rl", total=cfg.algorithm.num_steps, completed=self.trainer.version, info="waiting for the first batch")
+        resumed_here = run.resume_from is not None and Path(cfg.resume).resolve() == run.run_dir.resolve()
+        self.checkpointed = [self.trainer.version] if resumed_here else []  # versions whose state run_dir holds
+        self.prompts = run.prompts.train(run.resumed)
+        self.quiet = QuietRollout(run.store, self.trainer, self.rollout, rng_state=rng_state, checkpoints=self.periodic) if cfg.algorithm.max_staleness == 0 and run.start_rollouts is None else None
+        self.remote = None
+        if run.start_rollouts is not None:
+            self.remote = (run.launched or run.start_rollouts(cfg, run.store, run.settings)).connect(self.trainer)
+        self.workflow = Workflow(
+            store=run.store, rollout=self.rollout, trainer=self.trainer, prompts=self.prompts, score=make_score(cfg, run.tokenizer),
+            config=workflow_config(cfg), on_step=self.on_step, tracer=run.tracer, rollouts=self.remote, totals=run.totals,
+        )
+        self.stop = stop
+        self.rl_seconds = 0.0
+        self.timeshare: dict[str, Any] | None = None
+
+    def periodic(self, step: int) -> bool:
+        """Whether RL step `step` (from 1) ends with a periodic checkpoint."""
+        return step % self.r.cfg.checkpoint_every == 0 and step < self.r.cfg.algorithm.num_steps
+
+    def run_first_reward(self) -> float | None:
+        """The run's: a resumed one's comes from its checkpoint."""
+        return self.r.first_reward if self.r.first_reward is not None or not self.history else self.history[0]["reward"]
+
+    def run_last_reward(self) -> float | None:
+        """The run's: a resume that takes no step has its checkpoint's."""
+        return self.history[-1]["reward"] if self.history else self.r.last_reward
+
+    def handoffs(self) -> int:
+        """Hand-offs in the run so far, on the trainer's devices."""
+        return self.r.totals.get("handoffs", 0) + self.sharing.turns.state()["handoffs"]
+
+    def save_data(self, path: Path) -> dict[str, Any]:
+        saved = self.workflow.save(path)
+        if self.sharing is not None:
+            saved["totals"]["handoffs"] = self.handoffs()
+        return {**saved, **self.r.prompts.saved(self.prompts)}
+
+    def checkpoint(self) -> None:
+        if self.checkpointed[-1:] != [self.trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
+            extra = {"accuracy_before": self.r.accuracy_before, "first_reward": self.run_first_reward(), "last_reward": self.run_last_reward()}
+            rng = self.quiet.rng() if self.quiet is not None else None
+            save_checkpoint(self.r.run_dir, trainer=self.trainer, template=self.template, tokenizer=self.r.tokenizer, save_data=self.save_data, extra=extra, keep=self.r.cfg.keep_checkpoints, rng=rng)
+            self.checkpointed.append(self.trainer.version)
+
+    def on_step(self, m: dict[str, Any]) -> None:
+        if self.sharing is not None:
+            m["handoffs"] = self.handoffs()
+        self.history.append(m)
+        self.metrics.write(m)
+        recent = self.history[-5:]
+        rate = sum(x["samples"] for x in recent) / max(sum(x["step_s"] for x in recent), 1e-9)
+        gap = max(m["version_gap"]) if m["version_gap"] else 0
+        self.bar.update(self.bar_task, completed=m["step"], info=f"reward {m['reward']:.2f}  {rate:.0f} samples/s  staleness<={gap}")
+        if self.periodic(m["step"]):
+            with self.r.tracer.span("train", "checkpoint", step=m["step"]):
+                self.checkpoint()
+        if self.quiet is not None:
+            self.quiet.open.set()
+
+    def _stop_workflow(self, reason: str) -> None:
+        self.r.console.print(f"tidal: {reason}: stopping after the current step and saving a checkpoint (again to stop at once)")
+        self.workflow.stop()
+
+    def run(self) -> None:
+        """Train until the last step or a stop, then write the final checkpoint.
+
+        Raises:
+            FloatingPointError: gradients stayed non-finite (after the checkpoint of the last finite state).
+        """
+        signals: Any = contextlib.nullcontext()  # a caller that passes `stop` handles its own signals
+        if self.stop is None:
+            self.stop = StopRequest()
+            signals = stop_on_signals(self.stop)
+        self.stop.on_request(self._stop_workflow)
+        # What setup made (model, optimizer, data, the warm start's leftovers) is never scanned by
+        # the cyclic GC again: without this, a run's full collections paused every thread of
+        # the trainer for up to 0.25 s, and its GC took 0.53 s of a 300-step quickstart on Ray
+        # (0.09 s with it).
+        gc.collect()
+        gc.freeze()
+        started = time.perf_counter()
+        nonfinite, failed = None, False
+        with signals:  # through the final checkpoint: a signal while it is written stops the run once it is whole
+            try:
+                with self.bar, torch_threads(stage_threads(self.r.cfg, "train")):
+                    self.workflow.run()
+            except FloatingPointError as e:  # gradients stayed non-finite: the engine skipped those steps, so its state is the last finite one
+                nonfinite = e
+            except BaseException:
+                failed = True
+                self.metrics.close()  # what TensorBoard has not written yet (metrics.jsonl has every step)
+                raise
+            finally:
+                gc.unfreeze()  # a caller that runs again in this process (tests, the benchmark) can free this run's objects
+                self._close(failed or nonfinite is not None)
+            self.rl_seconds = time.perf_counter() - started
+            self.checkpoint()
+        if nonfinite is not None:  # saved above: a resume with, say, a lower train.lr loses no finite step
+            self.metrics.close()
+            raise nonfinite
+
+    def _close(self, failed: bool) -> None:
+        """End the remote rollouts and time-sharing; on a failure, save what the timeline has."""
+        if self.remote is not None:
+            self.remote.close()
+            for i, timeline in enumerate(self.remote.timelines):
+                if timeline is not None:  # an actor that died last has none
+                    self.r.tracer.merge(timeline, process=f"rollout actor {i}")
+        if self.sharing is not None:
+            self.timeshare = self.sharing.summary()
+            self.sharing.close()
+        if failed:  # what the run did up to the failure (open spans marked unfinished)
+            with contextlib.suppress(Exception):  # the failure is what the run reports
+                self.r.tracer.save(self.r.run_dir / "timeline.json")
