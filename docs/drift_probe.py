@@ -5,7 +5,9 @@ by version gap, the behavior logprobs checked against the weights of the version
 token is tagged with, rows of mixed versions, EOS probabilities and weights; and the
 held-out accuracy under the strict and the lenient (first integer anywhere) rules.
 JUNK=0.3 makes the warm start append a letter-led junk suffix to 30% of its answers: a
-policy that has begun to drift. Not part of the package: it patches internals.
+policy that has begun to drift. Not part of the package: it patches internals as they were
+at e988e6c (`tools.train.evaluate`, `tools.train._answer_trajectories`,
+`TorchTrainEngine.train_step`); check out that commit to run it as it ran.
 
     cd docs && JUNK=0.3 python drift_probe.py out.json seed=1 algorithm.num_steps=300 task.reward=drift_probe_lenient:arithmetic
 """
