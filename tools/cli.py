@@ -339,7 +339,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tidal.engines.rewards import MODULE_REWARDS, REWARDS  # noqa: PLC0415
     from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
 
-    exact = " (exact answers)" if (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS} else ""  # the built-in verifiers are strict
+    exact = " (strict)" if (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS} else ""  # the built-in verifiers are strict
     totals = f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
     if summary["accuracy_before"] is None:  # prompts from files without data.eval_files
         print(f"tidal: trained {totals}; no held-out accuracy (no data.eval_files)")

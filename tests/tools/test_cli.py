@@ -167,7 +167,7 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     run_dir = tmp_path / "run"
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *small, env=env | {"TTY_COMPATIBLE": "1"}, cwd=tmp_path)  # progress bars as on a terminal
     assert out.returncode == 0, out.stderr
-    assert "held-out accuracy " in out.stdout and "before RL ->" in out.stdout and "(exact answers)" not in out.stdout  # a user's reward: not labelled strict
+    assert "held-out accuracy " in out.stdout and "before RL ->" in out.stdout and "(strict)" not in out.stdout  # a user's reward: not labelled strict
     shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.stderr)
     assert "warm start step 20/20" in shown and "RL step 20/20" in shown, shown[-2000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
