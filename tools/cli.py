@@ -12,6 +12,7 @@ import textwrap
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tidal.hal.versions import PACKAGES
 
@@ -336,10 +337,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from tidal.tools.stopping import RunStopped  # noqa: PLC0415
 
         raise RunStopped(summary["stopped_early"])  # its checkpoint is written: `main` prints how to continue
-    from tidal.engines.rewards import MODULE_REWARDS, REWARDS  # noqa: PLC0415
-    from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
-
-    exact = " (strict)" if (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS} else ""  # the built-in verifiers are strict
+    exact = " (strict)" if strict_reward(cfg) else ""
     totals = f"({summary['steps']} steps, {summary['rl_seconds']:.0f}s, {summary['samples_per_s']:.1f} samples/s)"
     if summary["accuracy_before"] is None:  # prompts from files without data.eval_files
         print(f"tidal: trained {totals}; no held-out accuracy (no data.eval_files)")
@@ -429,6 +427,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     sys.stdout.flush()  # the plan, then why it would not run
     print(f"tidal plan: error: tidal run would refuse this: {refusal}", file=sys.stderr)
     return 2
+
+
+def strict_reward(cfg: Any) -> bool:
+    """Whether the recipe's reward is a built-in verifier: strict (the answer alone or its
+    math-verify equivalent, then an end token), so its held-out accuracy is labelled so."""
+    from tidal.engines.rewards import MODULE_REWARDS, REWARDS  # noqa: PLC0415
+    from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
+
+    return (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -389,3 +389,15 @@ def test_a_kl_run_keeps_the_warm_start_as_its_reference_through_a_resume(tidal_c
     assert len(again) == 2 and min(again) > 0  # against the warm start: the checkpoint's own weights would give 0 at step 11
     saved = torch.load(resumed / "checkpoints" / "step-000012" / "trainer.pt", weights_only=False)["reference"]
     assert all(torch.equal(saved[k], warm[k]) for k in warm)
+
+
+def test_the_held_out_accuracy_of_a_built_in_verifier_is_labelled_strict():
+    from tidal.tools.cli import strict_reward
+    from tidal.tools.config import load_config
+    from tidal.tools.recipes import resolve_recipe
+
+    def cfg(*overrides):
+        return load_config(resolve_recipe("quickstart_cpu"), list(overrides))
+
+    assert strict_reward(cfg()) and strict_reward(cfg("task.name=countdown")) and strict_reward(cfg("task.reward=math"))
+    assert not strict_reward(cfg("task.reward=tidal_test_rewards:starts_with_seven"))
