@@ -23,7 +23,7 @@ a time (`full_tensor()`) and yields it under the un-sharded model's name, so the
 model never sits on the device beside its shards, and a transport streams it bucket by
 bucket. A pass is a collective: every rank makes it, in the same order.
 Checkpoints: `save_checkpoint(dir)` / `load_checkpoint(dir)` write and read sharded model
-and optimizer state with torch.distributed.checkpoint (every rank, same directory);
+and optimizer state (and the lr schedule's step) with torch.distributed.checkpoint (every rank, same directory);
 `state_dict()` is the full, un-sharded state in `TorchTrainEngine`'s format (rank 0
 holds the tensors), so `tidal run` checkpoints are interchangeable between the engines.
 
@@ -81,6 +81,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_lead import model_recipe, send_command
+from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
+from tidal.engines.micro_batches import pack, row_lengths
 from tidal.engines.torch_train import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
@@ -149,14 +151,16 @@ class FSDPTrainEngine:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
+        max_tokens_per_micro_batch: int | None = None,
         temperature: float = 1.0,
         precision: str = "fp32",
         max_nonfinite_steps: int = 5,
+        lr_schedule: LRSchedule | None = None,
         platform: Platform | None = None,
         version: int = 0,
         rank0_leads: bool = False,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.platform = platform or current_platform()
@@ -169,7 +173,7 @@ class FSDPTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, version=version)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version)
             send_command("init", model=model_recipe(model), options=options)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -188,7 +192,9 @@ class FSDPTrainEngine:
             set_model_state_dict(self.model, weights, options=_FROM_RANK0)  # the followers built theirs from random weights
         del weights
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
 
@@ -245,7 +251,7 @@ class FSDPTrainEngine:
         elif op == "state_dict":
             self._state_dict()
         elif op == "load_state_dict":
-            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], version=command["version"])
+            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], version=command["version"], lr_scheduler=command["lr_scheduler"])
         elif op == "save_checkpoint":
             self._save_checkpoint(command["directory"])
         elif op == "load_checkpoint":
@@ -271,16 +277,27 @@ class FSDPTrainEngine:
         if backward:
             (logits.float().sum() * 0.0).backward()
 
-    def _micro_batches(self, n: int) -> list[slice]:
-        return [slice(start, min(start + self.micro_batch_size, n)) for start in range(0, n, self.micro_batch_size)]
+    def _micro_batches(self, batch: TokenBatch) -> list[slice]:
+        """This rank's runs of rows, in order, within `micro_batch_size` rows and
+        `max_tokens_per_micro_batch` padded tokens (`engines.micro_batches.pack`): their
+        number may differ between ranks (`_global` takes the most; the others make it up
+        with dummy passes)."""
+        return pack(row_lengths(batch).tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch)
 
-    def _global(self, batch: TokenBatch, run: int | None = None, masked: tuple[int, int] | None = None) -> tuple[dict[str, float], int]:
-        """Loss tokens, sequences with a loss token, rows, rows that run (`run` of this rank's
-        rows; default all), and sequence masking's counts (`masked`: this rank's sequences
-        dropped and sequences with a loss token before it; default none) summed over ranks;
-        the most micro-batches of any rank."""
-        run = len(batch) if run is None else run
-        local = torch.tensor([*_counts(batch).values(), float(run), *(masked or (0, 0)), float(len(self._micro_batches(run)))], dtype=torch.float64)
+    def _part(self, batch: TokenBatch, mb: slice) -> TokenBatch:
+        """Rows `mb` of `batch`; with a token budget cut to the longest of them (the padded
+        size `pack` counted). Without one they keep the batch's width, as they always did:
+        cutting changes float32 sums' rounding, which equality tests of runs would see."""
+        part = batch.select(mb)
+        return part if self.max_tokens_per_micro_batch is None else part.crop(max(int(row_lengths(part).max()), 2))
+
+    def _global(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> tuple[dict[str, float], int]:
+        """Loss tokens, sequences with a loss token, rows, rows that run (`running`: those of
+        this rank's rows; default all), and sequence masking's counts (`masked`: this rank's
+        sequences dropped and sequences with a loss token before it; default none) summed
+        over ranks; the most micro-batches of any rank."""
+        running = batch if running is None else running
+        local = torch.tensor([*_counts(batch).values(), float(len(running)), *(masked or (0, 0)), float(len(self._micro_batches(running)))], dtype=torch.float64)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
         stacked = torch.stack(parts)
@@ -306,11 +323,13 @@ class FSDPTrainEngine:
         """In eval mode (no dropout), as a rollout engine computes them."""
         _, num_micro = self._global(batch)
         with evaluating(self.model):
-            out = [self._token_stats(batch.select(mb))[0].cpu() for mb in self._micro_batches(len(batch))]
-            for _ in range(num_micro - len(out)):
+            slices = self._micro_batches(batch)
+            parts = [self._token_stats(self._part(batch, mb))[0].cpu() for mb in slices]
+            for _ in range(num_micro - len(slices)):
                 self._dummy_pass(backward=False)
         self._reshard()
-        return torch.cat(out) if out else torch.zeros((0, batch.input_ids.shape[1] - 1))
+        width = batch.input_ids.shape[1] - 1  # each part was cut to its longest row: padded back with 0
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
 
     # Steps -----------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
@@ -320,9 +339,9 @@ class FSDPTrainEngine:
         AdamW still steps."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
-        slices = self._micro_batches(len(batch))
+        slices = self._micro_batches(batch)
         for k in range(max(num_micro, 1)):
-            part = batch.select(slices[k]) if k < len(slices) else None
+            part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
             if weight == 0:
                 self._dummy_pass(backward=True)
@@ -388,7 +407,7 @@ class FSDPTrainEngine:
         dropped those rows already). `masked`: this rank's sequence masking counts
         (`mask_sequences`; a follower has none: its leader's are the whole batch's)."""
         among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
-        counts, num_micro = self._global(batch, None if among is None else len(among), masked)
+        counts, num_micro = self._global(batch, None if among is None else batch.select(among), masked)
         if whole is not None:
             counts.update(whole)
         if among is not None:
@@ -404,12 +423,13 @@ class FSDPTrainEngine:
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
+            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
             return policy_loss(
                 logprobs,
-                advantages[mb].to(self.device),
+                (advantages[mb] if advantages.dim() == 1 else advantages[mb, :width]).to(self.device),
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb].to(self.device),
+                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb, :width].to(self.device),
                 entropy=entropy,
                 config=loss,
             )
@@ -418,6 +438,7 @@ class FSDPTrainEngine:
         metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
         if masked is not None:
             metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
+        self.scheduler.step()
         self.version += 1
         return metrics
 
@@ -514,12 +535,12 @@ class FSDPTrainEngine:
 
     def _state_dict(self) -> dict[str, Any]:
         if not self.optimizer.state:  # nothing to gather; asking would create zero moments
-            return {"model": self._unshared(get_model_state_dict(self.model, options=_FULL)), "optimizer": self.optimizer.state_dict(), "version": self.version}
+            return {"model": self._unshared(get_model_state_dict(self.model, options=_FULL)), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         model, optim = get_state_dict(self.model, self.optimizer, options=_FULL)
         index = {name: i for i, name in enumerate(self._fqns())}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim.get("param_groups", [])]
         state = {index[n]: self._unshared(s) for n, s in optim.get("state", {}).items()}
-        return {"model": self._unshared(model), "optimizer": {"state": state, "param_groups": groups}, "version": self.version}
+        return {"model": self._unshared(model), "optimizer": {"state": state, "param_groups": groups}, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
 
     def _unshared(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` with copies of the tensors that are live engine state (on CPU, "offloading" returns
@@ -534,17 +555,17 @@ class FSDPTrainEngine:
         SPMD: a collective; every rank passes a state (only rank 0's is read). Led by rank
         0: rank 0 calls it.
         """
-        saved = state["optimizer"]
+        saved, position = state["optimizer"], state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
         if self._leading:
-            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]))
+            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position)
         names = self._fqns()
         optim = {
             "state": {names[int(i)]: s for i, s in saved["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
         }
-        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]))
+        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position)
 
-    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int) -> None:
+    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any]) -> None:
         """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on
         other ranks). The optimizer keeps this engine's settings (`own_settings`)."""
         set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
@@ -553,6 +574,7 @@ class FSDPTrainEngine:
                 set_optimizer_state_dict(self.model, self.optimizer, optim if self.rank == 0 else {}, options=_FROM_RANK0)
         else:
             self.optimizer.state.clear()
+        load_position(self.scheduler, lr_scheduler)
         self.version = version
 
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -562,7 +584,7 @@ class FSDPTrainEngine:
         self._save_checkpoint(directory)
 
     def _save_checkpoint(self, directory: str | Path) -> None:
-        state: dict[str, Any] = {"version": torch.tensor(self.version, dtype=torch.int64)}
+        state: dict[str, Any] = {"version": torch.tensor(self.version, dtype=torch.int64), "lr_step": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64)}
         if self.optimizer.state:
             state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizer)
         else:
@@ -578,7 +600,7 @@ class FSDPTrainEngine:
     def _load_checkpoint(self, directory: str | Path) -> None:
         stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
         has_optimizer = any(key.startswith("optimizer.") for key in stored)
-        state: dict[str, Any] = {"version": torch.tensor(0, dtype=torch.int64)}
+        state: dict[str, Any] = {"version": torch.tensor(0, dtype=torch.int64), **({"lr_step": torch.tensor(0, dtype=torch.int64)} if "lr_step" in stored else {})}
         if has_optimizer:
             state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizer)
         else:
@@ -590,5 +612,6 @@ class FSDPTrainEngine:
         else:
             set_model_state_dict(self.model, state["model"])
             self.optimizer.state.clear()
+        load_position(self.scheduler, {"last_epoch": int(state.get("lr_step", state["version"]))})  # from before schedules: a step per version
         self.version = int(state["version"])
 

@@ -96,6 +96,12 @@ def countdown(trajectory: Trajectory, text: str) -> float:
 REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "countdown": countdown}
 MODULE_REWARDS = {"math": "tidal.engines.math_rewards:math_answer", "math_format": "tidal.engines.math_rewards:math_format", "math_with_format": "tidal.engines.math_rewards:math_with_format"}
 """Registered rewards imported when first named: math-verify takes a second or more to import."""
+POOLED_REWARDS = frozenset(MODULE_REWARDS)
+"""Registered rewards a run scores in worker processes unless `task.reward_workers` says
+otherwise: math-verify bounds a parse with `signal.alarm`, which works only in a process's
+main thread, never in the reward stage's."""
+DEFAULT_REWARD_WORKERS = 2
+"""Worker processes of a pooled reward when `task.reward_workers` is null."""
 
 
 def resolve_reward(spec: str) -> RewardFn:

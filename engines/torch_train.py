@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
+from tidal.engines.micro_batches import pack, row_lengths
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss, sequence_keep, token_entropy
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -62,14 +64,17 @@ class TorchTrainEngine:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
+        max_tokens_per_micro_batch: int | None = None,
         temperature: float = 1.0,
         precision: str = "fp32",
         kl_reference: bool = False,
         max_nonfinite_steps: int = 5,
+        lr_schedule: LRSchedule | None = None,
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
         self.precision = precision
@@ -81,6 +86,7 @@ class TorchTrainEngine:
         """A frozen copy of the weights the engine was built with, the reference policy of a
         loss with `kl_coef > 0` (`kl_reference=True`); kept in `state_dict()`."""
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step (`engines.lr_schedule`)
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
@@ -174,15 +180,15 @@ class TorchTrainEngine:
         return torch.where(placed, logprobs.gather(1, at), 0.0), None if entropies is None else torch.where(placed, entropies.gather(1, at), 0.0)
 
     def _micro_batches(self, batch: TokenBatch, among: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
-        """(rows, micro-batch): rows of similar length, cut to the longest of them; only
-        the rows `among` when given."""
-        positions = torch.arange(1, batch.input_ids.shape[1] + 1)
-        lengths = torch.where(batch.attention_mask.cpu() != 0, positions, 0).amax(dim=1)  # up to the last real token
+        """(rows, micro-batch): rows of similar length, cut to the longest of them, within
+        `micro_batch_size` rows and `max_tokens_per_micro_batch` padded tokens; only the
+        rows `among` when given."""
+        lengths = row_lengths(batch)
         order = torch.sort(lengths, stable=True).indices
         if among is not None:
             order = order[torch.isin(order, among)]
-        for start in range(0, len(order), self.micro_batch_size):
-            rows = order[start : start + self.micro_batch_size]
+        for part in pack(lengths[order].tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch):
+            rows = order[part]
             yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
 
     @torch.no_grad()
@@ -267,6 +273,7 @@ class TorchTrainEngine:
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
         if masked is not None:
             metrics["seq_masked_fraction"] = masked_fraction(*masked)
+        self.scheduler.step()
         self.version += 1
         return metrics
 
@@ -295,7 +302,7 @@ class TorchTrainEngine:
         return LazyWeights(lambda: [TensorSpec.of(n, t) for n, t in self.model.state_dict().items()], tensors)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         return state
@@ -305,6 +312,7 @@ class TorchTrainEngine:
         self.model.load_state_dict(state["model"])
         with own_settings(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
+        load_position(self.scheduler, state.get("lr_scheduler") or {"last_epoch": int(state["version"])})  # a state from before schedules: a step per version
         if self.reference is not None and "reference" in state:  # else the reference stays the weights the engine was built with
             self.reference.load_state_dict(state["reference"])
         self.version = int(state["version"])
@@ -476,10 +484,12 @@ class NonfiniteGuard:
         return {"grad_norm": norm, "nonfinite_grad": float(not finite)}
 
 
-def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float, max_nonfinite_steps: int) -> None:
+def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float, max_nonfinite_steps: int, max_tokens_per_micro_batch: int | None = None) -> None:
     """Raises ValueError naming the first train engine setting out of bounds."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 2:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 2 (a row has at least two positions), got {max_tokens_per_micro_batch}")
     if not grad_clip > 0:  # 0 would clip every gradient to nothing
         raise ValueError(f"grad_clip must be > 0 (the norm gradients are clipped to), got {grad_clip}")
     if not temperature > 0:

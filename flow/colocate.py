@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
+from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload
 from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
 
 TURNS_CONCURRENCY = 64
@@ -64,13 +65,14 @@ class Sharing:
     def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
         """Seat `engine`, parking its `model`, its frozen `reference` policy where it holds one
         (a train engine built for a KL term: a whole model's weights), and its `optimizer`'s state."""
-        model = getattr(engine, "model", None)
+        model = engine.model if isinstance(engine, HoldsModel) else None
         if model is None:
             raise ValueError(f"{type(engine).__name__} has no `model` to park; it cannot time-share devices (seat {name!r})")
-        reference = getattr(engine, "reference", None)
+        reference = engine.reference if isinstance(engine, HoldsReference) else None
         parked = torch.nn.ModuleList([model, reference]) if isinstance(reference, torch.nn.Module) else model  # holds both, changes neither
-        parked_optimizer = getattr(engine, "optimizer", None) if optimizer else None
-        offloader = Offloader(self.platform, parked, parked_optimizer, moved=getattr(engine, "after_offload_move", None))  # a sharded engine's hook
+        parked_optimizer = engine.optimizer if optimizer and isinstance(engine, HoldsOptimizer) else None
+        moved = engine.after_offload_move if isinstance(engine, MovesAfterOffload) else None  # a sharded engine's hook
+        offloader = Offloader(self.platform, parked, parked_optimizer, moved=moved)
         seat = Seat(self.turns, name, park=offloader.park, unpark=offloader.unpark)
         self._seats.append((seat, offloader))
         return seat

@@ -4,17 +4,28 @@ A custom engine is one class with these methods; the workflow never looks furthe
 Rollout engines generate trajectories (token in, token out) and take new weights only at
 safe points; train engines compute logprobs and take optimizer steps on `TokenBatch`es;
 reward functions score finished trajectories.
+
+What only some engines (or rollout groups, weight wirings, prompt sources) can do is a
+small `runtime_checkable` protocol below, checked with `isinstance`, never by probing
+for a name: supervised steps, weight sharing, parking for time-shared devices, pausing
+for a reclaimed seat, several ranks. From Python 3.12 `isinstance` sees only what a class
+or its instance declares (`inspect.getattr_static`), not what a `__getattr__` forwards, so
+a wrapper (`flow.timeshare.SharedTrainEngine`, `tools.ray_run.RemoteRollouts`) declares
+each capability it is checked for.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch, Trajectory
+from tidal.hal.transfer import TensorSpec
 
 
 class RolloutEngine(Protocol):
@@ -75,8 +86,47 @@ class RewardFn(Protocol):
         ...
 
 
+# Train engines ------------------------------------------------------------------------
 @runtime_checkable
-class Distributed(Protocol):
+class SupervisedStep(Protocol):
+    """A train engine that takes supervised steps: the warm start before RL (`sft.steps`)."""
+
+    def sft_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One optimizer step of next-token cross-entropy on `batch`'s `loss_mask` tokens
+        (the policy version is unchanged: RL's first version is the warm-started policy);
+        returns metrics with `loss`."""
+        ...
+
+
+@runtime_checkable
+class SharesWeights(Protocol):
+    """A train engine that can keep its weights in memory a weight transport gives (the `ipc`
+    transport's shared buffer): a publish then copies nothing in the trainer's process."""
+
+    def share_weights(self, place: Callable[[list[TensorSpec], dict[str, str], torch.device], Sequence[torch.Tensor]], *, before_change: Callable[[], None]) -> None:
+        """From now on keep the weights in the tensors `place(specs, ties, device)` returns
+        (one per spec of `named_weights()`, a tied name given its twin's), and call
+        `before_change()` every time before they change, so a reader in another process
+        finishes first.
+
+        Raises:
+            ValueError: before `place` is called, when the weights cannot move (nothing moved).
+        """
+        ...
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """A train engine whose weight passes, `state_dict` and `load_state_dict` may be
+    collective calls over several ranks' shards: a seat that time-shares its devices takes
+    a turn for each (`flow.timeshare.SharedTrainEngine`)."""
+
+    collective: bool
+    """True when they are collectives every rank must make (False: local calls)."""
+
+
+@runtime_checkable
+class Distributed(Collective, Protocol):
     """A train engine whose instance is one rank of a `torch.distributed` group (FSDP): the
     run sets up a process group for it before building it (a group of one under `runtime:
     local`), and every rank takes each step together (`collective`: a time-shared seat runs
@@ -84,5 +134,113 @@ class Distributed(Protocol):
 
     distributed: bool
     """Always True for such an engine: the marker `isinstance` sees."""
-    collective: bool
-    """Its steps and weight exports are collective calls that every rank must make."""
+
+
+@runtime_checkable
+class StepsInTurns(Protocol):
+    """A train engine that time-shares its devices (`flow.timeshare.SharedTrainEngine`): the
+    workflow holds one turn from each train step through the weight pass after it."""
+
+    def turn_for_step(self) -> AbstractContextManager[Any]:
+        """What the workflow holds around a step and its publish (a no-op context where the
+        weight pass takes no turn of its own)."""
+        ...
+
+
+# Parking: engines whose state a time-shared seat moves to host memory and back ------------
+@runtime_checkable
+class HoldsModel(Protocol):
+    """An engine whose weights live in one module, `model`: what a time-shared seat parks
+    (`flow.colocate.Sharing`: moved to host memory between the engine's turns and back, in
+    place, so the engine's own references stay valid), and where the workflow reads the
+    trainer's dtype (its advantages' dtype; float32 for an engine without one)."""
+
+    model: torch.nn.Module
+
+
+@runtime_checkable
+class HoldsReference(Protocol):
+    """A train engine that may keep a frozen reference policy (a loss with a KL term), a
+    whole model's weights: a seat parks it with `model`."""
+
+    reference: torch.nn.Module | None
+    """The reference policy, or None when the engine keeps none."""
+
+
+@runtime_checkable
+class HoldsOptimizer(Protocol):
+    """A train engine whose optimizer state a train seat parks with its model."""
+
+    optimizer: torch.optim.Optimizer
+
+
+@runtime_checkable
+class MovesAfterOffload(Protocol):
+    """An engine with sharded parameters (FSDP) that must be pointed at its tensors again
+    after a park or an unpark moved them (`flow.timeshare.Offloader`'s `moved`)."""
+
+    def after_offload_move(self) -> None:
+        """Point the engine's own views (e.g. FSDP's flat shard buffers) at the moved tensors."""
+        ...
+
+
+# Rollout engines ---------------------------------------------------------------------------
+@runtime_checkable
+class Pads(Protocol):
+    """A rollout engine that pads batches with a token of the tokenizer's (`pad_id`): the
+    trainer's batches are padded with it too (never trained on); 0 for one without."""
+
+    pad_id: int
+
+
+@runtime_checkable
+class Reclaimable(Protocol):
+    """A rollout engine seated on borrowed devices (`flow.timeshare.SharedRolloutEngine`):
+    its `generate` also pauses when the devices' owner wants them back. A worker in hand-off
+    mode then hands its paused groups to another worker and waits for its next turn."""
+
+    reclaimed: bool
+    """The last `generate` paused because another seat wanted the devices (not for `should_pause`)."""
+
+    def wait_turn(self) -> None:
+        """Block until this seat's next turn (the devices are back), and give it up again."""
+        ...
+
+
+# Rollout groups, weight wirings, prompt sources ------------------------------------------
+@runtime_checkable
+class ResendsWeights(Protocol):
+    """A rollout group whose workers can lose their weights (a rollout actor Ray restarted):
+    a trainer waiting for rows publishes its current version again when asked."""
+
+    def weights_wanted(self) -> concurrent.futures.Future[None]:
+        """Completes when a worker has no version to generate with until one is published;
+        the next `publish` starts a new future."""
+        ...
+
+
+@runtime_checkable
+class PostsWeights(Protocol):
+    """A weight wiring that can post a version (`ipc`): written and announced in the caller's
+    thread, its receivers' answers collected before the next one, so `transport.overlap`
+    needs no copy and no send thread."""
+
+    def post(self, version: int, source: Any) -> None:
+        """Write `version` and announce it; return without waiting for the answers."""
+        ...
+
+    def post_again(self) -> None:
+        """Announce the last posted version again (to receivers wired in since)."""
+        ...
+
+    def collect(self, timeout_s: float | None = None) -> None:
+        """Wait for every receiver's answer to the last post; raise a receiver's error."""
+        ...
+
+
+@runtime_checkable
+class Positioned(Protocol):
+    """A prompt source that knows how far it is (`position`, read after each take): a
+    checkpoint records it, and a source built from it resumes there."""
+
+    position: Any

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tidal.flow.protocols import RolloutEngine
+from tidal.flow.protocols import Reclaimable, RolloutEngine
 from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory, check_lengths
@@ -280,7 +280,7 @@ class RolloutWorker:
                 if all(t.done for t in trajectories):
                     break
                 self.num_paused += 1
-                if self.hand_off and getattr(self.engine, "reclaimed", False):
+                if self.hand_off and isinstance(self.engine, Reclaimable) and self.engine.reclaimed:
                     break  # the devices went back to training: the unfinished groups continue elsewhere
                 self.apply_weights()  # safe point: between decoding chunks; then resume
             finished = [k for k, group in enumerate(groups) if all(t.done for t in group)]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tidal.flow.liveness import Liveness, transfer_timeout_s
+from tidal.flow.protocols import PostsWeights
 from tidal.flow.ray_faults import ActorLost, death_summary, num_restarts
 from tidal.flow.rollout import RolloutWorker, Stop
 from tidal.flow.sends import QueuedSends
@@ -325,7 +326,7 @@ class RayRollouts:
         self._died = threading.Event()
         self._gave_up: str | None = None  # why a dead actor will not come back (no restarts left)
         self._stopping = threading.Event()
-        self._posts = overlap and hasattr(wiring, "post")
+        self._posts = overlap and isinstance(wiring, PostsWeights)
         """Sends are posted (`ipc`): written and announced, the answers collected on the next send."""
         self._queued = QueuedSends(self._send) if overlap and not self._posts else None
         self._last_sent: int | None = None  # the last version every actor was sent

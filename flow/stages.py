@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from tidal.flow.algorithms import compute_advantages
+from tidal.flow.algorithms import compute_advantages, overlong_penalty
+from tidal.flow.protocols import Positioned
 from tidal.flow.rollout import TRAJECTORY_COLUMNS, trajectories_of
 from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.store import Grouped, Store, StoreError, persist
@@ -62,6 +63,11 @@ def guard(stage: Callable[[], None], *, stopping: threading.Event, errors: list[
         stop()
 
 
+def _position_of(prompts: Iterable[dict[str, Any]]) -> Any:
+    """Where a prompt source is now (`Positioned`), what `save` records; None for a plain iterable."""
+    return prompts.position if isinstance(prompts, Positioned) else None
+
+
 class Stages:
     """The loader, reward and advantage stages of a run, as threads over `store`.
 
@@ -70,11 +76,13 @@ class Stages:
         prompts: prompt dicts with "prompt_ids" (list[int]) and any other keys (kept in
             each trajectory's `meta`); an iterable with a `position` (tools' `Prompts`)
             lets `save` record where it is.
-        score: scores finished trajectories: (rewards, indexes of failed rows).
+        score: scores finished trajectories: (rewards, indexes of failed rows), or
+            (rewards, failed, how many of the failed timed out).
         config: the run's `WorkflowConfig`.
         version: the policy version the run starts at (set on the store).
         num_failed_rewards: rows whose reward failed before this attempt (a resumed run's
             checkpoint): the count is the run's, whatever resumes it went through.
+        num_reward_timeouts: rows whose reward timed out before this attempt (likewise).
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class Stages:
         version: int,
         tracer: Tracer | None = None,
         num_failed_rewards: int = 0,
+        num_reward_timeouts: int = 0,
     ) -> None:
         self.store, self.prompts, self.score, self.config = store, prompts, score, config
         self._prompt_iter = iter(prompts)
@@ -103,7 +112,7 @@ class Stages:
         self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
         self._stopping = threading.Event()
         self._loading = threading.Lock()  # held while prompts taken from the source go into the store
-        self._position = getattr(prompts, "position", None)
+        self._position = _position_of(prompts)
         """The source's position after the prompts the store holds (what `save` records)."""
         self._abandoned = False
         """Set when the stages ended without the loader (blocked in the source): its take is not put."""
@@ -116,6 +125,7 @@ class Stages:
         self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
         self._waits = Waits()
         self._num_failed_rewards = num_failed_rewards
+        self._num_reward_timeouts = num_reward_timeouts
         self._threads: dict[str, threading.Thread] = {}
         self._errors: list[BaseException] = []
 
@@ -151,20 +161,21 @@ class Stages:
         self.store.wake()
 
     def metrics(self) -> dict[str, Any]:
-        """{"failed_rewards": rows whose reward failed in the run so far, "wait_s": {stage:
-        seconds waited since the last call}}: a wait still going on counts its seconds so far."""
-        return {"failed_rewards": self._num_failed_rewards, "wait_s": self._waits.take()}
+        """{"failed_rewards": rows whose reward failed in the run so far, "reward_timeouts":
+        those of them that timed out, "wait_s": {stage: seconds waited since the last call}}:
+        a wait still going on counts its seconds so far."""
+        return {"failed_rewards": self._num_failed_rewards, "reward_timeouts": self._num_reward_timeouts, "wait_s": self._waits.take()}
 
     def save(self, path: str | Path) -> dict[str, Any]:
         """Save the store to `path` (`persist.save`) with no prompt put and no reward counted
         but not in it; return what goes with that store: {"prompt_position": the source's
-        position after the prompts in it (None: the source has none), "failed_rewards": the
-        run's count}. A resumed run neither skips a prompt nor counts a failed reward twice.
+        position after the prompts in it (None: the source has none), "failed_rewards" and
+        "reward_timeouts": the run's counts}. A resumed run neither skips a prompt nor counts a failed reward twice.
         Prompts the loader is taking from the source meanwhile are in neither (the save does
         not wait for the source)."""
         with self._loading, self._scoring:
             persist.save(self.store, path)
-            return {"prompt_position": self._position, "failed_rewards": self._num_failed_rewards}
+            return {"prompt_position": self._position, "failed_rewards": self._num_failed_rewards, "reward_timeouts": self._num_reward_timeouts}
 
     # Internals ----------------------------------------------------------------------------
     def _guard(self, stage: Callable[[], None]) -> None:
@@ -221,7 +232,7 @@ class Stages:
                 self._check()  # before the take, not after: prompts taken from the source go into the store
                 prompts = list(itertools.islice(self._prompt_iter, allowed))  # outside `_loading`: a source may block
                 if prompts:
-                    self._put_prompts(prompts, version, position=getattr(self.prompts, "position", None))
+                    self._put_prompts(prompts, version, position=_position_of(self.prompts))
                     continue
                 ran_out = True
             self._check()  # first: a stopped run ends cleanly, even as its source runs out
@@ -262,9 +273,13 @@ class Stages:
             batch = self._get("reward", "reward", "train", [*TRAJECTORY_COLUMNS, "meta"], self.config.batch_size, partial=True)
             trajectories = trajectories_of(batch)
             with self.tracer.span("reward", "reward", rows=len(trajectories)):
-                rewards, failed = self.score(trajectories)
+                rewards, failed, *timeouts = self.score(trajectories)
+                if self.config.overlong == "penalty":  # DAPO's soft overlong punishment, on top of the verifier's reward
+                    cfg = self.config
+                    rewards = [r + overlong_penalty(t.num_generated, max_tokens=cfg.max_new_tokens, buffer=cfg.overlong_buffer) for r, t in zip(rewards, trajectories)]
             with self._scoring:  # counted and in the store together, as a checkpoint saves them (`save`)
                 self._num_failed_rewards += len(failed)
+                self._num_reward_timeouts += timeouts[0] if timeouts else 0
                 self.store.put("train", {"reward": torch.tensor(rewards, dtype=torch.float32)}, batch.indexes, ack=("reward", "train", batch.indexes))
 
     def _advantage_stage(self) -> None:

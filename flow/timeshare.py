@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.protocols import Collective
 from tidal.flow.trajectory import TokenBatch, Trajectory
 from tidal.hal.transfer import LazyWeights
 
@@ -442,15 +443,25 @@ class SharedTrainEngine:
     def __init__(self, engine: Any, seat: Seat) -> None:
         self.engine, self.seat = engine, seat
 
-    def __getattr__(self, name: str) -> Any:  # version, model, state_dict, ...: the engine's own
+    def __getattr__(self, name: str) -> Any:  # version, state_dict, ...: the engine's own
         return getattr(self.engine, name)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The engine's (`HoldsModel`: declared, so `isinstance` sees it on any Python)."""
+        return self.engine.model
+
+    @property
+    def _collective_engine(self) -> bool:
+        """Its engine's weight passes and state are collectives (`Collective`)."""
+        return isinstance(self.engine, Collective) and self.engine.collective
 
     def turn_for_step(self) -> AbstractContextManager[None]:
         """What a workflow holds from a train step through the weight pass after it. A
         multi-rank engine's pass takes a turn of its own (see `named_weights`): holding one
         turn for both hands the devices over once a step instead of twice (a waiting guest
         would otherwise compute in between). A one-process engine's pass takes none: nothing to hold."""
-        return self.seat.turn() if getattr(self.engine, "collective", False) else nullcontext()
+        return self.seat.turn() if self._collective_engine else nullcontext()
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         with self.seat.turn():
@@ -471,7 +482,7 @@ class SharedTrainEngine:
         (`engine.collective`) gathers shards with its other ranks, which take a turn for it
         (`follow()`): its shards must be on the devices too, so each pass runs in a turn."""
         source = self.engine.named_weights()
-        if not getattr(self.engine, "collective", False):
+        if not self._collective_engine:
             return source
         return LazyWeights(source.specs, lambda: self._pass_in_turn(source.tensors()))
 
@@ -490,7 +501,7 @@ class SharedTrainEngine:
             self.engine.load_state_dict(state)
 
     def _collective(self, call: Callable[..., Any], *args: Any) -> Any:
-        if not getattr(self.engine, "collective", False):
+        if not self._collective_engine:
             return call(*args)
         with self.seat.turn():
             return call(*args)
@@ -506,6 +517,15 @@ class SharedRolloutEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+    # declared, so `isinstance` sees them on any Python (`HoldsModel`, `Pads`)
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    @property
+    def pad_id(self) -> int:
+        return self.engine.pad_id
 
     def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
         self.reclaimed = False

@@ -102,3 +102,81 @@ def test_tools_compose_engines_by_name():
                 continue
             offenders += [f"{rel}:{node.lineno} imports {name}" for name in names if CONCRETE.search(name)]
     assert not offenders, "tools/ names engines through tidal.engines.registry / tidal.engines.models:\n" + "\n".join(offenders)
+
+
+# Capabilities are Protocols checked with `isinstance` (STYLE.md 14, `tidal.flow.protocols`),
+# never a probe for a name. A getattr/hasattr with a literal name in flow/ or tools/ is one
+# of these, none a capability of an engine, rollout group, wiring or prompt source:
+# (file, object, name): why.
+NAME_LOOKUPS_ALLOWED = {
+    ("flow/ray_faults.py", "error", "__notes__"): "an exception's PEP 678 notes, absent until one is added",
+    ("flow/ray_faults.py", "error", "error_msg"): "the message of Ray's error types, absent on others",
+    ("flow/store/client.py", "self._tls", "cancel"): "per-thread state, set only by threads that use it",
+    ("flow/store/client.py", "self._tls", "wake_listener"): "per-thread state, set only by threads that use it",
+    ("flow/store/thread_sockets.py", "self._tls", "sockets"): "per-thread state, set only by threads that use it",
+    ("flow/store/server.py", "self._local", "retrying"): "per-thread state, set only while retrying",
+    ("flow/store/persist.py", "os", "O_NOFOLLOW"): "an OS flag not every platform has",
+    ("flow/store/cells.py", "value", "nbytes"): "a cell's size: arrays, tensors and remote chunks report one",
+    ("flow/store/cells.py", "value", "sizes"): "a column held on another storage unit carries its rows' sizes",
+    ("flow/store/cells.py", "chunk", "sizes"): "a column held on another storage unit carries its rows' sizes",
+    ("flow/store/samplers.py", "sampler", "inner"): "walks a sampler chain (store-internal wrappers)",
+    ("flow/store/samplers.py", "value", "shape"): "a cell's length: arrays and tensors have a shape",
+    ("tools/cli.py", "args", "made_run_dir"): "an argparse namespace field only `tidal run` sets",
+    ("tools/cli.py", "cause", "__notes__"): "an exception's PEP 678 notes, absent until one is added",
+    ("tools/cli.py", "e", "reason"): "a stop request's reason, on the exception types that carry one",
+    ("tools/cli.py", "e", "exit_code"): "a stop request's exit code, on the exception types that carry one",
+    ("tools/config.py", "err", "full_key"): "OmegaConf errors carry the offending key, not all of them",
+    ("tools/config.py", "err", "key"): "OmegaConf errors carry the offending key, not all of them",
+    ("tools/config.py", "e", "full_key"): "OmegaConf errors carry the offending key, not all of them",
+    ("tools/bench_trl.py", "reward", "__name__"): "a reward callable's name for TRL (a partial has none)",
+    ("tools/config_keys.py", "tp", "__name__"): "a type annotation's name (typing constructs have none)",
+    ("tools/rl.py", "self.reward", "__module__"): "the module a reward pool preloads (a callable instance may have none)",
+}
+CAPABILITY_HOLDER = re.compile(r"engine|trainer|rollout|receiver|wiring|sender|source|prompts")
+
+
+def _name_lookups(source: str) -> list[tuple[int, str, str | None, str | None]]:
+    """Every getattr/hasattr call in `source`: (line, object, literal name or None, enclosing function)."""
+    found = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2:
+            name = node.args[1]
+            literal = name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else None
+            found.append((node.lineno, ast.unparse(node.args[0]), literal, function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(source), None)
+    return found
+
+
+def _name_probes(rel: str, source: str) -> list[str]:
+    """Lookups by name that are not on the allow-list: any literal name, and any name read off
+    an engine-like object outside a `__getattr__` that forwards to it."""
+    offenders = []
+    for line, obj, literal, function in _name_lookups(source):
+        if literal is not None and (rel, obj, literal) not in NAME_LOOKUPS_ALLOWED:
+            offenders.append(f"{rel}:{line}: looks up {literal!r} on {obj}")
+        elif literal is None and CAPABILITY_HOLDER.search(obj) and function != "__getattr__":
+            offenders.append(f"{rel}:{line}: looks up a name held in a variable on {obj}")
+    return offenders
+
+
+def test_capabilities_are_protocols_not_name_probes():
+    offenders = []
+    for folder in ("flow", "tools"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            offenders += _name_probes(str(path.relative_to(ROOT)), path.read_text())
+    assert not offenders, "declare the capability as a runtime_checkable Protocol (tidal.flow.protocols) and check it with isinstance, or allow the lookup in NAME_LOOKUPS_ALLOWED with why:\n" + "\n".join(offenders)
+
+
+def test_name_probe_check_catches_a_violation():
+    assert _name_probes("flow/x.py", 'park = getattr(engine, "park", None)')
+    assert _name_probes("flow/x.py", 'if hasattr(wiring, "post"): pass')
+    assert _name_probes("flow/x.py", 'ok = callable(getattr(self.trainer, "share_weights", None))')
+    assert _name_probes("flow/x.py", "def f(engine, name):\n    return getattr(engine, name)")
+    assert not _name_probes("flow/x.py", "class W:\n    def __getattr__(self, name):\n        return getattr(self.engine, name)")
+    assert not _name_probes("flow/ray_faults.py", 'notes = getattr(error, "__notes__", [])')

@@ -5,7 +5,7 @@ A checkpoint is a folder `checkpoints/step-NNNNNN/` of the run directory: the mo
 (model.safetensors, config.json, generation_config.json) and its tokenizer as a Hugging
 Face one (tokenizer.json, tokenizer_config.json, special_tokens_map.json; an older tidal
 wrote its own tokenizer.json only, which `CharTokenizer.load` reads too), `trainer.pt`
-(optimizer, version, RNG states, reference policy), `store.bin` (the store's rows and
+(optimizer, version, RNG states, reference policy, the lr schedule's position), `store.bin` (the store's rows and
 counts) and `state.json` (version, the prompt stream's position, the run's running totals
 that its metrics report, such as `failed_rewards`, and what its summary keeps: accuracy
 before RL, first reward).
@@ -108,7 +108,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
                 model = copy.deepcopy(template)
                 model.load_state_dict(state["model"])
                 save_model(model, tokenizer, tmp)
-                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference")}, tmp / "trainer.pt")
+                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference"), "lr_scheduler": state.get("lr_scheduler")}, tmp / "trainer.pt")
                 saved = save_data(tmp / "store.bin")
                 (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
                 _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
@@ -278,12 +278,17 @@ def _needs(e: pickle.UnpicklingError) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def truncate_metrics(path: Path, version: int) -> None:
+def truncate_metrics(path: Path, version: int, *, into: Path | None = None) -> list[dict[str, Any]]:
     """Keep only the steps up to `version` (a run resumed in its own directory redoes the
-    rest), and drop a line cut short (a process killed while writing it)."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= version]
-        write_whole(path, "".join(line + "\n" for line in kept))
+    rest), and drop a line cut short (a process killed while writing it). `into`: write
+    them there instead, `path` left as it was (a run resumed in a new directory starts its
+    record with the resumed run's steps, so each step of the run is in it once). Returns
+    those steps' metrics; none when `path` is missing."""
+    if not path.exists():
+        return []
+    kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= version]
+    write_whole(into or path, "".join(line + "\n" for line in kept))
+    return [json.loads(line) for line in kept]
 
 
 def _step_of(line: str) -> int | None:

@@ -256,20 +256,20 @@ def stage_threads(cfg: Any, stage: str) -> int:
 
 
 _AT_LEAST = {
-    "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0,
+    "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0, "eval_every": 0, "train.warmup_steps": 0,
     "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
-    "task.max_value": 0, "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
+    "task.max_value": 0, "task.reward_workers": 0, "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
     "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1, "rollout.threads": 0,
-    "train.micro_batch_size": 1, "train.weight_decay": 0, "train.threads": 0, "train.max_nonfinite_steps": 0, "cluster.nodes[].count": 1,
+    "train.micro_batch_size": 1, "train.max_tokens_per_micro_batch": 2, "train.weight_decay": 0, "train.threads": 0, "train.max_nonfinite_steps": 0, "cluster.nodes[].count": 1,
     "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
-    "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0,
+    "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0, "algorithm.overlong_buffer": 0,
     "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0, "fault.liveness_s": 0, "fault.liveness_grace_s": 0,
     "placement.train.count": 1, "placement.train.devices_each": 1, "placement.rollout.count": 1, "placement.rollout.devices_each": 1,
 }
 """Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""
 MAX_SEED = 2**64 - 1
 """The largest `seed` (torch.manual_seed's bound; larger ones failed with a traceback once the run directory was made)."""
-_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "algorithm.seq_mask_high", "lease_s")
+_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "algorithm.seq_mask_high", "lease_s", "task.reward_timeout_s")
 """Recipe keys that must be > 0 when set."""
 _FINITE = ("algorithm.seq_mask_low", "algorithm.dual_clip", "algorithm.entropy_coef")
 """Recipe keys with no bound of their own here that must be finite when set (the loss checks the rest)."""
@@ -298,6 +298,13 @@ def _check_values(cfg: Any) -> None:
             tasks.check_ops(cfg.task.ops)  # the arithmetic prompts' own check, before the run directory
         except ValueError:
             raise ConfigError(f"task.ops={cfg.task.ops!r} is not a non-empty set of the operators + - * (e.g. +-)") from None
+    if "train" in cfg and "lr_schedule" in cfg.train:
+        from tidal.engines.lr_schedule import LR_SCHEDULES  # noqa: PLC0415
+
+        if cfg.train.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"train.lr_schedule={cfg.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if not 0 <= cfg.train.min_lr_ratio <= 1:  # nan fails it too
+            raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]: the cosine schedule's last lr as a share of train.lr")
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
     for name, value in (item for key in (*_AT_LEAST, *_POSITIVE, *_FINITE) for item in _selected(cfg, key)):
@@ -318,11 +325,15 @@ def _check_values(cfg: Any) -> None:
         if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.hidden_size={m.hidden_size}, model.num_heads={m.num_heads}, model.num_kv_heads={m.num_kv_heads}: hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads")
     if "algorithm" in cfg:
-        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS  # noqa: PLC0415
+        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS, OVERLONG  # noqa: PLC0415
 
-        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS)):
+        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS), ("overlong", OVERLONG)):
             if key in cfg.algorithm and cfg.algorithm[key] not in names:
                 raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
+        if cfg.algorithm.get("overlong") == "penalty" and "rollout" in cfg:
+            buffer, budget = cfg.algorithm.overlong_buffer, cfg.rollout.max_new_tokens
+            if not 1 <= buffer <= budget:
+                raise ConfigError(f"algorithm.overlong_buffer={buffer} must be within 1..rollout.max_new_tokens ({budget}) with algorithm.overlong=penalty: the tokens before the limit over which the penalty falls to -1")
         if "rollout" in cfg:
             loss_config(cfg)  # every bound of the loss, now rather than after the warm start
     for key in CHECKED_ON_LOAD:

@@ -83,6 +83,10 @@ class TaskConfig:
     """Prompt generator: arithmetic | countdown."""
     reward: str = ""
     """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token; math, math_format, math_with_format: math-verify on `####` or `\\boxed{}` answers) or `module:function` (from the Python path, then the current directory); empty = the task's own (with data.train_files: needed)."""
+    reward_workers: Optional[int] = None
+    """Worker processes that run the reward, each sample under `task.reward_timeout_s`; 0 = in the reward stage's thread, with no timeout; null = 2 for the math rewards (math, math_format, math_with_format: math-verify's own timeout works only in a process's main thread, and a pathological answer can hang its parser), 0 for the others (cheap and bounded)."""
+    reward_timeout_s: float = 10.0
+    """Longest the reward may take on one sample in a worker process (`task.reward_workers` > 0); a sample past it scores 0, its worker is replaced, and it is counted in the `reward_timeouts` metric (and in `failed_rewards`). > 0."""
     max_value: int = 20
     """Largest operand of arithmetic prompts."""
     ops: str = "+-"
@@ -135,6 +139,12 @@ class TrainConfig:
     """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance)."""
     lr: float = 1e-3
     """AdamW learning rate of the RL phase."""
+    lr_schedule: str = "constant"
+    """Learning-rate schedule of the RL phase, after the warmup: constant (lr throughout) | cosine (from lr down to `train.min_lr_ratio` x lr at the last RL step, `algorithm.num_steps`). A resumed run goes on along it."""
+    warmup_steps: int = 0
+    """RL steps of linear warmup before the schedule: step k (from 0) trains at lr x (k + 1) / (warmup_steps + 1). 0 = none. >= 0."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's lr at the last RL step, as a share of `train.lr`. In [0, 1]."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -143,6 +153,8 @@ class TrainConfig:
     """Optimizer steps in a row whose gradient norm is NaN or infinite that are skipped (weights and optimizer state kept, the step still counts) before the run stops with an error; 0 = stop at the first."""
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradients accumulate over a step)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Padded tokens per forward/backward at most (rows x the longest of them; rows of similar length go together, a row longer than this runs alone), so memory follows tokens, for long generations; within train.micro_batch_size rows too. The loss and gradient are the same however the rows are cut. null = rows only; >= 2."""
     threads: int = 0
     """torch intra-op threads of the train stage; 0 = the run's `threads`."""
     precision: Precision = Precision.fp32
@@ -188,6 +200,10 @@ class AlgorithmConfig:
     """Sequence masking: leave out every sequence whose geometric-mean behavior weight is above this; null = no upper bound."""
     dual_clip: Optional[float] = None
     """Dual-clip PPO (verl's clip_ratio_c, AReaL's c_clip; 3.0 is usual): a token (a sequence with level=sequence) whose advantage is negative costs at most dual_clip * |advantage|, and no gradient beyond; null = off; > 1. Acts on the ratio to the proximal policy: with decoupled=true that ratio is 1 within a step, so only with decoupled=false."""
+    overlong: str = "none"
+    """What a response cut at rollout.max_new_tokens (finish_reason "length") does to training (DAPO): none | filter (no gradient: its tokens leave the loss mask) | penalty (a soft penalty added to its reward: 0 up to the last `overlong_buffer` tokens before the limit, then linear down to -1 at it)."""
+    overlong_buffer: int = 0
+    """overlong=penalty: the last tokens before rollout.max_new_tokens over which the penalty falls from 0 to -1; 1..rollout.max_new_tokens (DAPO: a fifth of the budget, 4096 of 20480)."""
 
 
 @dataclasses.dataclass
@@ -297,6 +313,8 @@ class RecipeConfig:
     """A previous run directory to continue from its last checkpoint (weights, optimizer, data, version, RNG, store); its model's shape is kept."""
     checkpoint_every: int = 10
     """Save a checkpoint every this many RL steps (and always at the end)."""
+    eval_every: int = 0
+    """Also measure held-out accuracy (greedy, as before and after RL) every this many RL steps, with the trainer's weights of that step, while training waits: the `held_out_accuracy` field of that step's metrics.jsonl line and points in progress.png. 0 = only before and after RL."""
     keep_checkpoints: int = 0
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete. 0 = keep all."""
     lease_s: float = 3600.0

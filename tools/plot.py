@@ -3,7 +3,8 @@
 `panels` computes what is drawn (a pure function, tested without matplotlib); `plot`
 draws it. Each panel shows one metric per step as faint raw points and its exponential
 moving average as a line; the reward panel marks the held-out accuracy before RL (at
-step 0) and after it (at the last step), the numbers summary.json reports.
+step 0) and after it (at the last step), the numbers summary.json reports, and draws the
+evaluations during RL (`eval_every`: the steps whose metrics hold `held_out_accuracy`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Panel:
     """`ema(raw)`: what the eye should follow."""
     marks: list[tuple[int, float, str]] = field(default_factory=list)
     """Points drawn apart: (step, value, label), such as held-out accuracy."""
+    evaluations: list[tuple[int, float]] = field(default_factory=list)
+    """(step, held-out accuracy) of the evaluations during RL (`eval_every`), drawn as one line."""
 
 
 def ema(values: Sequence[float], *, span: int) -> list[float]:
@@ -64,7 +67,8 @@ def panels(metrics: Sequence[Mapping[str, Any]], *, accuracy: Mapping[str, float
 
     Args:
         metrics: per-step metrics with `step`, `reward`, `samples` and `step_s`; those with
-            `response_len` add a response-length panel.
+            `response_len` add a response-length panel, those with `held_out_accuracy`
+            points of the reward panel's `evaluations`.
         accuracy: held-out accuracy, `before_rl` (marked at step 0) and `after_rl`
             (marked at the last step); a missing or None value is not marked.
         span: the moving average's span (default: `default_span`).
@@ -84,6 +88,7 @@ def panels(metrics: Sequence[Mapping[str, Any]], *, accuracy: Mapping[str, float
         reward.marks.append((0, float(accuracy["before_rl"]), "held-out accuracy before RL"))
     if accuracy.get("after_rl") is not None and steps:
         reward.marks.append((steps[-1], float(accuracy["after_rl"]), "held-out accuracy after RL"))
+    reward.evaluations = [(int(m["step"]), float(m["held_out_accuracy"])) for m in metrics if m.get("held_out_accuracy") is not None]
     out = [reward, panel("samples / s", [m["samples"] / m["step_s"] if m["step_s"] else math.nan for m in metrics])]
     if any("response_len" in m for m in metrics):
         out.append(panel("response length (tokens)", [_number(m.get("response_len")) for m in metrics]))
@@ -116,9 +121,11 @@ def plot(metrics: Sequence[Mapping[str, Any]], path: Path, *, accuracy: Mapping[
         ax.plot(panel.steps, panel.smooth, "-", color=color, linewidth=1.8, label=f"moving average ({span} step{'s' if span > 1 else ''})")
         for (step, value, label), marker in zip(panel.marks, ("o", "*")):
             ax.plot([step], [value], marker, color="black", markersize=9, linestyle="none", label=f"{label}: {value:.1%}")
+        if panel.evaluations:
+            ax.plot(*zip(*panel.evaluations), "s--", color="black", markersize=4, linewidth=0.8, label="held-out accuracy (eval_every)")
         ax.set_ylabel(panel.title)
         ax.grid(True, alpha=0.3)
-        if panel.marks:
+        if panel.marks or panel.evaluations:
             ax.legend(loc="best", fontsize=8)
     axes[-1, 0].set_xlabel("RL step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -35,6 +35,7 @@ from typing import Any
 
 from tidal.flow.files import write_whole
 from tidal.flow.liveness import Liveness
+from tidal.flow.protocols import SharesWeights
 from tidal.flow.ray_faults import ActorLost, death_summary, rank_died, remote_cause
 from tidal.flow.ray_placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
@@ -86,6 +87,9 @@ class RemoteRollouts:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rollouts, name)
+
+    def weights_wanted(self) -> Any:  # `ResendsWeights`: declared, for `isinstance` on any Python
+        return self._rollouts.weights_wanted()
 
     def close(self) -> None:
         import ray  # noqa: PLC0415
@@ -229,11 +233,10 @@ def _share_weights(trainer: Any, wiring: Any, rollouts: Any) -> bool:
     weights next change the engine waits for every actor to have taken the version
     (`rollouts.flush`; on this path it has, long before: a train step's forward and
     backward passes come first). False when the weights stay where they are."""
-    share = getattr(trainer, "share_weights", None)
-    if share is None:
+    if not isinstance(trainer, SharesWeights):
         return False
     try:
-        share(wiring.sender.place, before_change=rollouts.flush)
+        trainer.share_weights(wiring.sender.place, before_change=rollouts.flush)
     except ValueError as e:  # raised before anything moved: each publish copies the weights instead
         log.info("the trainer's weights stay in its own memory (each publish copies them): %s", e)
         return False

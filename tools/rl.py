@@ -12,14 +12,16 @@ import contextlib
 import copy
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tidal.engines.lr_schedule import LRSchedule
 from tidal.engines.registry import load
-from tidal.engines.rewards import resolve_reward, score
+from tidal.engines.reward_pool import RewardPool
+from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.trajectory import Trajectory
@@ -38,16 +40,42 @@ def run_reward(cfg: Any) -> Any:
     return resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
 
 
-def make_score(cfg: Any, tokenizer: Tokenizer) -> Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]]:
-    """The recipe's reward over finished trajectories: (rewards, indexes of failed rows)."""
-    reward = run_reward(cfg)
-    ends = set(tokenizer.eos_ids)
+def reward_workers(cfg: Any) -> int:
+    """`task.reward_workers`, null resolved: `DEFAULT_REWARD_WORKERS` for the rewards that
+    need a main thread (`POOLED_REWARDS`), else 0 (in the reward stage's thread)."""
+    if cfg.task.reward_workers is not None:
+        return cfg.task.reward_workers
+    return DEFAULT_REWARD_WORKERS if (cfg.task.reward or TASK_REWARDS[cfg.task.name]) in POOLED_REWARDS else 0
 
-    def texts_and_score(trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int]]:
-        texts = [tokenizer.decode([t for t in traj.tokens if t not in ends]) for traj in trajectories]
-        return score(reward, trajectories, texts)
 
-    return texts_and_score
+class Scorer:
+    """The recipe's reward over finished trajectories, as the workflow's `score`: (rewards,
+    indexes of failed rows, how many of them timed out). With `reward_workers(cfg)` > 0 it
+    runs in a `RewardPool` (each sample under `task.reward_timeout_s`), whose workers start
+    at the first call and end with `close()`; else in the caller's thread, with no timeout."""
+
+    def __init__(self, cfg: Any, tokenizer: Tokenizer) -> None:
+        self.reward, self.tokenizer = run_reward(cfg), tokenizer
+        self._ends = set(tokenizer.eos_ids)
+        workers = reward_workers(cfg)
+        preload = ("tidal.flow.trajectory", getattr(self.reward, "__module__", None) or "tidal.engines.rewards")
+        self.pool = RewardPool(num_workers=workers, timeout_s=cfg.task.reward_timeout_s, preload=preload) if workers else None
+
+    def __call__(self, trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int], int]:
+        texts = [self.tokenizer.decode([t for t in traj.tokens if t not in self._ends]) for traj in trajectories]
+        if self.pool is None:
+            return (*score(self.reward, trajectories, texts), 0)
+        return self.pool.score(self.reward, trajectories, texts)
+
+    def close(self) -> None:
+        """End the pool's workers (none to end without a pool, or before the first call)."""
+        if self.pool is not None:
+            self.pool.close()
+
+
+def make_score(cfg: Any, tokenizer: Tokenizer) -> Scorer:
+    """The recipe's reward over finished trajectories (`Scorer`; close it after the run)."""
+    return Scorer(cfg, tokenizer)
 
 
 def workflow_config(cfg: Any) -> WorkflowConfig:
@@ -59,6 +87,8 @@ def workflow_config(cfg: Any) -> WorkflowConfig:
         group_size=algo.group_size,
         max_staleness=algo.max_staleness,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        overlong=algo.overlong,
+        overlong_buffer=algo.overlong_buffer,
         prompts_per_generate=cfg.rollout.prompts_per_generate,
         advantage=algo.advantage,
         loss=loss_config(cfg),
@@ -66,6 +96,12 @@ def workflow_config(cfg: Any) -> WorkflowConfig:
         rollout_threads=stage_threads(cfg, "rollout"),
         lease_s=cfg.lease_s,
     )
+
+
+def lr_schedule(cfg: Any) -> LRSchedule:
+    """The recipe's learning-rate curve over its RL steps (`train.lr_schedule`, `train.warmup_steps`, `train.min_lr_ratio`)."""
+    train = cfg.train
+    return LRSchedule(kind=train.lr_schedule, warmup_steps=train.warmup_steps, num_steps=cfg.algorithm.num_steps, min_lr_ratio=train.min_lr_ratio)
 
 
 def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
@@ -123,9 +159,11 @@ class RL:
             weight_decay=cfg.train.weight_decay,
             grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
             temperature=cfg.rollout.temperature,
             precision=cfg.train.precision.value,
             max_nonfinite_steps=cfg.train.max_nonfinite_steps,
+            lr_schedule=lr_schedule(cfg),
             platform=run.platform,
             **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
             **run.engine_options,
@@ -133,7 +171,7 @@ class RL:
         if run.saved is not None:
             saved = run.saved
             reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights
-            self.trainer.load_state_dict({**self.trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], **reference})
+            self.trainer.load_state_dict({**self.trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lr_scheduler": saved.get("lr_scheduler"), **reference})
             set_rng_state(saved["rng"])
         self.rollout = build_rollout_engine(cfg, copy.deepcopy(self.template), run.tokenizer, platform=run.platform, version=self.trainer.version)  # the trainer's weights too
         self.sharing = None
@@ -155,8 +193,9 @@ class RL:
         self.remote = None
         if run.start_rollouts is not None:
             self.remote = (run.launched or run.start_rollouts(cfg, run.store, run.settings)).connect(self.trainer)
+        self.scorer = make_score(cfg, run.tokenizer)  # closed by `_close`
         self.workflow = Workflow(
-            store=run.store, rollout=self.rollout, trainer=self.trainer, prompts=self.prompts, score=make_score(cfg, run.tokenizer),
+            store=run.store, rollout=self.rollout, trainer=self.trainer, prompts=self.prompts, score=self.scorer,
             config=workflow_config(cfg), on_step=self.on_step, tracer=run.tracer, rollouts=self.remote, totals=run.totals,
         )
         self.stop = stop
@@ -192,9 +231,17 @@ class RL:
             save_checkpoint(self.r.run_dir, trainer=self.trainer, template=self.template, tokenizer=self.r.tokenizer, save_data=self.save_data, extra=extra, keep=self.r.cfg.keep_checkpoints, rng=rng)
             self.checkpointed.append(self.trainer.version)
 
+    def evaluates(self, step: int) -> bool:
+        """Whether RL step `step` ends with a held-out evaluation (`eval_every`; a run with held-out prompts)."""
+        every = self.r.cfg.eval_every
+        return bool(every) and step % every == 0 and bool(self.r.prompts.eval_items)
+
     def on_step(self, m: dict[str, Any]) -> None:
         if self.sharing is not None:
             m["handoffs"] = self.handoffs()
+        if self.evaluates(m["step"]):  # this step's weights; the next step waits. Greedy: no random number drawn, the run's samples stay as they were
+            with self.r.tracer.span("train", "evaluate", step=m["step"]):
+                m["held_out_accuracy"] = self.r.evaluate(unsharded(self.template, self.trainer.named_weights()))
         self.history.append(m)
         self.metrics.write(m)
         recent = self.history[-5:]
@@ -250,7 +297,8 @@ class RL:
             raise nonfinite
 
     def _close(self, failed: bool) -> None:
-        """End the remote rollouts and time-sharing; on a failure, save what the timeline has."""
+        """End the reward workers, the remote rollouts and time-sharing; on a failure, save what the timeline has."""
+        self.scorer.close()
         if self.remote is not None:
             self.remote.close()
             for i, timeline in enumerate(self.remote.timelines):

@@ -1,14 +1,15 @@
 """`tidal run` for RL recipes: build, warm-start, evaluate, run the async workflow, save.
 
 One run writes into its run directory: `config.yaml` and `platform.json` (see `run.py`),
-`metrics.jsonl` (one line per RL step), `timeline.json` (Chrome trace: one track per
-stage, open it in https://ui.perfetto.dev), `progress.png` (reward and throughput against
-time), `checkpoints/step-NNNNNN/` (model.safetensors + config.json + tokenizer.json, the
+`metrics.jsonl` (one line per RL step; `held_out_accuracy` every `eval_every` steps), `timeline.json` (Chrome trace: one track per
+stage, open it in https://ui.perfetto.dev), `progress.png` (reward, throughput and held-out accuracy by
+RL step), `checkpoints/step-NNNNNN/` (model.safetensors + config.json + tokenizer.json, the
 optimizer and store state for resume) and `summary.json` (accuracy before and after RL).
 
-A resumed run is the same run: its step numbers, `accuracy_before`, `first_reward`,
+A resumed run is the same run: its record (a new run directory's metrics.jsonl, and so its
+progress.png, start with the resumed run's steps up to the checkpoint), step numbers, `accuracy_before`, `first_reward`,
 `last_reward` (a finished run resumed takes no step: its checkpoint's) and the totals the
-metrics count since the run started (`failed_rewards`, `paused_generations`, `handed_off`,
+metrics count since the run started (`failed_rewards`, `reward_timeouts`, `paused_generations`, `handed_off`,
 `handoffs`) go on from its checkpoint. Its `rl_seconds`, `samples_per_s` and `tokens_per_s`
 measure this process's steps, those after `resumed_at`, and `timeshare` this process's
 seats since then (its `since_version`).
@@ -207,6 +208,7 @@ class Run:
         self.totals: dict[str, Any] = {}
         self.first_reward: float | None = None
         self.last_reward: float | None = None
+        self.earlier: list[dict[str, Any]] = []  # a resumed run's steps up to its checkpoint, as its metrics.jsonl holds them
 
     # --- build -------------------------------------------------------------------------
 
@@ -241,8 +243,8 @@ class Run:
         if self.resumed is not None:
             state = self.resumed
             self.totals, self.first_reward, self.last_reward = state.get("totals", {}), state.get("first_reward"), state.get("last_reward")  # none in a checkpoint from before they were saved
-            if Path(cfg.resume).resolve() == self.run_dir.resolve():
-                truncate_metrics(self.run_dir / "metrics.jsonl", state["version"])
+            same_dir = Path(cfg.resume).resolve() == self.run_dir.resolve()
+            self.earlier = truncate_metrics(Path(cfg.resume) / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
             self.accuracy_before = state["accuracy_before"]
             self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({self.resume_from.name})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
 
@@ -289,13 +291,15 @@ class Run:
         history, totals = rl.history, self.totals
         accuracy_after = None
         if rl.stop.reason is None:
-            accuracy_after = self.evaluate(unsharded(self.model, rl.trainer.named_weights()))
+            last = history[-1] if history else {}
+            measured = last.get("step") == rl.trainer.version and "held_out_accuracy" in last  # at the last step (`eval_every`): these weights
+            accuracy_after = last["held_out_accuracy"] if measured else self.evaluate(unsharded(self.model, rl.trainer.named_weights()))
             if accuracy_after is not None:
                 rl.metrics.write_final({"held_out_accuracy": {"before_rl": self.accuracy_before, "after_rl": accuracy_after}}, step=rl.trainer.version)
         rl.metrics.close()
         self.tracer.save(self.run_dir / "timeline.json")
-        if history:
-            plot(history, self.run_dir / "progress.png", accuracy={"before_rl": self.accuracy_before, "after_rl": accuracy_after})
+        if steps := [*self.earlier, *history]:  # the whole run's: a resumed one's starts at its first step
+            plot(steps, self.run_dir / "progress.png", accuracy={"before_rl": self.accuracy_before, "after_rl": accuracy_after})
         samples = sum(m["samples"] for m in history)
         counted = history[-1] if history else totals  # the run's totals: a finished run resumed takes no step
         seconds = rl.rl_seconds
@@ -308,7 +312,7 @@ class Run:
             "tokens_per_s": sum(m["tokens"] for m in history) / seconds if seconds else 0.0,
             "first_reward": rl.run_first_reward(),
             "last_reward": rl.run_last_reward(),
-            **{key: counted.get(key, 0) for key in ("failed_rewards", "paused_generations", "handed_off")},
+            **{key: counted.get(key, 0) for key in ("failed_rewards", "reward_timeouts", "paused_generations", "handed_off")},
         }
         if self.resumed is not None:  # rl_seconds and the rates are this process's: its steps came after this version
             summary["resumed_at"] = self.resumed["version"]

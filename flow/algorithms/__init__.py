@@ -4,7 +4,8 @@ Nothing here knows about devices, engines or the store: every function takes ten
 returns tensors on the same device, so the trainer can call them wherever its model runs.
 `ADVANTAGES` maps recipe names to estimators; `policy_loss` with a `PolicyLossConfig`
 covers PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO, KL and
-entropy terms (`token_entropy` gives the entropy from log-probabilities).
+entropy terms (`token_entropy` gives the entropy from log-probabilities); `overlong`
+handles responses cut at the token budget (DAPO's filter and soft penalty).
 """
 
 from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo
@@ -20,19 +21,23 @@ from tidal.flow.algorithms.losses import (
     sequence_keep,
     token_entropy,
 )
+from tidal.flow.algorithms.overlong import OVERLONG, filter_truncated, overlong_penalty
 
 __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "LEVELS",
+    "OVERLONG",
     "PolicyLossConfig",
     "aggregate",
     "compute_advantages",
     "dr_grpo",
+    "filter_truncated",
     "grpo",
     "kl_estimate",
     "masked_mean",
+    "overlong_penalty",
     "policy_loss",
     "rloo",
     "sequence_keep",

@@ -19,10 +19,14 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _assert_same_run(full: Path, resumed: Path, *, from_step: int, last_step: int = 4) -> None:
-    """`resumed` (from `from_step`) ends with `full`'s per-step metrics and final weights."""
-    assert [m["step"] for m in _steps(resumed)] == list(range(from_step + 1, last_step + 1))
-    assert [m["reward"] for m in _steps(resumed)] == [m["reward"] for m in _steps(full)[from_step:]]
-    assert _steps(resumed) == _steps(full)[from_step:]
+    """`resumed` (from `from_step`) ends with `full`'s per-step metrics and final weights. Its
+    record holds each step once: from 1 when the run it resumed left a metrics.jsonl (copied up
+    to the checkpoint), else (a bare checkpoint folder) from `from_step + 1`."""
+    first = _steps(resumed)[0]["step"]
+    assert first in (1, from_step + 1)
+    assert [m["step"] for m in _steps(resumed)] == list(range(first, last_step + 1))
+    assert [m["reward"] for m in _steps(resumed)] == [m["reward"] for m in _steps(full)[first - 1 :]]
+    assert _steps(resumed) == _steps(full)[first - 1 :]
     a, b = (load_file(run / "checkpoints" / f"step-{last_step:06d}" / "model.safetensors") for run in (full, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

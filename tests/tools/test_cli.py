@@ -193,7 +193,9 @@ def test_quickstart_trains_resumes_and_writes_its_run_directory(tidal_cli, tmp_p
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stderr and "at version 20" in out.stderr and "Loading weights" not in out.stderr
     assert f"resuming {run_dir} with these keys changed (the others as it ran):\n  checkpoint_every: 10 -> 100\n  train.lr: 0.0002 -> 0.0003\n  algorithm.num_steps: 20 -> 24\n" in out.stdout
-    more = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    record = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert record[:20] == steps  # the run's record: the resumed run's steps, then this one's
+    more = record[20:]
     assert [m["step"] for m in more] == [21, 22, 23, 24]
     assert {m["lr"] for m in steps} == {0.0002} and {m["lr"] for m in more} == {0.0003}  # the new lr, not the checkpoint's
     assert sum(m["reward"] for m in more) / 4 > first  # it continued from the trained weights
@@ -235,7 +237,7 @@ def test_an_interrupted_run_saves_a_checkpoint_says_how_to_continue_and_that_com
     assert f"at version {stopped_at}" in out.stderr
     (resumed,) = (tmp_path / "runs").iterdir()
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(stopped_at + 1, 13))
+    assert steps == list(range(1, 13))  # the run's record: every step once
 
 
 def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
@@ -350,7 +352,8 @@ def test_bench_number_lists_that_are_not_numbers_are_usage_errors(tidal_cli, opt
 
 def test_a_finished_run_resumed_with_no_step_left_lists_only_the_files_it_wrote(tidal_cli, tmp_path):
     """Resuming a run whose steps are all done trains nothing: its new directory gets the
-    checkpoint (and the timeline), and the closing line names only what is there."""
+    checkpoint (and the timeline), the run's record (metrics.jsonl and its plot), and the
+    closing line names only what is there."""
     small = ["sft.steps=0", "task.num_eval_prompts=8", "algorithm.num_steps=1", "tensorboard=false", "--no-progress"]
     done, again = tmp_path / "done", tmp_path / "again"
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={done}", *small, cwd=tmp_path)
@@ -359,9 +362,9 @@ def test_a_finished_run_resumed_with_no_step_left_lists_only_the_files_it_wrote(
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={again}", f"resume={done}", *small, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     line = next(line for line in out.stdout.splitlines() if line.startswith("tidal: run directory"))
-    assert line == f"tidal: run directory {again} (timeline.json, checkpoints/)"
+    assert line == f"tidal: run directory {again} (metrics.jsonl, timeline.json, progress.png, checkpoints/)"
     assert (again / "timeline.json").is_file() and (again / "checkpoints" / "latest").is_file()
-    assert not (again / "metrics.jsonl").exists() and not (again / "progress.png").exists()
+    assert (again / "metrics.jsonl").read_text() == (done / "metrics.jsonl").read_text() and (again / "progress.png").is_file()
 
 
 def test_a_kl_run_keeps_the_warm_start_as_its_reference_through_a_resume(tidal_cli, tmp_path):
@@ -385,7 +388,7 @@ def test_a_kl_run_keeps_the_warm_start_as_its_reference_through_a_resume(tidal_c
 
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={run_dir}", "algorithm.num_steps=12", *small, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    again = [json.loads(line)["kl"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(line)["kl"] for line in (resumed / "metrics.jsonl").read_text().splitlines()][10:]  # after the resumed run's steps
     assert len(again) == 2 and min(again) > 0  # against the warm start: the checkpoint's own weights would give 0 at step 11
     saved = torch.load(resumed / "checkpoints" / "step-000012" / "trainer.pt", weights_only=False)["reference"]
     assert all(torch.equal(saved[k], warm[k]) for k in warm)

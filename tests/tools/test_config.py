@@ -107,6 +107,10 @@ def test_defaults_recipe_and_overrides_merge_in_order(tmp_path):
         ("placement.train.count=0", "placement.train.count=0 must be >= 1"),
         ("placement.rollout.devices_each=0", "placement.rollout.devices_each=0 must be >= 1"),
         ("train.max_nonfinite_steps=-1", "train.max_nonfinite_steps=-1 must be >= 0"),
+        ("train.lr_schedule=linear", "train.lr_schedule='linear' is not one of constant, cosine"),
+        ("train.warmup_steps=-1", "train.warmup_steps=-1 must be >= 0"),
+        ("train.min_lr_ratio=1.5", "train.min_lr_ratio=1.5 must be in [0, 1]"),
+        ("eval_every=-1", "eval_every=-1 must be >= 0"),
     ],
 )
 def test_override_errors_name_the_key(override, expected):

@@ -83,3 +83,15 @@ def test_a_plot_the_disk_refuses_names_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError) as e:
         plot([{"step": 2, "time": 1.5, "step_s": 0.5, "samples": 8, "reward": 0.6}], tmp_path / "progress.png")
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "progress.png")
+
+
+def test_evaluations_during_rl_are_drawn_on_the_reward_panel(tmp_path):
+    """The steps whose metrics hold `held_out_accuracy` (`eval_every`), beside the before/after marks."""
+    metrics = _metrics(range(1, 11))
+    for m, accuracy in zip(metrics[4::5], (0.4, 0.6)):
+        m["held_out_accuracy"] = accuracy
+    drawn = panels(metrics, accuracy={"before_rl": 0.25, "after_rl": 0.6})
+    assert drawn[0].evaluations == [(5, 0.4), (10, 0.6)] and len(drawn[0].marks) == 2
+    assert all(not p.evaluations for p in drawn[1:])
+    plot(metrics, tmp_path / "progress.png", accuracy={"before_rl": 0.25, "after_rl": 0.6})
+    assert (tmp_path / "progress.png").stat().st_size > 0

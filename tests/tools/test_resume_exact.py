@@ -117,6 +117,43 @@ def test_a_finished_run_continued_for_more_steps_repeats_the_longer_run(runs, tm
     _run(short, "algorithm.num_steps=2")
     _run(longer, f"resume={short}")
     runs.assert_same(full, longer, from_step=2)
+    assert [m["step"] for m in runs.steps(longer)] == [1, 2, 3, 4]  # the run's record, short's steps copied
+
+
+def test_a_run_resumed_from_a_periodic_checkpoint_goes_on_along_its_lr_schedule(runs, tmp_path, rewards):
+    """Warmup and cosine: the checkpoint keeps the schedule's position, so the resumed run's
+    steps train at the uninterrupted run's lr (a fresh schedule would warm up again)."""
+    schedule = ["train.lr=0.03", "train.lr_schedule=cosine", "train.warmup_steps=1", "train.min_lr_ratio=0.1", "checkpoint_every=2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(full, *schedule)
+    assert [m["lr"] for m in runs.steps(full)] == pytest.approx([0.015, 0.03, 0.0165, 0.003])  # warmup 1/2, then 1, 0.55 (midpoint), 0.1
+    cut = tmp_path / "cut"
+    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
+    (cut / "checkpoints" / "latest").write_text("step-000002\n")
+    _run(resumed, *schedule, f"resume={cut}")
+    runs.assert_same(full, resumed, from_step=2)
+
+
+def test_a_run_resumed_in_a_new_directory_keeps_one_record_of_every_step(runs, tmp_path, rewards, monkeypatch):
+    """A crash after step 3, its last checkpoint step 2's: the new directory's metrics.jsonl
+    holds steps 1-2 from the resumed run (not its step 3, which is taken again) and then its
+    own, each once, and progress.png is drawn from all of them. The resumed run's file stays."""
+    from tidal.tools import train as train_module
+
+    drawn = []
+    plot = train_module.plot
+    monkeypatch.setattr(train_module, "plot", lambda metrics, *args, **kwargs: drawn.append([m["step"] for m in metrics]) or plot(metrics, *args, **kwargs))
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(full, "checkpoint_every=2")
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    (crashed / "checkpoints" / "latest").write_text("step-000002\n")
+    (crashed / "metrics.jsonl").write_text("".join((full / "metrics.jsonl").read_text().splitlines(keepends=True)[:3]) + '{"step": 4, "rew')  # step 3, and half a line
+    _run(resumed, "checkpoint_every=2", f"resume={crashed}")
+    assert [m["step"] for m in runs.steps(resumed)] == [1, 2, 3, 4]
+    runs.assert_same(full, resumed, from_step=2)
+    assert drawn[-1] == [1, 2, 3, 4] and (resumed / "progress.png").exists()
+    assert len((crashed / "metrics.jsonl").read_text().splitlines()) == 4  # left as it was
 
 
 def test_a_resumed_run_goes_on_counting_the_runs_totals(runs, tmp_path, rewards):
@@ -143,12 +180,14 @@ def test_totals_saved_with_a_checkpoint_carry_through_every_later_resume(runs, t
     _run(first, *colocated, "algorithm.num_steps=2")
     path = first / "checkpoints" / "step-000002" / "state.json"
     state = json.loads(path.read_text())
-    earlier = {"failed_rewards": 1000, "paused_generations": 2000, "handed_off": 3000, "handoffs": 4000, "silent_rollouts": 5000}
+    earlier = {"failed_rewards": 1000, "reward_timeouts": 600, "paused_generations": 2000, "handed_off": 3000, "handoffs": 4000, "silent_rollouts": 5000}
     assert set(state["totals"]) == set(earlier)
     path.write_text(json.dumps({**state, "totals": earlier}))  # as a long run would have left them
     _run(second, *colocated, "algorithm.num_steps=3", f"resume={first}")
     summary = _run(third, *colocated, "algorithm.num_steps=4", f"resume={second}")
-    steps = runs.steps(second) + runs.steps(third)
+    assert runs.steps(second) == runs.steps(first) + runs.steps(second)[2:]  # the run's record: each step once
+    assert runs.steps(third)[:3] == runs.steps(second)
+    steps = runs.steps(third)[2:]
     assert [m["step"] for m in steps] == [3, 4]
     assert all(m[key] >= earlier[key] for m in steps for key in earlier), steps
     assert earlier["handoffs"] < steps[0]["handoffs"] < steps[1]["handoffs"]  # the devices changed hands in each step

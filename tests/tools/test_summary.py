@@ -73,7 +73,7 @@ def test_a_resumed_runs_summary_has_the_runs_last_reward_and_handoffs_and_says_w
 
     # A finished run resumed (to evaluate it, say): no step is taken, and the summary is still the run's.
     summary = _run(again, "algorithm.num_steps=5", f"resume={longer}")
-    assert summary["steps"] == 5 and not (again / "metrics.jsonl").exists()
+    assert summary["steps"] == 5 and (again / "metrics.jsonl").read_text() == (longer / "metrics.jsonl").read_text()  # the run's record, no step added
     assert summary["last_reward"] == line["reward"] is not None  # it was None
     assert summary["first_reward"] == _run_first_reward(first)
     assert summary["handoffs"] == saved["totals"]["handoffs"] >= line["handoffs"]

@@ -37,3 +37,14 @@ def first_token_even(trajectory, text: str) -> float:
     """1.0 when the response's first token id is even: half of a random model's samples at
     first, and a preference any tokenizer's model can learn in a few steps (the hf fixture's)."""
     return float(bool(trajectory.tokens) and trajectory.tokens[0] % 2 == 0)
+
+
+def first_token_even_or_hangs(trajectory, text: str) -> float:
+    """`first_token_even`, except that it never returns (sleeps an hour) when the response's
+    first token id is a multiple of 3: about a third of a random model's samples. Responses
+    without tokens (the held-out evaluation's) never hang."""
+    import time  # noqa: PLC0415
+
+    if trajectory.tokens and trajectory.tokens[0] % 3 == 0:
+        time.sleep(3600)
+    return first_token_even(trajectory, text)

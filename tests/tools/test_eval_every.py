@@ -1,0 +1,44 @@
+"""`eval_every`: held-out accuracy during RL, in metrics.jsonl and summary.json, without
+changing what the run trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SMALL = [
+    "task.num_eval_prompts=4", "sft.steps=2", "sft.batch_size=8", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
+    "algorithm.max_staleness=0", "algorithm.num_steps=4", "threads=1", "tensorboard=false", "rollout.max_new_tokens=3",
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+]  # fmt: skip
+
+
+def _run(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import prepare_run
+    from tidal.tools.train import train
+
+    cfg, made = prepare_run(resolve_recipe("quickstart_cpu"), [*SMALL, f"run_dir={run_dir}", *overrides])
+    return train(cfg, made, progress=False)
+
+
+def test_every_nth_step_records_held_out_accuracy_and_the_run_trains_as_without(runs, tmp_path, monkeypatch):
+    from tidal.tools import train as train_module
+
+    evaluated = []
+    evaluate = train_module.evaluate
+    monkeypatch.setattr(train_module, "evaluate", lambda model, *args, **kwargs: evaluated.append(model) or evaluate(model, *args, **kwargs))
+    plain, periodic = tmp_path / "plain", tmp_path / "periodic"
+    _run(plain)
+    del evaluated[:]
+    summary = _run(periodic, "eval_every=2")
+    steps = runs.steps(periodic)
+    accuracies = [m.get("held_out_accuracy") for m in steps]
+    assert [a is not None for a in accuracies] == [False, True, False, True]
+    assert all(0.0 <= a <= 1.0 for a in accuracies if a is not None)
+    assert summary["accuracy_after"] == accuracies[-1]  # the last step's evaluation is the final one
+    assert len(evaluated) == 2 + 2  # before and after the warm start, then steps 2 and 4 (none again at the end)
+    assert [{k: v for k, v in m.items() if k != "held_out_accuracy"} for m in steps] == runs.steps(plain)  # greedy: nothing else changed
+    assert (periodic / "progress.png").exists()
+    assert json.loads((periodic / "summary.json").read_text())["accuracy_after"] == accuracies[-1]
