@@ -111,14 +111,15 @@ class HFRolloutEngine:
         budget = torch.tensor([max_new_tokens - t.num_generated for t in active])
         num_steps = int(budget.max())
         tokens = torch.full((n, num_steps), self.pad_id, dtype=torch.long)
-        logprobs = torch.zeros((n, num_steps), dtype=torch.float32)
+        logprobs = torch.zeros((n, num_steps), dtype=torch.float64)  # a float64 model's logprobs kept whole
         counts = torch.zeros(n, dtype=torch.long)
         live = torch.arange(n)  # original row of each row still in the batch
         cache = None
         for step in range(num_steps):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_name: cache}, **self._last_logits)
             cache = getattr(out, self._cache_name)
-            scores = out.logits[:, -1].float() / self.temperature
+            scores = out.logits[:, -1]
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / self.temperature  # half precision up to float32; float64 stays
             if shared is not None and step == 0:  # every row gets its own copy of its prefill
                 scores, mask, positions = scores[shared], mask[shared], positions[shared]
                 cache.batch_select_indices(shared)
@@ -127,7 +128,7 @@ class HFRolloutEngine:
             sampled = sampled.squeeze(-1)
             host = sampled.cpu()
             tokens[live, step] = host
-            logprobs[live, step] = chosen
+            logprobs[live, step] = chosen.double()
             counts[live] = step + 1
             going = ~torch.isin(host, self._stops) & (budget[live] > step + 1)
             if not bool(going.any()):

@@ -41,10 +41,22 @@ def _fresh_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     reset_platform()
 
 
-def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the real `tidal` command (the console script beside this interpreter)."""
+def with_env(env: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment (less `TIDAL_DEVICE`) with `env` over it, `PYTHONPATH`
+    entries put before the inherited ones."""
     full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
-    full_env.update(env or {})
+    for key, value in (env or {}).items():
+        inherited = full_env.get(key) if key == "PYTHONPATH" else None
+        full_env[key] = f"{value}{os.pathsep}{inherited}" if value and inherited else value
+    return full_env
+
+
+def run_tidal(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the real `tidal` command (the console script beside this interpreter). A
+    `PYTHONPATH` in `env` goes before the one this process has, not in its place: where the
+    package is on the interpreter's path that way (a GPU machine's bundle), replacing it lost
+    tidal itself (issue 40)."""
+    full_env = with_env(env)
     exe = Path(sys.executable).with_name("tidal")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tidal.tools.cli"]
     return subprocess.run([*cmd, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -66,6 +78,12 @@ def wait_for():
 @pytest.fixture
 def tidal_cli():
     return run_tidal
+
+
+@pytest.fixture
+def child_env():
+    """`with_env(env)`: the environment `tidal_cli` gives a child process."""
+    return with_env
 
 
 @pytest.fixture(scope="session")

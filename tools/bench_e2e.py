@@ -146,16 +146,20 @@ def run(
         progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")
     systems = chosen
     results: dict[str, list[dict[str, Any]]] = {}
+    failed: set[str] = set()
     for round_, seed in enumerate(seeds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
-            if "skipped" in results.get(system, [{}])[0]:
+            if system in failed:
                 continue
             progress(f"{system}: seed {seed}, {num_steps} steps")
             try:
                 results.setdefault(system, []).append(run_one(system, seed))
-            except PlacementError as e:  # e.g. the Ray system's two roles on a machine with one GPU
-                progress(f"{system}: skipped, its roles do not fit this machine: {e}")
-                results[system] = [{"skipped": f"its roles do not fit this machine: {e}"}]
+            except Exception as e:  # noqa: BLE001 - one system that cannot run never loses the others' numbers
+                why = f"its roles do not fit this machine: {e}" if isinstance(e, PlacementError) else f"failed at seed {seed}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                progress(f"{system}: skipped, {why}")
+                failed.add(system)
+                if not results.get(system):  # runs of earlier seeds stay in the table
+                    results[system] = [{"skipped": why}]
     return results
 
 

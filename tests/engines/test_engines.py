@@ -56,7 +56,8 @@ def test_tiny_model_size_determinism_and_save_load(tmp_path):
 
 def _reference_logprobs(model, trajectory):
     ids = torch.tensor([trajectory.ids])
-    logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    logits = model(ids).logits[0, :-1]
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)  # a float64 model's in float64
     p = len(trajectory.prompt_ids)
     return [logprobs[p - 1 + j, tok].item() for j, tok in enumerate(trajectory.tokens)]
 
@@ -135,6 +136,18 @@ def test_partial_rollout_pauses_loads_new_weights_and_resumes():
     resumed = Trajectory(prompt_ids=trajectory.prompt_ids + trajectory.tokens[:2])  # the new weights' part
     resumed.extend(trajectory.tokens[2:], trajectory.logprobs[2:], 1)
     assert trajectory.logprobs[2:] == pytest.approx(_reference_logprobs(reference, resumed), abs=1e-4)
+
+
+def test_a_float64_models_sampled_logprobs_are_not_rounded_to_float32():
+    # The decoding loop cast the logits to float32: on an H200 a float64 model's logprobs were
+    # 4.8e-7 off a float64 forward (issue 40); on CPU the same cast rounds them alike.
+    model = tiny(0, torch.float64)
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, chunk_tokens=3)
+    torch.manual_seed(0)
+    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-14=", "7="] for _ in range(4)]
+    engine.generate(trajectories, max_new_tokens=7)
+    for t in trajectories:
+        assert t.logprobs == pytest.approx(_reference_logprobs(model, t), abs=1e-9)
 
 
 def test_sampling_loop_draws_what_transformers_generate_draws():

@@ -178,3 +178,28 @@ def test_e2e_runs_only_the_systems_asked_for(monkeypatch):
     assert calls == [("tidal-async", 0), ("tidal-sync", 0), ("tidal-sync", 1), ("tidal-async", 1)] and list(results) == ["tidal-async", "tidal-sync"]
     with pytest.raises(ValueError, match=r"unknown e2e system\(s\) \['tidal-asink'\]"):
         bench_e2e.run(seeds=[0], num_steps=3, systems=["tidal-asink"], progress=lambda m: None)
+
+
+def test_e2e_a_system_that_fails_is_skipped_saying_why_and_the_others_are_measured(monkeypatch):
+    # On an H200 `tidal-async-ray` failed to place its roles and the bench printed no table:
+    # every measured number was lost (issue 40).
+    from tidal.tools import bench_trl
+
+    run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
+
+    def fake_run(system_overrides, *, seed, num_steps, overrides):
+        if "runtime=ray" in system_overrides:
+            raise RuntimeError("placement: cannot place role 'rollout': 0/1 free\n(details)")
+        if "threads=1" in system_overrides and seed == 1:
+            raise ValueError("out of memory")
+        return run
+
+    monkeypatch.setattr(bench_e2e, "run_tidal", fake_run)
+    monkeypatch.setattr(bench_trl, "available", lambda: False)
+    results = bench_e2e.run(seeds=[0, 1, 2], num_steps=3, progress=lambda m: None)
+    assert results["tidal-async-ray"] == [{"skipped": "failed at seed 0: RuntimeError: placement: cannot place role 'rollout': 0/1 free"}]
+    assert len(results["tidal-async"]) == 3
+    if "tidal-sync-1t" in bench_e2e.SYSTEMS:  # a machine with more than one core
+        assert len(results["tidal-sync-1t"]) == 1  # its seed 0 kept; seed 2 not tried after seed 1 failed
+    rows = {row[0]: row for row in bench_e2e.table(results)[1:]}
+    assert rows["tidal-async-ray"][-1].startswith("not measured: failed at seed 0: RuntimeError") and rows["tidal-async"][1] == "100.0"

@@ -60,6 +60,7 @@ def _run_and_kill(tmp_path: Path, overrides: list[str], *, at_step: int, victim,
     run_dir = tmp_path / "run"
     cmd = [str(Path(sys.executable).parent / "tidal"), "run", "mixed_npu_gpu", f"run_dir={run_dir}", *SMALL, *overrides, "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"} | ENV
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ENV["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)  # added to, not replaced
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

@@ -168,6 +168,7 @@ def test_ctrl_c_at_the_driver_stops_the_ray_run_after_the_trainers_step_with_a_c
     small = [o for o in SMALL if not o.startswith("algorithm.num_steps")] + ["algorithm.num_steps=200"]
     cmd = [str(Path(sys.executable).parent / "tidal"), "run", "quickstart_cpu", "runtime=ray", f"run_dir={run_dir}", *small, "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"} | ENV | {"HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ENV["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)  # added to, not replaced
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
