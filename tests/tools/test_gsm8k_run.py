@@ -72,3 +72,17 @@ def test_gsm8k_recipe_trains_a_local_checkpoint_on_a_data_file_and_resumes_exact
     out = tidal_cli("run", "gsm8k_qwen", f"run_dir={resumed}", f"resume={cut}", *data, *SMALL, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     runs.assert_same(full, resumed, from_step=8, last_step=16)  # the same prompts from the data position on, the same samples, the same weights
+
+    exported = tmp_path / "exported"  # the trained hf model leaves as a directory transformers loads unchanged
+    out = tidal_cli("export", str(full), str(exported), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    last = json.loads((full / "summary.json").read_text())["steps"]
+    trained = load_file(full / "checkpoints" / f"step-{last:06d}" / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in trained.items())
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.encode("What is 2+3?") == HFTokenizer.from_pretrained(checkpoint).encode("What is 2+3?", add_bos=False)
