@@ -93,7 +93,7 @@ def test_e2e_system_whose_roles_do_not_fit_is_skipped_saying_why(monkeypatch):
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
     calls = []
 
-    def fake_run(system_overrides, *, seed, num_steps, overrides):
+    def fake_run(system_overrides, *, seed, num_steps, overrides, recipe):
         calls.append((tuple(system_overrides), seed, tuple(overrides)))
         if "runtime=ray" in system_overrides:
             raise PlacementError("role 'rollout' needs 1 device with [cuda]: none is free")
@@ -187,7 +187,7 @@ def test_e2e_a_system_that_fails_is_skipped_saying_why_and_the_others_are_measur
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
 
-    def fake_run(system_overrides, *, seed, num_steps, overrides):
+    def fake_run(system_overrides, *, seed, num_steps, overrides, recipe):
         if "runtime=ray" in system_overrides:
             raise RuntimeError("placement: cannot place role 'rollout': 0/1 free\n(details)")
         if "threads=1" in system_overrides and seed == 1:
@@ -203,3 +203,50 @@ def test_e2e_a_system_that_fails_is_skipped_saying_why_and_the_others_are_measur
         assert len(results["tidal-sync-1t"]) == 1  # its seed 0 kept; seed 2 not tried after seed 1 failed
     rows = {row[0]: row for row in bench_e2e.table(results)[1:]}
     assert rows["tidal-async-ray"][-1].startswith("not measured: failed at seed 0: RuntimeError") and rows["tidal-async"][1] == "100.0"
+
+
+def test_e2e_quickstart_workload_is_the_quickstart_recipe_as_it_ships(monkeypatch):
+    from tidal.tools import bench_trl
+
+    calls = []
+    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, overrides, recipe, **_: calls.append((recipe, tuple(overrides))) or {})
+    monkeypatch.setattr(bench_trl, "available", lambda: False)
+    bench_e2e.run(seeds=[0], num_steps=2, overrides=["device=cpu"], systems=["tidal-async"], progress=lambda m: None)
+    assert calls == [("quickstart_cpu", ("device=cpu",))]
+
+
+def test_e2e_longtail_workload_runs_gsm8k_qwen_on_its_files_and_says_trl_is_not_wired(monkeypatch, tmp_path):
+    from tidal.tools import bench_fixture, bench_trl
+
+    files = {"model": tmp_path / "model", "train": tmp_path / "train.jsonl"}
+    monkeypatch.setattr(bench_fixture, "longtail_workload", lambda: files)  # no build: the files are not read here
+    calls, notes = [], []
+    run = {"samples_per_s": 10.0, "tokens_per_s": 800.0, "rl_seconds": 1.0, "accuracy_before": None, "accuracy_after": None}
+    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, overrides, recipe, **_: calls.append((recipe, tuple(overrides))) or run)
+    monkeypatch.setattr(bench_trl, "available", lambda: True)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda **_: pytest.fail("TRL ran on the longtail workload"))
+    results = bench_e2e.run(seeds=[0], num_steps=2, overrides=["rollout.max_new_tokens=64"], systems=["tidal-async", "trl"], workload="longtail", progress=notes.append)
+    assert calls == [("gsm8k_qwen", (f"model.path={files['model']}", f"data.train_files=[{files['train']}]", *bench_e2e.LONGTAIL_OVERRIDES, "rollout.max_new_tokens=64"))]  # the user's overrides last
+    assert results["trl"] == [{"skipped": bench_e2e.TRL_NOT_WIRED}] and any("not wired" in note for note in notes)
+    header, async_row, trl_row = bench_e2e.table(results)
+    assert async_row[6:8] == ["-", "-"]  # no held-out prompts: no accuracy, not 0%
+    assert trl_row[0] == "trl" and trl_row[-1] == f"not measured: {bench_e2e.TRL_NOT_WIRED}"  # and no "TRL is not installed" row beside it
+
+
+def test_e2e_unknown_workload_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match="longtail"):
+        bench_e2e.run(seeds=[0], num_steps=1, workload="nope", progress=lambda m: None)
+
+
+@pytest.mark.slow
+def test_e2e_longtail_workload_really_runs_one_system(monkeypatch, tmp_path):
+    """Two real steps of tidal-async on the longtail checkpoint (built into a fresh cache)."""
+    from tidal.tools.bench_fixture import LONGTAIL_VERSION
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    results = bench_e2e.run(seeds=[0], num_steps=2, systems=["tidal-async"], workload="longtail", progress=lambda m: None)
+    (run,) = results["tidal-async"]
+    assert "skipped" not in run, run
+    assert run["steps"] == 2 and run["samples_per_s"] > 0 and run["accuracy_before"] is None
+    assert 1 <= run["response_len_start"] < 256  # most responses end before the budget
+    assert (tmp_path / "tidal" / f"bench-longtail-v{LONGTAIL_VERSION}" / "model" / "model.safetensors").is_file()
