@@ -68,6 +68,9 @@ def test_train_max_nonfinite_steps_reaches_the_engine_and_the_run_resumes_from_w
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000003"
     monkeypatch.setattr(TorchTrainEngine, "train_step", real)
     assert main([*args, f"resume={run_dir}", f"run_dir={tmp_path / 'resumed'}"]) == 0
-    lines = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    record = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in record] == [1, 2, 3, 4, 5, 6] and record[:3] == [m for m in first if m["step"] <= 3]  # the run's whole record, once
+    lines = record[3:]
     assert [(m["step"], m["nonfinite_grad"]) for m in lines] == [(4, 0.0), (5, 0.0), (6, 0.0)]
     assert all(math.isfinite(m["grad_norm"]) for m in lines)

@@ -208,7 +208,8 @@ def test_a_run_resumed_under_ray_goes_on_from_the_checkpoints_totals(runs, tmp_p
     env = {"PYTHONPATH": str(Path(rewards.__file__).parent), "RAY_AUTH_MODE": "disabled"}
     out = tidal_cli("run", "quickstart_cpu", *TINY, "runtime=ray", f"resume={first}", f"run_dir={second}", "--no-progress", env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    steps = runs.steps(second)
+    steps = [m for m in runs.steps(second) if m["step"] > 2]  # after the first run's steps 1-2, which the record keeps
+    assert [m["step"] for m in runs.steps(second)] == [1, 2, 3, 4]
     assert [m["step"] for m in steps] == [3, 4] and all(m[key] >= earlier[key] for m in steps for key in earlier), steps
     summary = json.loads((second / "summary.json").read_text())
     assert summary["resumed_at"] == 2 and all(summary[key] == steps[-1][key] for key in earlier)
