@@ -56,7 +56,7 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
 
     A command that raises ends this with its error, but for `FloatingPointError`: gradients
     that stay non-finite raise it at the same step on every rank (the decision is taken on
-    the all-reduced norm: `torch_train.NonfiniteGuard`) with nothing stepped, and rank 0
+    the all-reduced norm: `train_steps.NonfiniteGuard`) with nothing stepped, and rank 0
     then saves a checkpoint of that state, whose collectives need this rank, before it
     gives up the group (which ends this).
     """

@@ -15,7 +15,7 @@ is zero on every loss token get no forward or backward pass when there is no KL 
 (`skipped_rows`; each rank skips its own). Ranks run the same number of forwards and
 backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or one whose
 micro-batch has no loss token, runs a zero-weight dummy pass. A step whose global gradient
-norm is not finite is skipped on every rank (`torch_train.NonfiniteGuard`).
+norm is not finite is skipped on every rank (`train_steps.NonfiniteGuard`).
 
 Weights: `named_weights()` is a `WeightSource` (`tidal.hal.transfer`): its specs come from
 the shards' global shapes without gathering, and each pass all-gathers one parameter at
@@ -83,7 +83,7 @@ from torch.distributed.tensor import DTensor
 from tidal.engines.fsdp_lead import model_recipe, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, row_lengths
-from tidal.engines.torch_train import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
+from tidal.engines.train_steps import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
