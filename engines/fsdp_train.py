@@ -67,19 +67,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
 from tidal.engines.fsdp_lead import model_recipe, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, row_lengths
@@ -584,12 +583,7 @@ class FSDPTrainEngine:
         self._save_checkpoint(directory)
 
     def _save_checkpoint(self, directory: str | Path) -> None:
-        state: dict[str, Any] = {"version": torch.tensor(self.version, dtype=torch.int64), "lr_step": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64)}
-        if self.optimizer.state:
-            state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizer)
-        else:
-            state["model"] = get_model_state_dict(self.model)
-        dcp.save(state, checkpoint_id=str(directory))
+        save_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, version=self.version)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load what `save_checkpoint` wrote (any number of ranks may have written it)."""
@@ -598,20 +592,4 @@ class FSDPTrainEngine:
         self._load_checkpoint(directory)
 
     def _load_checkpoint(self, directory: str | Path) -> None:
-        stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-        has_optimizer = any(key.startswith("optimizer.") for key in stored)
-        state: dict[str, Any] = {"version": torch.tensor(0, dtype=torch.int64), **({"lr_step": torch.tensor(0, dtype=torch.int64)} if "lr_step" in stored else {})}
-        if has_optimizer:
-            state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizer)
-        else:
-            state["model"] = get_model_state_dict(self.model)
-        dcp.load(state, checkpoint_id=str(directory))
-        if has_optimizer:
-            with own_settings(self.optimizer):
-                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        else:
-            set_model_state_dict(self.model, state["model"])
-            self.optimizer.state.clear()
-        load_position(self.scheduler, {"last_epoch": int(state.get("lr_step", state["version"]))})  # from before schedules: a step per version
-        self.version = int(state["version"])
-
+        self.version = load_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
