@@ -73,12 +73,7 @@ def test_a_host_receiver_waits_for_a_version_to_begin_apart_from_receiving_it():
 def test_a_collective_version_that_stops_after_it_started_fails_at_its_transfer_timeout(receive_in_thread):
     """The receiver waited the group's timeout (300 s in the Ray runtime) for each broadcast
     of a version that started; `transfer_s` bounds them (the wait for the start stays long)."""
-    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=120)
-    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=120)
-    joined = threading.Thread(target=receiver.join, daemon=True)
-    joined.start()
-    sender.join()
-    joined.join(60)
+    sender, receiver = _joined_pair(timeout_s=120)
     try:
         t, out = receive_in_thread(lambda: receiver.receive(60, transfer_s=0.5))
         time.sleep(1.0)  # a trainer slower than transfer_s to start: fine
@@ -95,6 +90,18 @@ def test_a_collective_version_that_stops_after_it_started_fails_at_its_transfer_
         sender.close()
 
 
+def _joined_pair(*, timeout_s: float) -> tuple[CollectiveSender, CollectiveReceiver]:
+    """A collective sender and its one receiver, both joined (the receiver joins on a thread:
+    each waits for the other)."""
+    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=timeout_s)
+    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=timeout_s)
+    joined = threading.Thread(target=receiver.join, daemon=True)
+    joined.start()
+    sender.join()
+    joined.join(60)
+    return sender, receiver
+
+
 def _specs():
     from tidal.hal.transfer import TensorSpec
 
@@ -103,12 +110,7 @@ def _specs():
 
 @pytest.mark.parametrize("transfer_s", [None, 60.0])
 def test_a_whole_collective_version_arrives_with_or_without_a_transfer_timeout(receive_in_thread, transfer_s):
-    sender = CollectiveSender(CpuPlatform(), num_receivers=1, timeout_s=60)
-    receiver = CollectiveReceiver(CpuPlatform(), rank=1, num_receivers=1, host="127.0.0.1", port=sender.port, timeout_s=60)
-    joined = threading.Thread(target=receiver.join, daemon=True)
-    joined.start()
-    sender.join()
-    joined.join(60)
+    sender, receiver = _joined_pair(timeout_s=60)
     try:
         t, out = receive_in_thread(lambda: receiver.receive(60, transfer_s=transfer_s))
         sender.send(1, W)
