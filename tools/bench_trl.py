@@ -56,15 +56,14 @@ def warm_started(cfg: Any) -> dict[str, Any]:
     Mirrors `tidal.tools.train.train` up to RL: the recipe's model from its seed, then
     `sft.steps` supervised steps on the prompt region RL never reaches.
     """
-    from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
-    from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
     from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.tools import backends  # noqa: PLC0415
+    from tidal.tools.rl import run_reward  # noqa: PLC0415
     from tidal.tools.train import build_policy, held_out_prompts, warm_start  # noqa: PLC0415
 
     tokenizer = CharTokenizer()
-    reward = resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
+    reward = run_reward(cfg)
     held_items, held_out = held_out_prompts(cfg)
     model = build_policy(cfg, tokenizer)
     if cfg.sft.steps:

@@ -440,9 +440,9 @@ def strict_reward(cfg: Any) -> bool:
     """Whether the recipe's reward is a built-in verifier: strict (the answer alone or its
     math-verify equivalent, then an end token), so its held-out accuracy is labelled so."""
     from tidal.engines.rewards import MODULE_REWARDS, REWARDS  # noqa: PLC0415
-    from tidal.engines.tasks import TASK_REWARDS  # noqa: PLC0415
+    from tidal.tools.rl import reward_spec  # noqa: PLC0415
 
-    return (cfg.task.reward or TASK_REWARDS.get(cfg.task.name)) in {*REWARDS, *MODULE_REWARDS}
+    return reward_spec(cfg) in {*REWARDS, *MODULE_REWARDS}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -35,9 +35,14 @@ if TYPE_CHECKING:
     from tidal.tools.train import Run
 
 
+def reward_spec(cfg: Any) -> str:
+    """The name of the recipe's reward: `task.reward`, else the task's own verifier's."""
+    return cfg.task.reward or TASK_REWARDS[cfg.task.name]
+
+
 def run_reward(cfg: Any) -> Any:
-    """The recipe's reward function: `task.reward`, else the task's own."""
-    return resolve_reward(cfg.task.reward or TASK_REWARDS[cfg.task.name])
+    """The recipe's reward function (`reward_spec`)."""
+    return resolve_reward(reward_spec(cfg))
 
 
 def reward_workers(cfg: Any) -> int:
@@ -45,7 +50,7 @@ def reward_workers(cfg: Any) -> int:
     need a main thread (`POOLED_REWARDS`), else 0 (in the reward stage's thread)."""
     if cfg.task.reward_workers is not None:
         return cfg.task.reward_workers
-    return DEFAULT_REWARD_WORKERS if (cfg.task.reward or TASK_REWARDS[cfg.task.name]) in POOLED_REWARDS else 0
+    return DEFAULT_REWARD_WORKERS if reward_spec(cfg) in POOLED_REWARDS else 0
 
 
 class Scorer:
