@@ -80,7 +80,7 @@ class TaskConfig:
     """What the policy learns: prompts and the verifier that scores answers."""
 
     name: str = "arithmetic"
-    """Prompt generator: arithmetic | countdown."""
+    """Prompt generator: arithmetic | countdown (not used when `data.train_files` gives the prompts)."""
     reward: str = ""
     """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token; math, math_format, math_with_format: math-verify on `####` or `\\boxed{}` answers) or `module:function` (from the Python path, then the current directory); empty = the task's own (with data.train_files: needed)."""
     reward_workers: Optional[int] = None
