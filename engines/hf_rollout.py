@@ -28,11 +28,14 @@ vllm-ascend are separate adapters.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from tidal.flow.protocols import Refill
 from tidal.flow.trajectory import Trajectory
 from tidal.hal import Platform, current_platform
 
@@ -62,7 +65,6 @@ class HFRolloutEngine:
         if not stops or not all(isinstance(i, int) and not isinstance(i, bool) for i in stops):
             raise ValueError(f"eos_id must be a token id or a non-empty list of them, got {eos_id!r}")
         self.eos_ids, self.pad_id = frozenset(stops), pad_id
-        self._stops = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.version = version
         # Only the last position's logits are needed: models that can skip the others do.
@@ -72,82 +74,39 @@ class HFRolloutEngine:
         self._cache_name = "cache" if "cache" in forward else "past_key_values"
 
     @torch.no_grad()
-    def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
-        """See `RolloutEngine.generate`.
+    def generate(
+        self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None, refill: Refill | None = None
+    ) -> list[Trajectory]:
+        """See `RolloutEngine.generate`; with `refill`, continuous batching (`Refill`).
 
         Raises:
             ValueError: an unfinished trajectory has no prompt token (its row would attend
                 to nothing), or is given twice (`[t] * n`: its rows' samples would all go
-                into it); nothing is generated.
+                into it); nothing is generated. The same for rows `refill.more()` gives,
+                raised when it gives them (rows decoded so far keep what they had).
         """
         rows = list(trajectories)
+        active = self._unfinished(rows, max_new_tokens, set())
+        if active:
+            rows += _Decoding(self, max_new_tokens).run(active, should_pause, refill)
+        return rows
+
+    def _unfinished(self, rows: Sequence[Trajectory], max_new_tokens: int, seen: set[int]) -> list[Trajectory]:
+        """The rows to decode: checked, those at `max_new_tokens` ended ("length") and left out.
+        `seen`: ids of the trajectories decoded already in this call (updated)."""
         if any(not t.prompt_ids and not t.done for t in rows):
             raise ValueError("a trajectory needs at least one prompt token")
-        seen: dict[int, int] = {}
+        first: dict[int, int] = {}
         for k, t in enumerate(rows):
-            if not t.done and seen.setdefault(id(t), k) != k:
-                raise ValueError(f"trajectories {seen[id(t)]} and {k} are the same object: give each sample its own Trajectory (not [t] * n)")
+            if not t.done and (id(t) in seen or first.setdefault(id(t), k) != k):
+                where = f"trajectories {first[id(t)]} and {k} are" if first.get(id(t), k) != k else f"trajectory {k} is"
+                raise ValueError(f"{where} the same object as one already decoding: give each sample its own Trajectory (not [t] * n)")
         for t in rows:
             if not t.done and t.num_generated >= max_new_tokens:
                 t.finish_reason = "length"
         active = [t for t in rows if not t.done]
-        if active:
-            self._decode(active, max_new_tokens, should_pause)
-        return rows
-
-    def _decode(self, active: list[Trajectory], max_new_tokens: int, should_pause: Callable[[], bool] | None) -> None:
-        """Sample until every row ends or a safe point pauses; then write the tokens into the trajectories."""
-        device, n = self.device, len(active)
-        # Rows with the same input (a group's samples of a fresh prompt) are prefilled once.
-        distinct: dict[tuple[int, ...], int] = {}
-        inverse = [distinct.setdefault(tuple(t.ids), len(distinct)) for t in active]
-        lengths = [len(x) for x in distinct]
-        width = max(lengths)
-        # left padding: every row's last token is at the end
-        input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + list(x) for x in distinct], dtype=torch.long, device=device)
-        mask = (torch.arange(width)[None, :] >= torch.tensor([width - k for k in lengths])[:, None]).long().to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate: pads at 0, real tokens from 0
-        shared = torch.tensor(inverse, dtype=torch.long, device=device) if len(distinct) < n else None
-        budget = torch.tensor([max_new_tokens - t.num_generated for t in active])
-        num_steps = int(budget.max())
-        tokens = torch.full((n, num_steps), self.pad_id, dtype=torch.long)
-        logprobs = torch.zeros((n, num_steps), dtype=torch.float64)  # a float64 model's logprobs kept whole
-        counts = torch.zeros(n, dtype=torch.long)
-        live = torch.arange(n)  # original row of each row still in the batch
-        cache = None
-        for step in range(num_steps):
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_name: cache}, **self._last_logits)
-            cache = getattr(out, self._cache_name)
-            scores = out.logits[:, -1]
-            scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / self.temperature  # half precision up to float32; float64 stays
-            if shared is not None and step == 0:  # every row gets its own copy of its prefill
-                scores, mask, positions = scores[shared], mask[shared], positions[shared]
-                cache.batch_select_indices(shared)
-            sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
-            chosen = torch.log_softmax(scores, dim=-1).gather(-1, sampled).squeeze(-1).cpu()
-            sampled = sampled.squeeze(-1)
-            host = sampled.cpu()
-            tokens[live, step] = host
-            logprobs[live, step] = chosen.double()
-            counts[live] = step + 1
-            going = ~torch.isin(host, self._stops) & (budget[live] > step + 1)
-            if not bool(going.any()):
-                break
-            if (step + 1) % self.chunk_tokens == 0 and should_pause is not None and should_pause():
-                break
-            if not bool(going.all()):  # ended rows leave the batch and the cache
-                keep = going.nonzero().squeeze(-1)
-                live, sampled, mask, positions = live[keep], sampled[keep.to(device)], mask[keep.to(device)], positions[keep.to(device)]
-                cache.batch_select_indices(keep.to(device))
-            input_ids = sampled[:, None]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
-            positions = positions[:, -1:] + 1
-        for t, k, new, lps, left in zip(active, counts.tolist(), tokens.tolist(), logprobs.tolist(), budget.tolist()):
-            t.extend(new[:k], lps[:k], self.version)
-            if k and new[k - 1] in self.eos_ids:
-                t.finish_reason = "stop"
-            elif k == left:
-                t.finish_reason = "length"
+        seen.update(id(t) for t in active)
+        return active
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's tensors under the names `load_weights` expects (what a weight receiver checks against)."""
@@ -193,3 +152,183 @@ class HFRolloutEngine:
             for name, tensor in own.items():
                 tensor.copy_(given[name])  # casts and moves to the model's dtype and device
         self.version = version
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Rows decoded together: their KV cache and what the next forward needs."""
+
+    slots: torch.Tensor
+    """[rows] each row's slot in its `_Decoding` (the cache's batch order; on the host)."""
+    cache: Any
+    mask: torch.Tensor
+    """[rows, width] 1 on each row's real tokens in the cache (left padding: 0)."""
+    last: torch.Tensor
+    """[rows] the position of each row's last token in the cache."""
+    next_ids: torch.Tensor | None = None
+    """[rows] the token sampled for each row: the next forward's input."""
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (indices, on the device), in the cache too."""
+        self.slots = self.slots[keep.cpu()]
+        self.cache.batch_select_indices(keep)
+        self.mask, self.last = self.mask[keep], self.last[keep]
+        if self.next_ids is not None:
+            self.next_ids = self.next_ids[keep]
+
+    def trim(self) -> None:
+        """Drop the leading cache columns that are padding in every row (rows that held them left)."""
+        columns = self.mask.any(0)
+        k = int(columns.long().argmax()) if bool(columns.any()) else 0
+        if k:
+            self.mask = self.mask[:, k:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, k:], layer.values[:, :, k:]
+
+
+def mergeable(cache: Any) -> bool:
+    """Whether rows of another cache of this kind can join it: a `DynamicCache` whose every
+    layer keeps all positions (`DynamicLayer`: no sliding window, no recurrent state)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: PLC0415
+
+    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _merge(a: _Rows, b: _Rows) -> _Rows:
+    """`a`'s rows then `b`'s in one cache (both `mergeable`, both sampled): the narrower is
+    left-padded with masked columns to the wider's width."""
+    width = max(a.mask.shape[1], b.mask.shape[1])
+
+    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - t.shape[dim]
+        if not missing:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+        la.keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)])
+        la.values = torch.cat([pad(la.values, 2), pad(lb.values, 2)])
+    assert a.next_ids is not None and b.next_ids is not None
+    return _Rows(torch.cat([a.slots, b.slots]), a.cache, torch.cat([pad(a.mask, 1), pad(b.mask, 1)]), torch.cat([a.last, b.last]), torch.cat([a.next_ids, b.next_ids]))
+
+
+class _Decoding:
+    """One `generate` call's rows: each trajectory's slot, its tokens so far and its budget.
+
+    Rows join (at the start, and from `refill.more()` after a step where rows ended) with
+    one prefill of their distinct inputs, sample their first token, and, when the cache
+    allows (`mergeable`), go into the decoding batch beside the rows already there; a row
+    leaves when it ends, its trajectory written at once and handed to `refill.done()`."""
+
+    def __init__(self, engine: HFRolloutEngine, max_new_tokens: int) -> None:
+        self.engine, self.max_new_tokens = engine, max_new_tokens
+        self.rows: list[Trajectory] = []
+        """Each slot's trajectory."""
+        # per slot, on the host: the tokens sampled in this call, their logprobs, how many, how many it may have
+        self.tokens = torch.zeros((0, max_new_tokens), dtype=torch.long)
+        self.logprobs = torch.zeros((0, max_new_tokens), dtype=torch.float64)  # a float64 model's logprobs kept whole
+        self.counts = torch.zeros(0, dtype=torch.long)
+        self.budget = torch.zeros(0, dtype=torch.long)
+        self.stops = torch.tensor(sorted(engine.eos_ids), dtype=torch.long)
+        self.seen: set[int] = set()
+
+    def run(self, active: list[Trajectory], should_pause: Callable[[], bool] | None, refill: Refill | None) -> list[Trajectory]:
+        """Decode until every row ends or a safe point pauses; returns the rows `refill` added."""
+        self.seen.update(id(t) for t in active)
+        batch, scores = self._prefill(active)
+        finished = self._sample(batch, scores)
+        added: list[Trajectory] = []
+        step = 1
+        while True:
+            if refill is not None and finished:  # after any step where rows ended: their slots are free
+                refill.done(finished)
+                finished = []
+                if not len(batch.slots) or mergeable(batch.cache):
+                    new = self.engine._unfinished(refill.more(), self.max_new_tokens, self.seen)
+                    if new:
+                        added += new
+                        joining, scores = self._prefill(new)
+                        finished += self._sample(joining, scores)
+                        batch = joining if not len(batch.slots) else batch if not len(joining.slots) else _merge(batch, joining)
+                        batch.trim()
+            if not len(batch.slots):
+                break
+            if step % self.engine.chunk_tokens == 0 and should_pause is not None and should_pause():
+                break
+            finished += self._sample(batch, self._forward(batch))
+            step += 1
+        for slot in batch.slots.tolist():  # paused: what the rows have so far
+            self._write(slot)
+        if finished and refill is not None:
+            refill.done(finished)
+        return added
+
+    def _prefill(self, rows: list[Trajectory]) -> tuple[_Rows, torch.Tensor]:
+        """New slots for `rows`, one forward over their distinct inputs (a group's samples of a
+        fresh prompt share one); returns them and each row's next-token scores."""
+        engine, device = self.engine, self.engine.device
+        slots = torch.arange(len(self.rows), len(self.rows) + len(rows))
+        self.rows += rows
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((len(rows), self.max_new_tokens))])
+        self.logprobs = torch.cat([self.logprobs, self.logprobs.new_zeros((len(rows), self.max_new_tokens))])
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(len(rows))])
+        self.budget = torch.cat([self.budget, torch.tensor([self.max_new_tokens - t.num_generated for t in rows], dtype=torch.long)])
+        distinct: dict[tuple[int, ...], int] = {}
+        inverse = [distinct.setdefault(tuple(t.ids), len(distinct)) for t in rows]
+        lengths = [len(x) for x in distinct]
+        width = max(lengths)
+        # left padding: every row's last token is at the end
+        input_ids = torch.tensor([[engine.pad_id] * (width - len(x)) + list(x) for x in distinct], dtype=torch.long, device=device)
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - k for k in lengths])[:, None]).long().to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate: pads at 0, real tokens from 0
+        out = engine.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **engine._last_logits)
+        cache, scores = getattr(out, engine._cache_name), out.logits[:, -1]
+        if len(distinct) < len(rows):  # every row gets its own copy of its prefill
+            shared = torch.tensor(inverse, dtype=torch.long, device=device)
+            scores, mask, positions = scores[shared], mask[shared], positions[shared]
+            cache.batch_select_indices(shared)
+        return _Rows(slots, cache, mask, positions[:, -1]), scores
+
+    def _forward(self, batch: _Rows) -> torch.Tensor:
+        """One decoding step: each row's sampled token in, its next-token scores out."""
+        engine = self.engine
+        assert batch.next_ids is not None
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.slots), 1))], dim=-1)
+        batch.last = batch.last + 1
+        out = engine.model(
+            input_ids=batch.next_ids[:, None], attention_mask=batch.mask, position_ids=batch.last[:, None], use_cache=True, **{engine._cache_name: batch.cache}, **engine._last_logits
+        )
+        batch.cache = getattr(out, engine._cache_name)
+        return out.logits[:, -1]
+
+    def _sample(self, batch: _Rows, scores: torch.Tensor) -> list[Trajectory]:
+        """Sample a token for every row of `batch` from `scores`; rows that end (a stop token,
+        or their budget) leave it, their trajectories written. Returns those."""
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / self.engine.temperature  # half precision up to float32; float64 stays
+        sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
+        chosen = torch.log_softmax(scores, dim=-1).gather(-1, sampled).squeeze(-1)
+        sampled = sampled.squeeze(-1)
+        tokens, slots = sampled.cpu(), batch.slots
+        at = self.counts[slots]
+        self.tokens[slots, at] = tokens
+        self.logprobs[slots, at] = chosen.double().cpu()
+        self.counts[slots] = at + 1
+        stop = torch.isin(tokens, self.stops)
+        ended = stop | (at + 1 >= self.budget[slots])
+        batch.next_ids = sampled
+        if not bool(ended.any()):
+            return []
+        finished = []
+        for slot, stopped in zip(slots[ended].tolist(), stop[ended].tolist()):
+            finished.append(self._write(slot))
+            finished[-1].finish_reason = "stop" if stopped else "length"
+        batch.select((~ended).nonzero().squeeze(-1).to(sampled.device))
+        return finished
+
+    def _write(self, slot: int) -> Trajectory:
+        """Add what slot `slot` sampled in this call to its trajectory; returns the trajectory."""
+        t, n = self.rows[slot], int(self.counts[slot])
+        t.extend(self.tokens[slot, :n].tolist(), self.logprobs[slot, :n].tolist(), self.engine.version)
+        return t

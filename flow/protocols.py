@@ -28,16 +28,39 @@ from tidal.flow.trajectory import TokenBatch, Trajectory
 from tidal.hal.transfer import TensorSpec
 
 
+class Refill(Protocol):
+    """Continuous batching: what a rollout engine's `generate` hands finished rows to, and asks
+    for new ones, as rows end (the rollout worker's side: `flow.rollout`)."""
+
+    def done(self, trajectories: list[Trajectory]) -> None:
+        """These rows ended (finished, `finish_reason` set) at the last decoding step."""
+        ...
+
+    def more(self) -> list[Trajectory]:
+        """Rows to add to the decoding batch now (may be none); it never blocks."""
+        ...
+
+
 class RolloutEngine(Protocol):
     version: int
     """Version of the weights it generates with now."""
 
-    def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
+    def generate(
+        self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None, refill: Refill | None = None
+    ) -> list[Trajectory]:
         """Continue every unfinished trajectory (in place) until EOS or `max_new_tokens`
         generated tokens in total; return them. Between decoding steps (safe points) it
         calls `should_pause()`; when that is True it returns early, leaving unfinished
         trajectories with `finish_reason=None` to be resumed by a later call. An
-        unfinished trajectory needs at least one prompt token (ValueError)."""
+        unfinished trajectory needs at least one prompt token (ValueError).
+
+        With `refill`, after a decoding step where rows ended they are given to
+        `refill.done()` and the rows `refill.more()` returns join the batch (continuous
+        batching: a slot a short response leaves does not idle until the longest ends); the
+        return value then ends with those rows. An engine that cannot add rows to a running
+        batch asks only when its batch is empty; one that implements `refill` hands every row that ends to `done()`
+        before `generate` returns. An engine may ignore `refill` (no continuous batching):
+        its caller then takes what ended from the trajectories once the call returns."""
         ...
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

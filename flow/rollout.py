@@ -30,6 +30,7 @@ saves them: `tools.stopping.QuietRollout`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
@@ -39,6 +40,7 @@ import torch
 
 from tidal.flow.protocols import Reclaimable, RolloutEngine
 from tidal.flow.store.samplers import TaggedFirst
+from tidal.flow.store.table import StoreTimeout
 from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory, check_lengths
 from tidal.hal import current_platform
@@ -219,6 +221,54 @@ def generation_seed(seed: int, version: int, trajectories: Sequence[Trajectory])
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # 63 bits: every generator takes it
 
 
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """One `prompts` row a worker took: its index, its prompt, its samples, the version that admitted it."""
+
+    index: int
+    prompt: dict[str, Any]
+    trajectories: list[Trajectory]
+    admitted: int | None
+
+
+class _Refill:
+    """A worker's continuous batching (`flow.protocols.Refill`): groups whose samples all ended
+    go into `train` as they end, and free rows are filled with the groups of admitted prompts
+    that are already in the store (a get that does not wait): a group whose other samples
+    ended holds only its stragglers' rows, so a worker may hold more than
+    `prompts_per_generate` groups. Rows admitted by a
+    version newer than the engine's wait in `groups` for the next generate call, after the
+    worker catches up."""
+
+    def __init__(self, worker: RolloutWorker, groups: list[_Group]) -> None:
+        self.worker, self.groups = worker, groups
+
+    def done(self, trajectories: list[Trajectory]) -> None:
+        self.worker._put_finished(self.groups)
+
+    def more(self) -> list[Trajectory]:
+        worker = self.worker
+        # room in rows, not groups: a group whose other samples ended holds one slot per straggler
+        capacity = worker.prompts_per_generate * worker.group_size
+        room = capacity - sum(not t.done for g in self.groups for t in g.trajectories)
+        # a few rows at a time: each join costs a prefill and a store round trip
+        if worker.stopping.is_set() or worker.inbox.waiting or room < max(worker.group_size, capacity // REFILL_PARTS):
+            return []
+        try:
+            batch = worker.store.get(worker.consumer, "prompts", ["prompt"], room // worker.group_size, partial=True, timeout=0, cancel=worker.stopping, sampler=RESUMED_FIRST)
+        except StoreTimeout:
+            return []
+        new = worker._groups_of(batch)
+        self.groups += new
+        version = worker.engine.version
+        return [t for g in new if g.admitted is None or g.admitted <= version for t in g.trajectories if not t.done]
+
+
+REFILL_PARTS = 4
+"""Continuous batching asks for new prompts once a `1 / REFILL_PARTS` share of the worker's
+rows (`prompts_per_generate` x `group_size`), and at least a group's, is free."""
+
+
 class RolloutWorker:
     """One rollout engine's loop; `run()` returns only by raising `Stop` (or an engine error)."""
 
@@ -235,6 +285,7 @@ class RolloutWorker:
         consumer: str = "rollout",
         hand_off: bool = False,
         sample_seed: int | None = None,
+        continuous: bool = True,
     ) -> None:
         self.store, self.engine = store, engine
         self.group_size, self.max_new_tokens, self.prompts_per_generate = group_size, max_new_tokens, prompts_per_generate
@@ -246,6 +297,9 @@ class RolloutWorker:
         self.sample_seed = sample_seed
         """The run's seed: each generate call first seeds this process's generators with
         `generation_seed` (a rollout actor's worker). None: they run on from where they are."""
+        self.continuous = continuous
+        """Continuous batching (`_Refill`): groups go into `train` as they end, and admitted
+        prompts join the decoding batch in their place. Not in hand-off mode."""
         self.inbox = WeightInbox()
         self.num_paused = 0
         self.num_handed_off = 0
@@ -255,58 +309,63 @@ class RolloutWorker:
         self.waits = Waits()
 
     def run(self) -> None:
+        groups: list[_Group] = []  # taken from `prompts`, not yet put into `train` or handed back
         while True:
             if self.stopping.is_set():
                 raise Stop
-            with self.waits.waiting("rollout"):
-                batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping, sampler=RESUMED_FIRST)
-            rows = list(zip(batch.indexes, batch.columns["prompt"]))
-            groups = [group_of(index, prompt, self.group_size) for index, prompt in rows]
-            trajectories = [t for group in groups for t in group]
-            self.apply_weights()  # safe point: before generating
-            self._catch_up([v for v in batch.versions if v is not None])
-            while True:
-                pending = [t for t in trajectories if not t.done]
-                if self.sample_seed is not None:
-                    current_platform().seed_all(generation_seed(self.sample_seed, self.engine.version, pending))
-                with self.tracer.span("rollout", "generate", samples=len(trajectories), version=self.engine.version):
-                    self.engine.generate(
-                        pending,
-                        max_new_tokens=self.max_new_tokens,
-                        should_pause=lambda: self.inbox.waiting or self.stopping.is_set(),
-                    )
-                if self.stopping.is_set():
-                    raise Stop
-                if all(t.done for t in trajectories):
-                    break
+            if not groups:
+                with self.waits.waiting("rollout"):
+                    batch = self.store.get(self.consumer, "prompts", ["prompt"], self.prompts_per_generate, partial=True, cancel=self.stopping, sampler=RESUMED_FIRST)
+                groups = self._groups_of(batch)
+            self.apply_weights()  # safe point: before generating (and between decoding chunks)
+            self._catch_up([g.admitted for g in groups if g.admitted is not None])
+            pending = [t for g in groups for t in g.trajectories if not t.done]
+            if self.sample_seed is not None:
+                current_platform().seed_all(generation_seed(self.sample_seed, self.engine.version, pending))
+            refill = _Refill(self, groups) if self.continuous and not self.hand_off else None
+            with self.tracer.span("rollout", "generate", samples=len(pending), version=self.engine.version):
+                decoded = self.engine.generate(pending, max_new_tokens=self.max_new_tokens, should_pause=lambda: self.inbox.waiting or self.stopping.is_set(), refill=refill)
+            if self.stopping.is_set():
+                raise Stop
+            self._put_finished(groups)
+            if not groups:
+                continue
+            if any(not t.done for t in decoded):
                 self.num_paused += 1
-                if self.hand_off and isinstance(self.engine, Reclaimable) and self.engine.reclaimed:
-                    break  # the devices went back to training: the unfinished groups continue elsewhere
-                self.apply_weights()  # safe point: between decoding chunks; then resume
-            finished = [k for k, group in enumerate(groups) if all(t.done for t in group)]
-            paused = [k for k in range(len(groups)) if k not in finished]
-            if paused:  # first: another worker may start on them at once
-                self._hand_back([rows[k] for k in paused], [groups[k] for k in paused], [batch.versions[k] for k in paused])
-            if finished:
-                # the trajectories go in and their prompts are acked in one step: a worker that
-                # dies before it gets its prompts redelivered, never after (no sample twice)
-                done = [t for k in finished for t in groups[k]]
-                put_trajectories(self.store, done, cancel=self.stopping, ack=(self.consumer, "prompts", [rows[k][0] for k in finished]))
-                self.num_samples += len(done)
-            if paused:
-                self.engine.wait_turn()  # new rows only once the devices are back; meanwhile others take these
+            if self.hand_off and isinstance(self.engine, Reclaimable) and self.engine.reclaimed:
+                # the devices went back to training: the unfinished groups continue elsewhere,
+                # and this worker takes new rows only once they are back
+                self._hand_back(groups)
+                groups = []
+                self.engine.wait_turn()
 
-    def _hand_back(self, rows: list[tuple[int, dict[str, Any]]], groups: list[list[Trajectory]], admitted: list[int | None]) -> None:
+    def _groups_of(self, batch: Any) -> list[_Group]:
+        return [_Group(index, prompt, group_of(index, prompt, self.group_size), admitted) for index, prompt, admitted in zip(batch.indexes, batch.columns["prompt"], batch.versions)]
+
+    def _put_finished(self, groups: list[_Group]) -> None:
+        """Put the groups of `groups` whose every sample ended into `train`, and remove them.
+
+        The trajectories go in and their prompts are acked in one step: a worker that dies
+        before it gets its prompts redelivered, never after (no sample twice)."""
+        finished = [g for g in groups if all(t.done for t in g.trajectories)]
+        if not finished:
+            return
+        done = [t for g in finished for t in g.trajectories]
+        put_trajectories(self.store, done, cancel=self.stopping, ack=(self.consumer, "prompts", [g.index for g in finished]))
+        self.num_samples += len(done)
+        groups[:] = [g for g in groups if g not in finished]
+
+    def _hand_back(self, groups: list[_Group]) -> None:
         """Put paused groups back into `prompts` as resumable rows, acking the rows they came
         from in the same step: a worker that dies before the put gets those rows redelivered,
         one that dies after has left the groups in the store for the next worker. Each keeps
         the version that admitted it, or its newest generated token's if newer, so the worker that
         continues it catches up to that version first (`_catch_up`), as for a fresh row."""
-        resumable = [resumable_prompt(prompt, group) for (_, prompt), group in zip(rows, groups)]
-        newest = [max((v for t in group for v in t.versions_used[-1:]), default=None) for group in groups]  # generated tokens only: environment tokens are version -1
-        versions = [max([v for v in (a, n) if v is not None], default=None) for a, n in zip(admitted, newest)]
+        resumable = [resumable_prompt(g.prompt, g.trajectories) for g in groups]
+        newest = [max((v for t in g.trajectories for v in t.versions_used[-1:]), default=None) for g in groups]  # generated tokens only: environment tokens are version -1
+        versions = [max([v for v in (g.admitted, n) if v is not None], default=None) for g, n in zip(groups, newest)]
         with self.tracer.span("rollout", "hand off", groups=len(groups)):
-            self.store.put("prompts", {"prompt": resumable}, versions=versions, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [index for index, _ in rows]))
+            self.store.put("prompts", {"prompt": resumable}, versions=versions, tags=[{RESUME_KEY: True}] * len(resumable), cancel=self.stopping, ack=(self.consumer, "prompts", [g.index for g in groups]))
         self.num_handed_off += len(groups)
 
     def _catch_up(self, admitted: list[int]) -> None:

@@ -46,7 +46,7 @@ class RolloutActor:
     Args:
         make_engine: builds the rollout engine on this process's platform (a picklable function).
         store_address / store_token: the trainer's store server.
-        settings: `group_size`, `max_new_tokens`, `prompts_per_generate` and `sample_seed` (the run's seed: each generate call is seeded from it, `RolloutWorker.sample_seed`).
+        settings: `group_size`, `max_new_tokens`, `prompts_per_generate`, `continuous` (continuous batching) and `sample_seed` (the run's seed: each generate call is seeded from it, `RolloutWorker.sample_seed`).
         turns / seat: the `Turns` actors (one per trainer rank whose devices it uses, in
             rank order) and this actor's seat name when it time-shares a trainer's devices
             (its engine then generates and loads weights in turns).
@@ -54,7 +54,7 @@ class RolloutActor:
             reclaimed the devices go back to the store for another instance to continue.
     """
 
-    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, int], turns: Sequence[Any] = (), seat: str = "rollout", hand_off: bool = False) -> None:
+    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, Any], turns: Sequence[Any] = (), seat: str = "rollout", hand_off: bool = False) -> None:
         from tidal.flow.store.client import RemoteStore  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
 

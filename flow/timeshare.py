@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.protocols import Collective
+from tidal.flow.protocols import Collective, Refill
 from tidal.flow.trajectory import TokenBatch, Trajectory
 from tidal.hal.transfer import LazyWeights
 
@@ -527,7 +527,9 @@ class SharedRolloutEngine:
     def pad_id(self) -> int:
         return self.engine.pad_id
 
-    def generate(self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None) -> list[Trajectory]:
+    def generate(
+        self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None, refill: Refill | None = None
+    ) -> list[Trajectory]:
         self.reclaimed = False
 
         def pause() -> bool:
@@ -537,7 +539,7 @@ class SharedRolloutEngine:
             return self.reclaimed
 
         with self.seat.turn():
-            return self.engine.generate(trajectories, max_new_tokens=max_new_tokens, should_pause=pause)
+            return self.engine.generate(trajectories, max_new_tokens=max_new_tokens, should_pause=pause, refill=refill)
 
     def wait_turn(self) -> None:
         """Block until this seat's next turn (the devices are back), and give it up again."""

@@ -68,6 +68,8 @@ class WorkflowConfig:
     """overlong=penalty: the last tokens before `max_new_tokens` over which the penalty falls from 0 to -1."""
     prompts_per_generate: int = 4
     """Prompts (times group_size samples) the rollout stage generates in one batch."""
+    continuous_batching: bool = True
+    """Rollout refills its batch as groups end (`flow.rollout.RolloutWorker.continuous`)."""
     lease_s: float = 3600.0
     """How long a stage may hold rows it took before the store hands them out again. Longer
     than any generation and two train steps (the trainer takes the next step's rows while
@@ -140,6 +142,7 @@ class Workflow:
                 group_size=config.group_size,
                 max_new_tokens=config.max_new_tokens,
                 prompts_per_generate=config.prompts_per_generate,
+                continuous=config.continuous_batching,
                 stopping=self._stopping,
                 tracer=self.tracer,
             ),

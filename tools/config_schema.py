@@ -127,6 +127,11 @@ class RolloutConfig:
     """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
     prompts_per_generate: int = 16
     """Prompts (times group_size samples) per generate batch."""
+    continuous_batching: bool = True
+    """Refill the generate batch as groups end: a group whose samples all ended goes to
+    training at once, and admitted prompts join the batch in its place, so a short
+    response's slot does not idle until the longest ends (false: a batch runs until every
+    sample in it ends)."""
     threads: int = 0
     """torch intra-op threads of the rollout stage; 0 = the run's `threads`."""
 

@@ -95,6 +95,7 @@ def workflow_config(cfg: Any) -> WorkflowConfig:
         overlong=algo.overlong,
         overlong_buffer=algo.overlong_buffer,
         prompts_per_generate=cfg.rollout.prompts_per_generate,
+        continuous_batching=cfg.rollout.continuous_batching,
         advantage=algo.advantage,
         loss=loss_config(cfg),
         decoupled=algo.decoupled,

@@ -234,7 +234,7 @@ class Run:
             self.store = Store()
             policy = self.source.build(seed=cfg.seed)
             self.model, self.tokenizer = policy.module, policy.tokenizer
-        settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": self.budget, "prompts_per_generate": cfg.rollout.prompts_per_generate}
+        settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": self.budget, "prompts_per_generate": cfg.rollout.prompts_per_generate, "continuous": cfg.rollout.continuous_batching}
         self.launched = None
         if self.start_rollouts is not None and self.turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
             self.launched = self.start_rollouts(cfg, self.store, settings)

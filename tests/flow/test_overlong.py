@@ -27,7 +27,7 @@ class ScriptedRollout:
     def __init__(self) -> None:
         self.version = 0
 
-    def generate(self, trajectories: Any, *, max_new_tokens: int, should_pause: Any = None) -> list[Any]:
+    def generate(self, trajectories: Any, *, max_new_tokens: int, should_pause: Any = None, refill: Any = None) -> list[Any]:
         for k, t in enumerate(trajectories):
             n = LENGTHS[k % len(LENGTHS)]
             t.extend([3] * n, [-1.0] * n, self.version)

@@ -235,7 +235,7 @@ class ChunkedEngine:
         self.chunks = 0
         self.started = threading.Event()
 
-    def generate(self, trajectories, *, max_new_tokens, should_pause=None):
+    def generate(self, trajectories, *, max_new_tokens, should_pause=None, refill=None):
         for _ in range(max_new_tokens):
             if all(t.done for t in trajectories):
                 break

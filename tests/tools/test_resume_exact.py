@@ -221,7 +221,8 @@ def test_a_run_stopped_during_a_step_and_resumed_repeats_the_uninterrupted_run(r
     one prompt per generation, while it generates the second: the first one's are kept),
     or while they are scored (they are in the store): the checkpoint at step 2 resumes to
     the same run."""
-    one_by_one = ["rollout.prompts_per_generate=1"] if where == "generating the second half" else []
+    # one generate call per prompt (continuous batching would take the next prompt into the same call)
+    one_by_one = ["rollout.prompts_per_generate=1", "rollout.continuous_batching=false"] if where == "generating the second half" else []
     full = tmp_path / "full"
     _run(full, *one_by_one)
     stop, stopped = StopRequest(), tmp_path / "stopped"
