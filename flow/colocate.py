@@ -200,7 +200,7 @@ def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str,
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=TURNS_CONCURRENCY, max_restarts=0)(Turns)
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=TURNS_CONCURRENCY, max_restarts=0)(Turns)  # type: ignore[call-overload]  # ray's stubs lack max_concurrency
     out = {}
     for (role, _), spot in placements.items():
         if role == "train" and spot.turns:

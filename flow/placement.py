@@ -141,7 +141,7 @@ class Plan:
         for a in self.assignments:
             last = groups[-1][-1] if groups else None
             alike = last is not None and (last.role, last.node, last.mode, last.shares_with, len(last.devices)) == (a.role, a.node, a.mode, a.shares_with, len(a.devices))
-            if alike and last.rank + 1 == a.rank:
+            if alike and last is not None and last.rank + 1 == a.rank:
                 groups[-1].append(a)
             else:
                 groups.append([a])
@@ -217,7 +217,7 @@ def schedule(resources: Sequence[Resource], roles: Sequence[Role]) -> Plan:
         if role.colocate_with is None:
             continue
         host = role.colocate_with
-        out = []
+        out: list[Any] = []
         for res, spare in _devices_by_node(placed[host], resources):
             if not res.offers(role.requires):
                 continue

@@ -37,7 +37,10 @@ def remote_cause(error: BaseException) -> BaseException:
         error = ActorLost(death_summary(error))
     for note in notes:
         if note not in getattr(error, "__notes__", []):
-            error.add_note(note)
+            if sys.version_info >= (3, 11):
+                error.add_note(note)
+            else:  # notes came with 3.11: kept where 3.11's traceback would print them
+                setattr(error, "__notes__", [*getattr(error, "__notes__", []), note])  # noqa: B010
     return error
 
 

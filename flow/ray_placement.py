@@ -51,7 +51,7 @@ def connected_ray_nodes() -> Sequence[Mapping[str, Any]] | None:
 
     if not ray.is_initialized():
         try:
-            ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)  # type: ignore[arg-type]  # a level's name works too
         except ConnectionError as e:
             raise RuntimeUnavailable(
                 f"no Ray cluster at RAY_ADDRESS={address} ({e}); start one with `ray start --head`, unset RAY_ADDRESS "
@@ -103,13 +103,13 @@ def role_bundles(plan: Plan, have: Mapping[str, float], *, largest: Mapping[str,
 
     spots(plan)  # a shared layout this runtime cannot seat fails here, before anything starts
     out: dict[str, list[dict[str, float]]] = {}
-    taken: dict[str, float] = collections.Counter()  # by the roles before this one
+    taken: collections.Counter[str] = collections.Counter()  # by the roles before this one
     for role in plan.roles:
         if not plan.of(role.name, mode="own"):
             continue
         tags = _tag_slivers(role.name, role.requires, have)
         bundles = [bundle_of(a, tags) for a in plan.of(role.name, mode="own")]
-        need: dict[str, float] = collections.Counter()
+        need: collections.Counter[str] = collections.Counter()
         for b in bundles:
             need.update(b)
         short = {k: v for k, v in need.items() if have.get(k, 0.0) - taken[k] < v - 1e-9}

@@ -65,6 +65,7 @@ class QueuedSends:
                 self._cond.wait_for(lambda: self._queued is not None or self._closed)
                 if self._closed:
                     return
+                assert self._queued is not None
                 (version, source), self._queued = self._queued, None
                 self._sending = True
             error = None

@@ -90,7 +90,7 @@ class Stages:
         *,
         store: Store,
         prompts: Iterable[dict[str, Any]],
-        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]],
+        score: Callable[[Sequence[Trajectory]], tuple[Any, ...]],
         config: Any,
         version: int,
         tracer: Tracer | None = None,
@@ -273,7 +273,7 @@ class Stages:
             batch = self._get("reward", "reward", "train", [*TRAJECTORY_COLUMNS, "meta"], self.config.batch_size, partial=True)
             trajectories = trajectories_of(batch)
             with self.tracer.span("reward", "reward", rows=len(trajectories)):
-                rewards, failed, *timeouts = self.score(trajectories)
+                rewards, failed, *timeouts = self.score(trajectories)  # a score may leave out its timeout count
                 if self.config.overlong == "penalty":  # DAPO's soft overlong punishment, on top of the verifier's reward
                     cfg = self.config
                     rewards = [r + overlong_penalty(t.num_generated, max_tokens=cfg.max_new_tokens, buffer=cfg.overlong_buffer) for r, t in zip(rewards, trajectories)]

@@ -64,7 +64,8 @@ class Tracer:
     def span(self, track: str, name: str, **args: Any) -> Iterator[None]:
         tid = self._track(track)
         entry = next(self._entries)
-        event = {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": self._now_us()}
+        start = self._now_us()
+        event: dict[str, Any] = {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": start}
         if args:
             event["args"] = args
         with self._lock:
@@ -74,7 +75,7 @@ class Tracer:
         finally:
             end = self._now_us()
             with self._lock:
-                event["dur"] = end - event["ts"]
+                event["dur"] = end - start
                 del self._open[entry]
                 self._append(event)
 

@@ -210,6 +210,7 @@ class Workflow:
             while self.version < cfg.num_steps:
                 step_begin = time.perf_counter()
                 if upcoming is None and resends:
+                    assert prefetcher is not None
                     upcoming = prefetcher.submit(self._train_rows, self.version)
                 rows = self._train_rows(self.version) if upcoming is None else self._await_rows(upcoming)
                 if self._stopping.is_set():  # stopped after they were taken (often while the last step trained): left leased, not trained
@@ -231,7 +232,7 @@ class Workflow:
         and a lone rollout actor could otherwise wait for the next version while the
         trainer waits for the rows it generates."""
         if isinstance(self.rollouts, ResendsWeights):
-            while upcoming not in concurrent.futures.wait([upcoming, self.rollouts.weights_wanted()], return_when=concurrent.futures.FIRST_COMPLETED)[0]:
+            while upcoming not in concurrent.futures.wait([upcoming, self.rollouts.weights_wanted()], return_when=concurrent.futures.FIRST_COMPLETED)[0]:  # type: ignore[arg-type]  # futures of two result types
                 with self._trainer_turn():
                     self._publish(self.version)
         return upcoming.result()
@@ -279,7 +280,7 @@ class Workflow:
             raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.max_staleness})")
         with self._trainer_turn():
             with self.tracer.span("train", "train", version=self.version, rows=num_rows):
-                metrics = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
+                metrics: dict[str, Any] = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
             self.store.ack("train", "train", rows.indexes)
             self._trained += num_rows
             self._publish(self.trainer.version)

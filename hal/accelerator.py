@@ -70,7 +70,7 @@ class AcceleratorPlatform:
         if self.device_count() == 0:
             var = self.descriptor.visible_devices_var
             raise NoDeviceError(
-                f"this process sees 0 {self.kind} devices ({var}={os.environ.get(var, '<unset>')!r}) "
+                f"this process sees 0 {self.kind} devices ({var}={os.environ.get(var, '<unset>') if var else '<none>'!r}) "
                 "and cannot compute; check the devices Ray or the launcher assigned to it"
             )
 

@@ -21,6 +21,8 @@ import importlib
 import importlib.util
 import sys
 
+from typing import Any
+
 import torch
 
 from tidal.hal.accelerator import AcceleratorPlatform, Vendor
@@ -47,9 +49,10 @@ def installed() -> bool:
 
 
 def _dtype_support() -> dict[str, bool]:
-    name = torch.npu.get_device_name()
+    npu: Any = torch.npu  # type: ignore[attr-defined]  # torch_npu adds it
+    name = npu.get_device_name()
     return {
-        "bf16": torch.npu.is_bf16_supported(),
+        "bf16": npu.is_bf16_supported(),
         "fp16": True,
         # Ascend cube units have no fp64 path; many fp64 ops fall back or are missing.
         "fp64": False,

@@ -43,8 +43,26 @@ def _slot(tensor: torch.Tensor, plain: torch.Tensor, set_tensor: _Setter) -> tup
     `plain` (the tensor's own storage) with `set_tensor`."""
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(tensor, dtensor):
-        return tensor._local_tensor, lambda t, d=tensor: setattr(d, "_local_tensor", t)
+        return tensor._local_tensor, _setting(tensor, "_local_tensor")  # type: ignore[attr-defined]  # DTensor's own field
     return plain, set_tensor
+
+
+def _setting(owner: Any, name: str) -> _Setter:
+    """A function that sets `owner.name` to the tensor it is given."""
+
+    def set_tensor(t: torch.Tensor) -> None:
+        setattr(owner, name, t)
+
+    return set_tensor
+
+
+def _storing(state: dict[Any, Any], key: Any) -> _Setter:
+    """A function that stores the tensor it is given at `state[key]`."""
+
+    def set_tensor(t: torch.Tensor) -> None:
+        state[key] = t
+
+    return set_tensor
 
 
 def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, _Setter]]:
@@ -52,14 +70,14 @@ def _slots(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     slots: list[tuple[torch.Tensor, _Setter]] = []
     if module is not None:
         for p in module.parameters():
-            slots.append(_slot(p, p.data, lambda t, p=p: setattr(p, "data", t)))  # a DTensor's `.data` is an alias: its shard moves
+            slots.append(_slot(p, p.data, _setting(p, "data")))  # a DTensor's `.data` is an alias: its shard moves
             if p.grad is not None:
-                slots.append(_slot(p.grad, p.grad, lambda t, p=p: setattr(p, "grad", t)))
+                slots.append(_slot(p.grad, p.grad, _setting(p, "grad")))
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    slots.append(_slot(value, value, lambda t, s=state, k=key: s.__setitem__(k, t)))
+                    slots.append(_slot(value, value, _storing(state, key)))
     return slots
 
 

@@ -94,7 +94,7 @@ def is_orphan(name: str) -> bool:
 def sweep(directory: str = DIR, prefix: str = "tidal-") -> list[str]:
     """Delete the files under `directory` named `prefix...@<tag>` whose holder is gone;
     return their names. Never raises: a sweep is housekeeping."""
-    removed = []
+    removed: list[str] = []
     try:
         with os.scandir(directory) as entries:
             names = [e.name for e in entries if e.name.startswith(prefix) and e.is_file(follow_symlinks=False)]

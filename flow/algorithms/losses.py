@@ -188,6 +188,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, *, how: str, max_tokens:
     if how == "token_mean":
         return masked_mean(values, mask)
     if how == "token_sum_norm":
+        assert max_tokens is not None  # _check_aggregation
         return _masked_sum(values, mask) / (max(values.shape[0], 1) * max_tokens)  # an empty batch: 0, not 0 / 0
     per_seq = _masked_sum(values, mask, dim=-1)
     if how == "seq_mean_token_mean":

@@ -20,6 +20,8 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterable, Mapping
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -44,7 +46,7 @@ SOLO_BYTES = 1 << 20
 """Tensors this large are broadcast on their own, without packing (one copy fewer)."""
 
 
-def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":

@@ -50,7 +50,7 @@ POLL_S = 0.1
 def open_socket(kind: int, address: str, *, bind: bool = False, options: Mapping[int, int] | None = None) -> zmq.Socket:
     """A new socket of `kind` (linger 0, then `options`) bound or connected to `address`;
     closed again when that fails (a taken port, a malformed address), so nothing leaks."""
-    sock = zmq.Context.instance().socket(kind)
+    sock: zmq.Socket = zmq.Context.instance().socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         for option, value in (options or {}).items():

@@ -126,7 +126,7 @@ class IpcSender:
         buf = self._check_placed(manifest, source) if self._placed is not None else self._write(manifest, source)
         if buf.device.type != "cpu":
             self._platform.synchronize()  # the copies finished before the receiver reads
-        where = {"path": str(self._path)} if buf.device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
+        where: dict[str, Any] = {"path": str(self._path)} if buf.device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
         if self._placed is not None:
             where["offsets"] = self._placed[2]  # a tied tensor is read from the place of the one it is tied to
         self._posted = (manifest, [pack_header(kind="ipc", version=version, token=self._token, **where), manifest.pack()])
@@ -162,6 +162,7 @@ class IpcSender:
 
     def _check_placed(self, manifest: Manifest, source: WeightSource) -> torch.Tensor:
         """The buffer, once every tensor of the source is the one `place` put there (nothing to copy)."""
+        assert self._placed is not None and self._buffer is not None
         specs, addresses, _ = self._placed
         if manifest.specs != specs:
             diff = next((f"{a.name!r} {a.dtype}{list(a.shape)} where {b.name!r} {b.dtype}{list(b.shape)} was placed" for a, b in zip(manifest.specs, specs) if a != b), f"{len(manifest.specs)} tensors where {len(specs)} were placed")
