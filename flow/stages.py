@@ -35,8 +35,8 @@ import torch
 
 from tidal.flow.algorithms import compute_advantages, overlong_penalty
 from tidal.flow.protocols import Positioned
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, trajectories_of
 from tidal.flow.rollout import Stop as _Stop
+from tidal.flow.rows import TRAJECTORY_COLUMNS, trajectories_of
 from tidal.flow.store import Grouped, Store, StoreError, persist
 from tidal.flow.trace import Tracer, Waits
 from tidal.flow.trajectory import Trajectory

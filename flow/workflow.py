@@ -42,7 +42,8 @@ import torch
 
 from tidal.flow.algorithms import PolicyLossConfig, filter_truncated
 from tidal.flow.protocols import HoldsModel, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
-from tidal.flow.rollout import ROLLOUT_TOTALS, TRAJECTORY_COLUMNS, LocalRollouts, RolloutGroup, RolloutWorker, token_batch_of
+from tidal.flow.rollout import ROLLOUT_TOTALS, LocalRollouts, RolloutGroup, RolloutWorker
+from tidal.flow.rows import TRAJECTORY_COLUMNS, token_batch_of
 from tidal.flow.stages import Stages, guard
 from tidal.flow.store import Grouped, StalenessFilter, Store
 from tidal.flow.trace import Tracer

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from tidal.flow.rollout import RESUME_KEY, TRAJECTORY_COLUMNS, RolloutWorker, Stop, _Group, group_of, put_trajectories, resumable_prompt, token_batch_of, trajectories_of
+from tidal.flow.rollout import RESUME_KEY, RolloutWorker, Stop, _Group, group_of, resumable_prompt
+from tidal.flow.rows import TRAJECTORY_COLUMNS, put_trajectories, token_batch_of, trajectories_of
 from tidal.flow.store import Store, StoreError, StoreTimeout
 from tidal.flow.store.codec import decode, encode
 from tidal.flow.timeshare import Seat, SharedRolloutEngine, Turns

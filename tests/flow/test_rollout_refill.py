@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from tidal.flow.rollout import TRAJECTORY_COLUMNS, RolloutWorker, Stop, trajectories_of
+from tidal.flow.rollout import RolloutWorker, Stop
+from tidal.flow.rows import TRAJECTORY_COLUMNS, trajectories_of
 from tidal.flow.store import Store, StoreError
 from tidal.flow.trajectory import Trajectory
 

@@ -16,7 +16,7 @@ from tidal.engines.tasks import arithmetic
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig, grpo
-from tidal.flow.rollout import put_trajectories
+from tidal.flow.rows import put_trajectories
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.flow.workflow import Workflow, WorkflowConfig

@@ -124,7 +124,8 @@ def _generate(*, sample_seed: int | None, draws_before: int = 0) -> list[list[in
     prompts, after `draws_before` numbers were drawn from torch's generator."""
     import threading
 
-    from tidal.flow.rollout import TRAJECTORY_COLUMNS, RolloutWorker, trajectories_of
+    from tidal.flow.rollout import RolloutWorker
+    from tidal.flow.rows import TRAJECTORY_COLUMNS, trajectories_of
     from tidal.flow.store import Store
     from tidal.tools.config import load_config, to_yaml
     from tidal.tools.ray_run import make_rollout_engine
