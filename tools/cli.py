@@ -405,7 +405,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
-    from tidal.tools.plan import cluster_rows, make_plan, run_refusal  # noqa: PLC0415
+    from tidal.tools.plan import cluster_rows, make_plan  # noqa: PLC0415
+    from tidal.tools.run import run_refusal  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import check_runnable  # noqa: PLC0415
 

@@ -113,24 +113,6 @@ def check_seatable(cfg: Any, plan: Plan) -> None:
         raise ConfigError(f"placement: {e}") from None
 
 
-def run_refusal(cfg: Any, plan: Plan) -> str | None:
-    """Why `tidal run` would refuse a recipe whose `plan` can be made, in its words (the
-    message after `tidal run: error: `); None when it would run it.
-
-    `tidal plan` still shows such a plan: a refusal is mostly about where roles sit (a
-    guest or count a runtime cannot seat), which the plan's table shows. Checks `tools.run.check_runnable`, then `check_seatable`, in the
-    order `tidal run` does; not the platform, the run directory or a `resume`.
-    """
-    from tidal.tools.run import check_runnable  # noqa: PLC0415 - tools.run imports this module
-
-    try:
-        check_runnable(cfg)
-        check_seatable(cfg, plan)
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
 def _check_one_vendor_trainer(plan: Plan) -> None:
     """Refuse trainer instances on devices of several kinds: they are the ranks of one
     process group, whose collective backend is one vendor's (a fake cluster's CPU group

@@ -14,7 +14,7 @@ import gc
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,8 +31,38 @@ from tidal.tools.config import loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
-if TYPE_CHECKING:
-    from tidal.tools.train import Run
+
+
+class BuiltRun(Protocol):
+    """What the RL phase reads of a built run (`tools.train.Run` after its build phase)."""
+
+    cfg: Any
+    run_dir: Path
+    console: Any
+    progress: bool
+    platform: Any
+    tracer: Any
+    train_cls: Any
+    engine_options: dict[str, Any]
+    store: Any
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    prompts: Any
+    settings: dict[str, Any]
+    start_rollouts: Any
+    launched: Any
+    turns: Any
+    resume_from: Path | None
+    resumed: dict[str, Any] | None
+    saved: dict[str, Any] | None
+    totals: dict[str, Any]
+    first_reward: float | None
+    last_reward: float | None
+    accuracy_before: float | None
+
+    def evaluate(self, model: torch.nn.Module) -> float | None:
+        """Greedy held-out accuracy of `model` (None without held-out prompts)."""
+        ...
 
 
 def reward_spec(cfg: Any) -> str:
@@ -154,7 +184,7 @@ class RL:
     `run()` trains and writes the final checkpoint. What `Run.finish` reads: `trainer`,
     `history`, `metrics`, `rl_seconds`, `timeshare`, `stop` and the run's first and last reward."""
 
-    def __init__(self, run: Run, *, stop: StopRequest | None) -> None:
+    def __init__(self, run: BuiltRun, *, stop: StopRequest | None) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
         self.r, cfg = run, run.cfg

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from tidal.flow.files import write_whole
+from tidal.flow.placement import Plan
 from tidal.tools.config import ConfigError, RecipeConfig, iter_keys, load_config, to_yaml
 
 FIXED_ON_RESUME = {
@@ -165,7 +166,7 @@ def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
 
 def check_runnable(cfg: Any) -> None:
     """Combinations `tidal run` cannot run (`tidal config` still shows them; `tidal plan`
-    shows the plan and this error, `tools.plan.run_refusal`).
+    shows the plan and this error, `run_refusal`).
 
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
@@ -243,6 +244,24 @@ def check_plan(cfg: Any) -> None:
         return
     plan, _ = make_plan(cfg)
     check_seatable(cfg, plan)
+
+
+def run_refusal(cfg: Any, plan: Plan) -> str | None:
+    """Why `tidal run` would refuse a recipe whose `plan` can be made, in its words (the
+    message after `tidal run: error: `); None when it would run it.
+
+    `tidal plan` still shows such a plan: a refusal is mostly about where roles sit (a
+    guest or count a runtime cannot seat), which the plan's table shows. Checks `check_runnable`, then `tools.plan.check_seatable`, in the
+    order `tidal run` does; not the platform, the run directory or a `resume`.
+    """
+    from tidal.tools.plan import check_seatable  # noqa: PLC0415
+
+    try:
+        check_runnable(cfg)
+        check_seatable(cfg, plan)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
