@@ -112,34 +112,27 @@ class RolloutActor:
 
     def retire_receiver(self) -> None:
         """The trainer is rebuilding the weight group (another actor restarted): the current
-        receiver's coming failure is expected; the next `open_*_receiver` starts a new one."""
+        receiver's coming failure is expected; the next `open_receiver` starts a new one."""
         self._generation += 1
         self._receiver = None
 
-    def open_host_receiver(self, *, bind_host: str, token: str | None) -> str:
-        from tidal.hal.transfer import expected_specs  # noqa: PLC0415
-        from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
+    def open_receiver(self, transport: str, *, bind_host: str | None = None, **params: Any) -> str | None:
+        """Start receiving weights over `transport` (a new receiver replaces the old one);
+        returns the address the trainer's sender connects to, or None where the sender
+        does not connect (a `collective` group: its members join it).
+
+        `bind_host` (host, ipc): the interface to listen on, any free port; `params`: the
+        rest of the transport's receiver arguments (`token`; a group's `host`, `port`,
+        `rank`, `num_receivers`)."""
+        from tidal.hal.transfer import JoinsGroup, expected_specs, receiver_class  # noqa: PLC0415
 
         expected = expected_specs(self.engine.named_weights())
-        receiver = self._receiver = HostReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected, token=token, device=self.weights_device)
-        self._start_receiving(receiver, self._next_version(receiver, expected))
-        return receiver.address
-
-    def open_ipc_receiver(self, *, bind_host: str, token: str | None) -> str:
-        from tidal.hal.transfer import expected_specs  # noqa: PLC0415
-        from tidal.hal.transfer.ipc import IpcReceiver  # noqa: PLC0415
-
-        expected = expected_specs(self.engine.named_weights())
-        receiver = self._receiver = IpcReceiver(self.platform, bind=f"tcp://{bind_host}:0", expected=expected, token=token, device=self.weights_device)
-        self._start_receiving(receiver, self._next_version(receiver, expected))
-        return receiver.address
-
-    def open_collective_receiver(self, *, host: str, port: int, rank: int, num_receivers: int) -> None:
-        from tidal.hal.transfer import expected_specs  # noqa: PLC0415
-        from tidal.hal.transfer.collective import CollectiveReceiver  # noqa: PLC0415
-
-        expected = expected_specs(self.engine.named_weights())
-        receiver = self._receiver = CollectiveReceiver(self.platform, rank=rank, num_receivers=num_receivers, host=host, port=port, expected=expected, device=self.weights_device)
+        if bind_host is not None:
+            params["bind"] = f"tcp://{bind_host}:0"
+        receiver = self._receiver = receiver_class(transport)(self.platform, expected=expected, device=self.weights_device, **params)
+        if not isinstance(receiver, JoinsGroup):
+            self._start_receiving(receiver, self._next_version(receiver, expected))
+            return receiver.address
         transfer_s = transfer_timeout_s(sum(spec.nbytes for spec in expected.values()))
 
         def join_and_receive() -> Any:
@@ -148,6 +141,7 @@ class RolloutActor:
             return receiver.receive(timeout_s=NEXT_VERSION_S, transfer_s=transfer_s)
 
         self._start_receiving(receiver, join_and_receive)
+        return None
 
     def _next_version(self, receiver: Any, expected: Mapping[str, Any]) -> Callable[[], Any]:
         """`receive()` for a receiver of `expected`'s tensors: the next version, or None once

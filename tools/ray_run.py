@@ -38,6 +38,7 @@ from tidal.flow.liveness import Liveness
 from tidal.flow.protocols import SharesWeights
 from tidal.flow.ray_faults import ActorLost, death_summary, rank_died, remote_cause
 from tidal.flow.ray_placement import ray_address
+from tidal.hal.transfer import PlacesWeights
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
 from tidal.tools.metrics import finite, last_metrics
 from tidal.tools.ray_stop import StopSignal, relay_stop
@@ -175,7 +176,7 @@ class StartedRollouts:
         import ray  # noqa: PLC0415
 
         from tidal.flow.runtime import RayRollouts  # noqa: PLC0415
-        from tidal.flow.wiring import CollectiveWiring, HostWiring, IpcWiring  # noqa: PLC0415
+        from tidal.flow.wiring import make_wiring  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
         from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
         from tidal.hal.transfer import choose_transport  # noqa: PLC0415
@@ -190,12 +191,7 @@ class StartedRollouts:
             kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=self.cfg.transport.name if self.cfg.transport.name != "auto" else None))
         transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
         bucket_bytes = self.cfg.transport.bucket_mb << 20
-        if transport == "ipc":
-            wiring: Any = IpcWiring(current_platform(), host=self.host, token=self.token)
-        elif transport == "collective":
-            wiring = CollectiveWiring(current_platform(), host=self.host, bucket_bytes=bucket_bytes)
-        else:
-            wiring = HostWiring(current_platform(), host=self.host, token=self.token, bucket_bytes=bucket_bytes)
+        wiring = make_wiring(transport, current_platform(), host=self.host, token=self.token, bucket_bytes=bucket_bytes)
         trainer_info = {"pid": os.getpid(), "attempt": self.attempt, "ranks": self.ranks or [], "node": my_node}
         seating = [{"rank": a.rank, "mode": a.mode, "bundle": [self.spots[("rollout", a.rank)].group, self.spots[("rollout", a.rank)].bundle], "resources": self.spots[("rollout", a.rank)].resources} for a in self.assignments]
         shared = any(self.spots[("rollout", a.rank)].turns for a in self.assignments)  # time-shares a trainer rank's devices
@@ -218,16 +214,16 @@ class StartedRollouts:
         fault = self.cfg.fault
         rollouts = RayRollouts(self.actors, wiring, max_restarts=fault.rollout_restarts, on_change=write_info, on_death=leave_seats, overlap=overlap, liveness_s=fault.liveness_s, grace_s=fault.liveness_grace_s)
         write_info(rollouts.descriptions)  # with Ray's count of restarts while the trainer warmed up
-        if transport == "ipc" and overlap:
-            info["weights_in_place"] = _share_weights(trainer, wiring, rollouts)
+        if overlap and isinstance(wiring.sender, PlacesWeights):
+            info["weights_in_place"] = _share_weights(trainer, wiring.sender, rollouts)
             write_info(rollouts.descriptions)
         rollouts.publish(trainer.version, trainer.named_weights())  # the actors start from the trainer's weights (a WeightSource: streamed per bucket)
         rollouts.flush()  # ... and have them before any prompt is admitted
         return RemoteRollouts(rollouts, self.server, wiring, self.actors, self.info_path, [seat for each in seats for seat in each])
 
 
-def _share_weights(trainer: Any, wiring: Any, rollouts: Any) -> bool:
-    """Keep the trainer's weights in the `ipc` transport's shared buffer, when its engine
+def _share_weights(trainer: Any, sender: PlacesWeights, rollouts: Any) -> bool:
+    """Keep the trainer's weights in the sender's buffer (`ipc`'s shared one), when its engine
     can (`share_weights`): a publish then copies nothing in the trainer's process (each
     rollout actor copies the version out of the trainer's own weights), and before its
     weights next change the engine waits for every actor to have taken the version
@@ -236,7 +232,7 @@ def _share_weights(trainer: Any, wiring: Any, rollouts: Any) -> bool:
     if not isinstance(trainer, SharesWeights):
         return False
     try:
-        trainer.share_weights(wiring.sender.place, before_change=rollouts.flush)
+        trainer.share_weights(sender.place, before_change=rollouts.flush)
     except ValueError as e:  # raised before anything moved: each publish copies the weights instead
         log.info("the trainer's weights stay in its own memory (each publish copies them): %s", e)
         return False

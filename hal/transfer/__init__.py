@@ -345,6 +345,84 @@ class WaitsForVersions(Protocol):
     def receive(self, timeout_s: float) -> Weights: ...
 
 
+@runtime_checkable
+class WeightSender(Protocol):
+    """The trainer's side of a transport: sends versions of the weights to its receivers.
+
+    `host` and `ipc` senders reach receivers by address (`connect` / `disconnect`);
+    `collective` ones form a group with them (`join`). A version either reaches every
+    receiver whole (checked against its manifest) or raises `TransferError`."""
+
+    def send(self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """Send `weights` as `version`; returns the manifest it sent under."""
+        ...
+
+    def abort(self) -> None:
+        """Give up a send blocked on a receiver that died (it raises `TransferError`)."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets, buffers and groups; idempotent."""
+        ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """A rollout engine's side of a transport: receives whole, checked versions."""
+
+    def receive(self, timeout_s: float) -> Weights:
+        """The next version; `TransferError` if none arrived in `timeout_s` or it failed its checks."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PlacesWeights(Protocol):
+    """A sender whose own buffer the trainer's weights can live in (`ipc`'s shared buffer):
+    a send then copies nothing in the trainer's process."""
+
+    def place(self, specs: Sequence[TensorSpec], ties: Mapping[str, str] | None = None, device: torch.device | None = None) -> list[torch.Tensor]:
+        """Tensors in the buffer, one per spec (a tied name shares its twin's), for the trainer to keep its weights in."""
+        ...
+
+
+@runtime_checkable
+class JoinsGroup(Protocol):
+    """A sender or receiver that must join its group (every member at once) before the first version."""
+
+    def join(self) -> None: ...
+
+
+def _transport_classes(name: str) -> tuple[type, type]:
+    """(sender class, receiver class) of transport `name`, imported when asked for."""
+    import importlib  # noqa: PLC0415
+
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {name!r}; transports: {', '.join(TRANSPORTS)}")
+    module_name, sender, receiver = _TRANSPORT_CLASSES[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, sender), getattr(module, receiver)
+
+
+_TRANSPORT_CLASSES = {
+    "ipc": ("tidal.hal.transfer.ipc", "IpcSender", "IpcReceiver"),
+    "collective": ("tidal.hal.transfer.collective", "CollectiveSender", "CollectiveReceiver"),
+    "host": ("tidal.hal.transfer.host", "HostSender", "HostReceiver"),
+}
+"""The transport registry: each of `TRANSPORTS` -> (module, sender class, receiver class)."""
+
+
+def sender_class(name: str) -> type:
+    """The `WeightSender` class of transport `name` (ValueError naming the known ones)."""
+    return _transport_classes(name)[0]
+
+
+def receiver_class(name: str) -> type:
+    """The `WeightReceiver` class of transport `name` (ValueError naming the known ones)."""
+    return _transport_classes(name)[1]
+
+
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)

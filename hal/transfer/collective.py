@@ -117,6 +117,9 @@ class CollectiveSender:
     def join(self) -> None:
         self._group.join()
 
+    def abort(self) -> None:
+        """Nothing to give up: a broadcast to a member that died fails by itself."""
+
     def close(self) -> None:
         """Leave the group (its receivers' next broadcast fails); idempotent."""
         self._group.close()
