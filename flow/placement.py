@@ -17,7 +17,7 @@ are four configurations of the roles, not four code paths:
 
 An infeasible request is a `PlacementError` naming the role and what it lacked, raised
 before anything starts. Nothing here imports Ray or torch: under `runtime: ray` the plan
-is turned into placement groups by `flow.ray_placement`.
+is turned into placement groups by `flow.ray.placement`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Resource:
     tags: frozenset[str] = frozenset()
     ray_node_id: str | None = None
     """The Ray node (`ray.nodes()`'s `NodeID`) these devices are on, for a cluster read off
-    Ray: its placement groups are pinned to the node the plan chose (`flow.ray_placement`).
+    Ray: its placement groups are pinned to the node the plan chose (`flow.ray.placement`).
     None for a recipe's `cluster.nodes`, whose names are not Ray's."""
 
     def __post_init__(self) -> None:

@@ -326,7 +326,7 @@ class RolloutGroup(Protocol):
 
 ROLLOUT_TOTALS = ("paused_generations", "handed_off", "silent_rollouts")
 """Rollout's counts in a `RolloutGroup`'s metrics: totals so far (the run's, in `Workflow`'s step
-metrics). `silent_rollouts`: times a rollout actor stopped answering (`flow.liveness`; a group
+metrics). `silent_rollouts`: times a rollout actor stopped answering (`flow.ray.liveness`; a group
 without one leaves it out, 0)."""
 
 

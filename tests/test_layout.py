@@ -109,8 +109,8 @@ def test_tools_compose_engines_by_name():
 # of these, none a capability of an engine, rollout group, wiring or prompt source:
 # (file, object, name): why.
 NAME_LOOKUPS_ALLOWED = {
-    ("flow/ray_faults.py", "error", "__notes__"): "an exception's PEP 678 notes, absent until one is added",
-    ("flow/ray_faults.py", "error", "error_msg"): "the message of Ray's error types, absent on others",
+    ("flow/ray/faults.py", "error", "__notes__"): "an exception's PEP 678 notes, absent until one is added",
+    ("flow/ray/faults.py", "error", "error_msg"): "the message of Ray's error types, absent on others",
     ("flow/store/client.py", "self._tls", "cancel"): "per-thread state, set only by threads that use it",
     ("flow/store/client.py", "self._tls", "wake_listener"): "per-thread state, set only by threads that use it",
     ("flow/store/thread_sockets.py", "self._tls", "sockets"): "per-thread state, set only by threads that use it",
@@ -179,4 +179,4 @@ def test_name_probe_check_catches_a_violation():
     assert _name_probes("flow/x.py", 'ok = callable(getattr(self.trainer, "share_weights", None))')
     assert _name_probes("flow/x.py", "def f(engine, name):\n    return getattr(engine, name)")
     assert not _name_probes("flow/x.py", "class W:\n    def __getattr__(self, name):\n        return getattr(self.engine, name)")
-    assert not _name_probes("flow/ray_faults.py", 'notes = getattr(error, "__notes__", [])')
+    assert not _name_probes("flow/ray/faults.py", 'notes = getattr(error, "__notes__", [])')

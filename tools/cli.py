@@ -414,7 +414,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(resolve_recipe(args.recipe), args.overrides)
     ray_nodes = None
     if cfg.runtime.value == "ray" and not cfg.cluster.nodes:
-        from tidal.flow.ray_placement import connected_ray_nodes  # noqa: PLC0415
+        from tidal.flow.ray.placement import connected_ray_nodes  # noqa: PLC0415
 
         ray_nodes = connected_ray_nodes
     try:
@@ -521,8 +521,8 @@ def _one_line(command: str, error: Exception) -> str | None:
     runtime errors (PlatformError and friends: actionable), non-finite gradients (the train
     engines' FloatingPointError) and a write the disk refused. Under `runtime: ray` the
     error raised inside an actor counts, not Ray's wrapper with the remote traceback, and a
-    dead actor is named in one line (`flow.ray_faults.remote_cause`)."""
-    from tidal.flow.ray_faults import remote_cause  # noqa: PLC0415 - imports no Ray
+    dead actor is named in one line (`flow.ray.faults.remote_cause`)."""
+    from tidal.flow.ray.faults import remote_cause  # noqa: PLC0415 - imports no Ray
 
     cause = remote_cause(error)
     if isinstance(cause, RuntimeError) and type(cause).__module__.startswith("tidal.") or isinstance(cause, FloatingPointError):

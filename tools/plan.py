@@ -2,7 +2,7 @@
 
 `tidal plan <recipe>` prints it without starting anything. The cluster comes from the
 recipe's nodes, else (under `runtime: ray`) from the alive nodes of the Ray cluster at
-RAY_ADDRESS, which `tidal run` would join (`flow.ray_placement.ray_address`), else from
+RAY_ADDRESS, which `tidal run` would join (`flow.ray.placement.ray_address`), else from
 this machine's platform (where a run starts a Ray of its own).
 """
 
@@ -22,7 +22,7 @@ def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]
     """The cluster a recipe runs on and where it came from (`recipe`, `ray` or `this machine`).
 
     `ray_nodes` (under `runtime: ray`, without `cluster.nodes`): the Ray cluster's nodes, or
-    None where the run would start a Ray of its own (`flow.ray_placement.connected_ray_nodes`).
+    None where the run would start a Ray of its own (`flow.ray.placement.connected_ray_nodes`).
     """
     if cfg.cluster.nodes:
         return _recipe_nodes(cfg.cluster.nodes), "recipe"

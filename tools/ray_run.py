@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from tidal.flow.files import write_whole
-from tidal.flow.liveness import Liveness
+from tidal.flow.ray.liveness import Liveness
 from tidal.flow.protocols import SharesWeights
-from tidal.flow.ray_faults import ActorLost, death_summary, rank_died, remote_cause
-from tidal.flow.ray_placement import ray_address
+from tidal.flow.ray.faults import ActorLost, death_summary, rank_died, remote_cause
+from tidal.flow.ray.placement import ray_address
 from tidal.hal.transfer import PlacesWeights
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
 from tidal.tools.metrics import finite, last_metrics
@@ -129,8 +129,8 @@ def start_rollouts(
     """
     import ray  # noqa: PLC0415
 
-    from tidal.flow.ray_placement import actor_options  # noqa: PLC0415
-    from tidal.flow.runtime import RolloutActor  # noqa: PLC0415
+    from tidal.flow.ray.placement import actor_options  # noqa: PLC0415
+    from tidal.flow.ray.runtime import RolloutActor  # noqa: PLC0415
     from tidal.flow.store.server import StoreServer  # noqa: PLC0415
 
     one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
@@ -175,8 +175,8 @@ class StartedRollouts:
         """Wait for the actors, choose the weight transport, send them the trainer's weights."""
         import ray  # noqa: PLC0415
 
-        from tidal.flow.runtime import RayRollouts  # noqa: PLC0415
-        from tidal.flow.wiring import make_wiring  # noqa: PLC0415
+        from tidal.flow.ray.runtime import RayRollouts  # noqa: PLC0415
+        from tidal.flow.ray.wiring import make_wiring  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
         from tidal.hal.platform import PlatformDescriptor  # noqa: PLC0415
         from tidal.hal.transfer import choose_transport  # noqa: PLC0415
@@ -449,7 +449,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
 
     from tidal.flow.colocate import spots, start_turns  # noqa: PLC0415
     from tidal.flow.placement import PlacementError  # noqa: PLC0415
-    from tidal.flow.ray_placement import actor_options, placement_groups  # noqa: PLC0415
+    from tidal.flow.ray.placement import actor_options, placement_groups  # noqa: PLC0415
     from tidal.tools.plan import make_plan  # noqa: PLC0415
 
     if not cfg.cluster.nodes:

@@ -8,7 +8,7 @@ import pytest
 
 from tidal.flow.colocate import Sharing, Spot, TurnsProxy, spots
 from tidal.flow.placement import PlacementError, Resource, Role, schedule
-from tidal.flow.ray_placement import role_bundles
+from tidal.flow.ray.placement import role_bundles
 from tidal.flow.timeshare import Turns
 from tidal.hal import select_platform
 
@@ -86,7 +86,7 @@ def test_start_turns_gives_each_shared_trainer_bundle_a_turns_actor(ray_session)
     import ray
 
     from tidal.flow.colocate import start_turns
-    from tidal.flow.ray_placement import placement_groups
+    from tidal.flow.ray.placement import placement_groups
 
     plan = schedule([Resource(node="box", kind="cpu", capacity=2)], [Role(name="train", count=2), Role(name="rollout", count=2, colocate_with="train")])
     placed = spots(plan)

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from tidal.flow import liveness, runtime
-from tidal.flow.liveness import Liveness, transfer_timeout_s
-from tidal.flow.runtime import RayRollouts, RolloutActor
+from tidal.flow.ray import liveness, runtime
+from tidal.flow.ray.liveness import Liveness, transfer_timeout_s
+from tidal.flow.ray.runtime import RayRollouts, RolloutActor
 
 
 def _actor(*, max_restarts: int = 0):
@@ -29,7 +29,7 @@ def _actor(*, max_restarts: int = 0):
             self.stopped = threading.Event()
 
         def describe(self):
-            from tidal.flow.ray_faults import num_restarts
+            from tidal.flow.ray.faults import num_restarts
 
             return {"pid": os.getpid(), "restarts": num_restarts()}
 

@@ -118,7 +118,7 @@ def test_resources_from_ray_nodes():
 def test_a_plan_read_off_ray_pins_each_bundle_to_its_node():
     """PACK alone may put the 4-device trainer on the 8-device node, where the plan put the
     8-device rollout instance; pinned, each bundle goes where `tidal plan` says."""
-    from tidal.flow.ray_placement import NODE_ID_LABEL, node_selectors
+    from tidal.flow.ray.placement import NODE_ID_LABEL, node_selectors
 
     nodes = [
         {"NodeName": "10.0.0.1", "NodeID": "aa11", "Resources": {"CPU": 8.0, "GPU": 8.0}},
@@ -163,7 +163,7 @@ def test_roles_lending_to_each_other_are_refused():
 
 
 def test_role_bundles_carry_required_custom_tags_as_ray_resources():
-    from tidal.flow.ray_placement import TAG_AMOUNT, role_bundles
+    from tidal.flow.ray.placement import TAG_AMOUNT, role_bundles
 
     nodes = [Resource(node="g0", kind="cuda", capacity=4, tags=frozenset({"fast"})), Resource(node="n0", kind="npu", capacity=2)]
     plan = schedule(nodes, [Role(name="train", requires=("npu",), devices_each=2), Role(name="rollout", requires=("gpu", "fast"), count=2, devices_each=2)])
@@ -179,7 +179,7 @@ def test_role_bundles_carry_required_custom_tags_as_ray_resources():
 def test_ray_placement_groups_fail_fast_naming_the_role(ray_session):
     import time
 
-    from tidal.flow.ray_placement import placement_groups
+    from tidal.flow.ray.placement import placement_groups
 
     plan = schedule(MIXED, [TRAIN, Role(name="rollout", requires=("gpu",), count=8, devices_each=2)])
     begin = time.monotonic()
@@ -195,7 +195,7 @@ def test_ray_placement_groups_fail_fast_naming_the_role(ray_session):
 def test_ray_placement_groups_for_a_plan_the_cluster_holds(ray_session):
     import ray
 
-    from tidal.flow.ray_placement import actor_options, placement_groups
+    from tidal.flow.ray.placement import actor_options, placement_groups
 
     cpu = [Resource(node="local", kind="cpu", capacity=2)]
     plan = schedule(cpu, [Role(name="train"), Role(name="rollout")])
@@ -215,7 +215,7 @@ def test_ray_placement_groups_sit_on_the_nodes_the_plan_read_off_ray(ray_session
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from tidal.flow.ray_placement import placement_groups
+    from tidal.flow.ray.placement import placement_groups
 
     resources = resources_from_ray_nodes(ray.nodes())
     (local,) = resources

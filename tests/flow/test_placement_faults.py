@@ -55,7 +55,7 @@ def _two_gpu_roles():
 def test_role_bundles_count_every_roles_devices_against_the_cluster():
     """Each role was checked against the whole cluster alone: two roles of 8 GPUs each passed
     on 8 GPUs, and the second placement group waited its 30 s blaming 'other runs'."""
-    from tidal.flow.ray_placement import role_bundles
+    from tidal.flow.ray.placement import role_bundles
 
     plan = _two_gpu_roles()
     with pytest.raises(PlacementError, match=r"cannot place role 'rollout' on this Ray cluster: it needs 8 GPU \(the cluster has 8, of which 8 go to train\)"):
@@ -66,7 +66,7 @@ def test_role_bundles_count_every_roles_devices_against_the_cluster():
 def test_role_bundles_refuse_an_instance_larger_than_any_ray_node():
     """A bundle must fit on one node: 16 GPUs as four nodes of 4 pass the cluster's total, hold
     no 8-GPU instance, and the placement group waited its 30 s blaming 'other runs'."""
-    from tidal.flow.ray_placement import role_bundles
+    from tidal.flow.ray.placement import role_bundles
 
     plan = _two_gpu_roles()
     with pytest.raises(PlacementError, match=r"cannot place role 'rollout' on this Ray cluster: one instance needs 8 GPU on one node, and no node has more than 4"):
@@ -75,7 +75,7 @@ def test_role_bundles_refuse_an_instance_larger_than_any_ray_node():
 
 
 def test_largest_node_resources_of_alive_ray_nodes():
-    from tidal.flow.ray_placement import largest_node_resources
+    from tidal.flow.ray.placement import largest_node_resources
 
     nodes = [*RAY_NODES, {"Alive": True, "NodeName": "n", "Resources": {"CPU": 8.0, "NPU": 4.0}}, {"Alive": False, "NodeName": "dead", "Resources": {"GPU": 16.0}}]
     assert largest_node_resources(nodes) == {"CPU": 64.0, "GPU": 8.0, "NPU": 4.0}

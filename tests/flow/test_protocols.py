@@ -30,7 +30,7 @@ from tidal.flow.protocols import (
 )
 from tidal.flow.rollout import LocalRollouts
 from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine, Turns
-from tidal.flow.wiring import CollectiveWiring, HostWiring, IpcWiring
+from tidal.flow.ray.wiring import CollectiveWiring, HostWiring, IpcWiring
 from tidal.tools.ray_run import RemoteRollouts
 from tests.flow.test_ray_rollouts import _PostingWiring, _SendingWiring
 from tests.flow.test_timeshare import PassEngine

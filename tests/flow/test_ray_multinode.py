@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
     from tidal.flow.placement import Role, resources_from_ray_nodes, schedule
-    from tidal.flow.ray_placement import placement_groups
+    from tidal.flow.ray.placement import placement_groups
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tidal.flow import runtime
-from tidal.flow.runtime import QueuedSends, RayRollouts, RolloutActor
+from tidal.flow.ray import runtime
+from tidal.flow.ray.runtime import QueuedSends, RayRollouts, RolloutActor
 
 
 def test_put_returns_while_a_send_runs_and_the_newest_version_replaces_one_not_sent_yet():

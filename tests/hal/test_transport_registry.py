@@ -1,13 +1,13 @@
 """The weight transports by name: one registry in `tidal.hal.transfer`, every sender and
 receiver satisfying the `WeightSender` / `WeightReceiver` protocols, and one wiring per
-transport under `runtime: ray` (`flow.wiring.make_wiring`)."""
+transport under `runtime: ray` (`flow.ray.wiring.make_wiring`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tidal.flow.protocols import PostsWeights
-from tidal.flow.wiring import WIRINGS, make_wiring
+from tidal.flow.ray.wiring import WIRINGS, make_wiring
 from tidal.hal.transfer import TRANSPORTS, JoinsGroup, PlacesWeights, WeightReceiver, WeightSender, receiver_class, sender_class
 
 

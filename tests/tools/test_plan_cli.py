@@ -79,7 +79,7 @@ def test_plan_json_includes_the_cluster_and_no_refusal_for_a_runnable_recipe(cap
 
 def test_a_plan_read_off_a_running_ray_names_each_nodes_ray_id_and_says_instances_are_pinned(capsys, monkeypatch, ray_session):
     """Under RAY_ADDRESS the plan's cluster is Ray's nodes; `tidal run` pins each bundle to the
-    node the plan chose (`flow.ray_placement.node_selectors`), by the id --json shows."""
+    node the plan chose (`flow.ray.placement.node_selectors`), by the id --json shows."""
     import ray
 
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)

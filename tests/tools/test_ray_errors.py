@@ -40,7 +40,7 @@ def _failing_actors():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/r/metrics.jsonl")
 
         def give_up(self) -> None:
-            from tidal.flow.ray_faults import ActorLost
+            from tidal.flow.ray.faults import ActorLost
 
             raise ActorLost("rollout actor 0 died 4 times (fault.rollout_restarts=3): ActorDiedError: actor RolloutActor (pid 7) died: its worker process has died")
 
@@ -116,7 +116,7 @@ def test_a_dead_actor_is_one_line_naming_it_and_why(ray_session, monkeypatch, ca
 def test_a_death_summary_says_an_actor_was_killed(ray_session):
     import ray
 
-    from tidal.flow.ray_faults import death_summary
+    from tidal.flow.ray.faults import death_summary
 
     Inner, _ = _failing_actors()
     inner = Inner.remote()
@@ -129,7 +129,7 @@ def test_a_death_summary_says_an_actor_was_killed(ray_session):
 def test_a_death_with_nothing_to_read_is_still_one_line():
     import ray.exceptions
 
-    from tidal.flow.ray_faults import death_summary, remote_cause
+    from tidal.flow.ray.faults import death_summary, remote_cause
 
     assert death_summary(ray.exceptions.ActorDiedError()) == "ActorDiedError: actor died: The actor died unexpectedly before finishing this task."
     error = ValueError("reward function 'x' is not defined")

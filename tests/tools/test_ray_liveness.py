@@ -16,7 +16,7 @@ def test_a_stopped_trainer_rank_is_killed_and_raised_as_a_death(ray_session, tmp
     have ended it."""
     import ray
 
-    from tidal.flow.liveness import Liveness
+    from tidal.flow.ray.liveness import Liveness
     from tidal.tools.ray_run import _wait_with_progress, rank_died
 
     @ray.remote(num_cpus=0, max_concurrency=2)

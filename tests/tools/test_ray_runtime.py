@@ -122,7 +122,7 @@ def test_tidal_plan_and_tidal_run_find_the_same_ray_cluster(monkeypatch):
     machine, so the plan is this machine's (and joins no Ray that happens to be running)."""
     import ray
 
-    from tidal.flow.ray_placement import connected_ray_nodes
+    from tidal.flow.ray.placement import connected_ray_nodes
     from tidal.tools.config import load_config
     from tidal.tools.plan import make_plan
     from tidal.tools.ray_run import init_ray

@@ -13,7 +13,7 @@ versions into its worker's inbox, applied at the next safe point.
 
 Each actor selects its own hal platform from the `TIDAL_DEVICE` its placement gives it
 (`fake:<kind>:<n>` when the recipe's cluster is fake), so one run holds NPU, GPU and
-CPU processes. The placement groups and actor options come from `flow.ray_placement`.
+CPU processes. The placement groups and actor options come from `flow.ray.placement`.
 Ray is imported only when the runtime is used.
 """
 
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from tidal.flow.liveness import Liveness, transfer_timeout_s
+from tidal.flow.ray.liveness import Liveness, transfer_timeout_s
 from tidal.flow.protocols import PostsWeights
-from tidal.flow.ray_faults import ActorLost, death_summary, num_restarts
+from tidal.flow.ray.faults import ActorLost, death_summary, num_restarts
 from tidal.flow.rollout import RolloutWorker, Stop
-from tidal.flow.sends import QueuedSends
+from tidal.flow.ray.sends import QueuedSends
 from tidal.flow.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class RolloutActor:
         }
 
     def ping(self) -> None:
-        """Answers at once: the trainer's liveness check (`flow.liveness`)."""
+        """Answers at once: the trainer's liveness check (`flow.ray.liveness`)."""
 
     def retire_receiver(self) -> None:
         """The trainer is rebuilding the weight group (another actor restarted): the current
@@ -280,7 +280,7 @@ class RayRollouts:
     (`weights_wanted`). Ray's count of an actor's restarts is where the count starts: a
     death while the trainer warmed up (before this group existed) used one of them.
     An actor that answers no ping for `liveness_s` is reported, and killed (a death, as
-    above) when silent `grace_s` longer (`flow.liveness`; 0 turns the checks off).
+    above) when silent `grace_s` longer (`flow.ray.liveness`; 0 turns the checks off).
     `on_change(descriptions)` is told each actor's description after a restart.
     `on_death(i)` is told that actor `i` died and will not generate again (no restarts
     left, it did not come back, or the run is ending): a seat it held at a trainer's
