@@ -194,8 +194,7 @@ class CpuPlatform:
     # Optimizers ----------------------------------------------------------------------
     def optimizer_options(self) -> dict[str, Any]:
         """Keyword arguments for torch's Adam/AdamW here: torch's fused CPU kernel (one
-        call per step instead of a dozen per parameter; 0.9 ms against 4.5 ms a step for
-        the quickstart's 1.2 M parameters)."""
+        call per step instead of a dozen per parameter; docs/benchmarks.md has the times)."""
         return {"fused": True}
 
     # Environment and collectives -------------------------------------------------------

@@ -36,8 +36,8 @@ def scalars(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str,
 
 class _EventWriter:
     """TensorBoard's event file writer (the `tensorboard` package's own, not torch's
-    `SummaryWriter`): one event per step with every scalar in it, 0.3 ms a step where
-    `add_scalar` per number took 3.6 ms on the trainer's thread."""
+    `SummaryWriter`): one event per step with every scalar in it, where `add_scalar` per
+    number cost the trainer's thread about ten times as much."""
 
     def __init__(self, folder: Path, *, first_step: int) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # noqa: PLC0415 - optional
@@ -84,8 +84,8 @@ class MetricsLog:
     installed, to TensorBoard (written every few seconds, and at `close`).
 
     The JSONL file stays open, line-buffered, until `close`: opening and closing it for
-    every step took the trainer 0.55 ms a step on average in a Ray quickstart (1.6-2 ms in
-    one step of ten, when its other threads took the GIL at the open or the close).
+    every step cost the trainer's step time, most where its other threads took the GIL
+    at the open or the close.
 
     `first_step` is the step the run starts at: TensorBoard drops what an earlier
     attempt in the same run directory wrote from there on.

@@ -267,7 +267,8 @@ ACTOR_TOTALS = ("paused_generations", "handed_off")
 counts `silent_rollouts` itself."""
 METRICS_EVERY_S = 0.5
 """How often the trainer asks the rollout actors for their metrics (and looks for the
-answers): a Ray call and a check of its answer cost the trainer's step 2-3 ms each time."""
+answers): each Ray call and check of its answer costs the trainer's step time, so it is
+not made every step."""
 
 
 class RayRollouts:
@@ -518,8 +519,7 @@ class RayRollouts:
         """The actors' metrics without waiting for them: every `METRICS_EVERY_S` a call
         looks for the answers to the last request and asks again (once it is answered),
         and every call returns the answers that are in, so the trainer's step never waits
-        on an actor busy generating (that cost 4-7 ms a step on 2 cores) and only some
-        steps pay for the calls. The counts are the latest answered (over restarts: `_count`); wait times show up
+        on an actor busy generating and only some steps pay for the calls. The counts are the latest answered (over restarts: `_count`); wait times show up
         in the step whose call collected them."""
         import ray  # noqa: PLC0415
 

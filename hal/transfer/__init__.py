@@ -39,7 +39,8 @@ from tidal.hal.platform import PlatformDescriptor
 TRANSPORTS = ("ipc", "collective", "host")
 DEFAULT_BUCKET_BYTES = 16 << 20
 """Bytes per bucket: large enough to stream at full speed, small enough that the receiver
-copies bucket k while bucket k+1 is on the wire (64 MB buckets measured ~half as fast)."""
+copies bucket k while bucket k+1 is on the wire (much larger buckets were slower:
+docs/benchmarks.md, `tidal bench weights`)."""
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
