@@ -79,10 +79,9 @@ def test_hal_imports_no_vendor_module_at_top_level():
                 assert not any("torch_npu" in n for n in names), f"{path.name} imports torch_npu at import time"
 
 
-# tools/ composes engines by name (`tidal.engines.registry`); these files still name the tiny
-# model's own code: checkpoint.py saves through `tiny.save_model` (the checkpoint files'
-# format), bench_trl.py hands TRL the character tokenizer as a transformers one.
-CONCRETE_ALLOWED = {"tools/checkpoint.py", "tools/bench_trl.py"}
+# tools/ composes engines by name (`tidal.engines.registry`); this file still names the tiny
+# model's own code: checkpoint.py saves through `tiny.save_model` (the checkpoint files' format).
+CONCRETE_ALLOWED = {"tools/checkpoint.py"}
 CONCRETE = re.compile(r"tidal\.engines\.(tiny|tokenizers\.HFTokenizer)|\b(CharTokenizer|HFTokenizer|build_tiny_qwen2)\b")
 
 

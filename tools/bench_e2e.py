@@ -42,8 +42,9 @@ the `gsm8k_qwen` recipe on a small local Qwen2 checkpoint whose sampled response
 long-tailed lengths (`tidal.tools.bench_fixture.build_longtail_workload` says how; built
 once into ~/.cache/tidal and reused), with `LONGTAIL_OVERRIDES`: most responses end early
 and a few run to the token budget, the case where a sync step waits on its stragglers.
-TRL's systems are not run on it (`bench_trl` starts from the quickstart's tiny model only);
-their rows say so.
+TRL's systems run it too: `GRPOTrainer` on the same checkpoint directory, the same prompts
+in the same order as tidal's token ids (the chat template applied as tidal applies it),
+the recipe's math reward and the same overrides (`bench_trl.py` says how).
 """
 
 from __future__ import annotations
@@ -81,13 +82,12 @@ stages do, so TRL gets every thread setting the sync baseline gets."""
 BASELINES = {"sync": list(SYNC_SYSTEMS), "TRL": list(TRL_SYSTEMS)}
 """Each ratio's baseline: the fastest of these systems in the run."""
 LONGTAIL_OVERRIDES = [
-    "rollout.max_new_tokens=256", "algorithm.prompts_per_step=8", "algorithm.group_size=4", "rollout.prompts_per_generate=8",
+    "rollout.max_new_tokens=256", "algorithm.prompts_per_step=8", "algorithm.group_size=4",
     "train.micro_batch_size=8", "train.precision=fp32", "model.gradient_checkpointing=false", "threads=1",
 ]  # fmt: skip
 """The `longtail` workload's recipe overrides (before the systems' and the user's): a token
 budget of a few hundred, small batches for a CPU, one torch thread per stage as the
 quickstart has."""
-TRL_NOT_WIRED = "TRL on the longtail workload is not wired yet (bench_trl starts from the quickstart's tiny model only)"
 DRIFT_RATIO = 1.5
 """A run drifted when its mean response length over the last tenth of its steps is more
 than this times that over the first tenth."""
@@ -129,14 +129,14 @@ def workload_args(workload: str) -> tuple[str, list[str]]:
     raise ValueError(f"unknown e2e workload {workload!r}; workloads: {', '.join(WORKLOADS)}")
 
 
-def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = (), recipe: str = "quickstart_cpu") -> dict[str, Any]:
-    """One run of `recipe` with a system's overrides, then `overrides`; returns its summary."""
+def run_tidal(system_overrides: Sequence[str], *, seed: int, num_steps: int, overrides: Sequence[str] = (), recipe: str = "quickstart_cpu", workload: Sequence[str] = ()) -> dict[str, Any]:
+    """One run of `recipe` with the `workload`'s overrides, then a system's, then `overrides`; returns its summary."""
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
     from tidal.tools.train import train  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-e2e-") as tmp:
-        args = [*system_overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", "tensorboard=false", *overrides]  # TRL's run logs nowhere either
+        args = [*workload, *system_overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}", f"checkpoint_every={num_steps + 1}", f"run_dir={Path(tmp) / 'run'}", "tensorboard=false", *overrides]  # TRL's run logs nowhere either
         cfg, run_dir = prepare_run(resolve_recipe(recipe), args)
         if cfg.runtime.value == "ray":
             import ray  # noqa: PLC0415
@@ -163,7 +163,7 @@ def run(
     progress: Callable[[str], None] = print,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every system (or those named in `systems`) for every seed on `workload`; TRL's only
-    when TRL is installed and the workload is the quickstart (elsewhere its rows say why not).
+    when TRL is installed (else its rows say how to install it).
 
     One round per seed runs every system once, in the order of `SYSTEMS` then TRL's on
     even rounds and in reverse on odd ones. This machine's speed drifts over the minutes
@@ -178,8 +178,9 @@ def run(
 
     def run_one(system: str, seed: int) -> dict[str, Any]:
         if system in SYSTEMS:
-            return run_tidal(SYSTEMS[system], seed=seed, num_steps=num_steps, overrides=[*workload_overrides, *overrides], recipe=recipe)
-        return bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[*TRL_SYSTEMS[system], *overrides])
+            return run_tidal(SYSTEMS[system], seed=seed, num_steps=num_steps, overrides=overrides, recipe=recipe, workload=workload_overrides)
+        # the precedence tidal's systems get in `run_tidal`: the system's, the workload's, the user's
+        return bench_trl.run_trl(seed=seed, num_steps=num_steps, overrides=[*workload_overrides, *TRL_SYSTEMS[system], *overrides], recipe=recipe)
 
     unknown = [name for name in systems or () if name not in SYSTEMS and name not in TRL_SYSTEMS]
     if unknown:
@@ -187,10 +188,7 @@ def run(
     chosen = list(SYSTEMS) if systems is None else [name for name in SYSTEMS if name in systems]
     wants_trl = [name for name in TRL_SYSTEMS if systems is None or name in systems]
     results: dict[str, list[dict[str, Any]]] = {}
-    if wants_trl and workload != "quickstart":
-        results.update({name: [{"skipped": TRL_NOT_WIRED}] for name in wants_trl})
-        progress(f"trl: skipped, {TRL_NOT_WIRED}")
-    elif wants_trl and bench_trl.available():
+    if wants_trl and bench_trl.available():
         chosen += wants_trl
     elif wants_trl:
         progress(f"trl: skipped, TRL is not installed ({TRL_INSTALL})")

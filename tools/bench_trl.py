@@ -1,9 +1,12 @@
-"""TRL's `GRPOTrainer` on the quickstart: the `trl` column of `tidal bench e2e`.
+"""TRL's `GRPOTrainer` on a tidal recipe: the `trl` column of `tidal bench e2e`.
 
-The run starts from the model a tidal run starts RL from (the recipe's tiny Qwen2, the
-same supervised warm start, deterministic for a seed), trains on the same prompt stream
-in the same order with the same reward function, and is evaluated by the same greedy
-held-out `evaluate`. The recipe maps onto `GRPOConfig` as:
+The run starts from the model a tidal run of the recipe starts RL from (its `model.source`:
+the quickstart's tiny Qwen2 from its seed with the same supervised warm start, or a local
+Hugging Face checkpoint directory as the `longtail` workload's), trains on the same prompt
+stream in the same order (`prompt_source`: the task's, or `data.train_files` with the chat
+template applied as tidal applies it) with the same reward function, and is evaluated by
+the same greedy held-out `evaluate` (when the recipe has held-out prompts). The recipe
+maps onto `GRPOConfig` as:
 
 - lr, weight_decay, grad_clip -> learning_rate (constant, no warmup), weight_decay,
   max_grad_norm; AdamW with torch's betas and eps, as `TorchTrainEngine`;
@@ -12,19 +15,27 @@ held-out `evaluate`. The recipe maps onto `GRPOConfig` as:
   divisor of the step's samples below it, with gradient accumulation over the rest;
   one generation per optimizer step, num_iterations=1: on-policy, like `max_staleness: 0`);
 - rollout.max_new_tokens -> max_completion_length, rollout.temperature -> temperature
-  (top_k 0, top_p 1: plain sampling, as the `hf` rollout engine);
+  (top_k 0, top_p 1: plain sampling, as the `hf` rollout engine); generation stops at
+  the tokenizer's end ids (`Tokenizer.eos_ids`), as tidal's rollout does;
 - clip_low / clip_high -> epsilon / epsilon_high; aggregation -> loss_type (token_mean is
   TRL's "dapo"); advantage -> scale_rewards (grpo divides by the group's std);
   kl_coef 0 -> beta 0 (no reference model);
 - train.precision -> bf16 (accelerate's mixed precision: autocast, fp32 weights, as
-  tidal's train engines do), else float32; transformers generation (no vLLM), no
-  activation checkpointing, no logging, saving or evaluation during training;
+  tidal's train engines do), else float32; model.gradient_checkpointing ->
+  activation_checkpointing; transformers generation (no vLLM), no logging, saving or
+  evaluation during training;
 - threads / train.threads -> torch threads of `trainer.train()`, rollout.threads (else
   threads) -> torch threads of its `model.generate` calls (`generating_with_threads`),
   as tidal's stages get them.
 
-TRL needs a Hugging Face tokenizer: `tidal.engines.tiny.hf_tokenizer` builds one with
-`CharTokenizer`'s ids (one token per character, BOS prepended), the tokenizer checkpoints save.
+TRL reads a prompt as text and tokenizes it itself, so each prompt goes to it as the text
+of tidal's `prompt_ids` (the rendered chat template, special tokens included), and the run
+checks that TRL's tokenizer gives those ids back (`check_prompt_ids`). TRL's tokenizer is
+the policy tokenizer's own files (`save`, what checkpoints hold) loaded with
+`AutoTokenizer`. The reward sees what tidal's scorer gives it: the completion decoded by the
+tidal tokenizer with its end ids left out, "stop" when it has one, the prompt's other
+fields as `meta`. It runs in TRL's thread, where tidal may score in worker processes
+(`task.reward_workers`).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib.util
+import itertools
 import tempfile
 import time
 import warnings
@@ -51,26 +63,68 @@ def available() -> bool:
 
 
 def warm_started(cfg: Any) -> dict[str, Any]:
-    """The policy a tidal run of `cfg` starts RL from, with what evaluating it needs.
+    """The policy a tidal run of `cfg` starts RL from, with its tokenizer, reward and prompts.
 
-    Mirrors `tidal.tools.train.train` up to RL: the recipe's model from its seed, then
-    `sft.steps` supervised steps on the prompt region RL never reaches.
+    Mirrors `tidal.tools.train.Run` up to RL: the recipe's model source builds the policy
+    from the seed, its prompt source (`prompt_source`) gives the prompts, then `sft.steps`
+    supervised steps on the warm start's stream train the policy in place.
     """
-    from tidal.engines.tiny import CharTokenizer  # noqa: PLC0415
+    from tidal.engines.models import model_source  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.tools import backends  # noqa: PLC0415
+    from tidal.tools.prompts import prompt_source  # noqa: PLC0415
     from tidal.tools.rl import run_reward  # noqa: PLC0415
-    from tidal.tools.train import build_policy, held_out_prompts, warm_start  # noqa: PLC0415
+    from tidal.tools.train import warm_start  # noqa: PLC0415
 
-    tokenizer = CharTokenizer()
-    reward = run_reward(cfg)
-    held_items, held_out = held_out_prompts(cfg)
-    model = build_policy(cfg, tokenizer)
+    policy = model_source(cfg.model).build(seed=cfg.seed)
+    prompts = prompt_source(cfg, policy.tokenizer)
     if cfg.sft.steps:
         train_cls = backends.load("train.backend", cfg.train.backend)
-        sft = train_cls(model, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=current_platform())
-        warm_start(sft, cfg, tokenizer, held_out)
-    return {"model": model, "tokenizer": tokenizer, "reward": reward, "held_items": held_items, "held_out": held_out}
+        sft = train_cls(policy.module, lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, platform=current_platform())
+        warm_start(sft, cfg, policy.tokenizer, stream=prompts.warm_start())
+    return {"model": policy.module, "tokenizer": policy.tokenizer, "reward": run_reward(cfg), "prompts": prompts}
+
+
+def training_items(prompts: Any, cfg: Any) -> list[dict[str, Any]]:
+    """The items of the recipe's training stream (`PromptSource.train`) its RL steps take, in order.
+
+    Raises:
+        ValueError: the stream ends first (`data.num_epochs`).
+    """
+    algo = cfg.algorithm
+    wanted = algo.num_steps * algo.prompts_per_step
+    items = list(itertools.islice(prompts.train(), wanted))
+    if len(items) < wanted:
+        raise ValueError(f"data.num_epochs={cfg.data.num_epochs} gives {len(items)} prompts; the TRL run takes {wanted} ({algo.num_steps} steps x {algo.prompts_per_step})")
+    return items
+
+
+def trl_tokenizer(tokenizer: Any, folder: Path) -> Any:
+    """`tokenizer` as the transformers tokenizer TRL needs: its files as a checkpoint holds
+    them (every tidal tokenizer saves in transformers' format), loaded with `AutoTokenizer`."""
+    import transformers  # noqa: PLC0415
+
+    tokenizer.save(folder)  # `ModelSource.save` writes a policy's tokenizer so: any tidal tokenizer has `save`
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def check_prompt_ids(processing_class: Any, items: Sequence[dict[str, Any]]) -> None:
+    """Check that TRL, which tokenizes a prompt's text itself (`processing_class(text=...)`),
+    reads each item's `prompt` as tidal's `prompt_ids`.
+
+    Raises:
+        ValueError: naming the first prompt TRL would read as other ids (say, a tokenizer
+            that adds a BOS tidal's chat-templated ids do not have).
+    """
+    read = processing_class(text=[item["prompt"] for item in items])["input_ids"]
+    for k, (item, ids) in enumerate(zip(items, read)):
+        theirs, ours = list(ids), list(item["prompt_ids"])
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            raise ValueError(
+                f"TRL's tokenizer reads training prompt {k} ({item['prompt'][:60]!r}) as other ids than tidal's prompt ids: "
+                f"from token {at}, {theirs[at : at + 8]} where tidal has {ours[at : at + 8]}"
+            )
 
 
 def _micro_batch(samples_per_step: int, micro_batch_size: int) -> int:
@@ -128,7 +182,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         use_cpu=current_platform().device(0).type == "cpu",
         bf16=cfg.train.precision.value == "bf16",
         fp16=False,
-        activation_checkpointing=False,
+        activation_checkpointing=cfg.model.gradient_checkpointing,
         logging_strategy="no",
         save_strategy="no",
         eval_strategy="no",
@@ -185,46 +239,55 @@ def start_clock() -> Any:
     return StartClock()
 
 
-def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The quickstart (with `overrides`) trained by TRL's `GRPOTrainer`; a `train()`-style summary.
+def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = (), recipe: str = "quickstart_cpu") -> dict[str, Any]:
+    """`recipe` (with `overrides`) trained by TRL's `GRPOTrainer`; a `train()`-style summary.
 
     samples_per_s and tokens_per_s count what the reward function scored during
-    `trainer.train()` (completions, and their tokens up to and including EOS, as tidal's
-    step metrics do) over the wall time of `trainer.train()` from the end of its setup
-    (`start_clock`) to its return.
+    `trainer.train()` (completions, and their tokens up to and including the end token, as
+    tidal's step metrics do) over the wall time of `trainer.train()` from the end of its
+    setup (`start_clock`) to its return. The held-out accuracies are None for a recipe
+    without held-out prompts, as tidal's are.
     """
     import datasets  # noqa: PLC0415
     import transformers  # noqa: PLC0415
     from trl import GRPOTrainer  # noqa: PLC0415
 
     from tidal.engines.rewards import score  # noqa: PLC0415
-    from tidal.engines.tiny import hf_tokenizer  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
     from tidal.tools.bench_e2e import length_drift  # noqa: PLC0415
     from tidal.tools.config import stage_threads  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
-    from tidal.tools.train import Prompts, evaluate, torch_threads  # noqa: PLC0415
+    from tidal.tools.train import evaluate, torch_threads  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-trl-") as tmp:
         args = ["algorithm.max_staleness=0", f"seed={seed}", f"algorithm.num_steps={num_steps}", f"run_dir={Path(tmp) / 'run'}", *overrides]
-        cfg, _ = prepare_run(resolve_recipe("quickstart_cpu"), args)
+        cfg, _ = prepare_run(resolve_recipe(recipe), args)
         start = warm_started(cfg)
-        model, tokenizer, reward, held_items = start["model"], start["tokenizer"], start["reward"], start["held_items"]
+        model, tokenizer, reward, held_items = start["model"], start["tokenizer"], start["reward"], start["prompts"].eval_items
         budget = cfg.rollout.max_new_tokens
-        accuracy_before = evaluate(model, tokenizer, held_items, reward, max_new_tokens=budget)
 
-        algo = cfg.algorithm
-        stream = iter(Prompts(cfg, tokenizer, start["held_out"]))  # the prompts tidal trains on, in order
-        items = [{k: v for k, v in next(stream).items() if k != "prompt_ids"} for _ in range(algo.num_steps * algo.prompts_per_step)]
-        dataset = datasets.Dataset.from_list(items)
+        def held_out(policy: Any) -> float | None:
+            return evaluate(policy, tokenizer, held_items, reward, max_new_tokens=budget) if held_items else None
+
+        accuracy_before = held_out(model)
+
+        items = training_items(start["prompts"], cfg)  # the prompts tidal trains on, in order
+        processing_class = trl_tokenizer(tokenizer, Path(tmp) / "tokenizer")
+        check_prompt_ids(processing_class, items)
+        dataset = datasets.Dataset.from_list([{k: v for k, v in item.items() if k != "prompt_ids"} for item in items])
+        model.generation_config.eos_token_id = list(tokenizer.eos_ids)  # TRL stops generating at these (and its tokenizer's end token, the first of them)
+        ends = set(tokenizer.eos_ids)
         scored: list[dict[str, float]] = []
 
         def reward_fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns: Any) -> list[float]:
             keys = [k for k in columns if k in items[0]]
-            ends = ["stop" if tokenizer.eos_id in ids else "length" for ids in completion_ids]  # TRL's completion ids keep the EOS that ended them
-            trajectories = [Trajectory(prompt_ids=[], finish_reason=ends[i], meta={"prompt": p, **{k: columns[k][i] for k in keys}}) for i, p in enumerate(prompts)]
-            rewards, _ = score(reward, trajectories, completions)
+            texts = [tokenizer.decode([t for t in ids if t not in ends]) for ids in completion_ids]  # as tidal's scorer decodes; TRL's ids keep the end token that ended them
+            trajectories = [
+                Trajectory(prompt_ids=[], finish_reason="stop" if ends.intersection(ids) else "length", meta={"prompt": p, **{k: columns[k][i] for k in keys}})
+                for i, (p, ids) in enumerate(zip(prompts, completion_ids))
+            ]
+            rewards, _ = score(reward, trajectories, texts)
             scored.append({"samples": len(completions), "tokens": sum(map(len, completion_ids)), "reward": sum(rewards) / max(len(rewards), 1)})
             return rewards
 
@@ -233,7 +296,7 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
         transformers.utils.logging.disable_progress_bar()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 still calls transformers' renamed gradient-checkpointing API
-            trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=grpo_config(cfg, Path(tmp) / "trl"), train_dataset=dataset, processing_class=hf_tokenizer(tokenizer))
+            trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=grpo_config(cfg, Path(tmp) / "trl"), train_dataset=dataset, processing_class=processing_class)
             trainer.remove_callback(transformers.PrinterCallback)  # it prints the final metrics dict even with logging off
             clock = start_clock()
             trainer.add_callback(clock)
@@ -241,7 +304,7 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = ()) -> dict
                 trainer.train()
             rl_seconds = time.perf_counter() - clock.started
         policy = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # the fp32 model without bf16's autocast wrapper, as tidal evaluates
-        accuracy_after = evaluate(policy, tokenizer, held_items, reward, max_new_tokens=budget)
+        accuracy_after = held_out(policy)
 
     samples = sum(s["samples"] for s in scored)
     return {

@@ -128,11 +128,10 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           --systems picks some (e.g. tidal-async,tidal-sync over --seeds 0,1,2,3,4
           for the stability figures); key=value arguments override the recipe for
           every system, e.g. device=cuda or train.precision=bf16.
-          --workload longtail runs the tidal systems on the gsm8k_qwen recipe with
-          a small local Qwen2 checkpoint whose response lengths are long-tailed
-          (most end early, a few run to the 256-token budget; built once into
-          ~/.cache/tidal): where a sync step waits on its stragglers. TRL is not
-          wired for it yet; its rows say so.
+          --workload longtail runs every system (TRL too) on the gsm8k_qwen recipe
+          with a small local Qwen2 checkpoint whose response lengths are
+          long-tailed (most end early, a few run to the 256-token budget; built
+          once into ~/.cache/tidal): where a sync step waits on its stragglers.
 
   weights the weight transports (host, collective, ipc, and ipc-placed: the sender's
           weights kept in the shared buffer) moving a model of 4 MB .. 1 GB between two

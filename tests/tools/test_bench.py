@@ -51,7 +51,7 @@ def test_e2e_runs_each_one_stage_system_with_all_threads_with_one_and_sync_split
     tidal_runs, trl_runs = [], []
     monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, **_: tidal_runs.append(tuple(system_overrides)) or run)
     monkeypatch.setattr(bench_trl, "available", lambda: True)
-    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: trl_runs.append(tuple(overrides)) or run)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides, recipe: trl_runs.append(tuple(overrides)) or run)
     results = bench_e2e.run(seeds=[0], num_steps=3, progress=lambda m: None)
     assert set(results) == {*bench_e2e.SYSTEMS, *bench_e2e.TRL_SYSTEMS}
     assert trl_runs == [(f"threads={bench_e2e.ALL_CORES}",), ("threads=1",), ("rollout.threads=1", f"train.threads={bench_e2e.ALL_CORES}")][: len(bench_e2e.TRL_SYSTEMS)]
@@ -71,7 +71,7 @@ def test_e2e_runs_one_round_per_seed_alternating_the_order(monkeypatch):
     calls = []
     monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, seed, **_: calls.append((names[tuple(system_overrides)], seed)) or run)
     monkeypatch.setattr(bench_trl, "available", lambda: True)
-    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides: calls.append((tuple(overrides), seed)) or run)
+    monkeypatch.setattr(bench_trl, "run_trl", lambda *, seed, num_steps, overrides, recipe: calls.append((tuple(overrides), seed)) or run)
     results = bench_e2e.run(seeds=[3, 4, 5], num_steps=3, progress=lambda m: None)
     order = [*bench_e2e.SYSTEMS, *(tuple(o) for o in bench_e2e.TRL_SYSTEMS.values())]
     assert calls == [*((s, 3) for s in order), *((s, 4) for s in reversed(order)), *((s, 5) for s in order)]
@@ -93,7 +93,7 @@ def test_e2e_system_whose_roles_do_not_fit_is_skipped_saying_why(monkeypatch):
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
     calls = []
 
-    def fake_run(system_overrides, *, seed, num_steps, overrides, recipe):
+    def fake_run(system_overrides, *, seed, num_steps, overrides, recipe, workload):
         calls.append((tuple(system_overrides), seed, tuple(overrides)))
         if "runtime=ray" in system_overrides:
             raise PlacementError("role 'rollout' needs 1 device with [cuda]: none is free")
@@ -187,7 +187,7 @@ def test_e2e_a_system_that_fails_is_skipped_saying_why_and_the_others_are_measur
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
 
-    def fake_run(system_overrides, *, seed, num_steps, overrides, recipe):
+    def fake_run(system_overrides, *, seed, num_steps, overrides, recipe, workload):
         if "runtime=ray" in system_overrides:
             raise RuntimeError("placement: cannot place role 'rollout': 0/1 free\n(details)")
         if "threads=1" in system_overrides and seed == 1:
@@ -215,22 +215,21 @@ def test_e2e_quickstart_workload_is_the_quickstart_recipe_as_it_ships(monkeypatc
     assert calls == [("quickstart_cpu", ("device=cpu",))]
 
 
-def test_e2e_longtail_workload_runs_gsm8k_qwen_on_its_files_and_says_trl_is_not_wired(monkeypatch, tmp_path):
+def test_e2e_longtail_workload_runs_gsm8k_qwen_on_its_files(monkeypatch, tmp_path):
     from tidal.tools import bench_fixture, bench_trl
 
     files = {"model": tmp_path / "model", "train": tmp_path / "train.jsonl"}
     monkeypatch.setattr(bench_fixture, "longtail_workload", lambda: files)  # no build: the files are not read here
-    calls, notes = [], []
+    calls = []
     run = {"samples_per_s": 10.0, "tokens_per_s": 800.0, "rl_seconds": 1.0, "accuracy_before": None, "accuracy_after": None}
-    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, overrides, recipe, **_: calls.append((recipe, tuple(overrides))) or run)
-    monkeypatch.setattr(bench_trl, "available", lambda: True)
-    monkeypatch.setattr(bench_trl, "run_trl", lambda **_: pytest.fail("TRL ran on the longtail workload"))
-    results = bench_e2e.run(seeds=[0], num_steps=2, overrides=["rollout.max_new_tokens=64"], systems=["tidal-async", "trl"], workload="longtail", progress=notes.append)
-    assert calls == [("gsm8k_qwen", (f"model.path={files['model']}", f"data.train_files=[{files['train']}]", *bench_e2e.LONGTAIL_OVERRIDES, "rollout.max_new_tokens=64"))]  # the user's overrides last
-    assert results["trl"] == [{"skipped": bench_e2e.TRL_NOT_WIRED}] and any("not wired" in note for note in notes)
-    header, async_row, trl_row = bench_e2e.table(results)
+    monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, overrides, recipe, workload, **_: calls.append((recipe, tuple(workload), tuple(system_overrides), tuple(overrides))) or run)
+    monkeypatch.setattr(bench_trl, "available", lambda: False)
+    results = bench_e2e.run(seeds=[0], num_steps=2, overrides=["rollout.max_new_tokens=64"], systems=["tidal-async"], workload="longtail", progress=lambda m: None)
+    workload = (f"model.path={files['model']}", f"data.train_files=[{files['train']}]", *bench_e2e.LONGTAIL_OVERRIDES)
+    assert calls == [("gsm8k_qwen", workload, tuple(bench_e2e.SYSTEMS["tidal-async"]), ("rollout.max_new_tokens=64",))]  # workload, then system (its threads win), then the user's
+    header, async_row = bench_e2e.table(results, with_trl=False)
     assert async_row[6:8] == ["-", "-"]  # no held-out prompts: no accuracy, not 0%
-    assert trl_row[0] == "trl" and trl_row[-1] == f"not measured: {bench_e2e.TRL_NOT_WIRED}"  # and no "TRL is not installed" row beside it
+    # TRL on the workload: tests/tools/test_bench_trl_longtail.py
 
 
 def test_e2e_unknown_workload_is_a_value_error_naming_the_choices():
