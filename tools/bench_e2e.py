@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from tidal.tools.metrics import length_drift
+
 TRL_INSTALL = "pip install -c constraints.txt -e '.[bench]'"
 
 ALL_CORES = torch.get_num_threads()
@@ -91,15 +93,6 @@ quickstart has."""
 DRIFT_RATIO = 1.5
 """A run drifted when its mean response length over the last tenth of its steps is more
 than this times that over the first tenth."""
-
-
-def length_drift(lengths: Sequence[float]) -> dict[str, float]:
-    """`response_len_start` / `response_len_end`: the mean of `lengths` (one per step, in
-    order) over the first and the last tenth of the steps (at least one step each)."""
-    if not lengths:
-        return {}
-    tenth = max(len(lengths) // 10, 1)
-    return {"response_len_start": statistics.mean(lengths[:tenth]), "response_len_end": statistics.mean(lengths[-tenth:])}
 
 
 def drifted(run: dict[str, Any]) -> bool | None:

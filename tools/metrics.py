@@ -13,7 +13,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import statistics
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -147,3 +148,11 @@ def last_metrics(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):  # not there yet, or a line cut short (`{"wait_s": {"a": 1}` ends with "}" too)
         return None
 
+
+def length_drift(lengths: Sequence[float]) -> dict[str, float]:
+    """`response_len_start` / `response_len_end`: the mean of `lengths` (one per step, in
+    order) over the first and the last tenth of the steps (at least one step each)."""
+    if not lengths:
+        return {}
+    tenth = max(len(lengths) // 10, 1)
+    return {"response_len_start": statistics.mean(lengths[:tenth]), "response_len_end": statistics.mean(lengths[-tenth:])}
