@@ -17,6 +17,11 @@ backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or on
 micro-batch has no loss token, runs a zero-weight dummy pass. A step whose global gradient
 norm is not finite is skipped on every rank (`train_steps.NonfiniteGuard`).
 
+Micro-batches run padding-free where the model can (`padding_free=None`; True insists,
+False pads), as in the torch engine and with its code (`engines.padding_free`): only their
+rows' real tokens go through the model, and a token budget counts those. Padded, a
+micro-batch is as wide as the rank's rows, or with a token budget cut to its longest row.
+
 Weights: `named_weights()` is a `WeightSource` (`tidal.hal.transfer`): its specs come from
 the shards' global shapes without gathering, and each pass all-gathers one parameter at
 a time (`full_tensor()`) and yields it under the un-sharded model's name, so the full
@@ -75,20 +80,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
 from tidal.engines.fsdp_lead import model_recipe, send_command
+from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
+from tidal.engines.fsdp_setup import ensure_process_group, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
-from tidal.engines.micro_batches import pack, row_lengths
+from tidal.engines.micro_batches import pack, real_lengths, row_lengths
+from tidal.engines.padding_free import padding_free_for
 from tidal.engines.train_steps import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 _HOST = torch.device("cpu")
@@ -104,29 +111,6 @@ def _counts(batch: TokenBatch) -> dict[str, float]:
 def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
     """The rows `among` of a train step's batch, advantages and proximal logprobs."""
     return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
-
-
-def ensure_process_group(platform: Platform) -> None:
-    """Use the initialised default process group, or initialise it through hal from torchrun's variables."""
-    if not dist.is_available():
-        raise RuntimeError("the fsdp train engine needs torch.distributed, which this torch build lacks")
-    if dist.is_initialized():
-        return
-    missing = [name for name in TORCHRUN_VARS if not os.environ.get(name)]
-    if missing:
-        raise RuntimeError(
-            "the fsdp train engine needs an initialised torch.distributed process group: call "
-            "platform.init_process_group(rank=..., world_size=...) (tidal.hal) before building it, "
-            f"or launch with torchrun; no process group is initialised and {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not set"
-        )
-    platform.init_process_group(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
-def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules to shard one by one: the model's `_no_split_modules` classes (HF decoder layers)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 class FSDPTrainEngine:
@@ -158,10 +142,12 @@ class FSDPTrainEngine:
         platform: Platform | None = None,
         version: int = 0,
         rank0_leads: bool = False,
+        padding_free: bool | None = None,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
+        self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises before any collective where the platform lacks it
         self.precision = precision
@@ -172,20 +158,14 @@ class FSDPTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free)
             send_command("init", model=model_recipe(model), options=options)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for layer in _layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # a plain sum: the loss weights already divide by the global batch
-                module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM(1.0), which gloo lacks
+        shard(model, mesh)
         self.model = model.train()  # fully_shard moved parameters and buffers to the mesh's device
         if self.led:
             set_model_state_dict(self.model, weights, options=_FROM_RANK0)  # the followers built theirs from random weights
@@ -262,6 +242,8 @@ class FSDPTrainEngine:
     def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob, and its distribution's entropy with `entropy` (`next_token_stats`)."""
         batch = batch.to(self.device)
+        if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
+            return self.padding_free.token_stats(self.model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
@@ -278,10 +260,11 @@ class FSDPTrainEngine:
 
     def _micro_batches(self, batch: TokenBatch) -> list[slice]:
         """This rank's runs of rows, in order, within `micro_batch_size` rows and
-        `max_tokens_per_micro_batch` padded tokens (`engines.micro_batches.pack`): their
-        number may differ between ranks (`_global` takes the most; the others make it up
-        with dummy passes)."""
-        return pack(row_lengths(batch).tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch)
+        `max_tokens_per_micro_batch` tokens, padded or padding-free (`engines.micro_batches.pack`):
+        their number may differ between ranks (`_global` takes the most; the others make it
+        up with dummy passes)."""
+        padded = self.padding_free is None
+        return pack((row_lengths(batch) if padded else real_lengths(batch)).tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch, padded=padded)
 
     def _part(self, batch: TokenBatch, mb: slice) -> TokenBatch:
         """Rows `mb` of `batch`; with a token budget cut to the longest of them (the padded
@@ -323,12 +306,16 @@ class FSDPTrainEngine:
         _, num_micro = self._global(batch)
         with evaluating(self.model):
             slices = self._micro_batches(batch)
-            parts = [self._token_stats(self._part(batch, mb))[0].cpu() for mb in slices]
+            parts = [self._predicted(self._part(batch, mb)) for mb in slices]
             for _ in range(num_micro - len(slices)):
                 self._dummy_pass(backward=False)
         self._reshard()
         width = batch.input_ids.shape[1] - 1  # each part was cut to its longest row: padded back with 0
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
+
+    def _predicted(self, part: TokenBatch) -> torch.Tensor:
+        """A micro-batch's logprobs on the host, 0 where padding is predicted (as padding-free ones and the torch engine's are)."""
+        return torch.where(part.attention_mask[:, 1:].cpu() != 0, self._token_stats(part)[0].cpu(), 0.0)
 
     # Steps -----------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:

@@ -9,12 +9,22 @@ the batch's loss tokens (`token_mean`), sequences with a loss token (`seq_mean_*
 
 Less work per step, the same function of the weights (up to float rounding; tested):
 micro-batches hold rows of similar length (the batch's rows sorted by length, stable),
-each cut to its longest row; a right-padded micro-batch (every `to_token_batch`'s) runs
-without a padding mask, since under causal attention a real token only sees earlier,
-real, tokens; and rows go through the model packed (`_pack`): each distinct prompt once
-(a GRPO group's samples share theirs), followed by the responses of its rows, under an
-attention mask that keeps each response to its prompt and itself. Rows whose
-advantage is zero on every loss token (a GRPO group whose samples all got the same
+each cut to its longest row. A micro-batch runs in one of three layouts:
+
+- shared prompts (`_pack`): each distinct prompt once (a GRPO group's samples share
+  theirs), followed by the responses of its rows, under a dense attention mask that keeps
+  each response to its prompt and itself. With sdpa or eager attention and right-padded
+  rows (every `to_token_batch`'s), where it saves a fifth of the tokens the next layout
+  would run (long prompts, short responses; `_SharedPrompts.beats_padding_free`).
+- padding-free (`engines.padding_free`; `padding_free=None`, the default: where the
+  model can): only the rows' real tokens, packed, each row's positions from 0; a token
+  budget then counts real tokens. Long responses, whose prompts are a small share, run so.
+- padded: each row padded to the longest; a right-padded micro-batch runs without a
+  padding mask, since under causal attention a real token only sees earlier, real,
+  tokens. With `padding_free=False`, a model that cannot run padding-free, or rows too
+  alike in length to share packed rows (`PaddingFree.pack`).
+
+Rows whose advantage is zero on every loss token (a GRPO group whose samples all got the same
 reward) add nothing to the loss or its gradient when there is no KL or entropy term, so they get no
 forward or backward pass (`skipped_rows` in the step's metrics; the other metrics, such
 as `clip_fraction`, are over the rows that ran).
@@ -37,7 +47,8 @@ from typing import Any
 import torch
 
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
-from tidal.engines.micro_batches import pack, row_lengths
+from tidal.engines.micro_batches import pack, real_lengths, row_lengths
+from tidal.engines.padding_free import padding_free_for
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.engines.train_steps import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
@@ -66,9 +77,13 @@ class TorchTrainEngine:
         lr_schedule: LRSchedule | None = None,
         platform: Platform | None = None,
         version: int = 0,
+        padding_free: bool | None = None,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
+        self.padding_free = padding_free_for(model, padding_free)
+        """How micro-batches run without padding (`engines.padding_free`); None: padded. Raises
+        ValueError for `padding_free=True` where the model cannot."""
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
         self.precision = precision
@@ -135,8 +150,10 @@ class TorchTrainEngine:
         right_padded = bool((mask[:, :1] != 0).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
         if right_padded and self._packs:
             shared = _shared_prompts(batch)
-            if shared is not None:
+            if shared is not None and (self.padding_free is None or shared.beats_padding_free()):
                 return self._packed_logprobs(model, batch, shared, _pack(batch, shared), entropy=entropy)
+        if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
+            return self.padding_free.token_stats(model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         positions = {} if right_padded else {"position_ids": padded_positions(mask)}
         with self.platform.autocast(self.precision):
             logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions).logits[:, :-1]
@@ -175,13 +192,14 @@ class TorchTrainEngine:
 
     def _micro_batches(self, batch: TokenBatch, among: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
         """(rows, micro-batch): rows of similar length, cut to the longest of them, within
-        `micro_batch_size` rows and `max_tokens_per_micro_batch` padded tokens; only the
-        rows `among` when given."""
+        `micro_batch_size` rows and `max_tokens_per_micro_batch` tokens (padded, or real
+        ones padding-free); only the rows `among` when given."""
         lengths = row_lengths(batch)
         order = torch.sort(lengths, stable=True).indices
         if among is not None:
             order = order[torch.isin(order, among)]
-        for part in pack(lengths[order].tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch):
+        sizes = lengths if self.padding_free is None else real_lengths(batch)
+        for part in pack(sizes[order].tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch, padded=self.padding_free is None):
             rows = order[part]
             yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
 
@@ -322,11 +340,20 @@ class _SharedPrompts:
     lengths: list[int]
     """Each row's prompt length and whole length (prompt and response)."""
 
+    def beats_padding_free(self) -> bool:
+        """Computing each distinct prompt once saves a fifth of the rows' real tokens, which a
+        padding-free forward runs: long prompts, short responses (GRPO on short answers).
+        Long responses make the prompts a small share, and the dense mask of `_pack` costs
+        the square of its width, so they run padding-free."""
+        num_response = sum(n - p for n, p in zip(self.lengths, self.prompt_lengths))
+        return sum(map(len, self.prompts)) + num_response <= 0.8 * sum(self.lengths)
+
 
 def _shared_prompts(batch: TokenBatch) -> _SharedPrompts | None:
-    """The rows' prompts when computing each distinct one once saves a good share of the
-    tokens (else None). A row's prompt is everything before its first loss token; rows
-    with no loss token have no response and are a prompt of their own.
+    """The rows' prompts when computing each distinct one once saves a fifth of the padded
+    tokens (else None; `beats_padding_free` compares with the real tokens). A row's prompt
+    is everything before its first loss token; rows with no loss token have no response
+    and are a prompt of their own.
 
     `batch` is right-padded.
     """

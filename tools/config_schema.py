@@ -159,7 +159,9 @@ class TrainConfig:
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradients accumulate over a step)."""
     max_tokens_per_micro_batch: Optional[int] = None
-    """Padded tokens per forward/backward at most (rows x the longest of them; rows of similar length go together, a row longer than this runs alone), so memory follows tokens, for long generations; within train.micro_batch_size rows too. The loss and gradient are the same however the rows are cut. null = rows only; >= 2."""
+    """Tokens per forward/backward at most, so memory follows tokens, for long generations: padding-free (train.padding_free), the rows' real tokens (the packed rows that hold them, or a padded micro-batch of rows too alike to pack, are at most about 2.5 times that); padded, rows x the longest of them (rows of similar length go together). A row longer than this runs alone; within train.micro_batch_size rows too. The loss and gradient are the same however the rows are cut. null = rows only; >= 2."""
+    padding_free: Optional[bool] = None
+    """Micro-batches without padding (verl's use_remove_padding): each row's real tokens back to back, its positions from 0, no attention mask, and transformers keeps each token to its own row (flash attention: all tokens in one row, varlen kernels; sdpa, eager, flex: rows as wide as the longest, filled first-fit, so their dense masks stay within the padded forward's; a micro-batch whose rows would not share them runs padded). The same loss and gradient as padded, up to float rounding. null = wherever the model can (a transformers model built on its attention interface, whose forward takes position_ids) | true (an error where it cannot) | false (each micro-batch padded to its longest row). The torch backend keeps its shared-prompt packing where that saves a fifth of the real tokens (long prompts, short responses)."""
     threads: int = 0
     """torch intra-op threads of the train stage; 0 = the run's `threads`."""
     precision: Precision = Precision.fp32

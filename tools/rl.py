@@ -196,6 +196,7 @@ class RL:
             grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+            padding_free=cfg.train.padding_free,
             temperature=cfg.rollout.temperature,
             precision=cfg.train.precision.value,
             max_nonfinite_steps=cfg.train.max_nonfinite_steps,

@@ -39,6 +39,9 @@ def test_rows_are_packed_greedily_within_rows_and_padded_tokens():
     assert pack([2, 3, 3, 5, 9, 20], max_rows=2, max_tokens=None) == [slice(0, 2), slice(2, 4), slice(4, 6)]
     assert pack([4, 4, 4, 4], max_rows=3, max_tokens=100) == [slice(0, 3), slice(3, 4)]  # the row bound still holds
     assert pack([], max_rows=2, max_tokens=8) == []
+    assert pack([2, 3, 3, 5, 9, 20], max_rows=64, max_tokens=10, padded=False) == [slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 6)]  # 2+3+3=8; 5+9 > 10
+    assert pack([1, 1, 1, 1, 6], max_rows=64, max_tokens=10, padded=False) == [slice(0, 5)]  # 10 real tokens; padded, 5 x 6
+    assert pack([1, 1, 1, 1, 6], max_rows=64, max_tokens=10) == [slice(0, 4), slice(4, 5)]
 
 
 def _step(engine, per_token: bool) -> dict[str, torch.Tensor]:
@@ -53,8 +56,9 @@ def _step(engine, per_token: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sequence", "per-token"])
 def test_a_token_budget_gives_the_torch_engine_the_step_of_one_batch(per_token):
-    whole = _step(TorchTrainEngine(_model(), lr=1e-2, micro_batch_size=64), per_token)
-    engine = TorchTrainEngine(_model(), lr=1e-2, micro_batch_size=64, max_tokens_per_micro_batch=30)
+    """Padded micro-batches (padding-free ones: test_train_padding_free.py)."""
+    whole = _step(TorchTrainEngine(_model(), lr=1e-2, micro_batch_size=64, padding_free=False), per_token)
+    engine = TorchTrainEngine(_model(), lr=1e-2, micro_batch_size=64, max_tokens_per_micro_batch=30, padding_free=False)
     parts = [len(rows) * part.input_ids.shape[1] for rows, part in engine._micro_batches(_batch())]
     assert len(parts) > 2 and max(parts) <= 30, parts
     cut = _step(engine, per_token)
@@ -77,9 +81,10 @@ def group(tmp_path):
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sequence", "per-token"])
 def test_a_token_budget_gives_the_fsdp_engine_the_step_of_one_batch(group, per_token):
-    whole_engine = FSDPTrainEngine(_model(), lr=1e-2, micro_batch_size=64)
+    """Padded micro-batches (padding-free ones: test_fsdp_padding_free.py)."""
+    whole_engine = FSDPTrainEngine(_model(), lr=1e-2, micro_batch_size=64, padding_free=False)
     whole, whole_logprobs = _step(whole_engine, per_token), whole_engine.logprobs(_batch())
-    engine = FSDPTrainEngine(_model(), lr=1e-2, micro_batch_size=64, max_tokens_per_micro_batch=30)
+    engine = FSDPTrainEngine(_model(), lr=1e-2, micro_batch_size=64, max_tokens_per_micro_batch=30, padding_free=False)
     batch = _batch()
     lengths = row_lengths(batch)
     slices = engine._micro_batches(batch)

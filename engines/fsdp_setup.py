@@ -1,0 +1,51 @@
+"""How the `fsdp` train engine gets its process group and shards its model
+(`FSDPTrainEngine.__init__`): the group hal sets up, or one from torchrun's variables, and
+FSDP2's `fully_shard` on every decoder layer and the root, reducing gradients by a plain sum."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from tidal.hal import Platform
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def ensure_process_group(platform: Platform) -> None:
+    """Use the initialised default process group, or initialise it through hal from torchrun's variables."""
+    if not dist.is_available():
+        raise RuntimeError("the fsdp train engine needs torch.distributed, which this torch build lacks")
+    if dist.is_initialized():
+        return
+    missing = [name for name in TORCHRUN_VARS if not os.environ.get(name)]
+    if missing:
+        raise RuntimeError(
+            "the fsdp train engine needs an initialised torch.distributed process group: call "
+            "platform.init_process_group(rank=..., world_size=...) (tidal.hal) before building it, "
+            f"or launch with torchrun; no process group is initialised and {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set"
+        )
+    platform.init_process_group(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: the model's `_no_split_modules` classes (HF decoder layers)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shard(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """`fully_shard` every decoder layer of `model`, then the root, over `mesh`; gradients are
+    reduced by a plain sum (the engine's loss weights already divide by the global batch)."""
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a plain sum
+            module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM(1.0), which gloo lacks
