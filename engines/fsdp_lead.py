@@ -15,30 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from tidal.engines.fsdp_commands import model_recipe as model_recipe  # re-exported: the engines that lead import it from here
+from tidal.engines.fsdp_commands import receive_command, send_command
+
 if TYPE_CHECKING:
     from tidal.engines.fsdp_train import FSDPTrainEngine
-
-_HOST = torch.device("cpu")
-
-
-def send_command(op: str, **args: Any) -> None:
-    """Rank 0: tell the followers what to do next (a small pickled dict over the default group)."""
-    dist.broadcast_object_list([{"op": op, **args}], src=0, device=_HOST)
-
-
-def receive_command() -> dict[str, Any]:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, device=_HOST)
-    return box[0]
-
-
-def model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
-    """What a follower needs to build a model like rank 0's (the weights come from rank 0)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
-    return type(model), config, next(model.parameters()).dtype
-
 
 def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, int]:
     """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.

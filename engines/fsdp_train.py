@@ -84,7 +84,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
-from tidal.engines.fsdp_lead import model_recipe, send_command
+from tidal.engines.fsdp_commands import model_recipe, send_command
 from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
 from tidal.engines.fsdp_setup import ensure_process_group, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
