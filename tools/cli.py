@@ -34,6 +34,7 @@ examples:
   tidal run recipes/quickstart_cpu.yaml seed=1 --check
   tidal plan mixed_npu_gpu placement.train.lend_to=rollout   where each role would run
   tidal bench store                             the data store against TransferQueue and raw ZeroMQ
+  tidal store serve --port 5555                 a store server on its own (tidal store serve --help)
   tidal export runs/quickstart_cpu-... model/   a run's last checkpoint as a Hugging Face model
 
 exit codes: 0 success, 1 runtime failure (such as a platform that cannot load),
@@ -105,14 +106,17 @@ assignment, and run_refuses: that message, or null.
 BENCH_HELP = """\
 Run a benchmark and print its table (ratios against baselines measured in the same run).
 
-  store   the streaming store across processes: small rows (4096 x 4 columns of 256),
-          1 MB rows and one-row hand-off latency, for tidal (one store server process;
-          large buffers through shared memory), tidal-socket (the same, every byte over
-          its sockets), tidal-embedded (the store in the producer's process), tidal-split
+  store   the streaming store across processes: small rows (4096 x 4 columns of 256,
+          batches of 64 and of 256), 1 MB rows (batches of 8) and one-row hand-off latency
+          (10 ms idle before each put), the consumer reading every page it gets. tidal is
+          the user's path: a plain StoreServer(Store()) process, put waiting for each
+          reply, get then ack; tidal-tuned adds --put-window puts in flight,
+          get(partial=True, ack=...) and a server keeping freed memory; tidal-socket (no
+          shared memory), tidal-embedded (the store in the producer's process), tidal-split
           (the data on the producer's storage unit), TransferQueue 0.1.11 (installed with the
-          [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same frames.
-          Every system moves the workload once untimed before the clock starts; tidal's
-          producers keep --put-window puts in flight. Takes a few minutes on 2 cores.
+          [bench] extra; skipped otherwise) and raw ZeroMQ PUSH/PULL of the same buffers (no
+          codec). Each figure is the median of --repeats runs (slowest-fastest beside it); no
+          warm-up pass. Takes a few minutes on 2 cores.
   e2e     the quickstart trained with async GRPO (max_staleness=1) in one process and
           on Ray (trainer and rollout actors), and sync GRPO (max_staleness=0), from
           the same warm start, several seeds: RL samples/s, tokens/s, wall time and
@@ -224,14 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
     bench.add_argument("--systems", default=None, help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=_count, default=200, help="hand-off latency trials per system (default: 200)")
-    bench.add_argument("--repeats", type=_count, default=3, help="throughput runs per system; the best is reported (default: 3)")
+    bench.add_argument("--repeats", type=_count, default=3, help="runs per system; store reports the median (and the spread), weights the best (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
-    bench.add_argument("--put-window", type=_count, default=4, help="store: puts a tidal producer keeps in flight; 1 waits for each reply (default: 4)")
+    bench.add_argument("--put-window", type=_count, default=4, help="store: puts tidal-tuned keeps in flight (tidal waits for each reply) (default: 4)")
     bench.add_argument("--steps", type=_count, default=200, help="e2e: RL steps per run (default: 200)")
     bench.add_argument("--workload", choices=["quickstart", "longtail"], default="quickstart", help="e2e: what every system trains on - the quickstart, or a checkpoint with long-tailed response lengths (default: quickstart)")
     bench.add_argument("--seeds", type=_int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
     bench.add_argument("--sizes", type=_sizes, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
+
+    store = sub.add_parser("store", help="run a store server on its own (tidal store serve --help)", description="tidal store serve: a store server process on its own; `tidal store serve --help` lists its options.")
+    store.add_argument("action", choices=["serve"], help="serve: run a store server until Ctrl-C or SIGTERM")
+    store.add_argument("options", nargs=argparse.REMAINDER, help="see `tidal store serve --help`")
 
     export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory", description=EXPORT_HELP, formatter_class=fmt)
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (what `tidal run` printed last)")
@@ -470,7 +478,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export}
+def _cmd_store(args: argparse.Namespace) -> int:
+    from tidal.flow.store import serve  # noqa: PLC0415
+
+    return serve.main(args.options, prog=f"tidal store {args.action}")
+
+
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export, "store": _cmd_store}
 
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})

@@ -43,6 +43,9 @@ class AsyncStore:
 
         return await self._call(lambda cancel: self.store.get(consumer, partition, columns, batch_size, cancel=cancel, **kwargs), undo=give_back)
 
+    async def wait_partition(self, name: str, *, timeout: float | None = None) -> None:
+        await self._call(lambda cancel: self.store.wait_partition(name, timeout=timeout, cancel=cancel), undo=None)
+
     async def ack(self, consumer: str, partition: str, indexes: Iterable[int]) -> int:
         return self.store.ack(consumer, partition, indexes)  # never blocks beyond the lock
 

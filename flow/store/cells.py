@@ -45,6 +45,37 @@ def num_rows_of(item: tuple[str, Any]) -> int:
     raise ValueError(f"column {name!r} must be a batched tensor, array or list, got {type(value).__name__}")
 
 
+def num_rows_of_put(columns: Mapping[str, Any], indexes: Any, num_rows: int | None) -> int:
+    """How many rows a put writes: one per index, else `num_rows`, else what a column
+    says. A 1-D tensor or array is one value per row only when something else says how
+    many rows there are (`indexes`, `num_rows`, a list, a column of rank 2 or more): alone,
+    `{"x": torch.zeros(256)}` could be 256 rows of one value or one row of 256, so such a
+    put is refused, naming the column (one of 0 or 1 values is that many rows)."""
+    if num_rows is not None and (isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0):
+        raise ValueError(f"num_rows must be a number of rows >= 0, got {num_rows!r}")
+    if indexes is not None:
+        if num_rows is not None and num_rows != len(indexes):
+            raise ValueError(f"num_rows={num_rows} but {len(indexes)} indexes were given")
+        return len(indexes)
+    if num_rows is not None:
+        return int(num_rows)
+    flat = None
+    for name, value in columns.items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 1:
+            flat = flat or (name, value)
+            continue
+        return num_rows_of((name, value))
+    name, value = flat  # type: ignore[misc]  # every column is 1-D (a put has at least one)
+    n = len(value)
+    if n <= 1:
+        return n
+    kind = "tensor" if isinstance(value, torch.Tensor) else "array"
+    raise ValueError(
+        f"column {name!r} is a 1-D {kind} of {n} values: {n} rows of one value each, or one row of {n} values? "
+        f"Pass num_rows={n} for {n} rows, or {name}[None] (shape [1, {n}]) for one row"
+    )
+
+
 def check_row_meta(num_rows: int, groups: Any, versions: Any, tags: Any) -> None:
     """A put's per-row metadata has one entry per row (each may be None), each group id is
     hashable by value (samplers key groups by it), and each row's tags are a map."""
@@ -128,6 +159,10 @@ class Cells(Mapping[str, list[Any]]):
 
 class Batch:
     """Rows handed to a consumer. Cells are the stored objects (tensor views, no copies).
+
+    `batch.stack("x")` is column x as one tensor, rows along dim 0 (a view of the put's
+    tensor when the rows arrived together); `batch.columns["x"]` is its list of cells,
+    one per row.
 
     `indexes`, `versions` and `groups` are lists; `index_array` and `version_array` (with
     `NO_VERSION` for rows put without one) are the same as arrays. A batch made by a get
@@ -215,7 +250,29 @@ class Batch:
         return self._n
 
     def __repr__(self) -> str:
-        return f"Batch(partition={self.partition!r}, indexes={self.indexes}, columns={sorted(self.columns)}, versions={self.versions})"
+        """One short line whatever the batch's size: its rows, each column's kind, versions."""
+        src = self.index_array
+        if not self._n:
+            rows = "none"
+        elif self._n > 1 and bool((np.diff(src) == 1).all()):
+            rows = f"{src[0]}..{src[-1]}"
+        else:
+            rows = ", ".join(map(str, src[:4].tolist())) + (f", ... ({self._n})" if self._n > 4 else "")
+        seen = sorted({self._version_src} if isinstance(self._version_src, int) else set(self.version_array.tolist()) if self._n else set())
+        known = [v for v in seen if v != NO_VERSION]
+        versions = "none" if not known else str(known[0]) if len(known) == 1 else f"{known[0]}..{known[-1]}"
+        versions += " (some none)" if known and len(known) < len(seen) else ""
+        columns = ", ".join(f"{name}: {self._kind(name)}" for name in sorted(self.columns))
+        return f"Batch({self._n} rows of {self.partition!r}: rows {rows}; versions {versions}; {{{columns}}})"
+
+    def _kind(self, column: str) -> str:
+        """A column's kind for `repr`: `float32[64, 256]` when it is tensor chunks of one row shape."""
+        blocks = self._blocks.get(column)
+        if blocks and all(isinstance(chunk, (torch.Tensor, np.ndarray)) for chunk, _ in blocks) and len({(chunk.dtype, tuple(chunk.shape[1:])) for chunk, _ in blocks}) == 1:
+            chunk = blocks[0][0]
+            dtype = str(chunk.dtype).removeprefix("torch.")
+            return f"{dtype}[{', '.join(map(str, (self._n, *chunk.shape[1:])))}]"
+        return f"{self._n} cells"
 
     def blocks(self, column: str) -> list[tuple[Any, np.ndarray]]:
         """The column as (chunk, row offsets) pieces in batch order (empty if not chunked)."""

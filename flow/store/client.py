@@ -37,23 +37,16 @@ from tidal.flow.store import auth
 from tidal.flow.store import shm as _shm
 from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
 from tidal.flow.store.server import StoreServer
-from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of
+from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of_put
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
-from tidal.flow.store.pending import PendingPut, not_done
-from tidal.flow.store.table import StoreError, StoreTimeout
+from tidal.flow.store.pending import PendingPut, not_done, own_result, result_of
+from tidal.flow.store.table import StoreError
 from tidal.flow.store.thread_sockets import ClientSockets, one_call
 from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import WireError, decode_column, encode_column, pack, unpack
 
 TOKEN_ENV = "TIDAL_STORE_TOKEN"
 _SEQUENTIAL_SPEC = to_spec(Sequential())
-_ERRORS: dict[str, type[Exception]] = {
-    "StoreTimeout": StoreTimeout,
-    "StoreError": StoreError,
-    "ValueError": ValueError,
-    "TypeError": TypeError,
-    "CodecError": CodecError,
-}
 
 
 class RemoteStore:
@@ -203,7 +196,7 @@ class RemoteStore:
         return listener
 
     def _receive(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None) -> Any:
-        if op in ("get", "put", "save"):  # the requests a server may hold (parked, or saving) while it answers liveness checks
+        if op in ("get", "put", "save", "wait_partition"):  # the requests a server may hold (parked, or saving) while it answers liveness checks
             return self._await_parked(sock, request_id, address, op, wait_s, getattr(self._tls, "cancel", None))
         return self._receive_reply(sock, request_id, address, op, wait_s)
 
@@ -234,11 +227,11 @@ class RemoteStore:
                 due = min(due, math.inf if deadline is None else deadline, math.inf if poller is None else now + CANCEL_CHECK_S)
                 reply = self._wait_reply(sock, request_id, address, op, due - now, poller=poller, until=question)
                 if reply is not None:
-                    return self._own_result(reply)
+                    return own_result(reply)
                 answer = None if question is None else self._tls.stash.pop(question, None)
                 if answer is not None:
                     self._tls.submitted.discard(question)
-                    if self._result(answer) is not True:
+                    if result_of(answer) is not True:
                         self._settle(request_id, ok=False)
                         raise StoreError(f"store server {address} no longer holds this {op!r}, and no reply to it came (the server restarted, or the connection to it broke): the request is lost")
                     heard, question = time.monotonic(), None
@@ -295,7 +288,7 @@ class RemoteStore:
                 if withdrawn:
                     raise not_done(StoreError(f"{op} was cancelled"))
                 raise StoreError(f"{op} was cancelled (store server {address} no longer held it: it restarted, or the connection broke)")
-            return self._own_result(reply)
+            return own_result(reply)
         finally:
             self._tls.cancel = cancel
             if not kept:
@@ -305,7 +298,7 @@ class RemoteStore:
         reply = self._next_reply(sock, request_id, address, op, wait_s)
         if reply is None:
             raise StoreError(f"store server {address} did not answer {op!r} within {wait_s:g}s; is it running?")
-        return self._result(reply)
+        return result_of(reply)
 
     def _next_reply(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, *, until: int | None = None) -> dict[str, Any] | None:
         """The reply to `request_id`, or None when none came within `wait_s` (or the answer
@@ -337,24 +330,6 @@ class RemoteStore:
         self._settle(request_id, ok=bool(reply.get("ok")))
         return reply
 
-    @classmethod
-    def _own_result(cls, reply: dict[str, Any]) -> Any:
-        """`_result` of a get's or put's own reply: its error is the server's word that it did
-        nothing of the request (`not_done`)."""
-        try:
-            return cls._result(reply)
-        except Exception as e:
-            not_done(e)
-            raise
-
-    @staticmethod
-    def _result(reply: dict[str, Any]) -> Any:
-        """A reply's result, or its error raised as the server raised it."""
-        if reply.get("ok"):
-            return reply.get("result")
-        kind, message = reply.get("error"), reply.get("message")
-        raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
-
     @one_call
     def _call(self, op: str, args: dict[str, Any], *, wait: float | None = 0.0, address: str | None = None) -> Any:
         """`wait`: how long the server may legitimately wait (None: without bound)."""
@@ -374,9 +349,16 @@ class RemoteStore:
         capacity_rows: int | None = None,
         capacity_bytes: int | None = None,
         lease_s: float = 300.0,
+        exist_ok: bool = False,
     ) -> None:
-        args = {"name": name, "consumers": list(consumers), "capacity_rows": capacity_rows, "capacity_bytes": capacity_bytes, "lease_s": lease_s}
+        args = {"name": name, "consumers": list(consumers), "capacity_rows": capacity_rows, "capacity_bytes": capacity_bytes, "lease_s": lease_s, "exist_ok": exist_ok}
         self._call("create_partition", args)
+
+    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
+        """As `Store.wait_partition`: the server holds the request until the partition exists."""
+        if cancel is not None:
+            return self._cancellable(cancel, f"wait_partition({name!r})", lambda: self.wait_partition(name, timeout=timeout))
+        self._call("wait_partition", {"partition": name, "timeout": timeout}, wait=timeout)
 
     def add_consumer(self, partition: str, consumer: str) -> None:
         self._call("add_consumer", {"partition": partition, "consumer": consumer})
@@ -401,10 +383,11 @@ class RemoteStore:
         timeout: float | None = None,
         cancel: threading.Event | None = None,
         ack: tuple[str, str, Sequence[int]] | None = None,
+        num_rows: int | None = None,
     ) -> list[int]:
         """As `Store.put` (`ack=` included: the server does both in one step). With a storage
         unit the data goes there and the controller gets references."""
-        rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack}
+        rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack, "num_rows": num_rows}
         if cancel is not None:
             return self._cancellable(cancel, f"put into {partition!r}", lambda: self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result())
         return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
@@ -421,6 +404,7 @@ class RemoteStore:
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
         ack: tuple[str, str, Sequence[int]] | None = None,
+        num_rows: int | None = None,
     ) -> PendingPut:
         """Send a put and return before its reply: a producer keeps several in flight
         (pipelined on this thread's connection, applied by the server in the order sent)
@@ -429,11 +413,11 @@ class RemoteStore:
         if not columns:
             raise ValueError("put needs at least one column")
         then_ack = None if ack is None else {"consumer": ack[0], "partition": ack[1], "indexes": as_indexes(ack[2])}
-        meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout, "ack": then_ack}
+        meta = {"groups": _plain(groups), "versions": _plain(versions), "tags": _plain(tags), "timeout": timeout, "ack": then_ack, "num_rows": num_rows}
         keys: list[str] = []
         try:
-            num_rows = None if self.unit_address is None else len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
-            if num_rows is None or num_rows == 0:  # 0 rows: a chunk on the unit would never be freed (the controller keeps none)
+            num_rows = num_rows_of_put(columns, indexes, num_rows)
+            if self.unit_address is None or num_rows == 0:  # 0 rows: a chunk on the unit would never be freed (the controller keeps none)
                 args = {"partition": partition, "columns": dict(columns), "indexes": _plain(indexes), **meta}
             else:
                 remote = {}

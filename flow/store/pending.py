@@ -17,11 +17,39 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from tidal.flow.store.codec import CodecError
+from tidal.flow.store.table import StoreError, StoreTimeout
+
 if TYPE_CHECKING:
     from tidal.flow.store.client import RemoteStore
 
 
 NOT_DONE = "tidal_store_not_done"
+_ERRORS: dict[str, type[Exception]] = {
+    "StoreTimeout": StoreTimeout,
+    "StoreError": StoreError,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "CodecError": CodecError,
+}
+
+
+def result_of(reply: dict[str, Any]) -> Any:
+    """A reply's result, or its error raised as the server raised it."""
+    if reply.get("ok"):
+        return reply.get("result")
+    kind, message = reply.get("error"), reply.get("message")
+    raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
+
+
+def own_result(reply: dict[str, Any]) -> Any:
+    """`result_of` a get's or put's own reply: its error is the server's word that it did
+    nothing of the request (`not_done`)."""
+    try:
+        return result_of(reply)
+    except Exception as e:
+        not_done(e)
+        raise
 
 
 def not_done(error: BaseException) -> BaseException:

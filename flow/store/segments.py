@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,9 @@ import numpy as np
 
 from tidal.flow.store.cells import as_indexes
 from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows
+
+_lease_seq = itertools.count(1)
+"""Orders leases with the same deadline on a partition's heap."""
 
 WAIT_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, float("inf"))
 """Upper bounds (seconds) of the get wait-time histogram."""
@@ -381,6 +385,39 @@ class Partition:
         if column.whole >= 0:  # row k is row k of one chunk: a slice of it
             return [(self.chunks[column.whole], range(first, first + n))]
         return self.cut(column.chunk[first : first + n], column.offset[first : first + n])
+
+    def lease(self, consumer: str, take: Any, columns: Sequence[str], expiry: float, holder: int) -> tuple[Any, Any, list[Any] | None, dict[str, list[tuple[Any, Any]]]]:
+        """Lease rows `take` (a range or an index array) to `consumer` until `expiry`;
+        return (indexes, versions, groups, blocks of each column) for its `Batch`. Rows
+        consecutive in one segment, the usual case, take a slice of everything."""
+        self.add_lease((expiry, next(_lease_seq), consumer, take))
+        span = self.span(take[0], len(take)) if isinstance(take, range) or contiguous(take) else None
+        if span is None:
+            versions, groups, blocks = self.lease_blocks(consumer, list(self.locate(as_indexes(take))), len(take), columns, expiry, holder)
+            return take, versions, groups, blocks
+        seg, first = span
+        rows = slice(first, first + len(take))
+        seg.fresh[consumer] = False
+        seg.lease[consumer][rows] = expiry
+        if holder or consumer in seg.holder:
+            seg.holders(consumer)[rows] = holder
+        versions = seg.versions[rows] if seg.same_version is None else seg.same_version
+        groups = None if seg.groups is None else seg.groups[rows]
+        blocks = {c: self.column_block(seg.columns[c], first, len(take)) for c in columns}
+        return range(int(take[0]), int(take[0]) + len(take)), versions, groups, blocks
+
+    def column_names(self) -> list[str]:
+        """The columns some live row of this partition has, sorted."""
+        return sorted({name for seg in self.segments if seg.alive.any() for name, column in seg.columns.items() if column.num_present()})
+
+    def check_same(self, consumers: Iterable[str], capacity_rows: int | None, capacity_bytes: int | None, lease_s: float) -> None:
+        """Raise ValueError naming each setting in which this partition differs from those
+        given (a second `create_partition(..., exist_ok=True)`)."""
+        given = {"consumers": sorted(consumers), "capacity_rows": capacity_rows, "capacity_bytes": capacity_bytes, "lease_s": lease_s}
+        has = {"consumers": sorted(self.consumers), "capacity_rows": self.capacity_rows, "capacity_bytes": self.capacity_bytes, "lease_s": self.lease_s}
+        differ = [f"{key}={given[key]!r} (it has {has[key]!r})" for key in given if given[key] != has[key]]
+        if differ:
+            raise ValueError(f"partition {self.name!r} already exists with other settings: {', '.join(differ)}; create it with the same settings, or wait for it with wait_partition")
 
     def lease_blocks(self, consumer: str, located: list[tuple[Segment, np.ndarray, np.ndarray]], n: int, columns: Sequence[str], expiry: float, holder: int) -> tuple[np.ndarray, list[Any] | None, dict[str, list[tuple[Any, Any]]]]:
         groups: list[Any] | None = None

@@ -4,8 +4,9 @@ One thread receives requests and serves each at once, without waiting. A `get` w
 few ready rows, or a `put` into a full partition, is parked; parked requests are retried,
 in arrival order, right after anything that can satisfy them (a put, an ack, a release, a
 version change, a lease expiry) and answered the moment they succeed - no polling, no
-sleeps. A change that arrives as a request is followed by the retries in the server
-thread, and its own reply goes after theirs (a waiting consumer hears first). A change
+sleeps. A change that arrives as a request is answered first and then followed by the
+retries in the server thread, before the next request is read: a producer that waits
+for each put's reply is not held up by the consumers its put wakes. A change
 made by another thread of this process (the producer of an embedded store calling
 `Store.put`) retries the parked requests right there and sends their replies itself: no
 hand-off to the server thread, no wait for the GIL. The socket is shared under a lock; the
@@ -49,23 +50,21 @@ import zmq.utils.monitor
 
 from tidal.flow.store import auth, persist
 from tidal.flow.store import shm as _shm
-from tidal.flow.store.samplers import Sequential, from_spec
-from tidal.flow.store.cells import Batch, as_indexes
+from tidal.flow.store.cells import as_indexes
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
 from tidal.flow.store.peers import Parked, Peer, Peers, request_of, taken_by
 from tidal.flow.store.table import Store, StoreTimeout
 from tidal.flow.store.unit_links import SavedChunks, UnitLinks
 from tidal.flow.store.units import RemoteChunk, StorageUnit
-from tidal.flow.store.wire import MAX_MESSAGE_BYTES, WireError, check_bind, check_request, decode_column, encode_batch_column, encode_column, pack, request_id_of, token_ok, unpack
+from tidal.flow.store.wire import MAX_MESSAGE_BYTES, WireError, check_bind, check_request, decode_column, encode_column, get_reply, pack, request_id_of, token_ok, unpack
 from tidal.hal import owner
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
-_BLOCKING = ("get", "put")
+_BLOCKING = ("get", "put", "wait_partition")
 _ABOUT_A_REQUEST = frozenset({"withdraw", "parked"})  # sent while a get or put waits: they leave the held reply alone
 _MUTATING = frozenset({"get", "put", "ack", "release", "set_version", "create_partition", "add_consumer"})  # get: its acks and drops free room
 _WAKE, _STOP = b"w", b"s"
-_SEQUENTIAL, _SEQUENTIAL_SPEC = Sequential(), {"kind": "sequential"}
 
 
 class StoreServer:
@@ -136,7 +135,6 @@ class StoreServer:
         self._local = threading.local()  # `retrying`: this thread is retrying parked requests already
         self._peers = Peers()
         self._parked: list[Parked] = []
-        self._deferred: list[tuple[Peer, int, Any]] = []  # replies sent after the parked requests are retried
         self._saving: set[tuple[Peer, int]] = set()
         """(peer, request id) of the remote saves in progress, each on a thread of its own."""
         self._poller = zmq.Poller()  # the server thread's; drop links to units watch their handshakes on it
@@ -147,13 +145,14 @@ class StoreServer:
             store.add_change_listener(self._on_change)
             self._ops.update(
                 create_partition=lambda peer, a: store.create_partition(
-                    a["name"], consumers=a["consumers"], capacity_rows=a.get("capacity_rows"), capacity_bytes=a.get("capacity_bytes"), lease_s=a.get("lease_s", 300.0),
+                    a["name"], consumers=a["consumers"], capacity_rows=a.get("capacity_rows"), capacity_bytes=a.get("capacity_bytes"), lease_s=a.get("lease_s", 300.0), exist_ok=bool(a.get("exist_ok")),
                 ),
+                wait_partition=lambda peer, a: store.wait_partition(a["partition"], timeout=a.get("timeout")),
                 add_consumer=lambda peer, a: store.add_consumer(a["partition"], a["consumer"]),
                 set_version=lambda peer, a: store.set_version(a["version"]),
                 version=lambda peer, a: store.version,
                 put=self._put,
-                get=self._get,
+                get=lambda peer, a: get_reply(store, a, peer.holder),
                 ack=lambda peer, a: store.ack(a["consumer"], a["partition"], as_indexes(a["indexes"])),
                 release=lambda peer, a: store.release(a["consumer"], a.get("partition"), a.get("indexes")),
                 metrics=lambda peer, a: store.metrics(),
@@ -175,6 +174,15 @@ class StoreServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def serve_forever(self) -> None:
+        """Block until the server is closed (`close()` from another thread, or a signal
+        handler), or until Ctrl-C, which closes it. Requests are served on the server's own
+        thread from construction on: this only keeps a script that does nothing else alive."""
+        try:
+            self._thread.join()
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Stop serving; parked requests get no reply. Idempotent."""
@@ -288,12 +296,11 @@ class StoreServer:
                 except Exception:  # noqa: BLE001 - a bug answering one request must not stop the server
                     log.exception("store server: unexpected error while serving a request")
                     retry = True
+                if retry and self._parked:  # after the change's own reply, before the next request
+                    self._retry_parked()
+                    retry = False
             if retry and self._parked:
                 self._retry_parked()
-            if self._deferred:  # replies to the changes those parked requests waited for
-                deferred, self._deferred = self._deferred, []
-                for peer, request_id, result in deferred:
-                    self._reply(peer, request_id, result)
             self._units.flush_drops()
             if not more:  # the replies just sent may have taken the fd's edge for a request that came meanwhile
                 with self._lock:
@@ -473,7 +480,7 @@ class StoreServer:
     def _retry_parked_locked(self) -> None:
         changed = True
         while changed and self._parked:  # a parked put that succeeds may satisfy a parked get
-            changed, still = False, []
+            changed, still, failed = False, [], []
             now = time.monotonic()
             for parked in self._parked:
                 try:
@@ -481,25 +488,24 @@ class StoreServer:
                     result = self._ops[parked.op](parked.peer, args)
                 except StoreTimeout as e:
                     if now >= parked.deadline:
-                        self._fail(parked.peer, parked.request_id, StoreTimeout(str(e).replace("after 0s", f"after {parked.args.get('timeout')}s")))
+                        failed.append((parked, StoreTimeout(str(e).replace("after 0s", f"after {parked.args.get('timeout')}s"))))
                     else:
                         still.append(parked)
                     continue
                 except Exception as e:  # noqa: BLE001 - every request gets a reply
-                    self._fail(parked.peer, parked.request_id, e)
+                    failed.append((parked, e.with_traceback(None)))
                     continue
                 self._reply(parked.peer, parked.request_id, result, taken_by(parked.op, parked.args))
                 changed |= parked.op in _MUTATING
-            self._parked = still
+            self._parked, args = still, None
+            for parked, error in failed:  # once nothing here holds their rows: a put's shared memory is freed before its client hears
+                parked.args = {}
+                self._fail(parked.peer, parked.request_id, error)
 
     def _answer(self, peer: Peer, request_id: int, op: str, result: Any, args: dict[str, Any]) -> None:
-        """Reply; a change that parked requests may wait for is answered after they are
-        retried, so a waiting consumer hears first (its wait is what a hand-off costs)."""
-        if (self._parked and op in _MUTATING and op != "get") or (self._deferred and op in _ABOUT_A_REQUEST):
-            # a get's own caller waits too; a word about a request never overtakes its reply
-            self._deferred.append((peer, request_id, result))
-        else:
-            self._reply(peer, request_id, result, taken_by(op, args))
+        """Reply to a request served at once. A change is answered before the parked requests
+        it may satisfy are retried (`_serve`): its producer waits for this reply."""
+        self._reply(peer, request_id, result, taken_by(op, args))
 
     def _reply(self, peer: Peer, request_id: int, result: Any, taken: tuple[str, str] | None = None) -> None:
         """Send `result`. `taken`: the (consumer, partition) a get's rows were leased to,
@@ -560,35 +566,8 @@ class StoreServer:
             timeout=a.get("timeout"),
             ack=then_ack,
             as_range=True,
+            num_rows=a.get("num_rows"),
         )
-
-    def _get(self, peer: Peer, a: dict[str, Any]) -> dict[str, Any]:
-        assert self.store is not None
-        ack = a.get("ack")
-        batch: Batch = self.store.get(
-            a["consumer"],
-            a["partition"],
-            a["columns"],
-            a["batch_size"],
-            sampler=_SEQUENTIAL if a.get("sampler") in (None, _SEQUENTIAL_SPEC) else from_spec(a["sampler"]),
-            timeout=a.get("timeout"),
-            partial=bool(a.get("partial", False)),
-            waiting_since=a.get("waiting_since"),
-            ack=None if ack is None else as_indexes(ack),
-            holder=peer.holder,
-        )
-        indexes, version = batch.index_range, batch.version_fill
-        try:
-            columns = {name: encode_batch_column(batch, name) for name in batch.columns}
-        except Exception:
-            self.store.release(a["consumer"], a["partition"], batch.index_array)  # no one would ack them
-            raise
-        return {
-            "indexes": batch.index_array if indexes is None else indexes,
-            "groups": batch.groups if batch.has_groups else None,
-            "versions": batch.version_array if version is None else version,
-            "columns": columns,
-        }
 
     # Storage-unit ops ---------------------------------------------------------------------
     def _unit_read(self, peer: Peer, a: dict[str, Any]) -> dict[str, Any]:

@@ -55,11 +55,19 @@ import numpy as np
 
 from tidal.hal import owner
 
+try:  # a consumer maps its rows' pages in one call rather than faulting them in as it reads (Linux)
+    from mmap import MAP_POPULATE as _POPULATE
+except ImportError:
+    _POPULATE = 0
+
 log = logging.getLogger(__name__)
 
 DIR = owner.DIR
-MIN_BYTES = 64 * 1024
-"""Buffers from this size go into shared memory; smaller ones stay socket frames."""
+MIN_BYTES = 1 << 20
+"""Buffers from this size go into shared memory; smaller ones stay socket frames. A
+segment is a fresh file whose pages the sender allocates and the consumer maps: for a
+smaller buffer that costs more than the socket's copies, once the consumer reads it."""
+
 _ALIGN = 64
 SENT = ".sent"
 """The mark of a segment its sender still holds (the server has not taken it yet)."""
@@ -244,7 +252,7 @@ class Segments:
             length = offset + nbytes - start
             if length == 0:
                 return memoryview(bytearray())
-            mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
         except OSError as e:  # e.g. ENOMEM: vm.max_map_count mappings already
             raise ShmError(_cannot_map(name, e)) from e
         finally:

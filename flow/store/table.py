@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of, row_nbytes, unique_sorted
+from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of_put, row_nbytes, unique_sorted
 from tidal.flow.store.evict import ack_rows, replace_cells
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential, group_size_of
-from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, check_partition_settings, contiguous
+from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, check_partition_settings
+from tidal.flow.store.signals import Signals
 
 
 class StoreError(RuntimeError):
@@ -63,27 +64,45 @@ class Store:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         """`clock` times leases and timeouts; tests pass a fake one to expire leases at will."""
         self._clock = clock
-        self._free_listeners: list[Callable[[str, Any], None]] = []
-        self._change_listeners: list[Callable[[str | None], None]] = []
         self._lock = threading.RLock()
-        # Waiters wait on conditions of this lock by what they wait for, and a change wakes
-        # only those it may concern: a get for rows of (partition, consumer), a put for room
-        # in a partition.
-        self._readers: dict[tuple[str, str], threading.Condition] = {}
-        self._room: dict[str, threading.Condition] = {}
+        self._signals = Signals(self._lock)  # waiters wait on conditions of this lock by what they wait for
         self._parts: dict[str, Partition] = {}
         self._version = 0
         self._stamp = 0
-        self._lease_seq = 0
         self._closed = False
 
     # Setup ------------------------------------------------------------------------------
-    def create_partition(self, name: str, *, consumers: Sequence[str], capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float = 300.0) -> None:
-        """Create a table. Every row stays until each of `consumers` has acked it."""
+    def create_partition(self, name: str, *, consumers: Sequence[str], capacity_rows: int | None = None, capacity_bytes: int | None = None, lease_s: float = 300.0, exist_ok: bool = False) -> None:
+        """Create a table. Every row stays until each of `consumers` has acked it.
+
+        With `exist_ok`, a partition `name` that exists with these settings is taken as it
+        is, so a producer and a consumer may each create it, in either order; one with
+        other settings is a ValueError naming them. A consumer that does not know the
+        settings waits for the partition instead (`wait_partition`)."""
         with self._lock:
-            if name in self._parts:
-                raise ValueError(f"partition {name!r} already exists")
+            part = self._parts.get(name)
+            if part is not None:
+                if not exist_ok:
+                    raise ValueError(f"partition {name!r} already exists; create_partition(..., exist_ok=True) takes it as it is")
+                part.check_same(consumers, capacity_rows, capacity_bytes, lease_s)
+                return
             self._parts[name] = Partition(name, consumers, capacity_rows, capacity_bytes, lease_s)
+            self._signals.partition_created(name)
+
+    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
+        """Return once partition `name` exists (at once if it does): a consumer that may
+        start before its producer created it. Raises `StoreTimeout` after `timeout`
+        seconds, naming the partitions that exist; setting `cancel` (then `wake`) ends
+        the wait with `StoreError`."""
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._lock:
+            while name not in self._parts:
+                self._check_open()
+                if cancel is not None and cancel.is_set():
+                    raise StoreError(f"wait_partition({name!r}) was cancelled")
+                if deadline is not None and self._clock() >= deadline:
+                    raise StoreTimeout(f"wait_partition({name!r}) timed out after {timeout}s: no partition {name!r}; partitions: {sorted(self._parts)}")
+                self._signals.created.wait(_bounded(None if deadline is None else max(deadline - self._clock(), 0.0)))
 
     def configure_partition(self, name: str, *, capacity_rows: int | None = None, lease_s: float | None = None) -> None:
         """Set a partition's row capacity and lease (those given; a resumed run's settings)."""
@@ -105,6 +124,10 @@ class Store:
                 seg.add_consumer(consumer)
 
     @property
+    def _change_listeners(self) -> list[Callable[[str | None], None]]:
+        return self._signals.change_listeners  # what tests look at to see a stage let go of the store
+
+    @property
     def lock(self) -> AbstractContextManager[Any]:
         """The store's (reentrant) lock: hold it to make several calls one atomic step."""
         return self._lock
@@ -114,7 +137,7 @@ class Store:
         using it evicted or overwritten); a controller whose chunks live on storage units
         uses it to free them there. Called with the lock held: it must not call back."""
         with self._lock:
-            self._free_listeners.append(listener)
+            self._signals.free_listeners.append(listener)
 
     def add_change_listener(self, listener: Callable[[str | None], None]) -> None:
         """Call `listener(partition)` whenever waiters are woken: after puts, acks and rows
@@ -124,50 +147,15 @@ class Store:
         call the store (the lock is reentrant) but must not wait for another thread that
         needs the lock."""
         with self._lock:
-            self._change_listeners.append(listener)
+            self._signals.change_listeners.append(listener)
 
     def remove_listener(self, listener: Callable[..., None]) -> None:
         """Stop calling `listener` (a change or free listener); unknown ones are ignored."""
         with self._lock:
-            for listeners in (self._change_listeners, self._free_listeners):
-                if listener in listeners:
-                    listeners.remove(listener)
+            self._signals.remove(listener)
 
     def _notify(self, part: Partition | None = None, *, columns: Iterable[str] | None = None, room: bool = False) -> None:
-        """Wake the waiters a change may concern, then call the change listeners (lock held).
-
-        No `part`: every waiter (version, releases, lease expiries, `wake`, `close`). With
-        `columns`, the readers of `part` that asked for one of them (or for none): a put
-        makes rows ready only for the keys it completes. With `room`, the puts waiting for
-        room in `part` (acks and drops evict rows).
-        """
-        if part is None:
-            for cond in (*self._readers.values(), *self._room.values()):
-                cond.notify_all()
-        else:
-            if columns is not None:
-                written = set(columns)
-                for (name, consumer), cond in self._readers.items():  # a reader's get added its key before waiting
-                    if name == part.name and any(not key or key & written for key in part.consumers[consumer].keys):
-                        cond.notify_all()
-            if room and part.name in self._room:
-                self._room[part.name].notify_all()
-        for listener in self._change_listeners:
-            listener(None if part is None else part.name)
-
-    def _reader(self, part: Partition, consumer: str) -> threading.Condition:
-        """What a get for `consumer`'s rows of `part` waits on."""
-        cond = self._readers.get((part.name, consumer))
-        if cond is None:
-            cond = self._readers[(part.name, consumer)] = threading.Condition(self._lock)
-        return cond
-
-    def _room_in(self, part: Partition) -> threading.Condition:
-        """What a put waiting for room in `part` waits on."""
-        cond = self._room.get(part.name)
-        if cond is None:
-            cond = self._room[part.name] = threading.Condition(self._lock)
-        return cond
+        self._signals.notify(part, columns=columns, room=room)
 
     def consumer_counts(self, partition: str, consumer: str) -> dict[str, int]:
         """Cheap counters of one consumer: rows acked, dropped by its sampler, redelivered."""
@@ -210,9 +198,13 @@ class Store:
         cancel: threading.Event | None = None,
         ack: tuple[str, str, Sequence[int]] | None = None,
         as_range: bool = False,
+        num_rows: int | None = None,
     ) -> list[int]:
         """Add rows (`indexes=None`) or add columns to existing rows; return the indexes
         (new rows as a `range` with `as_range=True`: no list per row, for a server).
+        Each column holds one cell per row along dim 0 (a batched tensor or array) or per
+        item (a list). A put of new rows whose columns are all 1-D tensors needs
+        `num_rows` (`{"x": torch.zeros(256)}`: 256 rows of one value, or one row of 256?).
 
         `ack=(consumer, partition, indexes)` acks those rows in the same atomic step as
         the put: a stage that turns input rows into output rows (rollout: prompts ->
@@ -228,7 +220,7 @@ class Store:
         """
         if not columns:
             raise ValueError("put needs at least one column")
-        num_rows = len(indexes) if indexes is not None else num_rows_of(next(iter(columns.items())))
+        num_rows = num_rows_of_put(columns, indexes, num_rows)
         chunks = {name: check_column(name, value, num_rows) for name, value in columns.items()}
         row_sizes = {name: row_nbytes(chunk) for name, chunk in chunks.items()}  # -1: sizes differ per row
         sizes = {name: cell_sizes(chunk) for name, chunk in chunks.items() if row_sizes[name] < 0 or indexes is not None}
@@ -268,7 +260,7 @@ class Store:
                     raise StoreError(f"partition {partition!r} has no rows {missing} (never put, or already evicted)")
                 self._stamp, before = self._stamp + 1, part.nbytes
                 for name, chunk in chunks.items():
-                    replace_cells(part, name, chunk, sizes[name], where, stamp=self._stamp, on_free=self._chunk_freed)
+                    replace_cells(part, name, chunk, sizes[name], where, stamp=self._stamp, on_free=self._signals.chunk_freed)
                 result, smaller = where.tolist(), part.nbytes < before  # smaller cells free room too
             if then_ack is not None:
                 self._ack_many(*then_ack)
@@ -342,7 +334,7 @@ class Store:
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
             # Only evictions (acks) free room, and they notify: wait for them or the deadline.
-            self._room_in(part).wait(_bounded(None if deadline is None else max(deadline - self._clock(), 0.0)))
+            self._signals.room_in(part).wait(_bounded(None if deadline is None else max(deadline - self._clock(), 0.0)))
 
     # Get / ack --------------------------------------------------------------------------
     def get(
@@ -411,30 +403,10 @@ class Store:
                 if len(choice.take):
                     break
                 if deadline is not None and self._clock() >= deadline:
-                    raise StoreTimeout(
-                        f"get({consumer!r}, {partition!r}, {sorted(key)}) timed out after {timeout}s: "
-                        f"{len(rows)} of {batch_size} rows were ready"
-                    )
-                self._reader(part, consumer).wait(self._wait_time(part, deadline))
+                    raise StoreTimeout(_timed_out(part, consumer, sorted(key), batch_size, len(rows), timeout))
+                self._signals.reader(part, consumer).wait(self._wait_time(part, deadline))
             take = choice.take if isinstance(choice.take, range) and choice.take.step == 1 else as_indexes(choice.take)
-            expiry = self._clock() + part.lease_s
-            self._lease_seq += 1
-            part.add_lease((expiry, self._lease_seq, consumer, take))
-            span = part.span(take[0], len(take)) if isinstance(take, range) or contiguous(take) else None
-            groups: list[Any] | None
-            if span is not None:  # the usual case: consecutive rows of one segment
-                seg, first = span
-                rows = slice(first, first + len(take))
-                seg.fresh[consumer] = False
-                seg.lease[consumer][rows] = expiry
-                if holder or consumer in seg.holder:
-                    seg.holders(consumer)[rows] = holder
-                versions = seg.versions[rows] if seg.same_version is None else seg.same_version
-                groups = None if seg.groups is None else seg.groups[rows]
-                take = range(int(take[0]), int(take[0]) + len(take))
-                blocks = {c: part.column_block(seg.columns[c], first, len(take)) for c in columns}
-            else:
-                versions, groups, blocks = part.lease_blocks(consumer, list(part.locate(as_indexes(take))), len(take), columns, expiry, holder)
+            take, versions, groups, blocks = part.lease(consumer, take, columns, self._clock() + part.lease_s, holder)
             waited = self._clock() - since
             state.wait_sum += waited
             state.wait_counts[min(bisect.bisect_left(WAIT_BUCKETS, waited), len(WAIT_BUCKETS) - 1)] += 1
@@ -493,7 +465,7 @@ class Store:
     def _part(self, name: str) -> Partition:
         part = self._parts.get(name)
         if part is None:
-            raise ValueError(f"no partition {name!r}; partitions: {sorted(self._parts)}")
+            raise ValueError(f"no partition {name!r}; partitions: {sorted(self._parts)} (wait_partition({name!r}) waits until it is created)")
         return part
 
     def _check_open(self) -> None:
@@ -510,11 +482,7 @@ class Store:
         raise StoreError(f"partition {part.name!r} has no row {index}")
 
     def _ack_many(self, part: Partition, consumer: str, where: np.ndarray) -> int:
-        return ack_rows(part, consumer, where, self._chunk_freed)
-
-    def _chunk_freed(self, partition: str, chunk: Any) -> None:
-        for listener in self._free_listeners:
-            listener(partition, chunk)
+        return ack_rows(part, consumer, where, self._signals.chunk_freed)
 
     def _redeliver(self, part: Partition, consumer: str, pieces: Iterable[tuple[Segment, np.ndarray]]) -> int:
         count = 0
@@ -594,6 +562,17 @@ def _bounded(wait: float | None) -> float | None:
     """A condition wait of `wait` seconds as threading takes it: None (until notified) for one
     longer than it can time (an infinite lease or timeout), which would raise OverflowError."""
     return None if wait is not None and wait >= threading.TIMEOUT_MAX else wait
+
+
+def _timed_out(part: Partition, consumer: str, columns: list[str], batch_size: int, num_ready: int, timeout: float | None) -> str:
+    """A get's timeout: how many rows were ready, the columns it waited for and those the
+    partition's rows have (a misspelt or not yet written column shows)."""
+    have = part.column_names()
+    missing = [c for c in columns if c not in have]
+    return (
+        f"get({consumer!r}, {part.name!r}, {columns}) timed out after {timeout}s: {num_ready} of {batch_size} rows were ready; "
+        f"waited for columns {columns}, the partition's rows have {have}" + (f" (none has {missing})" if missing else "")
+    )
 
 
 def _had(part: Partition, partition: str, where: np.ndarray) -> np.ndarray:

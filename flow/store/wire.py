@@ -29,8 +29,10 @@ import torch
 from tidal.flow.store import shm
 from tidal.flow.store.codec import CodecError, decode_tree, encode_tree, pack_header, unpack_header
 from tidal.flow.store.cells import Batch, as_indexes, rows_of
+from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.units import RemoteChunk
 
+_SEQUENTIAL, _SEQUENTIAL_SPEC = Sequential(), {"kind": "sequential"}
 STACK_MAX_CELL_BYTES = 64 * 1024
 """Cells up to this size are stacked into one buffer per column; larger ones go zero-copy."""
 MAX_MESSAGE_BYTES = 4 << 30
@@ -212,3 +214,34 @@ def decode_column(name: str, value: Any) -> Any:
     if kind == "remote" and isinstance(payload, list):
         return payload  # [[unit, key, offsets] or an encoded column, ...]: the client reads the first from the units
     raise WireError(f"column {name!r} has unknown encoding {kind!r}")
+
+
+def get_reply(store: Any, a: Mapping[str, Any], holder: int) -> dict[str, Any]:
+    """Serve a get request's args `a` from `store` (a `Store`) for the connection `holder`:
+    the result a reply carries, each column encoded for the wire. Rows whose columns cannot
+    be encoded are given back (no one would ack them) before the error is raised."""
+    ack = a.get("ack")
+    batch: Batch = store.get(
+        a["consumer"],
+        a["partition"],
+        a["columns"],
+        a["batch_size"],
+        sampler=_SEQUENTIAL if a.get("sampler") in (None, _SEQUENTIAL_SPEC) else from_spec(a["sampler"]),
+        timeout=a.get("timeout"),
+        partial=bool(a.get("partial", False)),
+        waiting_since=a.get("waiting_since"),
+        ack=None if ack is None else as_indexes(ack),
+        holder=holder,
+    )
+    indexes, version = batch.index_range, batch.version_fill
+    try:
+        columns = {name: encode_batch_column(batch, name) for name in batch.columns}
+    except Exception:
+        store.release(a["consumer"], a["partition"], batch.index_array)
+        raise
+    return {
+        "indexes": batch.index_array if indexes is None else indexes,
+        "groups": batch.groups if batch.has_groups else None,
+        "versions": batch.version_array if version is None else version,
+        "columns": columns,
+    }

@@ -70,7 +70,7 @@ def test_codec_keeps_dtype_shape_and_kind(value):
 def test_a_saved_store_gives_back_its_numpy_and_bf16_columns_as_they_were(tmp_path):
     store = Store()
     store.create_partition("p", consumers=["c"])
-    store.put("p", {"half": torch.tensor([0.5, 1.5], dtype=torch.bfloat16), "np": np.array([1e-300, 2.0])})
+    store.put("p", {"half": torch.tensor([0.5, 1.5], dtype=torch.bfloat16), "np": np.array([1e-300, 2.0])}, num_rows=2)
     save(store, tmp_path / "s.bin")
     before, after = store.get("c", "p", ["half", "np"], 2), load(tmp_path / "s.bin").get("c", "p", ["half", "np"], 2)
     for name in ("half", "np"):

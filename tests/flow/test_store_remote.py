@@ -377,7 +377,7 @@ def test_a_store_that_outlives_its_server_stops_calling_it():
             client.put("train", {"x": torch.zeros(1, 2)})
             assert len(store._change_listeners) == 1
             client.close()
-    assert store._change_listeners == [] and store._free_listeners == []
+    assert store._signals.change_listeners == [] and store._signals.free_listeners == []
     store.put("train", {"x": torch.ones(1, 2)})
     assert store.get("c", "train", ["x"], 3, timeout=0).indexes == [0, 1, 2]
 
@@ -418,7 +418,7 @@ def test_a_get_queued_by_a_client_that_then_died_leases_nothing(served):
 
     store, server, client = served
     store.create_partition("p", consumers=["c"], lease_s=3600)
-    store.put("p", {"x": torch.arange(4)})
+    store.put("p", {"x": torch.arange(4)}, num_rows=4)
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
@@ -455,7 +455,7 @@ def test_a_parked_request_whose_reply_cannot_be_sent_gets_an_error_and_the_serve
     waiter = threading.Thread(target=lambda: _capture_call(got, lambda: consumer.get("c", "p", ["x"], 2, timeout=5)))
     waiter.start()
     time.sleep(0.3)  # parked
-    client.put("p", {"x": torch.arange(2)})
+    client.put("p", {"x": torch.arange(2)}, num_rows=2)
     waiter.join(10)
     assert len(got) == 1 and isinstance(got[0], TypeError) and "cannot encode this batch" in str(got[0])  # the error, as the server saw it
     assert client.ping() is not None and server._thread.is_alive()
@@ -467,11 +467,11 @@ def test_a_parked_request_whose_reply_cannot_be_sent_gets_an_error_and_the_serve
 
 
 def test_a_get_whose_columns_cannot_be_encoded_gives_its_rows_back(served, monkeypatch):
-    import tidal.flow.store.server as server_module
+    import tidal.flow.store.wire as server_module  # the server encodes a get's columns there
 
     store, server, client = served
     store.create_partition("p", consumers=["c"], lease_s=3600)
-    client.put("p", {"x": torch.arange(3)})
+    client.put("p", {"x": torch.arange(3)}, num_rows=3)
     real = server_module.encode_batch_column
     monkeypatch.setattr(server_module, "encode_batch_column", lambda batch, name: (_ for _ in ()).throw(ValueError("bad column")))
     with pytest.raises(ValueError, match="bad column"):
@@ -490,7 +490,7 @@ def _capture_call(out: list, fn) -> None:
 def test_numpy_columns_keep_their_dtype_and_values_over_the_wire(served):
     store, server, client = served
     store.create_partition("p", consumers=["c"])
-    client.put("p", {"x": np.array([0.1, 0.2, 1e-300]), "i": np.array([1, 2, 3], dtype=np.int32)})
+    client.put("p", {"x": np.array([0.1, 0.2, 1e-300]), "i": np.array([1, 2, 3], dtype=np.int32)}, num_rows=3)
     remote = client.get("c", "p", ["x", "i"], 3)
     assert remote.stack("x").dtype == torch.float64 and remote.stack("i").dtype == torch.int32
     assert remote.stack("x").tolist() == [0.1, 0.2, 1e-300]  # were float32 / int64 / 0.0: cell by cell, as Python scalars
@@ -501,7 +501,7 @@ def test_a_thread_that_ends_holding_rows_gives_them_back(served):
     thread ends (here without acking), its sockets close and the server releases its rows."""
     store, server, client = served
     store.create_partition("p", consumers=["c"], lease_s=3600)
-    store.put("p", {"x": torch.arange(2)})
+    store.put("p", {"x": torch.arange(2)}, num_rows=2)
     taken: list = []
     worker = threading.Thread(target=lambda: taken.append(client.get("c", "p", ["x"], 2, timeout=5, cancel=threading.Event()).indexes))
     worker.start()

@@ -7,18 +7,6 @@ import pytest
 from tidal.tools import bench_e2e, bench_store
 
 
-def test_store_table_ratios_against_transferqueue_and_raw_zeromq():
-    results = {
-        "tidal": {"small": {"rows_per_s": 100_000.0, "mb_per_s": 500.0}, "large": {"mb_per_s": 600.0}, "latency": {"p50_ms": 1.5, "p99_ms": 2.0}},
-        "raw-zmq": {"small": {"rows_per_s": 400_000.0, "mb_per_s": 2000.0}, "large": {"mb_per_s": 1200.0}},
-        "transferqueue": {"small": {"rows_per_s": 5_000.0, "mb_per_s": 25.0}, "large": {"mb_per_s": 300.0}, "latency": {"p50_ms": 11.0, "p99_ms": 20.0}},
-    }
-    header, tidal, raw, tq = bench_store.table(results)
-    assert header[:3] == ["system", "small rows/s", "x TQ"]
-    assert tidal == ["tidal", "100,000", "20.0", "500", "600", "50%", "2.0", "1.50", "2.00"]
-    assert raw[-2:] == ["-", "-"] and tq[2] == "1.0"
-
-
 def test_e2e_table_means_over_seeds_and_ratios_against_sync_and_trl():
     def run(samples_per_s: float, after: float) -> dict:
         return {"samples_per_s": samples_per_s, "tokens_per_s": 2 * samples_per_s, "rl_seconds": 10.0, "accuracy_before": 0.25, "accuracy_after": after}
