@@ -33,7 +33,7 @@ import logging
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -61,9 +61,9 @@ class DataConfig:
     """Local files of held-out prompts, for evaluation (same formats); none: no evaluation set."""
     prompt_key: str = "question"
     """Column holding the prompt text (GSM8K's name)."""
-    answer_key: Optional[str] = "answer"
+    answer_key: str | None = "answer"
     """Column holding the reference answer the reward checks (`meta["answer"]`); null: the rows have none."""
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     """System message put before each prompt (needs `chat_template`)."""
     chat_template: bool = True
     """Render each prompt as a user turn with the tokenizer's chat template, ending with the
@@ -74,7 +74,7 @@ class DataConfig:
     """Visit the training prompts in a new order each epoch, drawn from `seed` and the epoch."""
     seed: int = 0
     """Seed of the shuffled order."""
-    num_epochs: Optional[int] = None
+    num_epochs: int | None = None
     """Passes over the training prompts; null: as many as the run takes."""
 
 
@@ -170,7 +170,7 @@ def read_table(path: Path, *, columns: Mapping[str, str], cache_dir: str | None 
     try:
         with _quiet_datasets():
             table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
-    except Exception as e:  # noqa: BLE001 - every parser failure of a user's file becomes one error naming it
+    except Exception as e:  # every parser failure of a user's file becomes one error naming it
         cause = e.__cause__ or e
         raise DataError(f"{path}: cannot be read as {builder}: {type(cause).__name__}: {cause}") from e
     for column, key in columns.items():

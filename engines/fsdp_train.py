@@ -90,7 +90,20 @@ from tidal.engines.fsdp_setup import ensure_process_group, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import padding_free_for
-from tidal.engines.train_steps import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
+from tidal.engines.train_steps import (
+    NonfiniteGuard,
+    add_metrics,
+    average_metrics,
+    check_settings,
+    check_step_inputs,
+    evaluating,
+    mask_sequences,
+    masked_fraction,
+    next_token_stats,
+    own_settings,
+    padded_positions,
+    rows_with_signal,
+)
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -494,7 +507,7 @@ class FSDPTrainEngine:
             send_command("named_weights")
         weights = self._named_weights()
         try:
-            for item in weights:
+            for item in weights:  # noqa: UP028 - not `yield from`: closing this pass must not close `weights` through it
                 yield item
         finally:
             for _ in weights:  # stopped early: make the remaining gathers (a generator that raised yields nothing)

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from tidal.engines.rewards import FLOAT32_MAX, RewardFn
 from tidal.flow.trajectory import Trajectory
@@ -324,7 +324,7 @@ class RewardPool:
                 continue
             worker.sample, worker.deadline = k, time.monotonic() + self.timeout_s
 
-    _warned: set[tuple[str, str]] = set()
+    _warned: ClassVar[set[tuple[str, str]]] = set()
     """(function, kind of failure) pairs logged already, in this process."""
 
     def _fail(self, kind: str, message: str) -> None:

@@ -28,7 +28,6 @@ import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
-
 from tidal.flow.trajectory import Trajectory
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ takes. Prompts read from files (`data.train_files`) need no task: only a reward.
 
 from __future__ import annotations
 
-import random
 import dataclasses
+import random
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 

@@ -49,12 +49,24 @@ import torch
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import padding_free_for
+from tidal.engines.train_steps import (
+    NonfiniteGuard,
+    add_metrics,
+    average_metrics,
+    check_settings,
+    check_step_inputs,
+    evaluating,
+    mask_sequences,
+    masked_fraction,
+    next_token_stats,
+    own_settings,
+    padded_positions,
+    rows_with_signal,
+)
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import TokenBatch
-from tidal.engines.train_steps import NonfiniteGuard, add_metrics, average_metrics, check_settings, check_step_inputs, evaluating, mask_sequences, masked_fraction, next_token_stats, own_settings, padded_positions, rows_with_signal
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
-
 
 
 class TorchTrainEngine:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tidal.flow.placement import RAY_RESOURCES, Assignment, Plan, PlacementError
+from tidal.flow.placement import RAY_RESOURCES, Assignment, PlacementError, Plan
 from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload
 from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
 

@@ -39,10 +39,10 @@ from typing import Any, Protocol
 import torch
 
 from tidal.flow.protocols import Reclaimable, RolloutEngine
+from tidal.flow.rows import put_trajectories
 from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.store.table import StoreTimeout
 from tidal.flow.trace import Tracer, Waits
-from tidal.flow.rows import put_trajectories
 from tidal.flow.trajectory import Trajectory
 from tidal.hal import current_platform
 from tidal.hal.transfer import snapshot

@@ -14,7 +14,6 @@ import torch
 
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory, check_lengths
 
-
 TRAJECTORY_COLUMNS = ("sizes", "prompt_ids", "tokens", "logprobs", "token_versions", "finish_reason")
 """The `train` partition's columns that hold trajectories (`meta` is separate: reward reads it)."""
 
@@ -51,7 +50,7 @@ def trajectories_of(batch: Any) -> list[Trajectory]:
     columns = batch.columns
     sizes = batch.stack("sizes").tolist()
     rows = {name: _padded(batch, name).tolist() for name in ("prompt_ids", "tokens", "logprobs", "token_versions")}
-    metas = columns["meta"] if "meta" in columns else None
+    metas = columns.get("meta")
     return [
         Trajectory(
             prompt_ids=rows["prompt_ids"][k][:p],

@@ -388,7 +388,7 @@ class Seat:
             return None
         try:
             self._park()
-        except Exception as e:  # noqa: BLE001 - reported to the seat that waits
+        except Exception as e:  # reported to the seat that waits
             log.exception("seat %r could not park its state", self.name)
             self._parked = True  # it may have moved part of it: the next computation unparks first
             self._move_error = f"{type(e).__name__}: {e}"

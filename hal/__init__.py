@@ -56,10 +56,10 @@ if TYPE_CHECKING:
     from tidal.hal.offload import OffloadHandle
     from tidal.hal.platform import (
         KINDS,
+        PRECISIONS,
         NoDeviceError,
         NoopEvent,
         NoopStream,
-        PRECISIONS,
         Platform,
         PlatformDescriptor,
         PlatformError,

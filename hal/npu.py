@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-
 from typing import Any
 
 import torch
@@ -68,7 +67,7 @@ def load() -> AcceleratorPlatform:
         )
     try:
         torch_npu = importlib.import_module("torch_npu")
-    except Exception as e:  # noqa: BLE001 - any failure here means CANN is not usable
+    except Exception as e:  # any failure here means CANN is not usable
         raise PlatformUnavailable(
             f"torch_npu is installed but failed to import ({type(e).__name__}: {e}); the CANN "
             f"toolkit is missing or not loaded: {CANN_HINT}"

@@ -102,7 +102,7 @@ class OffloadHandle:
         if not copy:
             return  # The device is host memory already; there is nothing to move.
         slots = _slots(module, optimizer)
-        for tensor, set_tensor in slots:
+        for tensor, _ in slots:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             host.copy_(tensor, non_blocking=pin)
             self._host.append(host)

@@ -59,7 +59,7 @@ def set_state(state: Mapping[str, Any], device_module: ModuleType | None = None)
     saved = get_state(device_module)
     try:
         _set(state, device_module)
-    except Exception as e:  # noqa: BLE001 - whatever a generator raised, every one goes back
+    except Exception as e:  # whatever a generator raised, every one goes back
         _set(saved, device_module)
         raise ValueError(f"RNG state not restored, every generator keeps its state: {type(e).__name__}: {e}") from e
 

@@ -254,8 +254,8 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = (), recipe:
 
     from tidal.engines.rewards import score  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
-    from tidal.tools.metrics import length_drift  # noqa: PLC0415
     from tidal.tools.config import stage_threads  # noqa: PLC0415
+    from tidal.tools.metrics import length_drift  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.run import prepare_run  # noqa: PLC0415
     from tidal.tools.train import evaluate, torch_threads  # noqa: PLC0415

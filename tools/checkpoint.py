@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from tidal.engines.tiny import CharTokenizer, load_model, save_model
 from tidal.engines.models import ModelSource, tiny_source
+from tidal.engines.tiny import CharTokenizer, save_model
 from tidal.engines.tokenizers import Tokenizer
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.files import naming, write_whole

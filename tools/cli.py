@@ -381,7 +381,6 @@ def _check_device_variable() -> None:
         ConfigError: naming the variable and the valid values.
     """
     from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415 - imports torch
-
     from tidal.tools.config import ConfigError  # noqa: PLC0415
 
     if os.environ.get(ENV_VAR):
@@ -413,9 +412,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
     from tidal.tools.plan import cluster_rows, make_plan  # noqa: PLC0415
-    from tidal.tools.run import run_refusal  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
-    from tidal.tools.run import check_runnable  # noqa: PLC0415
+    from tidal.tools.run import (  # noqa: PLC0415
+        check_runnable,
+        run_refusal,
+    )
 
     _check_device_variable()
     cfg = load_config(resolve_recipe(args.recipe), args.overrides)
@@ -538,7 +539,7 @@ def _one_line(command: str, error: Exception) -> str | None:
     from tidal.flow.ray.faults import remote_cause  # noqa: PLC0415 - imports no Ray
 
     cause = remote_cause(error)
-    if isinstance(cause, RuntimeError) and type(cause).__module__.startswith("tidal.") or isinstance(cause, FloatingPointError):
+    if (isinstance(cause, RuntimeError) and type(cause).__module__.startswith("tidal.")) or isinstance(cause, FloatingPointError):
         return "\n".join([f"tidal {command}: error: {cause}", *getattr(cause, "__notes__", ())])
     if isinstance(cause, OSError) and cause.errno in STORAGE_ERRNOS and cause.filename:
         remedy = "the filesystem takes no writes" if cause.errno == errno.EROFS else "free space there"

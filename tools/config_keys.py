@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import inspect
 import textwrap
+import types
 import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -45,7 +46,7 @@ class KeyDoc:
 def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:
+    if origin in (typing.Union, types.UnionType) and type(None) in args:  # Optional[X] and X | None alike
         inner = [a for a in args if a is not type(None)]
         return f"{type_name(inner[0])} or null" if len(inner) == 1 else " | ".join(map(type_name, args))
     if origin in (list, Sequence):

@@ -11,6 +11,7 @@ import importlib.util
 import os
 from typing import Any
 
+
 def _can_run(cfg: Any, *, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
     """Whether recipe `cfg` runs here and why, given the platform doctor selected (None:
     it could not load) and each kind's availability."""
@@ -68,10 +69,9 @@ def report(*, clean: bool = False) -> tuple[dict[str, Any], int]:
     """Everything doctor shows, as plain data, and the exit code (0, or 1 if no platform);
     `clean` deletes the files killed processes left in `/dev/shm` first."""
     from tidal.hal import PlatformError, select  # noqa: PLC0415
+    from tidal.hal.versions import package_versions  # noqa: PLC0415
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
     from tidal.tools.recipes import shipped_recipes  # noqa: PLC0415
-
-    from tidal.hal.versions import package_versions  # noqa: PLC0415
 
     data: dict[str, Any] = {"versions": package_versions(), "platform": None, "error": None, "recipes": [], "shared_memory": shared_memory(clean=clean)}
     code = 0

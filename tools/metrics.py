@@ -12,8 +12,8 @@ import importlib
 import json
 import math
 import os
-import time
 import statistics
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tidal.flow.placement import KIND_TAGS, Plan, PlacementError, Resource, Role, resources_from_ray_nodes, schedule
+from tidal.flow.placement import KIND_TAGS, PlacementError, Plan, Resource, Role, resources_from_ray_nodes, schedule
 from tidal.tools.config import ConfigError
 
 ROLES = ("train", "rollout")

@@ -10,7 +10,6 @@ import difflib
 from pathlib import Path
 
 import tidal
-
 from tidal.tools.config import ConfigError
 
 

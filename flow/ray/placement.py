@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tidal.flow.placement import KIND_TAGS, RAY_RESOURCES, Assignment, Plan, PlacementError
+from tidal.flow.placement import KIND_TAGS, RAY_RESOURCES, Assignment, PlacementError, Plan
 
 KIND_TAG_NAMES = frozenset(t for tags in KIND_TAGS.values() for t in tags)
 """Tags a device has by its kind; any other tag a role requires is a custom Ray resource."""

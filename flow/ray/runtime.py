@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from tidal.flow.ray.liveness import Liveness, transfer_timeout_s
 from tidal.flow.protocols import PostsWeights
 from tidal.flow.ray.faults import ActorLost, death_summary, num_restarts
-from tidal.flow.rollout import RolloutWorker, Stop
+from tidal.flow.ray.liveness import Liveness, transfer_timeout_s
 from tidal.flow.ray.sends import QueuedSends
+from tidal.flow.rollout import RolloutWorker, Stop
 from tidal.flow.trace import Tracer
 
 log = logging.getLogger(__name__)

@@ -10,10 +10,10 @@ and a `RemoteStore` client offers the same API as the in-process `Store`.
 """
 
 from tidal.flow.store.aio import AsyncStore
+from tidal.flow.store.cells import Batch
 from tidal.flow.store.client import RemoteStore
 from tidal.flow.store.samplers import Grouped, RowMeta, SampleContext, Sampler, Selection, SeqlenBalanced, Sequential, StalenessFilter, TaggedFirst
 from tidal.flow.store.server import StoreServer
-from tidal.flow.store.cells import Batch
 from tidal.flow.store.table import Store, StoreError, StoreTimeout
 from tidal.flow.store.units import Ref, StorageUnit
 

@@ -39,7 +39,7 @@ class StoreActor:
     def address(self) -> str:
         """The address clients connect to (the node's IP when bound to all interfaces)."""
         if self._host in ("0.0.0.0", "*"):
-            import ray
+            import ray  # noqa: PLC0415 - Ray only where this runs as an actor
 
             return self.server.address.replace("//0.0.0.0:", f"//{ray.util.get_node_ip_address()}:")  # ZeroMQ reports "*" as 0.0.0.0
         return self.server.address
@@ -65,7 +65,7 @@ def start_store_actor(*, role: str = "controller", num_cpus: float = 0.0, host: 
     workers of CPUs. Extra `options` go to `ray.remote(...).options` (name, resources,
     scheduling_strategy, max_restarts...).
     """
-    import ray
+    import ray  # noqa: PLC0415 - Ray only where this runs as an actor
 
     actor = ray.remote(StoreActor).options(num_cpus=num_cpus, **options).remote(role=role, host=host, token=token, metrics_port=metrics_port, persist_dir=persist_dir)
     return actor, ray.get(actor.address.remote())

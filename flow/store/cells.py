@@ -16,7 +16,6 @@ import torch
 
 from tidal.flow.store.samplers import NO_VERSION
 
-
 _NUMBERS = frozenset({int, float, bool, type(None)})
 
 
@@ -137,7 +136,7 @@ def cell_sizes(chunk: Any) -> np.ndarray:
 class Cells(Mapping[str, list[Any]]):
     """A batch's columns; each column's per-row cells are made (as views) on first access."""
 
-    def __init__(self, blocks: dict[str, list[tuple[Any, np.ndarray]]]) -> None:
+    def __init__(self, blocks: dict[str, list[tuple[Any, np.ndarray | range]]]) -> None:
         self._blocks = blocks
         self._made: dict[str, list[Any]] = {}
 
@@ -189,7 +188,7 @@ class Batch:
     def from_chunks(cls, partition: str, indexes: Sequence[int] | np.ndarray | range, chunks: Mapping[str, Any], groups: list[Any] | None, versions: Sequence[int | None] | np.ndarray | int) -> Batch:
         """A batch whose columns are whole chunks (rows along dim 0), e.g. decoded from the wire."""
         everything = range(len(indexes))
-        blocks = {name: [(chunk, everything)] for name, chunk in chunks.items()}
+        blocks: dict[str, list[tuple[Any, np.ndarray | range]]] = {name: [(chunk, everything)] for name, chunk in chunks.items()}
         return cls(partition, indexes, Cells(blocks), groups, versions, blocks=blocks)
 
     @property

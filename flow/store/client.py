@@ -35,11 +35,11 @@ import zmq
 
 from tidal.flow.store import auth
 from tidal.flow.store import shm as _shm
-from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
-from tidal.flow.store.server import StoreServer
 from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of_put
 from tidal.flow.store.codec import CodecError, cells_of, name_failure
 from tidal.flow.store.pending import PendingPut, not_done, own_result, result_of
+from tidal.flow.store.samplers import NO_VERSION, Sampler, Sequential, to_spec
+from tidal.flow.store.server import StoreServer
 from tidal.flow.store.table import StoreError
 from tidal.flow.store.thread_sockets import ClientSockets, one_call
 from tidal.flow.store.units import RemoteChunk
@@ -442,7 +442,13 @@ class RemoteStore:
                 )
                 raise name_failure(e, parts) from e
             raise
-        return PendingPut(self, sock, request_id, None if timeout is None else timeout + self.rpc_timeout_s, keys)
+        wait_s = None if timeout is None else timeout + self.rpc_timeout_s
+
+        def wait_reply() -> list[int]:
+            with self._sockets.in_call():  # a close() meanwhile is a StoreError
+                return list(self._receive(sock, request_id, self.address, "put", wait_s))
+
+        return PendingPut(request_id, thread_state=self._tls.__dict__, wait_reply=wait_reply, drop_chunks=lambda: self._drop_chunks(keys))
 
     def _drop_chunks(self, keys: list[str]) -> None:
         if not keys:

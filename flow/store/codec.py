@@ -15,10 +15,9 @@ one end encodes, the other decodes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
-
-import math
 
 import msgpack
 import numpy as np
@@ -206,9 +205,8 @@ def _decode(obj: Any, buffers: Sequence[Any], copy: bool, depth: int = 0) -> Any
                 return arr.copy() if copy or raw.readonly else arr
             if numel == 0:
                 return torch.empty(shape, dtype=_TORCH_DTYPES[dtype_name])
-            if copy or raw.readonly:  # torch tensors must own or share writable memory
-                raw = bytearray(raw)
-            tensor = torch.frombuffer(raw, dtype=_TORCH_DTYPES[dtype_name])  # keeps the buffer alive
+            data: memoryview | bytearray = bytearray(raw) if copy or raw.readonly else raw  # torch tensors must own or share writable memory
+            tensor = torch.frombuffer(data, dtype=_TORCH_DTYPES[dtype_name])  # keeps the buffer alive
             return tensor if len(shape) == 1 else tensor.reshape(shape)
         except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # a shape or dtype NumPy or torch refuses (a zero itemsize, a dimension too big)
             raise CodecError(f"cannot make a {dtype_name} array of shape {shape}: {e}") from e
@@ -227,7 +225,7 @@ def decode(header: bytes, buffers: Sequence[Any], *, copy: bool = False) -> Any:
 def unpack_header(header: bytes) -> Any:
     try:
         return msgpack.unpackb(header, raw=False, strict_map_key=False)
-    except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
+    except Exception as e:  # msgpack raises several types for bad input
         raise CodecError(f"header is not valid msgpack: {e}") from e
 
 

@@ -13,16 +13,11 @@ connection) they stay, since the controller may hold rows that refer to them.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
-
-import zmq
+from collections.abc import Callable
+from typing import Any
 
 from tidal.flow.store.codec import CodecError
 from tidal.flow.store.table import StoreError, StoreTimeout
-
-if TYPE_CHECKING:
-    from tidal.flow.store.client import RemoteStore
-
 
 NOT_DONE = "tidal_store_not_done"
 _ERRORS: dict[str, type[Exception]] = {
@@ -39,7 +34,8 @@ def result_of(reply: dict[str, Any]) -> Any:
     if reply.get("ok"):
         return reply.get("result")
     kind, message = reply.get("error"), reply.get("message")
-    raise _ERRORS.get(kind, StoreError)(message if kind in _ERRORS else f"{kind}: {message}")
+    error_type = StoreError if kind is None else _ERRORS.get(kind, StoreError)
+    raise error_type(message if kind in _ERRORS else f"{kind}: {message}")
 
 
 def own_result(reply: dict[str, Any]) -> Any:
@@ -67,14 +63,18 @@ def was_not_done(error: BaseException) -> bool:
 
 
 class PendingPut:
-    """A put sent by `RemoteStore.submit_put`; `result()` waits for its reply."""
+    """A put sent by `RemoteStore.submit_put`; `result()` waits for its reply.
 
-    def __init__(self, client: RemoteStore, sock: zmq.Socket, request_id: int, wait_s: float | None, keys: list[str]) -> None:
-        self._client, self._sock, self._id, self._wait_s, self._keys = client, sock, request_id, wait_s, keys
+    What it needs of its client comes as arguments: `thread_state` (the submitting thread's
+    dict, where the ids of its puts in flight and the replies read for them are kept),
+    `wait_reply()` (wait for this put's reply on the thread's connection; its indexes) and
+    `drop_chunks()` (free the put's chunks on a storage unit)."""
+
+    def __init__(self, request_id: int, *, thread_state: dict[str, Any], wait_reply: Callable[[], list[int]], drop_chunks: Callable[[], None]) -> None:
+        self._id, self._wait_reply, self._drop_chunks = request_id, wait_reply, drop_chunks
         self._thread = threading.current_thread()
-        self._outcome: tuple[bool, Any] | None = None
-        tls = client._tls.__dict__  # noqa: SLF001 - its own client's per-thread state
-        self._submitted, self._stash = tls.setdefault("submitted", set()), tls.setdefault("stash", {})
+        self._outcome: list[int] | BaseException | None = None  # the indexes, or the error result() raises
+        self._submitted, self._stash = thread_state.setdefault("submitted", set()), thread_state.setdefault("stash", {})
         self._submitted.add(request_id)  # its reply is kept if another request's wait reads it
 
     def result(self) -> list[int]:
@@ -83,22 +83,19 @@ class PendingPut:
         if self._outcome is None:
             if threading.current_thread() is not self._thread:
                 raise RuntimeError(f"read a pending put's result in the thread that submitted it ({self._thread.name})")
-            client = self._client
             try:
-                with client._sockets.in_call():  # noqa: SLF001 - its own client: a close() meanwhile is a StoreError
-                    self._outcome = (True, list(client._receive(self._sock, self._id, client.address, "put", self._wait_s)))  # noqa: SLF001
-            except BaseException as e:
-                self._outcome = (False, e)
+                self._outcome = self._wait_reply()
+            except BaseException as e:  # noqa: BLE001 - kept: result() raises it, now and on every later call
+                self._outcome = e
                 if was_not_done(e):  # the server refused it or withdrew it: free its chunks on the unit
-                    client._drop_chunks(self._keys)  # noqa: SLF001
+                    self._drop_chunks()
                 # else (no reply in time, a broken connection) the controller may hold the rows:
                 # their chunks stay, for as long as the unit runs, rather than rows without data
             finally:
                 self._forget()
-        ok, value = self._outcome
-        if not ok:
-            raise value
-        return value
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
 
     def _forget(self) -> None:
         self._submitted.discard(self._id)

@@ -64,7 +64,7 @@ class MetricsServer:
 
     def __init__(self, source: Callable[[], dict[str, Any]], *, host: str = "127.0.0.1", port: int = 0) -> None:
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:  # http.server's naming
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return
@@ -75,7 +75,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet scrapes
+            def log_message(self, format: str, *args: Any) -> None:  # quiet scrapes
                 pass
 
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)

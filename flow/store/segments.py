@@ -49,7 +49,7 @@ class Column:
     `nbytes`) on first use; a dead row's cell is absent (chunk -1) there.
     """
 
-    __slots__ = ("_chunk", "_offset", "_stamp", "_nbytes", "_alive", "whole", "full", "same_stamp", "row_nbytes")
+    __slots__ = ("_alive", "_chunk", "_nbytes", "_offset", "_stamp", "full", "row_nbytes", "same_stamp", "whole")
 
     def __init__(self, alive: np.ndarray) -> None:
         n = len(alive)
@@ -334,8 +334,9 @@ class Partition:
             if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
                 runs.append((whole, seg))
                 continue
-            columns = [seg.columns.get(c) for c in key]
-            if any(c is None for c in columns):
+            found = [seg.columns.get(c) for c in key]
+            columns = [c for c in found if c is not None]
+            if len(columns) < len(found):
                 seg.idle.add(wanted)
                 continue
             latest = 0  # the newest stamp shared by whole columns
@@ -401,10 +402,10 @@ class Partition:
         seg.lease[consumer][rows] = expiry
         if holder or consumer in seg.holder:
             seg.holders(consumer)[rows] = holder
-        versions = seg.versions[rows] if seg.same_version is None else seg.same_version
+        shared_versions: np.ndarray | int = seg.versions[rows] if seg.same_version is None else seg.same_version
         groups = None if seg.groups is None else seg.groups[rows]
         blocks = {c: self.column_block(seg.columns[c], first, len(take)) for c in columns}
-        return range(int(take[0]), int(take[0]) + len(take)), versions, groups, blocks
+        return range(int(take[0]), int(take[0]) + len(take)), shared_versions, groups, blocks
 
     def column_names(self) -> list[str]:
         """The columns some live row of this partition has, sorted."""

@@ -242,7 +242,7 @@ class StoreServer:
                         return
                     self._retry_parked()
                     wake = bool(self._parked) or self._readable(self._router)  # our sends may have taken its signal
-            except Exception:  # noqa: BLE001 - a failed reply must not fail the caller's put
+            except Exception:  # a failed reply must not fail the caller's put
                 log.exception("store server: unexpected error while retrying parked requests")
                 wake = True
             finally:
@@ -293,7 +293,7 @@ class StoreServer:
                     self._drain_monitor()  # a disconnect that came first is handled first
                 try:
                     retry |= self._handle(frames)
-                except Exception:  # noqa: BLE001 - a bug answering one request must not stop the server
+                except Exception:  # a bug answering one request must not stop the server
                     log.exception("store server: unexpected error while serving a request")
                     retry = True
                 if retry and self._parked:  # after the change's own reply, before the next request
@@ -363,7 +363,7 @@ class StoreServer:
             args.pop("waiting_since", None)  # set only by the server itself
             if op not in _ABOUT_A_REQUEST:  # sent while a get waits, whose answer it may not have read yet
                 peer.sent = None
-        except Exception as e:  # noqa: BLE001 - WireError, or a message nothing foresaw: either way it gets an answer
+        except Exception as e:  # WireError, or a message nothing foresaw: either way it gets an answer
             if not isinstance(e, WireError):
                 log.exception("store server: unexpected error while reading a request")
             self.num_malformed += 1
@@ -373,7 +373,7 @@ class StoreServer:
             return False
         try:
             return self._serve_request(peer, request_id, op, args, message.get("token"))
-        except Exception as e:  # noqa: BLE001 - as above: answered, and the server serves on
+        except Exception as e:  # as above: answered, and the server serves on
             log.exception("store server: unexpected error while serving request %s", request_id)
             self._fail(peer, request_id, e)
             return True
@@ -512,7 +512,7 @@ class StoreServer:
         given back if the reply cannot be encoded (no one would ever ack them)."""
         try:
             frames = [peer.identity, *pack({"id": request_id, "ok": True, "result": result}, owned=self.segments if peer.shm else None)]
-        except Exception as e:  # noqa: BLE001 - a result that cannot be sent is that request's error, never the server's end
+        except Exception as e:  # a result that cannot be sent is that request's error, never the server's end
             log.exception("store server: the reply to request %s could not be encoded", request_id)
             if taken is not None:
                 assert self.store is not None  # only a store serves gets

@@ -55,10 +55,8 @@ import numpy as np
 
 from tidal.hal import owner
 
-try:  # a consumer maps its rows' pages in one call rather than faulting them in as it reads (Linux)
-    from mmap import MAP_POPULATE as _POPULATE
-except ImportError:
-    _POPULATE = 0
+_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
+"""A consumer maps its rows' pages in one call rather than faulting them in as it reads (Linux; 0 elsewhere)."""
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +154,8 @@ class Writer:
             offsets.append(size)
             size += -(-buf.nbytes // _ALIGN) * _ALIGN
         if not has_room(size):
-            return self._short_of_room(f"{size} bytes would leave less than the reserve free")
+            self._short_of_room(f"{size} bytes would leave less than the reserve free")
+            return None
         name = owner.tagged(f"{self._prefix}{next(self._count)}{SENT}")
         path = os.path.join(DIR, name)
         try:
@@ -177,7 +176,8 @@ class Writer:
             os.unlink(path)
             if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise
-            return self._short_of_room(str(e))
+            self._short_of_room(str(e))
+            return None
         os.close(fd)
         self._full = False
         return name, offsets
@@ -203,7 +203,6 @@ class Writer:
             log.warning("store: %s is short of room (%s); sending rows over the socket until it has room", DIR, why)
             self._full = True
         self.num_by_socket += 1
-        return None
 
 
 def has_room(size: int) -> bool:

@@ -29,23 +29,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of_put, row_nbytes, unique_sorted
+from tidal.flow.store.errors import StoreError, StoreTimeout
 from tidal.flow.store.evict import ack_rows, replace_cells
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential, group_size_of
 from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, check_partition_settings
 from tidal.flow.store.signals import Signals
-
-
-class StoreError(RuntimeError):
-    """A store call that cannot be served; the message says why."""
-
-
-class StoreTimeout(StoreError, TimeoutError):
-    """`get` or `put` waited for its whole timeout."""
+from tidal.flow.store.state import restore, state_of
 
 
 class Done:
@@ -185,6 +179,40 @@ class Store:
             self._notify()
 
     # Put --------------------------------------------------------------------------------
+    @overload
+    def put(
+        self,
+        partition: str,
+        columns: Mapping[str, Any],
+        indexes: Sequence[int] | None = None,
+        *,
+        groups: Sequence[Any] | None = None,
+        versions: Sequence[int | None] | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+        ack: tuple[str, str, Sequence[int]] | None = None,
+        as_range: Literal[False] = False,
+        num_rows: int | None = None,
+    ) -> list[int]: ...
+
+    @overload
+    def put(
+        self,
+        partition: str,
+        columns: Mapping[str, Any],
+        indexes: Sequence[int] | None = None,
+        *,
+        groups: Sequence[Any] | None = None,
+        versions: Sequence[int | None] | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+        ack: tuple[str, str, Sequence[int]] | None = None,
+        as_range: bool,
+        num_rows: int | None = None,
+    ) -> range | list[int]: ...
+
     def put(
         self,
         partition: str,
@@ -199,7 +227,7 @@ class Store:
         ack: tuple[str, str, Sequence[int]] | None = None,
         as_range: bool = False,
         num_rows: int | None = None,
-    ) -> list[int]:
+    ) -> range | list[int]:
         """Add rows (`indexes=None`) or add columns to existing rows; return the indexes
         (new rows as a `range` with `as_range=True`: no list per row, for a server).
         Each column holds one cell per row along dim 0 (a batched tensor or array) or per
@@ -533,15 +561,11 @@ class Store:
 
         Leased rows are saved as not consumed: after a restart they are delivered again.
         """
-        from tidal.flow.store.persist import state_of  # noqa: PLC0415 - persist imports this module
-
         with self._lock:
             return state_of(self._version, self._parts.values(), read_chunk)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, clock: Callable[[], float] = time.monotonic) -> Store:
-        from tidal.flow.store.persist import restore  # noqa: PLC0415
-
         store = cls(clock=clock)
         restore(store, state)
         return store

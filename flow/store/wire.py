@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from tidal.flow.store import shm
-from tidal.flow.store.codec import CodecError, decode_tree, encode_tree, pack_header, unpack_header
 from tidal.flow.store.cells import Batch, as_indexes, rows_of
+from tidal.flow.store.codec import CodecError, decode_tree, encode_tree, pack_header, unpack_header
 from tidal.flow.store.samplers import Sequential, from_spec
 from tidal.flow.store.units import RemoteChunk
 

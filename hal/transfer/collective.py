@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Mapping
-
 from typing import Any
 
 import torch
@@ -29,8 +28,8 @@ from tidal.hal.platform import Platform
 from tidal.hal.transfer import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
-    TensorSpec,
     Puller,
+    TensorSpec,
     TransferError,
     Weights,
     WeightSource,
@@ -40,7 +39,6 @@ from tidal.hal.transfer import (
     weight_source,
     wire_backend,
 )
-
 
 SOLO_BYTES = 1 << 20
 """Tensors this large are broadcast on their own, without packing (one copy fewer)."""

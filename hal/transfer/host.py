@@ -28,8 +28,8 @@ from tidal.hal.platform import Platform
 from tidal.hal.transfer import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
-    TensorSpec,
     Puller,
+    TensorSpec,
     TransferError,
     Weights,
     WeightSource,

@@ -361,7 +361,7 @@ class IpcReceiver:
                 tensors[spec.name] = from_bytes(raw, spec).to(self._device)
             if buf.device.type != "cpu":  # a device buffer's copies are queued on a stream: done before "ok" frees the buffer
                 self._platform.synchronize(buf.device)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever failed, the sender hears why before this raises
             self._sock.send(str(e).encode())
             raise TransferError(f"{e}; nothing went live") from None
         self._sock.send(b"ok")

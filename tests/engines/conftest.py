@@ -35,7 +35,7 @@ def spawn_ranks(work: Path, script: str, world: int = 2, device: str | None = No
     backend); fail with every rank's exit code and log if one fails. The ranks run with
     faulthandler on, so a crash in native code (a SIGABRT from a C++ thread at exit, say)
     leaves each thread's Python stack in its rank's log."""
-    from tidal.engines.fsdp_train import TORCHRUN_VARS  # noqa: PLC0415 - torch.distributed only for the tests that spawn
+    from tidal.engines.fsdp_train import TORCHRUN_VARS  # torch.distributed only for the tests that spawn
 
     (work / "worker.py").write_text(script)
     port = free_port()

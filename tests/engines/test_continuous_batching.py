@@ -22,7 +22,7 @@ def tiny(seed: int = 0):
 
 def sliding_window_model():
     """A Qwen2 whose layers attend to their last 4 positions only (its cache keeps those)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(

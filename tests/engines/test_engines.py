@@ -417,8 +417,8 @@ def _expressions(numbers):
 def test_gpu_rollout_and_training_match_the_cpu_engines():
     """On a real GPU: sampled rows' logprobs equal a CPU forward pass of the same model, and
     a train step moves the weights as the same step on CPU does (float64: no rounding noise)."""
-    from tidal.hal import select_platform  # noqa: PLC0415
-    from tidal.hal.cpu import CpuPlatform  # noqa: PLC0415
+    from tidal.hal import select_platform
+    from tidal.hal.cpu import CpuPlatform
 
     gpu = select_platform("cuda").platform
     model = tiny(0, torch.float64)
@@ -447,7 +447,7 @@ def test_gpu_a_state_saved_unfused_resumes_into_a_fused_cuda_adamw():
     """torch places a loaded `step` count by the saved groups' settings: on the host for a
     state saved unfused (an NPU run's), which a fused AdamW on CUDA refuses (pytorch#104767);
     `own_settings` moves the counts to the parameters' device, and the fused step runs."""
-    from tidal.hal import select_platform  # noqa: PLC0415
+    from tidal.hal import select_platform
 
     gpu = select_platform("cuda").platform
     torch.manual_seed(0)

@@ -123,7 +123,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, spawn, write_data) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch_train, "_shared_prompts", lambda batch: None)
         reference = _reference(batch, advantages)
-    load = lambda name: torch.load(work / name, weights_only=False)  # noqa: E731
+    load = lambda name: torch.load(work / name, weights_only=False)
     return {"batch": batch, "reference": reference, "spmd": [load(f"spmd{rank}.pt") for rank in range(2)], "led": load("led.pt")}
 
 

@@ -110,7 +110,7 @@ def test_a_reward_not_importable_by_name_is_refused(pool):
 
 
 def test_a_reward_the_workers_cannot_import_is_refused(rewards_module):
-    def local(trajectory, text):  # noqa: ARG001
+    def local(trajectory, text):
         return 1.0
 
     local.__module__, local.__qualname__ = "no_such_module_anywhere", "local"

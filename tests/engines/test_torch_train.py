@@ -241,7 +241,7 @@ def test_rows_without_advantage_are_skipped_and_the_step_is_the_same(monkeypatch
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.75], dtype=torch.float64)
     config = PolicyLossConfig(aggregation=aggregation, proximal_is_policy=True, tis_cap=2.0)
     assert torch.equal(torch_train.rows_with_signal(advantages, batch.loss_mask), torch.tensor([0, 1, 2, 3, 8]))
-    everything = lambda advantages, mask: torch.arange(len(mask))  # noqa: E731
+    everything = lambda advantages, mask: torch.arange(len(mask))
     runs = []
     for skip in (True, False):
         if not skip:

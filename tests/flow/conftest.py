@@ -28,7 +28,7 @@ def _run_in_thread(call):
     def run() -> None:
         try:
             outcome.append(call())
-        except Exception as e:  # noqa: BLE001 - checked by the test
+        except Exception as e:  # checked by the test
             outcome.append(e)
 
     thread = threading.Thread(target=run, daemon=True)  # a failed test must not leave the process waiting on it

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss, token_entropy
-from tidal.flow.algorithms import losses
+from tidal.flow.algorithms import PolicyLossConfig, losses, policy_loss, token_entropy
 
 
 def test_token_entropy_of_known_distributions():

@@ -195,7 +195,7 @@ def test_seats_in_two_processes_take_turns_through_a_turns_actor(ray_session):
     finally:
         train.close()
     with pytest.raises(AttributeError):
-        proxy.no_such_method  # noqa: B018
+        proxy.no_such_method
     ray.kill(turns)
 
 

@@ -175,7 +175,7 @@ def _back(actor, old_pid: int) -> bool:
 def _capture(fn, errors: list) -> None:
     try:
         fn()
-    except BaseException as e:  # noqa: BLE001 - checked by the test
+    except BaseException as e:  # checked by the test
         errors.append(e)
 
 

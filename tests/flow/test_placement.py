@@ -228,7 +228,7 @@ def test_ray_placement_groups_sit_on_the_nodes_the_plan_read_off_ray(ray_session
             ray.util.remove_placement_group(pg)
     # a node the plan chose that has left: the group is never granted, and the error says where it was pinned
     gone = schedule([dataclasses.replace(local, ray_node_id="f" * 56)], [Role(name="train")])
-    live = lambda: {k for k, pg in placement_group_table().items() if pg["state"] != "REMOVED"}  # noqa: E731
+    live = lambda: {k for k, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
     before = live()
     with pytest.raises(PlacementError, match=rf"cannot place role 'train': its 1 bundle\(s\) .* were not granted on the node\(s\) the plan chose \({local.node}: one may have left the cluster since; `ray status` lists the nodes, and a new run plans on them as they are\)"):
         placement_groups(gone, wait_s=2)

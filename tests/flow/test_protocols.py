@@ -8,6 +8,9 @@ import inspect
 import pytest
 import torch
 
+from tests.flow.test_ray_rollouts import _PostingWiring, _SendingWiring
+from tests.flow.test_timeshare import PassEngine
+from tests.flow.test_workflow import _LosesAVersion
 from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
@@ -28,13 +31,10 @@ from tidal.flow.protocols import (
     StepsInTurns,
     SupervisedStep,
 )
+from tidal.flow.ray.wiring import CollectiveWiring, HostWiring, IpcWiring
 from tidal.flow.rollout import LocalRollouts
 from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine, Turns
-from tidal.flow.ray.wiring import CollectiveWiring, HostWiring, IpcWiring
 from tidal.tools.ray_run import RemoteRollouts
-from tests.flow.test_ray_rollouts import _PostingWiring, _SendingWiring
-from tests.flow.test_timeshare import PassEngine
-from tests.flow.test_workflow import _LosesAVersion
 
 TOKENIZER = CharTokenizer()
 
@@ -116,10 +116,10 @@ def test_weight_wirings():
 
 
 def test_prompt_sources():
-    from tidal.engines.data import PromptStream  # noqa: PLC0415
-    from tidal.tools.config import load_config  # noqa: PLC0415
-    from tidal.tools.prompts import Prompts  # noqa: PLC0415
-    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.engines.data import PromptStream
+    from tidal.tools.config import load_config
+    from tidal.tools.prompts import Prompts
+    from tidal.tools.recipes import resolve_recipe
 
     assert isinstance(PromptStream(None, position=5), Positioned)  # a file's prompts
     assert isinstance(Prompts(load_config(resolve_recipe("quickstart_cpu"), []), TOKENIZER, set(), position=5), Positioned)  # the task's stream (tools)
@@ -127,8 +127,8 @@ def test_prompt_sources():
 
 
 def test_a_seat_parks_what_its_engine_declares():
-    from tidal.flow.colocate import Sharing  # noqa: PLC0415
-    from tidal.hal import select_platform  # noqa: PLC0415
+    from tidal.flow.colocate import Sharing
+    from tidal.hal import select_platform
 
     class Sharded:  # `HoldsModel`, `HoldsOptimizer`, `MovesAfterOffload`
         def __init__(self) -> None:

@@ -381,7 +381,7 @@ def test_a_restarted_actor_over_a_transport_without_a_buffer_asks_for_the_curren
 def _capture(fn, errors: list) -> None:
     try:
         fn()
-    except BaseException as e:  # noqa: BLE001 - checked by the test
+    except BaseException as e:  # checked by the test
         errors.append(e)
 
 

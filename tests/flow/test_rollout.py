@@ -129,7 +129,7 @@ def _start(worker: RolloutWorker, errors: list[BaseException]) -> threading.Thre
             worker.run()
         except (Stop, StoreError):
             pass
-        except BaseException as e:  # noqa: BLE001 - asserted empty by the test
+        except BaseException as e:  # asserted empty by the test
             errors.append(e)
 
     thread = threading.Thread(target=run, daemon=True)

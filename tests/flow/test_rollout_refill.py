@@ -73,7 +73,7 @@ def _run(worker: RolloutWorker, errors: list[BaseException]) -> threading.Thread
             worker.run()
         except (Stop, StoreError):
             pass
-        except BaseException as e:  # noqa: BLE001 - asserted empty by the test
+        except BaseException as e:  # asserted empty by the test
             errors.append(e)
 
     thread = threading.Thread(target=run, daemon=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout, TaggedFirst
-from tidal.flow.store.samplers import Sequential, from_spec, to_spec
 from tidal.flow.store.persist import load, save
+from tidal.flow.store.samplers import Sequential, from_spec, to_spec
 
 
 class Clock:

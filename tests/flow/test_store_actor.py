@@ -51,11 +51,11 @@ def test_an_actor_bound_by_the_wildcard_gives_its_node_address_and_serves_metric
     bound: dict[str, str] = {}
 
     class Server:
-        def __init__(self, store, *, unit, address, token, persist_dir):  # noqa: ANN001
+        def __init__(self, store, *, unit, address, token, persist_dir):
             bound["store"], self.address = address, "tcp://0.0.0.0:5555"  # what ZeroMQ reports for tcp://*:0
 
     class Metrics:
-        def __init__(self, metrics, *, host, port):  # noqa: ANN001
+        def __init__(self, metrics, *, host, port):
             bound["metrics"] = host
 
     monkeypatch.setattr("tidal.flow.store.actor.retain_freed_memory", lambda: True)  # the actor's body runs in the test's process here

@@ -18,7 +18,6 @@ from tidal.flow.store import RemoteStore, StoreError
 from tidal.flow.store import client as client_module
 
 
-
 def _close_within(in_thread, client: RemoteStore, seconds: float) -> None:
     closer, outcome = in_thread(client.close)
     closer.join(seconds)

@@ -25,7 +25,7 @@ def test_a_put_of_no_rows_that_acks_its_input_keeps_no_segment_or_chunk():
     for index in batch.indexes:  # every response was filtered out: nothing to put, the input is done
         assert store.put("out", {"y": []}, ack=("rollout", "prompts", [index])) == []
     store.put("out", {"y": torch.zeros(0, 4)}, [], ack=("rollout", "prompts", batch.indexes))
-    out = store._parts["out"]  # noqa: SLF001 - the leak is in the partition's bookkeeping
+    out = store._parts["out"]  # the leak is in the partition's bookkeeping
     assert out.segments == [] and out.chunks == {} and out.chunk_refs == {}
     assert store.metrics()["partitions"]["prompts"]["rows"] == 0  # the acks happened
     assert store.put("out", {"y": [7]}) == [0]  # and the partition still works
@@ -38,7 +38,7 @@ def _run_with_deadline(coro, seconds: float = 10.0):
     def target():
         try:
             box["result"] = asyncio.run(coro)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             box["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
@@ -187,7 +187,7 @@ def test_a_resumed_store_keeps_consecutive_rows_together_and_gets_stay_cheap(tmp
         store.ack(consumer, "p", [500, 501])  # two more go: a second gap, inside a put's rows
     save(store, tmp_path / "store.bin")
     again = load(tmp_path / "store.bin")
-    assert len(again._parts["p"].segments) == 2  # noqa: SLF001 - one per run of consecutive live rows (30..499, 502..999), not one per row
+    assert len(again._parts["p"].segments) == 2  # one per run of consecutive live rows (30..499, 502..999), not one per row
     batch = again.get("b", "p", ["x"], 470, timeout=0)
     assert batch.indexes == list(range(30, 500)) and batch.versions == [k // 50 for k in range(30, 500)]
     assert batch.groups == [k // 50 for k in range(30, 500)]
@@ -195,7 +195,7 @@ def test_a_resumed_store_keeps_consecutive_rows_together_and_gets_stay_cheap(tmp
     rest = again.get("b", "p", ["x"], 498, timeout=0)
     assert rest.indexes == list(range(502, 1000))
     assert again.get("a", "p", ["x"], 938, timeout=0).indexes == [*range(60, 500), *range(502, 1000)]
-    meta = again._parts["p"].metas(np.asarray([30, 999]))  # noqa: SLF001
+    meta = again._parts["p"].metas(np.asarray([30, 999]))
     assert [m.tags for m in meta] == [{"t": 0}, {"t": 19}]
 
 
@@ -271,7 +271,7 @@ def test_the_lease_heap_forgets_leases_acked_long_before_their_deadline():
     for k in range(5000):
         store.put("p", {"x": [k]})
         store.ack("c", "p", store.get("c", "p", ["x"], 1, timeout=0).indexes)
-    assert len(store._parts["p"].leases) <= 2048  # noqa: SLF001 - was 5001
+    assert len(store._parts["p"].leases) <= 2048  # was 5001
     now[0] = 3601.0
     assert store.get("c", "p", ["x"], 1, timeout=0).indexes == kept.indexes  # expired: delivered again
 

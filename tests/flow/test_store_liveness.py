@@ -17,7 +17,6 @@ from tidal.flow.store.units import RemoteChunk
 from tidal.flow.store.wire import pack, unpack
 
 
-
 def _a_store() -> Store:
     """A store where a get for 'prompts' and a put into 'train' both wait (no row; full)."""
     store = Store()

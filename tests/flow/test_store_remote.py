@@ -53,7 +53,7 @@ def test_remote_errors_name_the_problem(served):
         client.get("train", "train", ["x"], 3, timeout=0.2)
 
     class Custom(Sampler):
-        def select(self, rows, batch_size, partial, ctx):  # noqa: ANN001, ANN201
+        def select(self, rows, batch_size, partial, ctx):
             return Selection([])
 
     with pytest.raises(ValueError, match="Custom cannot be sent"):
@@ -483,7 +483,7 @@ def test_a_get_whose_columns_cannot_be_encoded_gives_its_rows_back(served, monke
 def _capture_call(out: list, fn) -> None:
     try:
         out.append(fn())
-    except Exception as e:  # noqa: BLE001 - the test looks at it
+    except Exception as e:  # the test looks at it
         out.append(e)
 
 

@@ -153,7 +153,7 @@ def test_a_small_or_nearly_full_dev_shm_is_left_alone(served, monkeypatch):
     store, server, (producer, a, b) = served
     real = os.statvfs(shm.DIR)
     sizes = {"total": 64 << 20, "free": 64 << 20}
-    fake = lambda path: os.statvfs_result((4096, 4096, sizes["total"] // 4096, sizes["free"] // 4096, sizes["free"] // 4096, *real[5:]))  # noqa: E731
+    fake = lambda path: os.statvfs_result((4096, 4096, sizes["total"] // 4096, sizes["free"] // 4096, sizes["free"] // 4096, *real[5:]))
     monkeypatch.setattr(shm.os, "statvfs", fake)
     x = torch.randn(2, BIG)
     producer.put("train", {"x": x})

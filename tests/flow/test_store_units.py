@@ -9,8 +9,7 @@ import time
 import pytest
 import torch
 
-from tidal.flow.store import Grouped, RemoteStore, StorageUnit, Store, StoreError, StoreServer
-from tidal.flow.store import persist
+from tidal.flow.store import Grouped, RemoteStore, StorageUnit, Store, StoreError, StoreServer, persist
 
 
 def test_split_deployment_keeps_data_on_the_writers_unit(wait_for):

@@ -70,7 +70,7 @@ def test_concurrent_seats_never_compute_together():
                     assert len(inside) == 1, inside
                     time.sleep(0.0005)
                     inside.remove(s.name)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=pair) for pair in seats]
@@ -133,7 +133,7 @@ def test_guests_spanning_trainer_ranks_and_the_ranks_collectives_take_turns_with
     def run(body) -> None:
         try:
             body()
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:  # reported below
             errors.append(e)
             collective.abort()
 
@@ -205,7 +205,7 @@ def test_an_acquire_left_waiting_by_a_dead_process_never_takes_the_turn():
     def acquire(name: str) -> None:
         try:
             outcomes[name] = turns.acquire("rollout", timeout=5)
-        except Exception as e:  # noqa: BLE001 - the test looks at it
+        except Exception as e:  # the test looks at it
             outcomes[name] = e
 
     old = threading.Thread(target=acquire, args=("old",))

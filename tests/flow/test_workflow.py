@@ -184,7 +184,7 @@ def _run_or_fail(workflow: Workflow, timeout_s: float = 60.0) -> None:
 def _capture(fn, errors: list) -> None:
     try:
         fn()
-    except BaseException as e:  # noqa: BLE001 - re-raised by the test
+    except BaseException as e:  # re-raised by the test
         errors.append(e)
 
 

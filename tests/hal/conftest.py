@@ -233,7 +233,7 @@ def receive_in_thread() -> Callable[..., tuple[threading.Thread, dict]]:
         def run() -> None:
             try:
                 out["weights"] = receive(*args)
-            except Exception as e:  # noqa: BLE001 - handed to the test
+            except Exception as e:  # handed to the test
                 out["error"] = e
 
         t = threading.Thread(target=run, daemon=True)

@@ -100,7 +100,7 @@ def _receive_in_thread(receiver, *args):
     def run():
         try:
             out["weights"] = receiver.receive(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the test
+        except Exception as e:  # handed to the test
             out["error"] = e
 
     t = threading.Thread(target=run, daemon=True)
@@ -356,8 +356,8 @@ def test_ipc_placed_weights_go_out_without_a_copy_and_a_tied_one_takes_no_room(m
     """A trainer keeps its weights in the buffer (`place`): a post writes nothing, each
     receiver reads the trainer's own tensors (a tied name from the place of the one it is
     tied to), and what the trainer changes after `collect` is what the next version carries."""
-    from tidal.hal.transfer import TensorSpec  # noqa: PLC0415
-    from tidal.hal.transfer.ipc import PLACE_ALIGN  # noqa: PLC0415
+    from tidal.hal.transfer import TensorSpec
+    from tidal.hal.transfer.ipc import PLACE_ALIGN
 
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(10, 4, generator=g)
@@ -401,8 +401,8 @@ def test_ipc_placed_weights_go_out_without_a_copy_and_a_tied_one_takes_no_room(m
 
 
 def test_ipc_place_aligns_every_tensor_and_refuses_bad_ties():
-    from tidal.hal.transfer import TensorSpec  # noqa: PLC0415
-    from tidal.hal.transfer.ipc import PLACE_ALIGN  # noqa: PLC0415
+    from tidal.hal.transfer import TensorSpec
+    from tidal.hal.transfer.ipc import PLACE_ALIGN
 
     w = _weights()  # 'norm.weight' has an odd byte count: packed, 'step' (int64) would start at byte 5,166
     receiver = IpcReceiver(CpuPlatform(), expected=expected_specs(w.items()))
@@ -536,7 +536,7 @@ def test_large_tensors_get_buckets_of_their_own_when_asked():
 def test_ipc_sender_on_a_full_dev_shm_says_so_and_leaves_no_file(monkeypatch):
     """tmpfs refuses the pages at fallocate (ENOSPC) instead of killing the trainer with
     SIGBUS on its first write into the mapping."""
-    from tidal.hal.transfer import ipc  # noqa: PLC0415
+    from tidal.hal.transfer import ipc
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -35,7 +35,7 @@ def _save(run_dir: Path, *, version: int) -> Path:
     tokenizer = CharTokenizer()
     cfg = load_config(resolve_recipe("quickstart_cpu"), TINY)
     trainer = TorchTrainEngine(build_policy(cfg, tokenizer), version=version)
-    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}
     return save_checkpoint(run_dir, trainer=trainer, template=build_policy(cfg, tokenizer), tokenizer=tokenizer, save_data=save_data, extra={"accuracy_before": 0.0})
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 import pytest
 from omegaconf import OmegaConf
@@ -32,7 +31,7 @@ class _Schema:
     """Optimizer settings."""
     max_staleness: int = 1
     """Versions a sample may lag."""
-    note: Optional[str] = None
+    note: str | None = None
     """Free text."""
 
 

@@ -79,7 +79,7 @@ def test_metrics_jsonl_is_standard_json_when_a_number_is_nan_or_infinite(tmp_pat
 def test_the_last_metrics_line_is_read_from_the_tail_and_a_line_being_written_is_none(tmp_path):
     """The Ray driver's progress bar read the whole file every second and parsed any last
     line ending in "}", which a line cut after a nested dict does too."""
-    from tidal.tools.metrics import last_metrics  # noqa: PLC0415
+    from tidal.tools.metrics import last_metrics
 
     path = tmp_path / "metrics.jsonl"
     assert last_metrics(path) is None

@@ -31,7 +31,7 @@ def test_the_x_data_are_rl_steps_and_the_curves_are_smoothed():
         assert panel.steps == list(range(21, 81)) and len(panel.raw) == len(panel.smooth) == 60
     reward = drawn[0]
     assert reward.raw == [m["reward"] for m in metrics]
-    jumps = lambda xs: statistics.mean(abs(b - a) for a, b in zip(xs, xs[1:]))  # noqa: E731
+    jumps = lambda xs: statistics.mean(abs(b - a) for a, b in zip(xs, xs[1:]))
     assert jumps(reward.smooth) < jumps(reward.raw) / 4  # the alternating noise averaged away
     assert reward.marks == [(0, 0.25, "held-out accuracy before RL"), (80, 0.75, "held-out accuracy after RL")]
     assert drawn[1].raw[0] == pytest.approx(128 / 0.1)
@@ -72,9 +72,9 @@ def test_a_plot_the_disk_refuses_names_the_file(tmp_path, monkeypatch):
     """A full disk fails inside the PNG writer's buffered write, whose error names no file:
     `tidal run` printed a traceback for progress.png, where every other file it writes gets
     one line naming it (`cli.STORAGE_ERRNOS`)."""
-    import errno  # noqa: PLC0415
+    import errno
 
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure
 
     def full_disk(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

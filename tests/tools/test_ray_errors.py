@@ -18,7 +18,7 @@ def _raised(ref) -> BaseException:
 
     try:
         ray.get(ref)
-    except Exception as e:  # noqa: BLE001 - the error under test
+    except Exception as e:  # the error under test
         return e
     raise AssertionError("the call did not fail")
 

@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_while_a_checkpoint_is_written_leaves_the_last_one_and_n
     from tidal.tools.run import latest_checkpoint
 
     tokenizer = CharTokenizer()
-    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
     trainer = TorchTrainEngine(model(), version=1)
 
     def save_data(path: Path) -> dict:
@@ -225,7 +225,7 @@ def test_a_checkpoint_folders_new_name_reaches_the_disk_before_latest_names_it(t
     from tidal.tools import checkpoint as checkpoint_module
 
     tokenizer = CharTokenizer()
-    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
     trainer = TorchTrainEngine(model(), version=1)
     events: list[tuple[str, str]] = []
     fsync, replace, rename = os.fsync, os.replace, Path.rename
@@ -245,7 +245,7 @@ def test_a_checkpoint_folders_new_name_reaches_the_disk_before_latest_names_it(t
     monkeypatch.setattr(checkpoint_module.os, "fsync", noted_fsync)
     monkeypatch.setattr(checkpoint_module.os, "replace", noted_replace)
     monkeypatch.setattr(Path, "rename", noted_rename)
-    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}
     checkpoint_module.save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
     renamed, named = events.index(("rename", "step-000001")), events.index(("replace", "latest"))
     assert ("fsync", "checkpoints") in events[renamed:named]
@@ -262,9 +262,9 @@ def test_a_save_cut_after_setting_the_steps_old_checkpoint_aside_puts_it_back(tm
     from tidal.tools.run import latest_checkpoint
 
     tokenizer = CharTokenizer()
-    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
     trainer = TorchTrainEngine(model(), version=1)
-    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}
     save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={"attempt": "first", "accuracy_before": 0.0})
     rename = Path.rename
 

@@ -158,7 +158,7 @@ def _until_stopped(worker: Any, errors: list[BaseException]) -> None:
         worker.run()
     except Stop:
         pass
-    except BaseException as e:  # noqa: BLE001 - the test reports it; stopped, a wait on the store ends with an error (as in `RolloutActor.run`)
+    except BaseException as e:  # the test reports it; stopped, a wait on the store ends with an error (as in `RolloutActor.run`)
         if not worker.stopping.is_set():
             errors.append(e)
 

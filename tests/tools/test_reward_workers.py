@@ -49,9 +49,10 @@ def test_the_reward_workers_end_with_the_run(tmp_path):
 
 @pytest.mark.parametrize(("reward", "workers", "expected"), [("math", None, 2), ("math_with_format", None, 2), ("math", 0, 0), ("arithmetic", None, 0), ("tidal_test_rewards:first_token_even", 3, 3)])
 def test_math_rewards_run_in_worker_processes_by_default(reward, workers, expected):
+    from omegaconf import OmegaConf
+
     from tidal.tools.config import RecipeConfig
     from tidal.tools.rl import reward_workers
-    from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(RecipeConfig)
     cfg.task.reward, cfg.task.reward_workers = reward, workers

@@ -14,9 +14,9 @@ from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.files import write_whole
 from tidal.flow.store import Store, persist
-from tidal.tools.run import _new_run_dir, latest_checkpoint
-from tidal.tools.config import load_config, stage_threads
 from tidal.tools.checkpoint import prune_checkpoints, save_checkpoint, truncate_metrics
+from tidal.tools.config import load_config, stage_threads
+from tidal.tools.run import _new_run_dir, latest_checkpoint
 from tidal.tools.train import task_prompts, torch_threads, warm_start, workflow_config
 
 
@@ -70,7 +70,7 @@ def test_a_checkpoint_reaches_the_disk_before_latest_names_it_and_older_ones_go(
     from tidal.tools import checkpoint as checkpoint_module
 
     tokenizer = CharTokenizer()
-    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)  # noqa: E731
+    model = lambda: build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
     trainer = TorchTrainEngine(model(), version=1)
     synced, events = set(), []
     fsync, replace, rmtree = os.fsync, os.replace, checkpoint_module.shutil.rmtree
@@ -91,7 +91,7 @@ def test_a_checkpoint_reaches_the_disk_before_latest_names_it_and_older_ones_go(
     monkeypatch.setattr(checkpoint_module.os, "fsync", noted_fsync)
     monkeypatch.setattr(checkpoint_module.os, "replace", noted_replace)
     monkeypatch.setattr(checkpoint_module.shutil, "rmtree", noted_rmtree)
-    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}  # noqa: E731
+    save_data = lambda path: persist.save(Store(), path) or {"prompt_position": 0}
     save_checkpoint(tmp_path, trainer=trainer, template=model(), tokenizer=tokenizer, save_data=save_data, extra={})
     synced.clear()
     events.clear()
@@ -339,7 +339,7 @@ def test_a_resume_is_checked_against_its_checkpoint(tmp_path):
         with pytest.raises(ConfigError, match=f"names {name!r}, which is no checkpoint folder"):
             resume_changes(load_config(recipe, [f"resume={old}"]))
     (old / "checkpoints" / "latest").write_text("step-000003")
-    (old / "config.yaml").write_text((recipe.read_text()))
+    (old / "config.yaml").write_text(recipe.read_text())
     assert resume_changes(load_config(recipe, [f"resume={old}", "seed=3", "task.reward=exact_match", "sft.steps=5", "train.lr=1e-4"])) == [
         "seed: 0 -> 3 (another held-out set: accuracy before and after RL are measured on different prompts)",
         "task.reward:  -> exact_match (another reward: accuracy before and after RL are scored differently)",

@@ -11,8 +11,8 @@ _calls = 0
 def starts_with_seven_until_interrupted(trajectory, text: str) -> float:
     """`starts_with_seven`; when TIDAL_TEST_INTERRUPT_AFTER=N is set, the N+1st call sends
     this process SIGINT, as Ctrl-C does."""
-    import os  # noqa: PLC0415
-    import signal  # noqa: PLC0415
+    import os
+    import signal
 
     global _calls
     _calls += 1
@@ -27,7 +27,7 @@ frozen_counts: list[int] = []
 
 def records_gc_freeze(trajectory, text: str) -> float:
     """`starts_with_seven`, noting how many objects the cyclic GC has frozen meanwhile."""
-    import gc  # noqa: PLC0415
+    import gc
 
     frozen_counts.append(gc.get_freeze_count())
     return starts_with_seven(trajectory, text)
@@ -43,7 +43,7 @@ def first_token_even_or_hangs(trajectory, text: str) -> float:
     """`first_token_even`, except that it never returns (sleeps an hour) when the response's
     first token id is a multiple of 3: about a third of a random model's samples. Responses
     without tokens (the held-out evaluation's) never hang."""
-    import time  # noqa: PLC0415
+    import time
 
     if trajectory.tokens and trajectory.tokens[0] % 3 == 0:
         time.sleep(3600)
