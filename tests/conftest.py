@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.tools.bench_fixture import build_tiny_hf_checkpoint, write_gsm8k_files
+from tidal.tools.bench.fixture import build_tiny_hf_checkpoint, write_gsm8k_files
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,7 +101,7 @@ def ray_session() -> Iterator[None]:
         ray.shutdown()
 
 
-# --- a small Hugging Face checkpoint and GSM8K-format data files, built locally (tidal.tools.bench_fixture) ---
+# --- a small Hugging Face checkpoint and GSM8K-format data files, built locally (tidal.tools.bench.fixture) ---
 
 
 @pytest.fixture(scope="session")

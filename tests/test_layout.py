@@ -128,7 +128,7 @@ NAME_LOOKUPS_ALLOWED = {
     ("tools/config.py", "err", "full_key"): "OmegaConf errors carry the offending key, not all of them",
     ("tools/config.py", "err", "key"): "OmegaConf errors carry the offending key, not all of them",
     ("tools/config.py", "e", "full_key"): "OmegaConf errors carry the offending key, not all of them",
-    ("tools/bench_trl.py", "reward", "__name__"): "a reward callable's name for TRL (a partial has none)",
+    ("tools/bench/trl.py", "reward", "__name__"): "a reward callable's name for TRL (a partial has none)",
     ("tools/config_keys.py", "tp", "__name__"): "a type annotation's name (typing constructs have none)",
     ("tools/rl.py", "self.reward", "__module__"): "the module a reward pool preloads (a callable instance may have none)",
 }

@@ -277,10 +277,10 @@ def _systems(given: str | None, known: tuple[str, ...]) -> tuple[str, ...] | Non
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from tidal.tools import bench_store  # noqa: PLC0415
+    from tidal.tools.bench import store as bench_store  # noqa: PLC0415
 
     if args.name == "e2e":
-        from tidal.tools import bench_e2e  # noqa: PLC0415
+        from tidal.tools.bench import e2e as bench_e2e  # noqa: PLC0415
 
         systems = _systems(args.systems, (*bench_e2e.SYSTEMS, *bench_e2e.TRL_SYSTEMS))
         if systems is None:
@@ -299,7 +299,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"tidal bench: error: {args.name} takes no recipe overrides (got {' '.join(args.overrides)}); only e2e does", file=sys.stderr)
         return 2
     if args.name == "weights":
-        from tidal.tools import bench_weights  # noqa: PLC0415
+        from tidal.tools.bench import weights as bench_weights  # noqa: PLC0415
 
         systems = _systems(args.systems, bench_weights.SYSTEMS)
         if systems is None:

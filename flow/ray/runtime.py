@@ -129,18 +129,20 @@ class RolloutActor:
         expected = expected_specs(self.engine.named_weights())
         if bind_host is not None:
             params["bind"] = f"tcp://{bind_host}:0"
-        receiver = self._receiver = receiver_class(transport)(self.platform, expected=expected, device=self.weights_device, **params)
+        receiver: Any = receiver_class(transport)(self.platform, expected=expected, device=self.weights_device, **params)
+        self._receiver = receiver
         if not isinstance(receiver, JoinsGroup):
             self._start_receiving(receiver, self._next_version(receiver, expected))
             return receiver.address
         transfer_s = transfer_timeout_s(sum(spec.nbytes for spec in expected.values()))
+        group: Any = receiver  # a group member that receives with two timeouts (`CollectiveReceiver`)
 
         def join_and_receive() -> Any:
-            receiver.join()  # once: blocks until every member joined
+            group.join()  # once: blocks until every member joined
             # one wait for the version to start (a timed-out broadcast leaves the group out of step: no shorter waits in a loop)
-            return receiver.receive(timeout_s=NEXT_VERSION_S, transfer_s=transfer_s)
+            return group.receive(timeout_s=NEXT_VERSION_S, transfer_s=transfer_s)
 
-        self._start_receiving(receiver, join_and_receive)
+        self._start_receiving(group, join_and_receive)
         return None
 
     def _next_version(self, receiver: Any, expected: Mapping[str, Any]) -> Callable[[], Any]:

@@ -67,5 +67,6 @@ def start_store_actor(*, role: str = "controller", num_cpus: float = 0.0, host: 
     """
     import ray  # noqa: PLC0415 - Ray only where this runs as an actor
 
-    actor = ray.remote(StoreActor).options(num_cpus=num_cpus, **options).remote(role=role, host=host, token=token, metrics_port=metrics_port, persist_dir=persist_dir)
+    # Any: Ray types the handle as ActorHandle[T] | type[T], which has no `.remote` on a method not decorated with @ray.method
+    actor: Any = ray.remote(StoreActor).options(num_cpus=num_cpus, **options).remote(role=role, host=host, token=token, metrics_port=metrics_port, persist_dir=persist_dir)
     return actor, ray.get(actor.address.remote())

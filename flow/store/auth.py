@@ -24,6 +24,7 @@ import hmac
 import itertools
 import time
 from collections.abc import Callable
+from typing import cast
 
 import zmq
 import zmq.utils.monitor
@@ -117,7 +118,7 @@ class Handshake:
         """True once the server took the connection; False when the server has no token and
         this socket showed one (connect again without it); None while the handshake goes on.
         `StoreError` when the server refused it. Never blocks."""
-        while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        while cast(int, self.monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # pyzmq types every option as int | bytes; EVENTS is an int
             event = zmq.utils.monitor.recv_monitor_message(self.monitor)
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -227,7 +227,7 @@ class Batch:
             if isinstance(src, int):
                 self._version_array = np.full(self._n, src, dtype=np.int64)
             else:
-                self._version_array = np.asarray([NO_VERSION if v is None else v for v in src], dtype=np.int64)  # type: ignore[union-attr]
+                self._version_array = np.asarray([NO_VERSION if v is None else v for v in src], dtype=np.int64)
         return self._version_array
 
     @property

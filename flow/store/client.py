@@ -387,10 +387,13 @@ class RemoteStore:
     ) -> list[int]:
         """As `Store.put` (`ack=` included: the server does both in one step). With a storage
         unit the data goes there and the controller gets references."""
-        rows = {"groups": groups, "versions": versions, "tags": tags, "ack": ack, "num_rows": num_rows}
+
+        def submit() -> PendingPut:
+            return self.submit_put(partition, columns, indexes, groups=groups, versions=versions, tags=tags, timeout=timeout, ack=ack, num_rows=num_rows)
+
         if cancel is not None:
-            return self._cancellable(cancel, f"put into {partition!r}", lambda: self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result())
-        return self.submit_put(partition, columns, indexes, timeout=timeout, **rows).result()
+            return self._cancellable(cancel, f"put into {partition!r}", lambda: submit().result())
+        return submit().result()
 
     @one_call
     def submit_put(
@@ -425,6 +428,7 @@ class RemoteStore:
                     chunk = check_column(name, value, num_rows)
                     key = f"{self._uid}-{next(self._keys)}"
                     if self._local_unit is not None:
+                        assert self._local_unit.unit is not None  # checked in __init__
                         self._local_unit.unit.write(key, chunk)  # in process: zero copy
                     else:
                         self._call("unit_write", {"key": key, "chunk": encode_column(chunk) if isinstance(chunk, list) else {"stacked": chunk}}, address=self.unit_address)
@@ -454,6 +458,7 @@ class RemoteStore:
         if not keys:
             return
         if self._local_unit is not None:
+            assert self._local_unit.unit is not None  # checked in __init__
             self._local_unit.unit.drop(keys)
         else:
             try:
@@ -514,6 +519,7 @@ class RemoteStore:
                     continue
                 unit, key, offsets = block
                 if self._local_unit is not None and unit == self._local_unit.address:
+                    assert self._local_unit.unit is not None  # checked in __init__
                     pieces[(name, k)] = self._local_unit.unit.read(key, offsets)
                 else:
                     pending.append((name, k, unit, *self._send(unit, "unit_read", {"key": key, "offsets": offsets})))

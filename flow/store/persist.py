@@ -42,7 +42,7 @@ def save(store: Store, path: str | Path, *, read_chunk: Callable[[RemoteChunk], 
     write(store.state_dict(read_chunk=read_chunk), path)
 
 
-def write(state: dict[str, Any], path: str | Path) -> None:
+def write(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a store's state (`Store.state_dict`) to `path`, as `save` does."""
     try:
         header, buffers = encode(state)

@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -121,7 +121,7 @@ class StoreServer:
         except BaseException:
             self._ctx.destroy(linger=0)  # the router and the context's threads: a taken port leaks nothing
             raise
-        self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address: str = cast(bytes, self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()  # pyzmq types every option as int | bytes; this one is bytes
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._wake_endpoint = f"inproc://tidal-store-wake-{next(_ids)}"
         self._wakes = self._ctx.socket(zmq.PULL)
@@ -308,7 +308,7 @@ class StoreServer:
 
     @staticmethod
     def _readable(sock: zmq.Socket) -> bool:
-        return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
+        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)  # pyzmq types every option as int | bytes; EVENTS is an int
 
     def _timeout_ms(self) -> int:
         with self._lock:
@@ -480,7 +480,8 @@ class StoreServer:
     def _retry_parked_locked(self) -> None:
         changed = True
         while changed and self._parked:  # a parked put that succeeds may satisfy a parked get
-            changed, still, failed = False, [], []
+            changed, still = False, []
+            failed: list[tuple[Parked, Exception]] = []
             now = time.monotonic()
             for parked in self._parked:
                 try:
@@ -497,7 +498,7 @@ class StoreServer:
                     continue
                 self._reply(parked.peer, parked.request_id, result, taken_by(parked.op, parked.args))
                 changed |= parked.op in _MUTATING
-            self._parked, args = still, None
+            self._parked, args = still, {}  # drop the last request's arguments
             for parked, error in failed:  # once nothing here holds their rows: a put's shared memory is freed before its client hears
                 parked.args = {}
                 self._fail(parked.peer, parked.request_id, error)

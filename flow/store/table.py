@@ -191,7 +191,7 @@ class Store:
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
-        ack: tuple[str, str, Sequence[int]] | None = None,
+        ack: tuple[str, str, Sequence[int] | np.ndarray] | None = None,
         as_range: Literal[False] = False,
         num_rows: int | None = None,
     ) -> list[int]: ...
@@ -208,7 +208,7 @@ class Store:
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
-        ack: tuple[str, str, Sequence[int]] | None = None,
+        ack: tuple[str, str, Sequence[int] | np.ndarray] | None = None,
         as_range: bool,
         num_rows: int | None = None,
     ) -> range | list[int]: ...
@@ -224,7 +224,7 @@ class Store:
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
-        ack: tuple[str, str, Sequence[int]] | None = None,
+        ack: tuple[str, str, Sequence[int] | np.ndarray] | None = None,
         as_range: bool = False,
         num_rows: int | None = None,
     ) -> range | list[int]:
@@ -301,7 +301,7 @@ class Store:
         """`put`, in the form `RemoteStore.submit_put` has (in process it is done already)."""
         return Done(self.put(partition, columns, indexes, **kwargs))
 
-    def _check_ack(self, ack: tuple[str, str, Sequence[int]] | None) -> tuple[Partition, str, np.ndarray] | None:
+    def _check_ack(self, ack: tuple[str, str, Sequence[int] | np.ndarray] | None) -> tuple[Partition, str, np.ndarray] | None:
         """A put's `ack=` checked before anything changes (a bad ack leaves no half-done put)."""
         if ack is None:
             return None

@@ -33,7 +33,7 @@ class ThreadSockets(dict):
         self.depth = 0
 
     __eq__ = object.__eq__  # one thread's, not equal contents: kept in a `WeakSet`
-    __hash__ = object.__hash__
+    __hash__ = object.__hash__  # type: ignore[assignment]  # typeshed types dict.__hash__ as None; a subclass may restore identity hashing
 
 
 def _close_all(owned: list[zmq.Socket], lock: threading.RLock) -> None:

@@ -165,7 +165,7 @@ def check_bind(address: str, token: str | None) -> None:
         )
 
 
-def encode_column(cells: Sequence[Any]) -> dict[str, Any]:
+def encode_column(cells: list[Any] | tuple[Any, ...]) -> dict[str, Any]:
     """One batch column for the wire: stacked when small and uniform, else cell by cell."""
     first = cells[0] if cells else None
     if (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.tools import bench_e2e, bench_store
+from tidal.tools.bench import e2e as bench_e2e
+from tidal.tools.bench import store as bench_store
 
 
 def test_e2e_table_means_over_seeds_and_ratios_against_sync_and_trl():
@@ -33,7 +34,7 @@ def test_e2e_ratios_are_against_the_faster_thread_setting_of_each_baseline():
 
 
 def test_e2e_runs_each_one_stage_system_with_all_threads_with_one_and_sync_split(monkeypatch):
-    from tidal.tools import bench_trl
+    from tidal.tools.bench import trl as bench_trl
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
     tidal_runs, trl_runs = [], []
@@ -52,7 +53,7 @@ def test_e2e_runs_each_one_stage_system_with_all_threads_with_one_and_sync_split
 
 
 def test_e2e_runs_one_round_per_seed_alternating_the_order(monkeypatch):
-    from tidal.tools import bench_trl
+    from tidal.tools.bench import trl as bench_trl
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
     names = {tuple(o): name for name, o in bench_e2e.SYSTEMS.items()}
@@ -76,7 +77,7 @@ def test_e2e_table_without_trl_says_how_to_install_it():
 
 def test_e2e_system_whose_roles_do_not_fit_is_skipped_saying_why(monkeypatch):
     from tidal.flow.placement import PlacementError
-    from tidal.tools import bench_trl
+    from tidal.tools.bench import trl as bench_trl
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
     calls = []
@@ -155,7 +156,7 @@ def test_e2e_table_reports_response_length_and_counts_the_runs_that_drifted():
 
 
 def test_e2e_runs_only_the_systems_asked_for(monkeypatch):
-    from tidal.tools import bench_trl
+    from tidal.tools.bench import trl as bench_trl
 
     calls = []
     names = {tuple(o): name for name, o in bench_e2e.SYSTEMS.items()}
@@ -171,7 +172,7 @@ def test_e2e_runs_only_the_systems_asked_for(monkeypatch):
 def test_e2e_a_system_that_fails_is_skipped_saying_why_and_the_others_are_measured(monkeypatch):
     # On an H200 `tidal-async-ray` failed to place its roles and the bench printed no table:
     # every measured number was lost (issue 40).
-    from tidal.tools import bench_trl
+    from tidal.tools.bench import trl as bench_trl
 
     run = {"samples_per_s": 100.0, "tokens_per_s": 200.0, "rl_seconds": 1.0, "accuracy_before": 0.25, "accuracy_after": 0.5}
 
@@ -194,7 +195,7 @@ def test_e2e_a_system_that_fails_is_skipped_saying_why_and_the_others_are_measur
 
 
 def test_e2e_quickstart_workload_is_the_quickstart_recipe_as_it_ships(monkeypatch):
-    from tidal.tools import bench_trl
+    from tidal.tools.bench import trl as bench_trl
 
     calls = []
     monkeypatch.setattr(bench_e2e, "run_tidal", lambda system_overrides, *, overrides, recipe, **_: calls.append((recipe, tuple(overrides))) or {})
@@ -204,7 +205,8 @@ def test_e2e_quickstart_workload_is_the_quickstart_recipe_as_it_ships(monkeypatc
 
 
 def test_e2e_longtail_workload_runs_gsm8k_qwen_on_its_files(monkeypatch, tmp_path):
-    from tidal.tools import bench_fixture, bench_trl
+    from tidal.tools.bench import fixture as bench_fixture
+    from tidal.tools.bench import trl as bench_trl
 
     files = {"model": tmp_path / "model", "train": tmp_path / "train.jsonl"}
     monkeypatch.setattr(bench_fixture, "longtail_workload", lambda: files)  # no build: the files are not read here
@@ -228,7 +230,7 @@ def test_e2e_unknown_workload_is_a_value_error_naming_the_choices():
 @pytest.mark.slow
 def test_e2e_longtail_workload_really_runs_one_system(monkeypatch, tmp_path):
     """Two real steps of tidal-async on the longtail checkpoint (built into a fresh cache)."""
-    from tidal.tools.bench_fixture import LONGTAIL_VERSION
+    from tidal.tools.bench.fixture import LONGTAIL_VERSION
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     results = bench_e2e.run(seeds=[0], num_steps=2, systems=["tidal-async"], workload="longtail", progress=lambda m: None)

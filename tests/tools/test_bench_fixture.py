@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from tidal.tools.bench_fixture import build_tiny_hf_checkpoint, longtail_workload
+from tidal.tools.bench.fixture import build_tiny_hf_checkpoint, longtail_workload
 
 
 def test_longtail_workload_scales_the_end_token_row_is_deterministic_and_is_built_once(tmp_path):

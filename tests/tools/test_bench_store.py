@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.tools import bench_store
+from tidal.tools.bench import store as bench_store
 
 
 def _throughput(rows_per_s: float, mb_per_s: float, spread: float = 0.1) -> dict:

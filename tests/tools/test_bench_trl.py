@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.tools import bench_trl
+from tidal.tools.bench import trl as bench_trl
 
 SMALL = ["task.num_eval_prompts=40", "algorithm.prompts_per_step=4", "algorithm.group_size=4", "threads=1"]
 
@@ -40,7 +40,7 @@ def test_grpo_config_refuses_what_trl_cannot_match(tmp_path):
 @pytest.mark.slow
 def test_run_trl_trains_from_tidals_warm_start_on_the_same_number_of_samples():
     pytest.importorskip("trl")
-    from tidal.tools.bench_e2e import run_tidal
+    from tidal.tools.bench.e2e import run_tidal
 
     summary = bench_trl.run_trl(seed=3, num_steps=2, overrides=SMALL)
     assert summary["steps"] == 2 and summary["samples"] == 2 * 4 * 4

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tidal.tools import bench_trl
+from tidal.tools.bench import trl as bench_trl
 
 SMALL = ["task.num_eval_prompts=20", "algorithm.prompts_per_step=2", "algorithm.group_size=2", "sft.steps=2", "threads=1"]
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.tools import bench_e2e, bench_trl
+from tidal.tools.bench import e2e as bench_e2e
+from tidal.tools.bench import trl as bench_trl
 
 
 @pytest.fixture(scope="module")
 def longtail(tmp_path_factory):
     """The workload's files (a fresh build) and the overrides `workload_args` gives them."""
-    from tidal.tools.bench_fixture import build_longtail_workload
+    from tidal.tools.bench.fixture import build_longtail_workload
 
     files = build_longtail_workload(tmp_path_factory.mktemp("longtail"))
     return [f"model.path={files['model']}", f"data.train_files=[{files['train']}]", *bench_e2e.LONGTAIL_OVERRIDES]
@@ -96,7 +97,7 @@ def test_e2e_longtail_runs_trl_on_the_workloads_recipe_and_overrides(monkeypatch
     """TRL's systems get the workload's recipe and overrides with the precedence tidal's get
     (workload, system, user: a system's threads win over the workload's), and the "x TRL"
     column is taken against them."""
-    from tidal.tools import bench_fixture
+    from tidal.tools.bench import fixture as bench_fixture
 
     files = {"model": tmp_path / "model", "train": tmp_path / "train.jsonl"}
     monkeypatch.setattr(bench_fixture, "longtail_workload", lambda: files)  # no build: the files are not read here

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.tools import bench_weights
+from tidal.tools.bench import weights as bench_weights
 
 
 def test_model_of_has_the_requested_size_in_pieces():

@@ -167,7 +167,7 @@ def test_a_run_freezes_what_setup_made_for_the_cyclic_gc_and_unfreezes_it_after(
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the recipe names the reward by module, as a user's would be
     import tidal_test_rewards
 
-    from tidal.tools.bench_e2e import run_tidal
+    from tidal.tools.bench.e2e import run_tidal
 
     tidal_test_rewards.frozen_counts.clear()
     small = ["task.num_eval_prompts=8", "sft.steps=2", "algorithm.prompts_per_step=2", "algorithm.group_size=2", "threads=1", "task.reward=tidal_test_rewards:records_gc_freeze"]

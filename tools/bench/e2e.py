@@ -18,7 +18,7 @@ in one process (`runtime: local`), and `tidal-async-ray` (`max_staleness: 1` wit
 `runtime: ray`: trainer and rollout as two actors, one torch thread each; Ray's start
 and the actors' are outside the RL wall time). `trl`: TRL 1.16 `GRPOTrainer` with
 transformers generation (no vLLM), on-policy, on the same prompts in the same order,
-the same reward function and the same greedy held-out evaluation (`bench_trl.py` says
+the same reward function and the same greedy held-out evaluation (`bench/trl.py` says
 how the recipe maps onto `GRPOConfig`); its wall time is `trainer.train()` from the end of
 its setup (optimizer, dataloader, accelerate's `prepare`: tidal builds its engines before
 its clock too). TRL comes with the `[bench]` extra; without it the `trl` row says how to
@@ -39,12 +39,12 @@ same run.
 
 Workloads (`--workload`): `quickstart` (the default, all of the above) and `longtail`:
 the `gsm8k_qwen` recipe on a small local Qwen2 checkpoint whose sampled responses have
-long-tailed lengths (`tidal.tools.bench_fixture.build_longtail_workload` says how; built
+long-tailed lengths (`tidal.tools.bench.fixture.build_longtail_workload` says how; built
 once into ~/.cache/tidal and reused), with `LONGTAIL_OVERRIDES`: most responses end early
 and a few run to the token budget, the case where a sync step waits on its stragglers.
 TRL's systems run it too: `GRPOTrainer` on the same checkpoint directory, the same prompts
 in the same order as tidal's token ids (the chat template applied as tidal applies it),
-the recipe's math reward and the same overrides (`bench_trl.py` says how).
+the recipe's math reward and the same overrides (`bench/trl.py` says how).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def workload_args(workload: str) -> tuple[str, list[str]]:
     if workload == "quickstart":
         return "quickstart_cpu", []
     if workload == "longtail":
-        from tidal.tools.bench_fixture import longtail_workload  # noqa: PLC0415
+        from tidal.tools.bench.fixture import longtail_workload  # noqa: PLC0415
 
         files = longtail_workload()
         return "gsm8k_qwen", [f"model.path={files['model']}", f"data.train_files=[{files['train']}]", *LONGTAIL_OVERRIDES]
@@ -164,7 +164,7 @@ def run(
     the systems that run last, and alternating cancels a steady drift over two rounds.
     """
     from tidal.flow.placement import PlacementError  # noqa: PLC0415
-    from tidal.tools import bench_trl  # noqa: PLC0415
+    from tidal.tools.bench import trl as bench_trl  # noqa: PLC0415
 
     if workload not in WORKLOADS:
         raise ValueError(f"unknown e2e workload {workload!r}; workloads: {', '.join(WORKLOADS)}")

@@ -32,7 +32,7 @@ Systems, the first being the path a user gets from the docs:
   the producer, read by the consumer straight from it.
 - `raw-zmq`: each batch's tensor buffers PUSHed as frames to a PULL socket (no header, no
   codec: the machine's limit for moving them over a socket).
-- `transferqueue`: 0.1.11 on Ray, when the `[bench]` extra is installed (`bench_tq`, which
+- `transferqueue`: 0.1.11 on Ray, when the `[bench]` extra is installed (`bench.tq`, which
   gives it an untimed warm-up pass).
 
 `transport="ipc"` runs tidal and raw ZeroMQ over Unix-domain sockets instead of loopback
@@ -482,7 +482,7 @@ def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 200, repeats: i
     results: dict[str, dict[str, Any]] = {}
     for system in systems:
         if system == "transferqueue":
-            from tidal.tools import bench_tq
+            from tidal.tools.bench import tq as bench_tq
 
             if not bench_tq.available():
                 progress("transferqueue: not installed (pip install -c constraints.txt -e '.[bench]'); skipped")
