@@ -14,10 +14,11 @@ from typing import Any
 
 ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine"}
 """rollout.backend -> adapter class (vllm arrives with its adapter)."""
-TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine"}
+TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine", "deepspeed": "tidal.engines.deepspeed_train:DeepSpeedTrainEngine"}
 """train.backend -> adapter class."""
-MULTI_RANK = frozenset({"fsdp"})
-"""train.backend values that train over several processes, one per `placement.train` instance."""
+MULTI_RANK = {"fsdp": "tidal.engines.fsdp_lead:follow", "deepspeed": "tidal.engines.deepspeed_lead:follow"}
+"""train.backend values that train over several processes, one per `placement.train` instance
+-> what every rank but 0 runs (`follow(share)`, until rank 0's `stop_followers()`; `follower`)."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}
 """model.source -> `ModelSource` class, built from the recipe's `model` section."""
 TASKS = {"arithmetic": "tidal.engines.tasks:ARITHMETIC", "countdown": "tidal.engines.tasks:COUNTDOWN"}
@@ -47,4 +48,10 @@ def load(key: str, value: str) -> Any:
     if message:
         raise ValueError(message)
     module, _, name = REGISTRIES[key][value].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def follower(backend: str) -> Any:
+    """The function every rank but 0 of a `backend` train group runs (`MULTI_RANK`), imported now."""
+    module, _, name = MULTI_RANK[backend].partition(":")
     return getattr(importlib.import_module(module), name)

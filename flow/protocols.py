@@ -122,6 +122,16 @@ class SupervisedStep(Protocol):
 
 
 @runtime_checkable
+class TakesTrainKeys(Protocol):
+    """A train engine whose constructor takes recipe `train.*` keys of its own, besides those
+    every train engine takes (the deepspeed engine's `zero_stage`): `tidal run` passes each
+    under its own name. Checked on the engine class."""
+
+    train_keys: tuple[str, ...]
+    """The names, each a key of the recipe's `train` section and a keyword of the constructor."""
+
+
+@runtime_checkable
 class SharesWeights(Protocol):
     """A train engine that can keep its weights in memory a weight transport gives (the `ipc`
     transport's shared buffer): a publish then copies nothing in the trainer's process."""

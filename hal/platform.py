@@ -62,6 +62,13 @@ class PlatformDescriptor:
     fake: bool = False
     """True when tensors actually live on CPU (the `fake:<kind>:<n>` platforms)."""
 
+    @property
+    def deepspeed_accelerator(self) -> str:
+        """DeepSpeed's name for the accelerator whose tensors this platform computes with (what
+        `DS_ACCELERATOR` must say before DeepSpeed is imported): the kind's own, `cpu` for a
+        fake platform, whose tensors live in host memory."""
+        return "cpu" if self.fake else _DEEPSPEED_ACCELERATORS[self.kind]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -98,6 +105,9 @@ _IDENTITY: dict[str, dict[str, Any]] = {
         ray_noset_var=None,
     ),
 }
+
+_DEEPSPEED_ACCELERATORS = {"cuda": "cuda", "npu": "npu", "cpu": "cpu"}
+"""Each kind's DeepSpeed accelerator (`deepspeed.accelerator.real_accelerator`'s names)."""
 
 
 def describe(kind: str, *, device_count: int, fake: bool = False) -> PlatformDescriptor:

@@ -176,7 +176,7 @@ def _as_written(given: DictConfig, overrides: Sequence[str], schema: type, *, or
         value = OmegaConf.select(given, key, default=None, throw_on_resolution_failure=False)  # `${...}`: resolved later
         if kind.startswith("str") and isinstance(value, (bool, int, float)):
             OmegaConf.update(given, key, text)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and (_YAML_BASE_60.fullmatch(text) or _YAML_OCTAL.fullmatch(text) and value != int(text.replace("_", ""))):
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and (_YAML_BASE_60.fullmatch(text) or (_YAML_OCTAL.fullmatch(text) and value != int(text.replace("_", "")))):
             written_as = f"{key}={text}" if origin is None else f"key {key!r} in {origin} ({text})"
             raise ConfigError(f"{written_as}: YAML reads it as {value} (octal or base 60); write the number in plain decimal")
 
@@ -218,7 +218,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
             raise ConfigError(f"recipe file {str(path)!r} does not exist")
         try:
             data = OmegaConf.load(path)
-        except Exception as e:  # noqa: BLE001 - YAML errors come in many types
+        except Exception as e:  # YAML errors come in many types
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from e
         if not isinstance(data, DictConfig):
             raise ConfigError(f"recipe {str(path)!r} must be a mapping of keys to values")
@@ -284,9 +284,8 @@ _WHY = {
 
 def _check_values(cfg: Any) -> None:
     """Checks a type cannot express, each naming its key."""
-    from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
-
     from tidal.engines.registry import CHECKED_ON_LOAD, unknown  # noqa: PLC0415
+    from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
 
     if "device" in cfg:
         try:
@@ -305,6 +304,8 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(f"train.lr_schedule={cfg.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
         if not 0 <= cfg.train.min_lr_ratio <= 1:  # nan fails it too
             raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]: the cosine schedule's last lr as a share of train.lr")
+    if "train" in cfg and cfg.train.get("zero_stage", 1) not in (1, 2, 3):  # `engines.deepspeed_setup.ZERO_STAGES`
+        raise ConfigError(f"train.zero_stage={cfg.train.zero_stage} is not one of 1, 2, 3 (DeepSpeed ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the weights)")
     if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
         raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
     for name, value in (item for key in (*_AT_LEAST, *_POSITIVE, *_FINITE) for item in _selected(cfg, key)):

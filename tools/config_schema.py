@@ -141,7 +141,7 @@ class TrainConfig:
     """The train engine."""
 
     backend: str = "torch"
-    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance)."""
+    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance)."""
     lr: float = 1e-3
     """AdamW learning rate of the RL phase."""
     lr_schedule: str = "constant"
@@ -166,6 +166,8 @@ class TrainConfig:
     """torch intra-op threads of the train stage; 0 = the run's `threads`."""
     precision: Precision = Precision.fp32
     """Compute precision of the RL phase's forward passes: fp32 | bf16 (matmuls in bf16 under the platform's autocast; weights, gradients, optimizer state and logprobs stay fp32; the warm start stays fp32)."""
+    zero_stage: int = 2
+    """train.backend=deepspeed only: what DeepSpeed ZeRO shards over the trainer ranks: 1 (the optimizer state: AdamW's moments and fp32 master weights) | 2 (also the gradients) | 3 (also the weights, gathered module by module for each forward and backward). Every stage trains the same weights; higher stages hold less per rank and communicate more."""
 
 
 @dataclasses.dataclass

@@ -10,11 +10,11 @@ is the rollout actors, started on their bundles (a rollout instance that time-sh
 trainer's devices on the trainer's bundle, taking turns through that bundle's `Turns`
 actor, which the driver starts: `flow.colocate`), which reach the trainer's store over
 ZeroMQ and receive each version over the chosen weight transport. Several trainer ranks
-(the `fsdp` backend) form one process group through hal at rank 0's address; rank 0's
-engines lead (`rank0_leads=True`), the others run `follow()` on their share of each
-batch. A rank whose bundle hosts a rollout guest has a `Turns` there; rank 0 takes every
-rank's turn, in rank order, before each command the ranks run together, and the others
-compute in it. The driver shows progress from the run directory's metrics.jsonl (which
+(the `fsdp` and `deepspeed` backends: `MULTI_RANK`) form one process group through hal at
+rank 0's address; rank 0's engines lead (`rank0_leads=True`), the others run their
+backend's `follow()` on their share of each batch. A rank whose bundle hosts a rollout
+guest has a `Turns` there; rank 0 takes every rank's turn, in rank order, before each
+command the ranks run together, and the others compute in it. The driver shows progress from the run directory's metrics.jsonl (which
 must be reachable from the trainer's node); Ctrl-C or SIGTERM there reaches rank 0
 through `tools.ray_stop`.
 """
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from tidal.flow.files import write_whole
-from tidal.flow.ray.liveness import Liveness
 from tidal.flow.protocols import SharesWeights
 from tidal.flow.ray.faults import ActorLost, death_summary, rank_died, remote_cause
+from tidal.flow.ray.liveness import Liveness
 from tidal.flow.ray.placement import ray_address
 from tidal.hal.transfer import PlacesWeights
 from tidal.tools.config import ConfigError, RecipeConfig, stage_threads, to_yaml
@@ -335,20 +335,21 @@ class TrainerActor:
         current_platform().init_process_group(rank=rank, world_size=world_size, init_method=group_address, timeout_s=GROUP_TIMEOUT_S, store=store)
         try:
             if rank:
-                return {"rank": rank, **self.where(), **self._follow(placed["turns"].get(rank))}
+                return {"rank": rank, **self.where(), **self._follow(cfg.train.backend, placed["turns"].get(rank))}
             summary = self._train(cfg, run_dir, placed, rollout_assignments, fake, attempt, ranks=ranks, engine_options={"rank0_leads": True}, stopper=stopper)
             stop_followers()
             return summary
         finally:
             dist.destroy_process_group()
 
-    def _follow(self, turns: Any) -> dict[str, Any]:
+    def _follow(self, backend: str, turns: Any) -> dict[str, Any]:
         """A rank other than 0: follow rank 0; with `turns` (a `Turns` actor: a rollout guest
         time-shares this rank's devices) each engine it builds is seated there and computes
         in the turn rank 0 took for it (`Seat.held`), and the result says what happened on
         these devices (`timeshare`, as rank 0's summary does)."""
-        from tidal.engines.fsdp_lead import follow  # noqa: PLC0415
+        from tidal.engines.registry import follower  # noqa: PLC0415
 
+        follow = follower(backend)  # the train backend's (`MULTI_RANK`)
         if turns is None:
             return follow()
         from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
@@ -487,7 +488,7 @@ def run_on_ray(cfg: Any, run_dir: Path, *, progress: bool = True) -> dict[str, A
                     r.run.remote(to_yaml(cfg), str(run_dir), groups, plan.of("rollout"), fake, attempt, rank=i, ranks=where, group_address=address, spots=placed, turns=turns, stopper=stopper)
                     for i, r in enumerate(ranks)
                 ]
-                watch = Liveness(ranks, lambda i: f"trainer rank {i} (pid {where[i]['pid']})", silent_s=cfg.fault.liveness_s, grace_s=cfg.fault.liveness_grace_s)
+                watch = Liveness(ranks, lambda i, where=where: f"trainer rank {i} (pid {where[i]['pid']})", silent_s=cfg.fault.liveness_s, grace_s=cfg.fault.liveness_grace_s)
                 with stop_on_signals(stop):
                     summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress, watch=watch)
                 if followers:
@@ -562,7 +563,7 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - a rank failed: was it because another one died?
+                except Exception as e:  # a rank failed: was it because another one died?
                     if rank_died(e):
                         raise
                     raise _first_error(refs, {ref: e}) from None
@@ -583,7 +584,7 @@ def _first_error(refs: list[Any], failed: dict[Any, Exception]) -> Exception:
         for ref in done:
             try:
                 ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - another consequence of the same failure, unless it is the death
+            except Exception as e:  # another consequence of the same failure, unless it is the death
                 if rank_died(e):
                     raise
                 failed[ref] = e

@@ -24,13 +24,13 @@ from tidal.engines.reward_pool import RewardPool
 from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
+from tidal.flow.protocols import TakesTrainKeys
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.tools.checkpoint import rng_state, save_checkpoint, set_rng_state
 from tidal.tools.config import loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
-
 
 
 class BuiltRun(Protocol):
@@ -140,6 +140,12 @@ def lr_schedule(cfg: Any) -> LRSchedule:
     return LRSchedule(kind=train.lr_schedule, warmup_steps=train.warmup_steps, num_steps=cfg.algorithm.num_steps, min_lr_ratio=train.min_lr_ratio)
 
 
+def own_train_keys(train_cls: Any, cfg: Any) -> dict[str, Any]:
+    """The recipe's `train.*` keys that the train engine class takes besides those every engine
+    takes (`TakesTrainKeys`: the deepspeed engine's `zero_stage`), by name."""
+    return {key: cfg.train[key] for key in train_cls.train_keys} if isinstance(train_cls, TakesTrainKeys) else {}
+
+
 def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
     """The recipe's rollout engine around `model`, stopping at any of the tokenizer's end ids."""
     rollout_cls = load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
@@ -203,6 +209,7 @@ class RL:
             lr_schedule=lr_schedule(cfg),
             platform=run.platform,
             **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
+            **own_train_keys(run.train_cls, cfg),
             **run.engine_options,
         )
         if run.saved is not None:

@@ -43,7 +43,7 @@ from tidal.tools.config import ConfigError
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
-from tidal.tools.rl import RL, build_rollout_engine, make_score, run_reward, torch_threads, unsharded, workflow_config
+from tidal.tools.rl import RL, build_rollout_engine, make_score, own_train_keys, run_reward, torch_threads, unsharded, workflow_config
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest
 
@@ -264,7 +264,7 @@ class Run:
             self.source.save(self._policy(self.model), self.run_dir / "cache" / "initial")
         accuracy_start = self.evaluate(self.model)
         if cfg.sft.steps:
-            sft = self.train_cls(copy.deepcopy(self.model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, max_nonfinite_steps=cfg.train.max_nonfinite_steps, platform=self.platform, **self.engine_options)
+            sft = self.train_cls(copy.deepcopy(self.model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, max_nonfinite_steps=cfg.train.max_nonfinite_steps, platform=self.platform, **own_train_keys(self.train_cls, cfg), **self.engine_options)
             bar = Progress(TextColumn("[bold]warm start[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not self.progress, transient=True)
             task = bar.add_task("sft", total=cfg.sft.steps, info="")
             with self.tracer.span("warm start", "supervised", steps=cfg.sft.steps), bar:

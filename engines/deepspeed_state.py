@@ -1,0 +1,173 @@
+"""The `deepspeed` train engine's weights and state, whole, whatever the ZeRO stage: exported
+one parameter at a time (`weight_specs`, `weight_pass`), and saved and loaded in
+`TorchTrainEngine.state_dict`'s format (`full_state`, `load_full_state`).
+
+Where things live: under ZeRO-1 and -2 every rank holds the whole model (its parameters are
+views into DeepSpeed's flat buffers, updated in place after each step), and each rank holds
+the fp32 master copy and AdamW moments of one slice of each flat buffer. Under ZeRO-3 the
+parameters are sliced too: a partitioned parameter is an empty tensor with `ds_shape`, its
+slice in `ds_tensor`, gathered by `deepspeed.zero.GatheredParameters` (parameters under the
+persistence threshold stay whole on every rank, and have a slice besides). DeepSpeed's
+`safe_get_full_optimizer_state` / `safe_set_full_optimizer_state` reach a parameter's moments
+through the slices at any stage (getting is a collective; setting is local, from the whole
+tensor). Every function here whose docstring says "collective" is one: every rank calls it,
+in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.hal.transfer import TensorSpec
+
+_HOST = torch.device("cpu")
+
+
+def _partitioned(tensor: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter (sliced over the ranks, or kept whole under the persistence threshold)."""
+    return hasattr(tensor, "ds_id")
+
+
+def weight_specs(module: torch.nn.Module) -> list[TensorSpec]:
+    """Each weight's whole name, shape and dtype, under the un-sharded model's `state_dict`
+    names (tied ones included), without gathering anything (local)."""
+    specs = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        shape = tuple(tensor.ds_shape) if _partitioned(tensor) else tuple(tensor.shape)
+        specs.append(TensorSpec.of(name, torch.empty(shape, dtype=tensor.dtype, device="meta")))
+    return specs
+
+
+def weight_pass(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight, whole, under its `state_dict` name, one at a time. A ZeRO-3 parameter is
+    gathered when it is reached and yielded as a copy (its gathered memory is DeepSpeed's to
+    reuse once the gather ends): a collective. Other tensors are yielded as they are (no copy):
+    under ZeRO-1 and -2 nothing is gathered, and a pass is local."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # noqa: PLC0415 - imported by the engine before this runs
+
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if _partitioned(tensor):
+            with GatheredParameters([tensor], modifier_rank=None):
+                whole = tensor.detach().clone()
+            yield name, whole
+        else:
+            yield name, tensor.detach()
+
+
+def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model's weights and AdamW's state, whole and on the host, in the torch engine's
+    format: the optimizer's parameters are indexed in `module.parameters()` order, each with
+    its `step` and moments (a step count DeepSpeed keeps once per flat buffer, the same for
+    every parameter). A collective; rank 0 gets the tensors, the others empty dicts.
+
+    `optimizer` is the torch optimizer DeepSpeed steps (over this rank's flat slices).
+    """
+    from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
+
+    model = {name: tensor.to(_HOST, copy=True) for name, tensor in weight_pass(module)} if rank == 0 else {}
+    if rank != 0:
+        for _ in weight_pass(module):  # its collectives
+            pass
+    params = list(module.parameters())
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(params)))} for group in optimizer.param_groups[:1]]
+    flat = next((s for s in optimizer.state.values() if "step" in s), {})  # (ZeRO-3 makes empty entries at the start)
+    step = flat.get("step")
+    if step is None or float(step) == 0:  # no step taken: nothing to gather (the torch engine's state has none either)
+        return model, {"state": {}, "param_groups": groups if rank == 0 else []}
+    keys = [key for key, value in flat.items() if torch.is_tensor(value) and value.dim() > 0]  # AdamW's moments
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, param in enumerate(params):
+        shape = tuple(param.ds_shape) if _partitioned(param) else tuple(param.shape)
+        moments = {key: safe_get_full_optimizer_state(param, key).reshape(shape) for key in keys}
+        if rank == 0:
+            state[index] = {"step": step.to(_HOST, torch.float32, copy=True), **{key: value.to(_HOST, copy=True) for key, value in moments.items()}}
+    return model, {"state": state if rank == 0 else {}, "param_groups": groups if rank == 0 else []}
+
+
+def load_full_state(module: torch.nn.Module, zero_optimizer: Any, *, rank: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None) -> None:
+    """Set the weights (and AdamW's moments and step count, when `optimizer` is given and has
+    state) from rank 0's whole tensors, in the torch engine's format; the other ranks pass
+    empty ones. A collective. The weights are written where the model computes with them
+    (broadcast, or gathered and written by rank 0 under ZeRO-3), and the fp32 master slices
+    copied from them (`refresh_fp32_params`: fp32 to fp32, exact). The optimizer keeps its own
+    settings; an `optimizer` without state (no step taken) sets a fresh AdamW's: step 0 and
+    zero moments, which the next step treats as none.
+
+    `zero_optimizer` is DeepSpeed's ZeRO optimizer; its `optimizer` the torch one it steps.
+    """
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # noqa: PLC0415
+    from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
+
+    named = {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in module.state_dict()}}  # tied names once
+    with torch.no_grad():
+        for name, tensor in named.items():
+            if _partitioned(tensor):
+                with GatheredParameters([tensor], modifier_rank=0):  # rank 0 writes, the others get it on exit
+                    if rank == 0:
+                        tensor.data.copy_(model[name])
+            else:
+                if rank == 0:
+                    tensor.data.copy_(model[name])
+                dist.broadcast(tensor.data, src=0)
+    zero_optimizer.refresh_fp32_params()
+    inner = zero_optimizer.optimizer
+    if optimizer is None:
+        return
+    has_state = _broadcast_object(bool(optimizer.get("state")) if rank == 0 else None)
+    if not has_state:  # a fresh AdamW's: step 0 and zero moments, in place (ZeRO-1 and -2 keep views of them)
+        for flat in inner.state.values():
+            for value in flat.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+        return
+    saved = optimizer["state"] if rank == 0 else {}
+    first = saved[min(saved)] if rank == 0 else {}
+    step, keys = _broadcast_object((float(first["step"]), sorted(k for k in first if k != "step")) if rank == 0 else None)
+    _ensure_state(zero_optimizer, keys)
+    for flat in inner.state.values():
+        if "step" in flat:
+            flat["step"].fill_(step)
+    for index, param in enumerate(module.parameters()):
+        shape = tuple(param.ds_shape) if _partitioned(param) else tuple(param.shape)
+        for key in keys:
+            value = saved[index][key].to(param.device, torch.float32).contiguous() if rank == 0 else torch.empty(shape, dtype=torch.float32, device=param.device)
+            dist.broadcast(value, src=0)
+            safe_set_full_optimizer_state(param, value, key)
+
+
+def _ensure_state(zero_optimizer: Any, keys: list[str]) -> None:
+    """Give each flat fp32 slice AdamW's state where no step made it yet: zero moments and a
+    step count of 0, made as torch's AdamW makes them (a float32 `step` on the slice's device
+    where the group is fused or capturable, else on the host). ZeRO-1 and -2 reach a
+    parameter's moments through views DeepSpeed makes after the first step
+    (`lazy_init_hp_params_optimizer_state`): made here, as that step would."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state  # noqa: PLC0415
+
+    inner = zero_optimizer.optimizer
+    stage12 = hasattr(zero_optimizer, "single_partition_of_fp32_groups")
+    flats = zero_optimizer.single_partition_of_fp32_groups if stage12 else zero_optimizer.fp32_partitioned_groups_flat
+    group = inner.param_groups[0]  # the engine makes one
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    made = False
+    for flat in flats:
+        state = inner.state[flat]
+        if {"step", *keys} <= state.keys():
+            continue
+        state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else _HOST)
+        for key in keys:
+            state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        made = True
+    if made and stage12:
+        for i, flat in enumerate(flats):
+            lazy_init_hp_params_optimizer_state(zero_optimizer.bit16_groups[i], flat, inner.state)
+
+
+def _broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a small pickled object over the default group)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=_HOST)
+    return box[0]

@@ -1,0 +1,496 @@
+"""The `deepspeed` train engine: DeepSpeed ZeRO stage 1, 2 or 3 on any hal platform, data parallel.
+
+One process per rank, over the process group hal sets up (DeepSpeed wraps it and starts
+none of its own; `engines.deepspeed_setup`), DeepSpeed's accelerator the one hal's
+platform computes on (`PlatformDescriptor.deepspeed_accelerator`, as `DS_ACCELERATOR`).
+`zero_stage` (`train.zero_stage`) picks what is sharded over the ranks: 1 the optimizer
+state (AdamW's moments and the fp32 master weights), 2 also the gradients, 3 also the
+weights. The model is built whole by the caller (from its weights or its config) and
+DeepSpeed partitions it when the engine starts; DeepSpeed then broadcasts rank 0's weights,
+so every rank starts from them. The optimizer is torch's AdamW with the platform's
+`optimizer_options()`, stepped by DeepSpeed over each rank's flat slices; weights,
+gradients and optimizer state are fp32 and `precision="bf16"` runs forward passes under
+`platform.autocast` (not DeepSpeed's bf16 mode), as in the other engines.
+
+A step equals one `TorchTrainEngine` step over all ranks' rows, as the `fsdp` engine's does
+and by the same bookkeeping: each rank trains on its own rows, micro-batch losses are
+weighted by their share of the *global* batch's loss tokens, sequences or rows (counted with
+one all-gather), and multiplied by the number of ranks, since DeepSpeed averages gradients
+over the ranks where the weights already divide by the global batch. Micro-batches are cut
+by tidal (`engines.micro_batches`, padded or padding-free: `engines.padding_free`), each
+`backward()` accumulates (DeepSpeed's `managed_gradient_accumulation: false`), and one
+`step()` reduces what is left, clips to `grad_clip` and steps AdamW. Ranks run the same
+number of forwards and backwards (ZeRO-2 reduces gradients during each backward, ZeRO-3
+gathers weights in each forward): a rank with fewer micro-batches, or one whose micro-batch
+has no loss token, runs a zero-weight dummy pass. Rows whose advantage is zero on every
+loss token get no pass when there is no KL or entropy term (`skipped_rows`). A step whose
+gradient norm is not finite is skipped by DeepSpeed on every rank, and counted by
+`train_steps.NonfiniteGuard`, which raises after `max_nonfinite_steps` in a row.
+
+Weights: `named_weights()` is a `WeightSource` (`tidal.hal.transfer`) whose specs need no
+gather, and whose passes yield one whole weight at a time (ZeRO-3: one gathered parameter,
+a collective; ZeRO-1 and -2: each rank's own full weights, no collective), under the
+un-sharded model's names. `state_dict()` is the whole state in `TorchTrainEngine`'s format
+(rank 0 holds the tensors), so `tidal run` checkpoints move between the engines, and
+`load_state_dict` sets the weights and AdamW's moments and step exactly (`engines.deepspeed_state`).
+
+Two ways to drive the ranks, as with the `fsdp` engine: SPMD (every rank calls every
+method with its own rows), or led by rank 0 (`rank0_leads=True`, what `tidal run` uses on
+several ranks): only rank 0 is called; each call sends a command and every other rank its
+share of the rows, and the other ranks run `tidal.engines.deepspeed_lead.follow()`.
+
+Not here: a colocated layout (rollout time-sharing the trainer's devices). The engine keeps
+no `model` attribute, so `flow.colocate` refuses to seat it, naming the engine: moving its
+parameters to host memory one by one (`hal` offload) would cut them from DeepSpeed's flat
+buffers. DeepSpeed's own `offload_states()` / `reload_states()` would park it; the seats
+cannot call an engine's own park yet. No KL reference policy (as the fsdp engine).
+
+Run for real: CPU with gloo (DeepSpeed's CPU accelerator), 2 processes, ZeRO-1, -2 and -3
+(tests/engines/test_deepspeed_train.py: equality with the torch engine, exported weights,
+state round trips, non-finite steps), and `tidal run train.backend=deepspeed` (one process
+locally; 2 rank actors under `runtime: ray` on a fake GPU cluster, ZeRO-2 and ZeRO-3:
+tests/tools/test_deepspeed_run.py); `precision="bf16"` by hand only (one process, CPU
+autocast). Not run: GPU or NPU (the code asks hal for the device, the backend and DeepSpeed's
+accelerator name; nothing here names a vendor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.engines.deepspeed_setup import deepspeed_config, ensure_process_group, import_deepspeed, local_device_index
+from tidal.engines.deepspeed_state import full_state, load_full_state, weight_pass, weight_specs
+from tidal.engines.fsdp_commands import model_recipe, send_command
+from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
+from tidal.engines.micro_batches import pack, real_lengths, row_lengths
+from tidal.engines.padding_free import padding_free_for
+from tidal.engines.train_steps import (
+    NonfiniteGuard,
+    add_metrics,
+    average_metrics,
+    check_settings,
+    check_step_inputs,
+    evaluating,
+    mask_sequences,
+    masked_fraction,
+    next_token_stats,
+    padded_positions,
+    rows_with_signal,
+)
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.trajectory import TokenBatch
+from tidal.hal import Platform, current_platform
+from tidal.hal.transfer import LazyWeights, TensorSpec
+
+_HOST = torch.device("cpu")
+_COVERED = "_covered"
+"""A step's internal total: the loss tokens of the micro-batches that ran."""
+
+
+def _counts(batch: TokenBatch) -> dict[str, float]:
+    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
+    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
+
+
+def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
+    """The rows `among` of a train step's batch, advantages and proximal logprobs."""
+    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
+
+
+class _StepTaken:
+    """What `NonfiniteGuard.step` is given to step: DeepSpeed's `step()` has clipped and stepped
+    already, or skipped a non-finite step on every rank, so the guard only counts."""
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class DeepSpeedTrainEngine:
+    """A `TrainEngine` for a transformers-style causal LM, trained with DeepSpeed ZeRO over all ranks.
+
+    `rank0_leads=True`: only rank 0 is called; the other ranks run `deepspeed_lead.follow()`.
+    """
+
+    distributed = True
+    """Needs an initialised process group: `tidal run` makes a one-process group when none exists."""
+    collective = True
+    """`state_dict`, `load_state_dict` and ZeRO-3's weight passes are collectives over every rank."""
+    train_keys = ("zero_stage",)
+    """Recipe `train.*` keys its constructor takes besides those every train engine takes."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 8,
+        max_tokens_per_micro_batch: int | None = None,
+        temperature: float = 1.0,
+        precision: str = "fp32",
+        max_nonfinite_steps: int = 5,
+        lr_schedule: LRSchedule | None = None,
+        platform: Platform | None = None,
+        version: int = 0,
+        rank0_leads: bool = False,
+        padding_free: bool | None = None,
+        zero_stage: int = 2,
+    ) -> None:
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        if any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
+            raise ValueError("the model is DeepSpeed's already (another engine wraps it): build this engine from an un-wrapped copy")
+        config = deepspeed_config(zero_stage=zero_stage, grad_clip=grad_clip, model=model)  # raises before any collective
+        self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
+        self.platform = platform or current_platform()
+        self.platform.autocast(precision)  # raises before any collective where the platform lacks it
+        self.precision, self.zero_stage = precision, zero_stage
+        ensure_process_group(self.platform)
+        deepspeed = import_deepspeed(self.platform)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.led = rank0_leads and self.world_size > 1
+        """Only rank 0 is called; it sends every call to the other ranks."""
+        if self.led and self.rank == 0:
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage)
+            send_command("init", model=model_recipe(model), options=options)
+        index = local_device_index(self.platform)
+        self.device = self.platform.device(index)
+        self.platform.set_device(self.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        self.deepspeed, self.zero, _, _ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=model, optimizer=optimizer, config=config, dist_init_required=False)
+        """DeepSpeed's engine (what forwards, backwards and steps) and its ZeRO optimizer."""
+        self.module = self.deepspeed.module.train()
+        """The model DeepSpeed wraps (its parameters DeepSpeed's views, or ZeRO-3's slices)."""
+        self.optimizer: torch.optim.Optimizer = self.zero.optimizer
+        """The torch AdamW DeepSpeed steps, over this rank's flat fp32 slices."""
+        self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
+        self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
+        self.version = version
+        self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
+
+    @property
+    def _leading(self) -> bool:
+        return self.led and self.rank == 0
+
+    # Rows of a led group ---------------------------------------------------------------------
+    def _lead(self, op: str, tensors: Sequence[torch.Tensor | None], **args: Any) -> tuple[list[Any], list[int]]:
+        """Rank 0: send `op` and each follower its contiguous share of the rows of `tensors`;
+        return rank 0's share and every rank's number of rows."""
+        n = len(tensors[0])
+        bounds = [n * r // self.world_size for r in range(self.world_size + 1)]
+        rows = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        specs = [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
+        send_command(op, rows=rows, specs=specs, **args)
+        for rank in range(1, self.world_size):
+            for t in tensors:
+                if t is not None and rows[rank]:
+                    dist.send(t[bounds[rank] : bounds[rank + 1]].to(_HOST).contiguous(), dst=rank)
+        return [None if t is None else t[: bounds[1]] for t in tensors], rows
+
+    def _receive_rows(self, command: dict[str, Any]) -> list[torch.Tensor | None]:
+        """A follower: this rank's share of the rows rank 0 sent with `command`."""
+        n = command["rows"][self.rank]
+        out: list[torch.Tensor | None] = []
+        for spec in command["specs"]:
+            if spec is None:
+                out.append(None)
+                continue
+            dtype, shape = spec
+            out.append(torch.empty((n, *shape), dtype=dtype))
+            if n:
+                dist.recv(out[-1], src=0)
+        return out
+
+    def follow_command(self, command: dict[str, Any]) -> None:
+        """A follower (`deepspeed_lead.follow`): the collective calls of rank 0's `command`
+        (what rank 0 gets back is dropped)."""
+        op = command["op"]
+        if op in ("train_step", "sft_step", "logprobs"):
+            fields = self._receive_rows(command)
+            batch = TokenBatch(*fields[:5])
+            if op == "train_step":
+                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
+            elif op == "sft_step":
+                self._sft_step(batch)
+            else:
+                logprobs = self._logprobs(batch)
+                if len(batch):
+                    dist.send(logprobs.contiguous(), dst=0)
+        elif op == "named_weights":
+            for _ in weight_pass(self.module):
+                pass
+        elif op == "state_dict":
+            self._state_dict()
+        elif op == "load_state_dict":
+            self._load_state_dict({}, {} if command["with_optimizer"] else None, version=command["version"], lr_scheduler=command["lr_scheduler"])
+        else:
+            raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
+
+    # Forward passes --------------------------------------------------------------------
+    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each next token's logprob, and its distribution's entropy with `entropy` (`next_token_stats`)."""
+        batch = batch.to(self.device)
+        packed = self.padding_free.pack(batch) if self.padding_free is not None else None
+        if packed is not None:
+            return self.padding_free.token_stats(self.deepspeed, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+        left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
+        positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
+        with self.platform.autocast(self.precision):
+            logits = self.deepspeed(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits[:, :-1]
+        return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
+
+    def _dummy_pass(self, *, backward: bool) -> None:
+        """A forward (and zero-gradient backward) that joins the other ranks' collectives."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        with self.platform.autocast(self.precision):
+            logits = self.deepspeed(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        if backward:
+            self.deepspeed.backward(logits.float().sum() * 0.0)
+
+    def _micro_batches(self, batch: TokenBatch) -> list[slice]:
+        """This rank's runs of rows, in order, within `micro_batch_size` rows and
+        `max_tokens_per_micro_batch` tokens (`engines.micro_batches.pack`); their number may
+        differ between ranks (`_global` takes the most; the others make it up with dummy passes)."""
+        padded = self.padding_free is None
+        return pack((row_lengths(batch) if padded else real_lengths(batch)).tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch, padded=padded)
+
+    def _part(self, batch: TokenBatch, mb: slice) -> TokenBatch:
+        """Rows `mb` of `batch`; with a token budget cut to the longest of them (the padded size `pack` counted)."""
+        part = batch.select(mb)
+        return part if self.max_tokens_per_micro_batch is None else part.crop(max(int(row_lengths(part).max()), 2))
+
+    def _global(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> tuple[dict[str, float], int]:
+        """Loss tokens, sequences with a loss token, rows, rows that run (`running`: those of
+        this rank's rows; default all), and sequence masking's counts (`masked`: this rank's
+        sequences dropped and sequences with a loss token before it) summed over ranks; the
+        most micro-batches of any rank."""
+        running = batch if running is None else running
+        local = torch.tensor([*_counts(batch).values(), float(len(running)), *(masked or (0, 0)), float(len(self._micro_batches(running)))], dtype=torch.float64)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
+        stacked = torch.stack(parts)
+        tokens, sequences, rows, ran, dropped, with_tokens = stacked[:, :6].sum(0).tolist()
+        counts = {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens}
+        return counts, int(stacked[:, 6].max())
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
+        every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
+        if not self._leading:
+            return self._logprobs(batch)
+        fields, rows = self._lead("logprobs", batch.tensors())
+        parts = [self._logprobs(TokenBatch(*fields))]
+        for rank in range(1, self.world_size):
+            parts.append(torch.empty((rows[rank], batch.input_ids.shape[1] - 1), dtype=parts[0].dtype))
+            if rows[rank]:
+                dist.recv(parts[-1], src=rank)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """In eval mode (no dropout), as a rollout engine computes them."""
+        _, num_micro = self._global(batch)
+        with evaluating(self.module):
+            slices = self._micro_batches(batch)
+            parts = [self._token_stats(self._part(batch, mb))[0].cpu() for mb in slices]
+            for _ in range(num_micro - len(slices)):
+                self._dummy_pass(backward=False)
+        if self.zero_stage == 3:  # a forward without backward leaves prefetched weights gathered, or still arriving
+            self.zero.empty_partition_cache()  # local, on every rank at the same point: a later gather starts from slices
+        width = batch.input_ids.shape[1] - 1  # each part was cut to its longest row: padded back with 0
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
+
+    # Steps -----------------------------------------------------------------------------
+    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
+        """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics are
+        means over the loss tokens of the rows that ran (on every rank). With no rows to run
+        anywhere, one dummy pass gives every parameter a zero gradient, so AdamW still steps."""
+        totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
+        slices = self._micro_batches(batch)
+        for k in range(max(num_micro, 1)):
+            part = self._part(batch, slices[k]) if k < len(slices) else None
+            weight = weight_of(part) if part is not None else 0.0
+            if weight == 0:
+                self._dummy_pass(backward=True)
+                continue
+            loss, metrics = micro_loss(part, slices[k])
+            self.deepspeed.backward(loss * (weight * self.world_size))  # DeepSpeed averages over the ranks: this sums
+            totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
+        self.deepspeed.step()  # reduces, clips, steps AdamW; skips a non-finite norm on every rank
+        norm = self.deepspeed.get_global_grad_norm()
+        grad_norm = torch.tensor(math.nan if norm is None else float(norm))
+        step_metrics = self.nonfinite.step(_StepTaken(), [], grad_norm, grad_clip=self.grad_clip, version=self.version)  # type: ignore[arg-type]
+        summed = self._sum_over_ranks(totals)
+        average_metrics(summed, summed.pop(_COVERED))
+        summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
+        return summed
+
+    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
+        """Each rank's share-weighted metrics summed: the metrics of the whole batch."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, totals)  # small dicts of floats, inside this job only
+        out: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step over every rank's rows; version += 1.
+
+        SPMD: a collective; every rank calls it with its own rows. Led by rank 0: `batch` is
+        every row; rank 0 drops the rows without advantage before it shares out the rest and
+        sends the whole batch's counts along. Sequence masking is decided before any of that
+        (`mask_sequences`), and `seq_masked_fraction` is the whole batch's on every rank.
+
+        Raises:
+            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy), or
+                advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
+        """
+        if loss.kl_coef > 0:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the deepspeed engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
+        check_step_inputs(batch, advantages, proximal_logprobs)
+        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
+        if self._leading:
+            whole = None
+            if not loss.zero_advantage_counts:
+                whole = _counts(batch)
+                batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
+            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], loss=loss, whole=whole)
+            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
+        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
+
+    def _train_step(
+        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
+    ) -> dict[str, float]:
+        """Without a KL or entropy term, rows whose advantage is zero on every loss token get no
+        pass; the counts that weigh the micro-batches are still the whole batch's (`whole`, when
+        the leader dropped those rows already)."""
+        among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
+        counts, num_micro = self._global(batch, None if among is None else batch.select(among), masked)
+        if whole is not None:
+            counts.update(whole)
+        if among is not None:
+            batch, advantages, proximal_logprobs = _rows(among, batch, advantages, proximal_logprobs)
+        by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
+
+        def weight_of(part: TokenBatch) -> float:
+            if by_sequence:
+                if loss.aggregation == "token_sum_norm":
+                    return len(part) / counts["rows"]
+                return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
+            return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
+
+        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
+            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
+            return policy_loss(
+                logprobs,
+                (advantages[mb] if advantages.dim() == 1 else advantages[mb, :width]).to(self.device),
+                behavior_logprobs=part.behavior_logprobs.to(self.device),
+                mask=part.loss_mask.to(self.device),
+                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb, :width].to(self.device),
+                entropy=entropy,
+                config=loss,
+            )
+
+        metrics = self._step(batch, num_micro, micro_loss, weight_of)
+        metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
+        if masked is not None:
+            metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
+        self.scheduler.step()
+        self.version += 1
+        return metrics
+
+    def sft_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
+        tokens (led by rank 0: `batch` is every row); the version is unchanged."""
+        if self._leading:
+            fields, _ = self._lead("sft_step", batch.tensors())
+            batch = TokenBatch(*fields)
+        return self._sft_step(batch)
+
+    def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
+        counts, num_micro = self._global(batch)
+
+        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = part.loss_mask.to(self.device)
+            return -(self._token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+
+        metrics = self._step(batch, num_micro, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
+        metrics["num_tokens"] = counts["tokens"]
+        return metrics
+
+    # Weights and state -----------------------------------------------------------------
+    def named_weights(self) -> LazyWeights:
+        """Every weight, whole, under the un-sharded model's `state_dict` names, one at a time: a
+        `WeightSource` a transport streams bucket by bucket.
+
+        Its `specs()` need no gather. Under ZeRO-3 each pass gathers one parameter when it is
+        reached (a collective: SPMD, every rank makes it, in the same order; led by rank 0,
+        each pass rank 0 starts makes the followers make one in step, and a pass stopped early
+        gathers the rest without yielding them). Under ZeRO-1 and -2 a pass yields this rank's
+        own weights, which every rank holds whole, and involves no other rank.
+        """
+        return LazyWeights(self._weight_specs, self._weight_pass)
+
+    def _weight_specs(self) -> list[TensorSpec]:
+        return weight_specs(self.module)
+
+    def _weight_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.zero_stage < 3:
+            yield from weight_pass(self.module)
+            return
+        if self._leading:
+            send_command("named_weights")
+        weights = weight_pass(self.module)
+        try:
+            for item in weights:  # noqa: UP028 - not `yield from`: closing this would close `weights` too
+                yield item
+        finally:
+            for _ in weights:  # stopped early: make the remaining gathers (a generator that raised yields nothing)
+                pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer (AdamW's moments and step per parameter), lr schedule and version,
+        whole on the host, in `TorchTrainEngine.state_dict`'s format.
+
+        A collective (led by rank 0: rank 0 calls it). Rank 0 gets the tensors; the other
+        ranks get empty model and optimizer state (only rank 0 writes `tidal run`'s checkpoint).
+        """
+        if self._leading:
+            send_command("state_dict")
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        model, optimizer = full_state(self.module, self.optimizer, rank=self.rank)
+        return {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a whole state (`state_dict()` of any train engine): rank 0's copy is broadcast.
+        The optimizer keeps this engine's settings (lr, weight decay, betas); its moments and
+        step count come from `state`.
+
+        SPMD: a collective; every rank passes a state (only rank 0's is read). Led by rank
+        0: rank 0 calls it.
+        """
+        position = state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
+        if self._leading:
+            send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position)
+        self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position)
+
+    def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any]) -> None:
+        load_full_state(self.module, self.zero, rank=self.rank, model=model, optimizer=optimizer)
+        load_position(self.scheduler, lr_scheduler)
+        self.version = version
