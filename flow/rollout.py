@@ -6,7 +6,9 @@ its group), generates `group_size` samples for each, and puts the trajectories i
 `train` partition. New weights wait in its `WeightInbox` and are applied at safe points:
 before a generate call, and between decoding chunks, where the generation pauses and
 resumes with the new weights (partial rollout; every token keeps the version that
-produced it).
+produced it). With continuous batching (`continuous`, the default) a group goes into
+`train` as soon as its samples all ended, and admitted prompts join the running generate
+call in the rows it freed (`_Refill`, the engine's `refill`).
 
 A worker in hand-off mode (`hand_off=True`: a multiplexed rollout seat on borrowed
 training devices) whose generation paused because its seat was reclaimed does not keep

@@ -130,10 +130,11 @@ def test_run_check_opens_the_checkpoint_and_names_a_damaged_file_before_making_a
 
 def test_run_check_of_a_whole_checkpoint_passes_without_loading_its_weights(finished, tmp_path, monkeypatch):
     """The check reads headers and small files: the weights, the largest file, stay on disk."""
-    from tidal.tools import checkpoint
+    from tidal.engines import models
     from tidal.tools.cli import main
 
-    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("the check loaded the model"))
+    for source in (models.TinySource, models.HFSource):  # every way a checkpoint's model is loaded
+        monkeypatch.setattr(source, "load", lambda *a, **k: pytest.fail("the check loaded the model"))
     assert main(["run", "quickstart_cpu", *TINY, f"run_dir={tmp_path / 'new'}", f"resume={finished}", "--check"]) == 0
     assert (tmp_path / "new" / "config.yaml").is_file()
 
