@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from tidal.flow.store.cells import as_indexes
+from tidal.flow.store.errors import StoreError
 from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows
 
 _lease_seq = itertools.count(1)
@@ -406,6 +407,14 @@ class Partition:
         groups = None if seg.groups is None else seg.groups[rows]
         blocks = {c: self.column_block(seg.columns[c], first, len(take)) for c in columns}
         return range(int(take[0]), int(take[0]) + len(take)), shared_versions, groups, blocks
+
+    def had(self, where: np.ndarray) -> np.ndarray:
+        """`where`, once every index in it is a row this partition has had (acked or evicted
+        is fine: acks are idempotent); raise StoreError naming the first that never was."""
+        bad = where[(where < 0) | (where >= self.next_index)]
+        if len(bad):
+            raise StoreError(f"partition {self.name!r} never had row {int(bad[0])}")
+        return where
 
     def column_names(self) -> list[str]:
         """The columns some live row of this partition has, sorted."""

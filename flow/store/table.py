@@ -96,7 +96,7 @@ class Store:
                     raise StoreError(f"wait_partition({name!r}) was cancelled")
                 if deadline is not None and self._clock() >= deadline:
                     raise StoreTimeout(f"wait_partition({name!r}) timed out after {timeout}s: no partition {name!r}; partitions: {sorted(self._parts)}")
-                self._signals.created.wait(_bounded(None if deadline is None else max(deadline - self._clock(), 0.0)))
+                self._signals.created.wait(self._left(deadline))
 
     def configure_partition(self, name: str, *, capacity_rows: int | None = None, lease_s: float | None = None) -> None:
         """Set a partition's row capacity and lease (those given; a resumed run's settings)."""
@@ -116,10 +116,6 @@ class Store:
             part.consumers[consumer] = ConsumerState(consumer)
             for seg in part.segments:
                 seg.add_consumer(consumer)
-
-    @property
-    def _change_listeners(self) -> list[Callable[[str | None], None]]:
-        return self._signals.change_listeners  # what tests look at to see a stage let go of the store
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -309,7 +305,7 @@ class Store:
         part = self._part(partition)
         if consumer not in part.consumers:
             raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
-        return part, consumer, _had(part, partition, as_indexes(indexes))
+        return part, consumer, part.had(as_indexes(indexes))
 
     def _create_rows(
         self,
@@ -362,7 +358,7 @@ class Store:
                     f"a put of {num_rows} rows waited for its whole timeout"
                 )
             # Only evictions (acks) free room, and they notify: wait for them or the deadline.
-            self._signals.room_in(part).wait(_bounded(None if deadline is None else max(deadline - self._clock(), 0.0)))
+            self._signals.room_in(part).wait(self._left(deadline))
 
     # Get / ack --------------------------------------------------------------------------
     def get(
@@ -413,7 +409,7 @@ class Store:
                 raise StoreError(f"a group of {group_size} rows can never be complete in partition {partition!r} (capacity_rows={part.capacity_rows}): its producers block first; raise capacity_rows to at least the group size")
             state.keys.add(key)
             if ack is not None:
-                where = _had(part, partition, as_indexes(ack))
+                where = part.had(as_indexes(ack))
                 if len(where):
                     self._ack_many(part, consumer, where)
                     self._notify(part, room=True)
@@ -447,7 +443,7 @@ class Store:
             part = self._part(partition)
             if consumer not in part.consumers:
                 raise ValueError(f"{consumer!r} is not a consumer of partition {partition!r}")
-            newly = self._ack_many(part, consumer, _had(part, partition, where))
+            newly = self._ack_many(part, consumer, part.had(where))
             self._notify(part, room=True)
             return newly
 
@@ -537,6 +533,10 @@ class Store:
             self._notify()
         return expired
 
+    def _left(self, deadline: float | None) -> float | None:
+        """How long a condition wait until `deadline` (store clock) may take; None: no bound."""
+        return _bounded(None if deadline is None else max(deadline - self._clock(), 0.0))
+
     def _wait_time(self, part: Partition, deadline: float | None) -> float | None:
         now = self._clock()
         waits = [deadline - now] if deadline is not None else []
@@ -597,12 +597,3 @@ def _timed_out(part: Partition, consumer: str, columns: list[str], batch_size: i
         f"get({consumer!r}, {part.name!r}, {columns}) timed out after {timeout}s: {num_ready} of {batch_size} rows were ready; "
         f"waited for columns {columns}, the partition's rows have {have}" + (f" (none has {missing})" if missing else "")
     )
-
-
-def _had(part: Partition, partition: str, where: np.ndarray) -> np.ndarray:
-    """`where`, once every index in it is a row `part` has had (acked or evicted is fine:
-    acks are idempotent); raise StoreError naming the first that never was."""
-    bad = where[(where < 0) | (where >= part.next_index)]
-    if len(bad):
-        raise StoreError(f"partition {partition!r} never had row {int(bad[0])}")
-    return where

@@ -375,7 +375,7 @@ def test_a_store_that_outlives_its_server_stops_calling_it():
         with StoreServer(store) as server:
             client = RemoteStore(server.address)
             client.put("train", {"x": torch.zeros(1, 2)})
-            assert len(store._change_listeners) == 1
+            assert len(store._signals.change_listeners) == 1
             client.close()
     assert store._signals.change_listeners == [] and store._signals.free_listeners == []
     store.put("train", {"x": torch.ones(1, 2)})

@@ -337,7 +337,7 @@ def test_a_store_restored_from_a_run_with_smaller_steps_takes_this_runs_steps():
     steps = []
     Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append).run()
     assert [m["samples"] for m in steps] == [cfg.batch_size] * cfg.num_steps
-    assert store._change_listeners == []  # both runs' stages let go of the store they leave behind
+    assert store._signals.change_listeners == []  # both runs' stages let go of the store they leave behind
     assert store._part("prompts").lease_s == store._part("train").lease_s == 7200.0
 
 
