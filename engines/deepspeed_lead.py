@@ -10,14 +10,10 @@ rank 0 builds one and makes the collective calls of each of its calls, until
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from tidal.engines.fsdp_commands import receive_command
+from tidal.engines.fsdp_lead import follow_engines
 
 if TYPE_CHECKING:
     from tidal.engines.deepspeed_train import DeepSpeedTrainEngine
@@ -42,37 +38,4 @@ def follow(share: Callable[[DeepSpeedTrainEngine], Any] | None = None) -> dict[s
     """
     from tidal.engines.deepspeed_train import DeepSpeedTrainEngine  # noqa: PLC0415 - that module sends these commands
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
-    engine: DeepSpeedTrainEngine | None = None
-    seat: Any = None
-    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
-    try:
-        while True:
-            command = receive_command()
-            if command["op"] == "stop":
-                return done
-            if command["op"] == "init":
-                if seat is not None:
-                    seat.close()
-                engine = seat = None  # the previous engine goes before the next one is built
-                cls, config, dtype = command["model"]
-                with torch.random.fork_rng(devices=[]):  # building draws random weights; DeepSpeed broadcasts rank 0's
-                    model = cls(config).to(dtype)
-                engine = DeepSpeedTrainEngine(model, rank0_leads=True, **command["options"])
-                seat = share(engine) if share is not None else None
-                done["engines"] += 1
-                continue
-            if engine is None:
-                raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
-            with seat.turn() if seat is not None else contextlib.nullcontext():
-                try:
-                    engine.follow_command(command)
-                except FloatingPointError:  # every rank raised it at this step, nothing stepped: rank 0's
-                    continue  # checkpoint of that state still needs this rank's collectives
-            done["steps"] += command["op"] in ("train_step", "sft_step")
-            done["exports"] += command["op"] == "named_weights"
-            done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
-    finally:
-        if seat is not None:
-            seat.close()
+    return follow_engines(DeepSpeedTrainEngine, share)

@@ -43,9 +43,16 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
     """
     from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
 
+    return follow_engines(FSDPTrainEngine, share)
+
+
+def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None) -> dict[str, int]:
+    """`follow()` for a led group whose engines are `engine_cls` (built as
+    `engine_cls(model, rank0_leads=True, **options)`, each command run by its
+    `follow_command`): the loop every multi-rank backend's followers share."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
-    engine: FSDPTrainEngine | None = None
+    engine: Any = None
     seat: Any = None
     done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
     try:
@@ -60,7 +67,7 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
                 cls, config, dtype = command["model"]
                 with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
                     model = cls(config).to(dtype)
-                engine = FSDPTrainEngine(model, rank0_leads=True, **command["options"])
+                engine = engine_cls(model, rank0_leads=True, **command["options"])
                 seat = share(engine) if share is not None else None
                 done["engines"] += 1
                 continue
@@ -68,7 +75,7 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
                 raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
             with seat.turn() if seat is not None else contextlib.nullcontext():
                 try:
-                    engine._follow(command)
+                    engine.follow_command(command)
                 except FloatingPointError:  # every rank raised it at this step, nothing stepped: rank 0's
                     continue  # checkpoint of that state (`tools.train`) still needs this rank's collectives
             done["steps"] += command["op"] in ("train_step", "sft_step")

@@ -223,7 +223,7 @@ class FSDPTrainEngine:
                 dist.recv(out[-1], src=0)
         return out
 
-    def _follow(self, command: dict[str, Any]) -> None:
+    def follow_command(self, command: dict[str, Any]) -> None:
         """A follower: the collective calls of rank 0's `command` (what rank 0 gets back is dropped)."""
         op = command["op"]
         if op in ("train_step", "sft_step", "logprobs"):
