@@ -23,6 +23,22 @@ def _raised(ref) -> BaseException:
     raise AssertionError("the call did not fail")
 
 
+def _raised_once_dead(actor, timeout: float = 30.0) -> BaseException:
+    """The error of the first `ping` after `ray.kill(actor)` took effect: the kill is
+    asynchronous, so a call sent at once may still be answered by the living actor."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(actor.ping.remote())
+        except Exception as e:  # the error under test
+            return e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the actor still answered {timeout:.0f} s after ray.kill")
+        time.sleep(0.05)
+
+
 def _failing_actors():
     import ray
 
@@ -122,7 +138,7 @@ def test_a_death_summary_says_an_actor_was_killed(ray_session):
     inner = Inner.remote()
     pid = ray.get(inner.ping.remote())
     ray.kill(inner)
-    summary = death_summary(_raised(inner.ping.remote()))
+    summary = death_summary(_raised_once_dead(inner))
     assert summary.startswith(f"ActorDiedError: actor Inner (pid {pid} at ") and summary.endswith(" died: it was killed by `ray.kill`"), summary
 
 
