@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -114,9 +114,9 @@ class TaskSpec:
     length_params: tuple[str, ...]
     reward: str
 
-    def bind(self, settings: Mapping[str, Any]) -> BoundTask:
-        """The task with its parameters taken from `settings` (the recipe's `task` section)."""
-        return BoundTask(self, {k: settings[k] for k in self.params})
+    def bind(self, settings: Any) -> BoundTask:
+        """The task with its parameters taken from the attributes of `settings` (the recipe's `task` section)."""
+        return BoundTask(self, {k: getattr(settings, k) for k in self.params})
 
 
 @dataclasses.dataclass(frozen=True)

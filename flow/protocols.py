@@ -10,7 +10,7 @@ small `runtime_checkable` protocol below, checked with `isinstance`, never by pr
 for a name: supervised steps, weight sharing, parking for time-shared devices, pausing
 for a reclaimed seat, several ranks. From Python 3.12 `isinstance` sees only what a class
 or its instance declares (`inspect.getattr_static`), not what a `__getattr__` forwards, so
-a wrapper (`flow.timeshare.SharedTrainEngine`, `tools.ray_run.RemoteRollouts`) declares
+a wrapper (`flow.timeshare.SharedTrainEngine`, `flow.ray.rollouts.RemoteRollouts`) declares
 each capability it is checked for.
 """
 

@@ -42,6 +42,7 @@ import torch
 
 from tidal.flow.protocols import Reclaimable, RolloutEngine
 from tidal.flow.rows import put_trajectories
+from tidal.flow.store.protocol import StoreApi
 from tidal.flow.store.samplers import TaggedFirst
 from tidal.flow.store.table import StoreTimeout
 from tidal.flow.trace import Tracer, Waits
@@ -182,7 +183,7 @@ class RolloutWorker:
     def __init__(
         self,
         *,
-        store: Any,
+        store: StoreApi,
         engine: RolloutEngine,
         group_size: int,
         max_new_tokens: int,

@@ -103,7 +103,7 @@ class Stages:
         store.set_version(version)
         existing = store.metrics()["partitions"]
         for name, consumers in (("prompts", ["rollout"]), ("train", ["reward", "advantage", "train"])):
-            capacity = 2 * config.batch_size * (config.max_staleness + 2) if name == "train" else config.prompts_per_step * (config.max_staleness + 2)
+            capacity = 2 * config.batch_size * (config.algorithm.max_staleness + 2) if name == "train" else config.algorithm.prompts_per_step * (config.algorithm.max_staleness + 2)
             capacity = max(capacity, config.batch_size)
             if name not in existing:
                 store.create_partition(name, consumers=consumers, capacity_rows=capacity, lease_s=config.lease_s)
@@ -194,7 +194,7 @@ class Stages:
             p = partitions[partition]
             return p["rows"] + p["evicted"] - p["consumers"][consumer]["acked"]
 
-        return self.config.group_size * unacked("prompts", "rollout") + unacked("train", "train")
+        return self.config.algorithm.group_size * unacked("prompts", "rollout") + unacked("train", "train")
 
     def _on_store_change(self, partition: str | None) -> None:
         """Store listener (store lock held): rows the trainer's sampler dropped free room
@@ -250,23 +250,23 @@ class Stages:
             # each prompt carries the version that admitted it: rollout generates it with no older weights
             self.store.put("prompts", {"prompt": prompts}, versions=[version] * len(prompts), cancel=self._stopping)  # waits for room (back-pressure)
             self._position = position
-            self._started += len(prompts) * self.config.group_size
+            self._started += len(prompts) * self.config.algorithm.group_size
 
     def _check_enough(self) -> None:
         """With the prompt source used up: raise if the samples started, less those dropped,
         can no longer fill the run's steps (the trainer would wait for them forever)."""
         cfg, dropped = self.config, self._dropped()
-        if self._started - dropped < cfg.num_steps * cfg.batch_size:
+        if self._started - dropped < cfg.algorithm.num_steps * cfg.batch_size:
             raise RuntimeError(
-                f"the prompt source ran out: {cfg.num_steps} steps of {cfg.prompts_per_step} prompts need {cfg.num_steps * cfg.prompts_per_step} groups, "
-                f"and {self._started // cfg.group_size} started, {dropped} samples of them dropped as too stale; give more prompts (or a source that repeats), or fewer steps"
+                f"the prompt source ran out: {cfg.algorithm.num_steps} steps of {cfg.algorithm.prompts_per_step} prompts need {cfg.algorithm.num_steps * cfg.algorithm.prompts_per_step} groups, "
+                f"and {self._started // cfg.algorithm.group_size} started, {dropped} samples of them dropped as too stale; give more prompts (or a source that repeats), or fewer steps"
             )
 
     def _admitted(self, version: int) -> int:
         """How many more groups may start at `version` (AReaL's staleness bound)."""
         cfg = self.config
-        room = (cfg.max_staleness + version + 1) * cfg.batch_size - (self._started - self._dropped())
-        return max(room // cfg.group_size, 0)
+        room = (cfg.algorithm.max_staleness + version + 1) * cfg.batch_size - (self._started - self._dropped())
+        return max(room // cfg.algorithm.group_size, 0)
 
     def _reward_stage(self) -> None:
         while True:  # every row that is ready, up to a step's worth
@@ -274,9 +274,9 @@ class Stages:
             trajectories = trajectories_of(batch)
             with self.tracer.span("reward", "reward", rows=len(trajectories)):
                 rewards, failed, *timeouts = self.score(trajectories)  # a score may leave out its timeout count
-                if self.config.overlong == "penalty":  # DAPO's soft overlong punishment, on top of the verifier's reward
+                if self.config.algorithm.overlong == "penalty":  # DAPO's soft overlong punishment, on top of the verifier's reward
                     cfg = self.config
-                    rewards = [r + overlong_penalty(t.num_generated, max_tokens=cfg.max_new_tokens, buffer=cfg.overlong_buffer) for r, t in zip(rewards, trajectories)]
+                    rewards = [r + overlong_penalty(t.num_generated, max_tokens=cfg.rollout.max_new_tokens, buffer=cfg.algorithm.overlong_buffer) for r, t in zip(rewards, trajectories)]
             with self._scoring:  # counted and in the store together, as a checkpoint saves them (`save`)
                 self._num_failed_rewards += len(failed)
                 self._num_reward_timeouts += timeouts[0] if timeouts else 0
@@ -285,8 +285,8 @@ class Stages:
     def _advantage_stage(self) -> None:
         cfg = self.config
         while True:  # every complete group that is ready, up to a step's worth, in one call
-            batch = self._get("advantage", "advantage", "train", ["reward"], cfg.batch_size, sampler=Grouped(cfg.group_size), partial=True)
+            batch = self._get("advantage", "advantage", "train", ["reward"], cfg.batch_size, sampler=Grouped(cfg.algorithm.group_size), partial=True)
             with self.tracer.span("advantage", "advantage", rows=len(batch)):
                 rewards = batch.stack("reward").to(torch.float32)
-                advantages = compute_advantages(cfg.advantage, rewards, batch.groups)
+                advantages = compute_advantages(cfg.algorithm.advantage, rewards, batch.groups)
             self.store.put("train", {"advantage": advantages}, batch.indexes, ack=("advantage", "train", batch.indexes))

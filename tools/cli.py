@@ -12,9 +12,12 @@ import textwrap
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tidal.hal.versions import PACKAGES
+
+if TYPE_CHECKING:  # the CLI starts without loading the schema's imports
+    from tidal.tools.config import RecipeConfig
 
 DESCRIPTION = """\
 tidal: asynchronous, streaming RL post-training of LLMs on Ascend NPUs, NVIDIA GPUs,
@@ -445,7 +448,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 2
 
 
-def strict_reward(cfg: Any) -> bool:
+def strict_reward(cfg: RecipeConfig) -> bool:
     """Whether the recipe's reward is a built-in verifier: strict (the answer alone or its
     math-verify equivalent, then an end token), so its held-out accuracy is labelled so."""
     from tidal.engines.rewards import MODULE_REWARDS, REWARDS  # noqa: PLC0415

@@ -24,12 +24,14 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from tidal.engines import tasks
+from tidal.flow.config import Bounded, Checked
 from tidal.tools.config_keys import iter_keys, key_type
 from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home is this module
+    MAX_SEED,
     AlgorithmConfig,
     Attention,
     ClusterConfig,
+    ConfigError,
     DataConfig,
     FaultConfig,
     ModelConfig,
@@ -44,12 +46,9 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     TaskConfig,
     TrainConfig,
     TransportConfig,
+    longest_prompt,
+    loss_error,
 )
-
-
-class ConfigError(ValueError):
-    """A user mistake in a recipe or an override; the CLI prints it and exits with code 2."""
-
 
 # ---------------------------------------------------------------------------------------
 # Loading.
@@ -206,7 +205,8 @@ def _parses(item: str) -> bool:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schema: type = RecipeConfig) -> Any:
-    """Merge schema defaults, the recipe file and overrides; validate; return the config.
+    """Merge schema defaults, the recipe file and overrides; validate; return the config: an
+    instance of `schema` (a `RecipeConfig` unless told otherwise).
 
     Raises:
         ConfigError: naming the file or override, the key, and what is wrong with it.
@@ -244,131 +244,74 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required keys have no value: {missing}")
-    _check_values(cfg)
     _check_strings(cfg, schema)
+    typed = OmegaConf.to_object(cfg)
+    check(typed)
+    return typed
+
+
+def select(cfg: Any, key: str) -> Any:
+    """The value of dotted `key` (`train.lr`) in a loaded config."""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
     return cfg
 
 
-def stage_threads(cfg: Any, stage: str) -> int:
+def config_from_yaml(text: str, *, schema: type = RecipeConfig) -> Any:
+    """A config as `to_yaml` wrote it (a run's config.yaml, or one sent to a Ray actor), typed
+    again; it was checked when it was loaded."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text)))
+
+
+def stage_threads(cfg: RecipeConfig, stage: str) -> int:
     """torch intra-op threads of an RL stage ("rollout" or "train"): its own `threads`, else
     the run's (0: torch's default)."""
     return getattr(cfg, stage).threads or cfg.threads
 
 
-_AT_LEAST = {
-    "seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0, "eval_every": 0, "train.warmup_steps": 0,
-    "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1, "model.num_kv_heads": 1, "model.intermediate_size": 1, "model.max_positions": 2,
-    "task.max_value": 0, "task.reward_workers": 0, "task.num_eval_prompts": 1, "task.num_numbers": 1, "task.max_number": 1, "sft.steps": 0, "sft.batch_size": 1,
-    "rollout.max_new_tokens": 1, "rollout.chunk_tokens": 1, "rollout.prompts_per_generate": 1, "rollout.threads": 0,
-    "train.micro_batch_size": 1, "train.max_tokens_per_micro_batch": 2, "train.weight_decay": 0, "train.threads": 0, "train.max_nonfinite_steps": 0, "cluster.nodes[].count": 1,
-    "algorithm.num_steps": 1, "algorithm.prompts_per_step": 1, "algorithm.group_size": 2, "algorithm.max_staleness": 0,
-    "algorithm.clip_low": 0, "algorithm.clip_high": 0, "algorithm.kl_coef": 0, "algorithm.overlong_buffer": 0,
-    "transport.bucket_mb": 1, "fault.rollout_restarts": 0, "fault.trainer_restarts": 0, "fault.liveness_s": 0, "fault.liveness_grace_s": 0,
-    "placement.train.count": 1, "placement.train.devices_each": 1, "placement.rollout.count": 1, "placement.rollout.devices_each": 1,
-}
-"""Recipe keys and their smallest valid value (checked when a recipe loads, not mid-run); `a[].b`: b of each entry of list a."""
-MAX_SEED = 2**64 - 1
-"""The largest `seed` (torch.manual_seed's bound; larger ones failed with a traceback once the run directory was made)."""
-_POSITIVE = ("rollout.temperature", "train.lr", "sft.lr", "train.grad_clip", "algorithm.tis_cap", "algorithm.seq_mask_high", "lease_s", "task.reward_timeout_s")
-"""Recipe keys that must be > 0 when set."""
-_FINITE = ("algorithm.seq_mask_low", "algorithm.dual_clip", "algorithm.entropy_coef")
-"""Recipe keys with no bound of their own here that must be finite when set (the loss checks the rest)."""
-_WHY = {
-    "algorithm.group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",
-    "rollout.temperature": "rollout samples, and its behavior logprobs are taken at this temperature",
-    "train.grad_clip": "gradients are clipped to this norm",
-    "algorithm.tis_cap": "the importance weight is truncated at it; null for no cap",
-    "algorithm.seq_mask_high": "sequences whose behavior weight is above it are left out, and every weight is > 0, so all would be; null for no upper bound",
-}
+def check(node: Any, prefix: str = "") -> None:
+    """Check a loaded config: each section's bounds (`flow.config.Bounded`) and its own
+    `check()` (`Checked`), the sections inside a section before it, so the recipe's checks
+    that span sections find each one sound.
 
-
-def _check_values(cfg: Any) -> None:
-    """Checks a type cannot express, each naming its key."""
-    from tidal.engines.registry import CHECKED_ON_LOAD, unknown  # noqa: PLC0415
-    from tidal.hal.select import check_spec  # noqa: PLC0415 - only recipes with a device need it
-
-    if "device" in cfg:
+    Raises:
+        ConfigError: naming the key and what is wrong with it.
+    """
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            check(value, f"{prefix}{f.name}.")
+        elif isinstance(value, list):
+            for i, entry in enumerate(value):
+                if dataclasses.is_dataclass(entry):
+                    check(entry, f"{prefix}{f.name}[{i}].")
+    _check_bounds(node, prefix)
+    if isinstance(node, Checked):
         try:
-            check_spec(cfg.device, source="device")
-        except ValueError as e:
+            node.check()
+        except ConfigError:
+            raise
+        except ValueError as e:  # the checks name their keys
             raise ConfigError(str(e)) from None
-    if "task" in cfg:
-        try:
-            tasks.check_ops(cfg.task.ops)  # the arithmetic prompts' own check, before the run directory
-        except ValueError:
-            raise ConfigError(f"task.ops={cfg.task.ops!r} is not a non-empty set of the operators + - * (e.g. +-)") from None
-    if "train" in cfg and "lr_schedule" in cfg.train:
-        from tidal.engines.lr_schedule import LR_SCHEDULES  # noqa: PLC0415
 
-        if cfg.train.lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(f"train.lr_schedule={cfg.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
-        if not 0 <= cfg.train.min_lr_ratio <= 1:  # nan fails it too
-            raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]: the cosine schedule's last lr as a share of train.lr")
-    if "train" in cfg and cfg.train.get("zero_stage", 1) not in (1, 2, 3):  # `engines.deepspeed_setup.ZERO_STAGES`
-        raise ConfigError(f"train.zero_stage={cfg.train.zero_stage} is not one of 1, 2, 3 (DeepSpeed ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the weights)")
-    if "transport" in cfg and cfg.transport.name not in ("auto", "ipc", "collective", "host"):
-        raise ConfigError(f"transport.name={cfg.transport.name!r} is not one of auto, ipc, collective, host")
-    for name, value in (item for key in (*_AT_LEAST, *_POSITIVE, *_FINITE) for item in _selected(cfg, key)):
+
+def _check_bounds(node: Any, prefix: str) -> None:
+    if not isinstance(node, Bounded):
+        return
+    bounds = node.BOUNDS
+    because = {name: f": {bounds.why[name]}" if name in bounds.why else "" for name in (*bounds.at_least, *bounds.positive, *bounds.finite)}
+    for name in because:
+        value = getattr(node, name)
         if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
-            raise ConfigError(f"{name}={value} must be a finite number")
-    for key, least in _AT_LEAST.items():
-        for name, value in _selected(cfg, key):
-            if value is not None and value < least:
-                raise ConfigError(f"{name}={value} must be >= {least}" + (f": {_WHY[key]}" if key in _WHY else ""))
-    if "seed" in cfg and cfg.seed is not None and cfg.seed > MAX_SEED:
-        raise ConfigError(f"seed={cfg.seed} must be <= {MAX_SEED}: torch's generators take a 64-bit seed")
-    for key in _POSITIVE:
-        value = OmegaConf.select(cfg, key)
+            raise ConfigError(f"{prefix}{name}={value} must be a finite number")
+    for name, least in bounds.at_least.items():
+        value = getattr(node, name)
+        if value is not None and value < least:
+            raise ConfigError(f"{prefix}{name}={value} must be >= {least}{because[name]}")
+    for name in bounds.positive:
+        value = getattr(node, name)
         if value is not None and value <= 0:
-            raise ConfigError(f"{key}={value} must be > 0" + (f": {_WHY[key]}" if key in _WHY else ""))
-    if "model" in cfg and "num_kv_heads" in cfg.model:
-        m = cfg.model
-        if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
-            raise ConfigError(f"model.hidden_size={m.hidden_size}, model.num_heads={m.num_heads}, model.num_kv_heads={m.num_kv_heads}: hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads")
-    if "algorithm" in cfg:
-        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS, OVERLONG  # noqa: PLC0415
-
-        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS), ("overlong", OVERLONG)):
-            if key in cfg.algorithm and cfg.algorithm[key] not in names:
-                raise ConfigError(f"algorithm.{key}={cfg.algorithm[key]!r} is not one of {', '.join(names)}")
-        if cfg.algorithm.get("overlong") == "penalty" and "rollout" in cfg:
-            buffer, budget = cfg.algorithm.overlong_buffer, cfg.rollout.max_new_tokens
-            if not 1 <= buffer <= budget:
-                raise ConfigError(f"algorithm.overlong_buffer={buffer} must be within 1..rollout.max_new_tokens ({budget}) with algorithm.overlong=penalty: the tokens before the limit over which the penalty falls to -1")
-        if "rollout" in cfg:
-            loss_config(cfg)  # every bound of the loss, now rather than after the warm start
-    for key in CHECKED_ON_LOAD:
-        section, _, field = key.partition(".")
-        if section in cfg and field in cfg[section] and (message := unknown(key, cfg[section][field])):
-            raise ConfigError(message)
-    if "model" in cfg and "dtype" in cfg.model:
-        from tidal.engines.models import DTYPES  # noqa: PLC0415
-
-        if cfg.model.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype={cfg.model.dtype!r} is not one of {', '.join(DTYPES)}")
-    if "data" in cfg:
-        from tidal.engines.data import DataError, check_config  # noqa: PLC0415
-
-        try:
-            check_config(cfg.data)
-        except DataError as e:
-            raise ConfigError(str(e)) from None
-    if all(section in cfg for section in ("task", "model", "rollout")) and _generated_prompts_on_tiny(cfg):
-        _check_lengths(cfg)
-
-
-def _generated_prompts_on_tiny(cfg: Any) -> bool:
-    """Whether the run's prompts are the task's and its model the tiny one: the case whose
-    longest sequence is known before any file is read."""
-    return cfg.model.get("source", "tiny") == "tiny" and not ("data" in cfg and cfg.data.train_files)
-
-
-def _selected(cfg: Any, key: str) -> list[tuple[str, Any]]:
-    """(full key, value) of `key`, or of each list entry's field for `a[].b` (`a[0].b`, ...)."""
-    head, sep, field = key.partition("[].")
-    if not sep:
-        return [(key, OmegaConf.select(cfg, key))]
-    return [(f"{head}[{i}].{field}", entry[field]) for i, entry in enumerate(OmegaConf.select(cfg, head) or ())]
+            raise ConfigError(f"{prefix}{name}={value} must be > 0{because[name]}")
 
 
 def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:
@@ -388,61 +331,18 @@ def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:
             raise ConfigError(f"{key} holds {bad[0]!r}: {f.name} are strings")
 
 
-def longest_prompt(cfg: Any) -> int | None:
-    """Tokens of the longest prompt the recipe's task can draw, <bos> included (the
-    character tokenizer: a token per character); None for a task without a known bound."""
-    keys = tasks.PROMPT_PARAMS.get(cfg.task.name, ())
-    chars = tasks.longest_prompt(cfg.task.name, {k: cfg.task[k] for k in keys})
-    return None if chars is None else 1 + chars
-
-
-def _check_lengths(cfg: Any) -> None:
-    """`model.max_positions` holds the longest sequence: the longest prompt and every token rollout may add."""
-    prompt = longest_prompt(cfg)
-    if prompt is None:
-        return
-    budget, limit = cfg.rollout.max_new_tokens, cfg.model.max_positions
-    if prompt + budget > limit:
-        keys = ", ".join(f"task.{k}={cfg.task[k]}" for k in tasks.PROMPT_PARAMS[cfg.task.name])
-        raise ConfigError(
-            f"model.max_positions={limit} is shorter than the longest sequence: {prompt} prompt tokens (<bos> and the longest {cfg.task.name} prompt, {keys}) "
-            f"+ rollout.max_new_tokens={budget} = {prompt + budget} tokens; raise model.max_positions or lower one of the others"
-        )
-
-
-_LOSS_KEYS = {"max_tokens": "rollout.max_new_tokens", "proximal_is_policy": "algorithm.decoupled"}
-"""`PolicyLossConfig` fields whose recipe key is not `algorithm.<field>`."""
-
-
-def loss_config(cfg: Any) -> Any:
-    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`): every field from the
-    `algorithm.*` key of its name, but "token_sum_norm"'s `max_tokens`, which is
-    `rollout.max_new_tokens` (the longest response), and `proximal_is_policy`, which the
-    workflow sets from `algorithm.decoupled`.
+def loss_config(cfg: RecipeConfig) -> Any:
+    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`, `AlgorithmConfig.loss`).
 
     Raises:
         ConfigError: naming the recipe key whose value the loss refuses.
     """
-    from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415
-
-    algo = cfg.algorithm
-    own = [f.name for f in dataclasses.fields(PolicyLossConfig) if f.name not in _LOSS_KEYS]
     try:
-        return PolicyLossConfig(**{name: algo[name] for name in own}, max_tokens=cfg.rollout.max_new_tokens)
+        return cfg.algorithm.loss(cfg.rollout.max_new_tokens)
     except ValueError as e:  # the loss names its fields: clip_low, clip_high, ...
         raise loss_error(e) from None
 
 
-def loss_error(error: ValueError) -> ConfigError:
-    """`PolicyLossConfig`'s `error` as a `ConfigError` that names recipe keys: each field it
-    names becomes that field's key (`algorithm.<field>`, or `_LOSS_KEYS`'), and Python's
-    None the recipe's null."""
-    from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415
-
-    fields = re.compile(r"\b(" + "|".join(f.name for f in dataclasses.fields(PolicyLossConfig)) + r")\b")
-    message = fields.sub(lambda m: _LOSS_KEYS.get(m[1], f"algorithm.{m[1]}"), str(error))
-    return ConfigError(re.sub(r"\bNone\b", "null", message))
-
-
 def to_yaml(cfg: Any) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    """The config as YAML (what run directories keep, and Ray actors are sent)."""
+    return OmegaConf.to_yaml(cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg), resolve=True)

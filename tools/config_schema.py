@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+import re
+from typing import ClassVar, Optional
 
+from tidal.engines import tasks
 from tidal.engines.data import DataConfig
+from tidal.flow.config import AlgorithmConfig, Bounds, RolloutConfig, check_overlong
+
+MAX_SEED = 2**64 - 1
+"""The largest `seed` (torch.manual_seed's bound; larger ones failed with a traceback once the run directory was made)."""
+
+
+class ConfigError(ValueError):
+    """A user mistake in a recipe or an override; the CLI prints it and exits with code 2."""
 
 
 class Runtime(enum.Enum):
@@ -39,6 +49,8 @@ class Attention(enum.Enum):
 class ModelConfig:
     """The policy model: the built-in tiny Qwen2-architecture model (the CPU recipes), or a
     local Hugging Face checkpoint directory."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "intermediate_size": 1, "max_positions": 2})
 
     hidden_size: int = 128
     """Width of the tiny model."""
@@ -74,10 +86,23 @@ class ModelConfig:
     """Recompute activations in the backward pass instead of keeping them (less memory,
     about a third more compute); hf models."""
 
+    def check(self) -> None:
+        from tidal.engines.models import DTYPES  # noqa: PLC0415
+
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size}, model.num_heads={self.num_heads}, model.num_kv_heads={self.num_kv_heads}: "
+                "hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+
 
 @dataclasses.dataclass
 class TaskConfig:
     """What the policy learns: prompts and the verifier that scores answers."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"max_value": 0, "reward_workers": 0, "num_eval_prompts": 1, "num_numbers": 1, "max_number": 1}, positive=("reward_timeout_s",))
 
     name: str = "arithmetic"
     """Prompt generator: arithmetic | countdown (not used when `data.train_files` gives the prompts)."""
@@ -100,10 +125,18 @@ class TaskConfig:
     exclude_eval_prompts: bool = False
     """Never train on a problem of the evaluation set (countdown: the same numbers, in any order, and target; use for tasks with many distinct prompts)."""
 
+    def check(self) -> None:
+        try:
+            tasks.check_ops(self.ops)  # the arithmetic prompts' own check, before the run directory
+        except ValueError:
+            raise ValueError(f"task.ops={self.ops!r} is not a non-empty set of the operators + - * (e.g. +-)") from None
+
 
 @dataclasses.dataclass
 class SFTConfig:
     """Supervised warm start, so RL begins with some signal."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"steps": 0, "batch_size": 1}, positive=("lr",))
 
     steps: int = 150
     """Optimizer steps of supervised training on prompt + answer (0 = none)."""
@@ -114,31 +147,10 @@ class SFTConfig:
 
 
 @dataclasses.dataclass
-class RolloutConfig:
-    """The rollout engine."""
-
-    backend: str = "hf"
-    """Rollout adapter: hf (a transformers model sampled with a KV cache, any platform)."""
-    temperature: float = 1.0
-    """Sampling temperature (behavior logprobs are computed at it)."""
-    max_new_tokens: int = 6
-    """Generated-token budget per sample."""
-    chunk_tokens: int = 3
-    """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
-    prompts_per_generate: int = 16
-    """Prompts (times group_size samples) per generate batch."""
-    continuous_batching: bool = True
-    """Refill the generate batch as groups end: a group whose samples all ended goes to
-    training at once, and admitted prompts join the batch in its place, so a short
-    response's slot does not idle until the longest ends (false: a batch runs until every
-    sample in it ends)."""
-    threads: int = 0
-    """torch intra-op threads of the rollout stage; 0 = the run's `threads`."""
-
-
-@dataclasses.dataclass
 class TrainConfig:
     """The train engine."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"warmup_steps": 0, "micro_batch_size": 1, "max_tokens_per_micro_batch": 2, "weight_decay": 0, "threads": 0, "max_nonfinite_steps": 0}, positive=("lr", "grad_clip"), why={"grad_clip": "gradients are clipped to this norm"})
 
     backend: str = "torch"
     """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance)."""
@@ -169,55 +181,22 @@ class TrainConfig:
     zero_stage: int = 2
     """train.backend=deepspeed only: what DeepSpeed ZeRO shards over the trainer ranks: 1 (the optimizer state: AdamW's moments and fp32 master weights) | 2 (also the gradients) | 3 (also the weights, gathered module by module for each forward and backward). Every stage trains the same weights; higher stages hold less per rank and communicate more."""
 
+    def check(self) -> None:
+        from tidal.engines.lr_schedule import LR_SCHEDULES  # noqa: PLC0415
 
-@dataclasses.dataclass
-class AlgorithmConfig:
-    """The RL algorithm and its staleness bound."""
-
-    num_steps: int = 30
-    """Optimizer steps of RL."""
-    prompts_per_step: int = 8
-    """Prompts per optimizer step."""
-    group_size: int = 8
-    """Samples per prompt (GRPO group)."""
-    max_staleness: int = 1
-    """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
-    advantage: str = "grpo"
-    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
-    clip_low: float = 0.2
-    """PPO clip below 1."""
-    clip_high: float = 0.28
-    """PPO clip above 1 (clip-higher when larger than clip_low)."""
-    aggregation: str = "token_mean"
-    """Loss aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm."""
-    decoupled: bool = True
-    """Decoupled PPO: ratio against the trainer's weights before the step (its own logprobs, no extra pass), weighted by behavior IS."""
-    tis_cap: Optional[float] = 2.0
-    """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
-    kl_coef: float = 0.0
-    """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps
-    (and checkpoints); 0 = none. train.backend=torch only."""
-    entropy_coef: float = 0.0
-    """Entropy bonus (verl's entropy_coeff): this times the aggregated entropy of the policy's next-token distributions is subtracted from the loss, against entropy collapse; 0 = none (the entropy is still reported as the `entropy` metric); >= 0. Like kl_coef, a value > 0 trains rows whose advantage is 0 too."""
-    kl_estimator: str = "k3"
-    """Per-token estimator of the KL penalty, with d = reference - policy logprob: k1 (-d) | k2 (d^2 / 2) | k3 (exp(d) - d - 1: unbiased, low variance, >= 0; verl's low_var_kl, bounded as verl bounds it: d within [-20, 20], the estimate at most 10)."""
-    level: str = "token"
-    """Where the PPO ratio lives: token (one per token, PPO) | sequence (GSPO: one per sequence, the geometric mean of its token ratios, with the sequence's advantage; the GSPO paper pairs it with aggregation=seq_mean_token_mean)."""
-    seq_mask_low: Optional[float] = None
-    """Sequence masking: leave out of the loss every sequence whose geometric-mean behavior weight, exp(mean over its tokens of proximal - behavior logprob), is below this; null = no lower bound."""
-    seq_mask_high: Optional[float] = None
-    """Sequence masking: leave out every sequence whose geometric-mean behavior weight is above this; null = no upper bound."""
-    dual_clip: Optional[float] = None
-    """Dual-clip PPO (verl's clip_ratio_c, AReaL's c_clip; 3.0 is usual): a token (a sequence with level=sequence) whose advantage is negative costs at most dual_clip * |advantage|, and no gradient beyond; null = off; > 1. Acts on the ratio to the proximal policy: with decoupled=true that ratio is 1 within a step, so only with decoupled=false."""
-    overlong: str = "none"
-    """What a response cut at rollout.max_new_tokens (finish_reason "length") does to training (DAPO): none | filter (no gradient: its tokens leave the loss mask) | penalty (a soft penalty added to its reward: 0 up to the last `overlong_buffer` tokens before the limit, then linear down to -1 at it)."""
-    overlong_buffer: int = 0
-    """overlong=penalty: the last tokens before rollout.max_new_tokens over which the penalty falls from 0 to -1; 1..rollout.max_new_tokens (DAPO: a fifth of the budget, 4096 of 20480)."""
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if not 0 <= self.min_lr_ratio <= 1:  # nan fails it too
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]: the cosine schedule's last lr as a share of train.lr")
+        if self.zero_stage not in (1, 2, 3):  # `engines.deepspeed_setup.ZERO_STAGES`
+            raise ValueError(f"train.zero_stage={self.zero_stage} is not one of 1, 2, 3 (DeepSpeed ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the weights)")
 
 
 @dataclasses.dataclass
 class NodeConfig:
     """Nodes of one shape in the cluster."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"count": 1})
 
     name: str = "node"
     """Node name; with count > 1 the nodes are named <name>-0, <name>-1, ..."""
@@ -245,6 +224,8 @@ class ClusterConfig:
 class RoleConfig:
     """Where one role's instances go."""
 
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"count": 1, "devices_each": 1})
+
     requires: list[str] = dataclasses.field(default_factory=list)
     """Tags every device of an instance must carry, e.g. [npu] or [gpu, h100]; empty = any NPU or GPU, or any device on a cluster without them (CPU nodes of a cluster with NPUs or GPUs serve only roles that require [cpu])."""
     count: int = 1
@@ -261,6 +242,8 @@ class RoleConfig:
 class TransportConfig:
     """How new weights travel from the trainer to rollout (runtime ray)."""
 
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"bucket_mb": 1})
+
     name: str = "auto"
     """auto | ipc | collective | host; auto picks from the two platforms: ipc on one node (any two CPU processes of it; CUDA only colocated), else collective for one vendor, else host (NPU <-> GPU)."""
     bucket_mb: int = 16
@@ -274,6 +257,12 @@ class TransportConfig:
     collective and host it is sent from a copy on a thread of its own while the trainer takes
     its next step (one copy of the model on the trainer's device). Not with a rollout that
     time-shares the trainer's devices (a weight pass must end inside its turn)."""
+
+    def check(self) -> None:
+        from tidal.hal.transfer import TRANSPORTS  # noqa: PLC0415 - imports torch; loading a recipe must not
+
+        if self.name not in ("auto", *TRANSPORTS):
+            raise ValueError(f"transport.name={self.name!r} is not one of auto, {', '.join(TRANSPORTS)}")
 
 
 @dataclasses.dataclass
@@ -290,6 +279,8 @@ class PlacementConfig:
 class FaultConfig:
     """What a `runtime: ray` run does when one of its actors dies or stops answering."""
 
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"rollout_restarts": 0, "trainer_restarts": 0, "liveness_s": 0, "liveness_grace_s": 0})
+
     rollout_restarts: int = 3
     """How many times Ray restarts each dead rollout actor; it takes the current weights and continues, and the prompts it held are generated again."""
     trainer_restarts: int = 1
@@ -303,6 +294,8 @@ class FaultConfig:
 @dataclasses.dataclass
 class RecipeConfig:
     """A tidal recipe: what to run, on which platform, and where its files go."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"seed": 0, "threads": 0, "checkpoint_every": 1, "keep_checkpoints": 0, "eval_every": 0}, positive=("lease_s",))
 
     name: str = "run"
     """Short name of the run; the default run directory is `<output_dir>/<name>-<timestamp>`."""
@@ -359,3 +352,71 @@ class RecipeConfig:
     """Weight transport from trainer to rollout."""
     fault: FaultConfig = dataclasses.field(default_factory=FaultConfig)
     """Restarts after an actor dies (`runtime: ray`)."""
+
+    def check(self) -> None:
+        """What spans sections, or needs a registry: the device, the seed's bound, the
+        overlong buffer within the token budget, the loss's bounds, registered names, the
+        data files' keys, and that the tiny model holds the longest sequence."""
+        from tidal.engines.data import DataError, check_config  # noqa: PLC0415
+        from tidal.engines.registry import CHECKED_ON_LOAD, unknown  # noqa: PLC0415
+        from tidal.hal.select import check_spec  # noqa: PLC0415
+
+        check_spec(self.device, source="device")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed={self.seed} must be <= {MAX_SEED}: torch's generators take a 64-bit seed")
+        check_overlong(self.algorithm, self.rollout)
+        try:
+            self.algorithm.loss(self.rollout.max_new_tokens)  # every bound of the loss, now rather than after the warm start
+        except ValueError as e:
+            raise loss_error(e) from None
+        for key in CHECKED_ON_LOAD:
+            section, _, field = key.partition(".")
+            if message := unknown(key, getattr(getattr(self, section), field)):
+                raise ValueError(message)
+        try:
+            check_config(self.data)
+        except DataError as e:
+            raise ValueError(str(e)) from None
+        if self.model.source == "tiny" and not self.data.train_files:  # the case whose longest sequence is known before any file is read
+            check_lengths(self)
+
+
+_LOSS_KEYS = {"max_tokens": "rollout.max_new_tokens", "proximal_is_policy": "algorithm.decoupled"}
+"""`PolicyLossConfig` fields whose recipe key is not `algorithm.<field>`."""
+
+
+def loss_error(error: ValueError) -> ConfigError:
+    """`PolicyLossConfig`'s `error` as a `ConfigError` that names recipe keys: each field it
+    names becomes that field's key (`algorithm.<field>`, or `_LOSS_KEYS`'), and Python's
+    None the recipe's null."""
+    from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415 - imports torch; loading a recipe must not
+
+    fields = re.compile(r"\b(" + "|".join(f.name for f in dataclasses.fields(PolicyLossConfig)) + r")\b")
+    message = fields.sub(lambda m: _LOSS_KEYS.get(m[1], f"algorithm.{m[1]}"), str(error))
+    return ConfigError(re.sub(r"\bNone\b", "null", message))
+
+
+def longest_prompt(cfg: RecipeConfig) -> int | None:
+    """Tokens of the longest prompt the recipe's task can draw, <bos> included (the
+    character tokenizer: a token per character); None for a task without a known bound."""
+    keys = tasks.PROMPT_PARAMS.get(cfg.task.name, ())
+    chars = tasks.longest_prompt(cfg.task.name, {k: getattr(cfg.task, k) for k in keys})
+    return None if chars is None else 1 + chars
+
+
+def check_lengths(cfg: RecipeConfig) -> None:
+    """`model.max_positions` holds the longest sequence: the longest prompt and every token rollout may add.
+
+    Raises:
+        ValueError: naming the keys that set each length.
+    """
+    prompt = longest_prompt(cfg)
+    if prompt is None:
+        return
+    budget, limit = cfg.rollout.max_new_tokens, cfg.model.max_positions
+    if prompt + budget > limit:
+        keys = ", ".join(f"task.{k}={getattr(cfg.task, k)}" for k in tasks.PROMPT_PARAMS[cfg.task.name])
+        raise ValueError(
+            f"model.max_positions={limit} is shorter than the longest sequence: {prompt} prompt tokens (<bos> and the longest {cfg.task.name} prompt, {keys}) "
+            f"+ rollout.max_new_tokens={budget} = {prompt + budget} tokens; raise model.max_positions or lower one of the others"
+        )

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI starts without loading the schema's imports
+    from tidal.tools.config import RecipeConfig
 
 
-def _can_run(cfg: Any, *, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
+def _can_run(cfg: RecipeConfig, *, kind_ok: dict[str, tuple[bool, str]], selected: str | None) -> tuple[bool, str]:
     """Whether recipe `cfg` runs here and why, given the platform doctor selected (None:
     it could not load) and each kind's availability."""
     from tidal.hal import ENV_VAR, check_spec  # noqa: PLC0415

@@ -12,13 +12,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tidal.flow.placement import KIND_TAGS, PlacementError, Plan, Resource, Role, resources_from_ray_nodes, schedule
-from tidal.tools.config import ConfigError
+from tidal.tools.config import ConfigError, RecipeConfig
 
 ROLES = ("train", "rollout")
 """Roles that hold devices, in scheduling order."""
 
 
-def resources_of(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]] | None] | None = None) -> tuple[list[Resource], str]:
+def resources_of(cfg: RecipeConfig, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]] | None] | None = None) -> tuple[list[Resource], str]:
     """The cluster a recipe runs on and where it came from (`recipe`, `ray` or `this machine`).
 
     `ray_nodes` (under `runtime: ray`, without `cluster.nodes`): the Ray cluster's nodes, or
@@ -63,10 +63,10 @@ def _recipe_nodes(nodes: Sequence[Any]) -> list[Resource]:
     return out
 
 
-def roles_of(cfg: Any) -> list[Role]:
+def roles_of(cfg: RecipeConfig) -> list[Role]:
     roles = []
     for name in ROLES:
-        rc = cfg.placement[name]
+        rc = getattr(cfg.placement, name)
         try:
             roles.append(Role(name=name, requires=tuple(rc.requires), count=rc.count, devices_each=rc.devices_each, colocate_with=rc.colocate_with, lend_to=rc.lend_to))
         except PlacementError as e:
@@ -74,13 +74,13 @@ def roles_of(cfg: Any) -> list[Role]:
     return roles
 
 
-def shares_devices(cfg: Any) -> bool:
+def shares_devices(cfg: RecipeConfig) -> bool:
     """Whether the recipe asks roles to share devices (`placement.rollout.colocate_with`,
     `placement.train.lend_to`): a local run then takes turns on them."""
     return bool(cfg.placement.rollout.colocate_with or cfg.placement.train.lend_to)
 
 
-def make_plan(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> tuple[Plan, str]:
+def make_plan(cfg: RecipeConfig, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> tuple[Plan, str]:
     """The recipe's plan and where its cluster came from.
 
     Raises:
@@ -95,7 +95,7 @@ def make_plan(cfg: Any, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] 
     return plan, source
 
 
-def check_seatable(cfg: Any, plan: Plan) -> None:
+def check_seatable(cfg: RecipeConfig, plan: Plan) -> None:
     """Under `runtime: ray`, where each actor of `plan` would sit (`flow.colocate.spots`):
     one rule for `tidal run` (`tools.run.check_plan`, and the Ray driver's `role_bundles`)
     and `tidal plan`. A local run seats its shared devices in one process: nothing to check.

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from tidal.engines.registry import load
 from tidal.engines.tasks import Task
 from tidal.engines.tokenizers import Tokenizer
-from tidal.tools.config import ConfigError
+from tidal.tools.config import ConfigError, RecipeConfig
 
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out set is drawn with seed `seed + EVAL_SEED_OFFSET` (`held_out_prompts`)."""
@@ -41,7 +41,7 @@ def chunk_seed(seed: int, k: int) -> int:
     return drawn
 
 
-def the_task(cfg: Any) -> Task:
+def the_task(cfg: RecipeConfig) -> Task:
     """The recipe's task (`task.name`) with its `task.*` settings.
 
     Raises:
@@ -50,12 +50,12 @@ def the_task(cfg: Any) -> Task:
     return load("task.name", cfg.task.name).bind(cfg.task)
 
 
-def task_prompts(cfg: Any, n: int, *, seed: int) -> list[dict[str, Any]]:
+def task_prompts(cfg: RecipeConfig, n: int, *, seed: int) -> list[dict[str, Any]]:
     """`n` items of the recipe's task (prompt, answer, task fields), drawn with `seed`."""
     return the_task(cfg).prompts(n, seed=seed)
 
 
-def held_out_prompts(cfg: Any) -> tuple[list[dict[str, Any]], set[Any]]:
+def held_out_prompts(cfg: RecipeConfig) -> tuple[list[dict[str, Any]], set[Any]]:
     """The held-out evaluation items, and the problems (`Task.problem_key`) training leaves out for them
     (none unless `task.exclude_eval_prompts`)."""
     task = the_task(cfg)
@@ -72,7 +72,7 @@ class Prompts:
     drawn with another seed, and `held_out` is left empty: every sum can appear in both.)
     """
 
-    def __init__(self, cfg: Any, tokenizer: Tokenizer, held_out: set[Any], position: int = 0) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer, held_out: set[Any], position: int = 0) -> None:
         self.cfg, self.tokenizer, self.held_out = cfg, tokenizer, held_out
         self.task = the_task(cfg)
         self.position = position
@@ -126,7 +126,7 @@ class PromptSource(Protocol):
 class TaskPrompts:
     """The generated task's prompts (`Prompts`), held out with seed `seed + EVAL_SEED_OFFSET`."""
 
-    def __init__(self, cfg: Any, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         items, self.held_out = held_out_prompts(cfg)
         self.eval_items = [{**item, "prompt_ids": tokenizer.encode(item["prompt"])} for item in items]
@@ -149,7 +149,7 @@ class FilePrompts:
             the file, column and row).
     """
 
-    def __init__(self, cfg: Any, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer) -> None:
         from tidal.engines.data import DataError, load_prompts  # noqa: PLC0415 - imports datasets
 
         self.cfg = cfg
@@ -182,6 +182,6 @@ class FilePrompts:
         return {"data": {k: v for k, v in stream.state_dict().items() if k != "position"}}
 
 
-def prompt_source(cfg: Any, tokenizer: Tokenizer) -> PromptSource:
+def prompt_source(cfg: RecipeConfig, tokenizer: Tokenizer) -> PromptSource:
     """The recipe's prompts: its data files when `data.train_files` is set, else its task."""
     return FilePrompts(cfg, tokenizer) if cfg.data.train_files else TaskPrompts(cfg, tokenizer)

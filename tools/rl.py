@@ -25,10 +25,11 @@ from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, POOLED_REWARDS, resolv
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.protocols import TakesTrainKeys
+from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.tools.checkpoint import rng_state, save_checkpoint, set_rng_state
-from tidal.tools.config import loss_config, stage_threads
+from tidal.tools.config import RecipeConfig, loss_error, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
@@ -36,7 +37,7 @@ from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 class BuiltRun(Protocol):
     """What the RL phase reads of a built run (`tools.train.Run` after its build phase)."""
 
-    cfg: Any
+    cfg: RecipeConfig
     run_dir: Path
     console: Any
     progress: bool
@@ -44,7 +45,7 @@ class BuiltRun(Protocol):
     tracer: Any
     train_cls: Any
     engine_options: dict[str, Any]
-    store: Any
+    store: Store
     model: torch.nn.Module
     tokenizer: Tokenizer
     prompts: Any
@@ -65,17 +66,17 @@ class BuiltRun(Protocol):
         ...
 
 
-def reward_spec(cfg: Any) -> str:
+def reward_spec(cfg: RecipeConfig) -> str:
     """The name of the recipe's reward: `task.reward`, else the task's own verifier's."""
     return cfg.task.reward or TASK_REWARDS[cfg.task.name]
 
 
-def run_reward(cfg: Any) -> Any:
+def run_reward(cfg: RecipeConfig) -> Any:
     """The recipe's reward function (`reward_spec`)."""
     return resolve_reward(reward_spec(cfg))
 
 
-def reward_workers(cfg: Any) -> int:
+def reward_workers(cfg: RecipeConfig) -> int:
     """`task.reward_workers`, null resolved: `DEFAULT_REWARD_WORKERS` for the rewards that
     need a main thread (`POOLED_REWARDS`), else 0 (in the reward stage's thread)."""
     if cfg.task.reward_workers is not None:
@@ -89,7 +90,7 @@ class Scorer:
     runs in a `RewardPool` (each sample under `task.reward_timeout_s`), whose workers start
     at the first call and end with `close()`; else in the caller's thread, with no timeout."""
 
-    def __init__(self, cfg: Any, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer) -> None:
         self.reward, self.tokenizer = run_reward(cfg), tokenizer
         self._ends = set(tokenizer.eos_ids)
         workers = reward_workers(cfg)
@@ -108,45 +109,32 @@ class Scorer:
             self.pool.close()
 
 
-def make_score(cfg: Any, tokenizer: Tokenizer) -> Scorer:
+def make_score(cfg: RecipeConfig, tokenizer: Tokenizer) -> Scorer:
     """The recipe's reward over finished trajectories (`Scorer`; close it after the run)."""
     return Scorer(cfg, tokenizer)
 
 
-def workflow_config(cfg: Any) -> WorkflowConfig:
-    """The recipe's RL loop settings."""
-    algo = cfg.algorithm
-    return WorkflowConfig(
-        num_steps=algo.num_steps,
-        prompts_per_step=algo.prompts_per_step,
-        group_size=algo.group_size,
-        max_staleness=algo.max_staleness,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        overlong=algo.overlong,
-        overlong_buffer=algo.overlong_buffer,
-        prompts_per_generate=cfg.rollout.prompts_per_generate,
-        continuous_batching=cfg.rollout.continuous_batching,
-        advantage=algo.advantage,
-        loss=loss_config(cfg),
-        decoupled=algo.decoupled,
-        rollout_threads=stage_threads(cfg, "rollout"),
-        lease_s=cfg.lease_s,
-    )
+def workflow_config(cfg: RecipeConfig) -> WorkflowConfig:
+    """The recipe's RL loop settings: its `algorithm` and `rollout` sections, as they are."""
+    try:
+        return WorkflowConfig(algorithm=cfg.algorithm, rollout=cfg.rollout, lease_s=cfg.lease_s, rollout_threads=stage_threads(cfg, "rollout"))
+    except ValueError as e:  # the loss's bounds, which a loaded recipe has passed already
+        raise loss_error(e) from None
 
 
-def lr_schedule(cfg: Any) -> LRSchedule:
+def lr_schedule(cfg: RecipeConfig) -> LRSchedule:
     """The recipe's learning-rate curve over its RL steps (`train.lr_schedule`, `train.warmup_steps`, `train.min_lr_ratio`)."""
     train = cfg.train
     return LRSchedule(kind=train.lr_schedule, warmup_steps=train.warmup_steps, num_steps=cfg.algorithm.num_steps, min_lr_ratio=train.min_lr_ratio)
 
 
-def own_train_keys(train_cls: Any, cfg: Any) -> dict[str, Any]:
+def own_train_keys(train_cls: Any, cfg: RecipeConfig) -> dict[str, Any]:
     """The recipe's `train.*` keys that the train engine class takes besides those every engine
     takes (`TakesTrainKeys`: the deepspeed engine's `zero_stage`), by name."""
-    return {key: cfg.train[key] for key in train_cls.train_keys} if isinstance(train_cls, TakesTrainKeys) else {}
+    return {key: getattr(cfg.train, key) for key in train_cls.train_keys} if isinstance(train_cls, TakesTrainKeys) else {}
 
 
-def build_rollout_engine(cfg: Any, model: torch.nn.Module, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
+def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
     """The recipe's rollout engine around `model`, stopping at any of the tokenizer's end ids."""
     rollout_cls = load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
     return rollout_cls(model, eos_id=list(tokenizer.eos_ids), pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=version)

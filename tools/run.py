@@ -16,11 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from tidal.flow.files import write_whole
 from tidal.flow.placement import Plan
-from tidal.tools.config import ConfigError, RecipeConfig, iter_keys, load_config, to_yaml
+from tidal.tools.config import ConfigError, RecipeConfig, iter_keys, load_config, select, to_yaml
 
 FIXED_ON_RESUME = {
     "model.hidden_size": "hidden_size", "model.num_layers": "num_hidden_layers", "model.num_heads": "num_attention_heads",
@@ -36,7 +34,7 @@ _HELD_OUT_KEYS = ("seed", "data.eval_files", "task.name", "task.max_value", "tas
 accuracy after RL is measured on other prompts than the checkpoint's accuracy before."""
 
 
-def _new_run_dir(cfg: Any) -> Path:
+def _new_run_dir(cfg: RecipeConfig) -> Path:
     """Make the run's directory: `run_dir`, else `<output_dir>/<name>-<timestamp>`.
 
     Raises:
@@ -48,15 +46,15 @@ def _new_run_dir(cfg: Any) -> Path:
         return _make_run_dir(cfg)
     except OSError as e:  # read-only filesystem, a file in the path, no permission
         raise ConfigError(
-            f"{key}={cfg[key]!r}: cannot create the run directory {e.filename or cfg[key]!r} ({e.strerror or e}); "
+            f"{key}={getattr(cfg, key)!r}: cannot create the run directory {e.filename or getattr(cfg, key)!r} ({e.strerror or e}); "
             "choose a writable run_dir or output_dir"
         ) from None
 
 
-def _make_run_dir(cfg: Any) -> Path:
+def _make_run_dir(cfg: RecipeConfig) -> Path:
     key = "run_dir" if cfg.run_dir else "output_dir"  # the one that names where the run goes
-    if Path(cfg[key]).exists() and not Path(cfg[key]).is_dir():
-        raise ConfigError(f"{key}={cfg[key]!r} is a file, not a directory")
+    if Path(getattr(cfg, key)).exists() and not Path(getattr(cfg, key)).is_dir():
+        raise ConfigError(f"{key}={getattr(cfg, key)!r} is a file, not a directory")
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         if run_dir.exists() and any(run_dir.iterdir()):
@@ -101,16 +99,16 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return named
 
 
-def _values(cfg: Any) -> dict[str, Any]:
+def _values(cfg: RecipeConfig) -> dict[str, Any]:
     """Every schema key a resume compares, with its value in `cfg`."""
-    return {k.key: OmegaConf.select(cfg, k.key) for k in iter_keys(RecipeConfig) if "[]" not in k.key and k.key not in _NOT_COMPARED}
+    return {k.key: select(cfg, k.key) for k in iter_keys(RecipeConfig) if "[]" not in k.key and k.key not in _NOT_COMPARED}
 
 
 def _shown(value: Any) -> Any:
     return value.name if isinstance(value, enum.Enum) else value
 
 
-def resume_changes(cfg: Any) -> list[str]:
+def resume_changes(cfg: RecipeConfig) -> list[str]:
     """For `resume=<run_dir>`: each key whose value differs from that run's `config.yaml`,
     as "key: old -> new" (empty without `resume`, or when the run kept no readable config).
 
@@ -146,7 +144,7 @@ def _note(key: str) -> str:
     return ""
 
 
-def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
+def _check_the_model(cfg: RecipeConfig, checkpoint: Path, now: dict[str, Any]) -> None:
     """The model's shape keys against the checkpoint's own `config.json` (its run's
     config.yaml may be gone; the checkpoint is what loads)."""
     try:
@@ -164,7 +162,7 @@ def _check_the_model(cfg: Any, checkpoint: Path, now: dict[str, Any]) -> None:
         )
 
 
-def check_runnable(cfg: Any) -> None:
+def check_runnable(cfg: RecipeConfig) -> None:
     """Combinations `tidal run` cannot run (`tidal config` still shows them; `tidal plan`
     shows the plan and this error, `run_refusal`).
 
@@ -227,7 +225,7 @@ def check_runnable(cfg: Any) -> None:
             )
 
 
-def check_plan(cfg: Any) -> None:
+def check_plan(cfg: RecipeConfig) -> None:
     """Make the recipe's plan now, as `tidal plan` does, where it can be made without Ray:
     the recipe lists its cluster (`cluster.nodes`), or a local run shares devices
     (`placement.rollout.colocate_with`, `placement.train.lend_to`); under `runtime: ray`
@@ -246,7 +244,7 @@ def check_plan(cfg: Any) -> None:
     check_seatable(cfg, plan)
 
 
-def run_refusal(cfg: Any, plan: Plan) -> str | None:
+def run_refusal(cfg: RecipeConfig, plan: Plan) -> str | None:
     """Why `tidal run` would refuse a recipe whose `plan` can be made, in its words (the
     message after `tidal run: error: `); None when it would run it.
 
@@ -272,14 +270,14 @@ PATH_KEYS = ("run_dir", "output_dir", "resume")
 """Keys naming folders: `prepare_run` makes them absolute."""
 
 
-def _make_paths_absolute(cfg: Any) -> None:
+def _make_paths_absolute(cfg: RecipeConfig) -> None:
     """Each of PATH_KEYS that is set, made absolute against the current directory (not
     following links): the config goes into config.yaml and, under `runtime: ray`, to actors
     whose working directory (on other nodes, in Ray's session folder) is not this one, which
     would resolve a relative run_dir or resume elsewhere."""
     for key in PATH_KEYS:
-        if cfg[key]:
-            cfg[key] = os.path.abspath(cfg[key])
+        if getattr(cfg, key):
+            setattr(cfg, key, os.path.abspath(getattr(cfg, key)))
 
 
 def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
@@ -311,7 +309,7 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
         check_checkpoint(latest_checkpoint(Path(cfg.resume)), source=model_source(cfg.model))
     selection.platform.seed_all(cfg.seed)
     key = "run_dir" if cfg.run_dir else "output_dir"
-    asked = cfg[key]
+    asked = getattr(cfg, key)
     cfg.run_dir = str(_new_run_dir(cfg))
     _make_paths_absolute(cfg)  # after the checks, whose errors name the folders as the user wrote them
     run_dir = Path(cfg.run_dir)

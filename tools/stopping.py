@@ -17,7 +17,10 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not at run time: the CLI and `ray_stop` import this module without torch and zmq
+    from tidal.flow.store import Store
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -103,7 +106,7 @@ class QuietRollout:
     `store` is the run's, `rng_state()` returns the state a checkpoint saves.
     """
 
-    def __init__(self, store: Any, trainer: Any, rollout: Any, *, rng_state: Callable[[], dict[str, Any]], checkpoints: Callable[[int], bool]) -> None:
+    def __init__(self, store: Store, trainer: Any, rollout: Any, *, rng_state: Callable[[], dict[str, Any]], checkpoints: Callable[[int], bool]) -> None:
         self.store, self.rng_state = store, rng_state
         self.open = threading.Event()
         self.open.set()

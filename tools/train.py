@@ -39,7 +39,7 @@ from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.hal import PlatformError, current_platform
 from tidal.tools.checkpoint import load_checkpoint, truncate_metrics
-from tidal.tools.config import ConfigError
+from tidal.tools.config import ConfigError, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
@@ -66,7 +66,7 @@ def _answer_trajectories(items: list[dict[str, Any]], tokenizer: Tokenizer) -> l
     return out
 
 
-def warm_start(engine: TrainEngine, cfg: Any, tokenizer: Tokenizer, held_out: set[Any] | None = None, on_step: Any = None, *, stream: Iterator[dict[str, Any]] | None = None) -> list[float]:
+def warm_start(engine: TrainEngine, cfg: RecipeConfig, tokenizer: Tokenizer, held_out: set[Any] | None = None, on_step: Any = None, *, stream: Iterator[dict[str, Any]] | None = None) -> list[float]:
     """Supervised steps on prompt + answer so RL starts from a policy that sometimes succeeds.
     `stream` gives the items (`PromptSource.warm_start`); without it the task's, past where RL draws."""
     if stream is None:
@@ -119,7 +119,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str,
     return correct / max(len(items), 1)
 
 
-def build_policy(cfg: Any, tokenizer: Tokenizer | None = None) -> torch.nn.Module:
+def build_policy(cfg: RecipeConfig, tokenizer: Tokenizer | None = None) -> torch.nn.Module:
     """The recipe's policy module as a new run starts it (`model.source`); its tokenizer is the source's."""
     return model_source(cfg.model).build(seed=cfg.seed).module
 
@@ -141,7 +141,7 @@ def _one_process_group(train_cls: Any, platform: Any) -> Path | None:
     return Path(name)
 
 
-def local_turns(cfg: Any) -> Any:
+def local_turns(cfg: RecipeConfig) -> Any:
     """A `Turns` for `runtime: local` when the plan puts its rollout engine (instance 0) on
     the trainer's devices (colocated or hybrid), else None. The plan is made only when the
     recipe asks for shared devices (`tools.plan.shares_devices`)."""
@@ -155,7 +155,7 @@ def local_turns(cfg: Any) -> Any:
     return Turns() if plan.of("rollout")[0].mode != "own" else None
 
 
-def train(cfg: Any, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None, stop: StopRequest | None = None) -> dict[str, Any]:
+def train(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True, start_rollouts: Any = None, engine_options: dict[str, Any] | None = None, turns: Any = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Run an RL recipe end to end; return the summary (also written to summary.json).
 
     `start_rollouts(cfg, store, settings)` puts the rollout stage elsewhere (the Ray
@@ -195,7 +195,7 @@ class Run:
     (a new run: accuracy before, optional supervised steps), then `RL` (the engines and the
     workflow), then `finish` (final evaluation, plot, summary)."""
 
-    def __init__(self, cfg: Any, run_dir: Path, *, progress: bool, start_rollouts: Any, engine_options: dict[str, Any], turns: Any) -> None:
+    def __init__(self, cfg: RecipeConfig, run_dir: Path, *, progress: bool, start_rollouts: Any, engine_options: dict[str, Any], turns: Any) -> None:
         from rich.console import Console  # noqa: PLC0415
 
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress

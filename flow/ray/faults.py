@@ -37,11 +37,17 @@ def remote_cause(error: BaseException) -> BaseException:
         error = ActorLost(death_summary(error))
     for note in notes:
         if note not in getattr(error, "__notes__", []):
-            if sys.version_info >= (3, 11):
-                error.add_note(note)
-            else:  # notes came with 3.11: kept where 3.11's traceback would print them
-                setattr(error, "__notes__", [*getattr(error, "__notes__", []), note])  # noqa: B010
+            add_note(error, note)
     return error
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """`error.add_note(note)`, on Pythons before 3.11 too (notes came with 3.11: kept where
+    3.11's traceback would print them)."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        setattr(error, "__notes__", [*getattr(error, "__notes__", []), note])  # noqa: B010
 
 
 _FIELD = re.compile(r"^\s*(class_name|pid|ip): (\S+)\s*$", re.MULTILINE)

@@ -11,6 +11,8 @@ When the plan's cluster was read off Ray (`flow.placement.resources_from_ray_nod
 (a `ray.io/node-id` label selector), so the run sits where `tidal plan` says: left to
 PACK, Ray could put the trainer's 4 devices on an 8-device node, and an 8-device rollout
 instance that the plan had placed there would wait for a node that no longer has room.
+The trainer's bundles are packed, not pinned: once its ranks run, the driver checks that a
+rollout guest spanning several of them has them on one node (`check_guests_on_one_node`).
 """
 
 from __future__ import annotations
@@ -213,4 +215,19 @@ def actor_options(assignment: Assignment, pg: Any, index: int, *, fake: bool, en
     return options
 
 
-# Rollout actors --------------------------------------------------------------------------
+def check_guests_on_one_node(placed: Mapping[tuple[str, int], Any], where: Sequence[Mapping[str, Any]]) -> None:
+    """A rollout guest of several trainer ranks' devices gets all of them
+    (`flow.ray.rollouts.visible_devices`): the ranks must be on one node, which the trainer's
+    "PACK" placement group prefers but does not promise. `placed`: `flow.colocate.spots`;
+    `where`: each rank's `TrainerActor.where`.
+
+    Raises:
+        PlacementError: naming the rollout instance, the ranks, their nodes and the fix.
+    """
+    for (role, rank), spot in placed.items():
+        nodes = sorted({where[r]["node"] for r in spot.turns})
+        if role == "rollout" and len(nodes) > 1:
+            raise PlacementError(
+                f"rollout instance {rank} time-shares the devices of trainer ranks {list(spot.turns)}, which Ray placed on {len(nodes)} nodes ({', '.join(nodes)}): "
+                "one process uses devices of one node; set placement.rollout.devices_each=1 (a guest per trainer rank), or give the trainer one node's devices"
+            )

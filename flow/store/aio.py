@@ -20,15 +20,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from tidal.flow.store.cells import Batch
-from tidal.flow.store.table import Store
+from tidal.flow.store.protocol import StoreApi
 
 T = TypeVar("T")
 
 
 class AsyncStore:
-    """`await store.get(...)` over a `Store` shared with synchronous callers."""
+    """`await store.get(...)` over a store shared with synchronous callers (in process, or a
+    `RemoteStore`): an `AsyncStoreApi`."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreApi) -> None:
         self.store = store
 
     async def put(self, partition: str, columns: Mapping[str, Any], indexes: Sequence[int] | None = None, **kwargs: Any) -> list[int]:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from tidal.flow.store.errors import StoreError
+from tidal.flow.store.protocol import StoreApi
 from tidal.flow.store.segments import Partition, Segment
 from tidal.flow.store.units import RemoteChunk
 
@@ -66,14 +67,15 @@ def state_of(version: int, parts: Iterable[Partition], read_chunk: Callable[[Rem
     return {"format": 1, "version": version, "partitions": out}
 
 
-def restore(store: Any, state: Mapping[str, Any]) -> None:
-    """Fill a new, empty `store` (a `table.Store`) from `state_of`'s data (`Store.from_state_dict`)."""
+def restore(store: StoreApi, state: Mapping[str, Any], *, partition_of: Callable[[str], Partition]) -> None:
+    """Fill a new, empty `store` (a `table.Store`) from `state_of`'s data (`Store.from_state_dict`);
+    `partition_of(name)` is the store's own partition `name`, whose rows it makes in place."""
     if state.get("format") != 1:
         raise StoreError(f"unknown store state format {state.get('format')!r}")
     store.set_version(int(state["version"]))
     for name, p in state["partitions"].items():
         store.create_partition(name, consumers=list(p["consumers"]), capacity_rows=p["capacity_rows"], capacity_bytes=p["capacity_bytes"], lease_s=p["lease_s"])
-        part = store._part(name)
+        part = partition_of(name)
         for run in _consecutive(p["rows"]):  # a segment per run of consecutive rows keeps indexes as they were
             _, groups, versions, tags = zip(*run)
             part.add_segment(Segment(run[0][0], len(run), groups, versions, tags, part.consumers))

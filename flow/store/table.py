@@ -567,7 +567,7 @@ class Store:
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, clock: Callable[[], float] = time.monotonic) -> Store:
         store = cls(clock=clock)
-        restore(store, state)
+        restore(store, state, partition_of=store._part)
         return store
 
     def wake(self) -> None:

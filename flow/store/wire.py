@@ -30,6 +30,7 @@ from tidal.flow.store import shm
 from tidal.flow.store.cells import Batch, as_indexes, rows_of
 from tidal.flow.store.codec import CodecError, decode_tree, encode_tree, pack_header, unpack_header
 from tidal.flow.store.samplers import Sequential, from_spec
+from tidal.flow.store.table import Store
 from tidal.flow.store.units import RemoteChunk
 
 _SEQUENTIAL, _SEQUENTIAL_SPEC = Sequential(), {"kind": "sequential"}
@@ -216,8 +217,8 @@ def decode_column(name: str, value: Any) -> Any:
     raise WireError(f"column {name!r} has unknown encoding {kind!r}")
 
 
-def get_reply(store: Any, a: Mapping[str, Any], holder: int) -> dict[str, Any]:
-    """Serve a get request's args `a` from `store` (a `Store`) for the connection `holder`:
+def get_reply(store: Store, a: Mapping[str, Any], holder: int) -> dict[str, Any]:
+    """Serve a get request's args `a` from `store` for the connection `holder`:
     the result a reply carries, each column encoded for the wire. Rows whose columns cannot
     be encoded are given back (no one would ack them) before the error is raised."""
     ack = a.get("ack")

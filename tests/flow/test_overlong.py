@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tidal.flow.algorithms import PolicyLossConfig, filter_truncated, overlong_penalty
+from tidal.flow.algorithms import filter_truncated, overlong_penalty
 from tidal.flow.store import Store
 from tidal.flow.workflow import Workflow, WorkflowConfig
 
@@ -64,7 +64,7 @@ class RecordingTrainer:
 
 
 def _run(**overlong: Any) -> tuple[list[dict[str, Any]], RecordingTrainer]:
-    cfg = WorkflowConfig(num_steps=2, prompts_per_step=1, group_size=4, max_staleness=0, max_new_tokens=MAX_NEW_TOKENS, prompts_per_generate=1, loss=PolicyLossConfig(), **overlong)
+    cfg = WorkflowConfig.from_keys(num_steps=2, prompts_per_step=1, group_size=4, max_staleness=0, max_new_tokens=MAX_NEW_TOKENS, prompts_per_generate=1, tis_cap=None, decoupled=False, **overlong)
     prompts = iter([{"prompt_ids": [1, 2], "answer": "x"} for _ in range(10)])
     steps: list[dict[str, Any]] = []
     trainer = RecordingTrainer()

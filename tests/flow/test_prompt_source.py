@@ -17,13 +17,12 @@ import pytest
 from tidal.engines.tasks import arithmetic
 from tidal.engines.tiny import CharTokenizer
 from tidal.flow import stages as stages_module
-from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.stages import Stages
 from tidal.flow.store import Store, StoreError, persist
 from tidal.flow.workflow import WorkflowConfig
 
 TOKENIZER = CharTokenizer()
-CONFIG = dict(num_steps=3, prompts_per_step=2, group_size=4, max_new_tokens=4, prompts_per_generate=1, loss=PolicyLossConfig(), decoupled=True)
+CONFIG = dict(num_steps=3, prompts_per_step=2, group_size=4, max_new_tokens=4, prompts_per_generate=1, tis_cap=None, decoupled=True)
 FIRST_TAKE = 4
 """Prompts the loader takes at version 0 with max_staleness 1: (max_staleness + 1) steps of 2."""
 
@@ -60,7 +59,7 @@ class _Source:
 
 def _stages(source, store: Store | None = None) -> Stages:
     """Started stages (max_staleness 1, 3 steps of 2 prompts) over `source`; no rollout."""
-    stages = Stages(store=store or Store(), prompts=source, score=_no_score, config=WorkflowConfig(max_staleness=1, **CONFIG), version=0)
+    stages = Stages(store=store or Store(), prompts=source, score=_no_score, config=WorkflowConfig.from_keys(max_staleness=1, **CONFIG), version=0)
     stages.start()
     return stages
 

@@ -31,10 +31,10 @@ from tidal.flow.protocols import (
     StepsInTurns,
     SupervisedStep,
 )
+from tidal.flow.ray.rollouts import RemoteRollouts
 from tidal.flow.ray.wiring import CollectiveWiring, HostWiring, IpcWiring
 from tidal.flow.rollout import LocalRollouts
 from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine, Turns
-from tidal.tools.ray_run import RemoteRollouts
 
 TOKENIZER = CharTokenizer()
 

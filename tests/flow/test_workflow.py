@@ -15,7 +15,7 @@ from tidal.engines.rewards import score
 from tidal.engines.tasks import arithmetic
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.algorithms import PolicyLossConfig, grpo
+from tidal.flow.algorithms import grpo
 from tidal.flow.rows import put_trajectories
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -46,11 +46,11 @@ def _engines(seed: int = 0):
     return trainer, rollout
 
 
-CONFIG = dict(num_steps=3, prompts_per_step=2, group_size=4, max_new_tokens=4, prompts_per_generate=1, loss=PolicyLossConfig(), decoupled=True)
+CONFIG = dict(num_steps=3, prompts_per_step=2, group_size=4, max_new_tokens=4, prompts_per_generate=1, tis_cap=None, decoupled=True)
 
 
 def test_max_staleness_zero_equals_a_plain_sequential_loop():
-    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **CONFIG)
     trainer, rollout = _engines()
     torch.manual_seed(123)
     steps = []
@@ -60,13 +60,13 @@ def test_max_staleness_zero_equals_a_plain_sequential_loop():
     ref_trainer, ref_rollout = _engines()
     torch.manual_seed(123)
     prompts = iter(_prompts())
-    for step in range(cfg.num_steps):
+    for step in range(cfg.algorithm.num_steps):
         trajectories = []
-        for k in range(cfg.prompts_per_step):  # one prompt per generate call, as prompts_per_generate=1
+        for k in range(cfg.algorithm.prompts_per_step):  # one prompt per generate call, as prompts_per_generate=1
             prompt = next(prompts)
-            group = [Trajectory(prompt_ids=prompt["prompt_ids"], group=step * cfg.prompts_per_step + k, meta={"answer": prompt["answer"], "prompt": prompt["prompt"]}) for _ in range(cfg.group_size)]
+            group = [Trajectory(prompt_ids=prompt["prompt_ids"], group=step * cfg.algorithm.prompts_per_step + k, meta={"answer": prompt["answer"], "prompt": prompt["prompt"]}) for _ in range(cfg.algorithm.group_size)]
             while not all(t.done for t in group):
-                ref_rollout.generate([t for t in group if not t.done], max_new_tokens=cfg.max_new_tokens)
+                ref_rollout.generate([t for t in group if not t.done], max_new_tokens=cfg.rollout.max_new_tokens)
             trajectories += group
         rewards, _ = _score(trajectories)
         advantages = grpo(torch.tensor(rewards), [t.group for t in trajectories])
@@ -80,7 +80,7 @@ def test_max_staleness_zero_equals_a_plain_sequential_loop():
 
 
 def test_async_bound_holds_at_admission_and_consumption():
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 4})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 4})
     trainer, rollout = _engines()
     steps = []
     workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
@@ -96,15 +96,15 @@ def test_async_bound_holds_at_admission_and_consumption():
     stages._admitted = spy
     workflow.run()
     for started, version, n in admitted:
-        assert started + n * cfg.group_size <= (cfg.max_staleness + version + 1) * cfg.batch_size
+        assert started + n * cfg.algorithm.group_size <= (cfg.algorithm.max_staleness + version + 1) * cfg.batch_size
     for m in steps:
-        assert max(m["version_gap"], default=0) <= cfg.max_staleness  # no token older than the bound was trained
+        assert max(m["version_gap"], default=0) <= cfg.algorithm.max_staleness  # no token older than the bound was trained
     assert trainer.version == 4
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_the_next_steps_rows_are_taken_while_a_step_trains_when_the_bound_allows(max_staleness):
-    cfg = WorkflowConfig(max_staleness=max_staleness, **{**CONFIG, "num_steps": 4})
+    cfg = WorkflowConfig.from_keys(max_staleness=max_staleness, **{**CONFIG, "num_steps": 4})
     trainer, rollout = _engines()
     store, steps, gets = Store(), [], []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
@@ -134,22 +134,22 @@ def _group_of_version(version: int, size: int) -> list[Trajectory]:
 
 
 def test_rows_older_than_the_bound_are_dropped_at_consumption():
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 6})
     trainer, rollout = _engines()
     store = Store()
     steps = []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
     # Rows produced by version 0, as if left over from long ago: the trainer (at version 4) must never use them.
-    put_trajectories(store, _group_of_version(0, cfg.group_size))
+    put_trajectories(store, _group_of_version(0, cfg.algorithm.group_size))
     trainer.version = 4
     rollout.version = 4
     workflow.run()
-    assert sum(m["dropped"] for m in steps) == cfg.group_size
+    assert sum(m["dropped"] for m in steps) == cfg.algorithm.group_size
     assert all(max(m["version_gap"], default=0) <= 1 for m in steps)
 
 
 def test_partial_rollout_resumes_with_new_weights_inside_the_workflow():
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6, "max_new_tokens": 8, "prompts_per_generate": 2})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 6, "max_new_tokens": 8, "prompts_per_generate": 2})
     trainer, rollout = _engines()
     rollout.chunk_tokens = 1  # a safe point after every token: weights land mid-generation
     seen = []
@@ -195,7 +195,7 @@ def test_rollout_waits_for_the_version_that_admitted_its_prompts(slow_loader):
     # and the trainer would wait for rows that admission never lets rollout start.
     # `slow_loader`: a new version lands while the loader works out its room; its prompts
     # still carry the version that room was for (they once carried the one before).
-    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 4})
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **{**CONFIG, "num_steps": 4})
     trainer, rollout = _engines()
     steps = []
     workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
@@ -252,7 +252,7 @@ class _LosesAVersion:
 def test_a_trainer_waiting_for_rows_sends_its_version_again_to_a_rollout_that_asks():
     # Synchronous: the only prompts are admitted by version 2, which rollout never got; without
     # a second send, rollout waits for version 2 and the trainer for the rows it would generate.
-    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 4})
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **{**CONFIG, "num_steps": 4})
     trainer, rollout = _engines()
     steps = []
     workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
@@ -268,23 +268,23 @@ def test_a_trainer_waiting_for_rows_sends_its_version_again_to_a_rollout_that_as
 def test_rows_dropped_at_consumption_let_admission_start_replacements():
     # One group the trainer counts as started is too old to train: dropping it must let the
     # loader start a replacement while the trainer waits for a full batch (nothing else wakes it).
-    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 5})
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **{**CONFIG, "num_steps": 5})
     trainer, rollout = _engines()
     store = Store()
     steps = []
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
-    old = _group_of_version(3, cfg.group_size)
+    old = _group_of_version(3, cfg.algorithm.group_size)
     put_trajectories(store, old)
     workflow.stages._started += len(old)  # admitted for this step, as if generated just before a version bump
     trainer.version = rollout.version = 4
     _run_or_fail(workflow)
     assert [m["step"] for m in steps] == [5]
-    assert steps[0]["dropped"] == cfg.group_size and steps[0]["samples"] == cfg.batch_size
+    assert steps[0]["dropped"] == cfg.algorithm.group_size and steps[0]["samples"] == cfg.batch_size
 
 
 @pytest.mark.skipif("ATen parallel backend: OpenMP" not in torch.__config__.parallel_info(), reason="per-thread intra-op counts need torch's OpenMP backend")
 def test_the_rollout_thread_keeps_its_own_torch_threads_while_the_trainer_keeps_its_own():
-    cfg = WorkflowConfig(max_staleness=0, rollout_threads=1, **CONFIG)
+    cfg = WorkflowConfig.from_keys(max_staleness=0, rollout_threads=1, **CONFIG)
     trainer, rollout = _engines()
     seen: dict[str, set[int]] = {"generate": set(), "train_step": set()}
     for engine, name in ((rollout, "generate"), (trainer, "train_step")):
@@ -331,12 +331,12 @@ def test_a_store_restored_from_a_run_with_smaller_steps_takes_this_runs_steps():
     from tidal.flow.stages import Stages
 
     store = Store()
-    Stages(store=store, prompts=[], score=_score, config=WorkflowConfig(max_staleness=1, **{**CONFIG, "prompts_per_step": 1}), version=0).stop()  # the run before
-    cfg = WorkflowConfig(max_staleness=1, lease_s=7200.0, **{**CONFIG, "prompts_per_step": 5})
+    Stages(store=store, prompts=[], score=_score, config=WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "prompts_per_step": 1}), version=0).stop()  # the run before
+    cfg = WorkflowConfig.from_keys(max_staleness=1, lease_s=7200.0, **{**CONFIG, "prompts_per_step": 5})
     trainer, rollout = _engines()
     steps = []
     Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append).run()
-    assert [m["samples"] for m in steps] == [cfg.batch_size] * cfg.num_steps
+    assert [m["samples"] for m in steps] == [cfg.batch_size] * cfg.algorithm.num_steps
     assert store._signals.change_listeners == []  # both runs' stages let go of the store they leave behind
     assert store._part("prompts").lease_s == store._part("train").lease_s == 7200.0
 
@@ -350,7 +350,7 @@ def test_train_steps_longer_than_the_stores_default_lease_train_each_row_once():
 
     now = [0.0]
     store = Store(clock=lambda: now[0])
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 6})
     trainer, rollout = _engines()
     step, generate = trainer.train_step, rollout.generate
 
@@ -380,12 +380,12 @@ def test_a_resumed_run_counts_the_restored_stores_samples_in_flight_as_started(t
     from tidal.flow.stages import Stages
     from tidal.flow.store import persist
 
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 2})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 2})
     trainer, rollout = _engines()
     workflow = None
 
     def save_at_the_end(metrics):
-        if metrics["step"] == cfg.num_steps:
+        if metrics["step"] == cfg.algorithm.num_steps:
             time.sleep(0.5)  # the loader and rollout fill what the bound admits at the last version
             workflow.stages.save(tmp_path / "store.bin")
 
@@ -397,18 +397,18 @@ def test_a_resumed_run_counts_the_restored_stores_samples_in_flight_as_started(t
     def unacked(partition, consumer):
         return state[partition]["next_index"] - state[partition]["num_evicted"] - len(state[partition]["consumers"][consumer])
 
-    in_flight = cfg.group_size * unacked("prompts", "rollout") + unacked("train", "train")
+    in_flight = cfg.algorithm.group_size * unacked("prompts", "rollout") + unacked("train", "train")
     assert in_flight > 0  # the case this is about
-    version = cfg.num_steps
+    version = cfg.algorithm.num_steps
     stages = Stages(store=store, prompts=iter(_prompts()), score=_score, config=cfg, version=version)
     assert stages._started == version * cfg.batch_size + in_flight
-    started = version * cfg.batch_size + in_flight + stages._admitted(version) * cfg.group_size
-    window = (cfg.max_staleness + version + 1) * cfg.batch_size
-    assert window - cfg.group_size < started <= window
+    started = version * cfg.batch_size + in_flight + stages._admitted(version) * cfg.algorithm.group_size
+    window = (cfg.algorithm.max_staleness + version + 1) * cfg.batch_size
+    assert window - cfg.algorithm.group_size < started <= window
 
 
 def test_a_prompt_source_that_runs_out_before_the_last_step_ends_the_run_with_an_error():
-    cfg = WorkflowConfig(max_staleness=0, **{**CONFIG, "num_steps": 2})  # 2 steps of 2 prompts
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **{**CONFIG, "num_steps": 2})  # 2 steps of 2 prompts
     trainer, rollout = _engines()
     steps = []
     workflow = Workflow(store=Store(), rollout=rollout, trainer=trainer, prompts=iter(_prompts()[:3]), score=_score, config=cfg, on_step=steps.append)
@@ -438,7 +438,7 @@ def test_a_run_stopped_while_its_source_blocks_ends_and_its_checkpoint_is_saved(
         blocking.set()
         release.wait(120)
 
-    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **CONFIG)
     trainer, rollout = _engines()
     workflow = None
 
@@ -474,11 +474,11 @@ def test_a_stage_error_ends_the_run_while_another_stage_is_still_busy():
         release.wait(60)
         return _score(trajectories)
 
-    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **CONFIG)
     trainer, rollout = _engines()
     store = Store()
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=source(), score=stuck_score, config=cfg)
-    put_trajectories(store, _group_of_version(0, cfg.group_size))  # rows for the reward stage to score
+    put_trajectories(store, _group_of_version(0, cfg.algorithm.group_size))  # rows for the reward stage to score
     try:
         with pytest.raises(KeyError, match="prompt 1 has no prompt_ids"):
             _run_or_fail(workflow, timeout_s=30)
@@ -490,7 +490,7 @@ def test_a_stop_during_a_step_trains_no_further_step_even_with_the_next_steps_ro
     # Stopping early lets the trainer finish the step it is in. With max_staleness >= 1 the
     # next step's rows are usually taken while a step trains; the trainer once trained them
     # too after a stop (a whole extra step), where with max_staleness: 0 it stopped at once.
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 4})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 4})
     trainer, rollout = _engines()
     store, steps, taken = Store(), [], threading.Event()
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append)
@@ -523,7 +523,7 @@ def test_rows_dropped_while_the_step_before_trains_count_in_their_own_steps_metr
     # With max_staleness >= 1, step v+1's rows are taken while step v trains, and the sampler
     # drops what is too old for v+1 then. The drop count was read when step v's line was made,
     # so those rows landed on step v's line (the total was right).
-    cfg = WorkflowConfig(max_staleness=1, **{**CONFIG, "num_steps": 6})
+    cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 6})
     trainer, rollout = _engines()
     store, steps, dropped = Store(), [], threading.Event()
     workflow = Workflow(store=store, rollout=rollout, trainer=trainer, prompts=iter(_prompts()), score=_score, config=cfg, on_step=steps.append, start_version=4)
@@ -532,19 +532,19 @@ def test_rows_dropped_while_the_step_before_trains_count_in_their_own_steps_metr
     generate, train_step = rollout.generate, trainer.train_step
 
     def generate_step_5_first(trajectories, **kwargs):
-        if trajectories[0].group >= cfg.prompts_per_step:  # step 6's prompts: once the old group is dropped
+        if trajectories[0].group >= cfg.algorithm.prompts_per_step:  # step 6's prompts: once the old group is dropped
             assert dropped.wait(30)
         return generate(trajectories, **kwargs)
 
     def train_step_5_with_an_old_group_arriving(*args, **kwargs):
         if trainer.version == 4:  # step 6's rows are being taken (at version 5): version 3 is too old for them
-            put_trajectories(store, _group_of_version(3, cfg.group_size))
+            put_trajectories(store, _group_of_version(3, cfg.algorithm.group_size))
             assert dropped.wait(30)  # dropped while step 5 trains
         return train_step(*args, **kwargs)
 
     rollout.generate, trainer.train_step = generate_step_5_first, train_step_5_with_an_old_group_arriving
     _run_or_fail(workflow)
-    assert [(m["step"], m["dropped"]) for m in steps] == [(5, 0), (6, cfg.group_size)]
+    assert [(m["step"], m["dropped"]) for m in steps] == [(5, 0), (6, cfg.algorithm.group_size)]
 
 
 def test_a_stage_wait_that_spans_a_step_report_counts_on_each_steps_line_as_it_passes():
@@ -552,7 +552,7 @@ def test_a_stage_wait_that_spans_a_step_report_counts_on_each_steps_line_as_it_p
     # while a step trains. Their wait used to be counted only once it ended, so a long step
     # 1 showed no such wait, and step 2's line showed step 1's (more seconds than had passed
     # since step 1's line was made).
-    cfg = WorkflowConfig(max_staleness=0, **CONFIG)
+    cfg = WorkflowConfig.from_keys(max_staleness=0, **CONFIG)
     trainer, rollout = _engines()
     train_step = trainer.train_step
 

@@ -6,9 +6,8 @@ import dataclasses
 import re
 
 import pytest
-from omegaconf import OmegaConf
 
-from tidal.tools.config import ConfigError, RecipeConfig, iter_keys, load_config
+from tidal.tools.config import ConfigError, RecipeConfig, config_from_yaml, iter_keys, load_config, to_yaml
 from tidal.tools.config_keys import field_docs
 from tidal.tools.recipes import resolve_recipe, shipped_recipes
 
@@ -159,7 +158,8 @@ def test_every_shipped_recipe_validates():
     for path in recipes:
         cfg = load_config(path)
         assert cfg.name and cfg.description, f"{path.name} needs a name and a description"
-        assert OmegaConf.to_container(cfg)  # resolvable
+        assert isinstance(cfg, RecipeConfig), type(cfg)  # the typed schema, not OmegaConf's container
+        assert config_from_yaml(to_yaml(cfg)) == cfg, path.name  # what a run directory keeps, and Ray actors get, reads back the same
 
 
 def test_resolve_recipe_by_name_or_path(tmp_path):
@@ -244,11 +244,13 @@ def test_the_longest_prompt_bound_is_the_longest_prompt_the_task_draws(name, par
 
 def test_every_schema_class_is_importable_from_tidal_tools_config():
     """The schema lives in `config_schema`; code and recipes' users import it from `config`."""
+    from tidal.flow import config as flow_config
     from tidal.tools import config, config_schema
 
     defined = [value for value in vars(config_schema).values() if isinstance(value, type) and value.__module__ == config_schema.__name__]
-    assert len(defined) >= 16  # RecipeConfig, its sections, the enums
+    assert len(defined) >= 14  # RecipeConfig, its sections, the enums, ConfigError (rollout and algorithm are flow's: `flow.config`)
     assert all(getattr(config, cls.__name__, None) is cls for cls in defined)
+    assert (config.RolloutConfig, config.AlgorithmConfig) == (flow_config.RolloutConfig, flow_config.AlgorithmConfig)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +260,7 @@ def test_every_schema_class_is_importable_from_tidal_tools_config():
 def test_a_string_key_keeps_the_text_of_its_override(override, key, expected):
     """YAML read `run_dir=001` as the int 1 and `name=no` as False, which the str key then
     held as '1' and 'False': another folder, another name, and no error."""
-    assert OmegaConf.select(load_config(None, [override]), key) == expected
+    assert getattr(load_config(None, [override]), key) == expected
 
 
 def test_a_string_override_given_twice_keeps_the_last_text():
@@ -312,3 +314,43 @@ def test_a_recipe_file_keeps_a_string_keys_text_and_refuses_a_number_in_octal(tm
     recipe.write_text("seed: 010\n")
     with pytest.raises(ConfigError, match="YAML reads it as 8"):
         load_config(recipe)
+
+
+def test_the_loop_takes_the_recipes_own_sections():
+    """`WorkflowConfig` holds the schema's `algorithm` and `rollout` sections as loaded:
+    one declaration of each key, so the loop and the recipe cannot drift apart."""
+    import typing
+
+    from tidal.flow import config as flow_config
+    from tidal.tools.rl import workflow_config
+
+    hints = typing.get_type_hints(RecipeConfig)
+    assert (hints["algorithm"], hints["rollout"]) == (flow_config.AlgorithmConfig, flow_config.RolloutConfig)
+    cfg = load_config(resolve_recipe("quickstart_cpu"), ["algorithm.max_staleness=0", "rollout.max_new_tokens=5", "threads=2"])
+    loop = workflow_config(cfg)
+    assert loop.algorithm is cfg.algorithm and loop.rollout is cfg.rollout
+    assert (loop.algorithm.max_staleness, loop.loss.max_tokens, loop.rollout_threads, loop.lease_s) == (0, 5, 2, cfg.lease_s)
+
+
+def test_each_section_declares_its_own_bounds():
+    """The bounds a recipe is checked against live on the section they bound (`BOUNDS`),
+    and each is enforced under the key's full name, list entries too."""
+    from tidal.tools.config import NodeConfig, RoleConfig, TrainConfig
+
+    assert TrainConfig.BOUNDS.at_least["micro_batch_size"] == 1 and "grad_clip" in TrainConfig.BOUNDS.positive
+    assert RoleConfig.BOUNDS.at_least["devices_each"] == 1 and NodeConfig.BOUNDS.at_least["count"] == 1
+    with pytest.raises(ConfigError, match=r"^placement.rollout.devices_each=0 must be >= 1$"):
+        load_config(None, ["placement.rollout.devices_each=0"])
+    with pytest.raises(ConfigError, match=r"^train.grad_clip=0.0 must be > 0: gradients are clipped to this norm$"):
+        load_config(None, ["train.grad_clip=0"])
+
+
+def test_the_schema_imports_without_torch():
+    """`tidal doctor` explains a torch that cannot import (torch_npu without CANN) only if
+    the config module loads without it: every check that needs torch imports it when it runs."""
+    import subprocess
+    import sys
+
+    code = "import sys, tidal.tools.config, tidal.flow.config; print(sorted(m for m in ('torch', 'tidal.flow.algorithms', 'tidal.hal.transfer') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

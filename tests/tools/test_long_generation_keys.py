@@ -34,5 +34,5 @@ def test_the_keys_are_documented_and_reach_the_workflow():
     assert all(docs.get(key) for key in KEYS)
     cfg = load_config(resolve_recipe("quickstart_cpu"), ["algorithm.overlong=penalty", "algorithm.overlong_buffer=2", "train.max_tokens_per_micro_batch=256"])
     loop = workflow_config(cfg)
-    assert (loop.overlong, loop.overlong_buffer, loop.max_new_tokens) == ("penalty", 2, 6)
+    assert (loop.algorithm.overlong, loop.algorithm.overlong_buffer, loop.rollout.max_new_tokens) == ("penalty", 2, 6)
     assert cfg.train.max_tokens_per_micro_batch == 256

@@ -1,4 +1,4 @@
-"""`tools.ray_run` checks that need no Ray cluster: what `init_ray` asks a local Ray for, and where guests may sit."""
+"""The driver's checks that need no Ray cluster: what `tools.ray_run.init_ray` asks a local Ray for, and where guests may sit (`flow.ray.placement`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_a_guest_spanning_trainer_ranks_that_ray_put_on_two_nodes_is_a_placement
     """The trainer's bundles are packed, not pinned, onto one node: a guest given both ranks'
     visible devices would get devices of two nodes and build on the wrong ones."""
     from tidal.flow.placement import PlacementError
-    from tidal.tools.ray_run import check_guests_on_one_node
+    from tidal.flow.ray.placement import check_guests_on_one_node
 
     placed = _spots("placement.rollout.count=1", "placement.rollout.devices_each=2")
     assert placed[("rollout", 0)].turns == (0, 1)
@@ -70,7 +70,7 @@ def test_a_guest_spanning_trainer_ranks_that_ray_put_on_two_nodes_is_a_placement
 
 
 def test_a_guest_per_trainer_rank_may_sit_on_any_node():
-    from tidal.tools.ray_run import check_guests_on_one_node
+    from tidal.flow.ray.placement import check_guests_on_one_node
 
     placed = _spots("placement.rollout.count=2")
     assert [placed[("rollout", i)].turns for i in (0, 1)] == [(0,), (1,)]

@@ -144,12 +144,12 @@ def test_tidal_plan_and_tidal_run_find_the_same_ray_cluster(monkeypatch):
 
 
 def test_a_guest_of_several_trainer_ranks_sees_all_their_devices():
-    from tidal.tools.ray_run import _visible_devices
+    from tidal.flow.ray.rollouts import visible_devices
 
     ranks = [{"visible_devices": {"CUDA_VISIBLE_DEVICES": "0"}}, {"visible_devices": {"CUDA_VISIBLE_DEVICES": "3,1"}}, {"visible_devices": {"CUDA_VISIBLE_DEVICES": None}}]
-    assert _visible_devices(ranks) == {"CUDA_VISIBLE_DEVICES": "0,3,1"}  # in rank order, as the guest's device indexes then follow
-    assert _visible_devices([ranks[1], {"visible_devices": {"CUDA_VISIBLE_DEVICES": "1"}}]) == {"CUDA_VISIBLE_DEVICES": "3,1"}
-    assert _visible_devices([{}, {"visible_devices": {}}]) == {}
+    assert visible_devices(ranks) == {"CUDA_VISIBLE_DEVICES": "0,3,1"}  # in rank order, as the guest's device indexes then follow
+    assert visible_devices([ranks[1], {"visible_devices": {"CUDA_VISIBLE_DEVICES": "1"}}]) == {"CUDA_VISIBLE_DEVICES": "3,1"}
+    assert visible_devices([{}, {"visible_devices": {}}]) == {}
 
 
 @pytest.mark.slow

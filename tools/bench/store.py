@@ -52,9 +52,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tidal.flow.store import PutResult, StoreApi
 
 SMALL = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "logprobs": ("float32", (256,)), "reward": ("float32", (1,))}
 LARGE = {"blob": ("uint8", (1 << 20,))}
@@ -163,12 +166,14 @@ def _producer(address: str | None, work: Workload, path: Path, transport: str, g
 
     unit = StoreServer(unit=StorageUnit(), address=endpoint(transport)) if path.split else None
     if path.embedded:
-        store: Any = Store()
-        server = StoreServer(store, address=endpoint(transport))
+        embedded = Store()
+        server = StoreServer(embedded, address=endpoint(transport))
         out.put(("address", server.address))
+        store: StoreApi = embedded
     else:
-        store = RemoteStore(address, unit=unit, shm=path.shm)
-        store.ping()
+        remote = RemoteStore(address, unit=unit, shm=path.shm)
+        remote.ping()
+        store = remote
     batches = work.batches()
     out.put(("ready", None))
     while (partition := go.get()) is not None:
@@ -181,13 +186,13 @@ def _producer(address: str | None, work: Workload, path: Path, transport: str, g
             closing.close()
 
 
-def _put_all(store: Any, partition: str, batches: list[dict[str, torch.Tensor]], window: int) -> None:
+def _put_all(store: StoreApi, partition: str, batches: list[dict[str, torch.Tensor]], window: int) -> None:
     """Put every batch; with `window` > 1, up to that many in flight."""
     if window == 1:
         for batch in batches:
             store.put(partition, batch, timeout=60)
         return
-    pending: collections.deque[Any] = collections.deque()
+    pending: collections.deque[PutResult] = collections.deque()
     for batch in batches:
         pending.append(store.submit_put(partition, batch, timeout=60))
         if len(pending) >= window:
@@ -208,7 +213,7 @@ def _consumer(address: str, work: Workload, path: Path, go: Any, out: Any) -> No
     store.close()
 
 
-def _drain(store: Any, partition: str, work: Workload, pipelined: bool) -> None:
+def _drain(store: StoreApi, partition: str, work: Workload, pipelined: bool) -> None:
     """Get every row of `partition` in batches, reading each batch's pages, and ack them:
     get then ack, or (pipelined) each get acking the batch before it."""
     columns = list(work.fields)

@@ -51,6 +51,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tidal.tools.config import RecipeConfig
+
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "token_sum_norm": "dr_grpo"}
 """tidal's algorithm.aggregation -> TRL's loss_type with the same normalisation."""
 SCALE_REWARDS = {"grpo": "group", "grpo_no_std": "none", "dr_grpo": "none"}
@@ -62,7 +64,7 @@ def available() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def warm_started(cfg: Any) -> dict[str, Any]:
+def warm_started(cfg: RecipeConfig) -> dict[str, Any]:
     """The policy a tidal run of `cfg` starts RL from, with its tokenizer, reward and prompts.
 
     Mirrors `tidal.tools.train.Run` up to RL: the recipe's model source builds the policy
@@ -85,7 +87,7 @@ def warm_started(cfg: Any) -> dict[str, Any]:
     return {"model": policy.module, "tokenizer": policy.tokenizer, "reward": run_reward(cfg), "prompts": prompts}
 
 
-def training_items(prompts: Any, cfg: Any) -> list[dict[str, Any]]:
+def training_items(prompts: Any, cfg: RecipeConfig) -> list[dict[str, Any]]:
     """The items of the recipe's training stream (`PromptSource.train`) its RL steps take, in order.
 
     Raises:
@@ -132,7 +134,7 @@ def _micro_batch(samples_per_step: int, micro_batch_size: int) -> int:
     return next(n for n in range(min(micro_batch_size, samples_per_step), 0, -1) if samples_per_step % n == 0)
 
 
-def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
+def grpo_config(cfg: RecipeConfig, output_dir: str | Path) -> Any:
     """The `GRPOConfig` that matches the recipe (see the module docstring).
 
     Raises:

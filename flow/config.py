@@ -1,0 +1,169 @@
+"""The recipe sections the RL loop reads: `rollout` and `algorithm`.
+
+They are sections of the typed recipe schema (`tidal.tools.config.RecipeConfig`, which
+takes them from here: the schema is their one declaration) and what `WorkflowConfig`
+holds, so the loop and the recipe cannot drift apart. Every field has a docstring (the
+string literal under it), which `tidal config --keys` prints.
+
+A section carries its own checks, run when a recipe loads: its fields' bounds (`Bounded`)
+and, for what a bound cannot say, a `check()` that raises `ValueError` naming the recipe
+key (`Checked`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from tidal.flow.algorithms import PolicyLossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """Bounds on a section's numeric fields, by field name."""
+
+    at_least: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """The smallest valid value (a null value passes)."""
+    positive: tuple[str, ...] = ()
+    """Fields that must be > 0 when set."""
+    finite: tuple[str, ...] = ()
+    """Fields with no other bound here that must be finite when set (every bounded one must be)."""
+    why: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Why a field is bounded, added to its error."""
+
+
+@runtime_checkable
+class Bounded(Protocol):
+    """A recipe section whose numeric fields have bounds."""
+
+    BOUNDS: ClassVar[Bounds]
+
+
+@runtime_checkable
+class Checked(Protocol):
+    """A recipe section with checks beyond its types and bounds."""
+
+    def check(self) -> None:
+        """Raises ValueError naming the recipe key (`section.field=value`) that is wrong and why."""
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """The rollout engine."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(
+        at_least={"max_new_tokens": 1, "chunk_tokens": 1, "prompts_per_generate": 1, "threads": 0},
+        positive=("temperature",),
+        why={"temperature": "rollout samples, and its behavior logprobs are taken at this temperature"},
+    )
+
+    backend: str = "hf"
+    """Rollout adapter: hf (a transformers model sampled with a KV cache, any platform)."""
+    temperature: float = 1.0
+    """Sampling temperature (behavior logprobs are computed at it)."""
+    max_new_tokens: int = 6
+    """Generated-token budget per sample."""
+    chunk_tokens: int = 3
+    """Tokens decoded between safe points, where new weights may be applied (partial rollout)."""
+    prompts_per_generate: int = 16
+    """Prompts (times group_size samples) per generate batch."""
+    continuous_batching: bool = True
+    """Refill the generate batch as groups end: a group whose samples all ended goes to
+    training at once, and admitted prompts join the batch in its place, so a short
+    response's slot does not idle until the longest ends (false: a batch runs until every
+    sample in it ends)."""
+    threads: int = 0
+    """torch intra-op threads of the rollout stage; 0 = the run's `threads`."""
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """The RL algorithm and its staleness bound."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(
+        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 2, "max_staleness": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "overlong_buffer": 0},
+        positive=("tis_cap", "seq_mask_high"),
+        finite=("seq_mask_low", "dual_clip", "entropy_coef"),
+        why={
+            "group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",
+            "tis_cap": "the importance weight is truncated at it; null for no cap",
+            "seq_mask_high": "sequences whose behavior weight is above it are left out, and every weight is > 0, so all would be; null for no upper bound",
+        },
+    )
+
+    num_steps: int = 30
+    """Optimizer steps of RL."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    max_staleness: int = 1
+    """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
+    advantage: str = "grpo"
+    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
+    clip_low: float = 0.2
+    """PPO clip below 1."""
+    clip_high: float = 0.28
+    """PPO clip above 1 (clip-higher when larger than clip_low)."""
+    aggregation: str = "token_mean"
+    """Loss aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm."""
+    decoupled: bool = True
+    """Decoupled PPO: ratio against the trainer's weights before the step (its own logprobs, no extra pass), weighted by behavior IS."""
+    tis_cap: Optional[float] = 2.0
+    """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps
+    (and checkpoints); 0 = none. train.backend=torch only."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (verl's entropy_coeff): this times the aggregated entropy of the policy's next-token distributions is subtracted from the loss, against entropy collapse; 0 = none (the entropy is still reported as the `entropy` metric); >= 0. Like kl_coef, a value > 0 trains rows whose advantage is 0 too."""
+    kl_estimator: str = "k3"
+    """Per-token estimator of the KL penalty, with d = reference - policy logprob: k1 (-d) | k2 (d^2 / 2) | k3 (exp(d) - d - 1: unbiased, low variance, >= 0; verl's low_var_kl, bounded as verl bounds it: d within [-20, 20], the estimate at most 10)."""
+    level: str = "token"
+    """Where the PPO ratio lives: token (one per token, PPO) | sequence (GSPO: one per sequence, the geometric mean of its token ratios, with the sequence's advantage; the GSPO paper pairs it with aggregation=seq_mean_token_mean)."""
+    seq_mask_low: Optional[float] = None
+    """Sequence masking: leave out of the loss every sequence whose geometric-mean behavior weight, exp(mean over its tokens of proximal - behavior logprob), is below this; null = no lower bound."""
+    seq_mask_high: Optional[float] = None
+    """Sequence masking: leave out every sequence whose geometric-mean behavior weight is above this; null = no upper bound."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (verl's clip_ratio_c, AReaL's c_clip; 3.0 is usual): a token (a sequence with level=sequence) whose advantage is negative costs at most dual_clip * |advantage|, and no gradient beyond; null = off; > 1. Acts on the ratio to the proximal policy: with decoupled=true that ratio is 1 within a step, so only with decoupled=false."""
+    overlong: str = "none"
+    """What a response cut at rollout.max_new_tokens (finish_reason "length") does to training (DAPO): none | filter (no gradient: its tokens leave the loss mask) | penalty (a soft penalty added to its reward: 0 up to the last `overlong_buffer` tokens before the limit, then linear down to -1 at it)."""
+    overlong_buffer: int = 0
+    """overlong=penalty: the last tokens before rollout.max_new_tokens over which the penalty falls from 0 to -1; 1..rollout.max_new_tokens (DAPO: a fifth of the budget, 4096 of 20480)."""
+
+    def check(self) -> None:
+        """Each name key holds a known name."""
+        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS, OVERLONG  # noqa: PLC0415 - imports torch; loading a recipe must not
+
+        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS), ("overlong", OVERLONG)):
+            if getattr(self, key) not in names:
+                raise ValueError(f"algorithm.{key}={getattr(self, key)!r} is not one of {', '.join(names)}")
+
+    def loss(self, max_tokens: int) -> PolicyLossConfig:
+        """The policy loss these keys describe, `max_tokens` the longest response
+        (`rollout.max_new_tokens`; "token_sum_norm"'s constant). `proximal_is_policy` is
+        left False: the workflow sets it for each step from `decoupled`.
+
+        Raises:
+            ValueError: from `PolicyLossConfig`, naming its field (the key of that name).
+        """
+        from tidal.flow.algorithms import PolicyLossConfig  # noqa: PLC0415 - imports torch; loading a recipe must not
+
+        # every field but `max_tokens` (given) and `proximal_is_policy` (the workflow's) is the `algorithm` key of its name
+        own = [f.name for f in dataclasses.fields(PolicyLossConfig) if f.name not in ("max_tokens", "proximal_is_policy")]
+        return PolicyLossConfig(**{name: getattr(self, name) for name in own}, max_tokens=max_tokens)
+
+
+def check_overlong(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
+    """With `algorithm.overlong=penalty` the buffer lies within the token budget.
+
+    Raises:
+        ValueError: naming both keys.
+    """
+    if algorithm.overlong == "penalty" and not 1 <= algorithm.overlong_buffer <= rollout.max_new_tokens:
+        raise ValueError(
+            f"algorithm.overlong_buffer={algorithm.overlong_buffer} must be within 1..rollout.max_new_tokens ({rollout.max_new_tokens}) with algorithm.overlong=penalty: "
+            "the tokens before the limit over which the penalty falls to -1"
+        )
