@@ -12,6 +12,8 @@ import importlib.util
 import platform
 
 PACKAGES = ("torch", "ray", "transformers", "vllm", "torch_npu", "deepspeed")
+VENDOR_PACKAGES = ("torch_npu", "vllm")
+"""The packages of PACKAGES that belong to one vendor's stack (shown per node by `tidal doctor --cluster`)."""
 
 
 def package_versions() -> dict[str, str]:
@@ -35,3 +37,20 @@ def explain_torch_import_failure(error: BaseException) -> str:
             "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0, or uninstall torch_npu on machines without NPUs."
         )
     return msg
+
+
+def missing_stack(kind: str) -> str | None:
+    """What this machine lacks to run devices of `kind` (npu, cuda, cpu), from package
+    metadata alone (imports nothing); None when nothing is seen missing. A node that
+    advertises NPUs or GPUs to Ray but lacks its vendor's torch fails the first actor placed
+    there, after the run has started."""
+    if kind == "npu" and importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not installed (the Ascend adapter for torch; with CANN loaded)"
+    if kind == "cuda":
+        try:
+            version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            return "torch is not installed"
+        if version.endswith("+cpu"):
+            return f"torch {version} is a CPU-only build (install a CUDA build of torch)"
+    return None

@@ -78,6 +78,15 @@ recipes can run on this machine; and /dev/shm (usable, free space, tidal's files
 which of them killed processes left; --clean deletes those). Nothing vendor-specific is imported unless that
 platform is selected. Exits with 1 if the selected platform cannot load (the message
 says what is missing) and 2 if TIDAL_DEVICE is not a valid value.
+
+With --cluster: check the Ray cluster at RAY_ADDRESS instead (docs/deploy.md). A probe on
+every node reports its devices and tags as Ray sees them, its tidal, Python, Ray, torch
+and vendor versions, and whether it reaches every other node on a port the OS picks (as
+the store and the weight transports do); with --recipe, whether the recipe's roles can be
+placed on the cluster's nodes. Exits with 1 and one line per problem, naming the node:
+versions that differ from this machine's, a node advertising NPUs or GPUs without their
+vendor's torch (not with cluster.fake=true), nodes that cannot connect, roles that do not
+fit. `tidal run` makes the same checks before it starts an actor on a cluster it joins.
 """, width=88)
 
 CONFIG_HELP = """\
@@ -215,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="show platform, versions and runnable recipes", description=DOCTOR_HELP, formatter_class=fmt)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     doctor.add_argument("--clean", action="store_true", help="delete the files killed tidal processes left in /dev/shm (never those of running ones)")
+    doctor.add_argument("--cluster", action="store_true", help="check every node of the Ray cluster at RAY_ADDRESS instead of this machine")
+    doctor.add_argument("--recipe", default=None, help="with --cluster: also check that this recipe's roles can be placed on the cluster")
+    doctor.add_argument("overrides", nargs="*", metavar="key=value", help="with --recipe: overrides, e.g. cluster.fake=true")
 
     config = sub.add_parser("config", help="print a resolved recipe or every config key", description=CONFIG_HELP, formatter_class=fmt)
     config.add_argument("recipe", nargs="?", help="recipe YAML file or shipped recipe name (default: schema defaults)")
@@ -401,6 +413,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - report any failure of the torch import itself
         print(f"tidal doctor: {explain_torch_import_failure(e)}", file=sys.stderr)
         return 1
+    from tidal.tools.config import ConfigError  # noqa: PLC0415
+
+    if args.cluster:
+        return _doctor_cluster(args)
+    if args.recipe or args.overrides:
+        raise ConfigError("--recipe and key=value overrides go with --cluster (tidal doctor --cluster --recipe RECIPE key=value ...)")
     from tidal.tools.doctor import render, report  # noqa: PLC0415
 
     _check_device_variable()
@@ -410,6 +428,23 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     else:
         render(data)
     return code
+
+
+def _doctor_cluster(args: argparse.Namespace) -> int:
+    from tidal.tools import cluster  # noqa: PLC0415
+    from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+
+    if args.clean:
+        raise ConfigError("--clean cleans this machine's /dev/shm; run `tidal doctor --clean` on each node")
+    cfg = load_config(resolve_recipe(args.recipe), args.overrides) if args.recipe else None
+    cluster.join_cluster()
+    found = cluster.check_cluster(cfg)
+    if args.json:
+        print(json.dumps(cluster.as_json(found), indent=2))
+    else:
+        cluster.render(found)
+    return 1 if found.problems else 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -189,6 +189,10 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
     plan, _ = make_plan(cfg, ray_nodes=ray.nodes)  # with the recipe's nodes: checked before Ray starts
     init_ray(cfg)
     check_runnable(cfg)
+    if ray_address() is not None:  # a cluster this run joined: every node is checked before any actor starts on one
+        from tidal.tools.cluster import refuse_bad_cluster  # noqa: PLC0415
+
+        refuse_bad_cluster(cfg)
     num_ranks = len(plan.of("train"))
     try:
         groups = placement_groups(plan)

@@ -3,11 +3,10 @@
 A store server holds every row until all its consumers have acked it, then frees it; the
 next put's frames land in fresh allocations. glibc hands blocks over 128 KB (a 256-row
 column of int64[256] is 512 KB) straight from the kernel with `mmap` and gives them back
-on free, so every batch pays page faults on memory the kernel has to zero again; on the
-2-vCPU benchmark machine that caps a store process at about 1 GB/s for 1 MB rows. Asking
-glibc to serve blocks up to 32 MB from its heap and not to trim the heap lets freed rows'
-pages carry the next rows (`tidal bench store`: 1 MB rows through a store process
-~0.9 -> ~1.1 GB/s, docs/benchmarks.md).
+on free, so every batch pays page faults on memory the kernel has to zero again, which
+bounds a store process's throughput of large rows. Asking glibc to serve blocks up to
+32 MB from its heap and not to trim the heap lets freed rows' pages carry the next rows
+(what it gives: `tidal bench store`'s `tidal-tuned` rows in docs/benchmarks.md).
 
 The cost: the process's resident memory stays at its high-water mark (for a store, the
 partitions' capacity) instead of shrinking when it drains. So this is for processes that

@@ -1,0 +1,113 @@
+"""The cluster checks of `tidal doctor --cluster` and of `tidal run` on a Ray cluster.
+
+Both probe every node of the cluster at RAY_ADDRESS (`flow.ray.cluster.probe_cluster`)
+and list what would break a run there: versions that differ from the driver's, a node that
+advertises devices without their vendor's torch, nodes that cannot connect to each other,
+and, given a recipe, roles that the cluster's nodes cannot hold. `tidal run` refuses the
+cluster with that list before it starts an actor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tidal.tools.config import ConfigError, RecipeConfig
+
+
+@dataclasses.dataclass
+class ClusterCheck:
+    """The nodes as their probes saw them, and each problem found (empty: none)."""
+
+    address: str
+    nodes: list[Any]
+    problems: list[str]
+
+
+def check_cluster(cfg: RecipeConfig | None = None) -> ClusterCheck:
+    """Probe the cluster this process joined (`ray.init(address=...)`), and with a recipe
+    plan its roles on the cluster's own nodes (not `cluster.nodes`, which describes the
+    cluster the recipe expects).
+
+    Raises:
+        TimeoutError: a node's probe did not answer (`probe_cluster`).
+    """
+    import ray  # noqa: PLC0415
+
+    from tidal.flow.ray.cluster import cluster_problems, probe_cluster  # noqa: PLC0415
+    from tidal.flow.ray.placement import ray_address  # noqa: PLC0415
+    from tidal.hal.versions import package_versions  # noqa: PLC0415
+    from tidal.tools.plan import make_plan  # noqa: PLC0415
+
+    reports = probe_cluster()
+    problems = cluster_problems(reports, driver_versions=package_versions(), fake=bool(cfg and cfg.cluster.fake))
+    if cfg is not None:
+        on_ray = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nodes=[]))
+        try:
+            make_plan(on_ray, ray_nodes=ray.nodes)
+        except ConfigError as e:
+            problems.append(f"recipe {cfg.name!r} cannot be placed on this cluster's nodes: {e}")
+    return ClusterCheck(address=ray_address() or "", nodes=reports, problems=problems)
+
+
+def refuse_bad_cluster(cfg: RecipeConfig) -> None:
+    """`tidal run` on a cluster it joined (RAY_ADDRESS): the checks, before any actor starts.
+
+    Raises:
+        ConfigError: listing every problem, each naming its node.
+    """
+    found = check_cluster(cfg)
+    if found.problems:
+        raise ConfigError(f"the Ray cluster at {found.address} cannot run this recipe (`tidal doctor --cluster` shows every node):\n" + "\n".join(f"  - {p}" for p in found.problems))
+
+
+def join_cluster() -> str:
+    """Connect this process to the cluster at RAY_ADDRESS; its address.
+
+    Raises:
+        ConfigError: RAY_ADDRESS is not set.
+    """
+    import os  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    from tidal.flow.ray.placement import ray_address  # noqa: PLC0415
+
+    address = ray_address()
+    if address is None:
+        raise ConfigError("RAY_ADDRESS is not set: `tidal doctor --cluster` checks the Ray cluster that address names (docs/deploy.md), e.g. RAY_ADDRESS=10.0.0.1:6379")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    return address
+
+
+def render(found: ClusterCheck) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(highlight=False)
+    table = Table(title=f"Ray cluster at {found.address}: {len(found.nodes)} node(s)")
+    for col in ("node", "address", "devices", "tags", "tidal", "python", "ray", "torch", "vendor", "reaches"):
+        table.add_column(col)
+    from tidal.hal.versions import VENDOR_PACKAGES  # noqa: PLC0415
+
+    builtin = {"CPU", "GPU", "NPU", "memory", "object_store_memory"}
+    for r in found.nodes:
+        tags = sorted(k for k in r.resources if k not in builtin and not k.startswith(("node:", "accelerator_type:", "tidal_node_")))
+        vendor = ", ".join(f"{p} {r.versions.get(p)}" for p in VENDOR_PACKAGES if r.versions.get(p, "not installed") != "not installed") or "-"
+        reaches = "all" if not r.unreachable else f"[red]{len(found.nodes) - 1 - len(r.unreachable)} of {len(found.nodes) - 1}[/]"
+        v = r.versions
+        table.add_row(escape(r.name), escape(r.listens), escape(r.kinds), escape(", ".join(tags) or "-"), escape(v.get("tidal-rl", "?")), escape(v.get("python", "?")), escape(v.get("ray", "?")), escape(v.get("torch", "?")), escape(vendor), reaches)
+    console.print(table)
+    if found.problems:
+        console.print(f"[bold red]{len(found.problems)} problem(s) would break a run:[/]")
+        for p in found.problems:
+            console.print(f"  - {escape(p)}", soft_wrap=True)
+    else:
+        console.print("no problem found: every node runs the driver's tidal, python and ray, has its devices' stacks, and reaches every other node")
+
+
+def as_json(found: ClusterCheck) -> dict[str, Any]:
+    return {"address": found.address, "nodes": [dataclasses.asdict(r) for r in found.nodes], "problems": found.problems}
