@@ -170,13 +170,14 @@ def check_runnable(cfg: RecipeConfig) -> None:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
             registered reward nor importable `module:function`; when the trainer would be the
             guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
-            time-shares the trainer's devices); when `placement.train.count` > 1 with a train backend
+            time-shares the trainer's devices), or would time-share them with a train backend
+            that cannot park its state (`TIME_SHARES`); when `placement.train.count` > 1 with a train backend
             that trains in one process, or under `runtime: local`; when `runtime: local`
             (one trainer and one rollout engine in this process) is asked for several
             rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
             whose borrowed instances continue paused groups on the others).
     """
-    from tidal.engines.registry import MULTI_RANK, TASKS  # noqa: PLC0415
+    from tidal.engines.registry import MULTI_RANK, TASKS, TIME_SHARES  # noqa: PLC0415
     from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
@@ -212,6 +213,12 @@ def check_runnable(cfg: RecipeConfig) -> None:
     ):
         if value:
             raise ConfigError(f"{key}={value}: {why}; neither runtime seats the trainer on rollout's devices: unset {key}")
+    shared = ("placement.rollout.colocate_with", cfg.placement.rollout.colocate_with) if cfg.placement.rollout.colocate_with else ("placement.train.lend_to", cfg.placement.train.lend_to)
+    if shared[1] and cfg.train.backend not in TIME_SHARES:
+        raise ConfigError(
+            f"{shared[0]}={shared[1]} time-shares the trainer's devices, and train.backend={cfg.train.backend!r} cannot park its state for a guest; "
+            f"set train.backend to one of {', '.join(TIME_SHARES)}, or unset {shared[0]}"
+        )
     if count > 1 and cfg.runtime.value == "local":
         raise ConfigError(f"placement.train.count={count} needs runtime=ray (a process per trainer rank); runtime=local trains in this one process: set runtime=ray or placement.train.count=1")
     if cfg.runtime.value == "local":

@@ -84,6 +84,10 @@ def test_only_rollout_time_shares_the_trainers_devices_under_either_runtime(runt
     ("args", "message"),
     [
         (["device=fake:cuda:1", "placement.train.colocate_with=rollout"], "placement.train.colocate_with=rollout: only rollout time-shares"),
+        (  # DeepSpeed's engine keeps its state to itself: refused before the warm start, not by the seat after it
+            ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "train.backend=deepspeed", "placement.train.count=2", *COLOCATED],
+            "placement.rollout.colocate_with=train time-shares the trainer's devices, and train.backend='deepspeed' cannot park its state for a guest",
+        ),
         (  # two guests on the two devices of one trainer instance
             ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "placement.train.devices_each=2", "placement.rollout.count=2", *COLOCATED],
             "placement: rollout instances 0 and 1 use different devices ([0] and [1]) of trainer instance 0's 2 on g",
