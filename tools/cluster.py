@@ -89,7 +89,7 @@ def render(found: ClusterCheck) -> None:
 
     console = Console(highlight=False)
     table = Table(title=f"Ray cluster at {found.address}: {len(found.nodes)} node(s)")
-    for col in ("node", "address", "devices", "tags", "tidal", "python", "ray", "torch", "vendor", "reaches"):
+    for col in ("node", "address", "devices", "free", "tags", "tidal", "python", "ray", "torch", "vendor", "reaches"):
         table.add_column(col)
     from tidal.hal.versions import VENDOR_PACKAGES  # noqa: PLC0415
 
@@ -99,7 +99,8 @@ def render(found: ClusterCheck) -> None:
         vendor = ", ".join(f"{p} {r.versions.get(p)}" for p in VENDOR_PACKAGES if r.versions.get(p, "not installed") != "not installed") or "-"
         reaches = "all" if not r.unreachable else f"[red]{len(found.nodes) - 1 - len(r.unreachable)} of {len(found.nodes) - 1}[/]"
         v = r.versions
-        table.add_row(escape(r.name), escape(r.listens), escape(r.kinds), escape(", ".join(tags) or "-"), escape(v.get("tidal-rl", "?")), escape(v.get("python", "?")), escape(v.get("ray", "?")), escape(v.get("torch", "?")), escape(vendor), reaches)
+        free = "?" if r.free is None else ", ".join(f"{r.free.get(name, 0):g} {name}" for name in ("NPU", "GPU", "CPU") if r.resources.get(name))
+        table.add_row(escape(r.name), escape(r.listens), escape(r.kinds), escape(free), escape(", ".join(tags) or "-"), escape(v.get("tidal-rl", "?")), escape(v.get("python", "?")), escape(v.get("ray", "?")), escape(v.get("torch", "?")), escape(vendor), reaches)
     console.print(table)
     if found.problems:
         console.print(f"[bold red]{len(found.problems)} problem(s) would break a run:[/]")

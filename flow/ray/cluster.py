@@ -41,6 +41,8 @@ class NodeReport:
     """Devices the node advertises to Ray, by tidal kind (npu, cuda); empty: a CPU node."""
     resources: Mapping[str, float]
     """Every resource the node advertises (CPU, GPU, NPU, memory, tags)."""
+    free: Mapping[str, float] | None
+    """What of them no actor or task holds now (None: Ray did not say)."""
     versions: Mapping[str, str]
     """python, tidal-rl and the stacks tidal builds on (`hal.versions.package_versions`)."""
     missing: Mapping[str, str]
@@ -121,6 +123,7 @@ def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
     finally:
         for p in probes:
             ray.kill(p)
+    free = _free_resources()
     return [
         NodeReport(
             node_id=n["NodeID"],
@@ -128,6 +131,7 @@ def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
             address=n["NodeManagerAddress"],
             devices=node_devices(n["Resources"]),
             resources=dict(n["Resources"]),
+            free=free.get(n["NodeID"]) if free is not None else None,
             versions=d["versions"],
             missing=d["missing"],
             listens=a,
@@ -135,6 +139,18 @@ def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
         )
         for n, d, a, r in zip(nodes, described, listening, reached)
     ]
+
+
+def _free_resources() -> dict[str, dict[str, float]] | None:
+    """Each node's resources that are free now, by node id. Ray's public API says this only
+    for the whole cluster (or through its dashboard, which tidal's clusters may run
+    without), so this reads its GCS client's per-node view; None where that moved."""
+    try:
+        from ray._private.state import available_resources_per_node  # noqa: PLC0415
+
+        return {node: dict(res) for node, res in available_resources_per_node().items()}
+    except (ImportError, AttributeError, TypeError):
+        return None
 
 
 def _gather(ray: Any, refs: list[Any], nodes: list[Mapping[str, Any]], timeout_s: float, what: str) -> list[Any]:

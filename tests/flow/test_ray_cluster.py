@@ -9,7 +9,7 @@ DRIVER = {"tidal-rl": "0.1.0", "python": "3.11.9", "ray": "2.60.0", "torch": "2.
 
 def _node(node_id: str, name: str, *, devices=None, versions=None, missing=None, unreachable=None) -> NodeReport:
     return NodeReport(
-        node_id=node_id, name=name, address="10.0.0.1", devices=devices or {}, resources={}, versions={**DRIVER, **(versions or {})},
+        node_id=node_id, name=name, address="10.0.0.1", devices=devices or {}, resources={}, free=None, versions={**DRIVER, **(versions or {})},
         missing=missing or {}, listens=f"10.0.0.{node_id}:4000{node_id}", unreachable=unreachable or {},
     )  # fmt: skip
 

@@ -71,6 +71,7 @@ def test_the_deploy_guides_rehearsal_runs_and_a_broken_cluster_is_named_before_t
         assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         assert "Ray cluster at 127.0.0.1:" in done.stdout and "2 node(s)" in done.stdout
         assert "no problem found" in done.stdout
+        assert re.search(r"npu-0 .* 2 npu .* 2 NPU, 2 CPU", done.stdout) and re.search(r"gpu-0 .* 2 cuda .* 2 GPU, 2 CPU", done.stdout), done.stdout  # free before the run
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert summary["trainer_platform"]["kind"] == "npu" and summary["trainer_platform"]["fake"]
         runtime = json.loads((tmp_path / "run" / "runtime.json").read_text())
