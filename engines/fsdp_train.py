@@ -260,14 +260,14 @@ class FSDPTrainEngine:
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, use_cache=False).logits[:, :-1]
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _dummy_pass(self, *, backward: bool) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         if backward:
             (logits.float().sum() * 0.0).backward()
 

@@ -168,7 +168,7 @@ class TorchTrainEngine:
             return self.padding_free.token_stats(model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         positions = {} if right_padded else {"position_ids": padded_positions(mask)}
         with self.platform.autocast(self.precision):
-            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions, use_cache=False).logits[:, :-1]
+            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,7 +185,7 @@ class TorchTrainEngine:
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
         with self.platform.autocast(self.precision):
-            logits = model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device), use_cache=False).logits
+            logits = model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
         # [rows, width, vocab]: what predicts each row's response token j. Rows share predictors
         # (a prompt's last token), and `index_select`'s backward sums their gradients in a fixed
         # order, where advanced indexing's (`index_put_` accumulating) does not on CPU threads.
