@@ -10,9 +10,13 @@ cluster with that list before it starts an actor.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from collections.abc import Sequence
 from typing import Any
 
-from tidal.tools.config import ConfigError, RecipeConfig
+from tidal.tools.config import ConfigError, RecipeConfig, load_config
+from tidal.tools.recipes import resolve_recipe
 
 
 @dataclasses.dataclass
@@ -67,7 +71,6 @@ def join_cluster() -> str:
     Raises:
         ConfigError: RAY_ADDRESS is not set.
     """
-    import os  # noqa: PLC0415
 
     import ray  # noqa: PLC0415
 
@@ -112,3 +115,22 @@ def render(found: ClusterCheck) -> None:
 
 def as_json(found: ClusterCheck) -> dict[str, Any]:
     return {"address": found.address, "nodes": [dataclasses.asdict(r) for r in found.nodes], "problems": found.problems}
+
+
+def doctor_cluster(recipe: str | None, overrides: Sequence[str], *, clean: bool, as_json_output: bool) -> int:
+    """`tidal doctor --cluster [--recipe RECIPE key=value ...]`: join the cluster at RAY_ADDRESS,
+    probe it and print what it found; 1 when a problem was found, else 0.
+
+    Raises:
+        ConfigError: `--clean` given (it cleans one machine's /dev/shm), or a bad recipe or override.
+    """
+    if clean:
+        raise ConfigError("--clean cleans this machine's /dev/shm; run `tidal doctor --clean` on each node")
+    cfg = load_config(resolve_recipe(recipe), list(overrides)) if recipe else None
+    join_cluster()
+    found = check_cluster(cfg)
+    if as_json_output:
+        print(json.dumps(as_json(found), indent=2))
+    else:
+        render(found)
+    return 1 if found.problems else 0
