@@ -47,6 +47,7 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     TrainConfig,
     TransportConfig,
     longest_prompt,
+    loss_config,
     loss_error,
 )
 
@@ -329,18 +330,6 @@ def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:
                 _check_strings(entry, item, f"{key}[{i}].")
         elif item is str and (bad := [v for v in value or () if not isinstance(v, str)]):
             raise ConfigError(f"{key} holds {bad[0]!r}: {f.name} are strings")
-
-
-def loss_config(cfg: RecipeConfig) -> Any:
-    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`, `AlgorithmConfig.loss`).
-
-    Raises:
-        ConfigError: naming the recipe key whose value the loss refuses.
-    """
-    try:
-        return cfg.algorithm.loss(cfg.rollout.max_new_tokens)
-    except ValueError as e:  # the loss names its fields: clip_low, clip_high, ...
-        raise loss_error(e) from None
 
 
 def to_yaml(cfg: Any) -> str:

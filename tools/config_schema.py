@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from tidal.engines import tasks
 from tidal.engines.data import DataConfig
@@ -365,10 +365,7 @@ class RecipeConfig:
         if self.seed > MAX_SEED:
             raise ValueError(f"seed={self.seed} must be <= {MAX_SEED}: torch's generators take a 64-bit seed")
         check_overlong(self.algorithm, self.rollout)
-        try:
-            self.algorithm.loss(self.rollout.max_new_tokens)  # every bound of the loss, now rather than after the warm start
-        except ValueError as e:
-            raise loss_error(e) from None
+        loss_config(self)  # every bound of the loss, now rather than after the warm start
         for key in CHECKED_ON_LOAD:
             section, _, field = key.partition(".")
             if message := unknown(key, getattr(getattr(self, section), field)):
@@ -394,6 +391,18 @@ def loss_error(error: ValueError) -> ConfigError:
     fields = re.compile(r"\b(" + "|".join(f.name for f in dataclasses.fields(PolicyLossConfig)) + r")\b")
     message = fields.sub(lambda m: _LOSS_KEYS.get(m[1], f"algorithm.{m[1]}"), str(error))
     return ConfigError(re.sub(r"\bNone\b", "null", message))
+
+
+def loss_config(cfg: RecipeConfig) -> Any:
+    """The recipe's policy loss (`flow.algorithms.PolicyLossConfig`, `AlgorithmConfig.loss`).
+
+    Raises:
+        ConfigError: naming the recipe key whose value the loss refuses.
+    """
+    try:
+        return cfg.algorithm.loss(cfg.rollout.max_new_tokens)
+    except ValueError as e:  # the loss names its fields: clip_low, clip_high, ...
+        raise loss_error(e) from None
 
 
 def longest_prompt(cfg: RecipeConfig) -> int | None:

@@ -29,7 +29,7 @@ from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.tools.checkpoint import rng_state, save_checkpoint, set_rng_state
-from tidal.tools.config import RecipeConfig, loss_error, stage_threads
+from tidal.tools.config import RecipeConfig, loss_config, stage_threads
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
@@ -116,10 +116,8 @@ def make_score(cfg: RecipeConfig, tokenizer: Tokenizer) -> Scorer:
 
 def workflow_config(cfg: RecipeConfig) -> WorkflowConfig:
     """The recipe's RL loop settings: its `algorithm` and `rollout` sections, as they are."""
-    try:
-        return WorkflowConfig(algorithm=cfg.algorithm, rollout=cfg.rollout, lease_s=cfg.lease_s, rollout_threads=stage_threads(cfg, "rollout"))
-    except ValueError as e:  # the loss's bounds, which a loaded recipe has passed already
-        raise loss_error(e) from None
+    loss_config(cfg)  # the loss's bounds (a loaded recipe has passed them), named by recipe key
+    return WorkflowConfig(algorithm=cfg.algorithm, rollout=cfg.rollout, lease_s=cfg.lease_s, rollout_threads=stage_threads(cfg, "rollout"))
 
 
 def lr_schedule(cfg: RecipeConfig) -> LRSchedule:
