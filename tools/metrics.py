@@ -89,13 +89,22 @@ class MetricsLog:
     at the open or the close.
 
     `first_step` is the step the run starts at: TensorBoard drops what an earlier
-    attempt in the same run directory wrote from there on.
+    attempt in the same run directory wrote from there on. `earlier`: a resumed run's
+    steps before `first_step` (as its metrics.jsonl holds them); a TensorBoard folder
+    that is new here (a run resumed into a new directory) gets them first, so its curves
+    cover the whole run as metrics.jsonl does. A folder an earlier attempt wrote has them.
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, first_step: int = 1) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, first_step: int = 1, earlier: Sequence[Mapping[str, Any]] = ()) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.tensorboard_dir = run_dir / TENSORBOARD_DIR if tensorboard and tensorboard_installed() else None
-        self._writer = None if self.tensorboard_dir is None else _EventWriter(self.tensorboard_dir, first_step=first_step)
+        self._writer = None
+        if self.tensorboard_dir is not None:
+            new = not (self.tensorboard_dir.is_dir() and any(self.tensorboard_dir.iterdir()))
+            self._writer = _EventWriter(self.tensorboard_dir, first_step=first_step)
+            for metrics in earlier if new else ():
+                if metrics["step"] < first_step:
+                    self._writer.write(scalars(metrics), metrics["step"], metrics.get("time"))
         self._file: TextIO | None = None
 
     def write(self, metrics: Mapping[str, Any]) -> None:

@@ -56,6 +56,7 @@ class BuiltRun(Protocol):
     resume_from: Path | None
     resumed: dict[str, Any] | None
     saved: dict[str, Any] | None
+    earlier: list[dict[str, Any]]
     totals: dict[str, Any]
     first_reward: float | None
     last_reward: float | None
@@ -212,7 +213,7 @@ class RL:
             self.trainer = self.sharing.train(self.trainer)
             if run.start_rollouts is None:
                 self.rollout = self.sharing.rollout(self.rollout)
-        self.metrics = MetricsLog(run.run_dir, tensorboard=cfg.tensorboard, first_step=self.trainer.version + 1)
+        self.metrics = MetricsLog(run.run_dir, tensorboard=cfg.tensorboard, first_step=self.trainer.version + 1, earlier=run.earlier)
         self.history: list[dict[str, Any]] = []
         self.bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=run.console, disable=not run.progress)
         self.bar_task = self.bar.add_task("rl", total=cfg.algorithm.num_steps, completed=self.trainer.version, info="waiting for the first batch")

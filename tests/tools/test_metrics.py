@@ -46,6 +46,22 @@ def test_every_step_reaches_jsonl_and_tensorboard_and_a_restart_replaces_the_ste
     assert dict(rewards)[4] == 1.0 and dict(rewards)[3] == pytest.approx(0.3)
 
 
+
+def test_a_run_resumed_into_a_new_directory_has_the_earlier_steps_in_its_tensorboard_too(tmp_path):
+    earlier = [_step(step, reward=step / 10) for step in (1, 2, 3)]
+    log = MetricsLog(tmp_path / "new", first_step=4, earlier=earlier)
+    for step in (4, 5):
+        log.write(_step(step, reward=1.0))
+    log.close()
+    rewards = _read(tmp_path / "new" / "tensorboard")["reward"]
+    assert rewards == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.3)), (4, 1.0), (5, 1.0)]
+
+    again = MetricsLog(tmp_path / "new", first_step=5, earlier=[*earlier, _step(4, reward=1.0)])  # resumed in its own directory: its folder has them
+    again.write(_step(5, reward=0.5))
+    again.close()
+    assert [s for s, _ in _read(tmp_path / "new" / "tensorboard")["reward"]] == [1, 2, 3, 4, 5]
+
+
 def test_without_tensorboard_installed_or_wanted_only_jsonl(tmp_path, monkeypatch):
     (tmp_path / "off").mkdir()
     off = MetricsLog(tmp_path / "off", tensorboard=False)
