@@ -109,7 +109,7 @@ class TaskConfig:
     reward: str = ""
     """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token; math, math_format, math_with_format: math-verify on `####` or `\\boxed{}` answers) or `module:function` (from the Python path, then the current directory); empty = the task's own (with data.train_files: needed)."""
     reward_workers: Optional[int] = None
-    """Worker processes that run the reward, each sample under `task.reward_timeout_s`; 0 = in the reward stage's thread, with no timeout; null = 2 for the math rewards (math, math_format, math_with_format: math-verify's own timeout works only in a process's main thread, and a pathological answer can hang its parser), 0 for the others (cheap and bounded)."""
+    """Worker processes that run the reward, each sample under `task.reward_timeout_s` (RL's rewards and the held-out evaluation's, each in a pool of its own); 0 = in the scoring thread, with no timeout; null = 2 for the math rewards (math, math_format, math_with_format: math-verify's own timeout works only in a process's main thread, and a pathological answer can hang its parser), 0 for the others (cheap and bounded)."""
     reward_timeout_s: float = 10.0
     """Longest the reward may take on one sample in a worker process (`task.reward_workers` > 0); a sample past it scores 0, its worker is replaced, and it is counted in the `reward_timeouts` metric (and in `failed_rewards`). > 0."""
     max_value: int = 20

@@ -104,6 +104,13 @@ class Scorer:
             return (*score(self.reward, trajectories, texts), 0)
         return self.pool.score(self.reward, trajectories, texts)
 
+    def rewards(self, trajectories: Sequence[Trajectory], texts: Sequence[str]) -> list[float]:
+        """Rewards of `texts` (each its trajectory's decoded answer), a failed or timed-out
+        one 0.0: held-out evaluation's scores, under the pool's per-sample timeout as RL's are."""
+        if self.pool is None:
+            return score(self.reward, trajectories, texts)[0]
+        return self.pool.score(self.reward, trajectories, texts).rewards
+
     def close(self) -> None:
         """End the pool's workers (none to end without a pool, or before the first call)."""
         if self.pool is not None:

@@ -43,7 +43,7 @@ from tidal.tools.config import ConfigError, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
-from tidal.tools.rl import RL, build_rollout_engine, make_score, own_train_keys, run_reward, torch_threads, unsharded, workflow_config
+from tidal.tools.rl import RL, Scorer, build_rollout_engine, make_score, own_train_keys, run_reward, torch_threads, unsharded, workflow_config
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest
 
@@ -90,11 +90,13 @@ def _until_end(row: list[int], ends: set[int]) -> tuple[list[int], bool]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100) -> float:
+def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None) -> float:
     """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0, with the
     rule RL trains on (the built-in verifiers' is strict: the answer alone, then an end
     token; generation stops at any of `tokenizer.eos_ids`). Items are encoded as RL's are:
-    their `prompt_ids`, else their `prompt` encoded."""
+    their `prompt_ids`, else their `prompt` encoded. With `scorer` (the run's, for `reward`)
+    answers are scored as RL's are, in its worker pool under its per-sample timeout; without
+    one, in this thread."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -108,12 +110,13 @@ def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str,
         mask = (torch.arange(width, device=device)[None, :] >= torch.tensor([width - len(x) for x in ids], device=device)[:, None]).long()
         out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=list(tokenizer.eos_ids))
         trajectories, texts = [], []
-        for item, row in zip(chunk, out[:, width:].tolist()):
+        for item, prompt, row in zip(chunk, ids, out[:, width:].tolist()):
             tokens, stopped = _until_end(row, ends)
             meta = {k: v for k, v in item.items() if k != "prompt_ids"}
-            trajectories.append(Trajectory(prompt_ids=[], finish_reason="stop" if stopped else "length", meta=meta))
+            kept = row[: len(tokens) + 1] if stopped else tokens  # as RL's trajectories hold them: through the end token
+            trajectories.append(Trajectory(prompt_ids=prompt, tokens=kept, logprobs=[0.0] * len(kept), versions=[0] * len(kept), finish_reason="stop" if stopped else "length", meta=meta))
             texts.append(tokenizer.decode(tokens))
-        rewards, _ = score(reward, trajectories, texts)  # a reward that fails scores the answer 0, as in RL
+        rewards = scorer.rewards(trajectories, texts) if scorer is not None else score(reward, trajectories, texts)[0]  # a reward that fails scores the answer 0, as in RL
         correct += sum(r == 1.0 for r in rewards)
     model.train(was_training)
     return correct / max(len(items), 1)
@@ -181,12 +184,15 @@ def train(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True, start_roll
     `named_weights()` / `state_dict()`, so a sharded engine works like the plain one.
     """
     run = Run(cfg, run_dir, progress=progress, start_rollouts=start_rollouts, engine_options=engine_options or {}, turns=turns)
-    run.build()
-    if run.resumed is None:
-        run.warm_start()
-    rl = RL(run, stop=stop)
-    rl.run()
-    return run.finish(rl)
+    try:
+        run.build()
+        if run.resumed is None:
+            run.warm_start()
+        rl = RL(run, stop=stop)
+        rl.run()
+        return run.finish(rl)
+    finally:
+        run.close()
 
 
 class Run:
@@ -209,6 +215,7 @@ class Run:
         self.first_reward: float | None = None
         self.last_reward: float | None = None
         self.earlier: list[dict[str, Any]] = []  # a resumed run's steps up to its checkpoint, as its metrics.jsonl holds them
+        self.eval_scorer: Scorer | None = None  # held-out evaluation's reward pool, made at the first evaluation; `close` ends it
 
     # --- build -------------------------------------------------------------------------
 
@@ -251,7 +258,11 @@ class Run:
     def evaluate(self, model: torch.nn.Module) -> float | None:
         """Held-out accuracy of `model` (None: the run has no held-out prompts)."""
         items = self.prompts.eval_items
-        return evaluate(model, self.tokenizer, items, self.reward, max_new_tokens=self.budget) if items else None
+        if not items:
+            return None
+        if self.eval_scorer is None:  # its own pool: `eval_every` scores in this thread while RL's reward stage scores in its own
+            self.eval_scorer = make_score(self.cfg, self.tokenizer)
+        return evaluate(model, self.tokenizer, items, self.reward, max_new_tokens=self.budget, scorer=self.eval_scorer)
 
     # --- warm start --------------------------------------------------------------------
 
@@ -326,3 +337,8 @@ class Run:
             torch.distributed.destroy_process_group()
             self.group_file.unlink(missing_ok=True)
         return summary
+
+    def close(self) -> None:
+        """End held-out evaluation's reward workers (after `finish`, or a phase that raised)."""
+        if self.eval_scorer is not None:
+            self.eval_scorer.close()

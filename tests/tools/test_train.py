@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,40 @@ def test_evaluation_scores_an_answer_whose_reward_fails_as_wrong():
         return 1.0
 
     assert evaluate(model, tokenizer, items, picky, max_new_tokens=2) == 0.5
+
+
+def test_evaluation_gives_the_reward_the_answer_as_rl_does_and_scores_in_the_runs_pool_under_its_timeout(tmp_path, monkeypatch):
+    """Held-out answers reach the reward as RL's do (prompt ids, generated tokens through the
+    end token, finish reason), and with the run's scorer they are scored in its worker pool:
+    a reward that hangs times out and scores 0 instead of stopping the run."""
+    from tidal.tools.rl import make_score
+    from tidal.tools.train import evaluate
+
+    tokenizer = CharTokenizer()
+    model = build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=0)
+    items = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(4)]
+    seen = []
+
+    def records(trajectory, text):
+        seen.append((trajectory.prompt_ids, list(trajectory.tokens), trajectory.finish_reason, text))
+        return 1.0
+
+    assert evaluate(model, tokenizer, items, records, max_new_tokens=3) == 1.0
+    assert [prompt for prompt, *_ in seen] == [tokenizer.encode(item["prompt"]) for item in items]
+    for _, tokens, reason, text in seen:
+        ends = [k for k, t in enumerate(tokens) if t in tokenizer.eos_ids]
+        assert (reason == "stop") == bool(ends) and (not ends or ends == [len(tokens) - 1]) and len(tokens) <= 3
+        assert text == tokenizer.decode(tokens[:-1] if ends else tokens)
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    cfg = load_config(None, ["task.reward=tidal_test_rewards:hangs", "task.reward_workers=1", "task.reward_timeout_s=0.5"])
+    scorer = make_score(cfg, tokenizer)
+    try:
+        started = time.monotonic()
+        assert evaluate(model, tokenizer, items, scorer.reward, max_new_tokens=3, scorer=scorer) == 0.0
+        assert time.monotonic() - started < 60
+    finally:
+        scorer.close()
 
 
 def test_checkpoint_rng_is_the_platforms_and_loads_from_another_platforms_checkpoint(caplog):

@@ -41,10 +41,18 @@ def first_token_even(trajectory, text: str) -> float:
 
 def first_token_even_or_hangs(trajectory, text: str) -> float:
     """`first_token_even`, except that it never returns (sleeps an hour) when the response's
-    first token id is a multiple of 3: about a third of a random model's samples. Responses
-    without tokens (the held-out evaluation's) never hang."""
+    first token id is a multiple of 3: about a third of a random model's samples (the
+    held-out evaluation's greedy answers too)."""
     import time
 
     if trajectory.tokens and trajectory.tokens[0] % 3 == 0:
         time.sleep(3600)
     return first_token_even(trajectory, text)
+
+
+def hangs(trajectory, text: str) -> float:
+    """Never returns (sleeps an hour)."""
+    import time
+
+    time.sleep(3600)
+    return 1.0
