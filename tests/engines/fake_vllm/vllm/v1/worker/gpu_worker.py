@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from vllm.model_executor.models.fused import FusedCausalLM
 from vllm.v1.worker.worker_base import WorkerBase
 
