@@ -9,11 +9,14 @@ heavy. A new backend is one module plus one line here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.metadata
 from typing import Any
 
-ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine"}
-"""rollout.backend -> adapter class (vllm arrives with its adapter)."""
+ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine", "vllm": "tidal.engines.vllm_rollout:VLLMRolloutEngine"}
+"""rollout.backend -> adapter class (`vllm` needs vLLM installed where the rollout runs; it is
+built from the checkpoint directory: its class's `builds_from_checkpoint`)."""
 TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine", "deepspeed": "tidal.engines.deepspeed_train:DeepSpeedTrainEngine"}
 """train.backend -> adapter class."""
 MULTI_RANK = {"fsdp": "tidal.engines.fsdp_lead:follow", "deepspeed": "tidal.engines.deepspeed_lead:follow"}
@@ -58,3 +61,54 @@ def follower(backend: str) -> Any:
     """The function every rank but 0 of a `backend` train group runs (`MULTI_RANK`), imported now."""
     module, _, name = MULTI_RANK[backend].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What an engine needs to run on a machine: Python distributions, and platform kinds."""
+
+    packages: tuple[str, ...] = ()
+    """Distributions (as pip names them) it imports, on every platform."""
+    kinds: tuple[str, ...] = ("cpu", "cuda", "npu")
+    """Platform kinds it computes on (a fake platform computes on CPU)."""
+    on_kind: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Further distributions it needs on one kind (vLLM's Ascend plugin on NPUs)."""
+    extra: str = ""
+    """The `tidal-rl` extra that installs its packages."""
+
+
+NEEDS = {
+    ("rollout.backend", "vllm"): Needs(packages=("vllm",), kinds=("cuda", "npu"), on_kind={"npu": ("vllm-ascend",)}, extra="vllm"),
+    ("train.backend", "deepspeed"): Needs(packages=("deepspeed",), extra="deepspeed"),
+}
+"""(recipe key, name) -> what that engine needs beyond tidal's own dependencies (the others
+need nothing more and run on every platform)."""
+
+
+def needs(key: str, name: str) -> Needs:
+    """What the engine registered as `name` under `key` needs (`NEEDS`, else nothing more)."""
+    return NEEDS.get((key, name), Needs())
+
+
+def missing(key: str, name: str, *, kind: str, fake: bool = False) -> str | None:
+    """Why the engine `name` under `key` cannot run here, on a platform of `kind` (`fake`: a
+    fake platform, which computes on CPU), from package metadata alone (imports nothing); None
+    when it can."""
+    need = needs(key, name)
+    computes_on = "cpu" if fake else kind
+    if computes_on not in need.kinds:
+        where = f"a fake {kind} platform, which computes on CPU" if fake else f"a {kind} platform"
+        return f"{key}={name} runs on {' or '.join(need.kinds)} devices, not on {where}"
+    absent = [p for p in (*need.packages, *need.on_kind.get(kind, ())) if version(p) is None]
+    if absent:
+        hint = f" (pip install 'tidal-rl[{need.extra}]')" if need.extra and set(absent) & set(need.packages) else ""
+        return f"{key}={name} needs {', '.join(absent)}, not installed here{hint}"
+    return None
+
+
+def version(distribution: str) -> str | None:
+    """The installed version of `distribution`, or None (package metadata: imports nothing)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None

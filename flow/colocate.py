@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, PlacementError, Plan
-from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload
+from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload, Sleeps
 from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
 
 TURNS_CONCURRENCY = 64
@@ -60,11 +60,16 @@ class Sharing:
 
     def __init__(self, turns: Any, platform: Any) -> None:
         self.turns, self.platform = turns, platform
-        self._seats: list[tuple[Seat, Offloader]] = []
+        self._seats: list[tuple[Seat, Offloader | None]] = []  # None: an engine that sleeps
 
     def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
         """Seat `engine`, parking its `model`, its frozen `reference` policy where it holds one
-        (a train engine built for a KL term: a whole model's weights), and its `optimizer`'s state."""
+        (a train engine built for a KL term: a whole model's weights), and its `optimizer`'s
+        state; an engine that `Sleeps` parks itself (its memory is its own, not a module's)."""
+        if isinstance(engine, Sleeps):
+            seat = Seat(self.turns, name, park=engine.sleep, unpark=engine.wake_up)
+            self._seats.append((seat, None))
+            return seat
         model = engine.model if isinstance(engine, HoldsModel) else None
         if model is None:
             raise ValueError(f"{type(engine).__name__} has no `model` to park; it cannot time-share devices (seat {name!r})")
@@ -85,7 +90,7 @@ class Sharing:
 
     def summary(self) -> dict[str, Any]:
         """Hand-offs on these devices so far, and each of this process's seats' parks."""
-        seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes} for s, o in self._seats}
+        seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes if o is not None else 0} for s, o in self._seats}  # a sleeping engine's bytes are its own
         state = self.turns.state()
         spans = {"arbiters": len(state["arbiters"])} if "arbiters" in state else {}  # a `TurnsSpan`: handoffs summed over them
         return {"handoffs": state["handoffs"], "seats": seats, **spans}

@@ -54,13 +54,15 @@ class RolloutConfig:
     """The rollout engine."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(
-        at_least={"max_new_tokens": 1, "chunk_tokens": 1, "prompts_per_generate": 1, "threads": 0},
-        positive=("temperature",),
+        at_least={"max_new_tokens": 1, "chunk_tokens": 1, "prompts_per_generate": 1, "threads": 0, "max_model_len": 1},
+        positive=("temperature", "gpu_memory_utilization"),
         why={"temperature": "rollout samples, and its behavior logprobs are taken at this temperature"},
     )
 
     backend: str = "hf"
-    """Rollout adapter: hf (a transformers model sampled with a KV cache, any platform)."""
+    """Rollout adapter: hf (a transformers model sampled with a KV cache, any platform), vllm
+    (vLLM's engine on GPUs, vllm-ascend's on NPUs; the `[vllm]` extra, loads `model.path`,
+    tensor parallel over `placement.rollout.devices_each`)."""
     temperature: float = 1.0
     """Sampling temperature (behavior logprobs are computed at it)."""
     max_new_tokens: int = 6
@@ -76,6 +78,16 @@ class RolloutConfig:
     sample in it ends)."""
     threads: int = 0
     """torch intra-op threads of the rollout stage; 0 = the run's `threads`."""
+    gpu_memory_utilization: float = 0.6
+    """backend vllm: share of each device's memory vLLM takes for weights and KV cache (0 < x <= 1)."""
+    max_model_len: Optional[int] = None
+    """backend vllm: longest sequence (prompt + response) it serves; null = the checkpoint's."""
+    enforce_eager: bool = False
+    """backend vllm: no CUDA/NPU graphs (slower decoding, faster start, less memory)."""
+
+    def check(self) -> None:
+        if self.gpu_memory_utilization > 1:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be <= 1: it is a share of each device's memory")
 
 
 @dataclasses.dataclass

@@ -219,6 +219,34 @@ class MovesAfterOffload(Protocol):
 
 # Rollout engines ---------------------------------------------------------------------------
 @runtime_checkable
+class BuildsFromCheckpoint(Protocol):
+    """A rollout engine class that loads the model itself from the checkpoint directory (vLLM
+    builds its own model, sharded over its devices): the run passes `model.path` where other
+    engines take a torch module, `tensor_parallel_size` from the placement's devices per
+    instance, and its recipe `rollout.*` keys by name. Checked on the class."""
+
+    builds_from_checkpoint: bool
+    """Always True for such an engine: the marker `isinstance` sees."""
+    rollout_keys: tuple[str, ...]
+    """Recipe `rollout` keys the constructor takes by the same name (`gpu_memory_utilization`, ...)."""
+
+
+@runtime_checkable
+class Sleeps(Protocol):
+    """A rollout engine that frees its devices' memory itself and takes it back (vLLM's sleep
+    mode: weights to host memory, KV cache discarded): a time-shared seat parks it with
+    `sleep()` and unparks it with `wake_up()` instead of moving a `model`."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the devices' memory (level 1: weights kept in host memory, cache discarded)."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back (`tags`: only those parts, e.g. ["weights"]; None: all)."""
+        ...
+
+
+@runtime_checkable
 class Pads(Protocol):
     """A rollout engine that pads batches with a token of the tokenizer's (`pad_id`): the
     trainer's batches are padded with it too (never trained on); 0 for one without."""

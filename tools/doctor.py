@@ -2,7 +2,8 @@
 
 Prints the platform tidal would choose and why, its device count and identity, the
 versions of the stacks tidal builds on (from `tidal.hal.versions`, which reads package
-metadata and imports nothing), and which shipped recipes can run here.
+metadata and imports nothing), each rollout and train engine (installed or not, its
+packages' versions, usable here or why not), and which shipped recipes can run here.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ def _can_run(cfg: RecipeConfig, *, kind_ok: dict[str, tuple[bool, str]], selecte
 
     if cfg.runtime.name == "ray" and importlib.util.find_spec("ray") is None:
         return False, "runtime ray needs the ray package"
+    from tidal.engines.registry import missing  # noqa: PLC0415
+
     kinds = sorted({node.kind for node in cfg.cluster.nodes} - {"cpu"})
-    if kinds and not cfg.cluster.fake:
-        return False, f"needs a Ray cluster with {' and '.join(kinds)} nodes (cluster.fake=true runs it on CPU)"
+    engines = (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend))
+    on_cpu = [why for kind in kinds for key, name in engines if (why := missing(key, name, kind=kind, fake=True))]
+    if kinds and (not cfg.cluster.fake or on_cpu):
+        hint = f"; {on_cpu[0]}" if on_cpu else " (cluster.fake=true runs it on CPU)"
+        return False, f"needs a Ray cluster with {' and '.join(kinds)} nodes{hint}"
     env = os.environ.get(ENV_VAR, "").strip()
     if env and check_spec(env) != "auto":  # it wins over the recipe's device, as when the recipe runs
         if selected:
@@ -68,6 +74,22 @@ def shared_memory(*, clean: bool = False) -> dict[str, Any]:
     }
 
 
+def engines(*, kind: str | None, fake: bool) -> list[dict[str, Any]]:
+    """One row per registered rollout and train engine: the packages it needs beyond tidal's
+    own and their versions, and whether it runs on this machine's platform (`kind`; None: no
+    platform could load) or why not. Reads package metadata only (imports no engine)."""
+    from tidal.engines.registry import ROLLOUT, TRAIN, missing, needs, version  # noqa: PLC0415
+
+    rows = []
+    for key, registry in (("rollout.backend", ROLLOUT), ("train.backend", TRAIN)):
+        for name in registry:
+            need = needs(key, name)
+            packages = {p: version(p) or "not installed" for p in (*need.packages, *(p for kind_packages in need.on_kind.values() for p in kind_packages))}
+            why = missing(key, name, kind=kind, fake=fake) if kind else "no platform could load"
+            rows.append({"key": key, "engine": name, "packages": packages, "usable": why is None, "why": why or f"runs on {kind}{' (fake: on CPU)' if fake else ''}"})
+    return rows
+
+
 def report(*, clean: bool = False) -> tuple[dict[str, Any], int]:
     """Everything doctor shows, as plain data, and the exit code (0, or 1 if no platform);
     `clean` deletes the files killed processes left in `/dev/shm` first."""
@@ -92,6 +114,7 @@ def report(*, clean: bool = False) -> tuple[dict[str, Any], int]:
         data["error"] = str(e)
         code = 1
     selected = data["platform"]["spec"] if data["platform"] else None
+    data["engines"] = engines(kind=data["platform"]["kind"] if data["platform"] else None, fake=bool(data["platform"] and data["platform"]["fake"]))
     kind_ok = select.availability()
     for path in shipped_recipes():
         entry = {"recipe": path.stem, "path": str(path)}
@@ -148,6 +171,14 @@ def render(data: dict[str, Any]) -> None:
         ok = "[green]yes[/]" if r["runs_here"] else "[red]no[/]"
         recipes.add_row(escape(r["recipe"]), escape(r["device"]), r["runtime"], ok, escape(r["why"]))
     console.print(recipes)
+
+    table = Table(title="engines")
+    for col in ("recipe key", "engine", "needs", "usable here", "why"):
+        table.add_column(col)
+    for e in data["engines"]:
+        packages = ", ".join(f"{name} {v}" for name, v in e["packages"].items()) or "-"
+        table.add_row(e["key"], e["engine"], escape(packages), "[green]yes[/]" if e["usable"] else "[red]no[/]", escape(e["why"]))
+    console.print(table)
 
     shared = data["shared_memory"]
     if not shared["usable"]:

@@ -51,9 +51,12 @@ def make_rollout_engine(cfg_yaml: str, *, rank: int) -> Any:
     """Runs inside rollout actor `rank`: the recipe's rollout engine on the actor's platform,
     its generators seeded from `seed` and `rank` (each instance its own stream; the actor's
     worker seeds each generate call afresh: `start_rollouts`). It starts from freshly
-    initialised weights; the trainer's current version arrives over the weight transport
-    before the first generate."""
+    initialised weights (an engine that loads `model.path` itself, `BuildsFromCheckpoint`:
+    from the checkpoint's, the model not built here); the trainer's current version arrives
+    over the weight transport before the first generate."""
     from tidal.engines.models import model_source  # noqa: PLC0415
+    from tidal.engines.registry import load  # noqa: PLC0415
+    from tidal.flow.protocols import BuildsFromCheckpoint  # noqa: PLC0415
     from tidal.hal import current_platform  # noqa: PLC0415
     from tidal.tools.rl import build_rollout_engine  # noqa: PLC0415
 
@@ -64,8 +67,12 @@ def make_rollout_engine(cfg_yaml: str, *, rank: int) -> Any:
 
         torch.set_num_threads(threads)
     platform = current_platform()
-    policy = model_source(cfg.model).build(seed=cfg.seed)  # the tiny model: from `seed`, as every instance's
-    tokenizer, model = policy.tokenizer, policy.module.to(platform.device(0))
+    source = model_source(cfg.model)
+    if isinstance(load("rollout.backend", cfg.rollout.backend), BuildsFromCheckpoint):  # it loads model.path itself, on its own devices
+        tokenizer, model = source.load_tokenizer(Path(cfg.model.path)), None
+    else:
+        policy = source.build(seed=cfg.seed)  # the tiny model: from `seed`, as every instance's
+        tokenizer, model = policy.tokenizer, policy.module.to(platform.device(0))
     platform.seed_all(cfg.seed + 7_919 * (rank + 1))
     return build_rollout_engine(cfg, model, tokenizer, platform=platform, version=-1)
 

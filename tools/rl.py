@@ -24,7 +24,7 @@ from tidal.engines.reward_pool import RewardPool
 from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
-from tidal.flow.protocols import TakesTrainKeys
+from tidal.flow.protocols import BuildsFromCheckpoint, TakesTrainKeys
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
@@ -137,13 +137,30 @@ def lr_schedule(cfg: RecipeConfig) -> LRSchedule:
 def own_train_keys(train_cls: Any, cfg: RecipeConfig) -> dict[str, Any]:
     """The recipe's `train.*` keys that the train engine class takes besides those every engine
     takes (`TakesTrainKeys`: the deepspeed engine's `zero_stage`), by name."""
-    return {key: getattr(cfg.train, key) for key in train_cls.train_keys} if isinstance(train_cls, TakesTrainKeys) else {}
+    return section_values(cfg.train, train_cls.train_keys) if isinstance(train_cls, TakesTrainKeys) else {}
 
 
-def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
-    """The recipe's rollout engine around `model`, stopping at any of the tokenizer's end ids."""
+def section_values(section: Any, keys: Sequence[str]) -> dict[str, Any]:
+    """`keys` of a recipe section (one of the schema's dataclasses), by name, with their values."""
+    values = vars(section)
+    return {key: values[key] for key in keys}
+
+
+def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module | None, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
+    """The recipe's rollout engine, stopping at any of the tokenizer's end ids: around `model`,
+    or, for an engine that loads the checkpoint itself (`BuildsFromCheckpoint`), from
+    `model.path` in the trainer's `model.dtype` (the weights it is sent then match), then given
+    `model`'s weights as `version` when `model` is given and differs from the checkpoint (a
+    warm start or a resumed run: `version` > 0 or `sft.steps`)."""
     rollout_cls = load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
-    return rollout_cls(model, eos_id=list(tokenizer.eos_ids), pad_id=tokenizer.pad_id, temperature=cfg.rollout.temperature, chunk_tokens=cfg.rollout.chunk_tokens, platform=platform, version=version)
+    common = {"eos_id": list(tokenizer.eos_ids), "pad_id": tokenizer.pad_id, "temperature": cfg.rollout.temperature, "chunk_tokens": cfg.rollout.chunk_tokens, "platform": platform}
+    if not isinstance(rollout_cls, BuildsFromCheckpoint):
+        return rollout_cls(model, version=version, **common)
+    own = section_values(cfg.rollout, rollout_cls.rollout_keys)
+    engine = rollout_cls(cfg.model.path, version=version, tensor_parallel_size=cfg.placement.rollout.devices_each, seed=cfg.seed, dtype=cfg.model.dtype, **own, **common)
+    if model is not None and (version > 0 or cfg.sft.steps):
+        engine.load_weights(version, model.state_dict().items())
+    return engine
 
 
 def unsharded(template: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:

@@ -188,6 +188,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
         raise ConfigError(f"model.path={cfg.model.path!r} is read only with model.source=hf; model.source={cfg.model.source!r}: set model.source=hf or unset model.path")
     if cfg.model.path and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path={cfg.model.path!r} does not exist or is not a folder")
+    if cfg.rollout.backend == "vllm" and cfg.model.source != "hf":
+        raise ConfigError(f"rollout.backend=vllm loads a Hugging Face checkpoint directory itself; model.source={cfg.model.source!r}: set model.source=hf and model.path")
     if cfg.model.source != "tiny" and not cfg.data.train_files:
         raise ConfigError(f"model.source={cfg.model.source} trains on prompts from files: set data.train_files (the generated tasks are for the tiny model's character tokenizer)")
     if cfg.data.train_files and not cfg.task.reward:
@@ -230,6 +232,20 @@ def check_runnable(cfg: RecipeConfig) -> None:
                 f"placement.train.lend_to={cfg.placement.train.lend_to} (multiplexed: borrowed rollout instances beside rollout's own) needs runtime=ray; "
                 "runtime=local runs one rollout engine in this process: set runtime=ray, or placement.rollout.colocate_with=train for that engine to take turns on the trainer's device"
             )
+
+
+def check_engines_here(cfg: RecipeConfig, descriptor: Any) -> None:
+    """The recipe's rollout and train engines can run on this process's platform (`descriptor`):
+    their packages are installed and they compute on its kind (`engines.registry.missing`).
+
+    Raises:
+        ConfigError: naming the key, the engine and what it lacks.
+    """
+    from tidal.engines.registry import missing  # noqa: PLC0415
+
+    for key, name in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):
+        if why := missing(key, name, kind=descriptor.kind, fake=descriptor.fake):
+            raise ConfigError(why)
 
 
 def check_plan(cfg: RecipeConfig) -> None:
@@ -308,6 +324,8 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     check_runnable(cfg)
     resume_changes(cfg)
     selection = init_platform(cfg.device)
+    if cfg.runtime.value == "local":  # its engines are built in this process (under ray, in actors on the nodes the plan picks)
+        check_engines_here(cfg, selection.platform.descriptor)
     check_plan(cfg)
     if cfg.resume:  # its files, before the run directory is made (and under --check)
         from tidal.engines.models import model_source  # noqa: PLC0415

@@ -238,3 +238,46 @@ def test_a_trainers_reference_policy_leaves_the_devices_with_its_weights():
             assert all(torch.equal(p, q) for p, q in zip(engine.reference.parameters(), engine.model.parameters(), strict=True))
     finally:
         sharing.close()
+
+
+def test_a_rollout_engine_that_sleeps_is_parked_by_sleep_and_unparked_by_wake_up():
+    """vLLM frees and takes back its own memory: its seat calls `sleep` / `wake_up` in turn,
+    and moves no module."""
+    import torch
+
+    platform = select_platform("fake:cuda:1").platform
+    calls = []
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(4, 4)
+            self.version = 0
+
+        def sft_step(self, batch):
+            calls.append("train step")
+            return {}
+
+    class Sleepy:
+        version = 0
+
+        def sleep(self, level: int = 1) -> None:
+            calls.append(f"sleep {level}")
+
+        def wake_up(self, tags=None) -> None:
+            calls.append("wake up")
+
+        def load_weights(self, version, named_tensors):
+            calls.append(f"load {version}")
+
+    sharing = Sharing(Turns(), platform)
+    trainer, rollout = sharing.train(Trainer()), sharing.rollout(Sleepy())
+    try:
+        trainer.sft_step(None)
+        rollout.load_weights(1, [])
+        trainer.sft_step(None)
+        assert calls == ["train step", "load 1", "sleep 1", "train step"]  # the trainer's first turn parks nothing of the guest's yet
+        rollout.load_weights(2, [])
+        assert calls[-2:] == ["wake up", "load 2"]
+        assert sharing.summary()["seats"]["rollout"] == {"parks": 1, "parked_bytes": 0}
+    finally:
+        sharing.close()

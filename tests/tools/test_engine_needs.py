@@ -1,0 +1,77 @@
+"""What each engine needs to run (`engines.registry.NEEDS`): `tidal doctor`'s engine rows, and
+`tidal run` refusing, before its run directory, a local run whose engine cannot run here."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.engines import registry
+
+
+def _installed(monkeypatch, *names: str) -> None:
+    monkeypatch.setattr(registry, "version", lambda name: "1.0" if name in names else None)
+
+
+def test_an_engine_with_nothing_more_to_need_runs_everywhere(monkeypatch):
+    _installed(monkeypatch)
+    for kind in ("cpu", "cuda", "npu"):
+        assert registry.missing("rollout.backend", "hf", kind=kind) is None
+        assert registry.missing("train.backend", "fsdp", kind=kind, fake=True) is None
+
+
+def test_vllm_needs_its_package_a_device_and_on_npus_the_ascend_plugin(monkeypatch):
+    _installed(monkeypatch)
+    assert registry.missing("rollout.backend", "vllm", kind="cuda") == "rollout.backend=vllm needs vllm, not installed here (pip install 'tidal-rl[vllm]')"
+    assert registry.missing("rollout.backend", "vllm", kind="cpu") == "rollout.backend=vllm runs on cuda or npu devices, not on a cpu platform"
+    assert "not on a fake cuda platform, which computes on CPU" in registry.missing("rollout.backend", "vllm", kind="cuda", fake=True)
+    _installed(monkeypatch, "vllm")
+    assert registry.missing("rollout.backend", "vllm", kind="cuda") is None
+    assert registry.missing("rollout.backend", "vllm", kind="npu") == "rollout.backend=vllm needs vllm-ascend, not installed here"
+    _installed(monkeypatch, "vllm", "vllm-ascend")
+    assert registry.missing("rollout.backend", "vllm", kind="npu") is None
+
+
+def test_deepspeed_needs_its_package_on_every_kind(monkeypatch):
+    _installed(monkeypatch)
+    assert registry.missing("train.backend", "deepspeed", kind="cpu") == "train.backend=deepspeed needs deepspeed, not installed here (pip install 'tidal-rl[deepspeed]')"
+    _installed(monkeypatch, "deepspeed")
+    assert registry.missing("train.backend", "deepspeed", kind="npu") is None
+
+
+def test_every_needs_entry_names_a_registered_engine():
+    for key, name in registry.NEEDS:
+        assert name in registry.REGISTRIES[key], (key, name)
+
+
+def test_doctor_lists_every_engine_with_its_packages_and_whether_it_runs_here(monkeypatch):
+    from tidal.tools.doctor import engines
+
+    _installed(monkeypatch, "deepspeed")
+    rows = {(r["key"], r["engine"]): r for r in engines(kind="cpu", fake=False)}
+    assert set(rows) == {(key, name) for key in ("rollout.backend", "train.backend") for name in registry.REGISTRIES[key]}
+    assert rows["train.backend", "deepspeed"]["packages"] == {"deepspeed": "1.0"} and rows["train.backend", "deepspeed"]["usable"]
+    assert rows["rollout.backend", "hf"] == {"key": "rollout.backend", "engine": "hf", "packages": {}, "usable": True, "why": "runs on cpu"}
+    if ("rollout.backend", "vllm") in rows:
+        vllm = rows["rollout.backend", "vllm"]
+        assert vllm["packages"] == {"vllm": "not installed", "vllm-ascend": "not installed"} and not vllm["usable"]
+    assert all(not r["usable"] and r["why"] == "no platform could load" for r in engines(kind=None, fake=False))
+
+
+def test_doctor_json_has_the_engine_rows(tidal_cli, tmp_path):
+    import json
+
+    out = tidal_cli("doctor", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["engines"]
+    assert {"key": "rollout.backend", "engine": "hf", "packages": {}, "usable": True, "why": "runs on cpu"} in rows
+
+
+def test_a_local_run_whose_engine_cannot_run_here_is_refused_before_its_run_directory(monkeypatch, tmp_path):
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import prepare_run
+
+    _installed(monkeypatch)
+    with pytest.raises(ConfigError, match=r"train\.backend=deepspeed needs deepspeed, not installed here"):
+        prepare_run(resolve_recipe("quickstart_cpu"), ["train.backend=deepspeed", f"run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()

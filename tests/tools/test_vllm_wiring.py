@@ -1,0 +1,94 @@
+"""How a run builds the `vllm` rollout engine (`tools.rl.build_rollout_engine`, and a Ray
+rollout actor's `make_rollout_engine`), against the fake vLLM of tests/engines/fake_vllm: from
+`model.path`, tensor parallel over `placement.rollout.devices_each`, in `model.dtype`, with
+the recipe's `rollout.*` keys, given the trainer's weights when they differ from the
+checkpoint's; a Ray actor builds it without building the model itself."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+FAKE = Path(__file__).resolve().parents[1] / "engines" / "fake_vllm"
+
+
+def _drop_vllm() -> dict:
+    gone = {k: m for k, m in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
+    for k in gone:
+        del sys.modules[k]
+    return gone
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    saved = _drop_vllm()
+    monkeypatch.syspath_prepend(str(FAKE))
+    import vllm
+
+    assert vllm.FAKE
+    yield importlib.import_module("vllm.v1.engine.async_llm")
+    _drop_vllm()
+    sys.modules.update(saved)
+
+
+def _cfg(tiny_hf_dir, gsm8k_files, *more):
+    from tidal.tools.config import load_config
+    from tidal.tools.recipes import resolve_recipe
+
+    return load_config(
+        resolve_recipe("gsm8k_qwen"),
+        [f"model.path={tiny_hf_dir}", f"data.train_files=[{gsm8k_files['train_jsonl']}]", "rollout.backend=vllm", "rollout.gpu_memory_utilization=0.5", "rollout.max_model_len=256", "rollout.enforce_eager=true", *more],
+    )
+
+
+def test_a_run_builds_vllm_from_the_checkpoint_with_its_keys_and_sends_the_trainers_weights(fake_vllm, tiny_hf_dir, gsm8k_files):
+    from tidal.engines.models import model_source
+    from tidal.hal import current_platform
+    from tidal.tools.rl import build_rollout_engine
+
+    cfg = _cfg(tiny_hf_dir, gsm8k_files, "placement.rollout.devices_each=2", "model.dtype=float32", "seed=5")
+    policy = model_source(cfg.model).build(seed=cfg.seed)
+    engine = build_rollout_engine(cfg, copy.deepcopy(policy.module), policy.tokenizer, platform=current_platform(), version=0)  # a new run without warm start: the checkpoint's weights
+    try:
+        llm = fake_vllm.INSTANCES[-1]
+        args = engine.engine_args
+        assert (args.model, args.tensor_parallel_size, args.dtype, args.seed) == (str(tiny_hf_dir), 2, "float32", 5)
+        assert (args.gpu_memory_utilization, args.max_model_len, args.enforce_eager) == (0.5, 256, True)
+        assert engine.version == 0 and not [c for c in llm.calls if c[0] == "collective_rpc" and c[1] == "tidal_load_bucket"]
+        assert set(engine.eos_ids) == set(policy.tokenizer.eos_ids) and engine.pad_id == policy.tokenizer.pad_id
+    finally:
+        engine.close()
+
+    trained = copy.deepcopy(policy.module)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    engine = build_rollout_engine(cfg, trained, policy.tokenizer, platform=current_platform(), version=4)  # resumed at version 4
+    try:
+        llm = fake_vllm.INSTANCES[-1]
+        assert engine.version == 4 and [w.tidal_weight_version() for w in llm.workers] == [4, 4]
+        got = llm.workers[0].get_model().hf_state()
+        assert all(torch.equal(got[name], tensor) for name, tensor in trained.state_dict().items())
+    finally:
+        engine.close()
+
+
+def test_a_ray_rollout_actor_builds_vllm_without_building_the_model(fake_vllm, tiny_hf_dir, gsm8k_files, monkeypatch):
+    from tidal.engines import models
+    from tidal.tools.config import to_yaml
+    from tidal.tools.ray_run import make_rollout_engine
+
+    cfg = _cfg(tiny_hf_dir, gsm8k_files, "runtime=ray")
+    monkeypatch.setattr(models.HFSource, "build", lambda self, *, seed: pytest.fail("the actor built the model; vLLM loads it itself"))
+    engine = make_rollout_engine(to_yaml(cfg), rank=0)
+    try:
+        assert engine.version == -1  # the trainer's version arrives over the weight transport before the first generate
+        names = dict(engine.named_weights())
+        assert "model.embed_tokens.weight" in names and all(t.device.type == "meta" for t in names.values())
+    finally:
+        engine.close()
