@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tidal.flow.files import write_whole
 from tidal.flow.protocols import SharesWeights
 from tidal.hal.transfer import PlacesWeights
@@ -197,7 +199,8 @@ class StartedRollouts:
         for a, d in zip(self.assignments, descriptions):
             theirs = PlatformDescriptor.from_dict(d["platform"])
             colocated = self.spots[("rollout", a.rank)].turns == (0,)  # on the sender's devices only: a guest of other ranks' is not
-            kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=setup.transport))
+            builds = (torch.__version__, d.get("torch", torch.__version__))
+            kinds.add(choose_transport(me, theirs, same_node=d["node"] == my_node, colocated=colocated, override=setup.transport, torch_builds=builds))
         transport = "host" if len(kinds) > 1 else kinds.pop()  # one sender for every receiver
         wiring = make_wiring(transport, current_platform(), host=self.host, token=self.token, bucket_bytes=setup.bucket_bytes)
         trainer_info = {"pid": os.getpid(), "attempt": self.attempt, "ranks": self.ranks or [], "node": my_node}

@@ -105,6 +105,7 @@ class RolloutActor:
             "resources": context.get_assigned_resources(),
             "visible_devices": {var: os.environ.get(var)} if var else {},
             "restarts": num_restarts(),  # by Ray, so far: a death while the trainer warmed up counts too
+            "torch": torch.__version__,  # another build than the trainer's (a vLLM environment's own torch): weights cross over host
         }
 
     def ping(self) -> None:

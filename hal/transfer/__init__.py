@@ -434,21 +434,29 @@ def from_bytes(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return buffer.view(_DTYPES[spec.dtype]).reshape(spec.shape)
 
 
-def choose_transport(sender: PlatformDescriptor, receiver: PlatformDescriptor, *, same_node: bool, colocated: bool, override: str | None = None) -> str:
+def choose_transport(
+    sender: PlatformDescriptor, receiver: PlatformDescriptor, *, same_node: bool, colocated: bool, override: str | None = None, torch_builds: tuple[str, str] | None = None
+) -> str:
     """The transport between a trainer on `sender` and a rollout on `receiver`.
 
     ipc on one node with the same device kind, when the kind supports it: host memory
     (cpu) is shared by every process of a node, device memory (cuda) only when the two
     are colocated; else collective when both use the same collective backend, else host.
-    An `override` that cannot work for this pair is a ValueError that says why.
+    `torch_builds` (the sender's and the receiver's `torch.__version__`): two different
+    builds (a vLLM or vllm-ascend environment pins its own torch) share neither device
+    memory handles nor a collective library's wire format with certainty, so only host
+    crosses between them. An `override` that cannot work for this pair is a ValueError that says why.
     """
-    same_backend = sender.dist_backend == receiver.dist_backend  # a fake platform decides as its kind would
+    same_torch = torch_builds is None or torch_builds[0] == torch_builds[1]
+    same_backend = sender.dist_backend == receiver.dist_backend and same_torch  # a fake platform decides as its kind would
     shareable = sender.kind == "cpu" or (colocated and (sender.fake or sender.kind == "cuda"))  # fake devices hold CPU tensors, but place as their kind would
-    ipc_ok = same_node and sender.kind == receiver.kind and shareable
+    ipc_ok = same_node and sender.kind == receiver.kind and shareable and same_torch
     if override is None or override == "auto":
         return "ipc" if ipc_ok else "collective" if same_backend else "host"
     if override not in TRANSPORTS:
         raise ValueError(f"transport={override!r} is not one of auto, {', '.join(TRANSPORTS)}")
+    if override in ("ipc", "collective") and torch_builds is not None and not same_torch:
+        raise ValueError(f"transport={override} needs one torch build on both sides; here: torch {torch_builds[0]} -> {torch_builds[1]} (use host, or set transport.name=auto)")
     if override == "ipc" and not ipc_ok:
         raise ValueError(
             f"transport=ipc needs trainer and rollout on one node with the same device kind: cpu, or cuda "

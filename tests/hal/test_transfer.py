@@ -94,6 +94,19 @@ def test_transport_override_that_cannot_work_says_why():
     assert choose_transport(npu, gpu, same_node=False, colocated=False, override="host") == "host"
 
 
+def test_two_torch_builds_exchange_weights_over_host_only():
+    """A rollout in a vLLM (or vllm-ascend) environment with a torch of its own: auto picks
+    host where it would pick ipc or collective, and those two are refused naming the builds."""
+    cpu, gpu = describe("cpu", device_count=8), describe("cuda", device_count=8)
+    builds = ("2.13.0+cu130", "2.10.0+cu128")
+    assert choose_transport(cpu, cpu, same_node=True, colocated=False, torch_builds=builds) == "host"
+    assert choose_transport(gpu, gpu, same_node=False, colocated=False, torch_builds=builds) == "host"
+    assert choose_transport(gpu, gpu, same_node=True, colocated=True, torch_builds=(builds[0], builds[0])) == "ipc"
+    for kind in ("ipc", "collective"):
+        with pytest.raises(ValueError, match=rf"transport={kind} needs one torch build on both sides; here: torch 2\.13\.0\+cu130 -> 2\.10\.0\+cu128"):
+            choose_transport(gpu, gpu, same_node=True, colocated=True, override=kind, torch_builds=builds)
+
+
 def _receive_in_thread(receiver, *args):
     out: dict = {}
 
