@@ -153,7 +153,7 @@ class TrainConfig:
     BOUNDS: ClassVar[Bounds] = Bounds(at_least={"warmup_steps": 0, "micro_batch_size": 1, "max_tokens_per_micro_batch": 2, "weight_decay": 0, "threads": 0, "max_nonfinite_steps": 0}, positive=("lr", "grad_clip"), why={"grad_clip": "gradients are clipped to this norm"})
 
     backend: str = "torch"
-    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance)."""
+    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance) | megatron (megatron-core's GPTModel from a Qwen2 / Llama / Mistral model, data parallel, MindSpeed on NPUs; a process per placement.train instance; padded micro-batches)."""
     lr: float = 1e-3
     """AdamW learning rate of the RL phase."""
     lr_schedule: str = "constant"
@@ -245,7 +245,7 @@ class TransportConfig:
     BOUNDS: ClassVar[Bounds] = Bounds(at_least={"bucket_mb": 1})
 
     name: str = "auto"
-    """auto | ipc | collective | host; auto picks from the two platforms: ipc on one node (any two CPU processes of it; CUDA only colocated), else collective for one vendor, else host (NPU <-> GPU)."""
+    """auto | ipc | collective | host; auto picks from the two platforms: ipc on one node (any two CPU processes of it; CUDA only colocated), else collective for one vendor, else host (NPU <-> GPU, or a rollout whose environment has another torch build than the trainer's, as a vllm-ascend one does)."""
     bucket_mb: int = 16
     """Bucket size in MB: the unit that is copied off the device while the previous one is sent."""
     overlap: bool = False
