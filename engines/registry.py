@@ -17,9 +17,9 @@ from typing import Any
 ROLLOUT = {"hf": "tidal.engines.hf_rollout:HFRolloutEngine", "vllm": "tidal.engines.vllm_rollout:VLLMRolloutEngine"}
 """rollout.backend -> adapter class (`vllm` needs vLLM installed where the rollout runs; it is
 built from the checkpoint directory: its class's `builds_from_checkpoint`)."""
-TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine", "deepspeed": "tidal.engines.deepspeed_train:DeepSpeedTrainEngine"}
+TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.engines.fsdp_train:FSDPTrainEngine", "deepspeed": "tidal.engines.deepspeed_train:DeepSpeedTrainEngine", "megatron": "tidal.engines.megatron_train:MegatronTrainEngine"}
 """train.backend -> adapter class."""
-MULTI_RANK = {"fsdp": "tidal.engines.fsdp_lead:follow", "deepspeed": "tidal.engines.deepspeed_lead:follow"}
+MULTI_RANK = {"fsdp": "tidal.engines.fsdp_lead:follow", "deepspeed": "tidal.engines.deepspeed_lead:follow", "megatron": "tidal.engines.megatron_lead:follow"}
 """train.backend values that train over several processes, one per `placement.train` instance
 -> what every rank but 0 runs (`follow(share)`, until rank 0's `stop_followers()`; `follower`)."""
 TIME_SHARES = ("torch", "fsdp")
@@ -80,6 +80,7 @@ class Needs:
 NEEDS = {
     ("rollout.backend", "vllm"): Needs(packages=("vllm",), kinds=("cuda", "npu"), on_kind={"npu": ("vllm-ascend",)}, extra="vllm"),
     ("train.backend", "deepspeed"): Needs(packages=("deepspeed",), extra="deepspeed"),
+    ("train.backend", "megatron"): Needs(packages=("megatron-core",), on_kind={"npu": ("mindspeed",)}, extra="megatron"),
 }
 """(recipe key, name) -> what that engine needs beyond tidal's own dependencies (the others
 need nothing more and run on every platform)."""
@@ -99,7 +100,7 @@ def missing(key: str, name: str, *, kind: str, fake: bool = False) -> str | None
     if computes_on not in need.kinds:
         where = f"a fake {kind} platform, which computes on CPU" if fake else f"a {kind} platform"
         return f"{key}={name} runs on {' or '.join(need.kinds)} devices, not on {where}"
-    absent = [p for p in (*need.packages, *need.on_kind.get(kind, ())) if version(p) is None]
+    absent = [p for p in (*need.packages, *need.on_kind.get(computes_on, ())) if version(p) is None]  # a fake NPU computes on CPU: no Ascend plugin
     if absent:
         hint = f" (pip install 'tidal-rl[{need.extra}]')" if need.extra and set(absent) & set(need.packages) else ""
         return f"{key}={name} needs {', '.join(absent)}, not installed here{hint}"

@@ -11,7 +11,7 @@ import importlib.metadata
 import importlib.util
 import platform
 
-PACKAGES = ("torch", "ray", "transformers", "vllm", "torch_npu", "deepspeed")
+PACKAGES = ("torch", "ray", "transformers", "vllm", "torch_npu", "deepspeed", "megatron-core")
 VENDOR_PACKAGES = ("torch_npu", "vllm")
 """The packages of PACKAGES that belong to one vendor's stack (shown per node by `tidal doctor --cluster`)."""
 

@@ -31,6 +31,13 @@ def test_vllm_needs_its_package_a_device_and_on_npus_the_ascend_plugin(monkeypat
     assert registry.missing("rollout.backend", "vllm", kind="npu") is None
 
 
+def test_megatron_needs_megatron_core_and_on_real_npus_mindspeed(monkeypatch):
+    _installed(monkeypatch, "megatron-core")
+    assert registry.missing("train.backend", "megatron", kind="cpu") is None
+    assert registry.missing("train.backend", "megatron", kind="npu", fake=True) is None  # a fake NPU computes on CPU: hal patches megatron for it
+    assert registry.missing("train.backend", "megatron", kind="npu") == "train.backend=megatron needs mindspeed, not installed here"
+
+
 def test_deepspeed_needs_its_package_on_every_kind(monkeypatch):
     _installed(monkeypatch)
     assert registry.missing("train.backend", "deepspeed", kind="cpu") == "train.backend=deepspeed needs deepspeed, not installed here (pip install 'tidal-rl[deepspeed]')"

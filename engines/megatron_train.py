@@ -1,0 +1,511 @@
+"""The `megatron` train engine: megatron-core's `GPTModel` trained data parallel, on any hal platform.
+
+The caller builds a transformers Qwen2 / Llama / Mistral model whole; the engine builds
+megatron-core's `GPTModel` from its config with the local layer spec and loads its weights
+through `engines.megatron_convert` (`engines.megatron_setup`), then drops it. Before megatron-core
+is imported, `tidal.hal.megatron.prepare_megatron` applies what the platform needs: MindSpeed's
+adaptor on NPUs, two recorded patches where tensors live in host memory, nothing on GPUs.
+megatron's parallel state is made over the process group hal set up, every rank a
+data-parallel rank: tensor (and pipeline) parallel size 1, and `tensor_parallel_size` > 1 is
+refused. Every rank holds the whole model and trains on its own rows; after the backward passes
+the gradients are summed over the ranks (`all_reduce`, in buckets), so each rank clips the same
+norm and steps torch's AdamW (with the platform's `optimizer_options()`, as the other engines)
+to the same weights. megatron's own DDP and distributed optimizer are not used: with whole
+weights on every rank they would add buffers and a CUDA-only path, not a different result.
+Weights, gradients and optimizer state are in the model's dtype (fp32 unless `model.dtype`
+says otherwise); `precision="bf16"` runs forward passes under `platform.autocast`, on
+accelerators only (`hal.megatron.check_precision`: megatron's linear layers autocast on CUDA).
+
+A step equals one `TorchTrainEngine` step over all ranks' rows, by the `deepspeed` engine's
+bookkeeping: micro-batch losses are weighted by their share of the *global* batch's loss tokens,
+sequences or rows (counted with one all-reduce), and the weighted gradients summed. Within a
+rank, micro-batches hold rows of similar length cut to the longest (`engines.micro_batches`),
+always padded: megatron-core's local attention takes no packed sequences, so
+`padding_free=True` is refused (None runs padded). Rows are fed right-aligned (a left-padded
+row is shifted to start at 0, then its logprobs shifted back), since megatron's rotary
+positions count from each row's first column, under an explicit causal mask. Logits of the
+padded vocabulary rows are dropped before the softmax. Rows whose advantage is zero on every
+loss token get no pass (`skipped_rows`); a step whose gradient norm is not finite is skipped on
+every rank (`train_steps.NonfiniteGuard`).
+
+Weights: `named_weights()` is a `WeightSource` in the Hugging Face model's names (megatron's
+fused q/k/v and gate/up split back: `megatron_convert.iter_hf_weights`), specs computed without
+reading a tensor, one weight at a time, local on every rank. `state_dict()` is the torch engine's
+format (HF names; AdamW's moments converted like their weights, indexed by the HF model's
+parameters), so checkpoints move between the engines both ways; `load_state_dict` loads rank 0's
+copy and broadcasts it.
+
+Driving the ranks: SPMD (every rank calls every method with its own rows), or led by rank 0
+(`rank0_leads=True`, what `tidal run` uses on several ranks): only rank 0 is called, and sends
+each call's command and rows to the others, which run `tidal.engines.megatron_lead.follow()`
+(the `fsdp` engine's command loop). Not here: a colocated layout (the engine keeps no `model`
+for a seat to park, as the deepspeed engine), a KL reference policy, tensor or pipeline
+parallelism, Transformer Engine layers.
+
+Run for real: megatron-core 0.16.1 on CPU with gloo (the host patches), 2 processes, SPMD and
+led (tests/engines/test_megatron_train.py: equality with the torch engine's steps, logprobs
+equal to the HF model's, exported weights, state round trips with this engine and the torch
+engine), and `tidal run train.backend=megatron` in one process (a checkpoint that resumes exactly)
+and as two rank actors under `runtime: ray` on a fake GPU cluster, which learn the quickstart
+(tests/tools/test_megatron_run.py). Not run: GPU (megatron-core unpatched), NPU with MindSpeed,
+`precision="bf16"`; the code asks hal for the device and nothing here names a vendor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.engines.fsdp_commands import model_recipe, send_command
+from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
+from tidal.engines.megatron_setup import (
+    HFLayout,
+    check_hf_config,
+    ensure_process_group,
+    hf_optimizer_state,
+    hf_weight_shapes,
+    hf_weights,
+    init_parallel_state,
+    load_hf_weights,
+    megatron_model,
+    megatron_optimizer_state,
+    quiet_optional_kernels,
+)
+from tidal.engines.micro_batches import pack, row_lengths
+from tidal.engines.train_steps import (
+    NonfiniteGuard,
+    add_metrics,
+    average_metrics,
+    check_settings,
+    check_step_inputs,
+    evaluating,
+    mask_sequences,
+    masked_fraction,
+    next_token_stats,
+    own_settings,
+    rows_with_signal,
+)
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.trajectory import TokenBatch
+from tidal.hal import Platform, current_platform
+from tidal.hal.megatron import check_precision, prepare_megatron, seed_megatron
+from tidal.hal.transfer import LazyWeights, TensorSpec
+
+_HOST = torch.device("cpu")
+_COVERED = "_covered"
+"""A step's internal total: the loss tokens of the micro-batches that ran."""
+BUCKET_NUMEL = 1 << 24
+"""Gradient elements summed over the ranks per `all_reduce` (one flat buffer of at most this many)."""
+
+
+def _counts(batch: TokenBatch) -> dict[str, float]:
+    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
+    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
+
+
+def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
+    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
+
+
+class MegatronTrainEngine:
+    """A `TrainEngine` for a transformers Qwen2 / Llama / Mistral model, trained as megatron-core's
+    `GPTModel`, data parallel over all ranks.
+
+    `rank0_leads=True`: only rank 0 is called; the other ranks run `megatron_lead.follow()`.
+    """
+
+    distributed = True
+    """Needs an initialised process group: `tidal run` makes a one-process group when none exists."""
+    collective = True
+    """`load_state_dict` is a collective over every rank (weight passes and `state_dict` are local)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 8,
+        max_tokens_per_micro_batch: int | None = None,
+        temperature: float = 1.0,
+        precision: str = "fp32",
+        max_nonfinite_steps: int = 5,
+        lr_schedule: LRSchedule | None = None,
+        platform: Platform | None = None,
+        version: int = 0,
+        rank0_leads: bool = False,
+        padding_free: bool | None = None,
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        if padding_free:
+            raise ValueError("train.padding_free=true: the megatron engine runs megatron-core's local attention, which takes no packed sequences: set train.padding_free=false or null (padded micro-batches)")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: the megatron engine trains data parallel only (every rank holds the whole model); tensor parallelism is not built yet")
+        check_hf_config(model)  # all of these raise before any collective
+        self.layout = HFLayout.of(model)
+        """The HF model's names and sizes: what exports and state dicts are in."""
+        self.platform = platform or current_platform()
+        self.platform.autocast(precision)
+        check_precision(self.platform, precision)  # mixed precision on accelerators only
+        self.precision = precision
+        ensure_process_group(self.platform)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.led = rank0_leads and self.world_size > 1
+        """Only rank 0 is called; it sends every call to the other ranks."""
+        if self.led and self.rank == 0:
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free)
+            send_command("init", model=model_recipe(model), options=options)
+        self.device = self.platform.device(int(os.environ.get("LOCAL_RANK", "0")) if self.platform.device_count() > 1 else 0)
+        self.platform.set_device(self.device)
+        quiet_optional_kernels()
+        prepare_megatron(self.platform)  # before megatron-core is imported (MindSpeed's adaptor on NPUs)
+        from megatron.core import parallel_state  # noqa: PLC0415 - after `prepare_megatron`
+
+        init_parallel_state(tensor_parallel_size)
+        seed_megatron(self.platform, torch.initial_seed() % 2**31)
+        self.group = parallel_state.get_data_parallel_group()
+        """The ranks that sum their gradients (all of them)."""
+        self.module = megatron_model(model, self.layout).to(self.device).train()
+        """megatron-core's `GPTModel` (not `model`: a time-shared seat would try to park it)."""
+        self._vocab_size = self.layout.shape.vocab_size
+        if self.world_size > 1:
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    dist.broadcast(p.data, src=0)  # every rank starts from rank 0's weights
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
+        self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
+        self.version = version
+        self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
+
+    @property
+    def _leading(self) -> bool:
+        return self.led and self.rank == 0
+
+    # Rows of a led group ---------------------------------------------------------------------
+    def _lead(self, op: str, tensors: Sequence[torch.Tensor | None], **args: Any) -> tuple[list[Any], list[int]]:
+        """Rank 0: send `op` and each follower its contiguous share of the rows of `tensors`;
+        return rank 0's share and every rank's number of rows."""
+        n = len(tensors[0])
+        bounds = [n * r // self.world_size for r in range(self.world_size + 1)]
+        rows = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        specs = [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
+        send_command(op, rows=rows, specs=specs, **args)
+        for rank in range(1, self.world_size):
+            for t in tensors:
+                if t is not None and rows[rank]:
+                    dist.send(t[bounds[rank] : bounds[rank + 1]].to(_HOST).contiguous(), dst=rank)
+        return [None if t is None else t[: bounds[1]] for t in tensors], rows
+
+    def _receive_rows(self, command: dict[str, Any]) -> list[torch.Tensor | None]:
+        """A follower: this rank's share of the rows rank 0 sent with `command`."""
+        n = command["rows"][self.rank]
+        out: list[torch.Tensor | None] = []
+        for spec in command["specs"]:
+            if spec is None:
+                out.append(None)
+                continue
+            dtype, shape = spec
+            out.append(torch.empty((n, *shape), dtype=dtype))
+            if n:
+                dist.recv(out[-1], src=0)
+        return out
+
+    def follow_command(self, command: dict[str, Any]) -> None:
+        """A follower (`megatron_lead.follow`): the collective calls of rank 0's `command` (what
+        rank 0 gets back is dropped)."""
+        op = command["op"]
+        if op in ("train_step", "sft_step", "logprobs"):
+            fields = self._receive_rows(command)
+            batch = TokenBatch(*fields[:5])
+            if op == "train_step":
+                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
+            elif op == "sft_step":
+                self._sft_step(batch)
+            else:
+                logprobs = self._logprobs(batch)
+                if len(batch):
+                    dist.send(logprobs.contiguous(), dst=0)
+        elif op == "load_state_dict":
+            self._load_state_dict(None, version=command["version"], lr_scheduler=command["lr_scheduler"])
+        else:
+            raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
+
+    # Forward passes --------------------------------------------------------------------
+    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each next token's logprob ([rows, seq - 1]; 0 where it or its predictor is padding), and
+        its distribution's entropy with `entropy` (`next_token_stats`)."""
+        batch = batch.to(self.device)
+        ids, mask = batch.input_ids, batch.attention_mask != 0
+        width = ids.shape[1]
+        shift = mask.to(torch.uint8).argmax(1)  # each row's first real token: megatron's positions count from column 0
+        columns = torch.arange(width, device=self.device)
+        aligned = ids.gather(1, (columns + shift[:, None]).clamp(max=width - 1)) if bool(shift.any()) else ids
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True: not attended
+        with self.platform.autocast(self.precision):
+            logits = self.module(aligned, None, causal)[:, :-1, : self._vocab_size]  # the padded vocabulary rows left out
+        logprobs, entropies = next_token_stats(logits, aligned[:, 1:], temperature=self.temperature, entropy=entropy)
+        if bool(shift.any()):  # position t of the batch is t - shift of the aligned rows
+            back = (columns[None, :-1] - shift[:, None]).clamp(min=0)
+            logprobs = logprobs.gather(1, back)
+            entropies = None if entropies is None else entropies.gather(1, back)
+        real = mask[:, :-1] & mask[:, 1:]
+        return torch.where(real, logprobs, 0.0), None if entropies is None else torch.where(real, entropies, 0.0)
+
+    def _micro_batches(self, batch: TokenBatch) -> Iterator[tuple[torch.Tensor, TokenBatch]]:
+        """(rows, micro-batch): this rank's rows sorted by length (stable), in runs within
+        `micro_batch_size` rows and `max_tokens_per_micro_batch` padded tokens, each cut to its longest row."""
+        lengths = row_lengths(batch)
+        order = torch.sort(lengths, stable=True).indices
+        for part in pack(lengths[order].tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch):
+            rows = order[part]
+            yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
+
+    def _global(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> dict[str, float]:
+        """Loss tokens, sequences with a loss token, rows, rows that run (`running`: those of this
+        rank's rows; default all), and sequence masking's counts (`masked`: this rank's sequences
+        dropped and sequences with a loss token before it), summed over ranks."""
+        running = batch if running is None else running
+        local = torch.tensor([*_counts(batch).values(), float(len(running)), *(masked or (0, 0))], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(local)  # a CPU tensor: gloo carries it on every platform
+        tokens, sequences, rows, ran, dropped, with_tokens = local.tolist()
+        return {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens}
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """[batch, seq - 1] logprob of each next token of this rank's rows (0 where it or its
+        predictor is padding); led by rank 0: of every row of `batch`, computed by all ranks."""
+        if not self._leading:
+            return self._logprobs(batch)
+        fields, rows = self._lead("logprobs", batch.tensors())
+        parts = [self._logprobs(TokenBatch(*fields))]
+        for rank in range(1, self.world_size):
+            parts.append(torch.empty((rows[rank], batch.input_ids.shape[1] - 1), dtype=parts[0].dtype))
+            if rows[rank]:
+                dist.recv(parts[-1], src=rank)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """In eval mode (no dropout), as a rollout engine computes them; local to this rank."""
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+        with evaluating(self.module):
+            for rows, part in self._micro_batches(batch):
+                out[rows, : part.loss_mask.shape[1]] = self._token_stats(part)[0].float().cpu()
+        return out
+
+    # Steps -----------------------------------------------------------------------------
+    def _step(self, batch: TokenBatch, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
+        """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics means
+        over the loss tokens of the rows that ran (on every rank). A parameter no micro-batch
+        reached (none ran on any rank) gets a zero gradient, so AdamW still steps."""
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
+        for rows, part in self._micro_batches(batch):
+            weight = weight_of(part)
+            if weight == 0:
+                continue
+            loss, metrics = micro_loss(part, rows)
+            (loss * weight).backward()
+            totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._sum_gradients([p.grad for p in params])
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # the same on every rank
+        step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
+        summed = self._sum_over_ranks(totals)
+        average_metrics(summed, summed.pop(_COVERED))
+        summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
+        return summed
+
+    def _sum_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Each gradient summed over the ranks, in place: one `all_reduce` per bucket of at most
+        `BUCKET_NUMEL` elements, in parameter order (the same on every rank)."""
+        if self.world_size == 1:
+            return
+        bucket: list[torch.Tensor] = []
+        for k, grad in enumerate(grads):
+            bucket.append(grad)
+            if k + 1 == len(grads) or sum(g.numel() for g in bucket) + grads[k + 1].numel() > BUCKET_NUMEL:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=self.group)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket = []
+
+    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
+        """Each rank's share-weighted metrics summed: the metrics of the whole batch."""
+        if self.world_size == 1:
+            return dict(totals)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, totals)  # small dicts of floats, inside this job only
+        out: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step over every rank's rows; version += 1.
+
+        SPMD: a collective; every rank calls it with its own rows. Led by rank 0: `batch` is
+        every row; rank 0 drops the rows without advantage before it shares out the rest and
+        sends the whole batch's counts along. Sequence masking is decided before any of that
+        (`mask_sequences`), and `seq_masked_fraction` is the whole batch's on every rank.
+
+        Raises:
+            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy), or
+                advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
+        """
+        if loss.kl_coef > 0:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the megatron engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
+        check_step_inputs(batch, advantages, proximal_logprobs)
+        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
+        if self._leading:
+            whole = None
+            if not loss.zero_advantage_counts:
+                whole = _counts(batch)
+                batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
+            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], loss=loss, whole=whole)
+            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
+        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
+
+    def _train_step(
+        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
+    ) -> dict[str, float]:
+        """Without a KL or entropy term, rows whose advantage is zero on every loss token get no
+        pass; the counts that weigh the micro-batches are still the whole batch's (`whole`, when
+        the leader dropped those rows already)."""
+        among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
+        counts = self._global(batch, None if among is None else batch.select(among), masked)
+        if whole is not None:
+            counts.update(whole)
+        if among is not None:
+            batch, advantages, proximal_logprobs = _rows(among, batch, advantages, proximal_logprobs)
+        by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
+
+        def weight_of(part: TokenBatch) -> float:
+            if by_sequence:
+                if loss.aggregation == "token_sum_norm":
+                    return len(part) / counts["rows"]
+                return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
+            return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
+
+        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
+            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
+            return policy_loss(
+                logprobs,
+                (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(self.device),
+                behavior_logprobs=part.behavior_logprobs.to(self.device),
+                mask=part.loss_mask.to(self.device),
+                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
+                entropy=entropy,
+                config=loss,
+            )
+
+        metrics = self._step(batch, micro_loss, weight_of)
+        metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
+        if masked is not None:
+            metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
+        self.scheduler.step()
+        self.version += 1
+        return metrics
+
+    def sft_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
+        tokens (led by rank 0: `batch` is every row); the version is unchanged."""
+        if self._leading:
+            fields, _ = self._lead("sft_step", batch.tensors())
+            batch = TokenBatch(*fields)
+        return self._sft_step(batch)
+
+    def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
+        counts = self._global(batch)
+
+        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = part.loss_mask.to(self.device)
+            return -(self._token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+
+        metrics = self._step(batch, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
+        metrics["num_tokens"] = counts["tokens"]
+        return metrics
+
+    # Weights and state -----------------------------------------------------------------
+    def named_weights(self) -> LazyWeights:
+        """Every weight in the Hugging Face model's `state_dict` names (a tied `lm_head.weight`
+        too), one at a time in model order: a `WeightSource` whose specs read no tensor. Local:
+        every rank holds the whole model."""
+        dtype = str(self.layout.dtype).removeprefix("torch.")
+        return LazyWeights(lambda: [TensorSpec(name, dtype, shape) for name, shape in hf_weight_shapes(self.layout)], lambda: hf_weights(self.module, self.layout))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (HF names), optimizer (AdamW's moments and step per HF parameter), lr schedule and
+        version, on the host, in `TorchTrainEngine.state_dict`'s format. Local: any rank's is the
+        group's (rank 0's is what `tidal run` writes)."""
+        model = {name: tensor.to(_HOST, copy=True) for name, tensor in hf_weights(self.module, self.layout)}
+        return {"model": model, "optimizer": hf_optimizer_state(self.optimizer, self.module, self.layout), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a whole state (`state_dict()` of any train engine) on rank 0 and broadcast it. The
+        optimizer keeps this engine's settings (lr, weight decay, betas); its moments and step
+        count come from `state` (none there: a fresh AdamW's).
+
+        SPMD: a collective; every rank passes a state (only rank 0's is read). Led by rank 0:
+        rank 0 calls it.
+
+        Raises:
+            ValueError: on rank 0, before any collective, a weight or moment is missing or of another shape.
+        """
+        position = state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
+        if self._leading:
+            send_command("load_state_dict", version=int(state["version"]), lr_scheduler=position)
+        self._load_state_dict(state if self.rank == 0 else None, version=int(state["version"]), lr_scheduler=position)
+
+    def _load_state_dict(self, state: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any]) -> None:
+        if state is not None:  # rank 0
+            optimizer = state.get("optimizer")
+            converted = None if optimizer is None else megatron_optimizer_state(optimizer, self.module, self.layout)  # raises before anything changed
+            load_hf_weights(self.module, self.layout, state["model"])
+            if converted is not None:  # else AdamW's state stays
+                with own_settings(self.optimizer):
+                    self.optimizer.load_state_dict(converted)
+        if self.world_size > 1:
+            self._broadcast_state()
+        load_position(self.scheduler, lr_scheduler)
+        self.version = version
+
+    def _broadcast_state(self) -> None:
+        """Rank 0's weights and AdamW state on every rank (a collective)."""
+        params = list(self.module.parameters())
+        first = self.optimizer.state.get(params[0], {})
+        box = [float(first["step"]) if self.rank == 0 and "step" in first else None]  # rank 0's step count; None: no step taken
+        dist.broadcast_object_list(box, src=0, device=_HOST)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+        step = box[0]
+        if step is None:  # a fresh AdamW everywhere
+            self.optimizer.state.clear()
+            return
+        for p in params:
+            state = self.optimizer.state[p]
+            if self.rank != 0 and "exp_avg" not in state:
+                group = self.optimizer.param_groups[0]
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                state.update(step=torch.tensor(step, dtype=torch.float32, device=p.device if on_device else _HOST), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"].fill_(step)
+            for key in ("exp_avg", "exp_avg_sq"):
+                dist.broadcast(state[key], src=0)
