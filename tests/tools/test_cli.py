@@ -261,7 +261,7 @@ def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
         (["seed=abc"], "key 'seed' in the command-line overrides expects int, got 'abc'"),
         (["device=tpu"], "valid values"),
         (["bogus"], "is not key=value"),
-        (["rollout.backend=vllm"], "rollout.backend='vllm' is not available in this version; choices: hf"),
+        (["rollout.backend=sglang"], "rollout.backend='sglang' is not available in this version; choices: hf, vllm"),
         (["resume=no_such_run"], "resume='no_such_run': no_such_run has no checkpoint to resume from"),
         (["cluster.nodes=[{name: a, devices: 2, tags: [{x: 1}]}]"], "cluster.nodes[0].tags holds {'x': 1}: tags are strings"),
         (["cluster.nodes=[{name: a, devices: 2, count: -1}]"], "cluster.nodes[0].count=-1 must be >= 1"),
