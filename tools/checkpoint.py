@@ -47,6 +47,18 @@ from tidal.tools.config import ConfigError
 log = logging.getLogger(__name__)
 
 
+
+def load_plain(path: Path, **options: Any) -> Any:
+    """`torch.load(path, weights_only=True)` with torch's own allow-list only: libraries add
+    classes to it when imported (megatron-core adds 26, numpy's among them), which would let a
+    checkpoint build them; they are set aside for the load and put back after it."""
+    extra = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        return torch.load(path, weights_only=True, **options)
+    finally:
+        torch.serialization.add_safe_globals(extra)
+
 def rng_state() -> dict[str, Any]:
     """Python's, NumPy's, torch's CPU and every device's generator (rollout samples on the device)."""
     return current_platform().get_rng_state()
@@ -214,7 +226,7 @@ def load_checkpoint(folder: Path, *, attention: str = "sdpa", source: ModelSourc
     read("tokenizer.json", lambda _: source.load_tokenizer(folder))
     policy = read("model.safetensors", lambda _: source.load(folder))
     model, tokenizer = policy.module, policy.tokenizer
-    saved = read("trainer.pt", lambda path: torch.load(path, weights_only=True), *TRAINER_KEYS)
+    saved = read("trainer.pt", lambda path: load_plain(path), *TRAINER_KEYS)
     state = read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
     store = read("store.bin", persist.load)
     remove_abandoned(folder.parent, latest=folder.name)
@@ -242,7 +254,7 @@ def check_checkpoint(folder: Path, *, source: ModelSource | None = None) -> None
     read("config.json", lambda path: json.loads(path.read_text()))
     read("tokenizer.json", lambda _: (source or tiny_source()).load_tokenizer(folder))
     read("model.safetensors", tensor_names)
-    read("trainer.pt", lambda path: torch.load(path, weights_only=True, mmap=True, map_location="cpu"), *TRAINER_KEYS)
+    read("trainer.pt", lambda path: load_plain(path, mmap=True, map_location="cpu"), *TRAINER_KEYS)
     read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
     read("store.bin", persist.load)  # the rows in flight: a few steps' samples, small beside the weights
 

@@ -69,14 +69,25 @@ def test_a_trainer_pt_that_needs_pickle_is_refused_and_not_run(tmp_path, capsys)
     assert not marker.exists() and not (tmp_path / "new").exists()
 
 
-def test_a_checkpoint_from_before_loads_no_numpy_array_by_pickle(tmp_path):
+@pytest.mark.parametrize("allowed_by_a_library", [False, True])
+def test_a_checkpoint_from_before_loads_no_numpy_array_by_pickle(tmp_path, allowed_by_a_library):
     """An older tidal saved NumPy's RNG state as an array, which only pickle loads: such a
-    checkpoint is refused (naming what it needs), not loaded with `weights_only=False`."""
+    checkpoint is refused (naming what it needs), not loaded with `weights_only=False`; also
+    where an imported library added NumPy's classes to torch's allow-list (megatron-core does),
+    which is left as it was."""
     folder = _save(tmp_path, version=1)
     saved = torch.load(folder / "trainer.pt", weights_only=True)
     torch.save({**saved, "rng": {**saved["rng"], "numpy": np.random.get_state()}}, folder / "trainer.pt")
-    with pytest.raises(ConfigError, match=r"trainer.pt that only pickle can load \(it names numpy\.\S*_reconstruct\)"):
-        load_checkpoint(folder, attention="eager")
+    before = torch.serialization.get_safe_globals()
+    extra = [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))] if allowed_by_a_library else []
+    torch.serialization.add_safe_globals(extra)
+    try:
+        with pytest.raises(ConfigError, match=r"trainer.pt that only pickle can load \(it names numpy\.\S*_reconstruct\)"):
+            load_checkpoint(folder, attention="eager")
+        assert set(map(str, torch.serialization.get_safe_globals())) == set(map(str, [*before, *extra]))
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 def test_the_rng_state_a_checkpoint_saves_loads_without_pickle_and_continues_every_stream(tmp_path):
