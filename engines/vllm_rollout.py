@@ -285,6 +285,15 @@ class VLLMRolloutEngine:
             self._call(self._llm.wake_up(None if tags is None else list(tags)))
             self._asleep -= set(tags) if tags is not None else self._asleep
 
+    def park(self) -> None:
+        """`ParksItself`: a level-1 sleep while a colocated trainer has the devices (the weights
+        wait in host memory, so the next turn generates with them at once)."""
+        self.sleep(1)
+
+    def unpark(self) -> None:
+        """`ParksItself`: wake everything up."""
+        self.wake_up()
+
     def close(self) -> None:
         """Shut vLLM down and stop the loop thread; idempotent. A `generate` running in another
         thread then ends (its requests are cancelled, which aborts them)."""

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, PlacementError, Plan
-from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload, Sleeps
+from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload, ParksItself
 from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
 
 TURNS_CONCURRENCY = 64
@@ -60,14 +60,14 @@ class Sharing:
 
     def __init__(self, turns: Any, platform: Any) -> None:
         self.turns, self.platform = turns, platform
-        self._seats: list[tuple[Seat, Offloader | None]] = []  # None: an engine that sleeps
+        self._seats: list[tuple[Seat, Offloader | None]] = []  # None: an engine that parks itself
 
     def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
         """Seat `engine`, parking its `model`, its frozen `reference` policy where it holds one
         (a train engine built for a KL term: a whole model's weights), and its `optimizer`'s
-        state; an engine that `Sleeps` parks itself (its memory is its own, not a module's)."""
-        if isinstance(engine, Sleeps):
-            seat = Seat(self.turns, name, park=engine.sleep, unpark=engine.wake_up)
+        state; an engine that `ParksItself` parks itself (its memory is its own, not a module's)."""
+        if isinstance(engine, ParksItself):
+            seat = Seat(self.turns, name, park=engine.park, unpark=engine.unpark)
             self._seats.append((seat, None))
             return seat
         model = engine.model if isinstance(engine, HoldsModel) else None
@@ -90,7 +90,7 @@ class Sharing:
 
     def summary(self) -> dict[str, Any]:
         """Hand-offs on these devices so far, and each of this process's seats' parks."""
-        seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes if o is not None else 0} for s, o in self._seats}  # a sleeping engine's bytes are its own
+        seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes if o is not None else 0} for s, o in self._seats}  # an engine that parks itself counts its own
         state = self.turns.state()
         spans = {"arbiters": len(state["arbiters"])} if "arbiters" in state else {}  # a `TurnsSpan`: handoffs summed over them
         return {"handoffs": state["handoffs"], "seats": seats, **spans}

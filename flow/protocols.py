@@ -182,6 +182,22 @@ class StepsInTurns(Protocol):
 
 # Parking: engines whose state a time-shared seat moves to host memory and back ------------
 @runtime_checkable
+class ParksItself(Protocol):
+    """An engine that frees its devices' memory itself and takes it back, where moving one
+    `model` would not do: vLLM's sleep mode (its weights and KV cache are vLLM's own),
+    DeepSpeed's `offload_states` (its parameters live in DeepSpeed's flat buffers). A
+    time-shared seat parks it with `park()` and unparks it with `unpark()`."""
+
+    def park(self) -> None:
+        """Free the devices' memory, keeping what the engine needs to go on (host copies)."""
+        ...
+
+    def unpark(self) -> None:
+        """Take the memory back, as it was before `park`."""
+        ...
+
+
+@runtime_checkable
 class HoldsModel(Protocol):
     """An engine whose weights live in one module, `model`: what a time-shared seat parks
     (`flow.colocate.Sharing`: moved to host memory between the engine's turns and back, in
@@ -229,21 +245,6 @@ class BuildsFromCheckpoint(Protocol):
     """Always True for such an engine: the marker `isinstance` sees."""
     rollout_keys: tuple[str, ...]
     """Recipe `rollout` keys the constructor takes by the same name (`gpu_memory_utilization`, ...)."""
-
-
-@runtime_checkable
-class Sleeps(Protocol):
-    """A rollout engine that frees its devices' memory itself and takes it back (vLLM's sleep
-    mode: weights to host memory, KV cache discarded): a time-shared seat parks it with
-    `sleep()` and unparks it with `wake_up()` instead of moving a `model`."""
-
-    def sleep(self, level: int = 1) -> None:
-        """Free the devices' memory (level 1: weights kept in host memory, cache discarded)."""
-        ...
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Take the memory back (`tags`: only those parts, e.g. ["weights"]; None: all)."""
-        ...
 
 
 @runtime_checkable

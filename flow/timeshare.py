@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.protocols import Collective, Refill
+from tidal.flow.protocols import Collective, HoldsModel, Refill
 from tidal.flow.trajectory import TokenBatch, Trajectory
 from tidal.hal.transfer import LazyWeights
 
@@ -447,9 +447,10 @@ class SharedTrainEngine:
         return getattr(self.engine, name)
 
     @property
-    def model(self) -> torch.nn.Module:
-        """The engine's (`HoldsModel`: declared, so `isinstance` sees it on any Python)."""
-        return self.engine.model
+    def model(self) -> torch.nn.Module | None:
+        """The engine's (`HoldsModel`: declared, so `isinstance` sees it on any Python); None
+        for an engine without one (it parks itself: `ParksItself`)."""
+        return self.engine.model if isinstance(self.engine, HoldsModel) else None
 
     @property
     def _collective_engine(self) -> bool:
@@ -520,8 +521,8 @@ class SharedRolloutEngine:
 
     # declared, so `isinstance` sees them on any Python (`HoldsModel`, `Pads`)
     @property
-    def model(self) -> torch.nn.Module:
-        return self.engine.model
+    def model(self) -> torch.nn.Module | None:
+        return self.engine.model if isinstance(self.engine, HoldsModel) else None  # None: it parks itself (vLLM)
 
     @property
     def pad_id(self) -> int:

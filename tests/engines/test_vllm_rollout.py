@@ -489,6 +489,20 @@ def test_sleep_and_wake_up_in_order_and_what_each_state_allows(make_engine, refe
         engine.wake_up(["scheduling"])
 
 
+def test_a_colocated_seat_parks_it_with_a_level_1_sleep_and_unparks_it_whole(make_engine, reference):
+    from tidal.flow.protocols import ParksItself
+
+    engine, fake = make_engine()
+    assert isinstance(engine, ParksItself)
+    start = len(fake.calls)
+    engine.park()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(rows(1), max_new_tokens=3)
+    engine.unpark()
+    assert engine.generate(rows(1), max_new_tokens=3)[0].versions == [0, 0, 0]  # the weights came back from host memory
+    assert [c[:2] for c in fake.calls[start:] if c[0] in ("sleep", "wake_up")] == [("sleep", 1), ("wake_up", None)]
+
+
 def test_close_shuts_vllm_down_once_and_stops_the_loop(make_engine, reference):
     engine, fake = make_engine()
     engine.close()

@@ -240,9 +240,9 @@ def test_a_trainers_reference_policy_leaves_the_devices_with_its_weights():
         sharing.close()
 
 
-def test_a_rollout_engine_that_sleeps_is_parked_by_sleep_and_unparked_by_wake_up():
-    """vLLM frees and takes back its own memory: its seat calls `sleep` / `wake_up` in turn,
-    and moves no module."""
+def test_an_engine_that_parks_itself_is_parked_and_unparked_by_its_own_calls():
+    """vLLM (sleep mode) and DeepSpeed (`offload_states`) free and take back their own memory:
+    their seat calls `park` / `unpark` in turn, and moves no module."""
     import torch
 
     platform = select_platform("fake:cuda:1").platform
@@ -260,11 +260,11 @@ def test_a_rollout_engine_that_sleeps_is_parked_by_sleep_and_unparked_by_wake_up
     class Sleepy:
         version = 0
 
-        def sleep(self, level: int = 1) -> None:
-            calls.append(f"sleep {level}")
+        def park(self) -> None:
+            calls.append("park")
 
-        def wake_up(self, tags=None) -> None:
-            calls.append("wake up")
+        def unpark(self) -> None:
+            calls.append("unpark")
 
         def load_weights(self, version, named_tensors):
             calls.append(f"load {version}")
@@ -275,9 +275,9 @@ def test_a_rollout_engine_that_sleeps_is_parked_by_sleep_and_unparked_by_wake_up
         trainer.sft_step(None)
         rollout.load_weights(1, [])
         trainer.sft_step(None)
-        assert calls == ["train step", "load 1", "sleep 1", "train step"]  # the trainer's first turn parks nothing of the guest's yet
+        assert calls == ["train step", "load 1", "park", "train step"]  # the trainer's first turn parks nothing of the guest's yet
         rollout.load_weights(2, [])
-        assert calls[-2:] == ["wake up", "load 2"]
+        assert calls[-2:] == ["unpark", "load 2"]
         assert sharing.summary()["seats"]["rollout"] == {"parks": 1, "parked_bytes": 0}
     finally:
         sharing.close()
