@@ -58,7 +58,7 @@ no row permutation of q/k is needed). Megatron's `model.state_dict()` also has
 Returned tensors may share memory with the input (and replicated ones with each other
 across ranks): clone before changing one in place. The tests compare against transformers'
 Qwen2, and run real megatron-core (on CPU over gloo, patched for the host, which it
-has no path for) on the converted shards at tensor parallel 2 and 4, comparing its
+has no path for) on the converted shards at tensor parallel 2, comparing its
 logits with transformers'.
 """
 

@@ -36,7 +36,7 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [3])  # ZeRO-1 and -2 run over two real ranks in tests/engines/test_deepspeed_train.py; 3 also gathers weights to publish them
+@pytest.mark.parametrize("stage", [2, 3])
 def test_two_deepspeed_ranks_on_ray_learn_the_quickstart(tidal_cli, tmp_path, stage):
     run_dir = tmp_path / "run"
     num_steps = 16

@@ -1,12 +1,8 @@
-"""`train.backend=megatron` through the real `tidal run`: two rank actors under Ray that learn the
-quickstart, one process locally whose checkpoint resumes exactly (megatron-core on CPU, gloo);
-what it needs (`engines.registry.NEEDS`); and the settings it cannot run refused before a run
-directory.
-
-Under Ray (a fake cluster of GPUs: CPU tensors, gloo, hal's host patches) `placement.train.count=2`
-starts two trainer ranks: rank 0 runs the workflow and leads, rank 1 follows
-(`megatron_lead.follow`) and trains on its share of every batch, as with the `deepspeed` backend
-(tests/tools/test_deepspeed_run.py).
+"""`train.backend=megatron` through the real `tidal run`: one process locally whose checkpoint
+resumes exactly (megatron-core on CPU, gloo); what it needs (`engines.registry.NEEDS`); and the
+settings it cannot run refused before a run directory. (Two ranks led by rank 0 run in
+tests/engines/test_megatron_train.py; under Ray, led ranks are the `fsdp` and `deepspeed`
+runs' code, `fsdp_lead.follow_engines`: tests/tools/test_deepspeed_run.py.)
 
 With `max_staleness: 0` a run repeats itself bit for bit, so a run resumed from its periodic
 checkpoint (weights in Hugging Face names and AdamW's state converted from megatron-core's,
@@ -16,7 +12,6 @@ through `state_dict()` / `load_state_dict()`) must end exactly as the uninterrup
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
@@ -31,33 +26,6 @@ TINY = [
     "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
 ]  # fmt: skip
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-SMALL = ["task.max_value=9", "task.num_eval_prompts=40", "sft.steps=20", "task.reward=tidal_test_rewards:starts_with_seven", "threads=1"]
-FAKE_GPUS = ["cluster.fake=true", "cluster.nodes=[{name: gpu, kind: cuda, devices: 3}]", "placement.train.requires=[gpu]", "placement.rollout.requires=[gpu]"]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
-def test_two_megatron_ranks_on_ray_learn_the_quickstart(tidal_cli, tmp_path, runs):
-    run_dir = tmp_path / "run"
-    num_steps = 16
-    out = tidal_cli(
-        "run", "quickstart_cpu", "runtime=ray", "train.backend=megatron", f"run_dir={run_dir}", *SMALL, *FAKE_GPUS,
-        "placement.train.count=2", "placement.rollout.count=1", f"algorithm.num_steps={num_steps}", "checkpoint_every=100", "--no-progress",
-        env=ENV, cwd=tmp_path, timeout=480,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    steps = runs.steps(run_dir)
-    assert [m["step"] for m in steps] == list(range(1, num_steps + 1))
-    first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
-    assert last > first + 0.1, f"reward did not go up: {first:.2f} -> {last:.2f}"
-    assert all(m["nonfinite_grad"] == 0.0 and m["grad_norm"] > 0 for m in steps)
-    leader, follower = json.loads((run_dir / "summary.json").read_text())["trainer_ranks"]
-    assert (leader["rank"], follower["rank"]) == (0, 1) and leader["pid"] != follower["pid"]
-    # rank 1 built the warm start's engine and RL's, took every step on its share of the rows, and
-    # exported nothing: every rank holds the whole model, and rank 0 publishes its own
-    assert follower["engines"] == 2 and follower["steps"] == 20 + num_steps and follower["rows"] > 0 and follower["exports"] == 0
-    (rollout,) = json.loads((run_dir / "runtime.json").read_text())["rollout_summaries"]
-    assert rollout["last_version_received"] == num_steps
 
 
 @pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")

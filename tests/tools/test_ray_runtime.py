@@ -78,7 +78,7 @@ def test_quickstart_runs_on_ray_and_learns(tidal_cli, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [True])  # the harder case (the send runs beside the next step); without overlap every Ray run here waits for the send
 def test_synchronous_training_on_ray_generates_each_step_with_the_newest_weights(tidal_cli, tmp_path, overlap):
     # The weights reach the rollout actor after the trainer's publish returned (with
     # transport.overlap, the trainer does not even wait for the send): rollout must wait for
