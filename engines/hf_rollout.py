@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from tidal.flow.protocols import Refill
-from tidal.flow.trajectory import Trajectory
+from tidal.flow.trajectory import Trajectory, unfinished
 from tidal.hal import Platform, current_platform
 
 
@@ -86,27 +86,10 @@ class HFRolloutEngine:
                 raised when it gives them (rows decoded so far keep what they had).
         """
         rows = list(trajectories)
-        active = self._unfinished(rows, max_new_tokens, set())
+        active = unfinished(rows, max_new_tokens, set())
         if active:
             rows += _Decoding(self, max_new_tokens).run(active, should_pause, refill)
         return rows
-
-    def _unfinished(self, rows: Sequence[Trajectory], max_new_tokens: int, seen: set[int]) -> list[Trajectory]:
-        """The rows to decode: checked, those at `max_new_tokens` ended ("length") and left out.
-        `seen`: ids of the trajectories decoded already in this call (updated)."""
-        if any(not t.prompt_ids and not t.done for t in rows):
-            raise ValueError("a trajectory needs at least one prompt token")
-        first: dict[int, int] = {}
-        for k, t in enumerate(rows):
-            if not t.done and (id(t) in seen or first.setdefault(id(t), k) != k):
-                where = f"trajectories {first[id(t)]} and {k} are" if first.get(id(t), k) != k else f"trajectory {k} is"
-                raise ValueError(f"{where} the same object as one already decoding: give each sample its own Trajectory (not [t] * n)")
-        for t in rows:
-            if not t.done and t.num_generated >= max_new_tokens:
-                t.finish_reason = "length"
-        active = [t for t in rows if not t.done]
-        seen.update(id(t) for t in active)
-        return active
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's tensors under the names `load_weights` expects (what a weight receiver checks against)."""
@@ -246,7 +229,7 @@ class _Decoding:
                 refill.done(finished)
                 finished = []
                 if not len(batch.slots) or mergeable(batch.cache):
-                    new = self.engine._unfinished(refill.more(), self.max_new_tokens, self.seen)
+                    new = unfinished(refill.more(), self.max_new_tokens, self.seen)
                     if new:
                         added += new
                         joining, scores = self._prefill(new)

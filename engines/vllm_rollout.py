@@ -83,7 +83,7 @@ import torch
 
 from tidal.engines.vllm_worker import pack_tensor
 from tidal.flow.protocols import Refill
-from tidal.flow.trajectory import Trajectory
+from tidal.flow.trajectory import Trajectory, unfinished
 from tidal.hal import Platform, current_platform
 
 WORKER_EXTENSION = "tidal.engines.vllm_worker.TidalWorkerExtension"
@@ -521,28 +521,6 @@ class _Generation:
                 self._take(self.events.get())
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 pass
-
-
-def unfinished(rows: Sequence[Trajectory], max_new_tokens: int, seen: set[int]) -> list[Trajectory]:
-    """The rows to decode, as `HFRolloutEngine` picks them: checked, those at `max_new_tokens`
-    ended ("length") and left out. `seen`: ids of the trajectories decoding in this call (updated).
-
-    Raises:
-        ValueError: an unfinished row has no prompt token, or is given twice (or was already given).
-    """
-    if any(not t.prompt_ids and not t.done for t in rows):
-        raise ValueError("a trajectory needs at least one prompt token")
-    first: dict[int, int] = {}
-    for k, t in enumerate(rows):
-        if not t.done and (id(t) in seen or first.setdefault(id(t), k) != k):
-            where = f"trajectories {first[id(t)]} and {k} are" if first.get(id(t), k) != k else f"trajectory {k} is"
-            raise ValueError(f"{where} the same object as one already decoding: give each sample its own Trajectory (not [t] * n)")
-    for t in rows:
-        if not t.done and t.num_generated >= max_new_tokens:
-            t.finish_reason = "length"
-    active = [t for t in rows if not t.done]
-    seen.update(id(t) for t in active)
-    return active
 
 
 def checkpoint_manifest(path: Path, dtype: str) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:

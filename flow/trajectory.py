@@ -175,3 +175,25 @@ def to_token_batch(trajectories: Sequence[Trajectory], *, pad_id: int) -> TokenB
         torch.tensor(behavior, dtype=torch.float32),
         torch.tensor(versions, dtype=torch.long),
     )
+
+
+def unfinished(rows: Sequence[Trajectory], max_new_tokens: int, seen: set[int]) -> list[Trajectory]:
+    """The rows a rollout engine's `generate` decodes: checked, those at `max_new_tokens`
+    ended ("length") and left out. `seen`: ids of the trajectories decoding in this call (updated).
+
+    Raises:
+        ValueError: an unfinished row has no prompt token, or is given twice (or was already given).
+    """
+    if any(not t.prompt_ids and not t.done for t in rows):
+        raise ValueError("a trajectory needs at least one prompt token")
+    first: dict[int, int] = {}
+    for k, t in enumerate(rows):
+        if not t.done and (id(t) in seen or first.setdefault(id(t), k) != k):
+            where = f"trajectories {first[id(t)]} and {k} are" if first.get(id(t), k) != k else f"trajectory {k} is"
+            raise ValueError(f"{where} the same object as one already decoding: give each sample its own Trajectory (not [t] * n)")
+    for t in rows:
+        if not t.done and t.num_generated >= max_new_tokens:
+            t.finish_reason = "length"
+    active = [t for t in rows if not t.done]
+    seen.update(id(t) for t in active)
+    return active
