@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from tidal.flow.clock import REAL, Clock, ClockEvent
 from tidal.flow.protocols import Reclaimable, RolloutEngine
 from tidal.flow.rows import put_trajectories
 from tidal.flow.store.protocol import StoreApi
@@ -58,8 +58,8 @@ class Stop(Exception):
 class WeightInbox:
     """The newest published weights a rollout worker has not applied yet (newer replaces older)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
+    def __init__(self, clock: Clock = REAL) -> None:
+        self._lock = clock.condition()
         self._item: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def offer(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -68,7 +68,7 @@ class WeightInbox:
                 self._item = (version, weights)
                 self._lock.notify_all()
 
-    def wait(self, version: int, cancel: threading.Event) -> bool:
+    def wait(self, version: int, cancel: ClockEvent) -> bool:
         """Wait until weights of `version` or newer are here; False once `cancel` is set
         (whoever sets it calls `wake`)."""
         with self._lock:
@@ -188,12 +188,13 @@ class RolloutWorker:
         group_size: int,
         max_new_tokens: int,
         prompts_per_generate: int,
-        stopping: threading.Event,
+        stopping: ClockEvent,
         tracer: Tracer | None = None,
         consumer: str = "rollout",
         hand_off: bool = False,
         sample_seed: int | None = None,
         continuous: bool = True,
+        clock: Clock = REAL,
     ) -> None:
         self.store, self.engine = store, engine
         self.group_size, self.max_new_tokens, self.prompts_per_generate = group_size, max_new_tokens, prompts_per_generate
@@ -208,13 +209,13 @@ class RolloutWorker:
         self.continuous = continuous
         """Continuous batching (`_Refill`): groups go into `train` as they end, and admitted
         prompts join the decoding batch in their place. Not in hand-off mode."""
-        self.inbox = WeightInbox()
+        self.inbox = WeightInbox(clock)
         self.num_paused = 0
         self.num_handed_off = 0
         """Groups this worker paused and handed back to `prompts` for another worker to continue."""
         self.num_samples = 0
         self.versions_applied: list[int] = []
-        self.waits = Waits()
+        self.waits = Waits(clock=clock)
 
     def run(self) -> None:
         groups: list[_Group] = []  # taken from `prompts`, not yet put into `train` or handed back

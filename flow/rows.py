@@ -7,11 +7,11 @@ Rollout writes them (`put_trajectories`); the reward stage reads them back as
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
+from tidal.flow.clock import ClockEvent
 from tidal.flow.store.protocol import StoreApi
 from tidal.flow.trajectory import ENV_VERSION, TokenBatch, Trajectory, check_lengths
 
@@ -19,7 +19,7 @@ TRAJECTORY_COLUMNS = ("sizes", "prompt_ids", "tokens", "logprobs", "token_versio
 """The `train` partition's columns that hold trajectories (`meta` is separate: reward reads it)."""
 
 
-def put_trajectories(store: StoreApi, trajectories: list[Trajectory], *, cancel: threading.Event | None = None, ack: tuple[str, str, list[int]] | None = None) -> None:
+def put_trajectories(store: StoreApi, trajectories: list[Trajectory], *, cancel: ClockEvent | None = None, ack: tuple[str, str, list[int]] | None = None) -> None:
     """Finished trajectories as rows of the `train` partition (row version = oldest token's).
 
     Each token field is one right-padded tensor for all the rows (a put of a few tensors,

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tidal.flow.algorithms import compute_advantages, overlong_penalty
+from tidal.flow.clock import REAL, Clock, ClockEvent, ClockThread
 from tidal.flow.protocols import Positioned
 from tidal.flow.rollout import Stop as _Stop
 from tidal.flow.rows import TRAJECTORY_COLUMNS, trajectories_of
@@ -47,7 +48,7 @@ SOURCE_ON_STOP_S = 5.0
 still blocked after that is left to its thread, whose take is then not put."""
 
 
-def guard(stage: Callable[[], None], *, stopping: threading.Event, errors: list[BaseException], stop: Callable[[], None]) -> None:
+def guard(stage: Callable[[], None], *, stopping: ClockEvent, errors: list[BaseException], stop: Callable[[], None]) -> None:
     """Run one stage of the loop (a thread's body): its error goes to `errors` and stops the
     loop (`stop`); a store that ends its wait because the loop is `stopping` is the normal way out."""
     try:
@@ -83,6 +84,8 @@ class Stages:
         num_failed_rewards: rows whose reward failed before this attempt (a resumed run's
             checkpoint): the count is the run's, whatever resumes it went through.
         num_reward_timeouts: rows whose reward timed out before this attempt (likewise).
+        clock: what the stages wait on and start their threads with (a simulation's
+            virtual clock; the real one by default).
     """
 
     def __init__(
@@ -96,8 +99,10 @@ class Stages:
         tracer: Tracer | None = None,
         num_failed_rewards: int = 0,
         num_reward_timeouts: int = 0,
+        clock: Clock = REAL,
     ) -> None:
         self.store, self.prompts, self.score, self.config = store, prompts, score, config
+        self._clock = clock
         self._prompt_iter = iter(prompts)
         self.tracer = tracer or Tracer()
         store.set_version(version)
@@ -109,8 +114,8 @@ class Stages:
                 store.create_partition(name, consumers=consumers, capacity_rows=capacity, lease_s=config.lease_s)
             else:  # a restored store: this run's step size and lease (its rows stay as they were)
                 store.configure_partition(name, capacity_rows=max(capacity, existing[name]["rows"]), lease_s=config.lease_s)
-        self._admission = threading.Event()  # set when the trainer's sampler drops rows or the version changes
-        self._stopping = threading.Event()
+        self._admission = clock.event()  # set when the trainer's sampler drops rows or the version changes
+        self._stopping = clock.event()
         self._loading = threading.Lock()  # held while prompts taken from the source go into the store
         self._position = _position_of(prompts)
         """The source's position after the prompts the store holds (what `save` records)."""
@@ -123,17 +128,17 @@ class Stages:
         # Samples started: every earlier step's (as if in time), the dropped ones, and those a
         # restored store holds in flight (prompts not yet generated, samples not yet trained).
         self._started = version * config.batch_size + self._dropped_seen + self._in_flight()
-        self._waits = Waits()
+        self._waits = Waits(clock=clock)
         self._num_failed_rewards = num_failed_rewards
         self._num_reward_timeouts = num_reward_timeouts
-        self._threads: dict[str, threading.Thread] = {}
+        self._threads: dict[str, ClockThread] = {}
         self._errors: list[BaseException] = []
 
     # Control ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the stages (threads; they run until `stop`)."""
         for name, fn in (("loader", self._loader), ("reward", self._reward_stage), ("advantage", self._advantage_stage)):
-            thread = threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True)
+            thread = self._clock.thread(self._guard, args=(fn,), name=f"tidal-{name}")
             thread.start()
             self._threads[name] = thread
 

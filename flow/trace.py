@@ -20,11 +20,11 @@ import contextlib
 import itertools
 import json
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from tidal.flow.clock import REAL, Clock
 from tidal.flow.files import write_whole
 
 MAX_EVENTS = 200_000
@@ -33,12 +33,13 @@ MAX_EVENTS = 200_000
 
 
 class Tracer:
-    def __init__(self, process: str = "tidal", *, max_events: int = MAX_EVENTS) -> None:
+    def __init__(self, process: str = "tidal", *, max_events: int = MAX_EVENTS, clock: Clock = REAL) -> None:
         if max_events < 1:
             raise ValueError(f"max_events={max_events} must be >= 1")
         self._lock = threading.Lock()
-        self._start = time.perf_counter()
-        self._epoch = time.time()  # wall clock at `_start`: where another process's spans line up
+        self._clock = clock  # a simulation's virtual clock: its timeline is the simulated run's
+        self._start = clock.now()
+        self._epoch = clock.wall()  # wall clock at `_start`: where another process's spans line up
         self._tracks: dict[str, int] = {}
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_events)  # this process's, oldest dropped first
         self._merged: list[dict[str, Any]] = []  # other processes' (each bounded by its own tracer)
@@ -52,7 +53,7 @@ class Tracer:
             return self._tracks.setdefault(name, len(self._tracks) + 1)
 
     def _now_us(self) -> float:
-        return (time.perf_counter() - self._start) * 1e6
+        return (self._clock.now() - self._start) * 1e6
 
     def _append(self, event: dict[str, Any]) -> None:
         """Keep `event` (the lock held), counting the oldest one it pushes out."""
@@ -131,8 +132,9 @@ class Waits:
     """Seconds each stage waited: added by the stages' threads, taken (and reset) by the
     thread that reports a step, without losing an addition made while it takes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = REAL) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._seconds: dict[str, float] = {}
         self._ongoing: dict[int, tuple[str, float]] = {}  # a `waiting` block's id -> (stage, when it began or was last taken)
         self._ids = itertools.count()
@@ -148,18 +150,18 @@ class Waits:
         only at its end, a long one landed whole on a later step's)."""
         key = next(self._ids)
         with self._lock:
-            self._ongoing[key] = (stage, time.perf_counter())
+            self._ongoing[key] = (stage, self._clock.now())
         try:
             yield
         finally:
             with self._lock:
                 stage, since = self._ongoing.pop(key)  # a `take` from here on leaves the rest to this `add`
-            self.add(stage, time.perf_counter() - since)
+            self.add(stage, self._clock.now() - since)
 
     def take(self) -> dict[str, float]:
         """The seconds waited since the last `take`, by stage (waits still going on: their part so far)."""
         with self._lock:
-            now = time.perf_counter()
+            now = self._clock.now()
             for key, (stage, since) in self._ongoing.items():
                 self._seconds[stage] = self._seconds.get(stage, 0.0) + now - since
                 self._ongoing[key] = (stage, now)

@@ -31,8 +31,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ import numpy as np
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig, filter_truncated
+from tidal.flow.clock import FIRST_COMPLETED, REAL, Clock
 from tidal.flow.config import AlgorithmConfig, RolloutConfig
 from tidal.flow.protocols import HoldsModel, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
 from tidal.flow.rollout import ROLLOUT_TOTALS, LocalRollouts, RolloutGroup, RolloutWorker
@@ -124,6 +123,9 @@ class Workflow:
         totals: the run's running totals before this attempt (a resumed run's checkpoint,
             what `save` returned): `failed_rewards`, `reward_timeouts`, `paused_generations` and `handed_off`
             in each step's metrics go on from them; keys it does not count are kept for `save`.
+        clock: what every stage waits on, reads the time from and starts its threads with:
+            the real clock, or a simulation's virtual one (`tidal simulate`), under which
+            this same loop schedules simulated engines.
     """
 
     def __init__(
@@ -140,15 +142,17 @@ class Workflow:
         start_version: int | None = None,
         rollouts: RolloutGroup | None = None,
         totals: Mapping[str, int] | None = None,
+        clock: Clock = REAL,
     ) -> None:
         self.store, self.rollout, self.trainer, self.config = store, rollout, trainer, config
+        self.clock = clock
         self.on_step = on_step or (lambda metrics: None)
-        self.tracer = tracer or Tracer()
+        self.tracer = tracer or Tracer(clock=clock)
         self.version = trainer.version if start_version is None else start_version
         self._totals = dict(totals or {})
-        self.stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer, num_failed_rewards=self._totals.get("failed_rewards", 0), num_reward_timeouts=self._totals.get("reward_timeouts", 0))
+        self.stages = Stages(store=store, prompts=prompts, score=score, config=config, version=self.version, tracer=self.tracer, num_failed_rewards=self._totals.get("failed_rewards", 0), num_reward_timeouts=self._totals.get("reward_timeouts", 0), clock=clock)
         """The loader, reward and advantage stages (`save` saves the store through them)."""
-        self._stopping = threading.Event()
+        self._stopping = clock.event()
         self.rollouts: RolloutGroup = rollouts or LocalRollouts(
             RolloutWorker(
                 store=store,
@@ -159,6 +163,7 @@ class Workflow:
                 continuous=config.rollout.continuous_batching,
                 stopping=self._stopping,
                 tracer=self.tracer,
+                clock=clock,
             ),
             threads=config.rollout_threads,
         )
@@ -171,7 +176,7 @@ class Workflow:
     def run(self) -> None:
         """Run the stages until `num_steps` optimizer steps are done; re-raise a stage's error."""
         self.stages.start()
-        threads = [threading.Thread(target=self._guard, args=(fn,), name=f"tidal-{name}", daemon=True) for name, fn in (("rollouts", self._rollouts_stage), ("stages", self._stages_watch))]
+        threads = [self.clock.thread(self._guard, args=(fn,), name=f"tidal-{name}") for name, fn in (("rollouts", self._rollouts_stage), ("stages", self._stages_watch))]
         for thread in threads:
             thread.start()
         try:
@@ -218,18 +223,18 @@ class Workflow:
         # for weights again (`weights_wanted`) get the rows taken by that thread with 0 too,
         # so the trainer can answer while it waits (`_await_rows`).
         resends = isinstance(self.rollouts, ResendsWeights)
-        prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-prefetch") if cfg.algorithm.max_staleness > 0 or resends else None
+        prefetcher = self.clock.executor(1, name="tidal-prefetch") if cfg.algorithm.max_staleness > 0 or resends else None
         upcoming: concurrent.futures.Future[_TrainRows] | None = None
         try:
             while self.version < cfg.algorithm.num_steps:
-                step_begin = time.perf_counter()
+                step_begin = self.clock.now()
                 if upcoming is None and resends:
                     assert prefetcher is not None
                     upcoming = prefetcher.submit(self._train_rows, self.version)
                 rows = self._train_rows(self.version) if upcoming is None else self._await_rows(upcoming)
                 if self._stopping.is_set():  # stopped after they were taken (often while the last step trained): left leased, not trained
                     break
-                self._waits["train"] += time.perf_counter() - step_begin
+                self._waits["train"] += self.clock.now() - step_begin
                 if prefetcher is not None and cfg.algorithm.max_staleness > 0 and self.version + 1 < cfg.algorithm.num_steps:
                     upcoming = prefetcher.submit(self._train_rows, self.version + 1)
                 else:
@@ -246,7 +251,7 @@ class Workflow:
         and a lone rollout actor could otherwise wait for the next version while the
         trainer waits for the rows it generates."""
         if isinstance(self.rollouts, ResendsWeights):
-            while upcoming not in concurrent.futures.wait([upcoming, self.rollouts.weights_wanted()], return_when=concurrent.futures.FIRST_COMPLETED)[0]:  # type: ignore[arg-type]  # futures of two result types
+            while upcoming not in self.clock.wait_futures([upcoming, self.rollouts.weights_wanted()], return_when=FIRST_COMPLETED)[0]:
                 with self._trainer_turn():
                     self._publish(self.version)
         return upcoming.result()
@@ -298,7 +303,7 @@ class Workflow:
             self.store.ack("train", "train", rows.indexes)
             self._trained += num_rows
             self._publish(self.trainer.version)
-        step_s = time.perf_counter() - step_begin
+        step_s = self.clock.now() - step_begin
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
         stage_metrics = self.stages.metrics()
         rollout_metrics = self.rollouts.metrics()
@@ -312,7 +317,7 @@ class Workflow:
             samples=num_rows,
             tokens=rows.num_tokens,
             step_s=step_s,
-            time=time.time(),
+            time=self.clock.wall(),
             dropped=rows.dropped,
             failed_rewards=stage_metrics["failed_rewards"],
             reward_timeouts=stage_metrics["reward_timeouts"],

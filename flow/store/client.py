@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import zmq
 
+from tidal.flow.clock import ClockEvent
 from tidal.flow.store import auth
 from tidal.flow.store import shm as _shm
 from tidal.flow.store.cells import Batch, as_indexes, cell_sizes, check_column, num_rows_of_put
@@ -170,7 +171,7 @@ class RemoteStore:
             self._shared[address] = shared
         return shared
 
-    def _cancellable(self, cancel: threading.Event, what: str, call: Any) -> Any:
+    def _cancellable(self, cancel: ClockEvent, what: str, call: Any) -> Any:
         """`call()` (a get or put, sent once) whose wait for its reply ends when `cancel` is
         set: the request is then withdrawn at the server (`_receive_or_withdraw`). The
         event is looked at every `CANCEL_CHECK_S`, and at once on `wake()`."""
@@ -200,7 +201,7 @@ class RemoteStore:
             return self._await_parked(sock, request_id, address, op, wait_s, getattr(self._tls, "cancel", None))
         return self._receive_reply(sock, request_id, address, op, wait_s)
 
-    def _await_parked(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: threading.Event | None) -> Any:
+    def _await_parked(self, sock: zmq.Socket, request_id: int, address: str, op: str, wait_s: float | None, cancel: ClockEvent | None) -> Any:
         """The reply to a get or put, which the server may park for up to `wait_s` (None:
         without bound). After each `CANCEL_CHECK_S` without it, asks the server on `sock`
         whether it still holds the request (`parked`); "no" means no reply is coming (the
@@ -354,7 +355,7 @@ class RemoteStore:
         args = {"name": name, "consumers": list(consumers), "capacity_rows": capacity_rows, "capacity_bytes": capacity_bytes, "lease_s": lease_s, "exist_ok": exist_ok}
         self._call("create_partition", args)
 
-    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
+    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: ClockEvent | None = None) -> None:
         """As `Store.wait_partition`: the server holds the request until the partition exists."""
         if cancel is not None:
             return self._cancellable(cancel, f"wait_partition({name!r})", lambda: self.wait_partition(name, timeout=timeout))
@@ -381,7 +382,7 @@ class RemoteStore:
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         ack: tuple[str, str, Sequence[int]] | None = None,
         num_rows: int | None = None,
     ) -> list[int]:
@@ -478,7 +479,7 @@ class RemoteStore:
         timeout: float | None = None,
         partial: bool = False,
         ack: Iterable[int] | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
     ) -> Batch:
         """As `Store.get`; rows on storage units are read from them before returning.
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from tidal.flow.clock import REAL, Clock
 from tidal.flow.store.codec import CodecError, decode, encode, name_failure
 from tidal.flow.store.table import Store, StoreError
 from tidal.flow.store.units import RemoteChunk
@@ -84,7 +84,7 @@ def path_inside(root: str | Path, path: str | Path) -> Path:
     return target
 
 
-def load(path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> Store:
+def load(path: str | Path, *, clock: Clock = REAL) -> Store:
     """The store saved at `path` (timing leases with `clock`); `StoreError` naming the
     file when it is not a whole, unchanged store file (bad magic, truncated, checksum
     mismatch, bad contents).

@@ -10,10 +10,10 @@ needs it takes a `Store`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from tidal.flow.clock import ClockEvent
 from tidal.flow.store.cells import Batch
 from tidal.flow.store.samplers import Sampler
 
@@ -56,7 +56,7 @@ class StoreApi(Protocol):
         takes one with the same settings as it is."""
         ...
 
-    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
+    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: ClockEvent | None = None) -> None:
         """Return once partition `name` exists."""
         ...
 
@@ -78,7 +78,7 @@ class StoreApi(Protocol):
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         ack: tuple[str, str, Sequence[int]] | None = None,
         num_rows: int | None = None,
     ) -> list[int]:
@@ -114,7 +114,7 @@ class StoreApi(Protocol):
         timeout: float | None = None,
         partial: bool = False,
         ack: Iterable[int] | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
     ) -> Batch:
         """Wait until `batch_size` rows with `columns` are ready for `consumer` and lease
         them to it; `ack` acks the previous batch first."""

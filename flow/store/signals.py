@@ -14,17 +14,18 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tidal.flow.clock import REAL, Clock, ClockCondition
 from tidal.flow.store.segments import Partition
 
 
 class Signals:
     """The store's waiters and listeners; every method is called with `lock` held."""
 
-    def __init__(self, lock: threading.RLock) -> None:
-        self._lock = lock
-        self._readers: dict[tuple[str, str], threading.Condition] = {}
-        self._room: dict[str, threading.Condition] = {}
-        self.created = threading.Condition(lock)
+    def __init__(self, lock: threading.RLock, clock: Clock = REAL) -> None:
+        self._lock, self._clock = lock, clock
+        self._readers: dict[tuple[str, str], ClockCondition] = {}
+        self._room: dict[str, ClockCondition] = {}
+        self.created = clock.condition(lock)
         """What `wait_partition` waits on; `create_partition` and whole-store changes notify it."""
         self.free_listeners: list[Callable[[str, Any], None]] = []
         self.change_listeners: list[Callable[[str | None], None]] = []
@@ -57,18 +58,18 @@ class Signals:
         for listener in self.change_listeners:
             listener(name)
 
-    def reader(self, part: Partition, consumer: str) -> threading.Condition:
+    def reader(self, part: Partition, consumer: str) -> ClockCondition:
         """What a get for `consumer`'s rows of `part` waits on."""
         cond = self._readers.get((part.name, consumer))
         if cond is None:
-            cond = self._readers[(part.name, consumer)] = threading.Condition(self._lock)
+            cond = self._readers[(part.name, consumer)] = self._clock.condition(self._lock)
         return cond
 
-    def room_in(self, part: Partition) -> threading.Condition:
+    def room_in(self, part: Partition) -> ClockCondition:
         """What a put waiting for room in `part` waits on."""
         cond = self._room.get(part.name)
         if cond is None:
-            cond = self._room[part.name] = threading.Condition(self._lock)
+            cond = self._room[part.name] = self._clock.condition(self._lock)
         return cond
 
     def chunk_freed(self, partition: str, chunk: Any) -> None:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, overload
 
 import numpy as np
 
+from tidal.flow.clock import REAL, Clock, ClockEvent
 from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_column, check_row_meta, distinct_rows, num_rows_of_put, row_nbytes, unique_sorted
 from tidal.flow.store.errors import StoreError, StoreTimeout
 from tidal.flow.store.evict import ack_rows, replace_cells
@@ -55,11 +55,12 @@ class Done:
 class Store:
     """A thread-safe in-process store. `runtime: local` uses it directly (zero copy)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times leases and timeouts; tests pass a fake one to expire leases at will."""
-        self._clock = clock
+    def __init__(self, *, clock: Clock = REAL) -> None:
+        """`clock` times leases and timeouts and makes the conditions waiters wait on (a
+        simulation's virtual clock; a test's `RealClock(now=...)` expires leases at will)."""
+        self._clock = clock.now
         self._lock = threading.RLock()
-        self._signals = Signals(self._lock)  # waiters wait on conditions of this lock by what they wait for
+        self._signals = Signals(self._lock, clock)  # waiters wait on conditions of this lock by what they wait for
         self._parts: dict[str, Partition] = {}
         self._version = 0
         self._stamp = 0
@@ -83,7 +84,7 @@ class Store:
             self._parts[name] = Partition(name, consumers, capacity_rows, capacity_bytes, lease_s)
             self._signals.partition_created(name)
 
-    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
+    def wait_partition(self, name: str, *, timeout: float | None = None, cancel: ClockEvent | None = None) -> None:
         """Return once partition `name` exists (at once if it does): a consumer that may
         start before its producer created it. Raises `StoreTimeout` after `timeout`
         seconds, naming the partitions that exist; setting `cancel` (then `wake`) ends
@@ -186,7 +187,7 @@ class Store:
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         ack: tuple[str, str, Sequence[int] | np.ndarray] | None = None,
         as_range: Literal[False] = False,
         num_rows: int | None = None,
@@ -203,7 +204,7 @@ class Store:
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         ack: tuple[str, str, Sequence[int] | np.ndarray] | None = None,
         as_range: bool,
         num_rows: int | None = None,
@@ -219,7 +220,7 @@ class Store:
         versions: Sequence[int | None] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         ack: tuple[str, str, Sequence[int] | np.ndarray] | None = None,
         as_range: bool = False,
         num_rows: int | None = None,
@@ -316,7 +317,7 @@ class Store:
         versions: Sequence[int | None] | None,
         tags: Sequence[Mapping[str, Any]] | None,
         deadline: float | None,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         freed: Callable[[], tuple[int, int]] | None = None,
     ) -> int:
         """Make `num_rows` rows (a new segment, last in `part.segments`); return the first index."""
@@ -336,7 +337,7 @@ class Store:
         consumer, where = ack[1], unique_sorted(ack[2])
         return lambda: part.freed_by_ack(consumer, where)
 
-    def _wait_for_room(self, part: Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: threading.Event | None = None, freed: Callable[[], tuple[int, int]] | None = None) -> None:
+    def _wait_for_room(self, part: Partition, num_rows: int, nbytes: int, deadline: float | None, cancel: ClockEvent | None = None, freed: Callable[[], tuple[int, int]] | None = None) -> None:
         if part.capacity_rows is not None and num_rows > part.capacity_rows:
             raise StoreError(f"a put of {num_rows} rows can never fit partition {part.name!r} (capacity_rows={part.capacity_rows}); raise capacity_rows or put fewer rows at a time")
         if part.capacity_bytes is not None and nbytes > part.capacity_bytes:
@@ -371,7 +372,7 @@ class Store:
         sampler: Sampler | None = None,
         timeout: float | None = None,
         partial: bool = False,
-        cancel: threading.Event | None = None,
+        cancel: ClockEvent | None = None,
         waiting_since: float | None = None,
         ack: Iterable[int] | None = None,
         holder: int = 0,
@@ -565,7 +566,7 @@ class Store:
             return state_of(self._version, self._parts.values(), read_chunk)
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, clock: Callable[[], float] = time.monotonic) -> Store:
+    def from_state_dict(cls, state: Mapping[str, Any], *, clock: Clock = REAL) -> Store:
         store = cls(clock=clock)
         restore(store, state, partition_of=store._part)
         return store

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from tidal.flow.clock import RealClock
 from tidal.flow.store import Grouped, SeqlenBalanced, StalenessFilter, Store, StoreError, StoreTimeout, TaggedFirst
 from tidal.flow.store.persist import load, save
 from tidal.flow.store.samplers import Sequential, from_spec, to_spec
 
 
-class Clock:
+class FakeTime:
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -120,8 +121,8 @@ def _wait_until(condition, timeout=5.0):
 
 
 def test_lease_expiry_redelivers_and_acks_are_idempotent():
-    clock = Clock()
-    store = Store(clock=clock)
+    clock = FakeTime()
+    store = Store(clock=RealClock(now=clock))
     store.create_partition("p", consumers=["c"], lease_s=10)
     store.put("p", {"x": [1, 2]})
     first = store.get("c", "p", ["x"], 2, timeout=0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tidal.flow.clock import RealClock
 from tidal.flow.store import AsyncStore, Store, StoreError
 from tidal.flow.store.persist import MAGIC, load, save
 
@@ -264,7 +265,7 @@ def test_the_lease_heap_forgets_leases_acked_long_before_their_deadline():
     workflow) though its rows were acked at once: a run of many batches a second held
     hundreds of thousands. A lease still out keeps its entry and still expires."""
     now = [0.0]
-    store = Store(clock=lambda: now[0])
+    store = Store(clock=RealClock(now=lambda: now[0]))
     store.create_partition("p", consumers=["c"], lease_s=3600)
     store.put("p", {"x": [-1]})
     kept = store.get("c", "p", ["x"], 1, timeout=0)  # never acked

@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tidal.flow.clock import RealClock
 from tidal.flow.store import StalenessFilter, Store, StoreTimeout
 from tidal.flow.store.persist import load, save
 
@@ -23,7 +24,7 @@ MAX_STALENESS = 1
 COLUMNS = {"rollout": ["prompt"], "reward": ["prompt", "response"], "train": ["prompt", "response"]}
 
 
-class Clock:
+class FakeTime:
     now = 0.0
 
     def __call__(self) -> float:
@@ -33,8 +34,8 @@ class Clock:
 class StoreMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self):
-        self.clock = Clock()
-        self.store = Store(clock=self.clock)
+        self.clock = FakeTime()
+        self.store = Store(clock=RealClock(now=self.clock))
         self.tmp = tempfile.TemporaryDirectory()
         self.store.create_partition("p", consumers=list(COLUMNS), lease_s=5.0, capacity_rows=64)
         self.num_rows = 0
@@ -98,7 +99,7 @@ class StoreMachine(RuleBasedStateMachine):
     def save_and_load(self):
         path = Path(self.tmp.name) / "store.bin"
         save(self.store, path)
-        self.store = load(path, clock=self.clock)
+        self.store = load(path, clock=RealClock(now=self.clock))
         for c in COLUMNS:
             self.leased[c].clear()  # saved as not consumed: delivered again
 

@@ -17,6 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tidal.flow.clock import RealClock
 from tidal.flow.store import Grouped, RemoteStore, StalenessFilter, StorageUnit, Store, StoreError, StoreServer, StoreTimeout, TaggedFirst
 from tidal.flow.store.samplers import Sampler, Selection
 
@@ -162,7 +163,7 @@ def test_consumer_process_killed_mid_get_loses_nothing(served):
 
 def test_a_closed_connection_returns_only_the_leases_it_still_holds(wait_for):
     now = [0.0]
-    store = Store(clock=lambda: now[0])
+    store = Store(clock=RealClock(now=lambda: now[0]))
     store.create_partition("train", consumers=["train"], lease_s=10)
     store.put("train", {"x": torch.arange(2).reshape(2, 1)})
     with StoreServer(store) as server:

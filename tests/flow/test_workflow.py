@@ -16,6 +16,7 @@ from tidal.engines.tasks import arithmetic
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import grpo
+from tidal.flow.clock import RealClock
 from tidal.flow.rows import put_trajectories
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -349,7 +350,7 @@ def test_train_steps_longer_than_the_stores_default_lease_train_each_row_once():
     import collections
 
     now = [0.0]
-    store = Store(clock=lambda: now[0])
+    store = Store(clock=RealClock(now=lambda: now[0]))
     cfg = WorkflowConfig.from_keys(max_staleness=1, **{**CONFIG, "num_steps": 6})
     trainer, rollout = _engines()
     step, generate = trainer.train_step, rollout.generate
