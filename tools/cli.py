@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.tools.cli_help import BENCH_HELP, CONFIG_HELP, DESCRIPTION, DOCTOR_HELP, EPILOG, EXPORT_HELP, PLAN_HELP, RUN_HELP
+from tidal.tools.sim.command import add_parser as add_simulate_parser
+from tidal.tools.sim.command import cmd_simulate
 
 if TYPE_CHECKING:  # the CLI starts without loading the schema's imports
     from tidal.tools.config import RecipeConfig
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser("store", help="run a store server on its own (tidal store serve --help)", description="tidal store serve: a store server process on its own; `tidal store serve --help` lists its options.")
     store.add_argument("action", choices=["serve"], help="serve: run a store server until Ctrl-C or SIGTERM")
     store.add_argument("options", nargs=argparse.REMAINDER, help="see `tidal store serve --help`")
+
+    add_simulate_parser(sub, fmt)
 
     export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory", description=EXPORT_HELP, formatter_class=fmt)
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (what `tidal run` printed last)")
@@ -356,7 +360,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
     return serve.main(args.options, prog=f"tidal store {args.action}")
 
 
-COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export, "store": _cmd_store}
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export, "store": _cmd_store, "simulate": cmd_simulate}
 
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -421,7 +425,7 @@ def _one_line(command: str, error: Exception) -> str | None:
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("run", "config", "plan", "bench")
+    takes_overrides = args.command in ("run", "config", "plan", "bench", "simulate")
     if extra and takes_overrides and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # key=value overrides that came after an option such as --check
     elif extra:

@@ -1,0 +1,114 @@
+"""`tidal simulate RECIPE cluster=SPEC`: its arguments, and the prediction it prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+SIMULATE_HELP = """\
+Predict a recipe's throughput on a cluster you do not have: the recipe's own workflow,
+store, admission control and placement scheduler run on a virtual clock, with rollout
+and training engines whose durations come from roofline cost models of the cluster's
+devices (tools/sim/costs.py; hardware figures and their sources in tools/sim/hardware.py).
+
+  tidal simulate mixed_npu_gpu cluster=recipes/clusters/npu64_gpu32.yaml
+  tidal simulate mixed_npu_gpu cluster=npu64_gpu32 --model 7b --mean-tokens 2000 \\
+      placement.train.count=32 algorithm.max_staleness=2
+
+cluster= names a cluster spec file (or a shipped one in recipes/clusters/); the recipe's
+placement is scheduled on it as `tidal plan` would. The prediction: samples/s, trained
+tokens/s, step times, each role's busy share, the trainer's wait for data and rollout's
+waits for weights and prompts, paused generations and the version-gap histogram; the
+simulated timeline goes to --trace (Chrome trace JSON: open in Perfetto).
+
+Uncalibrated: the efficiency factors are assumptions (docs/simulate.md) until `tidal
+profile` exists to fit them. Only disaggregated plans are simulated so far.
+"""
+
+
+def _clusters() -> Path:
+    """Shipped cluster specs: recipes/clusters/ (tidal/recipes/clusters in a wheel)."""
+    from tidal.tools.recipes import recipes_dir  # noqa: PLC0415
+
+    return recipes_dir() / "clusters"
+
+
+def _shipped() -> str:
+    return ", ".join(sorted(p.stem for p in _clusters().glob("*.yaml")))
+
+
+def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
+    """The `simulate` subcommand and its options."""
+    p = sub.add_parser("simulate", help="predict a recipe's throughput on a cluster spec (virtual clock)", description=SIMULATE_HELP, formatter_class=fmt)
+    p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides; cluster=SPEC names the cluster spec")
+    p.add_argument("--model", default="7b", help="Qwen2.5 size whose shape is simulated: 0.5b, 1.5b, 3b, 7b, 14b or 32b (default: 7b)")
+    p.add_argument("--mean-tokens", type=float, default=1024.0, help="mean response length in tokens (default: 1024)")
+    p.add_argument("--prompt-sigma", type=float, default=0.5, help="lognormal spread of the mean length across prompts (default: 0.5)")
+    p.add_argument("--group-sigma", type=float, default=0.3, help="lognormal spread within a prompt's group (default: 0.3)")
+    p.add_argument("--drift", type=float, default=0.0, help="growth of the mean length per step, e.g. 0.01 (default: 0)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
+    p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
+    p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+
+
+def _cluster_path(given: str) -> Path:
+    from tidal.tools.config import ConfigError  # noqa: PLC0415
+
+    for path in (Path(given), _clusters() / given, _clusters() / f"{given}.yaml"):
+        if path.is_file():
+            return path
+    raise ConfigError(f"cluster={given!r}: no such cluster spec file (shipped: {_shipped()})")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.sim.cluster import load_cluster  # noqa: PLC0415
+    from tidal.tools.sim.costs import ModelShape  # noqa: PLC0415
+    from tidal.tools.sim.lengths import LengthModel  # noqa: PLC0415
+    from tidal.tools.sim.simulate import Workload, simulate  # noqa: PLC0415
+
+    clusters = [o.split("=", 1)[1] for o in args.overrides if o.startswith("cluster=")]
+    if len(clusters) != 1:
+        raise ConfigError("tidal simulate needs one cluster=SPEC (a cluster spec file, or one in recipes/clusters/: " + _shipped() + ")")
+    recipe = resolve_recipe(args.recipe)
+    cfg = load_config(recipe, [o for o in args.overrides if not o.startswith("cluster=")])
+    try:
+        cluster = load_cluster(_cluster_path(clusters[0]))
+        work = Workload(
+            model=ModelShape.qwen2_5(args.model),
+            lengths=LengthModel(mean_tokens=args.mean_tokens, prompt_sigma=args.prompt_sigma, group_sigma=args.group_sigma, drift=args.drift, max_new_tokens=cfg.rollout.max_new_tokens),
+            prompt_tokens=args.prompt_tokens,
+            token_scale=args.token_scale,
+            seed=cfg.seed,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    prediction, tracer = simulate(cfg, cluster, work)
+    trace = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
+    tracer.save(trace)
+    if args.json:
+        print(json.dumps({**prediction.summary(), "trace": str(trace), "calibrated": False}, indent=2))
+        return 0
+    _print(prediction, cluster_name=cluster.name, trace=trace)
+    return 0
+
+
+def _print(p: Any, *, cluster_name: str, trace: Path) -> None:
+    roles = p.roles
+    print("UNCALIBRATED: efficiency factors are assumptions (docs/simulate.md), not fitted to a profile")
+    print(f"cluster {cluster_name}: {p.layout}; train {roles['train']['devices']} x {roles['train']['kind']}, rollout {roles['rollout']['instances']} x {roles['rollout']['devices_each']} {roles['rollout']['kind']}; weights over {roles['transport']}")
+    print(f"{len(p.steps)} steps in {p.total_s:,.1f} simulated s ({p.wall_s:.1f} s to simulate)")
+    print(f"  samples/s        {p.samples_per_s:,.2f}")
+    print(f"  trained tokens/s {p.tokens_per_s:,.0f}")
+    print("  step s           " + "  ".join(f"{k} {v:,.2f}" for k, v in p.step_s.items()))
+    print("  busy             " + "  ".join(f"{k} {v:.0%}" for k, v in p.utilisation.items()))
+    print("  idle             " + "  ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in p.idle.items()))
+    print(f"  paused generations {p.paused_generations}")
+    total = sum(p.version_gaps.values()) or 1
+    print("  version gap      " + "  ".join(f"{gap}: {n / total:.0%}" for gap, n in p.version_gaps.items()))
+    print(f"trace: {trace}")

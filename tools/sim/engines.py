@@ -1,0 +1,410 @@
+"""Simulated engines for `tidal simulate`: flow's protocols, with modelled durations.
+
+The real workflow (stages, store, rollout workers) runs on a `VirtualClock`; these engines
+do no arithmetic on weights, they only take the time the cost models (`costs`) say the work
+would take, on the clock's primitives, so the scheduler around them sees a cluster's timing.
+
+Token scale: one simulated token stands for `token_scale` real ones, so a cluster's worth of
+trajectories stays small in memory. Trajectories carry `ceil(real_length / token_scale)`
+tokens; every cost is computed in real tokens (one simulated decode step is `token_scale`
+real steps, each at the real batch and real context).
+
+Response lengths come with the prompts: a prompt row's `"lengths"` (one per sample, in
+simulated tokens, already cut to the budget by whoever made the prompts) reaches every
+trajectory of its group as the shared `meta` dict (`flow.rollout.group_of`).
+
+`SimRolloutEngine.generate` is event-driven, not token by token: the running rows decode
+in lockstep, so the engine waits (interruptibly) until the first of them would finish,
+credits the whole steps that fitted, and hands what ended to `refill`. A step's cost is
+`decode_step_s` at the segment's average context, as `costs.generate_s` charges it, so a
+generate that is not interrupted takes what `generate_s` says for the same rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.clock import Clock, ClockEvent
+from tidal.flow.protocols import Refill
+from tidal.flow.rollout import RolloutWorker, Stop
+from tidal.flow.store.errors import StoreError
+from tidal.flow.store.protocol import StoreApi
+from tidal.flow.trace import Tracer
+from tidal.flow.trajectory import TokenBatch, Trajectory, unfinished
+from tidal.tools.sim import costs
+from tidal.tools.sim.costs import DEFAULT_EFFICIENCY, Efficiency, ModelShape
+from tidal.tools.sim.hardware import Device
+
+LENGTHS_KEY = "lengths"
+"""The prompt row's key (and so its trajectories' `meta` key) holding its group's response lengths."""
+
+
+class SimRolloutEngine:
+    """A `flow.protocols.RolloutEngine` whose decoding is modelled time (module docstring).
+
+    Args:
+        clock: the simulation's clock; every wait is on it.
+        model: the policy's shape.
+        device: the accelerator of each of the engine's `tp` devices.
+        tp: tensor-parallel degree (devices of this engine, on one node).
+        eff: efficiency factors of the cost models.
+        token_scale: real tokens per simulated token, >= 1.
+        max_num_seqs: cap on sequences decoding at once, besides KV capacity.
+        name: for thread names and reports.
+
+    Raises:
+        ValueError: `token_scale` < 1, or the weights alone do not fit the devices.
+    """
+
+    pad_id = 0
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        model: ModelShape,
+        device: Device,
+        tp: int = 1,
+        eff: Efficiency = DEFAULT_EFFICIENCY,
+        token_scale: int = 1,
+        max_num_seqs: int = costs.MAX_NUM_SEQS,
+        name: str = "rollout",
+    ) -> None:
+        if token_scale < 1 or max_num_seqs < 1:
+            raise ValueError(f"token_scale and max_num_seqs must be >= 1, got {token_scale} and {max_num_seqs}")
+        costs.max_concurrent_tokens(model, device, tp=tp)  # fail here, not at the first generate, if the model does not fit
+        self.clock, self.shape, self.device, self.tp, self.eff = clock, model, device, tp, eff
+        self.token_scale, self.max_num_seqs, self.name = token_scale, max_num_seqs, name
+        self.version = 0
+        self._interrupt: ClockEvent = clock.event()
+        # Keyed by id(); the object is kept beside it so its id cannot be reused while the entry lives.
+        self._targets: dict[int, tuple[Trajectory, int]] = {}
+        self._groups: dict[int, tuple[dict[str, Any], int]] = {}  # id(meta) -> (meta, samples of it seen so far)
+        self.stats: dict[str, float] = {"busy_s": 0.0, "num_real_tokens": 0, "num_generates": 0, "num_pauses": 0}
+        """`busy_s`: virtual seconds spent prefilling or decoding; `num_real_tokens`: real
+        tokens generated; `num_generates`: generate calls; `num_pauses`: calls that returned
+        early with unfinished rows."""
+
+    def interrupt(self) -> None:
+        """End the current decoding wait now (new weights, a stop): the engine credits the whole
+        steps done so far and asks `should_pause`. Consumed by the wait it ends."""
+        self._interrupt.set()
+
+    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Become `version`; the weights are not materialised (the iterable is only drained)."""
+        for _ in named_tensors:
+            pass
+        self.version = version
+
+    def generate(
+        self, trajectories: Sequence[Trajectory], *, max_new_tokens: int, should_pause: Callable[[], bool] | None = None, refill: Refill | None = None
+    ) -> list[Trajectory]:
+        """See `RolloutEngine.generate`: continuous batching with `refill`, pauses at safe points.
+
+        Returns:
+            `trajectories` followed by the rows `refill.more()` added.
+
+        Raises:
+            ValueError: a row's `meta` has no `"lengths"`, or as `flow.trajectory.unfinished`.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.stats["num_generates"] += 1
+        rows = list(trajectories)
+        seen: set[int] = set()
+        goals: dict[int, int] = {}  # id(row) -> generated tokens it ends at, in this call
+        waiting: collections.deque[Trajectory] = collections.deque()
+        running: list[Trajectory] = []
+        ended = self._admit(rows, max_new_tokens=max_new_tokens, seen=seen, goals=goals, waiting=waiting)
+        slots = 0
+        decoded = False
+        while True:
+            if ended and refill is not None:
+                refill.done(ended)
+                new = refill.more()
+                rows += new
+                ended = self._admit(new, max_new_tokens=max_new_tokens, seen=seen, goals=goals, waiting=waiting)
+                if ended:
+                    continue  # rows given at their budget: hand them back before anything else
+            ended = []
+            if not running and not waiting:
+                break
+            if decoded and should_pause is not None and should_pause():
+                self.stats["num_pauses"] += 1
+                break
+            slots = slots or self._slots(waiting, max_new_tokens)
+            self._join(running, waiting, slots)
+            ended = self._decode(running, goals, max_new_tokens)
+            decoded = True
+        return rows
+
+    # One generate call's steps ----------------------------------------------------------
+    def _admit(self, rows: list[Trajectory], *, max_new_tokens: int, seen: set[int], goals: dict[int, int], waiting: collections.deque[Trajectory]) -> list[Trajectory]:
+        """Queue the unfinished ones of `rows` with their targets; return those that ended on
+        the way in (already at the budget)."""
+        was_open = [t for t in rows if not t.done]
+        active = unfinished(rows, max_new_tokens, seen)
+        for t in active:
+            goals[id(t)] = min(max(self._target(t), t.num_generated + 1), max_new_tokens)
+        waiting.extend(active)
+        return [t for t in was_open if t.done]
+
+    def _target(self, t: Trajectory) -> int:
+        """The length `t` was assigned (on first sight: the next of its group's `lengths`)."""
+        known = self._targets.get(id(t))
+        if known is not None and known[0] is t:
+            return known[1]
+        lengths = t.meta.get(LENGTHS_KEY)
+        if not lengths:
+            raise ValueError(f"a simulated rollout needs each prompt's response lengths: meta[{LENGTHS_KEY!r}] is {lengths!r}")
+        entry = self._groups.get(id(t.meta))
+        j = entry[1] if entry is not None and entry[0] is t.meta else 0
+        target = int(lengths[j % len(lengths)])
+        if j + 1 >= len(lengths):
+            # j % len starts over at 0 after a full group: dropping the counter is the same, and bounds memory
+            self._groups.pop(id(t.meta), None)
+        else:
+            self._groups[id(t.meta)] = (t.meta, j + 1)
+        self._targets[id(t)] = (t, target)
+        return target
+
+    def _slots(self, rows: Iterable[Trajectory], max_new_tokens: int) -> int:
+        """Sequences that fit the KV cache at once: real prompt (mean) + real budget each."""
+        prompts = [len(t.prompt_ids) for t in rows]
+        prompt = sum(prompts) / max(len(prompts), 1)
+        per_sequence = (prompt + max_new_tokens) * self.token_scale
+        return costs.decode_slots(self.shape, self.device, tp=self.tp, tokens_per_sequence=per_sequence, max_num_seqs=self.max_num_seqs)
+
+    def _join(self, running: list[Trajectory], waiting: collections.deque[Trajectory], slots: int) -> None:
+        """Move waiting rows into free slots and sleep their prefill."""
+        joining: list[Trajectory] = []
+        while waiting and len(running) + len(joining) < slots:
+            joining.append(waiting.popleft())
+        running += joining
+        # A group's samples of one input share its prefill (prefix caching; hf_rollout prefills
+        # distinct inputs once). A resumed row recomputes its generated tokens' KV too.
+        distinct = {(id(t.meta), tuple(t.ids)) for t in joining}
+        tokens = sum(len(ids) for _, ids in distinct) * self.token_scale
+        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff)
+        if seconds > 0:
+            self.clock.sleep(seconds)
+            self.stats["busy_s"] += seconds
+
+    def _decode(self, running: list[Trajectory], goals: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
+        """Decode until the first running row ends or an interrupt; credit the whole steps
+        done, finish rows at their goal and remove them from `running`; return those."""
+        scale = self.token_scale
+        num_steps = min(goals[id(t)] - t.num_generated for t in running)
+        assert num_steps >= 1, "a running row is at its goal"
+        batch = len(running)
+        context = sum(len(t.prompt_ids) + len(t.tokens) for t in running) * scale
+        # Average real context over the segment's real steps, as costs.generate_s charges it.
+        average = context + batch * (num_steps * scale - 1) / 2
+        step_s = scale * costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=batch, context_tokens=math.ceil(average), eff=self.eff)
+        start = self.clock.now()
+        interrupted = self._interrupt.wait(num_steps * step_s)
+        elapsed = self.clock.now() - start
+        self.stats["busy_s"] += elapsed
+        steps = num_steps
+        if interrupted:
+            self._interrupt.clear()
+            # The step in flight when the interrupt came is lost: a pause keeps whole tokens only.
+            steps = min(num_steps, math.floor(elapsed / step_s + 1e-9))
+        if steps:
+            for t in running:
+                t.extend([1] * steps, [-1.0] * steps, self.version)
+            self.stats["num_real_tokens"] += steps * scale * batch
+        ended = [t for t in running if t.num_generated >= goals[id(t)]]
+        for t in ended:
+            t.finish_reason = "length" if goals[id(t)] >= max_new_tokens else "stop"
+            del self._targets[id(t)]
+        running[:] = [t for t in running if not t.done]
+        return ended
+
+
+class SimTrainEngine:
+    """A `flow.protocols.TrainEngine` whose steps are modelled time; the weights are not materialised.
+
+    Args:
+        clock: the simulation's clock.
+        model: the policy's shape.
+        device: each training device.
+        num_devices: data-parallel devices of the trainer, all nodes together.
+        num_nodes: nodes they span (the gradient all-reduce crosses the network when > 1).
+        eff: efficiency factors of the cost models.
+        token_scale: real tokens per simulated token.
+        prompt_tokens_real: the real length of every prompt, when the batch's prompts are
+            placeholders; None: a prompt's simulated tokens x `token_scale`.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        model: ModelShape,
+        device: Device,
+        num_devices: int = 1,
+        num_nodes: int = 1,
+        eff: Efficiency = DEFAULT_EFFICIENCY,
+        token_scale: int = 1,
+        prompt_tokens_real: int | None = None,
+    ) -> None:
+        if token_scale < 1:
+            raise ValueError(f"token_scale must be >= 1, got {token_scale}")
+        self.clock, self.shape, self.device, self.eff = clock, model, device, eff
+        self.num_devices, self.num_nodes, self.token_scale, self.prompt_tokens_real = num_devices, num_nodes, token_scale, prompt_tokens_real
+        self.version = 0
+        self.stats: dict[str, float] = {"busy_s": 0.0}
+
+    def real_tokens(self, batch: TokenBatch) -> int:
+        """Real tokens of `batch`: every row's prompt and response."""
+        if self.prompt_tokens_real is None:
+            return int(batch.attention_mask.sum()) * self.token_scale
+        return len(batch) * self.prompt_tokens_real + int(batch.loss_mask.sum()) * self.token_scale
+
+    def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """Sleep `costs.train_step_s` for the batch's real tokens; version += 1."""
+        seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=self.real_tokens(batch), eff=self.eff)
+        self._busy(seconds)
+        self.version += 1
+        return {"loss": 0.0, "train_s": seconds}
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Zeros [batch, seq - 1] after a forward pass's time: a third of a step's FLOPs, no all-reduce."""
+        flops = 2 * self.shape.num_params * self.real_tokens(batch)
+        self._busy(flops / (self.num_devices * self.device.flops * self.eff.train_mfu))
+        return torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """One tiny tensor: a simulated weight sync's time is the caller's (`SimRollouts`)."""
+        return [("w", torch.zeros(1))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = int(state["version"])
+
+    def _busy(self, seconds: float) -> None:
+        if seconds > 0:
+            self.clock.sleep(seconds)
+        self.stats["busy_s"] += seconds
+
+
+class SimRollouts:
+    """A `flow.rollout.RolloutGroup` of real `RolloutWorker`s, each with a `SimRolloutEngine`,
+    whose weight syncs are modelled time.
+
+    A publish costs the trainer `send_s` (its export and first hop, slept in its thread);
+    every worker gets the version `deliver_s` after that, from a clock thread started per
+    publish (deterministic: deliveries happen in publish order, by virtual time).
+
+    Args:
+        clock: the simulation's clock.
+        store: the run's store (made on the same clock).
+        engines: one simulated engine per worker.
+        group_size: samples per prompt.
+        max_new_tokens: the response budget, in simulated tokens.
+        prompts_per_generate: prompts a worker takes per generate call.
+        send_s: seconds a publish holds the trainer.
+        deliver_s: seconds from the end of `send_s` until the workers have the weights.
+        tracer: where the workers' spans go (default: a new one on `clock`).
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        store: StoreApi,
+        engines: Sequence[SimRolloutEngine],
+        group_size: int,
+        max_new_tokens: int,
+        prompts_per_generate: int,
+        send_s: float = 0.0,
+        deliver_s: float = 0.0,
+        tracer: Tracer | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("SimRollouts needs at least one engine")
+        if send_s < 0 or deliver_s < 0:
+            raise ValueError(f"send_s and deliver_s must be >= 0, got {send_s} and {deliver_s}")
+        self.clock, self.engines, self.send_s, self.deliver_s = clock, list(engines), send_s, deliver_s
+        self.tracer = tracer or Tracer(clock=clock)
+        self.stopping = clock.event()
+        self.workers = [
+            RolloutWorker(
+                store=store,
+                engine=engine,
+                group_size=group_size,
+                max_new_tokens=max_new_tokens,
+                prompts_per_generate=prompts_per_generate,
+                stopping=self.stopping,
+                tracer=self.tracer,
+                continuous=True,
+                clock=clock,
+            )
+            for engine in self.engines
+        ]
+
+    def run(self) -> None:
+        """Run every worker until stopped (raises `Stop`), or raise the first worker's error."""
+        errors: list[Exception] = []
+
+        def work(worker: RolloutWorker) -> None:
+            try:
+                worker.run()
+            except (Stop, StoreError) as e:
+                # a store wait cancelled by the stop is the normal way out (as flow.stages.guard)
+                if not self.stopping.is_set():
+                    errors.append(e)
+                    self.stop()
+            except Exception as e:  # noqa: BLE001  # re-raised by run() once every worker stopped
+                errors.append(e)
+                self.stop()
+
+        threads = [self.clock.thread(work, args=(w,), name=f"tidal-sim-{e.name}-{i}") for i, (w, e) in enumerate(zip(self.workers, self.engines))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        raise Stop
+
+    def publish(self, version: int, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hold the caller `send_s`, then deliver `version` to every worker `deliver_s` later."""
+        if self.send_s > 0:
+            self.clock.sleep(self.send_s)
+        thread = self.clock.thread(self._deliver, args=(version,), name=f"tidal-sim-weights-{version}")
+        thread.start()
+
+    def _deliver(self, version: int) -> None:
+        if self.deliver_s > 0:
+            self.clock.sleep(self.deliver_s)
+        for worker, engine in zip(self.workers, self.engines):
+            worker.inbox.offer(version, {})
+            engine.interrupt()  # a running generate reaches its safe point now, not at its next finish
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for worker, engine in zip(self.workers, self.engines):
+            worker.stop()
+            engine.interrupt()
+
+    def metrics(self) -> dict[str, Any]:
+        """As `LocalRollouts.metrics`, summed over workers; `wait_s` their mean (as Ray's group)."""
+        wait_s: dict[str, float] = collections.defaultdict(float)
+        for worker in self.workers:
+            for stage, seconds in worker.waits.take().items():
+                wait_s[stage] += seconds / len(self.workers)
+        return {
+            "paused_generations": sum(w.num_paused for w in self.workers),
+            "handed_off": sum(w.num_handed_off for w in self.workers),
+            "wait_s": dict(wait_s),
+        }

@@ -1,0 +1,126 @@
+"""Response lengths for the cluster simulator: a sampler, and a replay of a recorded trace.
+
+`LengthModel` draws a step's responses in groups (one group of `group_size` responses per
+prompt, as GRPO-style RL samples them). Lengths are lognormal twice over: a prompt's
+difficulty scales its group's mean (`prompt_sigma`), and responses spread around that
+within the group (`group_sigma`). Both factors have mean 1, so the expected length before
+truncation is `mean_tokens * (1 + drift) ** step`: RL often lengthens responses as
+training goes on. Lengths are cut at `max_new_tokens`, and the sampler says which were cut.
+
+`replay` reads the lengths a real run produced, from a JSONL trace, one line per step:
+
+    {"step": 3, "lengths": [[120, 340, 95, 410], [2048, 1800, 2048, 990]]}
+
+`lengths` holds one list per prompt (its group), each a list of response lengths in
+tokens (integers >= 0). Blank lines are skipped; each step appears once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LengthModel:
+    """Response lengths of one RL workload (see the module docstring)."""
+
+    mean_tokens: float
+    """Expected length at step 0 before truncation."""
+    prompt_sigma: float = 0.5
+    """Lognormal sigma of the per-prompt mean (how much prompts differ in difficulty)."""
+    group_sigma: float = 0.3
+    """Lognormal sigma of responses around their prompt's mean."""
+    max_new_tokens: int | None = None
+    """Longest response: longer draws are cut here and flagged truncated. None: no cap."""
+    drift: float = 0.0
+    """Growth of the mean per step: mean x (1 + drift) ** step; > -1."""
+    min_tokens: int = 1
+    """Shortest response (an EOS as the first token still costs one decode step)."""
+
+    def __post_init__(self) -> None:
+        if not self.mean_tokens > 0:
+            raise ValueError(f"LengthModel.mean_tokens must be > 0, got {self.mean_tokens!r}")
+        if self.prompt_sigma < 0 or self.group_sigma < 0:
+            raise ValueError(f"LengthModel sigmas must be >= 0, got prompt_sigma={self.prompt_sigma!r}, group_sigma={self.group_sigma!r}")
+        if not self.drift > -1:
+            raise ValueError(f"LengthModel.drift must be > -1, got {self.drift!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"LengthModel.min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_new_tokens is not None and self.max_new_tokens < max(self.min_tokens, 1):
+            raise ValueError(f"LengthModel.max_new_tokens must be >= max(min_tokens, 1), got {self.max_new_tokens!r}")
+
+    def mean_at(self, step: int) -> float:
+        """Expected length at `step`, before truncation."""
+        return self.mean_tokens * (1 + self.drift) ** step
+
+    def sample_flagged(self, *, step: int, num_prompts: int, group_size: int, rng: random.Random) -> tuple[list[list[int]], list[list[bool]]]:
+        """`num_prompts` groups of `group_size` lengths, and for each whether it was cut at
+        `max_new_tokens`. Deterministic for a given `rng` state."""
+        if num_prompts < 0 or group_size < 1:
+            raise ValueError(f"need num_prompts >= 0 and group_size >= 1, got {num_prompts} and {group_size}")
+        # mu = log(mean) - sigma^2/2 makes each lognormal factor's mean the target mean
+        mu = math.log(self.mean_at(step))
+        cap = self.max_new_tokens
+        lengths, truncated = [], []
+        for _ in range(num_prompts):
+            prompt_mu = mu + self.prompt_sigma * rng.gauss(0.0, 1.0) - self.prompt_sigma**2 / 2
+            group, cut = [], []
+            for _ in range(group_size):
+                raw = math.exp(prompt_mu + self.group_sigma * rng.gauss(0.0, 1.0) - self.group_sigma**2 / 2)
+                n = max(self.min_tokens, round(raw))
+                group.append(n if cap is None else min(n, cap))
+                cut.append(cap is not None and n > cap)
+            lengths.append(group)
+            truncated.append(cut)
+        return lengths, truncated
+
+    def sample(self, *, step: int, num_prompts: int, group_size: int, rng: random.Random) -> list[list[int]]:
+        """`num_prompts` groups of `group_size` response lengths (cut at `max_new_tokens`)."""
+        return self.sample_flagged(step=step, num_prompts=num_prompts, group_size=group_size, rng=rng)[0]
+
+
+def replay(path: str | Path) -> dict[int, list[list[int]]]:
+    """Each step's groups of response lengths, read from a JSONL trace (module docstring).
+
+    Raises:
+        ValueError: the file is missing or unreadable, or a line is not a valid row; the
+            message names the file and the line number.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the length trace: {e.strerror or e}") from e
+    steps: dict[int, list[list[int]]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON: {e.msg}") from e
+        step, groups = _check_row(row, where=f"{path}:{number}")
+        if step in steps:
+            raise ValueError(f"{path}:{number}: step {step} appears twice")
+        steps[step] = groups
+    return steps
+
+
+def _check_row(row: object, *, where: str) -> tuple[int, list[list[int]]]:
+    if not isinstance(row, dict) or set(row) != {"step", "lengths"}:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f'{where}: a row is {{"step": int, "lengths": [[int, ...], ...]}}, got {keys}')
+    step, groups = row["step"], row["lengths"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{where}: step must be an integer >= 0, got {step!r}")
+    if not isinstance(groups, list) or not all(isinstance(g, list) and g for g in groups):
+        raise ValueError(f"{where}: lengths must be a list of non-empty lists (one per prompt)")
+    for g in groups:
+        for n in g:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{where}: lengths must be integers >= 0, got {n!r}")
+    return step, groups

@@ -1,0 +1,210 @@
+"""`tidal simulate`: the real workflow, store and placement on a virtual clock.
+
+A recipe's run is rebuilt with simulated engines (`tools.sim.engines`) whose durations
+come from the cost models (`tools.sim.costs`), on the devices `flow.placement.schedule`
+gives each role on a cluster spec (`tools.sim.cluster`). The loop itself is the product's
+own: `flow.workflow.Workflow`, its loader with admission control, the reward and
+advantage stages, the staleness filter and the store, all waiting on a
+`flow.virtual_clock.VirtualClock`. Nothing of the scheduling is re-implemented here, so
+what the simulation says of staleness, pauses and idle time is what the code does.
+
+Assumptions (docs/simulate.md states them for users):
+- one simulated token stands for `token_scale` real ones (memory stays small at scale;
+  costs are computed in real tokens);
+- rewards cost nothing and score a seeded coin flip (only their timing is simulated);
+- the trainer is one data-parallel group over every `placement.train` device; its step is
+  `costs.train_step_s` over the step's real tokens;
+- weights go over the transport the recipe names (`auto`: collective between devices of
+  one kind, host between kinds): the trainer spends the send, each rollout instance gets
+  the version once the transfer is done (`costs.weight_sync_s`);
+- only disaggregated layouts are simulated for now: colocated, hybrid and multiplexed
+  plans are refused, naming the keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from tidal.flow.placement import PlacementError, Plan, schedule
+from tidal.flow.store import Store
+from tidal.flow.trace import Tracer
+from tidal.flow.virtual_clock import VirtualClock
+from tidal.flow.workflow import Workflow, WorkflowConfig
+from tidal.tools.config import ConfigError, RecipeConfig
+from tidal.tools.plan import roles_of
+from tidal.tools.sim import costs
+from tidal.tools.sim.cluster import ClusterSpec
+from tidal.tools.sim.engines import SimRolloutEngine, SimRollouts, SimTrainEngine
+from tidal.tools.sim.lengths import LengthModel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What is simulated beside the recipe: the model's shape, the lengths, the factors."""
+
+    model: costs.ModelShape
+    lengths: LengthModel
+    """Response lengths in real tokens (truncated at the recipe's `rollout.max_new_tokens`)."""
+    prompt_tokens: int = 256
+    """Real tokens of every prompt."""
+    token_scale: int = 16
+    """Real tokens one simulated token stands for."""
+    eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY
+    seed: int = 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class Prediction:
+    """What a simulated run did, in virtual seconds."""
+
+    steps: list[dict[str, Any]]
+    """Each step's metrics, as `tidal run` logs them."""
+    total_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    """Trained real tokens (responses) per second."""
+    step_s: dict[str, float]
+    """p10 / p50 / p90 / mean of the step times."""
+    utilisation: dict[str, float]
+    """Busy share of the trainer and of the rollout instances (mean)."""
+    idle: dict[str, float]
+    """Share of the run the trainer waited for data, and rollout (mean over instances)
+    waited for weights and for prompts."""
+    paused_generations: int
+    """Generate calls that paused for new weights (partial rollout)."""
+    version_gaps: dict[int, int]
+    """Trained tokens by how many versions older than the trainer they were."""
+    layout: str
+    roles: dict[str, Any]
+    wall_s: float = 0.0
+    """Real seconds the simulation took."""
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
+
+
+def plan_of(cfg: RecipeConfig, cluster: ClusterSpec) -> Plan:
+    """The recipe's placement on the cluster spec, by the real scheduler.
+
+    Raises:
+        ConfigError: the plan is infeasible, or a layout the simulator does not run yet.
+    """
+    try:
+        plan = schedule(cluster.resources(), roles_of(cfg))
+    except PlacementError as e:
+        raise ConfigError(f"placement on cluster {cluster.name!r}: {e}") from None
+    if plan.layout != "disaggregated":
+        raise ConfigError(
+            f"placement: the plan is {plan.layout}; tidal simulate runs disaggregated plans only so far "
+            "(unset placement.rollout.colocate_with and placement.train.lend_to)"
+        )
+    return plan
+
+
+def _transport(cfg: RecipeConfig, train_kind: str, rollout_kind: str) -> str:
+    name = cfg.transport.name
+    if name == "auto":
+        return "collective" if train_kind == rollout_kind else "host"
+    if name == "ipc":
+        raise ConfigError("transport.name=ipc: a disaggregated plan has no shared device; use auto, collective or host")
+    return name
+
+
+def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dict[str, Any]]:
+    """Endless prompts, each carrying its group's response lengths (simulated tokens)."""
+    rng = random.Random(work.seed)
+    prompt = [1] * max(1, math.ceil(work.prompt_tokens / work.token_scale))
+    per_step = cfg.algorithm.prompts_per_step
+    index = 0
+    while True:
+        (lengths,) = work.lengths.sample(step=index // per_step, num_prompts=1, group_size=cfg.algorithm.group_size, rng=rng)
+        sim = [min(max(1, math.ceil(n / work.token_scale)), sim_budget) for n in lengths]
+        yield {"prompt_ids": list(prompt), "lengths": sim}
+        index += 1
+
+
+def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_events: int = 200_000) -> tuple[Prediction, Tracer]:
+    """Run the recipe's loop on the cluster on a virtual clock; the prediction and its timeline."""
+    import time  # noqa: PLC0415 - the real seconds the simulation takes, not the simulated ones
+
+    began = time.perf_counter()
+    plan = plan_of(cfg, cluster)
+    train, rollout = plan.of("train"), plan.of("rollout")
+    train_device = cluster.group_of(train[0].node).device
+    train_nodes = sorted({a.node for a in train})
+    num_train_devices = sum(len(a.devices) for a in train)
+    transport = _transport(cfg, train[0].kind, rollout[0].kind)
+    sim_budget = max(1, cfg.rollout.max_new_tokens // work.token_scale)
+
+    clock = VirtualClock()
+    tracer = Tracer("simulated", max_events=tracer_events, clock=clock)
+    store = Store(clock=clock)
+    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens)
+    rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
+    between = 0 if set(train_nodes) & {a.node for a in rollout} else 1
+    deliver_s = max(
+        costs.weight_sync_s(work.model, transport=transport, src=train_device, dst=dev, num_nodes_between=between, num_receivers=len(rollout), eff=work.eff) for dev, _ in rollout_devices
+    )
+    config = WorkflowConfig(algorithm=cfg.algorithm, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=sim_budget))
+    engines = [SimRolloutEngine(clock=clock, model=work.model, device=dev, tp=tp, eff=work.eff, token_scale=work.token_scale, name=f"rollout-{k}") for k, (dev, tp) in enumerate(rollout_devices)]
+    rollouts = SimRollouts(
+        clock=clock,
+        store=store,
+        engines=engines,
+        group_size=cfg.algorithm.group_size,
+        max_new_tokens=sim_budget,
+        prompts_per_generate=cfg.rollout.prompts_per_generate,
+        tracer=tracer,
+        send_s=deliver_s if not cfg.transport.overlap else 0.0,
+        deliver_s=deliver_s,
+    )
+    steps: list[dict[str, Any]] = []
+    coin = random.Random(work.seed + 1)
+
+    def score(trajectories: Any) -> tuple[list[float], list[int]]:
+        return [float(coin.random() < 0.5) for _ in trajectories], []
+
+    workflow = Workflow(store=store, rollout=rollouts.engines[0], trainer=trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
+    clock.run(workflow.run)
+    total = clock.now()
+    return _predict(steps, total, trainer=trainer, rollouts=rollouts, plan=plan, work=work, transport=transport, wall_s=time.perf_counter() - began), tracer
+
+
+def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngine, rollouts: SimRollouts, plan: Plan, work: Workload, transport: str, wall_s: float) -> Prediction:
+    step_times = [s["step_s"] for s in steps]
+    quantiles = statistics.quantiles(step_times, n=10) if len(step_times) > 1 else step_times * 9
+    gaps: Counter[int] = Counter()
+    waits: Counter[str] = Counter()
+    for s in steps:
+        gaps.update({int(k): int(v) for k, v in s["version_gap"].items()})
+        waits.update(s["wait_s"])
+    num_rollout = len(rollouts.engines)
+    rollout_busy = sum(e.stats["busy_s"] for e in rollouts.engines) / num_rollout
+    return Prediction(
+        steps=steps,
+        total_s=total,
+        samples_per_s=sum(s["samples"] for s in steps) / total,
+        tokens_per_s=sum(s["tokens"] for s in steps) * work.token_scale / total,
+        step_s={"p10": quantiles[0], "p50": statistics.median(step_times), "p90": quantiles[-1], "mean": statistics.fmean(step_times)},
+        utilisation={"train": trainer.stats["busy_s"] / total, "rollout": rollout_busy / total},
+        idle={
+            "train_waiting_for_data": waits.get("train", 0.0) / total,
+            "rollout_waiting_for_weights": waits.get("weights", 0.0) / total,  # the group reports each wait as its workers' mean
+            "rollout_waiting_for_prompts": waits.get("rollout", 0.0) / total,
+        },
+        paused_generations=int(steps[-1].get("paused_generations", 0)) if steps else 0,
+        version_gaps=dict(sorted(gaps.items())),
+        layout=plan.layout,
+        roles={
+            "train": {"devices": sum(len(a.devices) for a in plan.of("train")), "kind": plan.of("train")[0].kind},
+            "rollout": {"instances": num_rollout, "devices_each": len(plan.of("rollout")[0].devices), "kind": plan.of("rollout")[0].kind},
+            "transport": transport,
+        },
+        wall_s=wall_s,
+    )
