@@ -148,9 +148,12 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens)
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
     between = 0 if set(train_nodes) & {a.node for a in rollout} else 1
-    deliver_s = max(
-        costs.weight_sync_s(work.model, transport=transport, src=train_device, dst=dev, num_nodes_between=between, num_receivers=len(rollout), eff=work.eff) for dev, _ in rollout_devices
-    )
+    try:
+        sync_s = max(
+            costs.weight_sync_s(work.model, transport=transport, src=train_device, dst=dev, num_nodes_between=between, num_receivers=len(rollout), eff=work.eff) for dev, _ in rollout_devices
+        )
+    except ValueError as e:
+        raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
     config = WorkflowConfig(algorithm=cfg.algorithm, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=sim_budget))
     engines = [SimRolloutEngine(clock=clock, model=work.model, device=dev, tp=tp, eff=work.eff, token_scale=work.token_scale, name=f"rollout-{k}") for k, (dev, tp) in enumerate(rollout_devices)]
     rollouts = SimRollouts(
@@ -161,8 +164,10 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
         max_new_tokens=sim_budget,
         prompts_per_generate=cfg.rollout.prompts_per_generate,
         tracer=tracer,
-        send_s=deliver_s if not cfg.transport.overlap else 0.0,
-        deliver_s=deliver_s,
+        # without overlap the trainer waits out the whole transfer, and rollout has the
+        # weights when it ends; with it, the trainer goes on and they arrive a transfer later
+        send_s=0.0 if cfg.transport.overlap else sync_s,
+        deliver_s=sync_s if cfg.transport.overlap else 0.0,
     )
     steps: list[dict[str, Any]] = []
     coin = random.Random(work.seed + 1)

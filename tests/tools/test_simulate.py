@@ -1,0 +1,101 @@
+"""`tidal simulate`: the real workflow on a virtual clock, checked against what its timeline must be."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from tidal.tools.cli import main
+from tidal.tools.config import ConfigError, load_config
+from tidal.tools.recipes import resolve_recipe
+from tidal.tools.sim.cluster import parse_cluster
+from tidal.tools.sim.costs import ModelShape
+from tidal.tools.sim.lengths import LengthModel
+from tidal.tools.sim.simulate import Workload, simulate
+
+# Two H100 servers, one for training and one for rollout; a network so fast that weight
+# syncs cost next to nothing, so a step is generation and training alone.
+CLUSTER = parse_cluster({"network": {"scale_out_gbps": 1e5}, "nodes": [{"name": "t", "device": "h100"}, {"name": "r", "device": "h100"}]})
+DISJOINT = ["placement.train.requires=[]", "placement.rollout.requires=[]", "placement.train.count=8", "placement.rollout.count=4", "rollout.prompts_per_generate=4"]
+
+
+def _run(*, staleness: int, sigma: float, mean: float = 1000, steps: int = 8, overrides: tuple[str, ...] = ()):
+    cfg = load_config(resolve_recipe("mixed_npu_gpu"), [f"algorithm.num_steps={steps}", "rollout.max_new_tokens=2048", "model.max_positions=4096", *DISJOINT, f"algorithm.max_staleness={staleness}", *overrides])
+    work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=mean, prompt_sigma=sigma, group_sigma=sigma, max_new_tokens=2048), token_scale=16)
+    return simulate(cfg, CLUSTER, work)
+
+
+def _durations(tracer, track: str, name: str) -> list[float]:
+    return [e["dur"] / 1e6 for e in tracer.spans(track) if e["name"] == name]
+
+
+def test_the_same_simulation_gives_the_same_timeline():
+    first, _ = _run(staleness=1, sigma=1.0)
+    second, _ = _run(staleness=1, sigma=1.0)
+    assert [s["step_s"] for s in first.steps] == [s["step_s"] for s in second.steps]
+    assert first.version_gaps == second.version_gaps and first.total_s == second.total_s
+    assert first.paused_generations == second.paused_generations > 0
+
+
+def test_max_staleness_0_is_the_synchronous_timeline():
+    prediction, tracer = _run(staleness=0, sigma=0.0)
+    assert set(prediction.version_gaps) == {0}
+    generate, train = _durations(tracer, "rollout", "generate"), _durations(tracer, "train", "train")
+    publish = _durations(tracer, "train", "publish weights")
+    # every step after the first: generate, then train, then the weights' transfer, nothing overlapping
+    for step in prediction.steps[1:]:
+        assert step["step_s"] == pytest.approx(max(generate) + max(train) + max(publish), rel=0.01)
+    assert prediction.idle["train_waiting_for_data"] > 0.5  # the trainer idles while rollout generates
+
+
+def test_constant_lengths_async_speedup_is_the_overlap_of_generation_and_training():
+    sync, sync_trace = _run(staleness=0, sigma=0.0)
+    overlapped, _ = _run(staleness=1, sigma=0.0)
+    t_gen = statistics.median(_durations(sync_trace, "rollout", "generate"))
+    t_train = statistics.median(_durations(sync_trace, "train", "train"))
+    period = {name: statistics.fmean(s["step_s"] for s in p.steps[2:]) for name, p in (("sync", sync), ("async", overlapped))}
+    ideal = (t_gen + t_train) / max(t_gen, t_train)
+    # Below the ideal by what partial rollout costs: each weight update pauses the
+    # generation, which then prefills its rows again (KV recomputed under the new weights).
+    assert period["sync"] / period["async"] == pytest.approx(ideal, rel=0.05)
+    assert period["sync"] / period["async"] <= ideal * 1.001
+
+
+def test_long_tails_cost_sync_what_streaming_keeps():
+    speedup = {}
+    for sigma in (0.0, 1.0):
+        sync, _ = _run(staleness=0, sigma=sigma)
+        overlapped, _ = _run(staleness=1, sigma=sigma)
+        speedup[sigma] = sync.total_s / overlapped.total_s
+    assert speedup[1.0] > speedup[0.0] * 1.15
+
+
+def test_a_colocated_plan_is_refused_naming_the_keys():
+    with pytest.raises(ConfigError, match="colocate_with"):
+        _run(staleness=1, sigma=0.0, overrides=("placement.rollout.colocate_with=train", "placement.rollout.count=8", "placement.rollout.devices_each=1"))
+
+
+def test_cli_prints_the_prediction_and_writes_the_trace(tmp_path, capsys):
+    trace = tmp_path / "sim.json"
+    code = main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "algorithm.num_steps=4", "--model", "0.5b", "--mean-tokens", "200", "--trace", str(trace), "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["calibrated"] is False and out["roles"]["transport"] == "host"
+    assert out["roles"]["train"] == {"devices": 16, "kind": "npu"} and out["samples_per_s"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "generate" for e in events) and any(e.get("name") == "train" for e in events)
+
+
+def test_a_transport_the_devices_cannot_use_is_a_config_error():
+    cfg = load_config(resolve_recipe("mixed_npu_gpu"), ["transport.name=collective"])
+    work = Workload(model=ModelShape.qwen2_5("0.5b"), lengths=LengthModel(mean_tokens=100))
+    npu_gpu = parse_cluster({"nodes": [{"name": "npu", "device": "910b", "count": 2}, {"name": "gpu", "device": "h100", "count": 2}]})
+    with pytest.raises(ConfigError, match="transport.name=collective"):
+        simulate(cfg, npu_gpu, work)
+
+
+def test_cli_names_a_missing_cluster_spec(capsys):
+    assert main(["simulate", "mixed_npu_gpu", "cluster=nowhere"]) == 2
+    assert "cluster='nowhere'" in capsys.readouterr().err
