@@ -273,6 +273,9 @@ class Workflow:
         if cfg.algorithm.overlong == "filter" and num_truncated:
             tokens = dataclasses.replace(tokens, loss_mask=filter_truncated(tokens.loss_mask, finish_reasons))
         versions, counts = torch.unique(tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
+        by_group: dict[Any, list[int]] = {}
+        for k, n in zip(order.tolist(), lengths.tolist()):
+            by_group.setdefault(batch.groups[k], []).append(int(n))
         return _TrainRows(
             indexes=batch.indexes,
             groups=sorted(set(batch.groups)),
@@ -284,6 +287,7 @@ class Workflow:
             num_truncated=num_truncated,
             token_versions=dict(zip(versions.tolist(), counts.tolist())),
             dropped=dropped,
+            lengths=[by_group[g] for g in sorted(by_group)],
         )
 
     def _num_dropped(self) -> int:
@@ -328,6 +332,7 @@ class Workflow:
             response_len_max=rows.max_response_len,
             truncated_fraction=rows.num_truncated / num_rows,
             groups=rows.groups,  # the prompts trained: each once per run
+            lengths=rows.lengths,  # a length trace `tidal simulate --lengths` replays
         )
         self.on_step(metrics)
 
@@ -371,3 +376,5 @@ class _TrainRows:
     """Loss tokens by the version that generated them."""
     dropped: int
     """Rows the sampler dropped as too old while it took these."""
+    lengths: list[list[int]]
+    """Generated tokens of each response, a list per group (in `groups`' order)."""

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_table(title: str, header_and_rows: list[list[str]]) -> None:
+def print_table(title: str, header_and_rows: list[list[str]]) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
@@ -159,7 +159,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         else:
             with_trl = any(name in bench_e2e.TRL_SYSTEMS for name in systems)
             title = "quickstart task, same warm start and samples" if args.workload == "quickstart" else "longtail workload: gsm8k_qwen on a checkpoint with long-tailed response lengths"
-            _print_table(f"tidal bench e2e ({title})", bench_e2e.table(results, with_trl=with_trl))
+            print_table(f"tidal bench e2e ({title})", bench_e2e.table(results, with_trl=with_trl))
         return 0
 
     if args.overrides:
@@ -175,7 +175,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(results, indent=2))
         else:
-            _print_table("tidal bench weights (GB/s, trainer process -> rollout process)", bench_weights.table(results))
+            print_table("tidal bench weights (GB/s, trainer process -> rollout process)", bench_weights.table(results))
         return 0
 
     systems = _systems(args.systems, bench_store.SYSTEMS)
@@ -185,7 +185,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    _print_table("tidal bench store (higher rows/s and MB/s, lower latency are better)", bench_store.table(results))
+    print_table("tidal bench store (higher rows/s and MB/s, lower latency are better)", bench_store.table(results))
     return 0
 
 
@@ -309,8 +309,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"cluster_from": source, **plan.to_dict(), "run_refuses": refusal}, indent=2))
     else:
-        _print_table(f"cluster (from {source})", cluster_rows(plan.resources))
-        _print_table(f"plan: {plan.layout}", plan.table())
+        print_table(f"cluster (from {source})", cluster_rows(plan.resources))
+        print_table(f"plan: {plan.layout}", plan.table())
         if any(r.ray_node_id for r in plan.resources):
             print("tidal run pins each instance with devices of its own to the Ray node named here")
     if refusal is None:

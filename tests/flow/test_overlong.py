@@ -98,6 +98,7 @@ def test_each_step_reports_mean_and_longest_response_and_the_share_cut():
     for m in steps:
         assert m["response_len"] == (2 + 7 + 9 + 10) / 4 and m["response_len_max"] == 10
         assert m["truncated_fraction"] == 0.25
+        assert sorted(n for group in m["lengths"] for n in group) == [2, 7, 9, 10]  # each response's length, by group: a trace `tidal simulate --lengths` replays
     assert all(int(mask.sum()) == 28 for mask in trainer.masks)  # overlong=none: every token trains
 
 

@@ -127,8 +127,13 @@ def test_an_interrupt_pauses_at_once_and_a_later_call_resumes_with_the_new_versi
     (paused_at, state), resumed_s = clock.run(main)
     assert paused_at == pytest.approx(at) and state == [(10, None)] * 4  # the step in flight is lost
     assert [t.versions for t in rows] == [[0] * 10 + [1] * 22] * 4 and all(t.finish_reason == "stop" for t in rows)
-    # resumed rows prefill their prompt and tokens so far (one distinct input), then decode the rest
-    assert resumed_s == pytest.approx(_prefill(4 + 10) + _segment(4, 4 * 14, 22), rel=1e-12)
+    # resumed rows prefill their prompt and tokens so far (one distinct input), then decode the
+    # rest: the real steps done past the 10th simulated token (half of one) count
+    carry = math.floor(0.5 * SCALE)
+    left = 22 * SCALE - carry
+    average = 4 * 14 * SCALE + 4 * carry + 4 * (left - 1) / 2
+    decode = left * costs.decode_step_s(MODEL, H100, tp=1, batch=4, context_tokens=math.ceil(average), eff=EFF)
+    assert resumed_s == pytest.approx(_prefill(4 + 10) + decode, rel=1e-12)
     assert engine.version == 1 and engine.stats["num_pauses"] == 1 and engine.stats["num_generates"] == 2
 
 

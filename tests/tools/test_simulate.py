@@ -50,16 +50,20 @@ def test_max_staleness_0_is_the_synchronous_timeline():
     assert prediction.idle["train_waiting_for_data"] > 0.5  # the trainer idles while rollout generates
 
 
-def test_constant_lengths_async_speedup_is_the_overlap_of_generation_and_training():
-    sync, sync_trace = _run(staleness=0, sigma=0.0)
-    overlapped, _ = _run(staleness=1, sigma=0.0)
+@pytest.mark.parametrize(("train_devices", "bound", "tolerance"), [(2, "train", 0.02), (8, "generate", 0.03)])
+def test_constant_lengths_async_speedup_is_the_overlap_of_generation_and_training(train_devices, bound, tolerance):
+    overrides = (f"placement.train.count={train_devices}",)
+    sync, sync_trace = _run(staleness=0, sigma=0.0, overrides=overrides)
+    overlapped, _ = _run(staleness=1, sigma=0.0, overrides=overrides)
     t_gen = statistics.median(_durations(sync_trace, "rollout", "generate"))
     t_train = statistics.median(_durations(sync_trace, "train", "train"))
+    assert (t_train > t_gen) == (bound == "train")
     period = {name: statistics.fmean(s["step_s"] for s in p.steps[2:]) for name, p in (("sync", sync), ("async", overlapped))}
     ideal = (t_gen + t_train) / max(t_gen, t_train)
-    # Below the ideal by what partial rollout costs: each weight update pauses the
-    # generation, which then prefills its rows again (KV recomputed under the new weights).
-    assert period["sync"] / period["async"] == pytest.approx(ideal, rel=0.05)
+    # Generation-bound, a little below the ideal: each weight update pauses the running
+    # generation, whose rows then prefill again (KV recomputed under the new weights, as
+    # tidal's engines do). Training-bound, rollout is idle when the weights come: no pause.
+    assert period["sync"] / period["async"] == pytest.approx(ideal, rel=tolerance)
     assert period["sync"] / period["async"] <= ideal * 1.001
 
 
@@ -99,3 +103,46 @@ def test_a_transport_the_devices_cannot_use_is_a_config_error():
 def test_cli_names_a_missing_cluster_spec(capsys):
     assert main(["simulate", "mixed_npu_gpu", "cluster=nowhere"]) == 2
     assert "cluster='nowhere'" in capsys.readouterr().err
+
+
+def test_search_ranks_placements_and_each_row_reproduces_its_prediction():
+    from tidal.tools.sim.search import candidates, search
+
+    recipe = resolve_recipe("mixed_npu_gpu")
+    base = ["rollout.max_new_tokens=2048", "model.max_positions=4096", "algorithm.num_steps=4"]
+    cluster = parse_cluster({"nodes": [{"name": "n", "device": "h100", "count": 2}]})
+    work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=600, prompt_sigma=1.0, group_sigma=1.0, max_new_tokens=2048), token_scale=32)
+    found = candidates(load_config(recipe, base), cluster)
+    assert len(found) == 4 * 3  # one split of two nodes; 1, 2, 4, 8 devices per rollout instance; staleness 0, 1, 2
+    ranked = search(recipe, base, cluster, work)
+    speeds = [r.prediction.samples_per_s for r in ranked]
+    assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) > 1
+    best = ranked[0]
+    assert "algorithm.max_staleness=0" not in best.candidate.overrides  # long tails: async wins
+    again, _ = simulate(load_config(recipe, [*base, *best.candidate.overrides]), cluster, work)
+    assert again.samples_per_s == best.prediction.samples_per_s
+
+
+def test_cli_search_prints_a_ranking(tmp_path, capsys):
+    spec = tmp_path / "two.yaml"
+    spec.write_text("nodes:\n  - {name: npu, device: 910b}\n  - {name: gpu, device: h100}\n")
+    code = main(["simulate", "mixed_npu_gpu", f"cluster={spec}", "--search", "--steps", "3", "--model", "0.5b", "--mean-tokens", "100", "--token-scale", "64", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    ranking = out["ranking"]
+    assert {r["placement"].split(",")[0] for r in ranking} == {"train 8 910b", "train 8 h100"}  # each type trains while the other rolls out
+    speeds = [r["prediction"]["samples_per_s"] for r in ranking if "prediction" in r]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(o.startswith(("placement.", "rollout.", "algorithm.")) for r in ranking for o in r["overrides"])
+
+
+def test_recorded_lengths_replace_the_sampler(tmp_path, capsys):
+    trace = tmp_path / "metrics.jsonl"  # as a run writes it: other keys beside step and lengths
+    trace.write_text("\n".join(json.dumps({"step": k, "reward": 0.5, "lengths": [[64] * 8] * 16}) for k in range(2)) + "\n")
+    args = ["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "rollout.max_new_tokens=1024", "model.max_positions=2048", "--steps", "2", "--model", "0.5b", "--token-scale", "16", "--trace", str(tmp_path / "t.json"), "--json"]
+    assert main([*args, "--lengths", str(trace)]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["tokens_per_s"] * replayed["total_s"] == pytest.approx(2 * 16 * 8 * 64)  # every response 64 tokens, as recorded
+    assert main(args) == 0
+    sampled = json.loads(capsys.readouterr().out)
+    assert sampled["tokens_per_s"] * sampled["total_s"] != pytest.approx(2 * 16 * 8 * 64)

@@ -28,6 +28,10 @@ profile` exists to fit them. Only disaggregated plans are simulated so far.
 """
 
 
+SEARCH_STEPS = 20
+"""Steps each candidate of `--search` is simulated for, unless --steps says otherwise."""
+
+
 def _clusters() -> Path:
     """Shipped cluster specs: recipes/clusters/ (tidal/recipes/clusters in a wheel)."""
     from tidal.tools.recipes import recipes_dir  # noqa: PLC0415
@@ -49,10 +53,13 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--prompt-sigma", type=float, default=0.5, help="lognormal spread of the mean length across prompts (default: 0.5)")
     p.add_argument("--group-sigma", type=float, default=0.3, help="lognormal spread within a prompt's group (default: 0.3)")
     p.add_argument("--drift", type=float, default=0.0, help="growth of the mean length per step, e.g. 0.01 (default: 0)")
+    p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
-    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    p.add_argument("--steps", type=int, default=None, help="steps to simulate (default: the recipe's algorithm.num_steps; 20 with --search)")
+    p.add_argument("--search", action="store_true", help="simulate candidate placements (train : rollout split, devices per rollout instance, staleness) and rank them")
+    p.add_argument("--json", action="store_true", help="print the prediction (or the ranking) as JSON")
 
 
 def _cluster_path(given: str) -> Path:
@@ -69,14 +76,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.sim.cluster import load_cluster  # noqa: PLC0415
     from tidal.tools.sim.costs import ModelShape  # noqa: PLC0415
-    from tidal.tools.sim.lengths import LengthModel  # noqa: PLC0415
+    from tidal.tools.sim.lengths import LengthModel, replay  # noqa: PLC0415
     from tidal.tools.sim.simulate import Workload, simulate  # noqa: PLC0415
 
     clusters = [o.split("=", 1)[1] for o in args.overrides if o.startswith("cluster=")]
     if len(clusters) != 1:
         raise ConfigError("tidal simulate needs one cluster=SPEC (a cluster spec file, or one in recipes/clusters/: " + _shipped() + ")")
     recipe = resolve_recipe(args.recipe)
-    cfg = load_config(recipe, [o for o in args.overrides if not o.startswith("cluster=")])
+    overrides = [o for o in args.overrides if not o.startswith("cluster=")]
+    steps = args.steps if args.steps is not None else (SEARCH_STEPS if args.search else None)
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {steps}")
+        overrides.insert(0, f"algorithm.num_steps={steps}")  # a num_steps override given too wins
+    cfg = load_config(recipe, overrides)
     try:
         cluster = load_cluster(_cluster_path(clusters[0]))
         work = Workload(
@@ -85,9 +98,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             token_scale=args.token_scale,
             seed=cfg.seed,
+            replay=replay(args.lengths) if args.lengths else None,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if args.search:
+        return _search(recipe, overrides, cluster, work, as_json=args.json)
     prediction, tracer = simulate(cfg, cluster, work)
     trace = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
     tracer.save(trace)
@@ -95,6 +111,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps({**prediction.summary(), "trace": str(trace), "calibrated": False}, indent=2))
         return 0
     _print(prediction, cluster_name=cluster.name, trace=trace)
+    return 0
+
+
+def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool) -> int:
+    import sys  # noqa: PLC0415
+
+    from tidal.tools.sim.search import search, table  # noqa: PLC0415
+
+    ranked = search(recipe, overrides, cluster, work, progress=lambda line: print(line, file=sys.stderr))
+    if as_json:
+        rows = [{"placement": r.candidate.label, "overrides": list(r.candidate.overrides), **({"prediction": r.prediction.summary()} if r.prediction else {"cannot_run": r.why_not})} for r in ranked]
+        print(json.dumps({"cluster": cluster.name, "calibrated": False, "ranking": rows}, indent=2))
+        return 0
+    print("UNCALIBRATED: efficiency factors are assumptions (docs/simulate.md), not fitted to a profile")
+    from tidal.tools.cli import print_table  # noqa: PLC0415
+
+    print_table(f"placements on {cluster.name}, fastest first", table(ranked))
     return 0
 
 

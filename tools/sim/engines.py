@@ -85,6 +85,7 @@ class SimRolloutEngine:
         self._interrupt: ClockEvent = clock.event()
         # Keyed by id(); the object is kept beside it so its id cannot be reused while the entry lives.
         self._targets: dict[int, tuple[Trajectory, int]] = {}
+        self._carry: dict[int, int] = {}  # id(row) -> real steps done past its last whole simulated token (the row is in _targets)
         self._groups: dict[int, tuple[dict[str, Any], int]] = {}  # id(meta) -> (meta, samples of it seen so far)
         self.stats: dict[str, float] = {"busy_s": 0.0, "num_real_tokens": 0, "num_generates": 0, "num_pauses": 0}
         """`busy_s`: virtual seconds spent prefilling or decoding; `num_real_tokens`: real
@@ -197,30 +198,40 @@ class SimRolloutEngine:
             self.stats["busy_s"] += seconds
 
     def _decode(self, running: list[Trajectory], goals: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
-        """Decode until the first running row ends or an interrupt; credit the whole steps
-        done, finish rows at their goal and remove them from `running`; return those."""
+        """Decode until the first running row ends or an interrupt; credit the real steps
+        done, finish rows at their goal and remove them from `running`; return those.
+
+        Progress is counted in real decode steps: a row keeps the real steps past its last
+        whole simulated token (`_carry`), so an interrupt loses only the real step in flight,
+        as a real engine would, not up to a simulated token's `token_scale` steps. A
+        simulated token is appended (with the engine's version then) once its real steps are done.
+        """
         scale = self.token_scale
-        num_steps = min(goals[id(t)] - t.num_generated for t in running)
-        assert num_steps >= 1, "a running row is at its goal"
+        left = {id(t): (goals[id(t)] - t.num_generated) * scale - self._carry.get(id(t), 0) for t in running}
+        num_real = min(left.values())
+        assert num_real >= 1, "a running row is at its goal"
         batch = len(running)
-        context = sum(len(t.prompt_ids) + len(t.tokens) for t in running) * scale
-        # Average real context over the segment's real steps, as costs.generate_s charges it.
-        average = context + batch * (num_steps * scale - 1) / 2
-        step_s = scale * costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=batch, context_tokens=math.ceil(average), eff=self.eff)
+        context = sum((len(t.prompt_ids) + len(t.tokens)) * scale + self._carry.get(id(t), 0) for t in running)
+        # Average real context over the segment's steps, as costs.generate_s charges it.
+        average = context + batch * (num_real - 1) / 2
+        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=batch, context_tokens=math.ceil(average), eff=self.eff)
         start = self.clock.now()
-        interrupted = self._interrupt.wait(num_steps * step_s)
+        interrupted = self._interrupt.wait(num_real * step_s)
         elapsed = self.clock.now() - start
         self.stats["busy_s"] += elapsed
-        steps = num_steps
+        done = num_real
         if interrupted:
             self._interrupt.clear()
-            # The step in flight when the interrupt came is lost: a pause keeps whole tokens only.
-            steps = min(num_steps, math.floor(elapsed / step_s + 1e-9))
-        if steps:
+            done = min(num_real, math.floor(elapsed / step_s + 1e-9))  # the step in flight is lost
+        if done:
             for t in running:
-                t.extend([1] * steps, [-1.0] * steps, self.version)
-            self.stats["num_real_tokens"] += steps * scale * batch
-        ended = [t for t in running if t.num_generated >= goals[id(t)]]
+                whole, carry = divmod(self._carry.pop(id(t), 0) + done, scale)
+                if whole:
+                    t.extend([1] * whole, [-1.0] * whole, self.version)
+                if carry:
+                    self._carry[id(t)] = carry
+            self.stats["num_real_tokens"] += done * batch
+        ended = [t for t in running if left[id(t)] <= done]
         for t in ended:
             t.finish_reason = "length" if goals[id(t)] >= max_new_tokens else "stop"
             del self._targets[id(t)]

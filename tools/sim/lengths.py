@@ -12,7 +12,9 @@ training goes on. Lengths are cut at `max_new_tokens`, and the sampler says whic
     {"step": 3, "lengths": [[120, 340, 95, 410], [2048, 1800, 2048, 990]]}
 
 `lengths` holds one list per prompt (its group), each a list of response lengths in
-tokens (integers >= 0). Blank lines are skipped; each step appears once.
+tokens (integers >= 0). Other keys are ignored, so a run's `metrics.jsonl` (each step's
+line has `step` and `lengths`) is such a trace. Blank lines are skipped; each step
+appears once.
 """
 
 from __future__ import annotations
@@ -111,9 +113,9 @@ def replay(path: str | Path) -> dict[int, list[list[int]]]:
 
 
 def _check_row(row: object, *, where: str) -> tuple[int, list[list[int]]]:
-    if not isinstance(row, dict) or set(row) != {"step", "lengths"}:
+    if not isinstance(row, dict) or not {"step", "lengths"} <= set(row):
         keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise ValueError(f'{where}: a row is {{"step": int, "lengths": [[int, ...], ...]}}, got {keys}')
+        raise ValueError(f'{where}: a row is {{"step": int, "lengths": [[int, ...], ...], ...}} (a run\'s metrics.jsonl line), got {keys}')
     step, groups = row["step"], row["lengths"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"{where}: step must be an integer >= 0, got {step!r}")

@@ -28,7 +28,7 @@ import math
 import random
 import statistics
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tidal.flow.placement import PlacementError, Plan, schedule
@@ -57,6 +57,10 @@ class Workload:
     """Real tokens one simulated token stands for."""
     eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY
     seed: int = 0
+    replay: Mapping[int, list[list[int]]] | None = None
+    """Recorded lengths (`lengths.replay`: a run's metrics.jsonl) used instead of `lengths`:
+    step k's prompts take the groups of the trace's k-th step, the trace repeating when the
+    simulation runs longer; a group smaller than `group_size` repeats its lengths."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,8 +126,14 @@ def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dic
     prompt = [1] * max(1, math.ceil(work.prompt_tokens / work.token_scale))
     per_step = cfg.algorithm.prompts_per_step
     index = 0
+    recorded = [work.replay[k] for k in sorted(work.replay)] if work.replay else None
     while True:
-        (lengths,) = work.lengths.sample(step=index // per_step, num_prompts=1, group_size=cfg.algorithm.group_size, rng=rng)
+        step = index // per_step
+        if recorded is not None:
+            groups = recorded[step % len(recorded)]
+            lengths = groups[(index % per_step) % len(groups)]
+        else:
+            (lengths,) = work.lengths.sample(step=step, num_prompts=1, group_size=cfg.algorithm.group_size, rng=rng)
         sim = [min(max(1, math.ceil(n / work.token_scale)), sim_budget) for n in lengths]
         yield {"prompt_ids": list(prompt), "lengths": sim}
         index += 1

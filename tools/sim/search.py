@@ -1,0 +1,126 @@
+"""`tidal simulate --search`: rank placements of a recipe on a cluster by simulating each.
+
+The candidates are disaggregated plans, each a set of recipe overrides:
+- which devices train and which roll out: on a cluster of one device type, the trainer
+  takes whole nodes (a quarter to three quarters of them) and rollout the rest; on a
+  mixed cluster, each type trains while another rolls out;
+- rollout devices per instance (tensor parallel degree: 1, 2, 4 or 8, within a node),
+  with `rollout.prompts_per_generate` set so that one step's prompts spread over every
+  instance (a worker takes up to that many per generate call: one instance taking a
+  whole step's prompts leaves the others idle);
+- `algorithm.max_staleness`: 0, 1 and 2.
+Each is simulated (`simulate.simulate`) and the table is ranked by samples per second; a
+candidate the cost model cannot seat (the weights do not fit a rollout instance's
+devices) is listed as such. The overrides of a row reproduce it with `tidal simulate`
+and, on the real cluster, `tidal run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from tidal.tools.config import ConfigError, RecipeConfig, load_config
+from tidal.tools.sim.cluster import ClusterSpec
+from tidal.tools.sim.simulate import Prediction, Workload, simulate
+
+TRAIN_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)
+"""Shares of a one-type cluster's nodes the trainer may take."""
+DEVICES_EACH = (1, 2, 4, 8)
+STALENESS = (0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One placement: the recipe overrides that make it."""
+
+    overrides: tuple[str, ...]
+    label: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class Ranked:
+    candidate: Candidate
+    prediction: Prediction | None
+    why_not: str | None = None
+
+
+def _splits(cluster: ClusterSpec) -> Iterator[tuple[str, int, str, int, int]]:
+    """(train tag, train devices, rollout tag, rollout devices, devices per node of rollout)."""
+    groups = {g.device.name: g for g in cluster.groups}
+    if len(groups) == 1:
+        name, group = next(iter(groups.items()))
+        per_node = group.device.devices_per_node
+        nodes = sum(g.count for g in cluster.groups)
+        seen = set()
+        for share in TRAIN_SHARES:
+            train_nodes = min(max(1, round(nodes * share)), nodes - 1)
+            if train_nodes < 1 or train_nodes in seen:
+                continue
+            seen.add(train_nodes)
+            yield name, train_nodes * per_node, name, (nodes - train_nodes) * per_node, per_node
+        return
+    totals = {name: sum(g.num_devices for g in cluster.groups if g.device.name == name) for name in groups}
+    for train in groups:
+        for rollout in groups:
+            if train != rollout:
+                yield train, totals[train], rollout, totals[rollout], groups[rollout].device.devices_per_node
+
+
+def candidates(cfg: RecipeConfig, cluster: ClusterSpec) -> list[Candidate]:
+    """Every placement `--search` simulates (module docstring)."""
+    out = []
+    per_step = cfg.algorithm.prompts_per_step
+    for train_tag, train_devices, rollout_tag, rollout_devices, per_node in _splits(cluster):
+        for each in DEVICES_EACH:
+            if each > per_node or rollout_devices < each:
+                continue
+            count = rollout_devices // each
+            for staleness in STALENESS:
+                overrides = (
+                    f"placement.train.requires=[{train_tag}]",
+                    f"placement.train.count={train_devices}",
+                    "placement.train.devices_each=1",
+                    f"placement.rollout.requires=[{rollout_tag}]",
+                    f"placement.rollout.count={count}",
+                    f"placement.rollout.devices_each={each}",
+                    f"rollout.prompts_per_generate={max(1, math.ceil(per_step / count))}",
+                    f"algorithm.max_staleness={staleness}",
+                )
+                label = f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"
+                out.append(Candidate(overrides=overrides, label=label))
+    return out
+
+
+def search(
+    recipe: Any, overrides: Sequence[str], cluster: ClusterSpec, work: Workload, *, progress: Callable[[str], None] | None = None
+) -> list[Ranked]:
+    """Simulate every candidate placement of `recipe` (with `overrides` first); fastest first."""
+    base = load_config(recipe, overrides)
+    found = candidates(base, cluster)
+    ranked = []
+    for k, candidate in enumerate(found, 1):
+        if progress is not None:
+            progress(f"[{k}/{len(found)}] {candidate.label}")
+        try:
+            cfg = load_config(recipe, [*overrides, *candidate.overrides])
+            prediction, _ = simulate(cfg, cluster, work, tracer_events=1)
+        except (ConfigError, ValueError) as e:
+            ranked.append(Ranked(candidate=candidate, prediction=None, why_not=str(e)))
+            continue
+        ranked.append(Ranked(candidate=candidate, prediction=prediction))
+    return sorted(ranked, key=lambda r: -(r.prediction.samples_per_s if r.prediction is not None else -1.0))
+
+
+def table(ranked: Sequence[Ranked]) -> list[list[str]]:
+    """Rows for printing, header first."""
+    rows = [["rank", "placement", "samples/s", "step p50 s", "train busy", "rollout busy", "overrides"]]
+    for k, r in enumerate(ranked, 1):
+        p = r.prediction
+        if p is None:
+            rows.append(["-", r.candidate.label, "-", "-", "-", "-", f"cannot run: {r.why_not}"])
+            continue
+        rows.append([str(k), r.candidate.label, f"{p.samples_per_s:,.2f}", f"{p.step_s['p50']:,.2f}", f"{p.utilisation['train']:.0%}", f"{p.utilisation['rollout']:.0%}", " ".join(r.candidate.overrides)])
+    return rows
