@@ -141,6 +141,11 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           the flat buffer, one gloo broadcast, one shared-memory copy. --sizes (MB) and
           --repeats size it; --systems picks some.
 
+  simulate  real seconds `tidal simulate` takes per simulated step on the 1,024-device
+          spec recipes/clusters/npu512_gpu512.yaml (mixed_npu_gpu, Qwen2.5-7B shape,
+          512 prompts x 16 samples a step), and the time for 200 steps (measured with
+          --steps 200, else extrapolated and labelled so; --steps defaults to 10).
+
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.
 """

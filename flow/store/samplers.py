@@ -153,6 +153,8 @@ class Grouped:
     def select(self, rows: Rows, batch_size: int, partial: bool, ctx: SampleContext) -> Selection:
         if batch_size % self.group_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {self.group_size}")
+        if not partial and len(rows) < batch_size:  # no batch yet; looking at every row's group would cost a waiting get O(rows) per put
+            return Selection([])
         groups: dict[Any, list[int]] = {}
         for index, group in zip(rows.indexes.tolist(), rows.groups):
             if group is None:

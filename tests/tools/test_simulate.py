@@ -146,3 +146,11 @@ def test_recorded_lengths_replace_the_sampler(tmp_path, capsys):
     assert main(args) == 0
     sampled = json.loads(capsys.readouterr().out)
     assert sampled["tokens_per_s"] * sampled["total_s"] != pytest.approx(2 * 16 * 8 * 64)
+
+
+def test_bench_simulate_times_a_1024_device_cluster(capsys):
+    code = main(["bench", "simulate", "--steps", "1", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["devices"] == 1024 and result["samples_per_step"] == 512 * 16 and result["extrapolated"] is True
+    assert result["wall_s_200_steps"] == pytest.approx(result["wall_s"] * 200) and result["simulated_s"] > 0

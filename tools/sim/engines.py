@@ -120,9 +120,10 @@ class SimRolloutEngine:
         rows = list(trajectories)
         seen: set[int] = set()
         goals: dict[int, int] = {}  # id(row) -> generated tokens it ends at, in this call
+        left: dict[int, int] = {}  # id(row) -> real decode steps until its goal (kept, not recounted from its tokens)
         waiting: collections.deque[Trajectory] = collections.deque()
         running: list[Trajectory] = []
-        ended = self._admit(rows, max_new_tokens=max_new_tokens, seen=seen, goals=goals, waiting=waiting)
+        ended = self._admit(rows, max_new_tokens=max_new_tokens, seen=seen, goals=goals, left=left, waiting=waiting)
         slots = 0
         decoded = False
         while True:
@@ -130,7 +131,7 @@ class SimRolloutEngine:
                 refill.done(ended)
                 new = refill.more()
                 rows += new
-                ended = self._admit(new, max_new_tokens=max_new_tokens, seen=seen, goals=goals, waiting=waiting)
+                ended = self._admit(new, max_new_tokens=max_new_tokens, seen=seen, goals=goals, left=left, waiting=waiting)
                 if ended:
                     continue  # rows given at their budget: hand them back before anything else
             ended = []
@@ -141,18 +142,20 @@ class SimRolloutEngine:
                 break
             slots = slots or self._slots(waiting, max_new_tokens)
             self._join(running, waiting, slots)
-            ended = self._decode(running, goals, max_new_tokens)
+            ended = self._decode(running, goals, left, max_new_tokens)
             decoded = True
         return rows
 
     # One generate call's steps ----------------------------------------------------------
-    def _admit(self, rows: list[Trajectory], *, max_new_tokens: int, seen: set[int], goals: dict[int, int], waiting: collections.deque[Trajectory]) -> list[Trajectory]:
+    def _admit(self, rows: list[Trajectory], *, max_new_tokens: int, seen: set[int], goals: dict[int, int], left: dict[int, int], waiting: collections.deque[Trajectory]) -> list[Trajectory]:
         """Queue the unfinished ones of `rows` with their targets; return those that ended on
         the way in (already at the budget)."""
         was_open = [t for t in rows if not t.done]
         active = unfinished(rows, max_new_tokens, seen)
         for t in active:
-            goals[id(t)] = min(max(self._target(t), t.num_generated + 1), max_new_tokens)
+            generated = t.num_generated
+            goals[id(t)] = min(max(self._target(t), generated + 1), max_new_tokens)
+            left[id(t)] = (goals[id(t)] - generated) * self.token_scale - self._carry.get(id(t), 0)
         waiting.extend(active)
         return [t for t in was_open if t.done]
 
@@ -197,7 +200,7 @@ class SimRolloutEngine:
             self.clock.sleep(seconds)
             self.stats["busy_s"] += seconds
 
-    def _decode(self, running: list[Trajectory], goals: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
+    def _decode(self, running: list[Trajectory], goals: dict[int, int], left: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
         """Decode until the first running row ends or an interrupt; credit the real steps
         done, finish rows at their goal and remove them from `running`; return those.
 
@@ -207,8 +210,7 @@ class SimRolloutEngine:
         simulated token is appended (with the engine's version then) once its real steps are done.
         """
         scale = self.token_scale
-        left = {id(t): (goals[id(t)] - t.num_generated) * scale - self._carry.get(id(t), 0) for t in running}
-        num_real = min(left.values())
+        num_real = min(left[id(t)] for t in running)
         assert num_real >= 1, "a running row is at its goal"
         batch = len(running)
         context = sum((len(t.prompt_ids) + len(t.tokens)) * scale + self._carry.get(id(t), 0) for t in running)
@@ -231,7 +233,9 @@ class SimRolloutEngine:
                 if carry:
                     self._carry[id(t)] = carry
             self.stats["num_real_tokens"] += done * batch
-        ended = [t for t in running if left[id(t)] <= done]
+        for t in running:
+            left[id(t)] -= done
+        ended = [t for t in running if left[id(t)] <= 0]
         for t in ended:
             t.finish_reason = "length" if goals[id(t)] >= max_new_tokens else "stop"
             del self._targets[id(t)]
