@@ -16,7 +16,7 @@ from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.trajectory import TokenBatch, Trajectory, to_token_batch
+from tidal.flow.trajectory import Trajectory, to_token_batch
 
 T = CharTokenizer()
 
@@ -462,65 +462,6 @@ def test_a_kl_term_pulls_toward_the_frozen_reference_and_is_checkpointed(tmp_pat
     other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     assert all(torch.equal(a, b) for a, b in zip(engine.reference.state_dict().values(), other.reference.state_dict().values()))
     assert not all(torch.equal(a, b) for a, b in zip(other.reference.state_dict().values(), other.model.state_dict().values()))
-
-
-def test_logprobs_are_zero_where_padding_is_predicted_whatever_the_micro_batches():
-    """A short row beside a long one in a micro-batch (cut to the long one) once came back
-    with the pad token's logprob where it predicts padding, and 0 when it ran alone."""
-    rows = []
-    for prompt, response in [("1+2=", [5, 6]), ("13-4=", [5, 6, 7, 8, 9])]:
-        t = Trajectory(prompt_ids=T.encode(prompt))
-        t.extend(response, [-1.0] * len(response), 0)
-        rows.append(t)
-    batch = to_token_batch(rows, pad_id=T.pad_id)
-    padding = batch.attention_mask[:, 1:] == 0
-    assert padding.any()
-    alone, together = (TorchTrainEngine(tiny(), micro_batch_size=m).logprobs(batch) for m in (1, 2))
-    assert (alone[padding] == 0).all() and (together[padding] == 0).all()
-    assert torch.equal(alone != 0, together != 0) and (together[batch.loss_mask != 0] != 0).all()
-
-
-def _gpt2(**dropout: float) -> torch.nn.Module:
-    """A tiny GPT-2: learned absolute positions, and dropout unless told otherwise."""
-    import transformers
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(vocab_size=T.vocab_size, n_positions=32, n_embd=32, n_layer=1, n_head=2, **dropout)
-        return transformers.GPT2LMHeadModel(config)
-
-
-def _left_padded(width: int) -> tuple[TokenBatch, TokenBatch]:
-    """One row left-padded to `width`, and the same row without padding."""
-    ids = [11, 12, 13, 14, 15]
-    pad = width - len(ids)
-    plain = TokenBatch(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), torch.ones(1, len(ids) - 1), torch.zeros(1, len(ids) - 1), torch.zeros(1, len(ids) - 1, dtype=torch.long))
-    left = TokenBatch(
-        torch.tensor([[T.pad_id] * pad + ids]),
-        torch.tensor([[0] * pad + [1] * len(ids)]),
-        torch.cat([torch.zeros(1, pad), plain.loss_mask], 1),
-        torch.zeros(1, width - 1),
-        torch.zeros(1, width - 1, dtype=torch.long),
-    )
-    return left, plain
-
-
-def test_a_left_padded_row_gets_the_logprobs_it_has_unpadded():
-    """Positions count from a row's first real token (as the rollout engine's do): a model
-    with absolute positions (GPT-2) once saw a left-padded row shifted by its padding."""
-    engine = TorchTrainEngine(_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), micro_batch_size=4)
-    left, plain = _left_padded(8)
-    torch.testing.assert_close(engine.logprobs(left)[:, 3:], engine.logprobs(plain), atol=1e-6, rtol=0)
-
-
-def test_logprobs_are_the_current_weights_without_dropout():
-    """`logprobs` is a function of the weights: a model with dropout (GPT-2's defaults) gave
-    another answer at every call, unlike the rollout engine, which samples in eval mode."""
-    engine = TorchTrainEngine(_gpt2(), micro_batch_size=4)
-    _, batch = _left_padded(8)
-    first, second = engine.logprobs(batch), engine.logprobs(batch)
-    assert torch.equal(first, second)
-    assert engine.model.training  # the train steps' forwards keep the model's dropout
 
 
 @pytest.mark.parametrize("setting", [{"grad_clip": 0.0}, {"grad_clip": -1.0}, {"temperature": 0.0}, {"max_nonfinite_steps": -1}])
