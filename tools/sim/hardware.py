@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 KINDS = ("npu", "cuda")
 """Device kinds, as `tidal.flow.placement.Resource.kind` spells them."""
@@ -171,7 +172,7 @@ DEVICES: Mapping[str, Device] = {d.name: d for d in (ASCEND_910B, ASCEND_910C, H
 """Every profile by its lowercase name."""
 
 
-def device(name: str, **overrides: float) -> Device:
+def device(name: str, **overrides: Any) -> Device:
     """The profile called `name` (any case), with `overrides` replacing its figures.
 
     Args:
