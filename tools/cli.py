@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from tidal.tools.cli_help import BENCH_HELP, CONFIG_HELP, DESCRIPTION, DOCTOR_HELP, EPILOG, EXPORT_HELP, PLAN_HELP, RUN_HELP
 from tidal.tools.sim.command import add_parser as add_simulate_parser
-from tidal.tools.sim.command import cmd_simulate
+from tidal.tools.sim.command import add_profile_parser, cmd_profile, cmd_simulate
+from tidal.tools.tables import print_table
 
 if TYPE_CHECKING:  # the CLI starts without loading the schema's imports
     from tidal.tools.config import RecipeConfig
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("options", nargs=argparse.REMAINDER, help="see `tidal store serve --help`")
 
     add_simulate_parser(sub, fmt)
+    add_profile_parser(sub, fmt)
 
     export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory", description=EXPORT_HELP, formatter_class=fmt)
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (what `tidal run` printed last)")
@@ -114,20 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, metavar="N", help="export checkpoints/step-N (default: the one checkpoints/latest names)")
     export.add_argument("--force", action="store_true", help="replace OUT_DIR when it is not empty")
     return parser
-
-
-def print_table(title: str, header_and_rows: list[list[str]]) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.markup import escape  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    header, *rows = header_and_rows
-    table = Table(title=escape(title))
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*map(escape, row))  # node names and tags as written: `[a100]` is no markup
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def _systems(given: str | None, known: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -369,7 +357,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
     return serve.main(args.options, prog=f"tidal store {args.action}")
 
 
-COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export, "store": _cmd_store, "simulate": cmd_simulate}
+COMMANDS = {"run": _cmd_run, "doctor": _cmd_doctor, "config": _cmd_config, "plan": _cmd_plan, "bench": _cmd_bench, "export": _cmd_export, "store": _cmd_store, "simulate": cmd_simulate, "profile": cmd_profile}
 
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -434,7 +422,7 @@ def _one_line(command: str, error: Exception) -> str | None:
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("run", "config", "plan", "bench", "simulate")
+    takes_overrides = args.command in ("run", "config", "plan", "bench", "simulate", "profile")
     if extra and takes_overrides and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # key=value overrides that came after an option such as --check
     elif extra:

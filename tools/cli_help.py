@@ -23,6 +23,7 @@ examples:
   tidal plan mixed_npu_gpu placement.train.lend_to=rollout   where each role would run
   tidal bench store                             the data store against TransferQueue and raw ZeroMQ
   tidal simulate mixed_npu_gpu cluster=npu64_gpu32   predicted throughput on a 64 NPU + 32 GPU cluster
+  tidal profile quickstart_cpu                  measure this device for the simulator's calibration
   tidal store serve --port 5555                 a store server on its own (tidal store serve --help)
   tidal export runs/quickstart_cpu-... model/   a run's last checkpoint as a Hugging Face model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ tokens/s, step times, each role's busy share, the trainer's wait for data and ro
 waits for weights and prompts, paused generations and the version-gap histogram; the
 simulated timeline goes to --trace (Chrome trace JSON: open in Perfetto).
 
-Uncalibrated: the efficiency factors are assumptions (docs/simulate.md) until `tidal
-profile` exists to fit them. Only disaggregated plans are simulated so far.
+Uncalibrated unless --profile gives a `tidal profile` of a real device: the efficiency
+factors are then fitted to it (and a prediction that runs past the profiled batches,
+contexts or step sizes says so); otherwise they are the assumptions in docs/simulate.md.
+Only disaggregated plans are simulated so far.
 """
 
 
@@ -56,6 +59,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
+    p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
     p.add_argument("--steps", type=int, default=None, help="steps to simulate (default: the recipe's algorithm.num_steps; 20 with --search)")
     p.add_argument("--search", action="store_true", help="simulate candidate placements (train : rollout split, devices per rollout instance, staleness) and rank them")
@@ -74,6 +78,7 @@ def _cluster_path(given: str) -> Path:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.sim.calibrate import extrapolations  # noqa: PLC0415
     from tidal.tools.sim.cluster import load_cluster  # noqa: PLC0415
     from tidal.tools.sim.costs import ModelShape  # noqa: PLC0415
     from tidal.tools.sim.lengths import LengthModel, replay  # noqa: PLC0415
@@ -92,6 +97,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = load_config(recipe, overrides)
     try:
         cluster = load_cluster(_cluster_path(clusters[0]))
+        calibration = _calibration(args.profile) if args.profile else None
         work = Workload(
             model=ModelShape.qwen2_5(args.model),
             lengths=LengthModel(mean_tokens=args.mean_tokens, prompt_sigma=args.prompt_sigma, group_sigma=args.group_sigma, drift=args.drift, max_new_tokens=cfg.rollout.max_new_tokens),
@@ -99,22 +105,47 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             token_scale=args.token_scale,
             seed=cfg.seed,
             replay=replay(args.lengths) if args.lengths else None,
+            **({"eff": calibration.eff} if calibration is not None else {}),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.search:
-        return _search(recipe, overrides, cluster, work, as_json=args.json)
+        return _search(recipe, overrides, cluster, work, as_json=args.json, calibration=calibration)
     prediction, tracer = simulate(cfg, cluster, work)
     trace = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
     tracer.save(trace)
+    beyond = [] if calibration is None else extrapolations(calibration, **_ranges(prediction))
     if args.json:
-        print(json.dumps({**prediction.summary(), "trace": str(trace), "calibrated": False}, indent=2))
+        calibrated = {"calibrated": calibration.source if calibration else False, "efficiency": dataclasses.asdict(work.eff), "extrapolations": beyond}
+        print(json.dumps({**prediction.summary(), "trace": str(trace), **calibrated}, indent=2))
         return 0
+    print(_banner(calibration, work.eff))
+    for line in beyond:
+        print(f"WARNING: extrapolated past the profile: {line}")
     _print(prediction, cluster_name=cluster.name, trace=trace)
     return 0
 
 
-def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool) -> int:
+def _calibration(path: str) -> Any:
+    from tidal.tools.sim.calibrate import fit  # noqa: PLC0415
+    from tidal.tools.sim.profile import load  # noqa: PLC0415
+
+    return fit(load(path), source=path)
+
+
+def _ranges(prediction: Any) -> dict[str, int]:
+    r = prediction.engine_ranges
+    return {"decode_batch": r["decode_batch"], "context": r["context"], "train_tokens": r["train_tokens_per_device"]}
+
+
+def _banner(calibration: Any, eff: Any) -> str:
+    factors = f"decode bandwidth {eff.decode_bandwidth:.2f}, prefill compute {eff.prefill_compute:.2f}, train MFU {eff.train_mfu:.2f}"
+    if calibration is None:
+        return f"UNCALIBRATED: efficiency factors are assumptions ({factors}; docs/simulate.md), not fitted to a profile"
+    return f"calibrated from {calibration.source}: {factors}"
+
+
+def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any) -> int:
     import sys  # noqa: PLC0415
 
     from tidal.tools.sim.search import search, table  # noqa: PLC0415
@@ -122,10 +153,10 @@ def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_j
     ranked = search(recipe, overrides, cluster, work, progress=lambda line: print(line, file=sys.stderr))
     if as_json:
         rows = [{"placement": r.candidate.label, "overrides": list(r.candidate.overrides), **({"prediction": r.prediction.summary()} if r.prediction else {"cannot_run": r.why_not})} for r in ranked]
-        print(json.dumps({"cluster": cluster.name, "calibrated": False, "ranking": rows}, indent=2))
+        print(json.dumps({"cluster": cluster.name, "calibrated": calibration.source if calibration else False, "ranking": rows}, indent=2))
         return 0
-    print("UNCALIBRATED: efficiency factors are assumptions (docs/simulate.md), not fitted to a profile")
-    from tidal.tools.cli import print_table  # noqa: PLC0415
+    print(_banner(calibration, work.eff))
+    from tidal.tools.tables import print_table  # noqa: PLC0415
 
     print_table(f"placements on {cluster.name}, fastest first", table(ranked))
     return 0
@@ -133,7 +164,6 @@ def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_j
 
 def _print(p: Any, *, cluster_name: str, trace: Path) -> None:
     roles = p.roles
-    print("UNCALIBRATED: efficiency factors are assumptions (docs/simulate.md), not fitted to a profile")
     print(f"cluster {cluster_name}: {p.layout}; train {roles['train']['devices']} x {roles['train']['kind']}, rollout {roles['rollout']['instances']} x {roles['rollout']['devices_each']} {roles['rollout']['kind']}; weights over {roles['transport']}")
     print(f"{len(p.steps)} steps in {p.total_s:,.1f} simulated s ({p.wall_s:.1f} s to simulate)")
     print(f"  samples/s        {p.samples_per_s:,.2f}")
@@ -145,3 +175,62 @@ def _print(p: Any, *, cluster_name: str, trace: Path) -> None:
     total = sum(p.version_gaps.values()) or 1
     print("  version gap      " + "  ".join(f"{gap}: {n / total:.0%}" for gap, n in p.version_gaps.items()))
     print(f"trace: {trace}")
+
+
+PROFILE_HELP = """\
+Measure this machine's device for the simulator's calibration: the recipe's policy model
+on the platform tidal picks (TIDAL_DEVICE, the recipe's `device`, or detection), timed at
+decode steps over batch and context, prefills, training steps, weight export and load,
+host <-> device copies, and the device's own achievable matmul FLOP/s and copy bandwidth.
+The profile (JSON) goes to --out; `tidal simulate ... --profile PATH` fits its efficiency
+factors from it.
+
+  tidal profile quickstart_cpu --out cpu.profile.json
+  tidal profile gsm8k_cuda model.path=/models/Qwen2.5-7B --batches 1,8,32,128 --contexts 512,2048
+"""
+
+
+def _positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers, each >= 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 1")
+    return values
+
+
+def add_profile_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
+    """The `profile` subcommand and its options."""
+    p = sub.add_parser("profile", help="measure this device for the simulator's calibration", description=PROFILE_HELP, formatter_class=fmt)
+    p.add_argument("recipe", help="recipe YAML file or shipped recipe name (its model is what is timed)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. model.path=...")
+    p.add_argument("--out", default=None, help="where the profile goes (default: profile-<recipe>.json)")
+    p.add_argument("--batches", type=_positive_ints, default="1,4,16", help="decode and prefill batch sizes (default: 1,4,16)")
+    p.add_argument("--contexts", type=_positive_ints, default="32,128", help="contexts in tokens a sequence (default: 32,128)")
+    p.add_argument("--train-rows", type=_positive_ints, default="4,16", help="rows of a training step (default: 4,16)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each point; the median counts (default: 3)")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.sim.calibrate import fit  # noqa: PLC0415
+    from tidal.tools.sim.profile import measure, save  # noqa: PLC0415
+
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    recipe = resolve_recipe(args.recipe)
+    cfg = load_config(recipe, args.overrides)
+    import sys  # noqa: PLC0415
+
+    profile = measure(cfg, batches=tuple(args.batches), contexts=tuple(args.contexts), train_rows=tuple(args.train_rows), repeats=args.repeats, progress=lambda line: print(f"tidal profile: {line}", file=sys.stderr))
+    out = Path(args.out or f"profile-{recipe.stem}.json")
+    save(profile, out)
+    eff = fit(profile, source=str(out)).eff
+    peak = profile["peak"]
+    print(f"profiled {profile['platform']['kind']} with {profile['model']['name']} ({profile['model']['num_params']:,} parameters): peak {peak['flops'] / 1e9:,.1f} GFLOP/s, {peak['bytes_per_s'] / 1e9:,.1f} GB/s")
+    print(f"fitted: decode bandwidth {eff.decode_bandwidth:.3f}, prefill compute {eff.prefill_compute:.3f}, train MFU {eff.train_mfu:.3f}")
+    print(f"profile: {out}")
+    return 0

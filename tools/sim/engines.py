@@ -87,10 +87,10 @@ class SimRolloutEngine:
         self._targets: dict[int, tuple[Trajectory, int]] = {}
         self._carry: dict[int, int] = {}  # id(row) -> real steps done past its last whole simulated token (the row is in _targets)
         self._groups: dict[int, tuple[dict[str, Any], int]] = {}  # id(meta) -> (meta, samples of it seen so far)
-        self.stats: dict[str, float] = {"busy_s": 0.0, "num_real_tokens": 0, "num_generates": 0, "num_pauses": 0}
+        self.stats: dict[str, float] = {"busy_s": 0.0, "num_real_tokens": 0, "num_generates": 0, "num_pauses": 0, "max_batch": 0}
         """`busy_s`: virtual seconds spent prefilling or decoding; `num_real_tokens`: real
         tokens generated; `num_generates`: generate calls; `num_pauses`: calls that returned
-        early with unfinished rows."""
+        early with unfinished rows; `max_batch`: the most sequences one decode step ran."""
 
     def interrupt(self) -> None:
         """End the current decoding wait now (new weights, a stop): the engine credits the whole
@@ -221,6 +221,7 @@ class SimRolloutEngine:
         interrupted = self._interrupt.wait(num_real * step_s)
         elapsed = self.clock.now() - start
         self.stats["busy_s"] += elapsed
+        self.stats["max_batch"] = max(self.stats["max_batch"], batch)
         done = num_real
         if interrupted:
             self._interrupt.clear()
@@ -285,7 +286,9 @@ class SimTrainEngine:
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """Sleep `costs.train_step_s` for the batch's real tokens; version += 1."""
-        seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=self.real_tokens(batch), eff=self.eff)
+        tokens = self.real_tokens(batch)
+        seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff)
+        self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
         self._busy(seconds)
         self.version += 1
         return {"loss": 0.0, "train_s": seconds}

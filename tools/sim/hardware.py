@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-KINDS = ("npu", "cuda")
+KINDS = ("npu", "cuda", "cpu")
 """Device kinds, as `tidal.flow.placement.Resource.kind` spells them."""
 
 
@@ -33,7 +33,7 @@ class Device:
     name: str
     """Lowercase registry name, also the tag its nodes carry (`"h100"`)."""
     kind: str
-    """`npu` (Ascend) or `cuda` (NVIDIA)."""
+    """`npu` (Ascend), `cuda` (NVIDIA), or `cpu` (a host profiled by `tidal profile`)."""
     bf16_tflops: float
     """Dense bf16 matrix throughput."""
     hbm_gib: float

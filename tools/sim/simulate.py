@@ -86,6 +86,10 @@ class Prediction:
     """Trained tokens by how many versions older than the trainer they were."""
     layout: str
     roles: dict[str, Any]
+    engine_ranges: dict[str, int]
+    """The largest decode batch an engine ran, the longest context a sequence may reach
+    (prompt + budget, real tokens) and the most real tokens a training step gave one
+    device: what a calibration's profile should cover (`calibrate.extrapolations`)."""
     wall_s: float = 0.0
     """Real seconds the simulation took."""
 
@@ -222,4 +226,9 @@ def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngi
             "transport": transport,
         },
         wall_s=wall_s,
+        engine_ranges={
+            "decode_batch": int(max(e.stats["max_batch"] for e in rollouts.engines)),
+            "context": work.prompt_tokens + max(s["response_len_max"] for s in steps) * work.token_scale if steps else work.prompt_tokens,
+            "train_tokens_per_device": int(trainer.stats.get("max_tokens", 0)) // max(1, sum(len(a.devices) for a in plan.of("train"))),
+        },
     )

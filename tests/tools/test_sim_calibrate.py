@@ -1,0 +1,80 @@
+"""Calibration: efficiency factors fitted from a profile, and `tidal simulate --profile`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tidal.tools.cli import main
+from tidal.tools.sim import costs
+from tidal.tools.sim.calibrate import extrapolations, fit, profiled_device, profiled_model
+from tidal.tools.sim.costs import Efficiency
+
+MODEL = {"num_params": 500_000_000, "num_layers": 24, "hidden_size": 896, "num_kv_heads": 2, "head_dim": 64, "bytes_per_param": 2, "name": "synthetic"}
+PEAK = {"flops": 100e12, "bytes_per_s": 1e12}
+
+
+def _profile(*, decode: float, prefill: float, mfu: float) -> dict:
+    """A profile whose every time is the roofline's at the given efficiencies."""
+    base = {"version": 1, "date": "2026-11-29T00:00:00Z", "recipe": "synthetic", "platform": {"kind": "cuda", "device_count": 8}, "torch": "x", "model": MODEL, "peak": PEAK, "weights": {"bytes": 10**9, "export_s": 0.1, "load_s": 0.1}, "host_device_bytes_per_s": 2e10}
+    device, model = profiled_device(base), profiled_model(base)
+    eff = Efficiency(decode_bandwidth=decode, prefill_compute=prefill, train_mfu=mfu)
+    grid = [(b, c) for b in (1, 4, 16) for c in (64, 256)]
+    base["decode"] = [{"batch": b, "context": c, "seconds": costs.decode_step_s(model, device, tp=1, batch=b, context_tokens=b * c, eff=eff)} for b, c in grid]
+    base["prefill"] = [{"batch": b, "context": c, "seconds": costs.prefill_s(model, device, tp=1, tokens=b * c, eff=eff)} for b, c in grid]
+    base["train"] = [{"rows": r, "context": 256, "tokens": r * 256, "seconds": 6 * model.num_params * r * 256 / (device.flops * mfu)} for r in (4, 16)]
+    return base
+
+
+def test_fit_recovers_the_efficiencies_a_profile_was_made_with():
+    cal = fit(_profile(decode=0.55, prefill=0.35, mfu=0.25), source="synthetic.json")
+    assert cal.eff.decode_bandwidth == pytest.approx(0.55) and cal.eff.prefill_compute == pytest.approx(0.35) and cal.eff.train_mfu == pytest.approx(0.25)
+    assert (cal.max_decode_batch, cal.max_context, cal.max_train_tokens) == (16, 256, 16 * 256)
+    assert "synthetic.json (cuda, synthetic" in cal.source
+
+
+def test_extrapolations_name_what_runs_past_the_profile():
+    cal = fit(_profile(decode=0.5, prefill=0.5, mfu=0.5), source="p.json")
+    assert extrapolations(cal, decode_batch=16, context=256, train_tokens=4096) == []
+    beyond = extrapolations(cal, decode_batch=256, context=4352, train_tokens=100_000)
+    assert len(beyond) == 3 and "256 sequences" in beyond[0] and "up to 16" in beyond[0] and "4352 tokens" in beyond[1]
+
+
+def test_a_profile_without_points_is_refused_naming_it():
+    empty = {**_profile(decode=0.5, prefill=0.5, mfu=0.5), "train": []}
+    with pytest.raises(ValueError, match="p.json: the profile has no train points"):
+        fit(empty, source="p.json")
+
+
+def test_simulate_with_a_profile_uses_its_factors_and_says_where_it_extrapolates(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile(decode=0.3, prefill=0.3, mfu=0.2)))
+    args = ["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "rollout.max_new_tokens=1024", "model.max_positions=2048", "--steps", "2", "--model", "0.5b", "--mean-tokens", "300", "--trace", str(tmp_path / "t.json"), "--json"]
+    assert main([*args, "--profile", str(path)]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert calibrated["calibrated"].startswith(str(path)) and calibrated["efficiency"]["train_mfu"] == pytest.approx(0.2)
+    assert any("contexts of up to" in line for line in calibrated["extrapolations"])  # 256 + up to 1024 tokens against a profile of 256
+    assert main(args) == 0
+    assumed = json.loads(capsys.readouterr().out)
+    assert assumed["calibrated"] is False and assumed["extrapolations"] == []
+    assert calibrated["total_s"] > assumed["total_s"]  # lower efficiencies than the assumed ones: a slower cluster
+
+
+def test_cli_profile_writes_a_profile_that_simulate_fits(tmp_path, capsys):
+    from tidal.tools.sim.profile import load
+
+    out = tmp_path / "cpu.json"
+    assert main(["profile", "quickstart_cpu", "--out", str(out), "--batches", "1,2", "--contexts", "8", "--train-rows", "2", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "fitted: decode bandwidth" in printed and str(out) in printed
+    profile = load(out)
+    assert [(p["batch"], p["context"]) for p in profile["decode"]] == [(1, 8), (2, 8)]
+    cal = fit(profile, source=str(out))
+    assert 0 < cal.eff.decode_bandwidth <= 1 and 0 < cal.eff.train_mfu <= 1
+
+
+def test_cli_profile_refuses_a_bad_grid(capsys):
+    with pytest.raises(SystemExit):
+        main(["profile", "quickstart_cpu", "--batches", "0,2"])
+    assert "integers >= 1" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""Calibration: the simulator's efficiency factors fitted from a `tidal profile` of a real device.
+
+A profile (`tools.sim.profile`) holds times measured on one device: decode steps over batch
+and context, prefills, training steps, and the device's own achievable peaks (a large
+matmul's FLOP/s, a large copy's bytes/s). Each measured time is compared with what the
+roofline of `tools.sim.costs` gives for the same work at those peaks with every efficiency
+at 1; the ratio is that point's efficiency, and the median over the points is the factor:
+
+- `decode_bandwidth`: from the decode steps (the roofline's max of reading the weights and
+  KV cache, and the matmul FLOPs; a compute-bound point's ratio lands on the same factor);
+- `prefill_compute`: from the prefills;
+- `train_mfu`: from the training steps (6 x params x tokens FLOPs).
+
+The assumption that carries a fit to the cluster's devices: software reaches the same
+fraction of a device's peak on the cluster as on the profiled device. That is close for
+the same engine on the same kind of device, and only a first guess across kinds (a CPU
+profile calibrates the loop's overheads, not an accelerator's kernels). A prediction that
+runs the engines at batches, contexts or step sizes beyond the profiled ones says so
+(`extrapolations`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from tidal.tools.sim import costs
+from tidal.tools.sim.costs import DEFAULT_EFFICIENCY, Efficiency, ModelShape
+from tidal.tools.sim.hardware import Device
+
+_IDEAL = Efficiency(train_mfu=1.0, decode_bandwidth=1.0, prefill_compute=1.0, network=1.0)
+_FLOOR = 1e-4
+"""The least a fitted factor may be (a factor of 0 would make every cost infinite)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Efficiency factors fitted from a profile, and the ranges the profile covered."""
+
+    eff: Efficiency
+    source: str
+    """What was profiled: file, platform, model, date."""
+    factors: dict[str, list[float]]
+    """Each factor's per-point ratios (measured against the roofline), for reports."""
+    max_decode_batch: int
+    max_context: int
+    """Per sequence, real tokens."""
+    max_train_tokens: int
+    """Per device and step."""
+
+
+def profiled_device(profile: Mapping[str, Any]) -> Device:
+    """The profiled device as a `Device` whose peaks are the measured ones (links unused)."""
+    peak = profile["peak"]
+    host = profile.get("host_device_bytes_per_s") or peak["bytes_per_s"]
+    kind = profile["platform"]["kind"] if profile["platform"]["kind"] in ("npu", "cuda", "cpu") else "cpu"
+    return Device(name="profiled", kind=kind, bf16_tflops=peak["flops"] / 1e12, hbm_gib=1024.0, hbm_gbps=peak["bytes_per_s"] / 1e9, scale_up_gbps=1.0, scale_out_gbps=1.0, pcie_gbps=host / 1e9, devices_per_node=1)
+
+
+def profiled_model(profile: Mapping[str, Any]) -> ModelShape:
+    m = profile["model"]
+    return ModelShape(
+        num_params=int(m["num_params"]),
+        num_layers=int(m["num_layers"]),
+        hidden_size=int(m["hidden_size"]),
+        num_kv_heads=int(m["num_kv_heads"]),
+        head_dim=int(m["head_dim"]),
+        bytes_per_param=int(m["bytes_per_param"]),
+        name=str(m.get("name", "profiled")),
+    )
+
+
+def _factor(ratios: list[float], name: str, source: str) -> float:
+    if not ratios:
+        raise ValueError(f"{source}: the profile has no {name} points to fit")
+    return min(max(statistics.median(ratios), _FLOOR), 1.0)
+
+
+def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
+    """The efficiency factors a profile measured (module docstring).
+
+    Raises:
+        ValueError: naming `source`, when a section has no points.
+    """
+    device, model = profiled_device(profile), profiled_model(profile)
+    decode = [costs.decode_step_s(model, device, tp=1, batch=p["batch"], context_tokens=p["batch"] * p["context"], eff=_IDEAL) / p["seconds"] for p in profile["decode"]]
+    prefill = [costs.prefill_s(model, device, tp=1, tokens=p["batch"] * p["context"], eff=_IDEAL) / p["seconds"] for p in profile["prefill"]]
+    train = [6 * model.num_params * p["tokens"] / device.flops / p["seconds"] for p in profile["train"]]
+    eff = dataclasses.replace(
+        DEFAULT_EFFICIENCY,
+        decode_bandwidth=_factor(decode, "decode", source),
+        prefill_compute=_factor(prefill, "prefill", source),
+        train_mfu=_factor(train, "train", source),
+    )
+    what = f"{source} ({profile['platform']['kind']}, {model.name}, {profile.get('date', 'undated')})"
+    return Calibration(
+        eff=eff,
+        source=what,
+        factors={"decode_bandwidth": decode, "prefill_compute": prefill, "train_mfu": train},
+        max_decode_batch=max(p["batch"] for p in profile["decode"]),
+        max_context=max(p["context"] for p in profile["decode"]),
+        max_train_tokens=max(p["tokens"] for p in profile["train"]),
+    )
+
+
+def extrapolations(cal: Calibration, *, decode_batch: int, context: int, train_tokens: int) -> list[str]:
+    """Where a prediction runs past what the profile measured (each a sentence)."""
+    out = []
+    if decode_batch > cal.max_decode_batch:
+        out.append(f"decode batches of up to {decode_batch} sequences; the profile measured up to {cal.max_decode_batch}")
+    if context > cal.max_context:
+        out.append(f"contexts of up to {context} tokens a sequence; the profile measured up to {cal.max_context}")
+    if train_tokens > cal.max_train_tokens:
+        out.append(f"training steps of {train_tokens:,} tokens a device; the profile measured up to {cal.max_train_tokens:,}")
+    return out

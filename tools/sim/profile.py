@@ -1,0 +1,350 @@
+"""`tidal profile RECIPE`'s measurements: what one device of this machine does with the
+recipe's policy model, the calibration input of the cluster simulator (`tools.sim.costs`).
+
+`measure` builds the recipe's policy (`tools.train.build_policy`) on the platform's device
+(`tidal.hal.init_platform(cfg.device)`) in the recipe's `model.dtype` and times, each as
+the median of `repeats` runs after one untimed warm-up, with `time.perf_counter` read
+after the platform's `synchronize` (accelerators queue work; the clock must wait for it):
+
+- `decode`: one decode step, [batch, 1] ids against a KV cache of `context` tokens, under
+  `torch.no_grad()` in eval mode. The cache is rebuilt by an untimed prefill before each
+  run, so every run sees exactly `context` cached tokens (a step appends one).
+- `prefill`: one forward of [batch, context] ids without a cache. Both call the model as
+  the hf rollout engine does: logits of the last position only, where the model's forward
+  takes `logits_to_keep` (as vLLM's prefill does; `costs.prefill_s`'s 2 x params x tokens
+  counts the LM head for every token, a few percent more).
+- `train`: forward, backward and AdamW step of next-token cross-entropy on [rows, context]
+  ids, in train mode under the platform's autocast of `train.precision`, with a fresh
+  optimizer per row count (the warm-up makes its moments, as a run's first step does).
+- `peak`: a dense n x n matmul in the model's dtype (flops = 2 n^3 / t) and a `copy_`
+  between two byte tensors (bytes/s = 2 x bytes / t: one read, one write): the roofline
+  peaks of this device as the simulator's `hardware.Device` states them.
+- `weights`: cloning every distinct tensor of the state dict (tied names share one clone)
+  and `load_state_dict` of the clones back: a weight sync's copy on one device.
+- `host_device_bytes_per_s`: a 64 MB tensor device -> host -> device (host memory pinned
+  where the platform pins); None where the device is the host.
+
+Points whose context does not fit the model's `max_position_embeddings` are skipped
+(decode needs room for its warm-up and repeats too). Not measured: collective bandwidth
+(all-reduce, all-gather between devices), which needs two processes and a process group;
+the simulator keeps its datasheet link figures for those. Neither the recipe's `threads`
+nor any other torch setting is changed: the numbers are this process's as it stands.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+KEYS = ("version", "date", "recipe", "platform", "torch", "model", "peak", "decode", "prefill", "train", "weights", "host_device_bytes_per_s")
+"""The top-level keys of a profile, all required."""
+_SECTIONS = {
+    "platform": ("kind", "device_count"),
+    "model": ("name", "num_params", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "bytes_per_param"),
+    "peak": ("flops", "bytes_per_s"),
+    "weights": ("bytes", "export_s", "load_s"),
+}
+_POINTS = {"decode": ("batch", "context", "seconds"), "prefill": ("batch", "context", "seconds"), "train": ("rows", "context", "tokens", "seconds")}
+_MB = 1 << 20
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+"""torch dtype names -> `Platform.dtype_support()`'s keys (float32 is always there)."""
+
+
+def measure(
+    cfg: Any,
+    *,
+    batches: Sequence[int] = (1, 4, 16),
+    contexts: Sequence[int] = (32, 128),
+    train_rows: Sequence[int] = (4, 16),
+    train_context: int | None = None,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Profile the recipe `cfg`'s policy on this machine's platform (see the module docstring).
+
+    Args:
+        cfg: a loaded recipe (`tools.config.load_config`).
+        batches: sequences per decode step and per prefill.
+        contexts: cached tokens per sequence of a decode step; prompt tokens of a prefill.
+        train_rows: rows of a training step, one point each.
+        train_context: tokens per training row; default the longest of `contexts` that fits.
+        repeats: timed runs per point (their median is reported), after one warm-up.
+        progress: called with one line per group of measurements.
+
+    Returns:
+        The profile: a JSON-serialisable dict with the keys `KEYS`.
+
+    Raises:
+        ValueError: `repeats` below 1, a grid value below 1, `train_context` beyond the
+            model's positions, or a model dtype this platform has no arithmetic for.
+    """
+    import torch  # noqa: PLC0415
+
+    from tidal.engines.models import DTYPES  # noqa: PLC0415
+    from tidal.hal import init_platform  # noqa: PLC0415
+    from tidal.tools.train import build_policy  # noqa: PLC0415
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for name, values in (("batches", batches), ("contexts", contexts), ("train_rows", train_rows)):
+        if not values or min(values) < 1:
+            raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {list(values)}")
+    say = progress or (lambda line: None)
+    platform = init_platform(cfg.device).platform
+    device = platform.device()
+
+    def sync() -> None:
+        platform.synchronize()
+
+    model = build_policy(cfg)
+    dtype = DTYPES[cfg.model.dtype]
+    if isinstance(dtype, torch.dtype):  # "auto": the checkpoint's own
+        model.to(device=device, dtype=dtype)
+    else:
+        model.to(device=device)
+    dtype = next(model.parameters()).dtype
+    wanted = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+    if wanted and not platform.dtype_support().get(wanted, False):
+        raise ValueError(f"model.dtype={cfg.model.dtype!r}: this {platform.kind} platform has no {wanted} arithmetic ({platform.dtype_support()})")
+    config: Any = model.config  # a transformers config (nn.Module types every attribute as Tensor | Module)
+    max_positions = config.max_position_embeddings
+    vocab = config.vocab_size
+    if train_context is not None and train_context > max_positions:
+        raise ValueError(f"train_context={train_context} exceeds the model's {max_positions} positions")
+
+    # As the hf rollout engine calls the model: logits of the last position only where the
+    # model can skip the others, and the KV cache under transformers' current keyword.
+    forward = inspect.signature(type(model).forward).parameters
+    last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+    cache_name = "cache" if "cache" in forward else "past_key_values"
+
+    def ids(rows: int, context: int) -> Any:
+        return torch.randint(0, vocab, (rows, context), device=device)
+
+    say(f"peak: {1024 if device.type == 'cpu' else 8192}^2 matmul in {dtype}, copy_ of {256 if device.type == 'cpu' else 1024} MB")
+    peak = _peaks(torch, device=device, dtype=dtype, repeats=repeats, sync=sync)
+    platform.empty_cache()
+
+    model.eval()
+    decode, prefill = [], []
+    say(f"decode and prefill: batches {list(batches)} x contexts {list(contexts)} (max positions {max_positions})")
+    with torch.no_grad():
+        for batch in batches:
+            for context in contexts:
+                if context + repeats + 2 <= max_positions:
+                    def cached(batch: int = batch, context: int = context) -> Any:
+                        return getattr(model(input_ids=ids(batch, context), use_cache=True, **last_logits), cache_name)
+
+                    step = ids(batch, 1)
+                    seconds = _median_s(lambda cache, step=step: model(input_ids=step, use_cache=True, **{cache_name: cache}, **last_logits), repeats=repeats, sync=sync, setup=cached)
+                    decode.append({"batch": batch, "context": context, "seconds": seconds})
+                if context <= max_positions:
+                    prompt = ids(batch, context)
+                    seconds = _median_s(lambda prompt=prompt: model(input_ids=prompt, use_cache=False, **last_logits), repeats=repeats, sync=sync)
+                    prefill.append({"batch": batch, "context": context, "seconds": seconds})
+
+    fitting = [c for c in contexts if c <= max_positions]
+    context = train_context or max(fitting, default=0)
+    train = []
+    if context:
+        say(f"train: rows {list(train_rows)} x {context} tokens, forward + backward + AdamW")
+        model.train()
+        precision = cfg.train.precision.value
+        for rows in train_rows:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **platform.optimizer_options())  # small: the weights are timed, not trained
+            batch_ids = ids(rows, context)
+
+            def step(batch_ids: Any = batch_ids, optimizer: Any = optimizer) -> None:
+                optimizer.zero_grad(set_to_none=True)
+                with platform.autocast(precision):
+                    loss = model(input_ids=batch_ids, labels=batch_ids).loss  # next-token cross-entropy (labels are shifted inside)
+                loss.backward()
+                optimizer.step()
+
+            train.append({"rows": rows, "context": context, "tokens": rows * context, "seconds": _median_s(step, repeats=repeats, sync=sync)})
+            del optimizer
+        model.eval()
+    else:
+        say(f"train: skipped, no context of {list(contexts)} fits {max_positions} positions")
+
+    say("weights: export (clone) and load_state_dict")
+    weights = _weights(torch, model, repeats=repeats, sync=sync)
+    host_device = None
+    if device.type != "cpu":  # a CPU's "device" is the host: there is no copy to time
+        say("host <-> device: 64 MB each way")
+        host_device = _host_device_bytes_per_s(torch, device=device, pin=platform.pin_memory, repeats=repeats, sync=sync)
+
+    fields = config.to_dict()  # what a config holds varies by architecture
+    heads = fields["num_attention_heads"]
+    fake = platform.descriptor.fake  # a fake platform computes on the host: its numbers are the host's
+    return {
+        "version": VERSION,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "recipe": cfg.name,
+        "platform": {"kind": "cpu" if fake else platform.kind, "device_count": 1 if fake else platform.device_count()},
+        "torch": torch.__version__,
+        "model": {
+            "name": f"{cfg.model.source}:{cfg.model.path}" if cfg.model.path else cfg.model.source,
+            "num_params": sum(p.numel() for p in model.parameters()),  # parameters() yields a tied tensor once
+            "num_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "num_kv_heads": fields.get("num_key_value_heads") or heads,  # configs without grouped-query attention have none
+            "head_dim": fields.get("head_dim") or config.hidden_size // heads,
+            "bytes_per_param": next(model.parameters()).element_size(),
+        },
+        "peak": peak,
+        "decode": decode,
+        "prefill": prefill,
+        "train": train,
+        "weights": weights,
+        "host_device_bytes_per_s": host_device,
+    }
+
+
+def _median_s(run: Callable[..., Any], *, repeats: int, sync: Callable[[], None], setup: Callable[[], Any] | None = None) -> float:
+    """Median seconds of `run(setup())` (or `run()`) over `repeats` runs after one warm-up;
+    `setup` is untimed, and the device is synchronized before each clock read."""
+    times = []
+    for i in range(repeats + 1):
+        args = (setup(),) if setup is not None else ()
+        sync()
+        start = time.perf_counter()
+        run(*args)
+        sync()
+        if i:  # the first run warms caches, kernels and allocators up
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _peaks(torch: Any, *, device: Any, dtype: Any, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Dense matmul FLOP/s in `dtype` and copy bandwidth; sizes large enough to hide launch
+    costs. Each in a function of its own, so its tensors are freed before the next."""
+    on_host = device.type == "cpu"
+    flops = _matmul_flops(torch, n=1024 if on_host else 8192, device=device, dtype=dtype, repeats=repeats, sync=sync)
+    bytes_per_s = _copy_bytes_per_s(torch, nbytes=(256 if on_host else 1024) * _MB, device=device, repeats=repeats, sync=sync)
+    return {"flops": flops, "bytes_per_s": bytes_per_s}
+
+
+def _matmul_flops(torch: Any, *, n: int, device: Any, dtype: Any, repeats: int, sync: Callable[[], None]) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _median_s(lambda: torch.mm(a, b, out=out), repeats=repeats, sync=sync)
+
+
+def _copy_bytes_per_s(torch: Any, *, nbytes: int, device: Any, repeats: int, sync: Callable[[], None]) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return 2 * nbytes / _median_s(lambda: dst.copy_(src), repeats=repeats, sync=sync)  # each byte read once, written once
+
+
+def _weights(torch: Any, model: Any, *, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Export: a clone of each distinct tensor (tied names share one, as in the model); load:
+    `load_state_dict` of that export."""
+
+    def export() -> dict[str, Any]:
+        clones: dict[int, Any] = {}
+        out = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():  # keep_vars: tied names give one object
+            if id(tensor) not in clones:
+                clones[id(tensor)] = tensor.detach().clone()
+            out[name] = clones[id(tensor)]
+        return out
+
+    with torch.no_grad():
+        export_s = _median_s(export, repeats=repeats, sync=sync)
+        exported = export()
+        load_s = _median_s(lambda: model.load_state_dict(exported), repeats=repeats, sync=sync)
+    distinct = {id(t): t for t in exported.values()}.values()
+    return {"bytes": sum(t.numel() * t.element_size() for t in distinct), "export_s": export_s, "load_s": load_s}
+
+
+def _host_device_bytes_per_s(torch: Any, *, device: Any, pin: bool, repeats: int, sync: Callable[[], None]) -> float:
+    """Bytes/s of a round trip device -> host -> device (2 x 64 MB moved per trip)."""
+    nbytes = 64 * _MB
+    on_device = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def trip() -> None:
+        host.copy_(on_device)
+        on_device.copy_(host)
+
+    return 2 * nbytes / _median_s(trip, repeats=repeats, sync=sync)
+
+
+def save(profile: Mapping[str, Any], path: str | Path) -> None:
+    """Write `profile` to `path` as JSON, whole or not at all (a temporary file beside it, renamed).
+
+    Raises:
+        ValueError: the profile lacks a key or has a bad one (as `load` would refuse it).
+    """
+    path = Path(path)
+    _check(profile, where="the profile to save")
+    text = json.dumps(profile, indent=2, allow_nan=False) + "\n"  # allow_nan=False: NaN is not JSON
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """The profile `save` wrote to `path`.
+
+    Raises:
+        ValueError: naming the file and the key that is missing or bad (or the JSON error).
+    """
+    path = Path(path)
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {str(path)!r} is not JSON: {e}") from e
+    _check(profile, where=f"profile {str(path)!r}")
+    return profile
+
+
+def _check(profile: Any, *, where: str) -> None:
+    """Raise ValueError naming `where` and the first missing or bad key of `profile`."""
+    if not isinstance(profile, Mapping):
+        raise ValueError(f"{where} is not a JSON object")
+    missing = [k for k in KEYS if k not in profile]
+    if missing:
+        raise ValueError(f"{where} has no key {missing[0]!r} (a profile has {', '.join(KEYS)})")
+    if profile["version"] != VERSION:
+        raise ValueError(f"{where}: key 'version' is {profile['version']!r}; this tidal reads version {VERSION}")
+    for section, keys in _SECTIONS.items():
+        value = profile[section]
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: key {section!r} must be an object with keys {', '.join(keys)}")
+        for key in keys:
+            if key not in value:
+                raise ValueError(f"{where} has no key '{section}.{key}'")
+    for section, keys in _POINTS.items():
+        if not isinstance(profile[section], list):
+            raise ValueError(f"{where}: key {section!r} must be a list of objects with keys {', '.join(keys)}")
+        for i, point in enumerate(profile[section]):
+            for key in keys:
+                if not isinstance(point, Mapping) or key not in point:
+                    raise ValueError(f"{where} has no key '{section}[{i}].{key}'")
+            if not _positive(point["seconds"]):
+                raise ValueError(f"{where}: key '{section}[{i}].seconds' must be a positive number, got {point['seconds']!r}")
+    for key in ("peak.flops", "peak.bytes_per_s", "weights.export_s", "weights.load_s"):
+        section, name = key.split(".")
+        if not _positive(profile[section][name]):
+            raise ValueError(f"{where}: key {key!r} must be a positive number, got {profile[section][name]!r}")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
