@@ -75,7 +75,7 @@ def test_a_group_of_equal_lengths_takes_its_prefill_and_its_steps():
     assert rows[0].tokens == [1] * 32 and rows[0].logprobs == [-1.0] * 32 and rows[0].versions == [0] * 32
     # the group's 4 samples share one prompt: one prefill of it, then 32 steps of 4 rows
     assert end == pytest.approx(_prefill(4) + _segment(4, 4 * 4, 32), rel=1e-12)
-    assert engine.stats == {"busy_s": pytest.approx(end), "num_real_tokens": 4 * 32 * SCALE, "num_generates": 1, "num_pauses": 0}
+    assert engine.stats == {"busy_s": pytest.approx(end), "num_real_tokens": 4 * 32 * SCALE, "num_generates": 1, "num_pauses": 0, "max_batch": 4}
 
 
 def test_without_interrupts_a_generate_takes_what_generate_s_says():

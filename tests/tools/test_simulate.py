@@ -109,7 +109,7 @@ def test_search_ranks_placements_and_each_row_reproduces_its_prediction():
     from tidal.tools.sim.search import candidates, search
 
     recipe = resolve_recipe("mixed_npu_gpu")
-    base = ["rollout.max_new_tokens=2048", "model.max_positions=4096", "algorithm.num_steps=4"]
+    base = ["rollout.max_new_tokens=2048", "model.max_positions=4096", "algorithm.num_steps=3"]
     cluster = parse_cluster({"nodes": [{"name": "n", "device": "h100", "count": 2}]})
     work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=600, prompt_sigma=1.0, group_sigma=1.0, max_new_tokens=2048), token_scale=32)
     found = candidates(load_config(recipe, base), cluster)
