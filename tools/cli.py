@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.tools.cli_help import BENCH_HELP, CONFIG_HELP, DESCRIPTION, DOCTOR_HELP, EPILOG, EXPORT_HELP, PLAN_HELP, RUN_HELP
+from tidal.tools.cli_types import count, int_list
 from tidal.tools.sim.command import add_parser as add_simulate_parser
 from tidal.tools.sim.command import add_profile_parser, cmd_profile, cmd_simulate
 from tidal.tools.tables import print_table
@@ -26,31 +27,9 @@ RUN_FILES = ("metrics.jsonl", "tensorboard/", "timeline.json", "progress.png", "
 """What a finished `tidal run` names in its last line, of what its run directory holds."""
 
 
-def _int_list(text: str) -> list[int]:
-    """An argparse type: comma-separated integers, at least one (`0,1`)."""
-    try:
-        values = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
-    return values
-
-
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 1 (runs, trials, steps, puts in flight)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
-
-
 def _sizes(text: str) -> list[int]:
     """An argparse type: comma-separated sizes in MB, each >= 1."""
-    values = _int_list(text)
+    values = int_list(text)
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every size must be >= 1 MB")
     return values
@@ -93,13 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=["store", "e2e", "weights", "simulate"], help="which benchmark")
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
     bench.add_argument("--systems", default=None, help="comma-separated systems to measure (default: all)")
-    bench.add_argument("--trials", type=_count, default=200, help="hand-off latency trials per system (default: 200)")
-    bench.add_argument("--repeats", type=_count, default=3, help="runs per system; store reports the median (and the spread), weights the best (default: 3)")
+    bench.add_argument("--trials", type=count, default=200, help="hand-off latency trials per system (default: 200)")
+    bench.add_argument("--repeats", type=count, default=3, help="runs per system; store reports the median (and the spread), weights the best (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
-    bench.add_argument("--put-window", type=_count, default=4, help="store: puts tidal-tuned keeps in flight (tidal waits for each reply) (default: 4)")
-    bench.add_argument("--steps", type=_count, default=None, help="e2e: RL steps per run (default: 200); simulate: steps simulated (default: 10)")
+    bench.add_argument("--put-window", type=count, default=4, help="store: puts tidal-tuned keeps in flight (tidal waits for each reply) (default: 4)")
+    bench.add_argument("--steps", type=count, default=None, help="e2e: RL steps per run (default: 200); simulate: steps simulated (default: 10)")
     bench.add_argument("--workload", choices=["quickstart", "longtail"], default="quickstart", help="e2e: what every system trains on - the quickstart, or a checkpoint with long-tailed response lengths (default: quickstart)")
-    bench.add_argument("--seeds", type=_int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
+    bench.add_argument("--seeds", type=int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
     bench.add_argument("--sizes", type=_sizes, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
 

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tidal.tools.cli_types import count, positive_ints
+
 SIMULATE_HELP = """\
 Predict a recipe's throughput on a cluster you do not have: the recipe's own workflow,
 store, admission control and placement scheduler run on a virtual clock, with rollout
@@ -61,7 +63,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
     p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
-    p.add_argument("--steps", type=int, default=None, help="steps to simulate (default: the recipe's algorithm.num_steps; 20 with --search)")
+    p.add_argument("--steps", type=count, default=None, help="steps to simulate (default: the recipe's algorithm.num_steps; 20 with --search)")
     p.add_argument("--search", action="store_true", help="simulate candidate placements (train : rollout split, devices per rollout instance, staleness) and rank them")
     p.add_argument("--json", action="store_true", help="print the prediction (or the ranking) as JSON")
 
@@ -91,8 +93,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides = [o for o in args.overrides if not o.startswith("cluster=")]
     steps = args.steps if args.steps is not None else (SEARCH_STEPS if args.search else None)
     if steps is not None:
-        if steps < 1:
-            raise ConfigError(f"--steps must be >= 1, got {steps}")
         overrides.insert(0, f"algorithm.num_steps={steps}")  # a num_steps override given too wins
     cfg = load_config(recipe, overrides)
     try:
@@ -190,37 +190,24 @@ factors from it.
 """
 
 
-def _positive_ints(text: str) -> list[int]:
-    """An argparse type: comma-separated integers, each >= 1."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 1")
-    return values
-
-
 def add_profile_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     """The `profile` subcommand and its options."""
     p = sub.add_parser("profile", help="measure this device for the simulator's calibration", description=PROFILE_HELP, formatter_class=fmt)
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name (its model is what is timed)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. model.path=...")
     p.add_argument("--out", default=None, help="where the profile goes (default: profile-<recipe>.json)")
-    p.add_argument("--batches", type=_positive_ints, default="1,4,16", help="decode and prefill batch sizes (default: 1,4,16)")
-    p.add_argument("--contexts", type=_positive_ints, default="32,128", help="contexts in tokens a sequence (default: 32,128)")
-    p.add_argument("--train-rows", type=_positive_ints, default="4,16", help="rows of a training step (default: 4,16)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each point; the median counts (default: 3)")
+    p.add_argument("--batches", type=positive_ints, default="1,4,16", help="decode and prefill batch sizes (default: 1,4,16)")
+    p.add_argument("--contexts", type=positive_ints, default="32,128", help="contexts in tokens a sequence (default: 32,128)")
+    p.add_argument("--train-rows", type=positive_ints, default="4,16", help="rows of a training step (default: 4,16)")
+    p.add_argument("--repeats", type=count, default=3, help="timed repeats of each point; the median counts (default: 3)")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
+    from tidal.tools.config import load_config  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
     from tidal.tools.sim.calibrate import fit  # noqa: PLC0415
     from tidal.tools.sim.profile import measure, save  # noqa: PLC0415
 
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     recipe = resolve_recipe(args.recipe)
     cfg = load_config(recipe, args.overrides)
     import sys  # noqa: PLC0415

@@ -27,6 +27,7 @@ import dataclasses
 import math
 import random
 import statistics
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -145,8 +146,6 @@ def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dic
 
 def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_events: int = 200_000) -> tuple[Prediction, Tracer]:
     """Run the recipe's loop on the cluster on a virtual clock; the prediction and its timeline."""
-    import time  # noqa: PLC0415 - the real seconds the simulation takes, not the simulated ones
-
     began = time.perf_counter()
     plan = plan_of(cfg, cluster)
     train, rollout = plan.of("train"), plan.of("rollout")
