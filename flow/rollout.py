@@ -150,15 +150,42 @@ class _Refill:
 
     def __init__(self, worker: RolloutWorker, groups: list[_Group]) -> None:
         self.worker, self.groups = worker, groups
+        # Each call looks only at the groups of the rows that ended: a pass over every row
+        # at each ending would cost a worker holding many rows the square of their number.
+        self._group_of: dict[int, _Group] = {}  # id(trajectory) -> its group
+        self._open: dict[int, int] = {}  # id(group) -> its unfinished rows
+        self._check: list[_Group] = []  # groups to look at on the next `done` besides those that ended (any already complete)
+        self._track(groups)
+
+    def _track(self, groups: list[_Group]) -> None:
+        for g in groups:
+            self._group_of.update((id(t), g) for t in g.trajectories)
+            self._open[id(g)] = sum(not t.done for t in g.trajectories)
+            if not self._open[id(g)]:
+                self._check.append(g)
 
     def done(self, trajectories: list[Trajectory]) -> None:
-        self.worker._put_finished(self.groups)
+        touched = {id(g): g for g in self._check}
+        self._check = []
+        for t in trajectories:
+            g = self._group_of.get(id(t))
+            if g is not None:
+                touched[id(g)] = g
+        for key, g in touched.items():
+            self._open[key] = sum(not t.done for t in g.trajectories)
+        complete = [g for key, g in touched.items() if not self._open[key]]
+        self.worker._put_finished(self.groups, among=complete)
+        for g in complete:
+            if g not in self.groups:  # put: forgotten here
+                del self._open[id(g)]
+                for t in g.trajectories:
+                    self._group_of.pop(id(t), None)
 
     def more(self) -> list[Trajectory]:
         worker = self.worker
         # room in rows, not groups: a group whose other samples ended holds one slot per straggler
         capacity = worker.prompts_per_generate * worker.group_size
-        room = capacity - sum(not t.done for g in self.groups for t in g.trajectories)
+        room = capacity - sum(self._open.values())
         # a few rows at a time: each join costs a prefill and a store round trip
         if worker.stopping.is_set() or worker.inbox.waiting or room < max(worker.group_size, capacity // REFILL_PARTS):
             return []
@@ -168,6 +195,7 @@ class _Refill:
             return []
         new = worker._groups_of(batch)
         self.groups += new
+        self._track(new)
         version = worker.engine.version
         return [t for g in new if g.admitted is None or g.admitted <= version for t in g.trajectories if not t.done]
 
@@ -251,12 +279,13 @@ class RolloutWorker:
     def _groups_of(self, batch: Any) -> list[_Group]:
         return [_Group(index, prompt, group_of(index, prompt, self.group_size), admitted) for index, prompt, admitted in zip(batch.indexes, batch.columns["prompt"], batch.versions)]
 
-    def _put_finished(self, groups: list[_Group]) -> None:
-        """Put the groups of `groups` whose every sample ended into `train`, and remove them.
+    def _put_finished(self, groups: list[_Group], among: list[_Group] | None = None) -> None:
+        """Put the groups of `groups` (of `among`, when given: those that may have ended)
+        whose every sample ended into `train`, and remove them from `groups`.
 
         The trajectories go in and their prompts are acked in one step: a worker that dies
         before it gets its prompts redelivered, never after (no sample twice)."""
-        finished = [g for g in groups if all(t.done for t in g.trajectories)]
+        finished = [g for g in (groups if among is None else among) if all(t.done for t in g.trajectories)]
         if not finished:
             return
         done = [t for g in finished for t in g.trajectories]

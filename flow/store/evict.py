@@ -112,7 +112,7 @@ def replace_cells(part: Partition, name: str, chunk: Any, sizes: np.ndarray, whe
     part.next_chunk += 1
     part.chunks[chunk_id], part.chunk_refs[chunk_id] = chunk, len(where)
     for seg, local, positions in part.locate(where):
-        seg.idle.clear()
+        part.wake(seg)
         seg.whole_since.clear()
         column = seg.columns.get(name)
         if column is None:

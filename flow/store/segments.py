@@ -144,7 +144,6 @@ class Segment:
         self.same_version: int | None = NO_VERSION if versions is None else (int(self.versions[0]) if n and bool((self.versions == self.versions[0]).all()) else None)
         self.tags = [dict(t) if t is not None else {} for t in tags] if tags is not None else None
         self.columns: dict[str, Column] = {}
-        self.idle: set[tuple[str, frozenset[str]]] = set()  # (consumer, columns) with nothing ready here
         self.whole_since: dict[frozenset[str], int] = {}  # columns every live row has, all from one put each: the newest stamp
         self.acked = {c: np.zeros(n, dtype=bool) for c in consumers}
         self.lease = {c: np.zeros(n, dtype=np.float64) for c in self.acked}  # deadline, 0 = not leased
@@ -153,7 +152,7 @@ class Segment:
         self.holder: dict[str, np.ndarray] = {}  # per consumer, who holds each lease (0: nobody named; made on first use)
 
     def add_consumer(self, consumer: str) -> None:
-        self.idle.clear()
+        """Rows for a new consumer (the partition's `wake_all` goes with it)."""
         self.acked[consumer] = np.zeros(self.n, dtype=bool)
         self.lease[consumer] = np.zeros(self.n, dtype=np.float64)
         self.fresh[consumer] = self.num_alive == self.n  # every row ready for it, if every row still lives
@@ -233,6 +232,11 @@ class Partition:
         self.num_rows = 0
         self.nbytes = 0
         self.num_evicted = 0
+        self.unsettled: dict[tuple[str, frozenset[str]], dict[int, Segment]] = {}
+        """Per (consumer, columns) that `ready` was asked for: the live segments, by start,
+        that may have rows ready for it. A segment `ready` finds with none leaves until a
+        change could make some ready (`wake`), so a get looks at the segments that changed
+        since, not at every segment of a partition holding thousands."""
         self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
         self.leases_compact_at = LEASES_COMPACT_MIN
         """Heap size at which the entries of leases acked since are dropped (`add_lease`)."""
@@ -261,6 +265,17 @@ class Partition:
         self.segments.append(segment)
         self.start_list.append(segment.start)
         self._starts = None
+        self.wake(segment)
+
+    def wake(self, segment: Segment) -> None:
+        """Rows of `segment` may have become ready for any consumer (a column filled, a lease
+        given back): `ready` looks at it again."""
+        for unsettled in self.unsettled.values():
+            unsettled[segment.start] = segment
+
+    def wake_all(self) -> None:
+        """As `wake` for every segment (a new consumer)."""
+        self.unsettled.clear()
 
     def span(self, first: int, count: int) -> tuple[Segment, int] | None:
         """(segment, local offset of `first`) when rows first .. first + count - 1 all lie in
@@ -320,6 +335,10 @@ class Partition:
             self.segments = [s for s in self.segments if id(s) not in dead]
         else:
             self.segments = [s for s in self.segments if s.num_alive]
+        live = {s.start for s in self.segments}
+        for unsettled in self.unsettled.values():
+            for start in [start for start in unsettled if start not in live]:
+                del unsettled[start]
         self.start_list = [s.start for s in self.segments]
         self._starts = None
 
@@ -328,9 +347,11 @@ class Partition:
         """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
         runs, pieces = [], []  # whole segments ready since one stamp; (indexes, versions, stamps) of others
         wanted = (consumer, key)
-        for seg in self.segments:
-            if wanted in seg.idle:
-                continue  # nothing became ready here since it was last found empty
+        unsettled = self.unsettled.get(wanted)
+        if unsettled is None:  # first asked: every segment may have some
+            unsettled = self.unsettled[wanted] = {s.start: s for s in self.segments}
+        for start in sorted(unsettled):  # segment order (a woken one may have come back last)
+            seg = unsettled[start]
             whole = seg.whole_since.get(key)
             if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
                 runs.append((whole, seg))
@@ -338,7 +359,7 @@ class Partition:
             found = [seg.columns.get(c) for c in key]
             columns = [c for c in found if c is not None]
             if len(columns) < len(found):
-                seg.idle.add(wanted)
+                del unsettled[start]
                 continue
             latest = 0  # the newest stamp shared by whole columns
             partial = []
@@ -360,7 +381,7 @@ class Partition:
                 stamp = column.stamp if stamp is None else np.maximum(stamp, column.stamp)
             local = np.flatnonzero(mask)
             if not len(local):
-                seg.idle.add(wanted)
+                del unsettled[start]
             else:
                 pieces.append((local + seg.start, seg.versions[local], np.full(len(local), latest, dtype=np.int64) if stamp is None else np.maximum(stamp[local], latest)))
         meta = self.metas

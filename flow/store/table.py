@@ -117,6 +117,7 @@ class Store:
             part.consumers[consumer] = ConsumerState(consumer)
             for seg in part.segments:
                 seg.add_consumer(consumer)
+            part.wake_all()
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -519,7 +520,7 @@ class Store:
             seg.lease[consumer][local] = 0
             seg.redeliveries(consumer)[local] = self._stamp
             if len(local):
-                seg.idle.clear()
+                part.wake(seg)
             count += len(local)
         part.consumers[consumer].num_redelivered += count
         return count

@@ -464,3 +464,30 @@ def test_a_get_acking_a_row_the_partition_never_had_says_so_and_takes_nothing():
         store.get("train", "p", ["x"], 1, timeout=0, ack=[0, 7])  # a typo'd index is no silent no-op
     assert store.consumer_counts("p", "train")["acked"] == 0  # and row 0's ack did not half happen
     assert store.get("train", "p", ["x"], 2, timeout=0).indexes == [0, 1]
+
+
+def test_a_get_looks_again_only_at_segments_that_changed_since_it_found_them_empty():
+    store = make(consumers=["train"])
+    firsts = [store.put("p", {"response": [k, k]})[0] for k in range(40)]  # 40 segments of 2 rows
+    with pytest.raises(StoreTimeout):
+        store.get("train", "p", ["response", "reward"], 1, timeout=0)
+    part = store._parts["p"]
+    wanted = ("train", frozenset({"response", "reward"}))
+    assert part.unsettled[wanted] == {}  # all found with nothing ready: none looked at again
+    store.put("p", {"reward": [1.0, 2.0]}, indexes=[firsts[7], firsts[7] + 1])
+    store.put("p", {"reward": [3.0, 4.0]}, indexes=[firsts[3], firsts[3] + 1])
+    assert sorted(part.unsettled[wanted]) == [firsts[3], firsts[7]]
+    batch = store.get("train", "p", ["response", "reward"], 4, timeout=0)
+    assert sorted(batch.indexes) == [firsts[3], firsts[3] + 1, firsts[7], firsts[7] + 1]
+    assert batch.columns["reward"] == [1.0, 2.0, 3.0, 4.0]  # in the order they became ready
+    last = store.put("p", {"response": [9, 9]})[0]  # a new segment is looked at; so is every one for a new consumer
+    assert sorted(part.unsettled[wanted]) == [firsts[3], firsts[7], last]
+    with pytest.raises(StoreTimeout):  # leased, and no reward: none ready
+        store.get("train", "p", ["response", "reward"], 1, timeout=0)
+    assert part.unsettled[wanted] == {}
+    store.add_consumer("p", "late")
+    assert part.unsettled == {}
+    assert len(store.get("late", "p", ["response", "reward"], 4, timeout=0).indexes) == 4
+    store.ack("train", "p", batch.indexes)
+    store.ack("late", "p", batch.indexes)  # both acked: evicted, and forgotten by every get
+    assert all(firsts[3] not in unsettled and firsts[7] not in unsettled for unsettled in part.unsettled.values())

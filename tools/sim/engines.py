@@ -23,6 +23,8 @@ generate that is not interrupted takes what `generate_s` says for the same rows.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -120,30 +122,34 @@ class SimRolloutEngine:
         rows = list(trajectories)
         seen: set[int] = set()
         goals: dict[int, int] = {}  # id(row) -> generated tokens it ends at, in this call
-        left: dict[int, int] = {}  # id(row) -> real decode steps until its goal (kept, not recounted from its tokens)
+        left: dict[int, int] = {}  # id(row) -> real decode steps until its goal, when it joins
         waiting: collections.deque[Trajectory] = collections.deque()
-        running: list[Trajectory] = []
+        batch = _Batch(self.version)
         ended = self._admit(rows, max_new_tokens=max_new_tokens, seen=seen, goals=goals, left=left, waiting=waiting)
         slots = 0
         decoded = False
-        while True:
-            if ended and refill is not None:
-                refill.done(ended)
-                new = refill.more()
-                rows += new
-                ended = self._admit(new, max_new_tokens=max_new_tokens, seen=seen, goals=goals, left=left, waiting=waiting)
-                if ended:
-                    continue  # rows given at their budget: hand them back before anything else
-            ended = []
-            if not running and not waiting:
-                break
-            if decoded and should_pause is not None and should_pause():
-                self.stats["num_pauses"] += 1
-                break
-            slots = slots or self._slots(waiting, max_new_tokens)
-            self._join(running, waiting, slots)
-            ended = self._decode(running, goals, left, max_new_tokens)
-            decoded = True
+        try:
+            while True:
+                if ended and refill is not None:
+                    refill.done(ended)
+                    new = refill.more()
+                    rows += new
+                    ended = self._admit(new, max_new_tokens=max_new_tokens, seen=seen, goals=goals, left=left, waiting=waiting)
+                    if ended:
+                        continue  # rows given at their budget: hand them back before anything else
+                ended = []
+                if not batch.running and not waiting:
+                    break
+                if decoded and should_pause is not None and should_pause():
+                    self.stats["num_pauses"] += 1
+                    break
+                slots = slots or self._slots(waiting, max_new_tokens)
+                self._join(batch, waiting, slots, left)
+                ended = self._decode(batch, goals, max_new_tokens)
+                decoded = True
+        finally:
+            for row in batch.running.values():  # paused: their tokens so far, and the steps past the last whole one
+                self._credit(row, batch.steps, batch.version)
         return rows
 
     # One generate call's steps ----------------------------------------------------------
@@ -185,12 +191,14 @@ class SimRolloutEngine:
         per_sequence = (prompt + max_new_tokens) * self.token_scale
         return costs.decode_slots(self.shape, self.device, tp=self.tp, tokens_per_sequence=per_sequence, max_num_seqs=self.max_num_seqs)
 
-    def _join(self, running: list[Trajectory], waiting: collections.deque[Trajectory], slots: int) -> None:
+    def _join(self, batch: _Batch, waiting: collections.deque[Trajectory], slots: int, left: dict[int, int]) -> None:
         """Move waiting rows into free slots and sleep their prefill."""
         joining: list[Trajectory] = []
-        while waiting and len(running) + len(joining) < slots:
+        while waiting and len(batch.running) + len(joining) < slots:
             joining.append(waiting.popleft())
-        running += joining
+        for t in joining:
+            carry = self._carry.pop(id(t), 0)
+            batch.add(t, context=(len(t.prompt_ids) + len(t.tokens)) * self.token_scale + carry, carry=carry, steps_left=left[id(t)])
         # A group's samples of one input share its prefill (prefix caching; hf_rollout prefills
         # distinct inputs once). A resumed row recomputes its generated tokens' KV too.
         distinct = {(id(t.meta), tuple(t.ids)) for t in joining}
@@ -200,48 +208,117 @@ class SimRolloutEngine:
             self.clock.sleep(seconds)
             self.stats["busy_s"] += seconds
 
-    def _decode(self, running: list[Trajectory], goals: dict[int, int], left: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
-        """Decode until the first running row ends or an interrupt; credit the real steps
-        done, finish rows at their goal and remove them from `running`; return those.
+    def _decode(self, batch: _Batch, goals: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
+        """Decode until the first running row ends or an interrupt; count the real steps
+        done, finish the rows at their goal and take them out of `batch`; return those.
 
-        Progress is counted in real decode steps: a row keeps the real steps past its last
-        whole simulated token (`_carry`), so an interrupt loses only the real step in flight,
-        as a real engine would, not up to a simulated token's `token_scale` steps. A
-        simulated token is appended (with the engine's version then) once its real steps are done.
+        The running rows decode in lockstep, so `batch` counts the call's real steps once
+        and each row's progress is the steps since it joined: a step costs O(log rows),
+        not a pass over every row, and a row's tokens are written when it ends or the call
+        returns (`_credit`). Progress is in real decode steps: a row keeps the real steps
+        past its last whole simulated token (`_carry`), so an interrupt loses only the
+        real step in flight, as a real engine would, not up to a simulated token's
+        `token_scale` steps.
         """
-        scale = self.token_scale
-        num_real = min(left[id(t)] for t in running)
+        num_real = batch.next_end() - batch.steps
         assert num_real >= 1, "a running row is at its goal"
-        batch = len(running)
-        context = sum((len(t.prompt_ids) + len(t.tokens)) * scale + self._carry.get(id(t), 0) for t in running)
+        size = len(batch.running)
         # Average real context over the segment's steps, as costs.generate_s charges it.
-        average = context + batch * (num_real - 1) / 2
-        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=batch, context_tokens=math.ceil(average), eff=self.eff)
+        average = batch.context() + size * (num_real - 1) / 2
+        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=size, context_tokens=math.ceil(average), eff=self.eff)
         start = self.clock.now()
         interrupted = self._interrupt.wait(num_real * step_s)
         elapsed = self.clock.now() - start
         self.stats["busy_s"] += elapsed
-        self.stats["max_batch"] = max(self.stats["max_batch"], batch)
+        self.stats["max_batch"] = max(self.stats["max_batch"], size)
         done = num_real
         if interrupted:
             self._interrupt.clear()
             done = min(num_real, math.floor(elapsed / step_s + 1e-9))  # the step in flight is lost
-        if done:
-            for t in running:
-                whole, carry = divmod(self._carry.pop(id(t), 0) + done, scale)
-                if whole:
-                    t.extend([1] * whole, [-1.0] * whole, self.version)
-                if carry:
-                    self._carry[id(t)] = carry
-            self.stats["num_real_tokens"] += done * batch
-        for t in running:
-            left[id(t)] -= done
-        ended = [t for t in running if left[id(t)] <= 0]
-        for t in ended:
+        if self.version != batch.version:  # a segment's tokens carry the version at its end: write the earlier ones first
+            for row in batch.running.values():
+                self._credit(row, batch.steps, batch.version)
+                batch.rebase(row, self._carry.pop(id(row.trajectory), 0))
+            batch.version = self.version
+        batch.steps += done
+        self.stats["num_real_tokens"] += done * size
+        ended = []
+        for row in batch.pop_ended():
+            t = row.trajectory
+            self._credit(row, batch.steps, batch.version)
             t.finish_reason = "length" if goals[id(t)] >= max_new_tokens else "stop"
             del self._targets[id(t)]
-        running[:] = [t for t in running if not t.done]
+            self._carry.pop(id(t), None)
+            ended.append(t)
         return ended
+
+    def _credit(self, row: _Row, steps: int, version: int) -> None:
+        """Write the simulated tokens of the real steps `row` did since it joined, made by
+        `version`, and keep the steps past the last whole one in `_carry`."""
+        whole, carry = divmod(row.carry + steps - row.joined, self.token_scale)
+        if whole:
+            row.trajectory.extend([1] * whole, [-1.0] * whole, version)
+        if carry:
+            self._carry[id(row.trajectory)] = carry
+
+
+@dataclasses.dataclass(slots=True)
+class _Row:
+    """A row in a generate call's running batch."""
+
+    trajectory: Trajectory
+    joined: int  # the call's real steps when it joined
+    carry: int  # its real steps past its last whole simulated token then
+    context: int  # its real context then (prompt, generated tokens and carry)
+    end: int  # the call's real steps when it reaches its goal
+
+
+class _Batch:
+    """The running rows of one generate call, decoding in lockstep: `steps` real steps
+    since the call began; rows by join order, and a heap of when each ends."""
+
+    def __init__(self, version: int) -> None:
+        self.steps = 0
+        self.version = version
+        """The engine's version at the end of the last decoding segment: the one that made
+        the rows' tokens not yet written."""
+        self.running: dict[int, _Row] = {}  # join number -> row, in join order
+        self._ends: list[tuple[int, int]] = []  # (end, join number)
+        self._joins = 0
+        self._context = 0  # sum over running rows of (context - joined): `context()` adds steps x rows
+
+    def add(self, t: Trajectory, *, context: int, carry: int, steps_left: int) -> None:
+        row = _Row(t, self.steps, carry, context, self.steps + steps_left)
+        self.running[self._joins] = row
+        heapq.heappush(self._ends, (row.end, self._joins))
+        self._joins += 1
+        self._context += context - row.joined
+
+    def rebase(self, row: _Row, carry: int) -> None:
+        """`row` with its tokens written up to now: it counts as joining now with `carry`."""
+        self._context -= row.context - row.joined
+        row.context += self.steps - row.joined
+        row.joined, row.carry = self.steps, carry
+        self._context += row.context - row.joined
+
+    def next_end(self) -> int:
+        return self._ends[0][0]
+
+    def context(self) -> int:
+        """The running rows' real context now, all together."""
+        return self._context + len(self.running) * self.steps
+
+    def pop_ended(self) -> list[_Row]:
+        """The rows at their goal by now, taken out, in join order."""
+        ended: list[int] = []
+        while self._ends and self._ends[0][0] <= self.steps:
+            ended.append(heapq.heappop(self._ends)[1])
+        rows = []
+        for k in sorted(ended):
+            row = self.running.pop(k)
+            self._context -= row.context - row.joined
+            rows.append(row)
+        return rows
 
 
 class SimTrainEngine:
