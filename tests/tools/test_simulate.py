@@ -100,6 +100,26 @@ def test_a_transport_the_devices_cannot_use_is_a_config_error():
         simulate(cfg, npu_gpu, work)
 
 
+@pytest.mark.parametrize(
+    "override, nodes, expected",
+    [
+        ("auto", [{"name": "gpu", "device": "h100", "count": 4}], "collective"),  # one kind: the runtime's collective
+        ("auto", [{"name": "npu", "device": "910b", "count": 2}, {"name": "gpu", "device": "h100", "count": 2}], "host"),
+        ("ipc", [{"name": "gpu", "device": "h100", "count": 4}], "ipc needs"),  # never colocated here: the runtime's own refusal
+    ],
+)
+def test_the_weight_transport_is_the_one_the_runtime_would_choose(override, nodes, expected):
+    cfg = load_config(resolve_recipe("mixed_npu_gpu"), [f"transport.name={override}", "algorithm.num_steps=1", "placement.train.requires=[]", "placement.rollout.requires=[]"])
+    work = Workload(model=ModelShape.qwen2_5("0.5b"), lengths=LengthModel(mean_tokens=50, max_new_tokens=64))
+    cluster = parse_cluster({"nodes": nodes})
+    if expected.endswith("needs"):
+        with pytest.raises(ConfigError, match=f"transport.name=ipc: transport={expected}"):
+            simulate(cfg, cluster, work)
+        return
+    prediction, _ = simulate(cfg, cluster, work)
+    assert prediction.roles["transport"] == expected
+
+
 def test_cli_names_a_missing_cluster_spec(capsys):
     assert main(["simulate", "mixed_npu_gpu", "cluster=nowhere"]) == 2
     assert "cluster='nowhere'" in capsys.readouterr().err

@@ -37,6 +37,8 @@ from tidal.flow.store import Store
 from tidal.flow.trace import Tracer
 from tidal.flow.virtual_clock import VirtualClock
 from tidal.flow.workflow import Workflow, WorkflowConfig
+from tidal.hal.platform import describe
+from tidal.hal.transfer import choose_transport
 from tidal.tools.config import ConfigError, RecipeConfig
 from tidal.tools.plan import roles_of
 from tidal.tools.sim import costs
@@ -116,13 +118,14 @@ def plan_of(cfg: RecipeConfig, cluster: ClusterSpec) -> Plan:
     return plan
 
 
-def _transport(cfg: RecipeConfig, train_kind: str, rollout_kind: str) -> str:
-    name = cfg.transport.name
-    if name == "auto":
-        return "collective" if train_kind == rollout_kind else "host"
-    if name == "ipc":
-        raise ConfigError("transport.name=ipc: a disaggregated plan has no shared device; use auto, collective or host")
-    return name
+def _transport(cfg: RecipeConfig, train_kind: str, rollout_kind: str, *, same_node: bool) -> str:
+    """The transport the real runtime would pick (`hal.transfer.choose_transport`, the rule
+    a Ray run applies), for a trainer and a rollout that are never colocated here."""
+    me, them = describe(train_kind, device_count=1), describe(rollout_kind, device_count=1)
+    try:
+        return choose_transport(me, them, same_node=same_node, colocated=False, override=cfg.transport.name)
+    except ValueError as e:
+        raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
 
 
 def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dict[str, Any]]:
@@ -152,7 +155,6 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     train_device = cluster.group_of(train[0].node).device
     train_nodes = sorted({a.node for a in train})
     num_train_devices = sum(len(a.devices) for a in train)
-    transport = _transport(cfg, train[0].kind, rollout[0].kind)
     sim_budget = max(1, cfg.rollout.max_new_tokens // work.token_scale)
 
     clock = VirtualClock()
@@ -161,6 +163,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens)
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
     between = 0 if set(train_nodes) & {a.node for a in rollout} else 1
+    transport = _transport(cfg, train[0].kind, rollout[0].kind, same_node=not between)
     try:
         sync_s = max(
             costs.weight_sync_s(work.model, transport=transport, src=train_device, dst=dev, num_nodes_between=between, num_receivers=len(rollout), eff=work.eff) for dev, _ in rollout_devices
