@@ -68,17 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. placement.rollout.colocate_with=train")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights, simulate)", description=BENCH_HELP, formatter_class=fmt)
-    bench.add_argument("name", choices=["store", "e2e", "weights", "simulate"], help="which benchmark")
+    bench = sub.add_parser("bench", help="run a benchmark (store, e2e, weights, simulate, simulate-check)", description=BENCH_HELP, formatter_class=fmt)
+    bench.add_argument("name", choices=["store", "e2e", "weights", "simulate", "simulate-check"], help="which benchmark")
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
     bench.add_argument("--systems", default=None, help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=count, default=200, help="hand-off latency trials per system (default: 200)")
-    bench.add_argument("--repeats", type=count, default=3, help="runs per system; store reports the median (and the spread), weights the best (default: 3)")
+    bench.add_argument("--repeats", type=count, default=3, help="runs per system; store reports the median (and the spread), weights the best; simulate-check: timed repeats of each profile point (default: 3)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
     bench.add_argument("--put-window", type=count, default=4, help="store: puts tidal-tuned keeps in flight (tidal waits for each reply) (default: 4)")
-    bench.add_argument("--steps", type=count, default=None, help="e2e: RL steps per run (default: 200); simulate: steps simulated (default: 10)")
+    bench.add_argument("--steps", type=count, default=None, help="e2e: RL steps per run (default: 200); simulate: steps simulated (default: 10); simulate-check: steps of each real run (default: 150)")
     bench.add_argument("--workload", choices=["quickstart", "longtail"], default="quickstart", help="e2e: what every system trains on - the quickstart, or a checkpoint with long-tailed response lengths (default: quickstart)")
-    bench.add_argument("--seeds", type=int_list, default="0,1", help="e2e: comma-separated seeds (default: 0,1)")
+    bench.add_argument("--seeds", type=int_list, default="0,1", help="e2e, simulate-check: comma-separated seeds (default: 0,1)")
     bench.add_argument("--sizes", type=_sizes, default="4,64,256,1024", help="weights: comma-separated model sizes in MB (default: 4,64,256,1024)")
     bench.add_argument("--json", action="store_true", help="print raw results as JSON")
 
@@ -132,6 +132,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.overrides:
         print(f"tidal bench: error: {args.name} takes no recipe overrides (got {' '.join(args.overrides)}); only e2e does", file=sys.stderr)
         return 2
+    if args.name == "simulate-check":
+        from tidal.tools.bench import simulate as bench_simulate  # noqa: PLC0415
+
+        result = bench_simulate.check(num_steps=args.steps or 150, seeds=args.seeds, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print_table("tidal bench simulate-check (tidal simulate's prediction of this machine against real quickstart runs)", bench_simulate.check_table(result))
+        return 0
     if args.name == "simulate":
         from tidal.tools.bench import simulate as bench_simulate  # noqa: PLC0415
 

@@ -147,6 +147,14 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           512 prompts x 16 samples a step), and the time for 200 steps (measured with
           --steps 200, else extrapolated and labelled so; --steps defaults to 10).
 
+  simulate-check  tidal simulate's prediction of this machine against real runs:
+          profiles this machine at the quickstart's shapes (tidal profile), runs the
+          quickstart async (max_staleness=1) and sync (0) with `tidal run`'s path for each
+          of --seeds, simulates each run on two devices of the profiled device (one core
+          a role) with the run's own response lengths, and prints measured and predicted
+          samples/s and step times, and the async / sync ratio against its targets
+          (ratio within 10%, step times within 15%). --steps (default 150) sizes the runs.
+
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.
 """

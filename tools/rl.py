@@ -12,7 +12,7 @@ import contextlib
 import copy
 import gc
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -146,6 +146,28 @@ def section_values(section: Any, keys: Sequence[str]) -> dict[str, Any]:
     return {key: values[key] for key in keys}
 
 
+def build_train_engine(cfg: RecipeConfig, train_cls: Any, model: torch.nn.Module, *, platform: Any, engine_options: Mapping[str, Any] | None = None) -> Any:
+    """The recipe's RL train engine (`train_cls`, the `train.backend` class) around `model`,
+    as a run builds it (`tidal profile` times the same engine)."""
+    return train_cls(
+        model,
+        lr=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay,
+        grad_clip=cfg.train.grad_clip,
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        padding_free=cfg.train.padding_free,
+        temperature=cfg.rollout.temperature,
+        precision=cfg.train.precision.value,
+        max_nonfinite_steps=cfg.train.max_nonfinite_steps,
+        lr_schedule=lr_schedule(cfg),
+        platform=platform,
+        **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
+        **own_train_keys(train_cls, cfg),
+        **(engine_options or {}),
+    )
+
+
 def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module | None, tokenizer: Tokenizer, *, platform: Any, version: int) -> Any:
     """The recipe's rollout engine, stopping at any of the tokenizer's end ids: around `model`,
     or, for an engine that loads the checkpoint itself (`BuildsFromCheckpoint`), from
@@ -206,23 +228,7 @@ class RL:
 
         self.r, cfg = run, run.cfg
         self.template = run.model
-        self.trainer = run.train_cls(
-            copy.deepcopy(self.template),
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            grad_clip=cfg.train.grad_clip,
-            micro_batch_size=cfg.train.micro_batch_size,
-            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-            padding_free=cfg.train.padding_free,
-            temperature=cfg.rollout.temperature,
-            precision=cfg.train.precision.value,
-            max_nonfinite_steps=cfg.train.max_nonfinite_steps,
-            lr_schedule=lr_schedule(cfg),
-            platform=run.platform,
-            **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
-            **own_train_keys(run.train_cls, cfg),
-            **run.engine_options,
-        )
+        self.trainer = build_train_engine(cfg, run.train_cls, copy.deepcopy(self.template), platform=run.platform, engine_options=run.engine_options)
         if run.saved is not None:
             saved = run.saved
             reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights

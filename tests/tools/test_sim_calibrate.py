@@ -15,15 +15,16 @@ MODEL = {"num_params": 500_000_000, "num_layers": 24, "hidden_size": 896, "num_k
 PEAK = {"flops": 100e12, "bytes_per_s": 1e12}
 
 
-def _profile(*, decode: float, prefill: float, mfu: float) -> dict:
-    """A profile whose every time is the roofline's at the given efficiencies."""
+def _profile(*, decode: float, prefill: float, mfu: float, fixed: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> dict:
+    """A profile whose every time is the roofline's at the given efficiencies, plus the
+    `fixed` seconds of each decode step, prefill and training step."""
     base = {"version": 1, "date": "2026-11-29T00:00:00Z", "recipe": "synthetic", "platform": {"kind": "cuda", "device_count": 8}, "torch": "x", "model": MODEL, "peak": PEAK, "weights": {"bytes": 10**9, "export_s": 0.1, "load_s": 0.1}, "host_device_bytes_per_s": 2e10}
     device, model = profiled_device(base), profiled_model(base)
-    eff = Efficiency(decode_bandwidth=decode, prefill_compute=prefill, train_mfu=mfu)
+    eff = Efficiency(decode_bandwidth=decode, prefill_compute=prefill, train_mfu=mfu, decode_step_overhead_s=fixed[0], prefill_overhead_s=fixed[1], train_step_overhead_s=fixed[2])
     grid = [(b, c) for b in (1, 4, 16) for c in (64, 256)]
     base["decode"] = [{"batch": b, "context": c, "seconds": costs.decode_step_s(model, device, tp=1, batch=b, context_tokens=b * c, eff=eff)} for b, c in grid]
     base["prefill"] = [{"batch": b, "context": c, "seconds": costs.prefill_s(model, device, tp=1, tokens=b * c, eff=eff)} for b, c in grid]
-    base["train"] = [{"rows": r, "context": 256, "tokens": r * 256, "seconds": 6 * model.num_params * r * 256 / (device.flops * mfu)} for r in (4, 16)]
+    base["train"] = [{"rows": r, "context": 256, "tokens": r * 256, "seconds": fixed[2] + 6 * model.num_params * r * 256 / (device.flops * mfu)} for r in (4, 16)]
     return base
 
 
@@ -32,6 +33,38 @@ def test_fit_recovers_the_efficiencies_a_profile_was_made_with():
     assert cal.eff.decode_bandwidth == pytest.approx(0.55) and cal.eff.prefill_compute == pytest.approx(0.35) and cal.eff.train_mfu == pytest.approx(0.25)
     assert (cal.max_decode_batch, cal.max_context, cal.max_train_tokens) == (16, 256, 16 * 256)
     assert "synthetic.json (cuda, synthetic" in cal.source
+
+
+def test_fit_separates_each_steps_fixed_cost_from_the_work():
+    cal = fit(_profile(decode=0.55, prefill=0.35, mfu=0.25, fixed=(0.002, 0.004, 0.03)), source="synthetic.json")
+    eff = cal.eff
+    assert (eff.decode_bandwidth, eff.train_mfu) == pytest.approx((0.55, 0.25))
+    assert (eff.decode_step_overhead_s, eff.train_step_overhead_s) == pytest.approx((0.002, 0.03))
+    # the shortest prefills are bound by reading the weights, not by compute: not quite a line
+    assert eff.prefill_compute == pytest.approx(0.35, rel=0.01) and eff.prefill_overhead_s == pytest.approx(0.004, rel=0.1)
+    # a ratio alone would have charged the fixed cost to the work: a lower factor
+    assert min(cal.factors["train_mfu"]) < 0.25
+
+
+def test_a_fit_that_is_not_a_line_falls_back_to_the_median_ratio():
+    profile = _profile(decode=0.5, prefill=0.5, mfu=0.5)
+    small, large = profile["train"]
+    large["seconds"] = small["seconds"] * 8  # 4x the tokens in 8x the time: the line's fixed cost would be negative
+    cal = fit(profile, source="p.json")
+    assert cal.eff.train_step_overhead_s == 0 and cal.eff.train_mfu == pytest.approx((0.5 + 0.25) / 2)  # the median ratio
+    single = {**_profile(decode=0.5, prefill=0.5, mfu=0.5, fixed=(0.0, 0.0, 0.01)), "train": [profile["train"][0]]}
+    assert fit(single, source="p.json").eff.train_step_overhead_s == 0
+
+
+def test_fixed_costs_are_charged_once_a_step_and_never_to_no_work():
+    model, dev = costs.ModelShape.qwen2_5("0.5b"), profiled_device(_profile(decode=0.5, prefill=0.5, mfu=0.5))
+    plain, fixed = Efficiency(), Efficiency(decode_step_overhead_s=0.001, prefill_overhead_s=0.002, train_step_overhead_s=0.01)
+    assert costs.decode_step_s(model, dev, tp=1, batch=4, context_tokens=400, eff=fixed) == pytest.approx(costs.decode_step_s(model, dev, tp=1, batch=4, context_tokens=400, eff=plain) + 0.001)
+    assert costs.prefill_s(model, dev, tp=1, tokens=100, eff=fixed) == pytest.approx(costs.prefill_s(model, dev, tp=1, tokens=100, eff=plain) + 0.002)
+    assert costs.train_step_s(model, dev, num_devices=1, tokens=100, eff=fixed) == pytest.approx(costs.train_step_s(model, dev, num_devices=1, tokens=100, eff=plain) + 0.01)
+    assert costs.decode_step_s(model, dev, tp=1, batch=0, context_tokens=0, eff=fixed) == 0 and costs.prefill_s(model, dev, tp=1, tokens=0, eff=fixed) == 0
+    with pytest.raises(ValueError, match="train_step_overhead_s must be >= 0"):
+        Efficiency(train_step_overhead_s=-1.0)
 
 
 def test_extrapolations_name_what_runs_past_the_profile():
@@ -78,3 +111,24 @@ def test_cli_profile_refuses_a_bad_grid(capsys):
     with pytest.raises(SystemExit):
         main(["profile", "quickstart_cpu", "--batches", "0,2"])
     assert "integers >= 1" in capsys.readouterr().err
+
+
+def test_a_spec_and_a_model_may_be_the_profiled_ones(tmp_path, capsys):
+    from tidal.tools.sim.cluster import parse_cluster
+
+    profile = {**_profile(decode=0.5, prefill=0.5, mfu=0.5), "platform": {"kind": "cpu", "device_count": 1}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    spec = tmp_path / "box.yaml"
+    spec.write_text("nodes:\n  - {name: box, device: profiled, devices_per_node: 2}\n")
+    with pytest.raises(ValueError, match="'profiled', the device a `tidal profile` measured, needs --profile"):
+        parse_cluster({"nodes": [{"name": "box", "device": "profiled"}]})
+    args = ["simulate", "quickstart_cpu", f"cluster={spec}", "--steps", "2", "--token-scale", "1", "--mean-tokens", "3", "--prompt-tokens", "5", "--trace", str(tmp_path / "t.json"), "--json"]
+    assert main([*args, "--model", "profiled"]) == 2
+    assert "box.yaml: nodes[0].device: unknown device 'profiled'" in capsys.readouterr().err
+    assert main(["simulate", "quickstart_cpu", "cluster=gpu64", "--model", "profiled"]) == 2
+    assert "--model profiled simulates the model a `tidal profile` timed: give the profile with --profile" in capsys.readouterr().err
+    assert main([*args, "--model", "profiled", "--profile", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["roles"]["train"] == {"devices": 1, "kind": "cpu"} and out["roles"]["transport"] == "ipc"  # two cores of one host share memory
+    assert out["efficiency"]["train_mfu"] == pytest.approx(0.5) and out["samples_per_s"] > 0

@@ -174,3 +174,32 @@ def test_bench_simulate_times_a_1024_device_cluster(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["devices"] == 1024 and result["samples_per_step"] == 512 * 16 and result["extrapolated"] is True
     assert result["wall_s_200_steps"] == pytest.approx(result["wall_s"] * 200) and result["simulated_s"] > 0
+
+
+def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch, capsys):
+    """The harness with the real runs stood in for (their RL takes minutes): a profile of this
+    machine, a simulation of each run with its lengths, and the errors against the targets."""
+    from tidal.tools.bench import simulate as bench_simulate
+
+    measured = {"algorithm.max_staleness=1": 2000.0, "algorithm.max_staleness=0": 1500.0}
+    ran: list[list[str]] = []
+
+    def fake_run(recipe, overrides):
+        ran.append(overrides)
+        return measured[overrides[0]], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}
+
+    monkeypatch.setattr(bench_simulate, "_real_run", fake_run)
+    assert main(["bench", "simulate-check", "--steps", "2", "--seeds", "0", "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [o[:3] for o in ran] == [["algorithm.max_staleness=1", "seed=0", "algorithm.num_steps=2"], ["algorithm.max_staleness=0", "seed=0", "algorithm.num_steps=2"]]
+    runs = {r["system"]: r for r in result["runs"]}
+    assert runs["async"]["measured_samples_per_s"] == 2000.0 and runs["sync"]["measured_step_s"] == pytest.approx(128 / 1500)
+    assert all(r["predicted_samples_per_s"] > 0 for r in runs.values())
+    assert result["measured_ratio"] == pytest.approx(2000 / 1500)
+    assert result["ratio_error"] == pytest.approx(result["predicted_ratio"] / result["measured_ratio"] - 1)
+    for system, run in runs.items():
+        assert result["step_errors"][system] == pytest.approx(run["predicted_step_s"] / run["measured_step_s"] - 1)
+    within = abs(result["ratio_error"]) <= 0.1 and all(abs(e) <= 0.15 for e in result["step_errors"].values())
+    assert result["met"] is within
+    rows = bench_simulate.check_table(result)
+    assert rows[-1][-1] == ("met" if within else "NOT met") and rows[-2][0] == "async / sync"

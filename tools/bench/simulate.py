@@ -10,8 +10,13 @@ The figure is real seconds per simulated step; the 200-step time is measured whe
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 TARGET_STEPS = 200
@@ -64,3 +69,84 @@ def table(result: dict[str, Any]) -> list[list[str]]:
         ["cluster", "devices", "samples/step", "steps", "wall s", "wall s/step", "200 steps, wall s", "target"],
         [result["cluster"], str(result["devices"]), f"{result['samples_per_step']:,}", str(result["steps"]), f"{result['wall_s']:.1f}", f"{result['wall_s_per_step']:.2f}", f"{result['wall_s_200_steps']:.0f} ({how})", "< 60"],
     ]
+
+
+# `tidal bench simulate-check`: the simulator's prediction of this machine against real runs.
+CHECK_RECIPE = "quickstart_cpu"
+CHECK_SYSTEMS = {"async": ["algorithm.max_staleness=1"], "sync": ["algorithm.max_staleness=0"]}
+"""bench e2e's `tidal-async` and `tidal-sync-1t` (the quickstart runs one torch thread a stage)."""
+CHECK_TARGETS = {"ratio": 0.10, "step": 0.15}
+"""The issue's bounds: the async / sync ratio within 10%, each step time within 15%."""
+
+
+def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Profile this machine at the quickstart's shapes, run the quickstart async and sync
+    (`tidal run`'s path) for each seed, simulate each run on a two-device spec of the
+    profiled device (one core a role, as the runs' two threads of one torch thread each)
+    with the run's own response lengths replayed, and compare.
+
+    The step time is the run's: 128 samples over its samples/s (RL wall time, evaluations
+    and the warm start excluded), and the prediction's mean step over the same steps.
+    """
+    from tidal.engines.models import model_source  # noqa: PLC0415
+    from tidal.tools.config import load_config  # noqa: PLC0415
+    from tidal.tools.prompts import prompt_source  # noqa: PLC0415
+    from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
+    from tidal.tools.sim.calibrate import fit, profiled_device, profiled_model  # noqa: PLC0415
+    from tidal.tools.sim.cluster import PROFILED, parse_cluster  # noqa: PLC0415
+    from tidal.tools.sim.lengths import LengthModel  # noqa: PLC0415
+    from tidal.tools.sim.profile import measure  # noqa: PLC0415
+    from tidal.tools.sim.simulate import Workload, simulate  # noqa: PLC0415
+
+    say = progress or (lambda _line: None)
+    recipe = resolve_recipe(CHECK_RECIPE)
+    cfg = load_config(recipe, [])
+    batch = cfg.algorithm.prompts_per_step * cfg.algorithm.group_size
+    decode_batch = cfg.rollout.prompts_per_generate * cfg.algorithm.group_size
+    policy = model_source(cfg.model).build(seed=cfg.seed)
+    prompts = list(itertools.islice(iter(prompt_source(cfg, policy.tokenizer).train()), 64))
+    prompt_tokens = max(1, round(statistics.mean(len(p["prompt_ids"]) for p in prompts)))
+    context = prompt_tokens + cfg.rollout.max_new_tokens
+    say(f"profiling this machine at the quickstart's shapes: decode batches up to {decode_batch}, contexts up to {context}, training steps of up to {batch} rows")
+    profile = measure(cfg, batches=(decode_batch // 8, decode_batch), contexts=(prompt_tokens, context), train_rows=(batch // 4, batch), repeats=repeats)
+    calibration = fit(profile, source="this machine's profile")
+    cluster = parse_cluster({"name": "this-machine", "nodes": [{"name": "box", "device": PROFILED, "devices_per_node": 2}]}, devices={PROFILED: profiled_device(profile)})
+    rows = []
+    for seed in seeds:
+        for system, overrides in CHECK_SYSTEMS.items():
+            say(f"running the quickstart {system}, seed {seed}, {num_steps} steps")
+            measured, lengths = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
+            work = Workload(model=profiled_model(profile), lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, eff=calibration.eff)
+            predicted, _ = simulate(load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"]), cluster, work, tracer_events=1)
+            rows.append({"system": system, "seed": seed, "measured_samples_per_s": measured, "predicted_samples_per_s": predicted.samples_per_s, "measured_step_s": batch / measured, "predicted_step_s": batch / predicted.samples_per_s})
+    out: dict[str, Any] = {"steps": num_steps, "seeds": list(seeds), "prompt_tokens": prompt_tokens, "efficiency": dataclasses.asdict(calibration.eff), "runs": rows, "targets": CHECK_TARGETS}
+    for key in ("measured", "predicted"):
+        per = {s: statistics.median(r[f"{key}_samples_per_s"] for r in rows if r["system"] == s) for s in CHECK_SYSTEMS}
+        out[f"{key}_ratio"] = per["async"] / per["sync"]
+        out[f"{key}_samples_per_s"] = per
+    out["ratio_error"] = out["predicted_ratio"] / out["measured_ratio"] - 1
+    out["step_errors"] = {s: out["measured_samples_per_s"][s] / out["predicted_samples_per_s"][s] - 1 for s in CHECK_SYSTEMS}  # predicted step / measured step - 1
+    out["met"] = abs(out["ratio_error"]) <= CHECK_TARGETS["ratio"] and all(abs(e) <= CHECK_TARGETS["step"] for e in out["step_errors"].values())
+    return out
+
+
+def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list[list[int]]]]:
+    """One `tidal run` of `recipe` in a temporary run directory: its RL samples/s and its response lengths by step."""
+    from tidal.tools.run import prepare_run  # noqa: PLC0415
+    from tidal.tools.sim.lengths import replay  # noqa: PLC0415
+    from tidal.tools.train import train  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-simcheck-") as tmp:
+        cfg, run_dir = prepare_run(recipe, [*overrides, f"run_dir={Path(tmp) / 'run'}", "tensorboard=false", "checkpoint_every=1000000"])
+        summary = train(cfg, run_dir, progress=False)
+        return float(summary["samples_per_s"]), replay(run_dir / "metrics.jsonl")
+
+
+def check_table(result: dict[str, Any]) -> list[list[str]]:
+    rows = [["system", "seed", "measured samples/s", "predicted", "step ms measured", "predicted", "error"]]
+    for r in result["runs"]:
+        rows.append([r["system"], str(r["seed"]), f"{r['measured_samples_per_s']:,.0f}", f"{r['predicted_samples_per_s']:,.0f}", f"{1000 * r['measured_step_s']:.1f}", f"{1000 * r['predicted_step_s']:.1f}", f"{r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%}"])
+    steps = ", ".join(f"{s} {e:+.1%}" for s, e in result["step_errors"].items())
+    rows.append(["async / sync", "median", f"{result['measured_ratio']:.2f}x", f"{result['predicted_ratio']:.2f}x", "", "", f"{result['ratio_error']:+.1%}"])
+    rows.append(["target", "", "ratio within 10%", "", "steps within 15%", steps, "met" if result["met"] else "NOT met"])
+    return rows

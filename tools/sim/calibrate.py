@@ -4,12 +4,20 @@ A profile (`tools.sim.profile`) holds times measured on one device: decode steps
 and context, prefills, training steps, and the device's own achievable peaks (a large
 matmul's FLOP/s, a large copy's bytes/s). Each measured time is compared with what the
 roofline of `tools.sim.costs` gives for the same work at those peaks with every efficiency
-at 1; the ratio is that point's efficiency, and the median over the points is the factor:
+at 1 (the ideal time). Each section's points are fitted by a line, measured = fixed cost
++ ideal / factor (least squares): the factor is the fraction of peak the work reaches,
+and the fixed cost what each step costs besides (kernel launches, the engine's Python),
+which dominates a small model or a small batch. Without two distinct points, or where the
+line is not physical (a negative fixed cost), the fixed cost is 0 and the factor the
+median ratio ideal / measured. The factors:
 
 - `decode_bandwidth`: from the decode steps (the roofline's max of reading the weights and
   KV cache, and the matmul FLOPs; a compute-bound point's ratio lands on the same factor);
 - `prefill_compute`: from the prefills;
-- `train_mfu`: from the training steps (6 x params x tokens FLOPs).
+- `train_mfu`: from the training steps (6 x params x tokens FLOPs);
+
+and the fixed costs `decode_step_overhead_s`, `prefill_overhead_s` and
+`train_step_overhead_s` of `costs.Efficiency`.
 
 The assumption that carries a fit to the cluster's devices: software reaches the same
 fraction of a device's peak on the cluster as on the profiled device. That is close for
@@ -72,33 +80,55 @@ def profiled_model(profile: Mapping[str, Any]) -> ModelShape:
     )
 
 
-def _factor(ratios: list[float], name: str, source: str) -> float:
-    if not ratios:
+def _factor(ideal: list[float], measured: list[float], name: str, source: str) -> tuple[float, float]:
+    """(efficiency, overhead seconds) with measured ~ overhead + ideal / efficiency, by least
+    squares over the points. A small model's step is mostly fixed cost (kernel launches,
+    Python), which a ratio alone would spread over the work and so under-predict large
+    batches; the line separates the two. With one point, a flat or falling line, or a
+    negative overhead, the overhead is 0 and the efficiency the median ratio (as a ratio
+    fit). The efficiency stays in [`_FLOOR`, 1]; the overhead is then the mean remainder."""
+    if not ideal:
         raise ValueError(f"{source}: the profile has no {name} points to fit")
-    return min(max(statistics.median(ratios), _FLOOR), 1.0)
+    ratio = min(max(statistics.median(i / m for i, m in zip(ideal, measured)), _FLOOR), 1.0)
+    if len(ideal) < 2 or len(set(ideal)) < 2:
+        return ratio, 0.0
+    slope, overhead = statistics.linear_regression(ideal, measured)
+    if slope <= 0 or overhead < 0:
+        return ratio, 0.0
+    eff = min(max(1 / slope, _FLOOR), 1.0)
+    overhead = max(statistics.mean(m - i / eff for i, m in zip(ideal, measured)), 0.0)
+    return eff, overhead
 
 
 def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
-    """The efficiency factors a profile measured (module docstring).
+    """The efficiency factors and fixed per-step costs a profile measured (module docstring).
 
     Raises:
         ValueError: naming `source`, when a section has no points.
     """
     device, model = profiled_device(profile), profiled_model(profile)
-    decode = [costs.decode_step_s(model, device, tp=1, batch=p["batch"], context_tokens=p["batch"] * p["context"], eff=_IDEAL) / p["seconds"] for p in profile["decode"]]
-    prefill = [costs.prefill_s(model, device, tp=1, tokens=p["batch"] * p["context"], eff=_IDEAL) / p["seconds"] for p in profile["prefill"]]
-    train = [6 * model.num_params * p["tokens"] / device.flops / p["seconds"] for p in profile["train"]]
+    decode = [costs.decode_step_s(model, device, tp=1, batch=p["batch"], context_tokens=p["batch"] * p["context"], eff=_IDEAL) for p in profile["decode"]]
+    prefill = [costs.prefill_s(model, device, tp=1, tokens=p["batch"] * p["context"], eff=_IDEAL) for p in profile["prefill"]]
+    train = [6 * model.num_params * p["tokens"] / device.flops for p in profile["train"]]
+    times = {key: [p["seconds"] for p in profile[key]] for key in ("decode", "prefill", "train")}
+    decode_eff, decode_overhead = _factor(decode, times["decode"], "decode", source)
+    prefill_eff, prefill_overhead = _factor(prefill, times["prefill"], "prefill", source)
+    train_eff, train_overhead = _factor(train, times["train"], "train", source)
     eff = dataclasses.replace(
         DEFAULT_EFFICIENCY,
-        decode_bandwidth=_factor(decode, "decode", source),
-        prefill_compute=_factor(prefill, "prefill", source),
-        train_mfu=_factor(train, "train", source),
+        decode_bandwidth=decode_eff,
+        prefill_compute=prefill_eff,
+        train_mfu=train_eff,
+        decode_step_overhead_s=decode_overhead,
+        prefill_overhead_s=prefill_overhead,
+        train_step_overhead_s=train_overhead,
     )
     what = f"{source} ({profile['platform']['kind']}, {model.name}, {profile.get('date', 'undated')})"
+    ratios = {k: [i / m for i, m in zip(ideal, times[section])] for k, ideal, section in (("decode_bandwidth", decode, "decode"), ("prefill_compute", prefill, "prefill"), ("train_mfu", train, "train"))}
     return Calibration(
         eff=eff,
         source=what,
-        factors={"decode_bandwidth": decode, "prefill_compute": prefill, "train_mfu": train},
+        factors=ratios,
         max_decode_batch=max(p["batch"] for p in profile["decode"]),
         max_context=max(p["context"] for p in profile["decode"]),
         max_train_tokens=max(p["tokens"] for p in profile["train"]),

@@ -31,6 +31,8 @@ from tidal.flow.placement import MAX_CAPACITY, Resource
 from tidal.tools.sim.hardware import DEVICES, OVERRIDABLE, Device, device
 
 _TOP_KEYS = ("name", "description", "network", "nodes")
+PROFILED = "profiled"
+"""The device name a spec gives a node group of the device `tidal simulate --profile` read."""
 _NODE_KEYS = ("name", "device", "count", "devices_per_node", "overrides")
 _NETWORK_KEYS = ("scale_out_gbps",)
 
@@ -81,8 +83,9 @@ class ClusterSpec:
         ]
 
 
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and check a cluster spec (module docstring).
+def load_cluster(path: str | Path, *, devices: Mapping[str, Device] | None = None) -> ClusterSpec:
+    """Read and check a cluster spec (module docstring); `devices`: profiles a node group
+    may name besides `hardware.DEVICES` (`PROFILED`: the device a `tidal profile` measured).
 
     Raises:
         ValueError: the file is missing or not YAML, or a key is unknown or wrong; the
@@ -95,11 +98,13 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         raise ValueError(f"{path}: cannot read the cluster spec: {e.strerror or e}") from e
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from e
-    return parse_cluster(data, source=str(path))
+    return parse_cluster(data, source=str(path), devices=devices)
 
 
-def parse_cluster(data: Any, *, source: str = "<cluster spec>") -> ClusterSpec:
-    """A `ClusterSpec` from a spec already read (a mapping); `source` names it in errors."""
+def parse_cluster(data: Any, *, source: str = "<cluster spec>", devices: Mapping[str, Device] | None = None) -> ClusterSpec:
+    """A `ClusterSpec` from a spec already read (a mapping); `source` names it in errors;
+    `devices` as `load_cluster`'s."""
+    known = {**DEVICES, **(devices or {})}
 
     def fail(key: str, message: str) -> ValueError:
         return ValueError(f"{source}: {key}: {message}")
@@ -134,8 +139,9 @@ def parse_cluster(data: Any, *, source: str = "<cluster spec>") -> ClusterSpec:
             raise fail(f"{key}.name", f"{group_name!r} names an earlier group too")
         seen.add(group_name)
         kind = node.get("device")
-        if not isinstance(kind, str) or kind.lower() not in DEVICES:
-            raise fail(f"{key}.device", f"unknown device {kind!r}; valid devices: {', '.join(DEVICES)}")
+        if not isinstance(kind, str) or kind.lower() not in known:
+            hint = f" ({PROFILED!r}, the device a `tidal profile` measured, needs --profile)" if PROFILED not in known else ""
+            raise fail(f"{key}.device", f"unknown device {kind!r}; valid devices: {', '.join(known)}{hint}")
         count = node.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise fail(f"{key}.count", f"must be an integer >= 1, got {count!r}")
@@ -152,7 +158,7 @@ def parse_cluster(data: Any, *, source: str = "<cluster spec>") -> ClusterSpec:
         if dpn is not None and (isinstance(dpn, bool) or not isinstance(dpn, int) or not 1 <= dpn <= MAX_CAPACITY):
             raise fail(f"{key}.devices_per_node", f"must be an integer in 1..{MAX_CAPACITY}, got {dpn!r}")
         try:
-            profile = device(kind, **figures)
+            profile = device(kind, known=known, **figures)
         except ValueError as e:
             raise fail(f"{key}.overrides", str(e)) from e
         groups.append(NodeGroup(name=group_name, device=profile, count=count))

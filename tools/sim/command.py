@@ -53,7 +53,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p = sub.add_parser("simulate", help="predict a recipe's throughput on a cluster spec (virtual clock)", description=SIMULATE_HELP, formatter_class=fmt)
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides; cluster=SPEC names the cluster spec")
-    p.add_argument("--model", default="7b", help="Qwen2.5 size whose shape is simulated: 0.5b, 1.5b, 3b, 7b, 14b or 32b (default: 7b)")
+    p.add_argument("--model", default="7b", help="Qwen2.5 size whose shape is simulated: 0.5b, 1.5b, 3b, 7b, 14b or 32b, or `profiled`: the model --profile timed (default: 7b)")
     p.add_argument("--mean-tokens", type=float, default=1024.0, help="mean response length in tokens (default: 1024)")
     p.add_argument("--prompt-sigma", type=float, default=0.5, help="lognormal spread of the mean length across prompts (default: 0.5)")
     p.add_argument("--group-sigma", type=float, default=0.3, help="lognormal spread within a prompt's group (default: 0.3)")
@@ -80,10 +80,11 @@ def _cluster_path(given: str) -> Path:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tidal.tools.config import ConfigError, load_config  # noqa: PLC0415
     from tidal.tools.recipes import resolve_recipe  # noqa: PLC0415
-    from tidal.tools.sim.calibrate import extrapolations  # noqa: PLC0415
-    from tidal.tools.sim.cluster import load_cluster  # noqa: PLC0415
+    from tidal.tools.sim.calibrate import extrapolations, fit, profiled_device, profiled_model  # noqa: PLC0415
+    from tidal.tools.sim.cluster import PROFILED, load_cluster  # noqa: PLC0415
     from tidal.tools.sim.costs import ModelShape  # noqa: PLC0415
     from tidal.tools.sim.lengths import LengthModel, replay  # noqa: PLC0415
+    from tidal.tools.sim.profile import load as load_profile  # noqa: PLC0415
     from tidal.tools.sim.simulate import Workload, simulate  # noqa: PLC0415
 
     clusters = [o.split("=", 1)[1] for o in args.overrides if o.startswith("cluster=")]
@@ -96,10 +97,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         overrides.insert(0, f"algorithm.num_steps={steps}")  # a num_steps override given too wins
     cfg = load_config(recipe, overrides)
     try:
-        cluster = load_cluster(_cluster_path(clusters[0]))
-        calibration = _calibration(args.profile) if args.profile else None
+        profile = load_profile(args.profile) if args.profile else None
+        calibration = fit(profile, source=args.profile) if profile is not None else None
+        cluster = load_cluster(_cluster_path(clusters[0]), devices={PROFILED: profiled_device(profile)} if profile is not None else None)
+        if args.model == PROFILED and profile is None:
+            raise ConfigError(f"--model {PROFILED} simulates the model a `tidal profile` timed: give the profile with --profile")
         work = Workload(
-            model=ModelShape.qwen2_5(args.model),
+            model=profiled_model(profile) if profile is not None and args.model == PROFILED else ModelShape.qwen2_5(args.model),
             lengths=LengthModel(mean_tokens=args.mean_tokens, prompt_sigma=args.prompt_sigma, group_sigma=args.group_sigma, drift=args.drift, max_new_tokens=cfg.rollout.max_new_tokens),
             prompt_tokens=args.prompt_tokens,
             token_scale=args.token_scale,
@@ -126,20 +130,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _calibration(path: str) -> Any:
-    from tidal.tools.sim.calibrate import fit  # noqa: PLC0415
-    from tidal.tools.sim.profile import load  # noqa: PLC0415
-
-    return fit(load(path), source=path)
-
-
 def _ranges(prediction: Any) -> dict[str, int]:
     r = prediction.engine_ranges
     return {"decode_batch": r["decode_batch"], "context": r["context"], "train_tokens": r["train_tokens_per_device"]}
 
 
+def _overheads(eff: Any) -> str:
+    """The fixed costs a profile fitted, for the banner (none: nothing)."""
+    parts = [f"{name} {1000 * seconds:.2f} ms" for name, seconds in (("decode step", eff.decode_step_overhead_s), ("prefill", eff.prefill_overhead_s), ("train step", eff.train_step_overhead_s)) if seconds]
+    return "; fixed cost a " + ", a ".join(parts) if parts else ""
+
+
 def _banner(calibration: Any, eff: Any) -> str:
-    factors = f"decode bandwidth {eff.decode_bandwidth:.2f}, prefill compute {eff.prefill_compute:.2f}, train MFU {eff.train_mfu:.2f}"
+    factors = f"decode bandwidth {eff.decode_bandwidth:.2f}, prefill compute {eff.prefill_compute:.2f}, train MFU {eff.train_mfu:.2f}" + _overheads(eff)
     if calibration is None:
         return f"UNCALIBRATED: efficiency factors are assumptions ({factors}; docs/simulate.md), not fitted to a profile"
     return f"calibrated from {calibration.source}: {factors}"
@@ -218,6 +221,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     eff = fit(profile, source=str(out)).eff
     peak = profile["peak"]
     print(f"profiled {profile['platform']['kind']} with {profile['model']['name']} ({profile['model']['num_params']:,} parameters): peak {peak['flops'] / 1e9:,.1f} GFLOP/s, {peak['bytes_per_s'] / 1e9:,.1f} GB/s")
-    print(f"fitted: decode bandwidth {eff.decode_bandwidth:.3f}, prefill compute {eff.prefill_compute:.3f}, train MFU {eff.train_mfu:.3f}")
+    print(f"fitted: decode bandwidth {eff.decode_bandwidth:.3f}, prefill compute {eff.prefill_compute:.3f}, train MFU {eff.train_mfu:.3f}" + _overheads(eff))
     print(f"profile: {out}")
     return 0

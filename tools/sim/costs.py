@@ -74,12 +74,23 @@ class Efficiency:
     grad_overlap: float = 0.0
     """Fraction of the gradient all-reduce hidden under the backward pass, in [0, 1].
     Default none: pessimistic, and what a step with one gradient bucket gets."""
+    decode_step_overhead_s: float = 0.0
+    """Seconds every decode step takes beside its roofline time: kernel launches and the
+    engine's own work, which a small model or a small batch is dominated by. Default
+    none; `calibrate.fit` measures it with the factors above."""
+    prefill_overhead_s: float = 0.0
+    """The same for each prefill pass."""
+    train_step_overhead_s: float = 0.0
+    """The same for each training step (optimizer step, the loop's own work)."""
 
     def __post_init__(self) -> None:
         for f in ("train_mfu", "decode_bandwidth", "prefill_compute", "network"):
             value = getattr(self, f)
             if not 0 < value <= 1:
                 raise ValueError(f"Efficiency.{f} must be in (0, 1], got {value!r}")
+        for f in ("decode_step_overhead_s", "prefill_overhead_s", "train_step_overhead_s"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"Efficiency.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
         if not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"Efficiency.grad_overlap must be in [0, 1], got {self.grad_overlap!r}")
 
@@ -175,7 +186,7 @@ def decode_step_s(model: ModelShape, device: Device, *, tp: int, batch: int, con
     read = model.weight_bytes / tp + context_tokens * kv_bytes_per_token(model) / _kv_shards(model, tp)
     memory_s = read / (device.hbm_bytes_per_s * eff.decode_bandwidth)
     compute_s = 2 * model.num_params * batch / tp / (device.flops * eff.prefill_compute)
-    return max(memory_s, compute_s) + _tp_allreduce_s(model, device, tp=tp, rows=batch, eff=eff)
+    return max(memory_s, compute_s) + _tp_allreduce_s(model, device, tp=tp, rows=batch, eff=eff) + eff.decode_step_overhead_s
 
 
 def prefill_s(model: ModelShape, device: Device, *, tp: int, tokens: int, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
@@ -185,7 +196,7 @@ def prefill_s(model: ModelShape, device: Device, *, tp: int, tokens: int, eff: E
         return 0.0
     compute_s = 2 * model.num_params * tokens / tp / (device.flops * eff.prefill_compute)
     weights_s = model.weight_bytes / tp / (device.hbm_bytes_per_s * eff.decode_bandwidth)  # short prompts are memory-bound
-    return max(compute_s, weights_s) + _tp_allreduce_s(model, device, tp=tp, rows=tokens, eff=eff)
+    return max(compute_s, weights_s) + _tp_allreduce_s(model, device, tp=tp, rows=tokens, eff=eff) + eff.prefill_overhead_s
 
 
 def max_concurrent_tokens(model: ModelShape, device: Device, *, tp: int, memory_fraction: float = 0.9) -> int:
@@ -303,7 +314,8 @@ def _ring_allreduce_s(nbytes: float, *, ranks: int, gbps: float, eff: Efficiency
 def train_step_s(model: ModelShape, device: Device, *, num_devices: int, tokens: int, eff: Efficiency = DEFAULT_EFFICIENCY, num_nodes: int = 1) -> float:
     """One optimizer step over `tokens` tokens (all ranks together), data parallel.
 
-    compute = 6 x params x tokens / (num_devices x peak x train_mfu); the gradients
+    compute = 6 x params x tokens / (num_devices x peak x train_mfu), plus
+    `eff.train_step_overhead_s` (a step of no tokens costs nothing); the gradients
     (params x bytes_per_param) are all-reduced by a ring over the slowest link its ranks
     cross: scale-out when the ranks span nodes, else scale-up. `eff.grad_overlap` of the
     all-reduce hides under compute; the step is never shorter than the all-reduce alone.
@@ -317,7 +329,8 @@ def train_step_s(model: ModelShape, device: Device, *, num_devices: int, tokens:
         comm_s = _ring_allreduce_s(model.weight_bytes, ranks=num_devices, gbps=device.scale_out_gbps, eff=eff, latency_s=NETWORK_LATENCY_S)
     else:
         comm_s = _ring_allreduce_s(model.weight_bytes, ranks=num_devices, gbps=device.scale_up_gbps, eff=eff, latency_s=COLLECTIVE_LATENCY_S)
-    return max(compute_s + (1 - eff.grad_overlap) * comm_s, comm_s)
+    overhead_s = eff.train_step_overhead_s if tokens else 0.0
+    return max(compute_s + (1 - eff.grad_overlap) * comm_s, comm_s) + overhead_s
 
 
 def weight_sync_s(

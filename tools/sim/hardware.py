@@ -172,11 +172,12 @@ DEVICES: Mapping[str, Device] = {d.name: d for d in (ASCEND_910B, ASCEND_910C, H
 """Every profile by its lowercase name."""
 
 
-def device(name: str, **overrides: Any) -> Device:
+def device(name: str, *, known: Mapping[str, Device] = DEVICES, **overrides: Any) -> Device:
     """The profile called `name` (any case), with `overrides` replacing its figures.
 
     Args:
-        name: a key of `DEVICES`, e.g. `"h100"`.
+        name: a key of `known` (default `DEVICES`), e.g. `"h100"`.
+        known: the profiles by name (`DEVICES` and, say, a `tidal profile`'s device).
         **overrides: fields of `OVERRIDABLE`, e.g. `scale_out_gbps=25` for a cluster with
             200 Gb/s NICs.
 
@@ -185,9 +186,9 @@ def device(name: str, **overrides: Any) -> Device:
             not a positive number.
     """
     key = str(name).lower()
-    if key not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; valid devices: {', '.join(DEVICES)}")
+    if key not in known:
+        raise ValueError(f"unknown device {name!r}; valid devices: {', '.join(known)}")
     unknown = sorted(set(overrides) - set(OVERRIDABLE))
     if unknown:
         raise ValueError(f"device {key!r}: unknown override(s) {', '.join(unknown)}; valid overrides: {', '.join(OVERRIDABLE)}")
-    return dataclasses.replace(DEVICES[key], **overrides)
+    return dataclasses.replace(known[key], **overrides)

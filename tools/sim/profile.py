@@ -13,9 +13,12 @@ after the platform's `synchronize` (accelerators queue work; the clock must wait
   the hf rollout engine does: logits of the last position only, where the model's forward
   takes `logits_to_keep` (as vLLM's prefill does; `costs.prefill_s`'s 2 x params x tokens
   counts the LM head for every token, a few percent more).
-- `train`: forward, backward and AdamW step of next-token cross-entropy on [rows, context]
-  ids, in train mode under the platform's autocast of `train.precision`, with a fresh
-  optimizer per row count (the warm-up makes its moments, as a run's first step does).
+- `train`: the recipe's own train engine (`train.backend`, built as a run builds it, on a
+  copy of the model) taking `train_step` with the recipe's loss over `rows` trajectories
+  of `context` tokens, half prompt and half response (the warm-up makes the optimizer's
+  moments, as a run's first step does). A plain forward, backward and AdamW step of the
+  model costs a different amount: the engine's loss, micro-batching and clipping are what
+  a run pays (on the quickstart's tiny model, less than half).
 - `peak`: a dense n x n matmul in the model's dtype (flops = 2 n^3 / t) and a `copy_`
   between two byte tensors (bytes/s = 2 x bytes / t: one read, one write): the roofline
   peaks of this device as the simulator's `hardware.Device` states them.
@@ -157,23 +160,8 @@ def measure(
     context = train_context or max(fitting, default=0)
     train = []
     if context:
-        say(f"train: rows {list(train_rows)} x {context} tokens, forward + backward + AdamW")
-        model.train()
-        precision = cfg.train.precision.value
-        for rows in train_rows:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **platform.optimizer_options())  # small: the weights are timed, not trained
-            batch_ids = ids(rows, context)
-
-            def step(batch_ids: Any = batch_ids, optimizer: Any = optimizer) -> None:
-                optimizer.zero_grad(set_to_none=True)
-                with platform.autocast(precision):
-                    loss = model(input_ids=batch_ids, labels=batch_ids).loss  # next-token cross-entropy (labels are shifted inside)
-                loss.backward()
-                optimizer.step()
-
-            train.append({"rows": rows, "context": context, "tokens": rows * context, "seconds": _median_s(step, repeats=repeats, sync=sync)})
-            del optimizer
-        model.eval()
+        say(f"train: rows {list(train_rows)} x {context} tokens, the recipe's train engine ({cfg.train.backend}) taking its RL step")
+        train = _train_points(cfg, model, platform, rows=train_rows, context=context, vocab=vocab, repeats=repeats, sync=sync)
     else:
         say(f"train: skipped, no context of {list(contexts)} fits {max_positions} positions")
 
@@ -209,6 +197,43 @@ def measure(
         "weights": weights,
         "host_device_bytes_per_s": host_device,
     }
+
+
+def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], context: int, vocab: int, repeats: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+    """The recipe's train engine (built as a run builds it, on a copy of `model`) timed at
+    `train_step` over `rows` trajectories of `context` tokens each, half prompt and half
+    response: the step a run takes (its loss, micro-batching and optimizer), not a plain
+    forward and backward, which on a small model costs a different amount."""
+    import copy  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from tidal.engines.registry import load  # noqa: PLC0415
+    from tidal.flow.trajectory import Trajectory, to_token_batch  # noqa: PLC0415
+    from tidal.tools.config_schema import loss_config  # noqa: PLC0415
+    from tidal.tools.rl import build_train_engine  # noqa: PLC0415
+    from tidal.tools.train import _one_process_group  # noqa: PLC0415
+
+    train_cls = load("train.backend", cfg.train.backend)
+    group = _one_process_group(train_cls, platform)
+    try:
+        engine = build_train_engine(cfg, train_cls, copy.deepcopy(model), platform=platform)
+        loss = loss_config(cfg)
+        prompt = max(1, context // 2)
+        response = max(1, context - prompt)
+        points = []
+        for n in rows:
+            token = [3 + k % max(1, vocab - 3) for k in range(prompt + response)]  # ids every vocabulary has
+            batch = to_token_batch([Trajectory(prompt_ids=token[:prompt], tokens=token[prompt:], logprobs=[-1.0] * response, versions=[0] * response, finish_reason="length") for _ in range(n)], pad_id=0)
+            advantages = torch.linspace(-1.0, 1.0, n)
+            seconds = _median_s(lambda batch=batch, advantages=advantages: engine.train_step(batch, advantages, loss=loss), repeats=repeats, sync=sync)
+            points.append({"rows": n, "context": prompt + response, "tokens": n * (prompt + response), "seconds": seconds})
+        return points
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+            group.unlink(missing_ok=True)
 
 
 def _median_s(run: Callable[..., Any], *, repeats: int, sync: Callable[[], None], setup: Callable[[], Any] | None = None) -> float:
