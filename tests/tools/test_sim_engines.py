@@ -75,7 +75,7 @@ def test_a_group_of_equal_lengths_takes_its_prefill_and_its_steps():
     assert rows[0].tokens == [1] * 32 and rows[0].logprobs == [-1.0] * 32 and rows[0].versions == [0] * 32
     # the group's 4 samples share one prompt: one prefill of it, then 32 steps of 4 rows
     assert end == pytest.approx(_prefill(4) + _segment(4, 4 * 4, 32), rel=1e-12)
-    assert engine.stats == {"busy_s": pytest.approx(end), "num_real_tokens": 4 * 32 * SCALE, "num_generates": 1, "num_pauses": 0, "max_batch": 4}
+    assert engine.stats == {"busy_s": pytest.approx(end), "reprefill_s": 0.0, "num_real_tokens": 4 * 32 * SCALE, "num_generates": 1, "num_pauses": 0, "max_batch": 4}
 
 
 def test_without_interrupts_a_generate_takes_what_generate_s_says():
@@ -135,6 +135,7 @@ def test_an_interrupt_pauses_at_once_and_a_later_call_resumes_with_the_new_versi
     decode = left * costs.decode_step_s(MODEL, H100, tp=1, batch=4, context_tokens=math.ceil(average), eff=EFF)
     assert resumed_s == pytest.approx(_prefill(4 + 10) + decode, rel=1e-12)
     assert engine.version == 1 and engine.stats["num_pauses"] == 1 and engine.stats["num_generates"] == 2
+    assert engine.stats["reprefill_s"] == pytest.approx(_prefill(4 + 10), rel=1e-12)  # the resumed rows' whole prefill: a pause's cost
 
 
 def test_refill_rows_join_when_rows_end_and_pay_their_prefill():

@@ -50,8 +50,8 @@ def test_max_staleness_0_is_the_synchronous_timeline():
     assert prediction.idle["train_waiting_for_data"] > 0.5  # the trainer idles while rollout generates
 
 
-@pytest.mark.parametrize(("train_devices", "bound", "tolerance"), [(2, "train", 0.02), (8, "generate", 0.03)])
-def test_constant_lengths_async_speedup_is_the_overlap_of_generation_and_training(train_devices, bound, tolerance):
+@pytest.mark.parametrize(("train_devices", "bound"), [(2, "train"), (8, "generate")])
+def test_constant_lengths_async_speedup_is_the_overlap_of_generation_and_training(train_devices, bound):
     overrides = (f"placement.train.count={train_devices}",)
     sync, sync_trace = _run(staleness=0, sigma=0.0, overrides=overrides)
     overlapped, _ = _run(staleness=1, sigma=0.0, overrides=overrides)
@@ -60,10 +60,15 @@ def test_constant_lengths_async_speedup_is_the_overlap_of_generation_and_trainin
     assert (t_train > t_gen) == (bound == "train")
     period = {name: statistics.fmean(s["step_s"] for s in p.steps[2:]) for name, p in (("sync", sync), ("async", overlapped))}
     ideal = (t_gen + t_train) / max(t_gen, t_train)
-    # Generation-bound, a little below the ideal: each weight update pauses the running
-    # generation, whose rows then prefill again (KV recomputed under the new weights, as
-    # tidal's engines do). Training-bound, rollout is idle when the weights come: no pause.
-    assert period["sync"] / period["async"] == pytest.approx(ideal, rel=tolerance)
+    # Generation-bound, each weight update pauses the running generation, whose rows then
+    # prefill again (KV recomputed under the new weights, as tidal's engines do): async's
+    # generation takes that much longer a step. Training-bound, rollout is idle when the
+    # weights come: no pause, no cost. (About 1.7% is left generation-bound: the decode step
+    # each pause loses in flight, and what else a pause costs that is not counted here.)
+    repeat = overlapped.reprefill_share * overlapped.total_s / len(overlapped.steps)
+    assert (repeat > 0) == (bound == "generate") and (overlapped.paused_generations > 0) == (bound == "generate")
+    paused = (t_gen + t_train) / max(t_gen + repeat, t_train)
+    assert period["sync"] / period["async"] == pytest.approx(paused, rel=0.02)
     assert period["sync"] / period["async"] <= ideal * 1.001
 
 

@@ -174,7 +174,7 @@ def _print(p: Any, *, cluster_name: str, trace: Path) -> None:
     print("  step s           " + "  ".join(f"{k} {v:,.2f}" for k, v in p.step_s.items()))
     print("  busy             " + "  ".join(f"{k} {v:.0%}" for k, v in p.utilisation.items()))
     print("  idle             " + "  ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in p.idle.items()))
-    print(f"  paused generations {p.paused_generations}")
+    print(f"  paused generations {p.paused_generations}" + (f" (prefilling their tokens again took {p.reprefill_share:.1%} of the run)" if p.paused_generations else ""))
     total = sum(p.version_gaps.values()) or 1
     print("  version gap      " + "  ".join(f"{gap}: {n / total:.0%}" for gap, n in p.version_gaps.items()))
     print(f"trace: {trace}")

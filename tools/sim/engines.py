@@ -89,10 +89,12 @@ class SimRolloutEngine:
         self._targets: dict[int, tuple[Trajectory, int]] = {}
         self._carry: dict[int, int] = {}  # id(row) -> real steps done past its last whole simulated token (the row is in _targets)
         self._groups: dict[int, tuple[dict[str, Any], int]] = {}  # id(meta) -> (meta, samples of it seen so far)
-        self.stats: dict[str, float] = {"busy_s": 0.0, "num_real_tokens": 0, "num_generates": 0, "num_pauses": 0, "max_batch": 0}
-        """`busy_s`: virtual seconds spent prefilling or decoding; `num_real_tokens`: real
-        tokens generated; `num_generates`: generate calls; `num_pauses`: calls that returned
-        early with unfinished rows; `max_batch`: the most sequences one decode step ran."""
+        self.stats: dict[str, float] = {"busy_s": 0.0, "reprefill_s": 0.0, "num_real_tokens": 0, "num_generates": 0, "num_pauses": 0, "max_batch": 0}
+        """`busy_s`: virtual seconds spent prefilling or decoding; `reprefill_s`: the share of
+        those spent prefilling again the tokens paused rows had generated (partial rollout's
+        cost; a share of each prefill by tokens); `num_real_tokens`: real tokens generated;
+        `num_generates`: generate calls; `num_pauses`: calls that returned early with
+        unfinished rows; `max_batch`: the most sequences one decode step ran."""
 
     def interrupt(self) -> None:
         """End the current decoding wait now (new weights, a stop): the engine credits the whole
@@ -201,12 +203,14 @@ class SimRolloutEngine:
             batch.add(t, context=(len(t.prompt_ids) + len(t.tokens)) * self.token_scale + carry, carry=carry, steps_left=left[id(t)])
         # A group's samples of one input share its prefill (prefix caching; hf_rollout prefills
         # distinct inputs once). A resumed row recomputes its generated tokens' KV too.
-        distinct = {(id(t.meta), tuple(t.ids)) for t in joining}
+        distinct = {(id(t.meta), tuple(t.ids)): len(t.tokens) for t in joining}
         tokens = sum(len(ids) for _, ids in distinct) * self.token_scale
         seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff)
         if seconds > 0:
             self.clock.sleep(seconds)
             self.stats["busy_s"] += seconds
+            resumed = sum(len(ids) for (_, ids), generated in distinct.items() if generated)
+            self.stats["reprefill_s"] += seconds * resumed * self.token_scale / tokens  # resumed rows' share (prompt included: its KV went too)
 
     def _decode(self, batch: _Batch, goals: dict[int, int], max_new_tokens: int) -> list[Trajectory]:
         """Decode until the first running row ends or an interrupt; count the real steps

@@ -85,6 +85,9 @@ class Prediction:
     waited for weights and for prompts."""
     paused_generations: int
     """Generate calls that paused for new weights (partial rollout)."""
+    reprefill_share: float
+    """Share of the run a rollout instance spent (mean over instances) prefilling again
+    the tokens its paused rows had generated: what pausing for new weights cost."""
     version_gaps: dict[int, int]
     """Trained tokens by how many versions older than the trainer they were."""
     layout: str
@@ -220,6 +223,7 @@ def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngi
             "rollout_waiting_for_prompts": waits.get("rollout", 0.0) / total,
         },
         paused_generations=int(steps[-1].get("paused_generations", 0)) if steps else 0,
+        reprefill_share=sum(e.stats["reprefill_s"] for e in rollouts.engines) / num_rollout / total,
         version_gaps=dict(sorted(gaps.items())),
         layout=plan.layout,
         roles={
