@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tidal.tools.config import load_config
 from tidal.tools.recipes import resolve_recipe
@@ -120,3 +121,23 @@ def test_load_refuses_another_version_and_bad_values(profile, tmp_path: Path):
 def test_measure_refuses_a_train_context_beyond_the_model(cfg):
     with pytest.raises(ValueError, match="train_context=100"):
         measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), train_context=100, repeats=1)
+
+
+def test_training_is_timed_on_the_recipes_engine_with_the_prompt_share_asked_for(cfg, monkeypatch):
+    from tidal.engines.registry import load
+
+    steps = []
+    engine_cls = load("train.backend", cfg.train.backend)
+    real_step = engine_cls.train_step
+
+    def counting(self, batch, advantages, **kwargs):
+        steps.append((batch.input_ids.shape, int(batch.loss_mask.sum(dim=1)[0]), int(torch.get_num_threads())))
+        return real_step(self, batch, advantages, **kwargs)
+
+    monkeypatch.setattr(engine_cls, "train_step", counting)
+    out = measure(cfg, batches=(1,), contexts=(8,), train_rows=(3,), train_context=8, train_prompt=5, repeats=1)
+    assert out["train"] == [{"rows": 3, "context": 8, "tokens": 24, "seconds": out["train"][0]["seconds"]}]
+    assert steps and all(shape == (3, 8) and loss == 3 for shape, loss, _ in steps)  # 5 prompt + 3 response tokens a row
+    assert {threads for *_, threads in steps} == {cfg.threads}  # the run's train-stage threads
+    with pytest.raises(ValueError, match="train_prompt must be >= 1"):
+        measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), train_prompt=0, repeats=1)

@@ -80,10 +80,12 @@ CHECK_TARGETS = {"ratio": 0.10, "step": 0.15}
 
 
 def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Profile this machine at the quickstart's shapes, run the quickstart async and sync
-    (`tidal run`'s path) for each seed, simulate each run on a two-device spec of the
-    profiled device (one core a role, as the runs' two threads of one torch thread each)
-    with the run's own response lengths replayed, and compare.
+    """Run the quickstart async and sync (`tidal run`'s path) for each seed, profile this
+    machine at the runs' shapes (decode batches, contexts, and training rows of the
+    quickstart's prompt and the runs' median longest response, which a step's rows are
+    padded to), simulate each run on a two-device spec of the profiled device (one core a
+    role, as the runs' two threads of one torch thread each) with the run's own response
+    lengths replayed, and compare.
 
     The step time is the run's: 128 samples over its samples/s (RL wall time, evaluations
     and the warm start excluded), and the prediction's mean step over the same steps.
@@ -107,19 +109,23 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     prompts = list(itertools.islice(iter(prompt_source(cfg, policy.tokenizer).train()), 64))
     prompt_tokens = max(1, round(statistics.mean(len(p["prompt_ids"]) for p in prompts)))
     context = prompt_tokens + cfg.rollout.max_new_tokens
-    say(f"profiling this machine at the quickstart's shapes: decode batches up to {decode_batch}, contexts up to {context}, training steps of up to {batch} rows")
-    profile = measure(cfg, batches=(decode_batch // 8, decode_batch), contexts=(prompt_tokens, context), train_rows=(batch // 4, batch), repeats=repeats)
-    calibration = fit(profile, source="this machine's profile")
-    cluster = parse_cluster({"name": "this-machine", "nodes": [{"name": "box", "device": PROFILED, "devices_per_node": 2}]}, devices={PROFILED: profiled_device(profile)})
-    rows = []
+    runs = []
     for seed in seeds:
         for system, overrides in CHECK_SYSTEMS.items():
             say(f"running the quickstart {system}, seed {seed}, {num_steps} steps")
-            measured, lengths = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
-            work = Workload(model=profiled_model(profile), lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, eff=calibration.eff)
-            predicted, _ = simulate(load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"]), cluster, work, tracer_events=1)
-            rows.append({"system": system, "seed": seed, "measured_samples_per_s": measured, "predicted_samples_per_s": predicted.samples_per_s, "measured_step_s": batch / measured, "predicted_step_s": batch / predicted.samples_per_s})
-    out: dict[str, Any] = {"steps": num_steps, "seeds": list(seeds), "prompt_tokens": prompt_tokens, "efficiency": dataclasses.asdict(calibration.eff), "runs": rows, "targets": CHECK_TARGETS}
+            runs.append((seed, system, overrides, *_real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])))
+    # A training step's rows are padded to its longest response: profile rows of that shape.
+    padded = max(1, round(statistics.median(max(n for group in groups for n in group) for *_, lengths in runs for groups in lengths.values())))
+    say(f"profiling this machine at the runs' shapes: decode batches up to {decode_batch}, contexts up to {context}, training steps of up to {batch} rows of {prompt_tokens} + {padded} tokens")
+    profile = measure(cfg, batches=(decode_batch // 8, decode_batch), contexts=(prompt_tokens, context), train_rows=(batch // 4, batch), train_context=prompt_tokens + padded, train_prompt=prompt_tokens, repeats=repeats)
+    calibration = fit(profile, source="this machine's profile")
+    cluster = parse_cluster({"name": "this-machine", "nodes": [{"name": "box", "device": PROFILED, "devices_per_node": 2}]}, devices={PROFILED: profiled_device(profile)})
+    rows = []
+    for seed, system, overrides, measured, lengths in runs:
+        work = Workload(model=profiled_model(profile), lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, eff=calibration.eff)
+        predicted, _ = simulate(load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"]), cluster, work, tracer_events=1)
+        rows.append({"system": system, "seed": seed, "measured_samples_per_s": measured, "predicted_samples_per_s": predicted.samples_per_s, "measured_step_s": batch / measured, "predicted_step_s": batch / predicted.samples_per_s})
+    out: dict[str, Any] = {"steps": num_steps, "seeds": list(seeds), "prompt_tokens": prompt_tokens, "train_row_tokens": prompt_tokens + padded, "efficiency": dataclasses.asdict(calibration.eff), "runs": rows, "targets": CHECK_TARGETS}
     for key in ("measured", "predicted"):
         per = {s: statistics.median(r[f"{key}_samples_per_s"] for r in rows if r["system"] == s) for s in CHECK_SYSTEMS}
         out[f"{key}_ratio"] = per["async"] / per["sync"]

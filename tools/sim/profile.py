@@ -30,8 +30,10 @@ after the platform's `synchronize` (accelerators queue work; the clock must wait
 Points whose context does not fit the model's `max_position_embeddings` are skipped
 (decode needs room for its warm-up and repeats too). Not measured: collective bandwidth
 (all-reduce, all-gather between devices), which needs two processes and a process group;
-the simulator keeps its datasheet link figures for those. Neither the recipe's `threads`
-nor any other torch setting is changed: the numbers are this process's as it stands.
+the simulator keeps its datasheet link figures for those. Decode and prefill run with
+the torch threads the recipe gives its rollout stage, training with its train stage's
+(`threads`, `rollout.threads`, `train.threads`; 0: torch's default), as a run runs them;
+the peaks and the weight copies with this process's own.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def measure(
     contexts: Sequence[int] = (32, 128),
     train_rows: Sequence[int] = (4, 16),
     train_context: int | None = None,
+    train_prompt: int | None = None,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -81,6 +84,7 @@ def measure(
         contexts: cached tokens per sequence of a decode step; prompt tokens of a prefill.
         train_rows: rows of a training step, one point each.
         train_context: tokens per training row; default the longest of `contexts` that fits.
+        train_prompt: prompt tokens of those (the rest is response, at least one); default half.
         repeats: timed runs per point (their median is reported), after one warm-up.
         progress: called with one line per group of measurements.
 
@@ -95,6 +99,8 @@ def measure(
 
     from tidal.engines.models import DTYPES  # noqa: PLC0415
     from tidal.hal import init_platform  # noqa: PLC0415
+    from tidal.tools.config import stage_threads  # noqa: PLC0415
+    from tidal.tools.rl import torch_threads  # noqa: PLC0415
     from tidal.tools.train import build_policy  # noqa: PLC0415
 
     if repeats < 1:
@@ -124,6 +130,8 @@ def measure(
     vocab = config.vocab_size
     if train_context is not None and train_context > max_positions:
         raise ValueError(f"train_context={train_context} exceeds the model's {max_positions} positions")
+    if train_prompt is not None and train_prompt < 1:
+        raise ValueError(f"train_prompt must be >= 1, got {train_prompt}")
 
     # As the hf rollout engine calls the model: logits of the last position only where the
     # model can skip the others, and the KV cache under transformers' current keyword.
@@ -141,7 +149,7 @@ def measure(
     model.eval()
     decode, prefill = [], []
     say(f"decode and prefill: batches {list(batches)} x contexts {list(contexts)} (max positions {max_positions})")
-    with torch.no_grad():
+    with torch.no_grad(), torch_threads(stage_threads(cfg, "rollout")):  # as the run's rollout stage has them
         for batch in batches:
             for context in contexts:
                 if context + repeats + 2 <= max_positions:
@@ -161,7 +169,8 @@ def measure(
     train = []
     if context:
         say(f"train: rows {list(train_rows)} x {context} tokens, the recipe's train engine ({cfg.train.backend}) taking its RL step")
-        train = _train_points(cfg, model, platform, rows=train_rows, context=context, vocab=vocab, repeats=repeats, sync=sync)
+        with torch_threads(stage_threads(cfg, "train")):  # as the run's train stage has them
+            train = _train_points(cfg, model, platform, rows=train_rows, context=context, prompt=train_prompt, vocab=vocab, repeats=repeats, sync=sync)
     else:
         say(f"train: skipped, no context of {list(contexts)} fits {max_positions} positions")
 
@@ -199,11 +208,12 @@ def measure(
     }
 
 
-def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], context: int, vocab: int, repeats: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], context: int, prompt: int | None, vocab: int, repeats: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
     """The recipe's train engine (built as a run builds it, on a copy of `model`) timed at
-    `train_step` over `rows` trajectories of `context` tokens each, half prompt and half
-    response: the step a run takes (its loss, micro-batching and optimizer), not a plain
-    forward and backward, which on a small model costs a different amount."""
+    `train_step` over `rows` trajectories of `context` tokens each, `prompt` of them prompt
+    (default half) and the rest response: the step a run takes (its loss, micro-batching
+    and optimizer), not a plain forward and backward, which on a small model costs a
+    different amount (and more for a response token than for a prompt token)."""
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -220,7 +230,7 @@ def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], c
     try:
         engine = build_train_engine(cfg, train_cls, copy.deepcopy(model), platform=platform)
         loss = loss_config(cfg)
-        prompt = max(1, context // 2)
+        prompt = max(1, min(context - 1, prompt if prompt is not None else context // 2))
         response = max(1, context - prompt)
         points = []
         for n in rows:
