@@ -132,3 +132,13 @@ def test_a_spec_and_a_model_may_be_the_profiled_ones(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["roles"]["train"] == {"devices": 1, "kind": "cpu"} and out["roles"]["transport"] == "ipc"  # two cores of one host share memory
     assert out["efficiency"]["train_mfu"] == pytest.approx(0.5) and out["samples_per_s"] > 0
+
+
+def test_a_profiles_contention_becomes_the_slowdowns_beside_the_other_role():
+    profile = {**_profile(decode=0.5, prefill=0.5, mfu=0.5), "contention": {"train": 1.3, "rollout": 0.97}}
+    eff = fit(profile, source="p.json").eff
+    assert (eff.train_beside_rollout, eff.rollout_beside_train) == (1.3, 1.0)  # faster beside the other is noise: 1
+    plain = fit(_profile(decode=0.5, prefill=0.5, mfu=0.5), source="p.json").eff
+    assert (plain.train_beside_rollout, plain.rollout_beside_train) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="train_beside_rollout must be >= 1"):
+        Efficiency(train_beside_rollout=0.5)

@@ -48,7 +48,7 @@ def _timings(profile: dict[str, Any]) -> list[float]:
 
 def test_profile_has_every_key_and_positive_finite_timings(profile):
     plain = _plain(profile)
-    assert set(plain) == set(KEYS)
+    assert set(plain) == {*KEYS, "contention"}  # contention: a host profile's, optional
     json.dumps(plain, allow_nan=False)
     assert plain["version"] == 1 and plain["recipe"] == "quickstart_cpu"
     assert plain["platform"] == {"kind": "cpu", "device_count": 1}
@@ -141,3 +141,10 @@ def test_training_is_timed_on_the_recipes_engine_with_the_prompt_share_asked_for
     assert {threads for *_, threads in steps} == {cfg.threads}  # the run's train-stage threads
     with pytest.raises(ValueError, match="train_prompt must be >= 1"):
         measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), train_prompt=0, repeats=1)
+
+
+def test_a_host_profile_times_each_role_beside_the_others_work(profile, cfg):
+    assert set(profile["contention"]) == {"train", "rollout"}
+    assert all(math.isfinite(v) and v > 0 for v in profile["contention"].values())
+    without = measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), repeats=1, contention=False)
+    assert "contention" not in without

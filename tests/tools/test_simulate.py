@@ -11,7 +11,7 @@ from tidal.tools.cli import main
 from tidal.tools.config import ConfigError, load_config
 from tidal.tools.recipes import resolve_recipe
 from tidal.tools.sim.cluster import parse_cluster
-from tidal.tools.sim.costs import ModelShape
+from tidal.tools.sim.costs import Efficiency, ModelShape
 from tidal.tools.sim.lengths import LengthModel
 from tidal.tools.sim.simulate import Workload, simulate
 
@@ -208,3 +208,25 @@ def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch,
     assert result["met"] is within
     rows = bench_simulate.check_table(result)
     assert rows[-1][-1] == ("met" if within else "NOT met") and rows[-2][0] == "async / sync"
+
+
+def test_work_beside_the_other_roles_on_one_host_slows_by_the_measured_factor():
+    """A node both roles work on: async's overlapping work slows by the factors; sync, whose
+    roles take turns, does not; on separate nodes nothing slows."""
+    one_node = parse_cluster({"nodes": [{"name": "box", "device": "h100"}]})
+    placed = ["placement.train.requires=[]", "placement.rollout.requires=[]", "placement.train.count=4", "placement.rollout.count=2", "placement.rollout.devices_each=2", "rollout.prompts_per_generate=4"]
+    slow = Efficiency(train_beside_rollout=1.5, rollout_beside_train=1.2)
+
+    def step_and_train(staleness: int, eff: Efficiency, cluster=one_node) -> tuple[float, float]:
+        cfg = load_config(resolve_recipe("mixed_npu_gpu"), ["algorithm.num_steps=6", "rollout.max_new_tokens=2048", "model.max_positions=4096", *placed, f"algorithm.max_staleness={staleness}"])
+        work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=1000, prompt_sigma=0.0, group_sigma=0.0, max_new_tokens=2048), token_scale=16, eff=eff)
+        prediction, tracer = simulate(cfg, cluster, work)
+        return statistics.fmean(s["step_s"] for s in prediction.steps[2:]), max(_durations(tracer, "train", "train"))
+
+    sync_plain, sync_slow = step_and_train(0, Efficiency()), step_and_train(0, slow)
+    assert sync_slow == pytest.approx(sync_plain, rel=1e-9)  # taking turns, neither works beside the other
+    async_plain, async_slow = step_and_train(1, Efficiency()), step_and_train(1, slow)
+    assert async_slow[1] == pytest.approx(1.5 * async_plain[1], rel=1e-6)  # a training step that starts beside rollout's work
+    assert async_slow[0] > async_plain[0] * 1.05
+    two_nodes = parse_cluster({"nodes": [{"name": "t", "device": "h100", "devices_per_node": 4}, {"name": "r", "device": "h100", "devices_per_node": 4}]})
+    assert step_and_train(1, slow, two_nodes) == pytest.approx(step_and_train(1, Efficiency(), two_nodes), rel=1e-9)

@@ -17,7 +17,8 @@ median ratio ideal / measured. The factors:
 - `train_mfu`: from the training steps (6 x params x tokens FLOPs);
 
 and the fixed costs `decode_step_overhead_s`, `prefill_overhead_s` and
-`train_step_overhead_s` of `costs.Efficiency`.
+`train_step_overhead_s` of `costs.Efficiency`. A profile's `contention` (each role's work
+beside the other's on one host) becomes `train_beside_rollout` and `rollout_beside_train`.
 
 The assumption that carries a fit to the cluster's devices: software reaches the same
 fraction of a device's peak on the cluster as on the profiled device. That is close for
@@ -100,6 +101,14 @@ def _factor(ideal: list[float], measured: list[float], name: str, source: str) -
     return eff, overhead
 
 
+def _contention(measured: Mapping[str, float] | None) -> dict[str, float]:
+    """The slowdowns a profile measured (none: each role at full speed); one measured
+    faster beside the other (timing noise) counts as 1."""
+    if not measured:
+        return {}
+    return {"train_beside_rollout": max(1.0, float(measured["train"])), "rollout_beside_train": max(1.0, float(measured["rollout"]))}
+
+
 def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
     """The efficiency factors and fixed per-step costs a profile measured (module docstring).
 
@@ -122,6 +131,7 @@ def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
         decode_step_overhead_s=decode_overhead,
         prefill_overhead_s=prefill_overhead,
         train_step_overhead_s=train_overhead,
+        **_contention(profile.get("contention")),
     )
     what = f"{source} ({profile['platform']['kind']}, {model.name}, {profile.get('date', 'undated')})"
     ratios = {k: [i / m for i, m in zip(ideal, times[section])] for k, ideal, section in (("decode_bandwidth", decode, "decode"), ("prefill_compute", prefill, "prefill"), ("train_mfu", train, "train"))}

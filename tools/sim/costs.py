@@ -82,6 +82,13 @@ class Efficiency:
     """The same for each prefill pass."""
     train_step_overhead_s: float = 0.0
     """The same for each training step (optimizer step, the loop's own work)."""
+    train_beside_rollout: float = 1.0
+    """How many times longer the trainer's work takes while rollout works on the same host
+    (a node both roles have devices on), >= 1. Default 1: devices of their own do not slow
+    each other; on one CPU two stages share the cores, caches and the interpreter's lock
+    (`tidal profile` measures it: `contention`)."""
+    rollout_beside_train: float = 1.0
+    """The same for rollout's work while the trainer works."""
 
     def __post_init__(self) -> None:
         for f in ("train_mfu", "decode_bandwidth", "prefill_compute", "network"):
@@ -91,6 +98,9 @@ class Efficiency:
         for f in ("decode_step_overhead_s", "prefill_overhead_s", "train_step_overhead_s"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Efficiency.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
+        for f in ("train_beside_rollout", "rollout_beside_train"):
+            if not getattr(self, f) >= 1:
+                raise ValueError(f"Efficiency.{f} must be >= 1 (a slowdown), got {getattr(self, f)!r}")
         if not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"Efficiency.grad_overlap must be in [0, 1], got {self.grad_overlap!r}")
 

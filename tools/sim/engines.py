@@ -23,10 +23,11 @@ generate that is not interrupted takes what `generate_s` says for the same rows.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +48,31 @@ LENGTHS_KEY = "lengths"
 """The prompt row's key (and so its trajectories' `meta` key) holding its group's response lengths."""
 
 
+class Beside:
+    """Which roles are at work now on a host they share, for `Efficiency.train_beside_rollout`
+    and `rollout_beside_train`: a piece of one role's work (a training step, a prefill, a
+    stretch of decoding) that starts while the other role works takes that many times
+    longer. Judged when the piece starts, not re-judged when the other starts or stops
+    during it: first order, and the pieces are short beside a step."""
+
+    def __init__(self) -> None:
+        self.working = {"train": 0, "rollout": 0}
+
+    def factor(self, role: str, eff: Efficiency) -> float:
+        other = "rollout" if role == "train" else "train"
+        if not self.working[other]:
+            return 1.0
+        return eff.train_beside_rollout if role == "train" else eff.rollout_beside_train
+
+    @contextlib.contextmanager
+    def work(self, role: str) -> Iterator[None]:
+        self.working[role] += 1
+        try:
+            yield
+        finally:
+            self.working[role] -= 1
+
+
 class SimRolloutEngine:
     """A `flow.protocols.RolloutEngine` whose decoding is modelled time (module docstring).
 
@@ -59,6 +85,8 @@ class SimRolloutEngine:
         token_scale: real tokens per simulated token, >= 1.
         max_num_seqs: cap on sequences decoding at once, besides KV capacity.
         name: for thread names and reports.
+        beside: the roles at work on the host this engine shares with the trainer, if it
+            shares one (its work slows by `eff.rollout_beside_train` beside training).
 
     Raises:
         ValueError: `token_scale` < 1, or the weights alone do not fit the devices.
@@ -77,12 +105,14 @@ class SimRolloutEngine:
         token_scale: int = 1,
         max_num_seqs: int = costs.MAX_NUM_SEQS,
         name: str = "rollout",
+        beside: Beside | None = None,
     ) -> None:
         if token_scale < 1 or max_num_seqs < 1:
             raise ValueError(f"token_scale and max_num_seqs must be >= 1, got {token_scale} and {max_num_seqs}")
         costs.max_concurrent_tokens(model, device, tp=tp)  # fail here, not at the first generate, if the model does not fit
         self.clock, self.shape, self.device, self.tp, self.eff = clock, model, device, tp, eff
         self.token_scale, self.max_num_seqs, self.name = token_scale, max_num_seqs, name
+        self.beside = beside
         self.version = 0
         self._interrupt: ClockEvent = clock.event()
         # Keyed by id(); the object is kept beside it so its id cannot be reused while the entry lives.
@@ -205,9 +235,10 @@ class SimRolloutEngine:
         # distinct inputs once). A resumed row recomputes its generated tokens' KV too.
         distinct = {(id(t.meta), tuple(t.ids)): len(t.tokens) for t in joining}
         tokens = sum(len(ids) for _, ids in distinct) * self.token_scale
-        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff)
+        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff) * self._slowdown()
         if seconds > 0:
-            self.clock.sleep(seconds)
+            with self._working():
+                self.clock.sleep(seconds)
             self.stats["busy_s"] += seconds
             resumed = sum(len(ids) for (_, ids), generated in distinct.items() if generated)
             self.stats["reprefill_s"] += seconds * resumed * self.token_scale / tokens  # resumed rows' share (prompt included: its KV went too)
@@ -229,9 +260,10 @@ class SimRolloutEngine:
         size = len(batch.running)
         # Average real context over the segment's steps, as costs.generate_s charges it.
         average = batch.context() + size * (num_real - 1) / 2
-        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=size, context_tokens=math.ceil(average), eff=self.eff)
+        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=size, context_tokens=math.ceil(average), eff=self.eff) * self._slowdown()
         start = self.clock.now()
-        interrupted = self._interrupt.wait(num_real * step_s)
+        with self._working():
+            interrupted = self._interrupt.wait(num_real * step_s)
         elapsed = self.clock.now() - start
         self.stats["busy_s"] += elapsed
         self.stats["max_batch"] = max(self.stats["max_batch"], size)
@@ -255,6 +287,12 @@ class SimRolloutEngine:
             self._carry.pop(id(t), None)
             ended.append(t)
         return ended
+
+    def _slowdown(self) -> float:
+        return 1.0 if self.beside is None else self.beside.factor("rollout", self.eff)
+
+    def _working(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.beside is None else self.beside.work("rollout")
 
     def _credit(self, row: _Row, steps: int, version: int) -> None:
         """Write the simulated tokens of the real steps `row` did since it joined, made by
@@ -338,6 +376,8 @@ class SimTrainEngine:
         token_scale: real tokens per simulated token.
         prompt_tokens_real: the real length of every prompt, when the batch's prompts are
             placeholders; None: a prompt's simulated tokens x `token_scale`.
+        beside: the roles at work on the host the trainer shares with rollout, if it shares
+            one (its work slows by `eff.train_beside_rollout` beside rollout's).
     """
 
     def __init__(
@@ -351,11 +391,13 @@ class SimTrainEngine:
         eff: Efficiency = DEFAULT_EFFICIENCY,
         token_scale: int = 1,
         prompt_tokens_real: int | None = None,
+        beside: Beside | None = None,
     ) -> None:
         if token_scale < 1:
             raise ValueError(f"token_scale must be >= 1, got {token_scale}")
         self.clock, self.shape, self.device, self.eff = clock, model, device, eff
         self.num_devices, self.num_nodes, self.token_scale, self.prompt_tokens_real = num_devices, num_nodes, token_scale, prompt_tokens_real
+        self.beside = beside
         self.version = 0
         self.stats: dict[str, float] = {"busy_s": 0.0}
 
@@ -370,7 +412,7 @@ class SimTrainEngine:
         tokens = self.real_tokens(batch)
         seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff)
         self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
-        self._busy(seconds)
+        seconds = self._busy(seconds)
         self.version += 1
         return {"loss": 0.0, "train_s": seconds}
 
@@ -390,10 +432,15 @@ class SimTrainEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
 
-    def _busy(self, seconds: float) -> None:
+    def _busy(self, seconds: float) -> float:
+        """Sleep `seconds` of work (longer beside rollout's, `beside`); the seconds slept."""
+        if self.beside is not None:
+            seconds *= self.beside.factor("train", self.eff)
         if seconds > 0:
-            self.clock.sleep(seconds)
+            with contextlib.nullcontext() if self.beside is None else self.beside.work("train"):
+                self.clock.sleep(seconds)
         self.stats["busy_s"] += seconds
+        return seconds
 
 
 class SimRollouts:

@@ -26,6 +26,14 @@ after the platform's `synchronize` (accelerators queue work; the clock must wait
   and `load_state_dict` of the clones back: a weight sync's copy on one device.
 - `host_device_bytes_per_s`: a 64 MB tensor device -> host -> device (host memory pinned
   where the platform pins); None where the device is the host.
+- `contention` (optional; `contention=False` leaves it out): how much longer the largest
+  training step takes while rollout's work (a prefill and a decode step of the largest
+  batch) runs beside it in another thread of this process, and the other way round, each
+  with its stage's torch threads: {"train": beside / alone, "rollout": beside / alone}.
+  That is how the local runtime runs an async run's two stages on one host; on one CPU
+  they share the cores, the caches, the memory bus and the interpreter's lock. Measured
+  only where the device is the host: on an accelerator both would share one device here,
+  which a disaggregated plan's roles never do.
 
 Points whose context does not fit the model's `max_position_embeddings` are skipped
 (decode needs room for its warm-up and repeats too). Not measured: collective bandwidth
@@ -74,6 +82,7 @@ def measure(
     train_context: int | None = None,
     train_prompt: int | None = None,
     repeats: int = 3,
+    contention: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Profile the recipe `cfg`'s policy on this machine's platform (see the module docstring).
@@ -85,6 +94,7 @@ def measure(
         train_rows: rows of a training step, one point each.
         train_context: tokens per training row; default the longest of `contexts` that fits.
         train_prompt: prompt tokens of those (the rest is response, at least one); default half.
+        contention: also time each role's work beside the other's (`contention` below).
         repeats: timed runs per point (their median is reported), after one warm-up.
         progress: called with one line per group of measurements.
 
@@ -166,11 +176,24 @@ def measure(
 
     fitting = [c for c in contexts if c <= max_positions]
     context = train_context or max(fitting, default=0)
-    train = []
+    train: list[dict[str, Any]] = []
+    beside = None
     if context:
         say(f"train: rows {list(train_rows)} x {context} tokens, the recipe's train engine ({cfg.train.backend}) taking its RL step")
+        rollout_work = None
+        # On the host, an async run's two stages share its cores; two accelerators of a
+        # disaggregated plan share nothing this could measure on one device.
+        if contention and decode and device.type == "cpu":  # one decode step of the largest batch, its cache made first: rollout's work
+            big = max(p["batch"] for p in decode)
+            short = min(p["context"] for p in decode if p["batch"] == big)
+
+            def rollout_work(big: int = big, short: int = short) -> None:
+                with torch.no_grad():
+                    cache = getattr(model(input_ids=ids(big, short), use_cache=True, **last_logits), cache_name)
+                    model(input_ids=ids(big, 1), use_cache=True, **{cache_name: cache}, **last_logits)
+
         with torch_threads(stage_threads(cfg, "train")):  # as the run's train stage has them
-            train = _train_points(cfg, model, platform, rows=train_rows, context=context, prompt=train_prompt, vocab=vocab, repeats=repeats, sync=sync)
+            train, beside = _train_points(cfg, model, platform, rows=train_rows, context=context, prompt=train_prompt, vocab=vocab, repeats=repeats, sync=sync, rollout_work=rollout_work, say=say)
     else:
         say(f"train: skipped, no context of {list(contexts)} fits {max_positions} positions")
 
@@ -205,15 +228,30 @@ def measure(
         "train": train,
         "weights": weights,
         "host_device_bytes_per_s": host_device,
+        **({"contention": beside} if beside is not None else {}),
     }
 
 
-def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], context: int, prompt: int | None, vocab: int, repeats: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+def _train_points(
+    cfg: Any,
+    model: Any,
+    platform: Any,
+    *,
+    rows: Sequence[int],
+    context: int,
+    prompt: int | None,
+    vocab: int,
+    repeats: int,
+    sync: Callable[[], None],
+    rollout_work: Callable[[], None] | None = None,
+    say: Callable[[str], None] = lambda _line: None,
+) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
     """The recipe's train engine (built as a run builds it, on a copy of `model`) timed at
     `train_step` over `rows` trajectories of `context` tokens each, `prompt` of them prompt
     (default half) and the rest response: the step a run takes (its loss, micro-batching
     and optimizer), not a plain forward and backward, which on a small model costs a
-    different amount (and more for a response token than for a prompt token)."""
+    different amount (and more for a response token than for a prompt token). With
+    `rollout_work`, also the slowdown of each beside the other (`_beside`)."""
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -221,6 +259,7 @@ def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], c
 
     from tidal.engines.registry import load  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory, to_token_batch  # noqa: PLC0415
+    from tidal.tools.config import stage_threads  # noqa: PLC0415
     from tidal.tools.config_schema import loss_config  # noqa: PLC0415
     from tidal.tools.rl import build_train_engine  # noqa: PLC0415
     from tidal.tools.train import _one_process_group  # noqa: PLC0415
@@ -233,17 +272,56 @@ def _train_points(cfg: Any, model: Any, platform: Any, *, rows: Sequence[int], c
         prompt = max(1, min(context - 1, prompt if prompt is not None else context // 2))
         response = max(1, context - prompt)
         points = []
+        steps = {}
         for n in rows:
             token = [3 + k % max(1, vocab - 3) for k in range(prompt + response)]  # ids every vocabulary has
             batch = to_token_batch([Trajectory(prompt_ids=token[:prompt], tokens=token[prompt:], logprobs=[-1.0] * response, versions=[0] * response, finish_reason="length") for _ in range(n)], pad_id=0)
             advantages = torch.linspace(-1.0, 1.0, n)
-            seconds = _median_s(lambda batch=batch, advantages=advantages: engine.train_step(batch, advantages, loss=loss), repeats=repeats, sync=sync)
+            steps[n] = lambda batch=batch, advantages=advantages: engine.train_step(batch, advantages, loss=loss)
+            seconds = _median_s(steps[n], repeats=repeats, sync=sync)
             points.append({"rows": n, "context": prompt + response, "tokens": n * (prompt + response), "seconds": seconds})
-        return points
+        if rollout_work is None:
+            return points, None
+        say("contention: a training step with rollout's work beside it in another thread, and the other way round")
+        threads = {"train": stage_threads(cfg, "train"), "rollout": stage_threads(cfg, "rollout")}
+        return points, _beside(steps[max(rows)], rollout_work, threads=threads, repeats=max(repeats, 5), sync=sync)
     finally:
         if group is not None:
             dist.destroy_process_group()
             group.unlink(missing_ok=True)
+
+
+def _beside(train_step: Callable[[], Any], rollout_work: Callable[[], Any], *, threads: Mapping[str, int], repeats: int, sync: Callable[[], None]) -> dict[str, float]:
+    """How much longer each role's work takes while the other's runs beside it, in another
+    thread of this process, each with its stage's torch threads: as the local runtime runs
+    an async run's two stages on one host. {"train": beside / alone, "rollout": ...}."""
+    import threading  # noqa: PLC0415
+
+    from tidal.tools.rl import torch_threads  # noqa: PLC0415
+
+    def timed(work: Callable[[], Any], role: str, background: Callable[[], Any] | None, other: str) -> float:
+        stop = threading.Event()
+
+        def loop() -> None:
+            with torch_threads(threads[other]):
+                while not stop.is_set():
+                    background()  # type: ignore[misc]
+
+        thread = threading.Thread(target=loop, name="tidal-profile-beside", daemon=True) if background is not None else None
+        if thread is not None:
+            thread.start()
+        try:
+            with torch_threads(threads[role]):
+                return _median_s(work, repeats=repeats, sync=sync)
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join()
+
+    return {
+        "train": timed(train_step, "train", rollout_work, "rollout") / timed(train_step, "train", None, "rollout"),
+        "rollout": timed(rollout_work, "rollout", train_step, "train") / timed(rollout_work, "rollout", None, "train"),
+    }
 
 
 def _median_s(run: Callable[..., Any], *, repeats: int, sync: Callable[[], None], setup: Callable[[], Any] | None = None) -> float:

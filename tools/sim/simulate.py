@@ -43,7 +43,7 @@ from tidal.tools.config import ConfigError, RecipeConfig
 from tidal.tools.plan import roles_of
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import ClusterSpec
-from tidal.tools.sim.engines import SimRolloutEngine, SimRollouts, SimTrainEngine
+from tidal.tools.sim.engines import Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
 from tidal.tools.sim.lengths import LengthModel
 
 
@@ -163,9 +163,11 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     clock = VirtualClock()
     tracer = Tracer("simulated", max_events=tracer_events, clock=clock)
     store = Store(clock=clock)
-    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens)
+    shared = set(train_nodes) & {a.node for a in rollout}  # hosts both roles work on: their work slows beside each other's
+    beside = Beside() if shared else None
+    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside)
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
-    between = 0 if set(train_nodes) & {a.node for a in rollout} else 1
+    between = 0 if shared else 1
     transport = _transport(cfg, train[0].kind, rollout[0].kind, same_node=not between)
     try:
         sync_s = max(
@@ -174,7 +176,10 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     except ValueError as e:
         raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
     config = WorkflowConfig(algorithm=cfg.algorithm, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=sim_budget))
-    engines = [SimRolloutEngine(clock=clock, model=work.model, device=dev, tp=tp, eff=work.eff, token_scale=work.token_scale, name=f"rollout-{k}") for k, (dev, tp) in enumerate(rollout_devices)]
+    engines = [
+        SimRolloutEngine(clock=clock, model=work.model, device=dev, tp=tp, eff=work.eff, token_scale=work.token_scale, name=f"rollout-{k}", beside=beside if a.node in shared else None)
+        for k, ((dev, tp), a) in enumerate(zip(rollout_devices, rollout))
+    ]
     rollouts = SimRollouts(
         clock=clock,
         store=store,
