@@ -98,11 +98,12 @@ def test_cli_profile_writes_a_profile_that_simulate_fits(tmp_path, capsys):
     from tidal.tools.sim.profile import load
 
     out = tmp_path / "cpu.json"
-    assert main(["profile", "quickstart_cpu", "--out", str(out), "--batches", "1,2", "--contexts", "8", "--train-rows", "2", "--repeats", "1"]) == 0
+    assert main(["profile", "quickstart_cpu", "--out", str(out), "--batches", "1,2", "--contexts", "8", "--train-rows", "2", "--train-context", "7", "--train-prompt", "5", "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
     assert "fitted: decode bandwidth" in printed and str(out) in printed
     profile = load(out)
     assert [(p["batch"], p["context"]) for p in profile["decode"]] == [(1, 8), (2, 8)]
+    assert [(p["rows"], p["context"], p["tokens"]) for p in profile["train"]] == [(2, 7, 14)]
     cal = fit(profile, source=str(out))
     assert 0 < cal.eff.decode_bandwidth <= 1 and 0 < cal.eff.train_mfu <= 1
 

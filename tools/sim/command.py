@@ -202,6 +202,8 @@ def add_profile_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--batches", type=positive_ints, default="1,4,16", help="decode and prefill batch sizes (default: 1,4,16)")
     p.add_argument("--contexts", type=positive_ints, default="32,128", help="contexts in tokens a sequence (default: 32,128)")
     p.add_argument("--train-rows", type=positive_ints, default="4,16", help="rows of a training step (default: 4,16)")
+    p.add_argument("--train-context", type=count, default=None, help="tokens of each training row (default: the longest of --contexts that fits)")
+    p.add_argument("--train-prompt", type=count, default=None, help="prompt tokens of each training row, the rest response: a response token costs a run more (default: half)")
     p.add_argument("--repeats", type=count, default=3, help="timed repeats of each point; the median counts (default: 3)")
 
 
@@ -215,7 +217,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cfg = load_config(recipe, args.overrides)
     import sys  # noqa: PLC0415
 
-    profile = measure(cfg, batches=tuple(args.batches), contexts=tuple(args.contexts), train_rows=tuple(args.train_rows), repeats=args.repeats, progress=lambda line: print(f"tidal profile: {line}", file=sys.stderr))
+    profile = measure(
+        cfg,
+        batches=tuple(args.batches),
+        contexts=tuple(args.contexts),
+        train_rows=tuple(args.train_rows),
+        train_context=args.train_context,
+        train_prompt=args.train_prompt,
+        repeats=args.repeats,
+        progress=lambda line: print(f"tidal profile: {line}", file=sys.stderr),
+    )
     out = Path(args.out or f"profile-{recipe.stem}.json")
     save(profile, out)
     eff = fit(profile, source=str(out)).eff

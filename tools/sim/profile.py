@@ -15,7 +15,8 @@ after the platform's `synchronize` (accelerators queue work; the clock must wait
   counts the LM head for every token, a few percent more).
 - `train`: the recipe's own train engine (`train.backend`, built as a run builds it, on a
   copy of the model) taking `train_step` with the recipe's loss over `rows` trajectories
-  of `context` tokens, half prompt and half response (the warm-up makes the optimizer's
+  of `train_context` tokens, `train_prompt` of them prompt (default half) and the rest
+  response (the warm-up makes the optimizer's
   moments, as a run's first step does). A plain forward, backward and AdamW step of the
   model costs a different amount: the engine's loss, micro-batching and clipping are what
   a run pays (on the quickstart's tiny model, less than half).
