@@ -139,3 +139,32 @@ def test_a_prompt_admitted_by_newer_weights_waits_for_them_instead_of_joining():
     assert by_group[indexes[2]].versions == [1] * BUDGET and by_group[indexes[1]].versions[:4] == [0] * 4
     assert engine.calls[1][-2:] == [indexes[2]] * 2 and worker.versions_applied == [1]
     _stop(store, worker, thread, errors)
+
+
+def test_refill_looks_at_the_groups_of_rows_that_ended_and_one_complete_from_the_start():
+    """`_Refill` keeps each group's open rows: a row ending puts its group once the group is
+    complete, a group complete before the call goes in at the first `done`, and the room
+    for new rows counts the open rows of the groups still held."""
+    from tidal.flow.rollout import _Refill
+
+    store, indexes, worker = _setup(True, SteppingEngine())
+    groups = worker._groups_of(store.get("rollout", "prompts", ["prompt"], 2, timeout=1))
+    first, second = groups
+    for t in first.trajectories:  # already ended when the call starts (a resumed group of finished rows)
+        t.extend([5], [-0.1], 0)
+        t.finish_reason = "stop"
+    refill = _Refill(worker, groups)
+    a, b = second.trajectories
+    a.extend([5], [-0.1], 0)
+    a.finish_reason = "stop"
+    refill.done([a])
+    assert [g.index for g in refill.groups] == [second.index]  # the complete group went in; the other waits for b
+    assert store.metrics()["partitions"]["train"]["rows"] == 2
+    assert sum(refill._open.values()) == 1  # b, the one row still decoding
+    b.extend([5], [-0.1], 0)
+    b.finish_reason = "stop"
+    refill.done([b])
+    assert refill.groups == [] and refill._open == {} and refill._group_of == {}
+    assert store.metrics()["partitions"]["train"]["rows"] == 4 and store.release("rollout") == 0  # both prompts acked with their puts
+    new = refill.more()  # room for every row again: the third prompt joins
+    assert {t.group for t in new} == {indexes[2]} and len(new) == 2 and sum(refill._open.values()) == 2
