@@ -152,7 +152,7 @@ class Segment:
         self.holder: dict[str, np.ndarray] = {}  # per consumer, who holds each lease (0: nobody named; made on first use)
 
     def add_consumer(self, consumer: str) -> None:
-        """Rows for a new consumer (the partition's `wake_all` goes with it)."""
+        """Rows for a new consumer (`Partition.add_consumer`, which looks at them again)."""
         self.acked[consumer] = np.zeros(self.n, dtype=bool)
         self.lease[consumer] = np.zeros(self.n, dtype=np.float64)
         self.fresh[consumer] = self.num_alive == self.n  # every row ready for it, if every row still lives
@@ -273,8 +273,11 @@ class Partition:
         for unsettled in self.unsettled.values():
             unsettled[segment.start] = segment
 
-    def wake_all(self) -> None:
-        """As `wake` for every segment (a new consumer)."""
+    def add_consumer(self, consumer: str) -> None:
+        """A new consumer: it sees every live row, so every segment is looked at again."""
+        self.consumers[consumer] = ConsumerState(consumer)
+        for seg in self.segments:
+            seg.add_consumer(consumer)
         self.unsettled.clear()
 
     def span(self, first: int, count: int) -> tuple[Segment, int] | None:

@@ -37,7 +37,7 @@ from tidal.flow.store.cells import Batch, Cells, as_indexes, cell_sizes, check_c
 from tidal.flow.store.errors import StoreError, StoreTimeout
 from tidal.flow.store.evict import ack_rows, replace_cells
 from tidal.flow.store.samplers import SampleContext, Sampler, Sequential, group_size_of
-from tidal.flow.store.segments import WAIT_BUCKETS, Column, ConsumerState, Partition, Segment, check_partition_settings
+from tidal.flow.store.segments import WAIT_BUCKETS, Column, Partition, Segment, check_partition_settings
 from tidal.flow.store.signals import Signals
 from tidal.flow.store.state import restore, state_of
 
@@ -114,10 +114,7 @@ class Store:
             part = self._part(partition)
             if consumer in part.consumers:
                 raise ValueError(f"consumer {consumer!r} of partition {partition!r} already exists")
-            part.consumers[consumer] = ConsumerState(consumer)
-            for seg in part.segments:
-                seg.add_consumer(consumer)
-            part.wake_all()
+            part.add_consumer(consumer)
 
     @property
     def lock(self) -> AbstractContextManager[Any]:

@@ -53,7 +53,8 @@ class Beside:
     and `rollout_beside_train`: a piece of one role's work (a training step, a prefill, a
     stretch of decoding) that starts while the other role works takes that many times
     longer. Judged when the piece starts, not re-judged when the other starts or stops
-    during it: first order, and the pieces are short beside a step."""
+    during it: first order, and the pieces are short beside a step. An engine that shares
+    no host has one of its own, where the other role is never at work."""
 
     def __init__(self) -> None:
         self.working = {"train": 0, "rollout": 0}
@@ -112,7 +113,7 @@ class SimRolloutEngine:
         costs.max_concurrent_tokens(model, device, tp=tp)  # fail here, not at the first generate, if the model does not fit
         self.clock, self.shape, self.device, self.tp, self.eff = clock, model, device, tp, eff
         self.token_scale, self.max_num_seqs, self.name = token_scale, max_num_seqs, name
-        self.beside = beside
+        self.beside = beside or Beside()
         self.version = 0
         self._interrupt: ClockEvent = clock.event()
         # Keyed by id(); the object is kept beside it so its id cannot be reused while the entry lives.
@@ -235,9 +236,9 @@ class SimRolloutEngine:
         # distinct inputs once). A resumed row recomputes its generated tokens' KV too.
         distinct = {(id(t.meta), tuple(t.ids)): len(t.tokens) for t in joining}
         tokens = sum(len(ids) for _, ids in distinct) * self.token_scale
-        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff) * self._slowdown()
+        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff) * self.beside.factor("rollout", self.eff)
         if seconds > 0:
-            with self._working():
+            with self.beside.work("rollout"):
                 self.clock.sleep(seconds)
             self.stats["busy_s"] += seconds
             resumed = sum(len(ids) for (_, ids), generated in distinct.items() if generated)
@@ -260,9 +261,9 @@ class SimRolloutEngine:
         size = len(batch.running)
         # Average real context over the segment's steps, as costs.generate_s charges it.
         average = batch.context() + size * (num_real - 1) / 2
-        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=size, context_tokens=math.ceil(average), eff=self.eff) * self._slowdown()
+        step_s = costs.decode_step_s(self.shape, self.device, tp=self.tp, batch=size, context_tokens=math.ceil(average), eff=self.eff) * self.beside.factor("rollout", self.eff)
         start = self.clock.now()
-        with self._working():
+        with self.beside.work("rollout"):
             interrupted = self._interrupt.wait(num_real * step_s)
         elapsed = self.clock.now() - start
         self.stats["busy_s"] += elapsed
@@ -287,12 +288,6 @@ class SimRolloutEngine:
             self._carry.pop(id(t), None)
             ended.append(t)
         return ended
-
-    def _slowdown(self) -> float:
-        return 1.0 if self.beside is None else self.beside.factor("rollout", self.eff)
-
-    def _working(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext() if self.beside is None else self.beside.work("rollout")
 
     def _credit(self, row: _Row, steps: int, version: int) -> None:
         """Write the simulated tokens of the real steps `row` did since it joined, made by
@@ -397,7 +392,7 @@ class SimTrainEngine:
             raise ValueError(f"token_scale must be >= 1, got {token_scale}")
         self.clock, self.shape, self.device, self.eff = clock, model, device, eff
         self.num_devices, self.num_nodes, self.token_scale, self.prompt_tokens_real = num_devices, num_nodes, token_scale, prompt_tokens_real
-        self.beside = beside
+        self.beside = beside or Beside()
         self.version = 0
         self.stats: dict[str, float] = {"busy_s": 0.0}
 
@@ -434,10 +429,9 @@ class SimTrainEngine:
 
     def _busy(self, seconds: float) -> float:
         """Sleep `seconds` of work (longer beside rollout's, `beside`); the seconds slept."""
-        if self.beside is not None:
-            seconds *= self.beside.factor("train", self.eff)
+        seconds *= self.beside.factor("train", self.eff)
         if seconds > 0:
-            with contextlib.nullcontext() if self.beside is None else self.beside.work("train"):
+            with self.beside.work("train"):
                 self.clock.sleep(seconds)
         self.stats["busy_s"] += seconds
         return seconds
