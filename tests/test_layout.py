@@ -111,7 +111,6 @@ NAME_LOOKUPS_ALLOWED = {
     ("flow/ray/faults.py", "error", "__notes__"): "an exception's PEP 678 notes, absent until one is added",
     ("flow/ray/faults.py", "error", "error_msg"): "the message of Ray's error types, absent on others",
     ("flow/store/client.py", "self._tls", "cancel"): "per-thread state, set only by threads that use it",
-    ("flow/store/shm.py", "mmap", "MAP_POPULATE"): "a Linux-only mmap flag (0 where the platform has none)",
     ("flow/store/client.py", "self._tls", "wake_listener"): "per-thread state, set only by threads that use it",
     ("flow/store/thread_sockets.py", "self._tls", "sockets"): "per-thread state, set only by threads that use it",
     ("flow/store/server.py", "self._local", "retrying"): "per-thread state, set only while retrying",

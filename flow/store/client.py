@@ -574,6 +574,7 @@ class RemoteStore:
             self._waker.close(linger=0)
         for request_id in list(self._unclaimed):
             self._settle(request_id, ok=False)
+        self._writer.close()
         self._ctx.term()
 
     def __enter__(self) -> RemoteStore:

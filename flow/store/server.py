@@ -338,6 +338,8 @@ class StoreServer:
         peer = self._peers.disconnected(fd)
         if peer is None:
             return
+        if self.segments is not None:
+            self.segments.disconnected(peer.identity)  # segments it sent no longer go back to it
         with self._lock:
             self._parked = [p for p in self._parked if p.peer is not peer]
         released = 0
@@ -356,7 +358,7 @@ class StoreServer:
             peer = self._peers.of(frames)
             if peer is None:  # queued before its client disconnected: no one would take the reply or release its leases
                 return False
-            message = unpack(frames[1:], segments=self.segments, token=self.token)
+            message = unpack(frames[1:], segments=self.segments, token=self.token, origin=peer.identity)
             peer.shm = self.host is not None and message.get("host") == self.host
             request_id = message.get("id") if isinstance(message.get("id"), int) else None
             op, request_id, args = check_request(message, self._ops)

@@ -1,44 +1,57 @@
 """Shared memory for a message's large buffers between processes on one host.
 
 Over a socket, every byte of a row is copied four times between a producer and a
-consumer that talk through a store process (into the kernel and out, twice). When the
-three share a host, a message's buffers of at least `MIN_BYTES` go instead into one
-segment, a file under `/dev/shm` (RAM): the sender writes them once (`pwrite`), and the
-message carries only (segment, offset, length) for each. The store server maps the
-segment and keeps its rows as tensors over that mapping, so an in-process consumer gets
-views; when it hands those rows to a consumer on the same host, the reply names the same
-segment again and that consumer maps it too. Nothing is copied after the sender's write.
+consumer that talk through a store process (into the kernel and out, twice), and each
+copy costs a thread's wake-up and the kernel's work on the socket. When the three share
+a host, a message's buffers of at least `MIN_BYTES` go instead into one segment, a file
+under `/dev/shm` (RAM): the sender writes them (`pwrite`), and the message carries only
+(segment, offset, length) for each. The store server maps the segment and keeps its rows
+as tensors over that mapping, so an in-process consumer gets views; when it hands those
+rows to a consumer on the same host, the reply names the same segment again and that
+consumer reads them once into memory of its own (`pread`). The rows are copied twice
+(the sender's write, the consumer's read), with no socket between.
+
+Segments are reused. A fresh file's pages cost the kernel more to allocate and zero than
+the copy into them (a 8 MB buffer: about 4x), so once the store lets go of a segment the
+server hands it back to its sender (renamed `.free`, under the sender's tag), and the
+sender's next message of a size it fits goes into it (`Writer`). Reuse is safe because
+nobody but the server maps a segment: consumers copy what they read, before their next
+request, and until then the server keeps its last reply to them (and so the mapping).
+A segment goes back only to a sender whose connection is still up; those handed back to a
+connection that closes are unlinked (`Segments.disconnected`), as are a sender's own
+unclaimed ones when it closes (`Writer.close`).
 
 Ownership: the receiver that keeps the rows (the store server) owns a segment once it
-has mapped it: the file is unlinked when the last tensor over that mapping is freed, so
-it lives as long as the store holds one of its rows, or the server a reply that named it.
-Consumers map what they are handed after the server has mapped it and before they ack
-those rows or send the server anything else; the server keeps the last reply to each
-connection until its next request, and the store lets go of rows only when every consumer
-has acked them (or a put replaced their cells), so a segment is never unlinked before a
-consumer has opened it. Consumers map privately (copy on write): a consumer writing into
-its tensors changes only its own pages. A segment's name ends in the tag of the process
-holding it (`tidal.hal.owner`): the sender's, after a `.sent` mark, until the server maps
-it; the server takes it by renaming it (without the mark, with its own tag), even in the
-sender's process, so the sender can tell which of its segments it still holds: a client
-closed before the server read its put unlinks that put's segment (`Writer.unlink`). A
-sender killed before the server mapped its segment, or a store server killed before it
-let go of its rows, leaves the file behind; the next store server to start on the host
-deletes it (`owner.sweep`), as does `tidal doctor --clean`. Segment names are checked:
-nothing but `tidal-<hex>-<n>[.sent][@<tag>]` under `/dev/shm` is ever opened or unlinked.
-Segments are created mode 0600, so the store server must run as the same user as its
-clients.
+has mapped it: when the last tensor over that mapping is freed, the file is handed back
+to its sender or unlinked, so it lives as long as the store holds one of its rows, or
+the server a reply that named it. Consumers read what they are handed after the server
+has mapped it and before they ack those rows or send the server anything else; the
+server keeps the last reply to each connection until its next request, and the store
+lets go of rows only when every consumer has acked them (or a put replaced their cells),
+so a segment is never reused or unlinked before a consumer has read it. A segment's name
+ends in the tag of the process holding it (`tidal.hal.owner`): the sender's, after a
+`.sent` mark, until the server maps it; the server takes it by renaming it (without the
+mark, with its own tag), even in the sender's process, so the sender can tell which of
+its segments it still holds: a client closed before the server read its put unlinks that
+put's segment (`Writer.unlink`). A segment handed back is the sender's again (`.free`,
+its tag). A sender killed before the server mapped its segment, or after it got one back,
+or a store server killed before it let go of its rows, leaves the file behind; the next
+store server to start on the host deletes it (`owner.sweep`), as does `tidal doctor
+--clean`. Segment names are checked: nothing but `tidal-<hex>-<n>[.sent|.free][@<tag>]`
+under `/dev/shm` is ever opened, renamed or unlinked. Segments are created mode 0600, so
+the store server must run as the same user as its clients.
 
-A sender falls back to socket frames when `/dev/shm` is missing, or when a segment would
-leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and `RESERVE_FRACTION`
-of it, for collective libraries, DataLoader workers and others that need it): a 64 MB
-Docker default is never used. The peers' `host_id`s, compared once per connection,
-decide whether they share one `/dev/shm`.
+A sender falls back to socket frames when `/dev/shm` is missing, or when a new segment
+would leave less than a reserve free (the larger of `RESERVE_MIN_BYTES` and
+`RESERVE_FRACTION` of it, for collective libraries, DataLoader workers and others that
+need it): a 64 MB Docker default is never used. The peers' `host_id`s, compared once per
+connection, decide whether they share one `/dev/shm`.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import errno
 import itertools
 import logging
@@ -55,21 +68,27 @@ import numpy as np
 
 from tidal.hal import owner
 
-_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
-"""A consumer maps its rows' pages in one call rather than faulting them in as it reads (Linux; 0 elsewhere)."""
-
 log = logging.getLogger(__name__)
 
 DIR = owner.DIR
-MIN_BYTES = 1 << 20
-"""Buffers from this size go into shared memory; smaller ones stay socket frames. A
-segment is a fresh file whose pages the sender allocates and the consumer maps: for a
-smaller buffer that costs more than the socket's copies, once the consumer reads it."""
+MIN_BYTES = 64 << 10
+"""Buffers from this size go into shared memory; smaller ones stay socket frames (below
+it, opening and reading the segment costs about what the socket's copies do)."""
+POOL_SEGMENTS = 64
+POOL_BYTES = 256 << 20
+"""A `Writer` remembers up to this many segments (and bytes) that it may get back; the
+oldest beyond are forgotten: unlinked if they are back, else by the server when this
+client disconnects. Those back and unused take that much of `/dev/shm` at most."""
+RECLAIM_TRIES = 2
+"""Segments a write tries to take back before it makes a new one (oldest first; one not
+back yet goes to the end of the line)."""
 
 _ALIGN = 64
 SENT = ".sent"
 """The mark of a segment its sender still holds (the server has not taken it yet)."""
-_NAME = re.compile(rf"tidal-[0-9a-f]{{12}}-[0-9]+(?:{re.escape(SENT)})?(?:{owner.TAG_PATTERN})?")
+FREE = ".free"
+"""The mark of a segment the server handed back to its sender, for its next message."""
+_NAME = re.compile(rf"tidal-[0-9a-f]{{12}}-[0-9]+(?:{re.escape(SENT)}|{re.escape(FREE)})?(?:{owner.TAG_PATTERN})?")
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _host_id: list[str | None] = []
 
@@ -133,39 +152,51 @@ it (collective libraries, DataLoader workers, the weight transport); past that, 
 
 
 class Writer:
-    """Writes a message's large buffers into a new segment (the sender's side)."""
+    """Writes a message's large buffers into a segment (the sender's side): one the server
+    handed back when one fits, else a new one."""
 
     def __init__(self) -> None:
         self._prefix = f"tidal-{uuid.uuid4().hex[:12]}-"
         self._count = itertools.count()
         self._failed = False  # /dev/shm cannot be written at all
         self._full = False  # the last write found too little room (logged once per episode)
+        self._pool: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Segments written and not given up, oldest first: base name (no mark, no tag) -> size."""
         self.num_by_socket = 0
         """Messages whose large buffers went by socket because `/dev/shm` was short of room."""
+        self.num_reused = 0
+        """Writes into a segment the server had handed back."""
 
     def write(self, buffers: Sequence[Any]) -> tuple[str, list[int]] | None:
-        """Write `buffers` (contiguous arrays) into one new segment; return its name and
-        each buffer's offset, or None to send them as socket frames: shared memory is
-        unusable, or writing would leave less than the reserve free."""
+        """Write `buffers` (contiguous arrays) into one segment; return its name and each
+        buffer's offset, or None to send them as socket frames: shared memory is unusable,
+        or a new segment would leave less than the reserve free."""
         if self._failed:
             return None
         offsets, size = [], 0
         for buf in buffers:
             offsets.append(size)
             size += -(-buf.nbytes // _ALIGN) * _ALIGN
-        if not has_room(size):
-            self._short_of_room(f"{size} bytes would leave less than the reserve free")
-            return None
-        name = owner.tagged(f"{self._prefix}{next(self._count)}{SENT}")
-        path = os.path.join(DIR, name)
+        name = self._reclaim(size)
+        fresh = name is None
+        if name is None:
+            if not has_room(size):
+                self._short_of_room(f"{size} bytes would leave less than the reserve free")
+                return None
+            base = f"{self._prefix}{next(self._count)}"
+            name = owner.tagged(base + SENT)
+            try:
+                fd = os.open(os.path.join(DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except OSError as e:
+                log.warning("store: cannot write shared memory in %s (%s); sending rows over the socket", DIR, e)
+                self._failed = True
+                return None
+            self._remember(base, size)
+        else:
+            fd = os.open(os.path.join(DIR, name), os.O_WRONLY)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except OSError as e:
-            log.warning("store: cannot write shared memory in %s (%s); sending rows over the socket", DIR, e)
-            self._failed = True
-            return None
-        try:
-            os.ftruncate(fd, size)
+            if fresh:  # a reused one keeps its size: the server maps it whole
+                os.ftruncate(fd, size)
             for buf, offset in zip(buffers, offsets):
                 view = memoryview(buf).cast("B")
                 while view:  # pwrite may write less than asked
@@ -173,7 +204,7 @@ class Writer:
                     view, offset = view[n:], offset + n
         except BaseException as e:  # no message will name it
             os.close(fd)
-            os.unlink(path)
+            self.unlink([name])
             if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise
             self._short_of_room(str(e))
@@ -181,6 +212,31 @@ class Writer:
         os.close(fd)
         self._full = False
         return name, offsets
+
+    def _reclaim(self, size: int) -> str | None:
+        """A segment the server handed back that fits `size` bytes (at most twice that), made
+        ours again (`.sent`), or None. Tries the `RECLAIM_TRIES` oldest; one that came back
+        too small or too large is unlinked."""
+        for base, capacity in list(self._pool.items())[:RECLAIM_TRIES]:
+            sent = owner.tagged(base + SENT)
+            try:
+                os.rename(os.path.join(DIR, owner.tagged(base + FREE)), os.path.join(DIR, sent))
+            except OSError:
+                self._pool.move_to_end(base)  # not back yet (a consumer has not acked its rows), or gone with its server
+                continue
+            if size <= capacity <= 2 * size:
+                self._pool.move_to_end(base)
+                self.num_reused += 1
+                return sent
+            del self._pool[base]
+            _unlink(os.path.join(DIR, sent))
+        return None
+
+    def _remember(self, base: str, size: int) -> None:
+        self._pool[base] = size
+        while len(self._pool) > POOL_SEGMENTS or (len(self._pool) > 1 and sum(self._pool.values()) > POOL_BYTES):
+            forgotten, _ = self._pool.popitem(last=False)
+            _unlink(os.path.join(DIR, owner.tagged(forgotten + FREE)))  # back already: ours to drop; else the server drops it when we disconnect
 
     def discard(self, placed: Sequence[Sequence[Any]]) -> None:
         """Unlink the segments this writer wrote among `place`'s entries: their message
@@ -195,8 +251,17 @@ class Writer:
         """Unlink those of `names` that this writer wrote and no server has taken yet (a
         taken one has another name now: it is left alone)."""
         for name in names:
-            if name.startswith(self._prefix) and owner.TAG.sub("", name).endswith(SENT):
+            base = owner.TAG.sub("", name)
+            if name.startswith(self._prefix) and base.endswith(SENT):
+                self._pool.pop(base.removesuffix(SENT), None)
                 _unlink(os.path.join(DIR, name))
+
+    def close(self) -> None:
+        """Unlink the segments the server handed back that this writer has not used again
+        (those it still holds go when this client disconnects: `Segments.disconnected`)."""
+        for base in self._pool:
+            _unlink(os.path.join(DIR, owner.tagged(base + FREE)))
+        self._pool.clear()
 
     def _short_of_room(self, why: str) -> None:
         if not self._full:
@@ -216,7 +281,9 @@ def has_room(size: int) -> bool:
 
 
 class Segments:
-    """Segments this process maps; with `own`, each is unlinked when its mapping dies.
+    """Segments this process reads. With `own` (a store server), it maps each whole and
+    keeps it while tensors over it live, then hands it back to its sender (or unlinks it);
+    without (a client), it copies the buffers it is handed out of them.
 
     `find` says whether a buffer lies in one of the owned segments, so a reply can name
     the segment instead of sending the bytes again.
@@ -227,40 +294,57 @@ class Segments:
         self._lock = threading.RLock()  # a finalizer run by the garbage collector may take it inside our own critical section
         self._bases: list[int] = []  # sorted start addresses of the owned mappings
         self._spans: dict[int, tuple[int, str, weakref.ref]] = {}  # start -> (size, name, the mapping while it lives)
+        self._live: set[Any] = set()  # the connections (`origin`s) segments may go back to
+        self._returned: dict[str, tuple[Any, str]] = {}  # base name -> (origin, name) of the segments handed back
+        self._closed = False
         self.num_mapped = 0
+        """Segments an owner mapped."""
+        self.num_read = 0
+        """Buffers a client copied out of segments."""
         self.num_referred = 0
+        self.num_returned = 0
+        """Segments an owner handed back to their sender."""
 
-    def map(self, name: str, offset: int, nbytes: int, cache: dict[str, Any]) -> memoryview:
-        """The `nbytes` at `offset` of segment `name`. `cache` holds this message's mappings
-        (an owner maps a segment once, whole; a consumer maps each buffer's pages)."""
+    def map(self, name: str, offset: int, nbytes: int, cache: dict[str, Any], origin: Any = None) -> memoryview:
+        """The `nbytes` at `offset` of segment `name`. An owner maps a segment once, whole
+        (`cache` holds this message's mappings) and may hand it back, once it lets go, to
+        the connection `origin` that sent it (while `origin` is not `disconnected`); a
+        client reads the bytes into memory of its own."""
         path = _path(name)
         if not (isinstance(offset, int) and isinstance(nbytes, int)) or offset < 0 or nbytes < 0:
             raise ShmError(f"bad range ({offset!r}, {nbytes!r}) in segment {name}")
         if self.own:
             mm = cache.get(name)
             if mm is None:
-                mm = cache[name] = self._map_owned(name, path)
+                mm = cache[name] = self._map_owned(name, path, origin)
             if offset + nbytes > len(mm):
                 raise ShmError(f"segment {name} holds {len(mm)} bytes; asked for {nbytes} at {offset}")
             return memoryview(mm)[offset : offset + nbytes]
-        start = offset - offset % _PAGE
         fd = _open(name, path)
         try:
-            if offset + nbytes > os.fstat(fd).st_size:
-                raise ShmError(f"segment {name} holds {os.fstat(fd).st_size} bytes; asked for {nbytes} at {offset}")
-            length = offset + nbytes - start
-            if length == 0:
-                return memoryview(bytearray())
-            mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        except OSError as e:  # e.g. ENOMEM: vm.max_map_count mappings already
-            raise ShmError(_cannot_map(name, e)) from e
+            size = os.fstat(fd).st_size
+            if offset + nbytes > size:
+                raise ShmError(f"segment {name} holds {size} bytes; asked for {nbytes} at {offset}")
+            out = np.empty(nbytes, dtype=np.uint8).data  # not zeroed: every byte is read into it
+            done = 0
+            while done < nbytes:  # preadv may read less than asked
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise ShmError(f"segment {name} ended at {offset + done} bytes; asked for {nbytes} at {offset}")
+                done += n
+        except OSError as e:
+            raise ShmError(f"cannot read segment {name}: {e}") from e
         finally:
             os.close(fd)
-        self.num_mapped += 1
-        return memoryview(mm)[offset - start :]
+        self.num_read += 1
+        return out
 
-    def _map_owned(self, name: str, path: str) -> mmap.mmap:
-        held = owner.retag(owner.TAG.sub("", name).removesuffix(SENT))  # ours now: a sweep tells by the name whether its holder is gone
+    def _map_owned(self, name: str, path: str, origin: Any) -> mmap.mmap:
+        bare = owner.TAG.sub("", name)
+        back = None
+        if origin is not None and bare.endswith(SENT):  # where it goes once we let go: its sender's, marked free
+            back = bare.removesuffix(SENT) + FREE + name[len(bare) :]
+        held = owner.retag(bare.removesuffix(SENT))  # ours now: a sweep tells by the name whether its holder is gone
         if held != name:
             try:
                 os.rename(path, os.path.join(DIR, held))
@@ -287,14 +371,18 @@ class Segments:
             if base not in self._spans:  # else a dead mapping's entry at this address, not yet finalized
                 bisect.insort(self._bases, base)
             self._spans[base] = (size, name, alive)
-        weakref.finalize(mm, self._unmapped, base, path, alive)
+            self._returned.pop(bare.removesuffix(SENT), None)  # taken back by its sender and sent again
+            if back is not None:
+                self._live.add(origin)
+        weakref.finalize(mm, self._unmapped, base, path, alive, back, origin)
         self.num_mapped += 1
         return mm
 
-    def _unmapped(self, base: int, path: str, alive: weakref.ref) -> None:
-        """The last tensor over an owned segment is gone. CPython unmaps the pages first,
-        with the GIL released, so a new mapping may already sit at this address: only
-        the entry of this mapping (`alive`) is removed."""
+    def _unmapped(self, base: int, path: str, alive: weakref.ref, back: str | None, origin: Any) -> None:
+        """The last tensor over an owned segment is gone: hand it back to its sender (`back`,
+        while its connection `origin` is up), else unlink it. CPython unmaps the pages first,
+        with the GIL released, so a new mapping may already sit at this address: only the
+        entry of this mapping (`alive`) is removed."""
         with self._lock:
             entry = self._spans.get(base)
             if entry is not None and entry[2] is alive:
@@ -302,7 +390,26 @@ class Segments:
                 k = bisect.bisect_left(self._bases, base)
                 if k < len(self._bases) and self._bases[k] == base:
                     del self._bases[k]
+            if back is not None and origin in self._live and not self._closed:
+                try:
+                    os.rename(path, os.path.join(DIR, back))
+                except OSError:
+                    pass  # gone meanwhile (a sweep, a clean-up): nothing to hand back
+                else:
+                    self._returned[owner.TAG.sub("", back).removesuffix(FREE)] = (origin, back)
+                    self.num_returned += 1
+                    return
         _unlink(path)
+
+    def disconnected(self, origin: Any) -> None:
+        """The connection `origin` is gone: no segment goes back to it from now on, and
+        those handed back to it that its client has not taken again are unlinked."""
+        with self._lock:
+            self._live.discard(origin)
+            gone = [key for key, (o, _) in self._returned.items() if o == origin]
+            names = [self._returned.pop(key)[1] for key in gone]
+        for name in names:
+            _unlink(os.path.join(DIR, name))
 
     def find(self, buf: np.ndarray) -> tuple[str, int] | None:
         """(segment, offset) when `buf` lies inside a live owned segment, else None."""
@@ -323,9 +430,12 @@ class Segments:
         return len(self._spans)
 
     def unlink_all(self) -> None:
-        """Unlink every owned segment now (the server is closing; mappings stay valid)."""
+        """Unlink every owned segment and every one handed back and not taken again (the
+        server is closing; mappings stay valid, and none goes back from now on)."""
         with self._lock:
-            names = [name for _, name, _ in self._spans.values()]
+            self._closed = True
+            names = [name for _, name, _ in self._spans.values()] + [name for _, name in self._returned.values()]
+            self._returned.clear()
         for name in names:
             _unlink(os.path.join(DIR, name))
 
@@ -353,7 +463,7 @@ def _unlink(path: str) -> None:
 def place(buffers: Sequence[Any], *, writer: Writer | None = None, owned: Segments | None = None) -> list[list[Any]]:
     """Which of a message's buffers go by shared memory: `[[index, segment, offset, nbytes],
     ...]`. A buffer already inside an `owned` segment is named where it lies; the others of
-    at least `MIN_BYTES` go into one new segment by `writer` (when given)."""
+    at least `MIN_BYTES` go into one segment by `writer` (when given)."""
     placed, fresh = [], []
     for i, buf in enumerate(buffers):
         if buf.nbytes < MIN_BYTES:

@@ -75,9 +75,10 @@ def pack(message: Mapping[str, Any], *, writer: shm.Writer | None = None, owned:
     return [pack_header(tree), *buffers]
 
 
-def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token: str | None = None) -> dict[str, Any]:
+def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token: str | None = None, origin: Any = None) -> dict[str, Any]:
     """Decode `[header, *buffers]`; raises `WireError` for anything malformed. Buffers in
-    shared memory are mapped through `segments`, and only for a message carrying `token`;
+    shared memory are read through `segments` (`origin`: the connection the message came
+    by, which the segments may go back to), and only for a message carrying `token`;
     without `segments` such a message is refused."""
     if not frames:
         raise WireError("empty message")
@@ -91,7 +92,7 @@ def unpack(frames: Sequence[Any], *, segments: shm.Segments | None = None, token
         buffers: list[Any] = [memoryview(f) for f in frames[1:]]
         placed = message.pop("shm", None)
         if placed is not None:
-            _map_placed(placed, buffers, segments, token, message)
+            _map_placed(placed, buffers, segments, token, message, origin)
         decoded = decode_tree(message, buffers)
         if not isinstance(decoded, dict):  # the map was a codec descriptor (a range, a tuple, ...)
             raise WireError(f"message must be a map, got {type(decoded).__name__}")
@@ -112,7 +113,7 @@ def request_id_of(frames: Sequence[Any]) -> int | None:
     return request_id if type(request_id) is int else None
 
 
-def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, token: str | None, message: Mapping[str, Any]) -> None:
+def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, token: str | None, message: Mapping[str, Any], origin: Any) -> None:
     if segments is None:
         raise WireError("this end takes no shared-memory buffers (another host, or shared memory is off)")
     if not token_ok(token, message.get("token")):
@@ -124,7 +125,7 @@ def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, 
         if not (isinstance(entry, list) and len(entry) == 4 and type(entry[0]) is int and 0 <= entry[0] < len(buffers)):
             raise WireError(f"bad shared-memory entry {entry!r}")
         i, name, offset, nbytes = entry
-        buffers[i] = segments.map(name, offset, nbytes, mapped)
+        buffers[i] = segments.map(name, offset, nbytes, mapped, origin)
 
 
 def check_request(message: Mapping[str, Any], ops: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]]:

@@ -35,6 +35,11 @@ def _ours(client: RemoteStore) -> list[str]:
     return [name for name in shm.leftovers() if name.startswith(prefix)]
 
 
+def _held(client: RemoteStore) -> list[str]:
+    """Those of `_ours` that the client or a store holds (not the ones handed back to it)."""
+    return [name for name in _ours(client) if shm.FREE not in name]
+
+
 @pytest.fixture
 def served():
     store = Store()
@@ -59,14 +64,77 @@ def test_large_rows_go_through_one_segment_and_it_goes_when_every_consumer_acked
     got_b = b.get("b", "train", ["x"], 4, timeout=5)
     assert torch.equal(got_b.stack("x"), x)  # b mapped the same segment and sees the rows as put
     a.ack("a", "train", got_a.indexes)
-    assert len(_ours(producer)) == 1  # b has not acked: the segment stays
+    assert len(_held(producer)) == 1  # b has not acked: the segment stays
     b.ack("b", "train", got_b.indexes)
     gc.collect()
-    assert _ours(producer) == [] and len(server.segments) == 0
-    assert torch.equal(got_b.stack("x"), x)  # what a consumer holds stays valid after the unlink
+    assert _held(producer) == [] and len(server.segments) == 0
+    (back,) = _ours(producer)  # handed back to its sender, for its next put
+    assert back.endswith(f"{shm.FREE}@{owner.tag()}") and server.segments.num_returned == 1
+    y = torch.randn(4, BIG)
+    producer.put("train", {"x": y})
+    assert producer._writer.num_reused == 1 and _ours(producer) == [back.replace(shm.FREE, "")]
+    assert torch.equal(got_b.stack("x"), x)  # consumers read their rows out: the next put's bytes do not reach them
+    assert torch.equal(a.get("a", "train", ["x"], 4, timeout=5).stack("x"), y)
 
 
-def test_a_consumer_in_another_process_maps_the_rows():
+def test_a_segment_handed_back_goes_when_its_client_closes_or_fits_no_more(served):
+    store, server, (producer, a, b) = served
+    producer.put("train", {"x": torch.randn(2, BIG)})
+    for consumer, name in ((a, "a"), (b, "b")):
+        consumer.ack(name, "train", consumer.get(name, "train", ["x"], 2, timeout=5).indexes)
+    gc.collect()
+    (back,) = _ours(producer)
+    producer.put("train", {"x": torch.randn(8, BIG)})  # four times the size: not reused, unlinked, a new one made
+    assert producer._writer.num_reused == 0 and back not in _ours(producer) and len(_held(producer)) == 1
+    for consumer, name in ((a, "a"), (b, "b")):
+        consumer.ack(name, "train", consumer.get(name, "train", ["x"], 8, timeout=5).indexes)
+    gc.collect()
+    assert len(_ours(producer)) == 1 and _held(producer) == []
+    producer.close()
+    assert _ours(producer) == []  # what came back and was not used again goes with the client
+
+
+def test_a_writer_forgets_its_oldest_segments_beyond_its_pool(served, wait_for, monkeypatch):
+    store, server, (producer, a, b) = served
+    monkeypatch.setattr(shm, "POOL_SEGMENTS", 1)
+    monkeypatch.setattr(shm, "RECLAIM_TRIES", 0)  # every put makes a new segment
+
+    def drain(n):
+        for consumer, name in ((a, "a"), (b, "b")):
+            consumer.ack(name, "train", consumer.get(name, "train", ["x"], n, timeout=5).indexes)
+        gc.collect()
+
+    producer.put("train", {"x": torch.randn(1, BIG)})
+    drain(1)
+    (first,) = _ours(producer)  # back
+    producer.put("train", {"x": torch.randn(1, BIG)})
+    assert first not in _ours(producer) and len(_held(producer)) == 1  # forgotten while back: the writer unlinked it
+    producer.put("train", {"x": torch.randn(1, BIG)})  # forgets the second while the store holds it
+    drain(2)
+    assert len(_ours(producer)) == 2 and _held(producer) == []  # both back, one of them forgotten by the writer
+    producer.close()
+    wait_for(lambda: _ours(producer) == [], timeout=10)  # the writer unlinks the one it knows, the server the other once the client's connections close
+
+
+def test_a_segment_handed_back_to_a_connection_that_closes_is_unlinked(served, wait_for):
+    store, server, (producer, a, b) = served
+    writer = shm.Writer()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.address)
+    try:
+        message = {"op": "put", "id": 1, "token": None, "host": shm.host_id(), "args": {"partition": "nope", "columns": {"x": torch.randn(1, BIG)}}}
+        sock.send_multipart(pack(message, writer=writer))
+        assert sock.poll(5000)
+        assert not msgpack.unpackb(sock.recv_multipart()[0], raw=False)["ok"]  # mapped, then refused: no such partition
+        gc.collect()
+        (back,) = [n for n in shm.leftovers() if n.startswith(writer._prefix)]
+        assert shm.FREE in back  # handed back to that connection
+    finally:
+        sock.close(linger=0)
+    wait_for(lambda: not [n for n in shm.leftovers() if n.startswith(writer._prefix)], timeout=10)  # a sender gone without closing its writer
+
+
+def test_a_consumer_in_another_process_reads_the_rows_from_the_segment():
     store = Store()
     store.create_partition("train", consumers=["c"])
     script = textwrap.dedent("""
@@ -74,7 +142,7 @@ def test_a_consumer_in_another_process_maps_the_rows():
         from tidal.flow.store import RemoteStore
         client = RemoteStore(sys.argv[1])
         batch = client.get("c", "train", ["x"], 3, timeout=30)
-        print(client.shares_host(), float(batch.stack("x").sum()), client._segments.num_mapped)
+        print(client.shares_host(), float(batch.stack("x").sum()), client._segments.num_read)
         client.ack("c", "train", batch.indexes)
         client.close()
     """)
@@ -84,11 +152,11 @@ def test_a_consumer_in_another_process_maps_the_rows():
         producer.put("train", {"x": x})
         out = subprocess.run([sys.executable, "-c", script, server.address], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        shared, total, mapped = out.stdout.split()
-        assert shared == "True" and float(total) == pytest.approx(float(x.sum())) and int(mapped) == 1
+        shared, total, read = out.stdout.split()
+        assert shared == "True" and float(total) == pytest.approx(float(x.sum())) and int(read) == 1
         assert server.segments.num_referred == 1
         gc.collect()
-        assert _ours(producer) == []
+        assert _held(producer) == []
         producer.close()
 
 
@@ -104,7 +172,7 @@ def test_shm_off_or_another_host_keeps_every_byte_on_the_socket(served, monkeypa
             assert not client.shares_host() and _ours(client) == []
         assert server.segments.num_mapped == 0
         batch = elsewhere.get("a", "train", ["x"], 4, timeout=5)  # rows that came by socket go back by socket
-        assert torch.equal(batch.stack("x"), torch.cat([x, x])) and elsewhere._segments.num_mapped == 0
+        assert torch.equal(batch.stack("x"), torch.cat([x, x])) and elsewhere._segments.num_read == 0
     finally:
         off.close()
         elsewhere.close()
@@ -131,7 +199,7 @@ def test_rows_in_a_segment_go_by_socket_to_a_consumer_on_another_host(served):
     producer.put("train", {"x": x})
     a._shared[server.address] = False  # as if its ping had found another /dev/shm
     got = a.get("a", "train", ["x"], 2, timeout=5)
-    assert torch.equal(got.stack("x"), x) and a._segments.num_mapped == 0 and server.segments.num_referred == 0
+    assert torch.equal(got.stack("x"), x) and a._segments.num_read == 0 and server.segments.num_referred == 0
 
 
 def test_a_full_dev_shm_falls_back_to_the_socket_and_leaves_nothing(served, monkeypatch):
@@ -181,7 +249,7 @@ def test_failed_and_timed_out_puts_leave_no_segment():
             with pytest.raises(CodecError, match="groups row 0"):  # its header cannot be packed, after its rows were written
                 producer.put("train", {"x": torch.randn(1, BIG)}, groups=[2**64])
             gc.collect()
-            assert len(_ours(producer)) == 1 and len(server.segments) == 1  # only the row the store holds
+            assert len(_held(producer)) == 1 and len(server.segments) == 1  # only the row the store holds; others were handed back or unlinked
         finally:
             producer.close()
     gc.collect()
@@ -226,7 +294,8 @@ def test_segments_need_the_token_and_a_tidal_name():
                 else:
                     assert not answer["ok"] and "no partition 'nope'" in answer["message"]
             gc.collect()
-            assert len([n for n in shm.leftovers() if n.startswith(writer._prefix)]) == 1  # the refused one is still the sender's
+            refused, handed_back = sorted(n for n in shm.leftovers() if n.startswith(writer._prefix))
+            assert shm.SENT in refused and shm.FREE in handed_back  # the refused one is still the sender's; the one mapped went back to it
         finally:
             for name in shm.leftovers():
                 if name.startswith(writer._prefix):
@@ -313,7 +382,7 @@ def test_a_real_segment_named_with_a_bad_range_gets_an_error_reply(served):
         answer = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
         assert not answer["ok"] and answer["error"] == "WireError" and "holds" in answer["message"]
         gc.collect()
-        assert [n for n in shm.leftovers() if n.startswith(writer._prefix)] == []  # mapped, refused, unlinked
+        assert [shm.FREE in n for n in shm.leftovers() if n.startswith(writer._prefix)] == [True]  # mapped, refused, handed back
         assert producer.ping()["store"] is True and store.metrics()["partitions"]["train"]["rows"] == 0
     finally:
         sock.close(linger=0)
@@ -351,7 +420,7 @@ def test_a_late_finalizer_leaves_a_new_mapping_at_the_same_address_alone():
     gone = Gone()
     dead = weakref.ref(gone)
     del gone
-    segments._unmapped(base, os.path.join(shm.DIR, "tidal-000000000000-999999"), dead)  # the previous mapping's finalizer, late
+    segments._unmapped(base, os.path.join(shm.DIR, "tidal-000000000000-999999"), dead, None, None)  # the previous mapping's finalizer, late
     assert segments.find(arr) == (name, 0) and len(segments) == 1
     size, _, alive = segments._spans[base]
     segments._spans[base] = (size, name, dead)  # as while this mapping is being unmapped
