@@ -331,19 +331,18 @@ class Partition:
 
     def reindex(self, touched: Iterable[Segment] | None = None) -> None:
         """Forget segments with no live row left (only `touched` ones can have emptied)."""
-        if touched is not None:
-            dead = {id(s) for s in touched if s.num_alive == 0}
-            if not dead:
-                return
-            self.segments = [s for s in self.segments if id(s) not in dead]
+        if touched is None:
+            dead = [s for s in self.segments if not s.num_alive]
         else:
-            self.segments = [s for s in self.segments if s.num_alive]
-        live = {s.start for s in self.segments}
-        for unsettled in self.unsettled.values():
-            for start in [start for start in unsettled if start not in live]:
-                del unsettled[start]
-        self.start_list = [s.start for s in self.segments]
-        self._starts = None
+            dead = [s for s in {id(s): s for s in touched}.values() if s.num_alive == 0]
+        for segment in dead:  # by position (segments are in start order): no pass over every live one
+            k = bisect.bisect_left(self.start_list, segment.start)
+            if k < len(self.segments) and self.segments[k] is segment:
+                del self.segments[k], self.start_list[k]
+            for unsettled in self.unsettled.values():
+                unsettled.pop(segment.start, None)
+        if dead:
+            self._starts = None
 
     # Reading rows (the store's get, under its lock) -----------------------------------
     def ready(self, consumer: str, key: frozenset[str]) -> Rows:
