@@ -29,8 +29,8 @@ def follow(share: Callable[[DeepSpeedTrainEngine], Any] | None = None) -> dict[s
 
     `share`: this rank time-shares its devices; `share(engine)` seats each engine this builds
     and returns a seat (`turn()`, `close()`), and every command runs in `turn()`, as in
-    `tidal.engines.fsdp_lead.follow`. (A deepspeed engine has no `model` to park, so the
-    seats of `flow.colocate` refuse it: see `tidal.engines.deepspeed_train`.)
+    `tidal.engines.fsdp_lead.follow`; the seat parks this rank's state with the engine's own
+    `park()` (see `tidal.engines.deepspeed_train`).
 
     A command that raises ends this with its error, but for `FloatingPointError` (gradients
     that stayed non-finite raise it on every rank at the same step, nothing stepped): rank 0

@@ -166,6 +166,35 @@ def _ensure_state(zero_optimizer: Any, keys: list[str]) -> None:
             lazy_init_hp_params_optimizer_state(zero_optimizer.bit16_groups[i], flat, inner.state)
 
 
+def relink_optimizer_views(zero_optimizer: Any) -> None:
+    """After `reload_states()`: ZeRO-1 and -2 reach each parameter's AdamW moments through
+    views (`lazy_init_hp_params_optimizer_state`) that `reload_states` drops when it links
+    the fp32 slices again, and does not make again (DeepSpeed 0.19.8 keeps its "linked" flag
+    set), so the next `safe_get_full_optimizer_state` (a checkpoint) fails. Made here, over
+    the state AdamW holds now; nothing to do under ZeRO-3 or before the first step."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state  # noqa: PLC0415
+
+    if not hasattr(zero_optimizer, "single_partition_of_fp32_groups"):
+        return
+    inner = zero_optimizer.optimizer
+    for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
+        if inner.state.get(flat):
+            lazy_init_hp_params_optimizer_state(zero_optimizer.bit16_groups[i], flat, inner.state)
+
+
+def move_zero3_optimizer(zero_optimizer: Any, device: torch.device) -> None:
+    """Move ZeRO-3's fp32 master slices and AdamW's state to `device` in place (`.data`, so
+    every reference DeepSpeed and AdamW hold follows): what `offload_states()` /
+    `reload_states()` do only for DeepSpeed's FusedAdam. AdamW's `step` counts stay where
+    AdamW keeps them (a scalar each)."""
+    for flat in zero_optimizer.fp32_partitioned_groups_flat:
+        flat.data = flat.data.to(device)
+    for state in zero_optimizer.optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                value.data = value.data.to(device)
+
+
 def _broadcast_object(value: Any) -> Any:
     """Rank 0's `value` on every rank (a small pickled object over the default group)."""
     box = [value]

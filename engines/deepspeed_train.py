@@ -39,18 +39,24 @@ method with its own rows), or led by rank 0 (`rank0_leads=True`, what `tidal run
 several ranks): only rank 0 is called; each call sends a command and every other rank its
 share of the rows, and the other ranks run `tidal.engines.deepspeed_lead.follow()`.
 
-Not here: a colocated layout (rollout time-sharing the trainer's devices). The engine keeps
-no `model` attribute, so `flow.colocate` refuses to seat it, naming the engine: moving its
-parameters to host memory one by one (`hal` offload) would cut them from DeepSpeed's flat
-buffers. DeepSpeed's own `offload_states()` / `reload_states()` would park it; the seats
-cannot call an engine's own park yet. No KL reference policy (as the fsdp engine).
+Colocated and multiplexed layouts (rollout time-sharing the trainer's devices): the engine
+`ParksItself` (`flow.protocols`): `park()` is DeepSpeed's `offload_states()` (its flat
+buffers leave the device whole; moving its parameters one by one, as `hal` offload moves a
+module's, would cut them from those buffers) and `unpark()` its `reload_states()`, with two
+mends: under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its own
+FusedAdam, so tidal moves those (`deepspeed_state.move_zero3_optimizer`); under ZeRO-1 and -2
+`reload_states` drops the views checkpoints read AdamW's moments through, so tidal makes them
+again (`deepspeed_state.relink_optimizer_views`). No KL reference policy (as the fsdp engine).
 
 Run for real: CPU with gloo (DeepSpeed's CPU accelerator), 2 processes, ZeRO-1, -2 and -3
 (tests/engines/test_deepspeed_train.py: equality with the torch engine, exported weights,
 state round trips, non-finite steps), and `tidal run train.backend=deepspeed` (one process
 locally; 2 rank actors under `runtime: ray` on a fake GPU cluster, ZeRO-2 and ZeRO-3:
-tests/tools/test_deepspeed_run.py); `precision="bf16"` by hand only (one process, CPU
-autocast). Not run: GPU or NPU (the code asks hal for the device, the backend and DeepSpeed's
+tests/tools/test_deepspeed_run.py), parking (every stage: the whole state after `park()` /
+`unpark()` equals the state before and the steps after it those of an engine that never
+parked; a colocated `tidal run` on a fake GPU equals the disaggregated run bit for bit; on
+the CPU the moves are in place, so what a GPU's memory gains was not measured);
+`precision="bf16"` by hand only (one process, CPU autocast). Not run: GPU or NPU (the code asks hal for the device, the backend and DeepSpeed's
 accelerator name; nothing here names a vendor).
 """
 
@@ -65,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engines.deepspeed_setup import deepspeed_config, ensure_process_group, import_deepspeed, local_device_index
-from tidal.engines.deepspeed_state import full_state, load_full_state, weight_pass, weight_specs
+from tidal.engines.deepspeed_state import full_state, load_full_state, move_zero3_optimizer, relink_optimizer_views, weight_pass, weight_specs
 from tidal.engines.fsdp_commands import model_recipe, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
@@ -489,6 +495,31 @@ class DeepSpeedTrainEngine:
         if self._leading:
             send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position)
         self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position)
+
+    # Time-sharing devices: `ParksItself` -------------------------------------------------
+    def park(self) -> None:
+        """Move this rank's DeepSpeed state (its weights, gradients and AdamW's state, in
+        DeepSpeed's flat buffers) to host memory, with `DeepSpeedEngine.offload_states()`.
+        Under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its
+        own FusedAdam, so those two are moved here (`park_zero3_optimizer`) and DeepSpeed
+        moves the rest. Local to this rank, no collective: in a led group each rank's seat
+        parks its own."""
+        if self.zero_stage < 3:
+            self.deepspeed.offload_states()
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
+
+        self.deepspeed.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer])
+        move_zero3_optimizer(self.zero, _HOST)
+
+    def unpark(self) -> None:
+        """Bring the state back to the device: `DeepSpeedEngine.reload_states()` (and under
+        ZeRO-3 the master slices and AdamW's state), then the views ZeRO-1 and -2 give
+        checkpoints of AdamW's state (`relink_optimizer_views`)."""
+        self.deepspeed.reload_states()
+        if self.zero_stage == 3:
+            move_zero3_optimizer(self.zero, self.device)
+        relink_optimizer_views(self.zero)
 
     def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any]) -> None:
         load_full_state(self.module, self.zero, rank=self.rank, model=model, optimizer=optimizer)

@@ -84,9 +84,9 @@ def test_only_rollout_time_shares_the_trainers_devices_under_either_runtime(runt
     ("args", "message"),
     [
         (["device=fake:cuda:1", "placement.train.colocate_with=rollout"], "placement.train.colocate_with=rollout: only rollout time-shares"),
-        (  # DeepSpeed's engine keeps its state to itself: refused before the warm start, not by the seat after it
-            ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "train.backend=deepspeed", "placement.train.count=2", *COLOCATED],
-            "placement.rollout.colocate_with=train time-shares the trainer's devices, and train.backend='deepspeed' cannot park its state for a guest",
+        (  # megatron's engine cannot park its state: refused before the warm start, not by the seat after it
+            ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "train.backend=megatron", "placement.train.count=2", *COLOCATED],
+            "placement.rollout.colocate_with=train time-shares the trainer's devices, and train.backend='megatron' cannot park its state for a guest",
         ),
         (  # two guests on the two devices of one trainer instance
             ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "placement.train.devices_each=2", "placement.rollout.count=2", *COLOCATED],

@@ -16,6 +16,7 @@ from tidal.tools.recipes import resolve_recipe
 VARIANTS = {
     "gsm8k_cuda": [
         [], ["placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"], ["train.backend=deepspeed", "train.zero_stage=3"],
+        ["train.backend=deepspeed", "train.zero_stage=3", "placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"],
     ],
     "gsm8k_npu": [[], ["placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"]],
     "gsm8k_mixed": [[]],
