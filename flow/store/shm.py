@@ -162,6 +162,7 @@ class Writer:
         self._full = False  # the last write found too little room (logged once per episode)
         self._pool: collections.OrderedDict[str, int] = collections.OrderedDict()
         """Segments written and not given up, oldest first: base name (no mark, no tag) -> size."""
+        self._pool_lock = threading.Lock()  # a client's threads share its writer
         self.num_by_socket = 0
         """Messages whose large buffers went by socket because `/dev/shm` was short of room."""
         self.num_reused = 0
@@ -217,26 +218,28 @@ class Writer:
         """A segment the server handed back that fits `size` bytes (at most twice that), made
         ours again (`.sent`), or None. Tries the `RECLAIM_TRIES` oldest; one that came back
         too small or too large is unlinked."""
-        for base, capacity in list(self._pool.items())[:RECLAIM_TRIES]:
-            sent = owner.tagged(base + SENT)
-            try:
-                os.rename(os.path.join(DIR, owner.tagged(base + FREE)), os.path.join(DIR, sent))
-            except OSError:
-                self._pool.move_to_end(base)  # not back yet (a consumer has not acked its rows), or gone with its server
-                continue
-            if size <= capacity <= 2 * size:
-                self._pool.move_to_end(base)
-                self.num_reused += 1
-                return sent
-            del self._pool[base]
-            _unlink(os.path.join(DIR, sent))
+        with self._pool_lock:
+            for base, capacity in list(self._pool.items())[:RECLAIM_TRIES]:
+                sent = owner.tagged(base + SENT)
+                try:
+                    os.rename(os.path.join(DIR, owner.tagged(base + FREE)), os.path.join(DIR, sent))
+                except OSError:
+                    self._pool.move_to_end(base)  # not back yet (a consumer has not acked its rows), or gone with its server
+                    continue
+                if size <= capacity <= 2 * size:
+                    self._pool.move_to_end(base)
+                    self.num_reused += 1
+                    return sent
+                del self._pool[base]
+                _unlink(os.path.join(DIR, sent))
         return None
 
     def _remember(self, base: str, size: int) -> None:
-        self._pool[base] = size
-        while len(self._pool) > POOL_SEGMENTS or (len(self._pool) > 1 and sum(self._pool.values()) > POOL_BYTES):
-            forgotten, _ = self._pool.popitem(last=False)
-            _unlink(os.path.join(DIR, owner.tagged(forgotten + FREE)))  # back already: ours to drop; else the server drops it when we disconnect
+        with self._pool_lock:
+            self._pool[base] = size
+            while len(self._pool) > POOL_SEGMENTS or (len(self._pool) > 1 and sum(self._pool.values()) > POOL_BYTES):
+                forgotten, _ = self._pool.popitem(last=False)
+                _unlink(os.path.join(DIR, owner.tagged(forgotten + FREE)))  # back already: ours to drop; else the server drops it when we disconnect
 
     def discard(self, placed: Sequence[Sequence[Any]]) -> None:
         """Unlink the segments this writer wrote among `place`'s entries: their message
@@ -253,15 +256,17 @@ class Writer:
         for name in names:
             base = owner.TAG.sub("", name)
             if name.startswith(self._prefix) and base.endswith(SENT):
-                self._pool.pop(base.removesuffix(SENT), None)
+                with self._pool_lock:
+                    self._pool.pop(base.removesuffix(SENT), None)
                 _unlink(os.path.join(DIR, name))
 
     def close(self) -> None:
         """Unlink the segments the server handed back that this writer has not used again
         (those it still holds go when this client disconnects: `Segments.disconnected`)."""
-        for base in self._pool:
+        with self._pool_lock:
+            bases, self._pool = list(self._pool), collections.OrderedDict()
+        for base in bases:
             _unlink(os.path.join(DIR, owner.tagged(base + FREE)))
-        self._pool.clear()
 
     def _short_of_room(self, why: str) -> None:
         if not self._full:

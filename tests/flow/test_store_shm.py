@@ -528,3 +528,39 @@ def test_a_segment_whose_buffer_fails_to_write_is_not_left_behind():
     with pytest.raises(TypeError):
         writer.write([np.zeros(shm.MIN_BYTES, dtype=np.uint8), NoBuffer()])
     assert [name for name in shm.leftovers() if name.startswith(writer._prefix)] == []
+
+
+def test_rows_stay_intact_while_threads_of_one_client_reuse_its_segments(served):
+    """Four threads of one producer put while two consumers read and ack: the segments the
+    server hands back are written again by whichever thread takes them, and every row a
+    consumer got holds what was put, whatever came into its segment later."""
+    store, server, (producer, a, b) = served
+    num_threads, per_thread = 4, 12
+    errors: list[BaseException] = []
+
+    def produce(t: int) -> None:
+        try:
+            for k in range(per_thread):
+                producer.put("train", {"x": torch.full((1, BIG), float(t * 100 + k))}, timeout=30)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    kept: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    while any(sum(len(x) for x in rows) < num_threads * per_thread for rows in kept.values()):
+        for name, consumer in (("a", a), ("b", b)):
+            if sum(len(x) for x in kept[name]) < num_threads * per_thread:
+                batch = consumer.get(name, "train", ["x"], 4, timeout=30, partial=True)
+                kept[name].append(batch.stack("x"))
+                consumer.ack(name, "train", batch.indexes)
+        gc.collect()  # the server lets go of rows both acked: their segments go back and are reused
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for name in kept:
+        rows = torch.cat(kept[name])
+        assert bool((rows == rows[:, :1]).all())  # no row took another's bytes
+        assert sorted(rows[:, 0].tolist()) == sorted(float(t * 100 + k) for t in range(num_threads) for k in range(per_thread))
+    assert producer._writer.num_reused > 0
