@@ -542,7 +542,7 @@ def test_rows_stay_intact_while_threads_of_one_client_reuse_its_segments(served)
         try:
             for k in range(per_thread):
                 producer.put("train", {"x": torch.full((1, BIG), float(t * 100 + k))}, timeout=30)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
+        except BaseException as e:  # reported by the test
             errors.append(e)
 
     threads = [threading.Thread(target=produce, args=(t,)) for t in range(num_threads)]
