@@ -23,6 +23,11 @@ other has the device memory. Three pieces:
 
 The workflow does not know any of this: the runtime wraps the engines when the plan
 says two roles share devices.
+
+Every wait and reading of time goes through a `clock` (`flow.clock`; the real one by
+default), so `tidal simulate` can run these pieces on its virtual clock. A seat's lock is
+held while it computes, which on a virtual clock is a simulated wait: it is therefore a
+`ClockMutex` (a lock made of the clock's condition), not a `threading.Lock`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 
 from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.clock import REAL, Clock
 from tidal.flow.protocols import Collective, HoldsModel, Refill
 from tidal.flow.trajectory import TokenBatch, Trajectory
 from tidal.hal.transfer import LazyWeights
@@ -48,11 +53,33 @@ PARK_POLL_S = 10.0
 """The longest a parking thread's `wait_park` blocks before it checks again (a backstop: `leave` wakes it)."""
 
 
+class ClockMutex:
+    """A lock whose waiting goes through `clock`: what a lock held across a computation must
+    be on a virtual clock, where a thread blocked on a plain lock would stop simulated time
+    (on the real clock it acts as a `threading.Lock`). Not re-entrant."""
+
+    def __init__(self, clock: Clock = REAL) -> None:
+        self._cond = clock.condition(threading.Lock())
+        self._held = False
+
+    def __enter__(self) -> ClockMutex:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._held)
+            self._held = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
 class Turns:
     """Who computes on one set of shared devices now, and whose state is on them."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
+    def __init__(self, *, clock: Clock = REAL) -> None:
+        self._clock = clock
+        self._cond = clock.condition()
         self._queue: collections.deque[tuple[str, int]] = collections.deque()  # (seat, its join count) per waiting acquire
         self._joins: collections.Counter[str] = collections.Counter()
         self._holder: str | None = None
@@ -79,7 +106,7 @@ class Turns:
 
     def acquire(self, seat: str, timeout: float | None = None) -> bool:
         """Wait for `seat`'s turn; True when its state must be onloaded (it was parked)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self._clock.now() + timeout
         with self._cond:
             if self._holder == seat:
                 raise RuntimeError(f"seat {seat!r} asked for a turn while holding one (turns do not nest)")
@@ -99,7 +126,7 @@ class Turns:
                             )
                         self._park_wanted.add(self._resident)  # the resident seat's parking thread wakes
                         self._cond.notify_all()
-                    left = None if deadline is None else deadline - time.monotonic()
+                    left = None if deadline is None else deadline - self._clock.now()
                     if left is not None and left <= 0:
                         raise TimeoutError(
                             f"seat {seat!r} waited {timeout:.1f}s for its turn: held by {self._holder!r}, "
@@ -207,9 +234,10 @@ class TurnsSpan:
     `turns` (and `parks_on`) are `Turns` or proxies to them.
     """
 
-    def __init__(self, turns: Sequence[Any], parks_on: Sequence[Any] | None = None) -> None:
+    def __init__(self, turns: Sequence[Any], parks_on: Sequence[Any] | None = None, *, clock: Clock = REAL) -> None:
         if not turns:
             raise ValueError("TurnsSpan needs at least one Turns")
+        self._clock = clock
         self.turns = list(turns)
         self.parks_on = list(turns if parks_on is None else parks_on)
         self._waits: dict[int, Any] = {}  # arbiter index -> its pending `wait_park` (one each, kept across calls)
@@ -220,12 +248,12 @@ class TurnsSpan:
             t.join(seat)
 
     def acquire(self, seat: str, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self._clock.now() + timeout
         taken: list[Any] = []
         onload = False
         try:
             for t in self.turns:
-                onload |= bool(t.acquire(seat, None if deadline is None else max(deadline - time.monotonic(), 0.0)))
+                onload |= bool(t.acquire(seat, None if deadline is None else max(deadline - self._clock.now(), 0.0)))
                 taken.append(t)
         except BaseException:
             failed = _release_each(reversed(taken), seat)
@@ -248,14 +276,12 @@ class TurnsSpan:
         """True once any of `parks_on` asks `seat` to park (each waited on by a thread of a small pool)."""
         if len(self.parks_on) == 1:
             return self.parks_on[0].wait_park(seat, timeout)
-        import concurrent.futures  # noqa: PLC0415
-
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.parks_on), thread_name_prefix=f"park-wait-{seat}")
+            self._pool = self._clock.executor(len(self.parks_on), name=f"park-wait-{seat}")
         for i, t in enumerate(self.parks_on):
             if i not in self._waits:
                 self._waits[i] = self._pool.submit(t.wait_park, seat, timeout)
-        done, _ = concurrent.futures.wait(self._waits.values(), timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = self._clock.wait_futures(self._waits.values(), timeout=timeout)
         asked = False
         for i, future in list(self._waits.items()):
             if future in done:
@@ -309,17 +335,17 @@ class Seat:
     naming it: what is on the devices then is not known.
     """
 
-    def __init__(self, turns: Any, name: str, *, park: Callable[[], None], unpark: Callable[[], None]) -> None:
+    def __init__(self, turns: Any, name: str, *, park: Callable[[], None], unpark: Callable[[], None], clock: Clock = REAL) -> None:
         self.turns, self.name = turns, name
         self._park, self._unpark = park, unpark
-        self._lock = threading.Lock()  # held while computing and while parking: never both at once
+        self._lock = ClockMutex(clock)  # held while computing and while parking: never both at once
         self._parked = False  # this seat's state may be (partly) off the devices: unpark before computing
         self._move_error: str | None = None  # why the last park or unpark failed; park requests fail with it until an unpark succeeds
         self._owner: int | None = None  # the thread computing in this seat's turn
-        self._closed = threading.Event()
+        self._closed = clock.event()
         self.num_parks = 0
         turns.join(name)
-        self._thread = threading.Thread(target=self._parking_loop, name=f"park-{name}", daemon=True)
+        self._thread = clock.thread(self._parking_loop, name=f"park-{name}", daemon=True)
         self._thread.start()
 
     @contextmanager
