@@ -196,3 +196,11 @@ def test_weight_sync_transports():
         weight_sync_s(Q7, transport="ipc", src=H100, dst=H100, num_nodes_between=1, eff=EFF)
     with pytest.raises(ValueError, match=r"'rdma'.*ipc, collective, host"):
         weight_sync_s(Q7, transport="rdma", src=H100, dst=H100, eff=EFF)
+
+
+def test_a_park_moves_one_devices_state_over_its_pcie_link():
+    h100 = DEVICES["h100"]
+    assert costs.park_s(8e9, h100) == pytest.approx(8e9 / (h100.pcie_gbps * 1e9 * costs.DEFAULT_EFFICIENCY.network))
+    assert costs.park_s(0, h100) == 0.0
+    with pytest.raises(ValueError, match="nbytes"):
+        costs.park_s(-1, h100)

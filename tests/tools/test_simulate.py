@@ -81,9 +81,28 @@ def test_long_tails_cost_sync_what_streaming_keeps():
     assert speedup[1.0] > speedup[0.0] * 1.15
 
 
-def test_a_colocated_plan_is_refused_naming_the_keys():
-    with pytest.raises(ConfigError, match="colocate_with"):
-        _run(staleness=1, sigma=0.0, overrides=("placement.rollout.colocate_with=train", "placement.rollout.count=8", "placement.rollout.devices_each=1"))
+COLOCATED = ("placement.rollout.colocate_with=train", "placement.rollout.count=8", "placement.rollout.devices_each=1")
+
+
+def test_a_colocated_plan_takes_turns_on_the_shared_devices():
+    """Rollout time-shares the trainer's 8 devices through the real `flow.timeshare` turns on
+    the virtual clock: the roles never compute at once (their busy shares add up to at most
+    the whole run), the devices change hands on each trainer instance every step, and the
+    timeline is the same on every run."""
+    steps = 6
+    first, _ = _run(staleness=1, sigma=0.0, steps=steps, overrides=COLOCATED)
+    again, _ = _run(staleness=1, sigma=0.0, steps=steps, overrides=COLOCATED)
+    assert first.layout == "colocated" and first.roles["transport"] == "ipc"
+    assert [s["step_s"] for s in first.steps] == [s["step_s"] for s in again.steps]
+    assert first.utilisation["train"] + first.utilisation["rollout"] <= 1.0
+    assert first.handoffs >= steps * 8  # each of the 8 trainer instances' devices change hands at least once a step
+    disaggregated, _ = _run(staleness=1, sigma=0.0, steps=steps)
+    assert first.utilisation["rollout"] < disaggregated.utilisation["rollout"]  # rollout waits out training on the shared devices
+
+
+def test_a_multiplexed_plan_is_refused_naming_the_keys():
+    with pytest.raises(ConfigError, match="lend_to"):
+        _run(staleness=1, sigma=0.0, overrides=("placement.train.lend_to=rollout",))
 
 
 def test_cli_prints_the_prediction_and_writes_the_trace(tmp_path, capsys):
@@ -95,6 +114,16 @@ def test_cli_prints_the_prediction_and_writes_the_trace(tmp_path, capsys):
     assert out["roles"]["train"] == {"devices": 16, "kind": "npu"} and out["samples_per_s"] > 0
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "generate" for e in events) and any(e.get("name") == "train" for e in events)
+
+
+def test_cli_prints_a_colocated_prediction_with_its_hand_offs(tmp_path, capsys):
+    placed = ["placement.train.requires=[]", "placement.rollout.requires=[]", "placement.train.count=8", *COLOCATED]
+    code = main(["simulate", "mixed_npu_gpu", "cluster=gpu64", *placed, "algorithm.num_steps=4", "--model", "0.5b", "--mean-tokens", "200", "--trace", str(tmp_path / "sim.json")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "cluster gpu64: colocated; train 8 x cuda, rollout 8 x 1 cuda; weights over ipc" in out
+    (line,) = [line for line in out.splitlines() if "hand-offs" in line]
+    assert int(line.split()[1]) > 0
 
 
 def test_a_transport_the_devices_cannot_use_is_a_config_error():

@@ -343,6 +343,21 @@ def train_step_s(model: ModelShape, device: Device, *, num_devices: int, tokens:
     return max(compute_s + (1 - eff.grad_overlap) * comm_s, comm_s) + overhead_s
 
 
+TRAIN_STATE_BYTES_PER_PARAM = 16
+"""Bytes a trainer holds on its devices per parameter (all devices together) with AdamW in
+mixed precision: bf16 weights and gradients (2 + 2), fp32 master weights and two moments
+(3 x 4). Activations are freed between steps. Assumption."""
+
+
+def park_s(nbytes: float, device: Device, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds one device's `nbytes` of state take to move to host memory, or back, over its
+    PCIe link (a role's devices each move their own at once): what a colocated seat's park
+    or onload costs. At `eff.network` of the link, as the host transport's copies."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return nbytes / (device.pcie_gbps * 1e9 * eff.network)
+
+
 def weight_sync_s(
     model: ModelShape,
     *,

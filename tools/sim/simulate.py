@@ -17,8 +17,14 @@ Assumptions (docs/simulate.md states them for users):
 - weights go over the transport the recipe names (`auto`: collective between devices of
   one kind, host between kinds): the trainer spends the send, each rollout instance gets
   the version once the transfer is done (`costs.weight_sync_s`);
-- only disaggregated layouts are simulated for now: colocated, hybrid and multiplexed
-  plans are refused, naming the keys.
+- disaggregated and colocated layouts are simulated; hybrid and multiplexed plans are
+  refused, naming the keys. Colocated: the real `flow.timeshare` turns, on the clock, one
+  arbiter per trainer instance; the trainer takes every one of them for each call (as
+  rank 0 of a multi-rank trainer does) and its guests their own; a seat parks when
+  another wants its devices, moving its state over each device's PCIe link
+  (`costs.park_s`): the trainer `costs.TRAIN_STATE_BYTES_PER_PARAM` per parameter over its
+  devices, a rollout engine its weights over its tensor-parallel devices (vLLM's sleep
+  drops its KV cache rather than moving it).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 from tidal.flow.placement import PlacementError, Plan, schedule
 from tidal.flow.store import Store
+from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine, Turns, TurnsSpan
 from tidal.flow.trace import Tracer
 from tidal.flow.virtual_clock import VirtualClock
 from tidal.flow.workflow import Workflow, WorkflowConfig
@@ -98,6 +105,8 @@ class Prediction:
     device: what a calibration's profile should cover (`calibrate.extrapolations`)."""
     wall_s: float = 0.0
     """Real seconds the simulation took."""
+    handoffs: int = 0
+    """Times the devices passed from one role's state to the other's (colocated layouts)."""
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
@@ -113,20 +122,20 @@ def plan_of(cfg: RecipeConfig, cluster: ClusterSpec) -> Plan:
         plan = schedule(cluster.resources(), roles_of(cfg))
     except PlacementError as e:
         raise ConfigError(f"placement on cluster {cluster.name!r}: {e}") from None
-    if plan.layout != "disaggregated":
+    if plan.layout not in ("disaggregated", "colocated"):
         raise ConfigError(
-            f"placement: the plan is {plan.layout}; tidal simulate runs disaggregated plans only so far "
-            "(unset placement.rollout.colocate_with and placement.train.lend_to)"
+            f"placement: the plan is {plan.layout}; tidal simulate runs disaggregated and colocated plans only so far "
+            "(unset placement.train.lend_to, or colocate every rollout instance)"
         )
     return plan
 
 
-def _transport(cfg: RecipeConfig, train_kind: str, rollout_kind: str, *, same_node: bool) -> str:
+def _transport(cfg: RecipeConfig, train_kind: str, rollout_kind: str, *, same_node: bool, colocated: bool = False) -> str:
     """The transport the real runtime would pick (`hal.transfer.choose_transport`, the rule
-    a Ray run applies), for a trainer and a rollout that are never colocated here."""
+    a Ray run applies)."""
     me, them = describe(train_kind, device_count=1), describe(rollout_kind, device_count=1)
     try:
-        return choose_transport(me, them, same_node=same_node, colocated=False, override=cfg.transport.name)
+        return choose_transport(me, them, same_node=same_node, colocated=colocated, override=cfg.transport.name)
     except ValueError as e:
         raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
 
@@ -168,7 +177,8 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside)
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
     between = 0 if shared else 1
-    transport = _transport(cfg, train[0].kind, rollout[0].kind, same_node=not between)
+    colocated = plan.layout == "colocated"
+    transport = _transport(cfg, train[0].kind, rollout[0].kind, same_node=not between, colocated=colocated)
     try:
         sync_s = max(
             costs.weight_sync_s(work.model, transport=transport, src=train_device, dst=dev, num_nodes_between=between, num_receivers=len(rollout), eff=work.eff) for dev, _ in rollout_devices
@@ -199,10 +209,57 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     def score(trajectories: Any) -> tuple[list[float], list[int]]:
         return [float(coin.random() < 0.5) for _ in trajectories], []
 
-    workflow = Workflow(store=store, rollout=rollouts.engines[0], trainer=trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
-    clock.run(workflow.run)
+    seats: list[Seat] = []
+    turns: list[Turns] = []
+    seated_trainer: Any = trainer
+
+    def main() -> None:
+        nonlocal seated_trainer
+        if colocated:  # made here: seats start their parking threads on the clock
+            seated_trainer, guests = _seat(clock, plan, cluster, work, trainer, engines, seats, turns)
+            rollouts.engines = guests
+            for worker, guest in zip(rollouts.workers, guests):
+                worker.engine = guest
+        workflow = Workflow(store=store, rollout=rollouts.engines[0], trainer=seated_trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
+        try:
+            workflow.run()
+        finally:
+            for seat in seats:
+                seat.close()
+
+    clock.run(main)
     total = clock.now()
-    return _predict(steps, total, trainer=trainer, rollouts=rollouts, plan=plan, work=work, transport=transport, wall_s=time.perf_counter() - began), tracer
+    rollouts.engines = engines  # their stats, not the seated wrappers'
+    prediction = _predict(steps, total, trainer=trainer, rollouts=rollouts, plan=plan, work=work, transport=transport, wall_s=time.perf_counter() - began)
+    prediction.handoffs = sum(t.handoffs for t in turns)
+    return prediction, tracer
+
+
+def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns]) -> tuple[SharedTrainEngine, list[SharedRolloutEngine]]:
+    """A colocated plan's seats: one `Turns` per trainer instance, the trainer seated at all
+    of them (in rank order, parking everywhere at once) and each rollout engine at the one of
+    the trainer instance whose devices it shares. Parks and onloads sleep `costs.park_s`."""
+    train = plan.of("train")
+    turns += [Turns(clock=clock) for _ in train]
+
+    def moving(seconds: float) -> Any:
+        return lambda: clock.sleep(seconds)
+
+    device = cluster.group_of(train[0].node).device
+    num_devices = sum(len(a.devices) for a in train)
+    train_s = costs.park_s(work.model.num_params * costs.TRAIN_STATE_BYTES_PER_PARAM / num_devices, device, work.eff)
+    span = TurnsSpan(turns, clock=clock) if len(turns) > 1 else turns[0]
+    seats.append(Seat(span, "train", park=moving(train_s), unpark=moving(train_s), clock=clock))
+    shared_trainer = SharedTrainEngine(trainer, seats[-1])
+    guests = []
+    for engine, a in zip(engines, plan.of("rollout")):
+        (host,) = [k for k, t in enumerate(train) if t.node == a.node and set(a.devices) <= set(t.devices)] or [None]
+        if host is None:
+            raise ConfigError(f"placement: rollout instance {a.rank} shares the devices of no single trainer instance; tidal simulate seats each guest on one")
+        guest_s = costs.park_s(work.model.weight_bytes / len(a.devices), engine.device, work.eff)
+        seats.append(Seat(turns[host], engine.name, park=moving(guest_s), unpark=moving(guest_s), clock=clock))
+        guests.append(SharedRolloutEngine(engine, seats[-1]))
+    return shared_trainer, guests
 
 
 def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngine, rollouts: SimRollouts, plan: Plan, work: Workload, transport: str, wall_s: float) -> Prediction:
