@@ -29,8 +29,8 @@ simulated timeline goes to --trace (Chrome trace JSON: open in Perfetto).
 Uncalibrated unless --profile gives a `tidal profile` of a real device: the efficiency
 factors are then fitted to it (and a prediction that runs past the profiled batches,
 contexts or step sizes says so); otherwise they are the assumptions in docs/simulate.md.
-Disaggregated and colocated plans are simulated (colocated: the real turns, with parks
-costed over PCIe); hybrid and multiplexed ones are refused.
+Every layout is simulated; where rollout time-shares the trainer's devices (colocated,
+hybrid, multiplexed), on the real turns, with parks costed over PCIe.
 """
 
 
@@ -176,8 +176,8 @@ def _print(p: Any, *, cluster_name: str, trace: Path) -> None:
     print("  busy             " + "  ".join(f"{k} {v:.0%}" for k, v in p.utilisation.items()))
     print("  idle             " + "  ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in p.idle.items()))
     print(f"  paused generations {p.paused_generations}" + (f" (prefilling their tokens again took {p.reprefill_share:.1%} of the run)" if p.paused_generations else ""))
-    if p.layout == "colocated":
-        print(f"  hand-offs        {p.handoffs} (the shared devices changing hands, over every trainer instance)")
+    if p.layout != "disaggregated":
+        print(f"  hand-offs        {p.handoffs} (the shared devices changing hands, over every trainer instance)" + (f"; {p.handed_off} paused groups handed back by borrowed instances" if p.layout == "multiplexed" else ""))
     total = sum(p.version_gaps.values()) or 1
     print("  version gap      " + "  ".join(f"{gap}: {n / total:.0%}" for gap, n in p.version_gaps.items()))
     print(f"trace: {trace}")

@@ -17,14 +17,16 @@ Assumptions (docs/simulate.md states them for users):
 - weights go over the transport the recipe names (`auto`: collective between devices of
   one kind, host between kinds): the trainer spends the send, each rollout instance gets
   the version once the transfer is done (`costs.weight_sync_s`);
-- disaggregated and colocated layouts are simulated; hybrid and multiplexed plans are
-  refused, naming the keys. Colocated: the real `flow.timeshare` turns, on the clock, one
-  arbiter per trainer instance; the trainer takes every one of them for each call (as
-  rank 0 of a multi-rank trainer does) and its guests their own; a seat parks when
+- every layout is simulated. Where rollout time-shares the trainer's devices (colocated,
+  hybrid, multiplexed): the real `flow.timeshare` turns, on the clock, one arbiter per
+  trainer instance; the trainer takes every one of them for each call (as rank 0 of a
+  multi-rank trainer does) and its guests their own; a borrowed (multiplexed) instance's
+  worker hands its paused groups back to the store, as under Ray; a seat parks when
   another wants its devices, moving its state over each device's PCIe link
   (`costs.park_s`): the trainer `costs.TRAIN_STATE_BYTES_PER_PARAM` per parameter over its
   devices, a rollout engine its weights over its tensor-parallel devices (vLLM's sleep
-  drops its KV cache rather than moving it).
+  drops its KV cache rather than moving it). Each instance's weights go over the transport
+  the runtime would pick for it, and every instance gets a version once the slowest has.
 """
 
 from __future__ import annotations
@@ -106,7 +108,11 @@ class Prediction:
     wall_s: float = 0.0
     """Real seconds the simulation took."""
     handoffs: int = 0
-    """Times the devices passed from one role's state to the other's (colocated layouts)."""
+    """Times the shared devices passed from one role's state to the other's (0 unless rollout
+    time-shares the trainer's devices)."""
+    handed_off: int = 0
+    """Paused groups borrowed (multiplexed) rollout instances handed back to the store when
+    the trainer took its devices back, for other instances to continue."""
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
@@ -122,11 +128,6 @@ def plan_of(cfg: RecipeConfig, cluster: ClusterSpec) -> Plan:
         plan = schedule(cluster.resources(), roles_of(cfg))
     except PlacementError as e:
         raise ConfigError(f"placement on cluster {cluster.name!r}: {e}") from None
-    if plan.layout not in ("disaggregated", "colocated"):
-        raise ConfigError(
-            f"placement: the plan is {plan.layout}; tidal simulate runs disaggregated and colocated plans only so far "
-            "(unset placement.train.lend_to, or colocate every rollout instance)"
-        )
     return plan
 
 
@@ -176,12 +177,14 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     beside = Beside() if shared else None
     trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside)
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
-    between = 0 if shared else 1
-    colocated = plan.layout == "colocated"
-    transport = _transport(cfg, train[0].kind, rollout[0].kind, same_node=not between, colocated=colocated)
+    shares = plan.layout != "disaggregated"  # some rollout instance time-shares the trainer's devices
+    # each instance's transport, as the runtime picks it; the workers get a version once the slowest has it
+    transports = [_transport(cfg, train[0].kind, a.kind, same_node=a.node in train_nodes, colocated=a.mode != "own") for a in rollout]
+    transport = transports[0] if len(set(transports)) == 1 else "+".join(sorted(set(transports)))
     try:
         sync_s = max(
-            costs.weight_sync_s(work.model, transport=transport, src=train_device, dst=dev, num_nodes_between=between, num_receivers=len(rollout), eff=work.eff) for dev, _ in rollout_devices
+            costs.weight_sync_s(work.model, transport=t, src=train_device, dst=dev, num_nodes_between=0 if a.node in train_nodes else 1, num_receivers=len(rollout), eff=work.eff)
+            for t, (dev, _), a in zip(transports, rollout_devices, rollout)
         )
     except ValueError as e:
         raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
@@ -215,11 +218,12 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
 
     def main() -> None:
         nonlocal seated_trainer
-        if colocated:  # made here: seats start their parking threads on the clock
+        if shares:  # made here: seats start their parking threads on the clock
             seated_trainer, guests = _seat(clock, plan, cluster, work, trainer, engines, seats, turns)
             rollouts.engines = guests
-            for worker, guest in zip(rollouts.workers, guests):
+            for worker, guest, a in zip(rollouts.workers, guests, rollout):
                 worker.engine = guest
+                worker.hand_off = a.mode == "borrowed"  # a borrowed seat hands its paused groups back, as under Ray
         workflow = Workflow(store=store, rollout=rollouts.engines[0], trainer=seated_trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
         try:
             workflow.run()
@@ -232,13 +236,16 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     rollouts.engines = engines  # their stats, not the seated wrappers'
     prediction = _predict(steps, total, trainer=trainer, rollouts=rollouts, plan=plan, work=work, transport=transport, wall_s=time.perf_counter() - began)
     prediction.handoffs = sum(t.handoffs for t in turns)
+    prediction.handed_off = sum(w.num_handed_off for w in rollouts.workers)
     return prediction, tracer
 
 
-def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns]) -> tuple[SharedTrainEngine, list[SharedRolloutEngine]]:
-    """A colocated plan's seats: one `Turns` per trainer instance, the trainer seated at all
-    of them (in rank order, parking everywhere at once) and each rollout engine at the one of
-    the trainer instance whose devices it shares. Parks and onloads sleep `costs.park_s`."""
+def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns]) -> tuple[SharedTrainEngine, list[Any]]:
+    """The seats of a plan where rollout time-shares the trainer's devices: one `Turns` per
+    trainer instance, the trainer seated at all of them (in rank order, parking everywhere at
+    once) and each colocated or borrowed rollout engine at those of the trainer instances
+    whose devices it uses (several: all their turns at once, as a spanning guest under Ray);
+    an instance with devices of its own is not seated. Parks and onloads sleep `costs.park_s`."""
     train = plan.of("train")
     turns += [Turns(clock=clock) for _ in train]
 
@@ -251,13 +258,17 @@ def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload,
     span = TurnsSpan(turns, clock=clock) if len(turns) > 1 else turns[0]
     seats.append(Seat(span, "train", park=moving(train_s), unpark=moving(train_s), clock=clock))
     shared_trainer = SharedTrainEngine(trainer, seats[-1])
-    guests = []
+    guests: list[Any] = []
     for engine, a in zip(engines, plan.of("rollout")):
-        (host,) = [k for k, t in enumerate(train) if t.node == a.node and set(a.devices) <= set(t.devices)] or [None]
-        if host is None:
-            raise ConfigError(f"placement: rollout instance {a.rank} shares the devices of no single trainer instance; tidal simulate seats each guest on one")
+        if a.mode == "own":
+            guests.append(engine)
+            continue
+        hosts = [k for k, t in enumerate(train) if t.node == a.node and set(t.devices) & set(a.devices)]
+        if not hosts or not set(a.devices) <= {d for k in hosts for d in train[k].devices}:
+            raise ConfigError(f"placement: rollout instance {a.rank} ({a.mode}) uses devices of no trainer instance on {a.node}; tidal simulate seats guests on trainer devices")
+        arbiter = turns[hosts[0]] if len(hosts) == 1 else TurnsSpan([turns[k] for k in hosts], clock=clock)  # spanning several: all their turns, parked on all
         guest_s = costs.park_s(work.model.weight_bytes / len(a.devices), engine.device, work.eff)
-        seats.append(Seat(turns[host], engine.name, park=moving(guest_s), unpark=moving(guest_s), clock=clock))
+        seats.append(Seat(arbiter, engine.name, park=moving(guest_s), unpark=moving(guest_s), clock=clock))
         guests.append(SharedRolloutEngine(engine, seats[-1]))
     return shared_trainer, guests
 
