@@ -184,7 +184,8 @@ def test_search_ranks_placements_and_each_row_reproduces_its_prediction():
     cluster = parse_cluster({"nodes": [{"name": "n", "device": "h100", "count": 2}]})
     work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=600, prompt_sigma=1.0, group_sigma=1.0, max_new_tokens=2048), token_scale=32)
     found = candidates(load_config(recipe, base), cluster)
-    assert len(found) == 4 * 3  # one split of two nodes; 1, 2, 4, 8 devices per rollout instance; staleness 0, 1, 2
+    assert len(found) == 2 * 4 * 3  # one split of two nodes, or all 16 devices colocated; 1, 2, 4, 8 devices per rollout instance; staleness 0, 1, 2
+    assert sum("placement.rollout.colocate_with=train" in c.overrides for c in found) == 4 * 3
     ranked = search(recipe, base, cluster, work)
     speeds = [r.prediction.samples_per_s for r in ranked]
     assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) > 1
@@ -201,7 +202,7 @@ def test_cli_search_prints_a_ranking(tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     ranking = out["ranking"]
-    assert {r["placement"].split(",")[0] for r in ranking} == {"train 8 910b", "train 8 h100"}  # each type trains while the other rolls out
+    assert {r["placement"].split(",")[0] for r in ranking} == {"train 8 910b", "train 8 h100"} | {f"colocated on 8 {tag}: rollout {8 // each} x {each}" for tag in ("910b", "h100") for each in (1, 2, 4, 8)}  # each type trains while the other rolls out, or alone
     speeds = [r["prediction"]["samples_per_s"] for r in ranking if "prediction" in r]
     assert speeds == sorted(speeds, reverse=True)
     assert all(o.startswith(("placement.", "rollout.", "algorithm.")) for r in ranking for o in r["overrides"])

@@ -1,9 +1,11 @@
 """`tidal simulate --search`: rank placements of a recipe on a cluster by simulating each.
 
-The candidates are disaggregated plans, each a set of recipe overrides:
-- which devices train and which roll out: on a cluster of one device type, the trainer
-  takes whole nodes (a quarter to three quarters of them) and rollout the rest; on a
-  mixed cluster, each type trains while another rolls out;
+The candidates are placements, each a set of recipe overrides:
+- disaggregated: which devices train and which roll out: on a cluster of one device type,
+  the trainer takes whole nodes (a quarter to three quarters of them) and rollout the
+  rest; on a mixed cluster, each type trains while another rolls out;
+- colocated: every device of one type trains, and rollout time-shares those devices
+  (`placement.rollout.colocate_with=train`);
 - rollout devices per instance (tensor parallel degree: 1, 2, 4 or 8, within a node),
   with `rollout.prompts_per_generate` set so that one step's prompts spread over every
   instance (a worker takes up to that many per generate call: one instance taking a
@@ -69,6 +71,31 @@ def _splits(cluster: ClusterSpec) -> Iterator[tuple[str, int, str, int, int]]:
                 yield train, totals[train], rollout, totals[rollout], groups[rollout].device.devices_per_node
 
 
+def _colocated(cfg: RecipeConfig, cluster: ClusterSpec) -> Iterator[Candidate]:
+    """Each device type's devices all training, rollout time-sharing them."""
+    per_step = cfg.algorithm.prompts_per_step
+    for tag in dict.fromkeys(g.device.name for g in cluster.groups):
+        total = sum(g.num_devices for g in cluster.groups if g.device.name == tag)
+        per_node = next(g.device.devices_per_node for g in cluster.groups if g.device.name == tag)
+        for each in DEVICES_EACH:
+            if each > per_node or total % each:
+                continue
+            count = total // each
+            for staleness in STALENESS:
+                overrides = (
+                    f"placement.train.requires=[{tag}]",
+                    f"placement.train.count={total}",
+                    "placement.train.devices_each=1",
+                    f"placement.rollout.requires=[{tag}]",
+                    f"placement.rollout.count={count}",
+                    f"placement.rollout.devices_each={each}",
+                    "placement.rollout.colocate_with=train",
+                    f"rollout.prompts_per_generate={max(1, math.ceil(per_step / count))}",
+                    f"algorithm.max_staleness={staleness}",
+                )
+                yield Candidate(overrides=overrides, label=f"colocated on {total} {tag}: rollout {count} x {each}, staleness {staleness}")
+
+
 def candidates(cfg: RecipeConfig, cluster: ClusterSpec) -> list[Candidate]:
     """Every placement `--search` simulates (module docstring)."""
     out = []
@@ -91,7 +118,7 @@ def candidates(cfg: RecipeConfig, cluster: ClusterSpec) -> list[Candidate]:
                 )
                 label = f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"
                 out.append(Candidate(overrides=overrides, label=label))
-    return out
+    return out + list(_colocated(cfg, cluster))
 
 
 def search(
