@@ -448,13 +448,15 @@ class SimRollouts:
     Args:
         clock: the simulation's clock.
         store: the run's store (made on the same clock).
-        engines: one simulated engine per worker.
+        engines: one simulated engine per worker (or a `SharedRolloutEngine` seating one).
         group_size: samples per prompt.
         max_new_tokens: the response budget, in simulated tokens.
         prompts_per_generate: prompts a worker takes per generate call.
         send_s: seconds a publish holds the trainer.
         deliver_s: seconds from the end of `send_s` until the workers have the weights.
         tracer: where the workers' spans go (default: a new one on `clock`).
+        hand_off: per engine, whether its worker runs in hand-off mode (a borrowed seat:
+            `RolloutWorker(hand_off=True)`); default none.
     """
 
     def __init__(
@@ -462,13 +464,14 @@ class SimRollouts:
         *,
         clock: Clock,
         store: StoreApi,
-        engines: Sequence[SimRolloutEngine],
+        engines: Sequence[Any],
         group_size: int,
         max_new_tokens: int,
         prompts_per_generate: int,
         send_s: float = 0.0,
         deliver_s: float = 0.0,
         tracer: Tracer | None = None,
+        hand_off: Sequence[bool] = (),
     ) -> None:
         if not engines:
             raise ValueError("SimRollouts needs at least one engine")
@@ -488,8 +491,9 @@ class SimRollouts:
                 tracer=self.tracer,
                 continuous=True,
                 clock=clock,
+                hand_off=k < len(hand_off) and hand_off[k],
             )
-            for engine in self.engines
+            for k, engine in enumerate(self.engines)
         ]
 
     def run(self) -> None:

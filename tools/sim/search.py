@@ -71,54 +71,44 @@ def _splits(cluster: ClusterSpec) -> Iterator[tuple[str, int, str, int, int]]:
                 yield train, totals[train], rollout, totals[rollout], groups[rollout].device.devices_per_node
 
 
-def _colocated(cfg: RecipeConfig, cluster: ClusterSpec) -> Iterator[Candidate]:
-    """Each device type's devices all training, rollout time-sharing them."""
-    per_step = cfg.algorithm.prompts_per_step
-    for tag in dict.fromkeys(g.device.name for g in cluster.groups):
-        total = sum(g.num_devices for g in cluster.groups if g.device.name == tag)
-        per_node = next(g.device.devices_per_node for g in cluster.groups if g.device.name == tag)
-        for each in DEVICES_EACH:
-            if each > per_node or total % each:
-                continue
-            count = total // each
-            for staleness in STALENESS:
-                overrides = (
-                    f"placement.train.requires=[{tag}]",
-                    f"placement.train.count={total}",
-                    "placement.train.devices_each=1",
-                    f"placement.rollout.requires=[{tag}]",
-                    f"placement.rollout.count={count}",
-                    f"placement.rollout.devices_each={each}",
-                    "placement.rollout.colocate_with=train",
-                    f"rollout.prompts_per_generate={max(1, math.ceil(per_step / count))}",
-                    f"algorithm.max_staleness={staleness}",
-                )
-                yield Candidate(overrides=overrides, label=f"colocated on {total} {tag}: rollout {count} x {each}, staleness {staleness}")
+def _placement(cfg: RecipeConfig, train: tuple[str, int], rollout: tuple[str, int, int], staleness: int, *, colocated: bool) -> tuple[str, ...]:
+    """The overrides of one candidate: the trainer's (tag, devices), rollout's (tag, instances,
+    devices each), one step's prompts spread over every rollout instance."""
+    (train_tag, train_devices), (rollout_tag, count, each) = train, rollout
+    return (
+        f"placement.train.requires=[{train_tag}]",
+        f"placement.train.count={train_devices}",
+        "placement.train.devices_each=1",
+        f"placement.rollout.requires=[{rollout_tag}]",
+        f"placement.rollout.count={count}",
+        f"placement.rollout.devices_each={each}",
+        *(["placement.rollout.colocate_with=train"] if colocated else []),
+        f"rollout.prompts_per_generate={max(1, math.ceil(cfg.algorithm.prompts_per_step / count))}",
+        f"algorithm.max_staleness={staleness}",
+    )
 
 
 def candidates(cfg: RecipeConfig, cluster: ClusterSpec) -> list[Candidate]:
     """Every placement `--search` simulates (module docstring)."""
     out = []
-    per_step = cfg.algorithm.prompts_per_step
     for train_tag, train_devices, rollout_tag, rollout_devices, per_node in _splits(cluster):
         for each in DEVICES_EACH:
             if each > per_node or rollout_devices < each:
                 continue
             count = rollout_devices // each
             for staleness in STALENESS:
-                overrides = (
-                    f"placement.train.requires=[{train_tag}]",
-                    f"placement.train.count={train_devices}",
-                    "placement.train.devices_each=1",
-                    f"placement.rollout.requires=[{rollout_tag}]",
-                    f"placement.rollout.count={count}",
-                    f"placement.rollout.devices_each={each}",
-                    f"rollout.prompts_per_generate={max(1, math.ceil(per_step / count))}",
-                    f"algorithm.max_staleness={staleness}",
-                )
-                label = f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"
-                out.append(Candidate(overrides=overrides, label=label))
-    return out + list(_colocated(cfg, cluster))
+                overrides = _placement(cfg, (train_tag, train_devices), (rollout_tag, count, each), staleness, colocated=False)
+                out.append(Candidate(overrides=overrides, label=f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"))
+    for tag in dict.fromkeys(g.device.name for g in cluster.groups):  # colocated: a type's devices all train, rollout time-shares them
+        total = sum(g.num_devices for g in cluster.groups if g.device.name == tag)
+        per_node = next(g.device.devices_per_node for g in cluster.groups if g.device.name == tag)
+        for each in DEVICES_EACH:
+            if each > per_node or total % each:
+                continue
+            for staleness in STALENESS:
+                overrides = _placement(cfg, (tag, total), (tag, total // each, each), staleness, colocated=True)
+                out.append(Candidate(overrides=overrides, label=f"colocated on {total} {tag}: rollout {total // each} x {each}, staleness {staleness}"))
+    return out
 
 
 def search(

@@ -193,19 +193,6 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
         SimRolloutEngine(clock=clock, model=work.model, device=dev, tp=tp, eff=work.eff, token_scale=work.token_scale, name=f"rollout-{k}", beside=beside if a.node in shared else None)
         for k, ((dev, tp), a) in enumerate(zip(rollout_devices, rollout))
     ]
-    rollouts = SimRollouts(
-        clock=clock,
-        store=store,
-        engines=engines,
-        group_size=cfg.algorithm.group_size,
-        max_new_tokens=sim_budget,
-        prompts_per_generate=cfg.rollout.prompts_per_generate,
-        tracer=tracer,
-        # without overlap the trainer waits out the whole transfer, and rollout has the
-        # weights when it ends; with it, the trainer goes on and they arrive a transfer later
-        send_s=0.0 if cfg.transport.overlap else sync_s,
-        deliver_s=sync_s if cfg.transport.overlap else 0.0,
-    )
     steps: list[dict[str, Any]] = []
     coin = random.Random(work.seed + 1)
 
@@ -214,17 +201,29 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
 
     seats: list[Seat] = []
     turns: list[Turns] = []
-    seated_trainer: Any = trainer
+    group: list[SimRollouts] = []
 
     def main() -> None:
-        nonlocal seated_trainer
+        seated_trainer: Any = trainer
+        guests: list[Any] = list(engines)
         if shares:  # made here: seats start their parking threads on the clock
             seated_trainer, guests = _seat(clock, plan, cluster, work, trainer, engines, seats, turns)
-            rollouts.engines = guests
-            for worker, guest, a in zip(rollouts.workers, guests, rollout):
-                worker.engine = guest
-                worker.hand_off = a.mode == "borrowed"  # a borrowed seat hands its paused groups back, as under Ray
-        workflow = Workflow(store=store, rollout=rollouts.engines[0], trainer=seated_trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
+        rollouts = SimRollouts(
+            clock=clock,
+            store=store,
+            engines=guests,
+            group_size=cfg.algorithm.group_size,
+            max_new_tokens=sim_budget,
+            prompts_per_generate=cfg.rollout.prompts_per_generate,
+            tracer=tracer,
+            # without overlap the trainer waits out the whole transfer, and rollout has the
+            # weights when it ends; with it, the trainer goes on and they arrive a transfer later
+            send_s=0.0 if cfg.transport.overlap else sync_s,
+            deliver_s=sync_s if cfg.transport.overlap else 0.0,
+            hand_off=[a.mode == "borrowed" for a in rollout],  # a borrowed seat hands its paused groups back, as under Ray
+        )
+        group.append(rollouts)
+        workflow = Workflow(store=store, rollout=guests[0], trainer=seated_trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
         try:
             workflow.run()
         finally:
@@ -233,10 +232,9 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
 
     clock.run(main)
     total = clock.now()
-    rollouts.engines = engines  # their stats, not the seated wrappers'
-    prediction = _predict(steps, total, trainer=trainer, rollouts=rollouts, plan=plan, work=work, transport=transport, wall_s=time.perf_counter() - began)
+    prediction = _predict(steps, total, trainer=trainer, engines=engines, plan=plan, work=work, transport=transport, wall_s=time.perf_counter() - began)
     prediction.handoffs = sum(t.handoffs for t in turns)
-    prediction.handed_off = sum(w.num_handed_off for w in rollouts.workers)
+    prediction.handed_off = sum(w.num_handed_off for w in group[0].workers)
     return prediction, tracer
 
 
@@ -273,7 +271,7 @@ def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload,
     return shared_trainer, guests
 
 
-def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngine, rollouts: SimRollouts, plan: Plan, work: Workload, transport: str, wall_s: float) -> Prediction:
+def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngine, engines: list[SimRolloutEngine], plan: Plan, work: Workload, transport: str, wall_s: float) -> Prediction:
     step_times = [s["step_s"] for s in steps]
     quantiles = statistics.quantiles(step_times, n=10) if len(step_times) > 1 else step_times * 9
     gaps: Counter[int] = Counter()
@@ -281,8 +279,8 @@ def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngi
     for s in steps:
         gaps.update({int(k): int(v) for k, v in s["version_gap"].items()})
         waits.update(s["wait_s"])
-    num_rollout = len(rollouts.engines)
-    rollout_busy = sum(e.stats["busy_s"] for e in rollouts.engines) / num_rollout
+    num_rollout = len(engines)
+    rollout_busy = sum(e.stats["busy_s"] for e in engines) / num_rollout
     return Prediction(
         steps=steps,
         total_s=total,
@@ -296,7 +294,7 @@ def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngi
             "rollout_waiting_for_prompts": waits.get("rollout", 0.0) / total,
         },
         paused_generations=int(steps[-1].get("paused_generations", 0)) if steps else 0,
-        reprefill_share=sum(e.stats["reprefill_s"] for e in rollouts.engines) / num_rollout / total,
+        reprefill_share=sum(e.stats["reprefill_s"] for e in engines) / num_rollout / total,
         version_gaps=dict(sorted(gaps.items())),
         layout=plan.layout,
         roles={
@@ -306,7 +304,7 @@ def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngi
         },
         wall_s=wall_s,
         engine_ranges={
-            "decode_batch": int(max(e.stats["max_batch"] for e in rollouts.engines)),
+            "decode_batch": int(max(e.stats["max_batch"] for e in engines)),
             "context": work.prompt_tokens + max(s["response_len_max"] for s in steps) * work.token_scale if steps else work.prompt_tokens,
             "train_tokens_per_device": int(trainer.stats.get("max_tokens", 0)) // max(1, sum(len(a.devices) for a in plan.of("train"))),
         },
