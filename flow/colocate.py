@@ -47,7 +47,8 @@ import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, PlacementError, Plan
 from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload, ParksItself
-from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns
+from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine
+from tidal.flow.turns import Turns
 
 TURNS_CONCURRENCY = 64
 """Calls a `Turns` actor serves at once: each seat may block in `acquire` and in `wait_park`."""
@@ -103,7 +104,7 @@ class Sharing:
 class TurnsProxy:
     """A `Turns` actor's methods as plain blocking calls (what `Seat` expects)."""
 
-    _METHODS = frozenset({"join", "acquire", "release", "wanted", "wait_park", "leave", "begin_park", "park_failed", "parked", "state"})
+    _METHODS = frozenset({"join", "acquire", "release", "wanted", "announce", "retract", "wait_park", "leave", "begin_park", "park_failed", "parked", "state"})
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

@@ -148,7 +148,7 @@ def local_turns(cfg: RecipeConfig) -> Any:
     """A `Turns` for `runtime: local` when the plan puts its rollout engine (instance 0) on
     the trainer's devices (colocated or hybrid), else None. The plan is made only when the
     recipe asks for shared devices (`tools.plan.shares_devices`)."""
-    from tidal.flow.timeshare import Turns  # noqa: PLC0415
+    from tidal.flow.turns import Turns  # noqa: PLC0415
     from tidal.tools.plan import make_plan, shares_devices  # noqa: PLC0415
 
     if not shares_devices(cfg):

@@ -65,7 +65,7 @@ class RolloutActor:
         self.sharing: Any = None
         if turns:
             from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
-            from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
+            from tidal.flow.turns import TurnsSpan  # noqa: PLC0415
 
             proxies = [TurnsProxy(t) for t in turns]
             self.sharing = Sharing(proxies[0] if len(proxies) == 1 else TurnsSpan(proxies), self.platform)

@@ -139,7 +139,7 @@ class TrainerActor:
         view = None
         if turns:
             from tidal.flow.colocate import TurnsProxy  # noqa: PLC0415
-            from tidal.flow.timeshare import TurnsSpan  # noqa: PLC0415
+            from tidal.flow.turns import TurnsSpan  # noqa: PLC0415
 
             every = [TurnsProxy(turns[r]) for r in sorted(turns)]
             view = every[0] if len(every) == 1 else TurnsSpan(every, parks_on=every[:1])

@@ -9,7 +9,7 @@ import pytest
 from tidal.flow.colocate import Sharing, Spot, TurnsProxy, spots
 from tidal.flow.placement import PlacementError, Resource, Role, schedule
 from tidal.flow.ray.placement import role_bundles
-from tidal.flow.timeshare import Turns
+from tidal.flow.turns import Turns
 from tidal.hal import select_platform
 
 GPUS = [Resource(node="g0", kind="cuda", capacity=2), Resource(node="g1", kind="cuda", capacity=2)]

@@ -34,7 +34,8 @@ from tidal.flow.protocols import (
 from tidal.flow.ray.rollouts import RemoteRollouts
 from tidal.flow.ray.wiring import CollectiveWiring, HostWiring, IpcWiring
 from tidal.flow.rollout import LocalRollouts
-from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine, Turns
+from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine
+from tidal.flow.turns import Turns
 
 TOKENIZER = CharTokenizer()
 

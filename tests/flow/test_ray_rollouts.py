@@ -431,7 +431,7 @@ def test_a_guest_that_dies_for_good_gives_up_its_seat_so_the_trainers_turn_goes_
     told, its seat leaves, and the trainer's waiting turn gets the devices."""
     import ray
 
-    from tidal.flow.timeshare import Turns
+    from tidal.flow.turns import Turns
 
     turns = Turns()
     turns.join("rollout-0")
@@ -459,7 +459,7 @@ def test_a_guest_that_dies_for_good_gives_up_its_seat_so_the_trainers_turn_goes_
 def test_a_guest_ray_restarts_is_not_given_up_and_its_new_process_rejoins_the_seat(ray_session, tmp_path):
     """With a restart left the seat stays: the new process joins it again, which drops the
     dead one's claims (a `leave` that could land after that join would drop the new one's)."""
-    from tidal.flow.timeshare import Turns
+    from tidal.flow.turns import Turns
 
     turns = Turns()
     turns.join("rollout-0")

@@ -14,8 +14,9 @@ from tidal.flow.rollout import RESUME_KEY, RolloutWorker, Stop, _Group, group_of
 from tidal.flow.rows import TRAJECTORY_COLUMNS, put_trajectories, token_batch_of, trajectories_of
 from tidal.flow.store import Store, StoreError, StoreTimeout
 from tidal.flow.store.codec import decode, encode
-from tidal.flow.timeshare import Seat, SharedRolloutEngine, Turns
+from tidal.flow.timeshare import Seat, SharedRolloutEngine
 from tidal.flow.trajectory import Trajectory, to_token_batch
+from tidal.flow.turns import Turns
 
 
 def _trajectory(prompt, tokens, version, *, group, env=()):

@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine, Turns, TurnsSpan
+from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine
 from tidal.flow.trajectory import Trajectory
+from tidal.flow.turns import Turns, TurnsSpan
 from tidal.hal import select_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
 
@@ -51,7 +52,7 @@ def test_two_seats_alternate_and_park_only_on_a_hand_off():
         with a.turn():
             assert rb.parked and not ra.parked
         assert log == ["park a", "park b", "unpark a"]
-        assert turns.state() == {"holder": None, "resident": "a", "queue": [], "handoffs": 3}
+        assert turns.state() == {"holder": None, "resident": "a", "queue": [], "announced": [], "handoffs": 3}
     finally:
         a.close(), b.close()
 
@@ -89,8 +90,8 @@ def test_concurrent_seats_never_compute_together():
 class RemoteLikeTurns(Turns):
     """A `Turns` whose acquire answers a little late, as a `Turns` actor's does over Ray."""
 
-    def acquire(self, seat: str, timeout: float | None = None) -> bool:
-        onload = super().acquire(seat, timeout)
+    def acquire(self, seat: str, timeout: float | None = None, *, holding: bool = False) -> bool:
+        onload = super().acquire(seat, timeout, holding=holding)
         time.sleep(0.002)
         return onload
 
@@ -223,7 +224,7 @@ def test_an_acquire_left_waiting_by_a_dead_process_never_takes_the_turn():
     assert isinstance(outcomes["old"], RuntimeError) and "joined again" in str(outcomes["old"])
     assert outcomes["new"] is True and turns.state()["holder"] == "rollout"
     turns.release("rollout")
-    assert turns.state() == {"holder": None, "resident": "rollout", "queue": [], "handoffs": 2}
+    assert turns.state() == {"holder": None, "resident": "rollout", "queue": [], "announced": [], "handoffs": 2}
 
 
 class ChunkedEngine:
@@ -435,7 +436,7 @@ def test_a_seat_killed_inside_its_turn_gives_the_turn_up_when_it_leaves():
     turns.join("rollout")
     turns.acquire("rollout")  # ... and its process is killed here
     turns.leave("rollout")  # the runtime: that seat is gone
-    assert turns.state() == {"holder": None, "resident": None, "queue": [], "handoffs": 1}
+    assert turns.state() == {"holder": None, "resident": None, "queue": [], "announced": [], "handoffs": 1}
     assert turns.acquire("train", timeout=1) is True
 
 

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from tidal.flow.timeshare import Seat, Turns
+from tidal.flow.timeshare import Seat
+from tidal.flow.turns import Turns
 from tidal.flow.virtual_clock import VirtualClock
 
 

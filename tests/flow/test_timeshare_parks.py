@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.flow.timeshare import Offloader, Seat, Turns
+from tidal.flow.timeshare import Offloader, Seat
+from tidal.flow.turns import Turns
 from tidal.hal import select_platform
 
 

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from tidal.flow.timeshare import Seat, Turns, TurnsSpan
+from tidal.flow.timeshare import Seat
+from tidal.flow.turns import Turns, TurnsSpan
 
 
 class Recorder:
@@ -110,7 +111,7 @@ def test_a_seat_closed_and_seated_again_for_the_next_engine_starts_clean():
     old.close()
     new, rec = seated(turns, "train")
     try:
-        assert turns.state() == {"holder": None, "resident": None, "queue": [], "handoffs": 1}
+        assert turns.state() == {"holder": None, "resident": None, "queue": [], "announced": [], "handoffs": 1}
         with new.turn():
             assert rec.unparks == 0
     finally:
@@ -129,10 +130,10 @@ class DeadArbiter(Turns):
             raise ConnectionError("release: the Turns actor died")
         super().release(seat)
 
-    def acquire(self, seat: str, timeout: float | None = None) -> bool:
+    def acquire(self, seat: str, timeout: float | None = None, *, holding: bool = False) -> bool:
         if self.fail == "acquire":
             raise ConnectionError("acquire: the Turns actor died")
-        return super().acquire(seat, timeout)
+        return super().acquire(seat, timeout, holding=holding)
 
 
 def test_a_span_whose_last_release_fails_still_gives_back_the_other_turns():
@@ -160,3 +161,97 @@ def test_a_span_whose_acquire_fails_gives_back_the_turns_it_took_even_when_one_r
     with pytest.raises(ConnectionError, match="acquire: the Turns actor died"):  # the acquire's error, not the rollback's
         span.acquire("train")
     assert arbiters[0].state()["holder"] is None
+
+
+def test_announced_seats_go_before_later_claims_of_seats_that_hold_no_turn():
+    """`Turns.announce`: the seat computing is wanted at once; a claim of a seat holding no
+    other turn that came after the announcement waits for the announcer, one that came
+    before does not (no starving); a claim of a seat holding other turns is never held back."""
+    turns = Turns()
+    for seat in ("guest", "late", "early", "span", "other"):
+        turns.join(seat)
+    assert turns.acquire("guest") is True
+    assert not turns.wanted("guest")
+    turns.announce("span")
+    assert turns.wanted("guest") and not turns.wanted("span")  # its own announcement does not want it
+    assert turns.state()["announced"] == ["span"]
+    turns.release("guest")
+    turns.parked("guest")  # as its seat's parking thread would, asked to
+    with pytest.raises(TimeoutError, match="queue \\['late'\\]"):
+        turns.acquire("late", timeout=0.05)  # came after the announcement: waits for "span"
+    assert turns.acquire("span", timeout=1, holding=True) is True  # the announcer asks, holding other turns: served
+    assert turns.state()["announced"] == []
+    turns.release("span")
+    turns.parked("span")
+
+    results: list[str] = []
+    early = threading.Thread(target=lambda: results.append("early" if turns.acquire("early", timeout=5) is not None else ""))
+    turns.acquire("other")  # busy, so that "early" queues
+    early.start()
+    _wait_until(lambda: turns.state()["queue"] == ["early"])
+    turns.announce("span")  # after "early" queued: does not pass it
+    turns.release("other")
+    turns.parked("other")
+    early.join(timeout=5)
+    assert results == ["early"] and turns.state()["holder"] == "early"
+    turns.release("early")
+    turns.parked("early")
+    turns.retract("span")  # its acquire failed elsewhere: "late" is no longer kept waiting
+    assert turns.state()["announced"] == [] and not turns.wanted("late")
+    turns.acquire("late", timeout=1)
+    turns.release("late")
+
+
+def test_a_span_waiting_for_its_first_turn_is_wanted_at_the_others_and_no_new_guest_takes_them():
+    """A trainer rank 0 waits for rank 0's turn (a guest computes there). Meanwhile a guest
+    computing at rank 1 hears that it is wanted (it pauses at its next step), and a guest
+    that asks for rank 1's turn after the span started does not get it before the span:
+    otherwise the span, once it has rank 0's turn, would wait for that guest's whole call."""
+    arbiters = [Turns(), Turns()]
+    span = TurnsSpan(arbiters, parks_on=arbiters[:1])
+    span.join("train")
+    for k, t in enumerate(arbiters):
+        t.join(f"rollout-{k}")
+        t.join("late")
+    arbiters[0].acquire("rollout-0")
+    arbiters[1].acquire("rollout-1")
+    got: list[bool] = []
+    trainer = threading.Thread(target=lambda: got.append(span.acquire("train", timeout=5)))
+    trainer.start()
+    _wait_until(lambda: arbiters[0].state()["queue"] == ["train"])
+    assert arbiters[1].wanted("rollout-1")  # before the span has asked there: it announced itself
+    arbiters[1].release("rollout-1")
+    arbiters[1].parked("rollout-1")  # as its seat would, asked to
+    late = threading.Thread(target=lambda: arbiters[1].acquire("late", timeout=5))
+    late.start()
+    _wait_until(lambda: arbiters[1].state()["queue"] == ["late"])
+    assert arbiters[1].state()["holder"] is None  # free, but kept for the span
+    arbiters[0].release("rollout-0")
+    arbiters[0].parked("rollout-0")
+    trainer.join(timeout=5)
+    assert got == [True] and [t.state()["holder"] for t in arbiters] == ["train", "train"]
+    span.release("train")
+    arbiters[1].parked("train")
+    late.join(timeout=5)
+    assert arbiters[1].state()["holder"] == "late"
+
+
+def test_a_span_whose_acquire_fails_leaves_no_announcement():
+    arbiters = [Turns(), Turns()]
+    span = TurnsSpan(arbiters)
+    span.join("train")
+    arbiters[0].join("guest")
+    arbiters[0].acquire("guest")
+    with pytest.raises(TimeoutError):
+        span.acquire("train", timeout=0.05)
+    assert [t.state()["announced"] for t in arbiters] == [[], []]
+    assert not arbiters[0].wanted("guest")
+
+
+def _wait_until(condition, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)

@@ -10,8 +10,10 @@ import pytest
 from tidal.tools.cli import main
 from tidal.tools.config import ConfigError, load_config
 from tidal.tools.recipes import resolve_recipe
+from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import parse_cluster
 from tidal.tools.sim.costs import Efficiency, ModelShape
+from tidal.tools.sim.hardware import device
 from tidal.tools.sim.lengths import LengthModel
 from tidal.tools.sim.simulate import Workload, simulate
 
@@ -184,21 +186,34 @@ def test_search_ranks_placements_and_each_row_reproduces_its_prediction():
     cluster = parse_cluster({"nodes": [{"name": "n", "device": "h100", "count": 2}]})
     work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=600, prompt_sigma=1.0, group_sigma=1.0, max_new_tokens=2048), token_scale=32)
     found = candidates(load_config(recipe, base), cluster)
-    assert len(found) == 2 * 4 * 3  # one split of two nodes, or all 16 devices colocated; 1, 2, 4, 8 devices per rollout instance; staleness 0, 1, 2
-    assert sum("placement.rollout.colocate_with=train" in c.overrides for c in found) == 4 * 3
+    # one split of two nodes, as it is (disaggregated), rollout also time-sharing the trainer's
+    # node (hybrid) or borrowing it (multiplexed); or all 16 devices colocated; each with
+    # 1, 2, 4, 8 devices per rollout instance and staleness 0, 1, 2
+    assert len(found) == 4 * 4 * 3
+    assert sum("placement.train.lend_to=rollout" in c.overrides for c in found) == 4 * 3
+    assert sum("placement.rollout.colocate_with=train" in c.overrides for c in found) == 2 * 4 * 3  # colocated and hybrid
+    assert [c.label for c in candidates(load_config(recipe, base), cluster, layouts=("colocated",))] == [c.label for c in found if c.label.startswith("colocated")]
     ranked = search(recipe, base, cluster, work)
     speeds = [r.prediction.samples_per_s for r in ranked]
     assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) > 1
+    for r in ranked:  # each candidate runs the layout its label names
+        named = r.candidate.label.split(":")[0] if ":" in r.candidate.label.split(",")[0] else "disaggregated"
+        assert r.prediction.layout == named.split(" on ")[0], r.candidate.label
     best = ranked[0]
     assert "algorithm.max_staleness=0" not in best.candidate.overrides  # long tails: async wins
     again, _ = simulate(load_config(recipe, [*base, *best.candidate.overrides]), cluster, work)
     assert again.samples_per_s == best.prediction.samples_per_s
+    lent = next(r for r in ranked if r.prediction.layout == "multiplexed" and "rollout 2 x 4" in r.candidate.label and "staleness 2" in r.candidate.label)
+    alone = next(r for r in ranked if r.candidate.label == "train 8 h100, rollout 2 x 4 h100, staleness 2")
+    assert lent.prediction.roles["rollout"]["instances"] == 4 > alone.prediction.roles["rollout"]["instances"]  # its 2 own and the trainer's node lent as 2 more
+    assert lent.prediction.handoffs > 0 and alone.prediction.handoffs == 0
 
 
 def test_cli_search_prints_a_ranking(tmp_path, capsys):
     spec = tmp_path / "two.yaml"
     spec.write_text("nodes:\n  - {name: npu, device: 910b}\n  - {name: gpu, device: h100}\n")
-    code = main(["simulate", "mixed_npu_gpu", f"cluster={spec}", "--search", "--steps", "3", "--model", "0.5b", "--mean-tokens", "100", "--token-scale", "64", "--json"])
+    args = ["simulate", "mixed_npu_gpu", f"cluster={spec}", "--search", "--steps", "3", "--model", "0.5b", "--mean-tokens", "100", "--token-scale", "64", "--json"]
+    code = main([*args, "--layouts", "disaggregated,colocated"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     ranking = out["ranking"]
@@ -206,6 +221,26 @@ def test_cli_search_prints_a_ranking(tmp_path, capsys):
     speeds = [r["prediction"]["samples_per_s"] for r in ranking if "prediction" in r]
     assert speeds == sorted(speeds, reverse=True)
     assert all(o.startswith(("placement.", "rollout.", "algorithm.")) for r in ranking for o in r["overrides"])
+
+
+def test_cli_search_tries_hybrid_and_multiplexed_placements_on_a_mixed_cluster(tmp_path, capsys):
+    """Rollout on the other type's devices and, time-sharing, on the trainer's: both kinds."""
+    spec = tmp_path / "two.yaml"
+    spec.write_text("nodes:\n  - {name: npu, device: 910b}\n  - {name: gpu, device: h100}\n")
+    args = ["simulate", "mixed_npu_gpu", f"cluster={spec}", "--search", "--steps", "2", "--model", "0.5b", "--mean-tokens", "100", "--token-scale", "64", "--json"]
+    assert main([*args, "--layouts", "hybrid,multiplexed"]) == 0
+    ranking = json.loads(capsys.readouterr().out)["ranking"]
+    assert len(ranking) == 2 * 2 * 4 * 3 and all("prediction" in r for r in ranking)  # 2 splits x 2 layouts x 4 sizes x 3 stalenesses: every one runs
+    for r in ranking:
+        layout = r["placement"].split(":")[0]
+        assert r["prediction"]["layout"] == layout and "placement.rollout.requires=[]" in r["overrides"]  # either type
+        assert r["prediction"]["handoffs"] > 0
+    hybrid = next(r["prediction"] for r in ranking if r["placement"].startswith("hybrid: train 8 h100, rollout 1 x 8"))
+    assert hybrid["roles"]["rollout"]["instances"] == 2 and set(hybrid["roles"]["rollout"]["kind"].split("+")) == {"cuda", "npu"}
+    assert main([*args, "--layouts", "hybrid,sideways"]) == 2
+    assert "--layouts hybrid,sideways: layouts are disaggregated, colocated, hybrid, multiplexed" in capsys.readouterr().err
+    assert main([a for a in args if a != "--search"] + ["--layouts", "hybrid"]) == 2
+    assert "give --search too" in capsys.readouterr().err
 
 
 def test_recorded_lengths_replace_the_sampler(tmp_path, capsys):
@@ -277,3 +312,65 @@ def test_work_beside_the_other_roles_on_one_host_slows_by_the_measured_factor():
     assert async_slow[0] > async_plain[0] * 1.05
     two_nodes = parse_cluster({"nodes": [{"name": "t", "device": "h100", "devices_per_node": 4}, {"name": "r", "device": "h100", "devices_per_node": 4}]})
     assert step_and_train(1, slow, two_nodes) == pytest.approx(step_and_train(1, Efficiency(), two_nodes), rel=1e-9)
+
+
+@pytest.mark.parametrize("claiming", [True, False])
+def test_a_seated_rollout_engine_hands_the_devices_over_at_its_next_step(claiming):
+    """A guest decoding one long row gives the devices up once the trainer asks for its turn
+    (a real engine looks at `should_pause` after each decode step), not when the row ends."""
+    import torch
+
+    from tidal.flow.algorithms import PolicyLossConfig
+    from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine
+    from tidal.flow.trajectory import Trajectory, to_token_batch
+    from tidal.flow.turns import Turns
+    from tidal.flow.virtual_clock import VirtualClock
+    from tidal.tools.sim.engines import SimRolloutEngine, SimTrainEngine
+    from tidal.tools.sim.simulate import _Claiming
+
+    clock, h100, model = VirtualClock(), device("h100"), ModelShape.qwen2_5("0.5b")
+    engine = SimRolloutEngine(clock=clock, model=model, device=h100, token_scale=64)
+    trainer = SimTrainEngine(clock=clock, model=model, device=h100, token_scale=64)
+    rows = [Trajectory(prompt_ids=[1] * 4, tokens=[1] * 8, logprobs=[-1.0] * 8, versions=[0] * 8, finish_reason="stop")]
+    batch, long_row = to_token_batch(rows, pad_id=0), [Trajectory(prompt_ids=[1] * 4, meta={"lengths": [64]})]  # 64 x 64 = 4,096 decode steps
+    turns = Turns(clock=clock)
+
+    def main():
+        guest_seat = Seat(turns, "rollout-0", park=lambda: None, unpark=lambda: None, clock=clock)
+        train_seat = Seat(turns, "train", park=lambda: None, unpark=lambda: None, clock=clock)
+        guest = SharedRolloutEngine(engine, guest_seat)
+        shared = SharedTrainEngine(trainer, train_seat)
+        seated = _Claiming(shared, [engine], clock) if claiming else shared
+        generating = clock.thread(lambda: guest.generate(long_row, max_new_tokens=64), name="guest")
+        generating.start()
+        clock.sleep(0.05)  # the row is decoding, its end seconds away
+        asked = clock.now()
+        train_s = seated.train_step(batch, torch.zeros(1), loss=PolicyLossConfig())["train_s"]
+        waited = clock.now() - asked - train_s
+        generating.join()
+        for seat in (guest_seat, train_seat):
+            seat.close()
+        return waited, long_row[0].num_generated
+
+    waited, generated = clock.run(main)
+    step_s = costs.decode_step_s(model, h100, tp=1, batch=1, context_tokens=4 * 64, eff=costs.DEFAULT_EFFICIENCY)
+    if claiming:
+        assert waited < 2 * step_s and generated < 64  # paused mid-row, within a decode step
+    else:
+        assert generated == 64 and waited > 1000 * step_s  # without it: the row's whole end
+
+
+def test_a_hybrid_plans_host_transfers_go_to_its_own_instances_only():
+    """The host transport's sender pushes the weights to each of its receivers: those with
+    devices of their own. The guests on the trainer's devices get theirs by ipc, and add
+    nothing to that fan-out."""
+    base = ["algorithm.num_steps=2", "rollout.max_new_tokens=256", "model.max_positions=512", "placement.train.requires=[h100]", "placement.train.count=8", "placement.rollout.devices_each=8"]
+    cluster = parse_cluster({"nodes": [{"name": "npu", "device": "910b"}, {"name": "gpu", "device": "h100"}]})
+    work = Workload(model=ModelShape.qwen2_5("7b"), lengths=LengthModel(mean_tokens=100, max_new_tokens=256), token_scale=16)
+    recipe = resolve_recipe("mixed_npu_gpu")
+    alone, alone_trace = simulate(load_config(recipe, [*base, "placement.rollout.requires=[910b]", "placement.rollout.count=1"]), cluster, work)
+    hybrid, hybrid_trace = simulate(load_config(recipe, [*base, "placement.rollout.requires=[]", "placement.rollout.count=2", "placement.rollout.colocate_with=train"]), cluster, work)
+    assert (alone.roles["transport"], hybrid.roles["transport"], hybrid.layout) == ("host", "host+ipc", "hybrid")
+    one_receiver = costs.weight_sync_s(work.model, transport="host", src=device("h100"), dst=device("910b"), num_nodes_between=1, num_receivers=1)
+    for trace in (alone_trace, hybrid_trace):
+        assert _durations(trace, "train", "publish weights") == pytest.approx([one_receiver] * 2)

@@ -65,7 +65,8 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
     p.add_argument("--steps", type=count, default=None, help="steps to simulate (default: the recipe's algorithm.num_steps; 20 with --search)")
-    p.add_argument("--search", action="store_true", help="simulate candidate placements (train : rollout split, devices per rollout instance, staleness) and rank them")
+    p.add_argument("--search", action="store_true", help="simulate candidate placements (layout, train : rollout split, devices per rollout instance, staleness) and rank them")
+    p.add_argument("--layouts", default=None, metavar="LIST", help="with --search: the layouts to try, comma-separated, of disaggregated, colocated, hybrid and multiplexed (default: all four)")
     p.add_argument("--json", action="store_true", help="print the prediction (or the ranking) as JSON")
 
 
@@ -114,8 +115,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if args.layouts is not None and not args.search:
+        raise ConfigError("--layouts chooses what --search tries: give --search too")
     if args.search:
-        return _search(recipe, overrides, cluster, work, as_json=args.json, calibration=calibration)
+        layouts = None if args.layouts is None else tuple(name.strip() for name in args.layouts.split(",") if name.strip())
+        return _search(recipe, overrides, cluster, work, as_json=args.json, calibration=calibration, layouts=layouts)
     prediction, tracer = simulate(cfg, cluster, work)
     trace = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
     tracer.save(trace)
@@ -149,12 +153,15 @@ def _banner(calibration: Any, eff: Any) -> str:
     return f"calibrated from {calibration.source}: {factors}"
 
 
-def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any) -> int:
+def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any, layouts: tuple[str, ...] | None) -> int:
     import sys  # noqa: PLC0415
 
-    from tidal.tools.sim.search import search, table  # noqa: PLC0415
+    from tidal.tools.config import ConfigError  # noqa: PLC0415
+    from tidal.tools.sim.search import LAYOUTS, search, table  # noqa: PLC0415
 
-    ranked = search(recipe, overrides, cluster, work, progress=lambda line: print(line, file=sys.stderr))
+    if layouts is not None and (not layouts or set(layouts) - set(LAYOUTS)):
+        raise ConfigError(f"--layouts {','.join(layouts)}: layouts are {', '.join(LAYOUTS)} (comma-separated)")
+    ranked = search(recipe, overrides, cluster, work, layouts=layouts or LAYOUTS, progress=lambda line: print(line, file=sys.stderr))
     if as_json:
         rows = [{"placement": r.candidate.label, "overrides": list(r.candidate.overrides), **({"prediction": r.prediction.summary()} if r.prediction else {"cannot_run": r.why_not})} for r in ranked]
         print(json.dumps({"cluster": cluster.name, "calibrated": calibration.source if calibration else False, "ranking": rows}, indent=2))

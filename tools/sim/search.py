@@ -6,6 +6,13 @@ The candidates are placements, each a set of recipe overrides:
   rest; on a mixed cluster, each type trains while another rolls out;
 - colocated: every device of one type trains, and rollout time-shares those devices
   (`placement.rollout.colocate_with=train`);
+- hybrid: a disaggregated split whose rollout also time-shares the trainer's devices
+  (`colocate_with=train` with more instances than those devices hold: the rest go to
+  rollout's own devices);
+- multiplexed: a disaggregated split whose trainer lends its devices to extra rollout
+  instances while it waits for data (`placement.train.lend_to=rollout`);
+  in both, on a mixed cluster, rollout takes devices of either type (`requires=[]`: the
+  trainer's devices and the other type's);
 - rollout devices per instance (tensor parallel degree: 1, 2, 4 or 8, within a node),
   with `rollout.prompts_per_generate` set so that one step's prompts spread over every
   instance (a worker takes up to that many per generate call: one instance taking a
@@ -71,52 +78,82 @@ def _splits(cluster: ClusterSpec) -> Iterator[tuple[str, int, str, int, int]]:
                 yield train, totals[train], rollout, totals[rollout], groups[rollout].device.devices_per_node
 
 
-def _placement(cfg: RecipeConfig, train: tuple[str, int], rollout: tuple[str, int, int], staleness: int, *, colocated: bool) -> tuple[str, ...]:
+LAYOUTS = ("disaggregated", "colocated", "hybrid", "multiplexed")
+
+
+def _placement(cfg: RecipeConfig, train: tuple[str, int], rollout: tuple[str, int, int], staleness: int, *, layout: str = "disaggregated") -> tuple[str, ...]:
     """The overrides of one candidate: the trainer's (tag, devices), rollout's (tag, instances,
-    devices each), one step's prompts spread over every rollout instance."""
+    devices each; tag None: devices of any type), one step's prompts spread over every
+    rollout instance (a multiplexed trainer's borrowed instances not counted: they come and
+    go). `layout` adds what time-shares the devices."""
     (train_tag, train_devices), (rollout_tag, count, each) = train, rollout
     return (
         f"placement.train.requires=[{train_tag}]",
         f"placement.train.count={train_devices}",
         "placement.train.devices_each=1",
-        f"placement.rollout.requires=[{rollout_tag}]",
+        f"placement.rollout.requires=[{rollout_tag or ''}]",
         f"placement.rollout.count={count}",
         f"placement.rollout.devices_each={each}",
-        *(["placement.rollout.colocate_with=train"] if colocated else []),
+        *(["placement.rollout.colocate_with=train"] if layout in ("colocated", "hybrid") else []),
+        *(["placement.train.lend_to=rollout"] if layout == "multiplexed" else []),
         f"rollout.prompts_per_generate={max(1, math.ceil(cfg.algorithm.prompts_per_step / count))}",
         f"algorithm.max_staleness={staleness}",
     )
 
 
-def candidates(cfg: RecipeConfig, cluster: ClusterSpec) -> list[Candidate]:
-    """Every placement `--search` simulates (module docstring)."""
+def candidates(cfg: RecipeConfig, cluster: ClusterSpec, *, layouts: Sequence[str] = LAYOUTS) -> list[Candidate]:
+    """Every placement `--search` simulates (module docstring), of the `layouts` asked for."""
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise ValueError(f"unknown layouts {unknown}; layouts: {', '.join(LAYOUTS)}")
+    per_node = {g.device.name: g.device.devices_per_node for g in cluster.groups}
     out = []
-    for train_tag, train_devices, rollout_tag, rollout_devices, per_node in _splits(cluster):
+    for train_tag, train_devices, rollout_tag, rollout_devices, rollout_per_node in _splits(cluster):
         for each in DEVICES_EACH:
-            if each > per_node or rollout_devices < each:
+            if each > rollout_per_node or rollout_devices < each:
                 continue
             count = rollout_devices // each
+            # time-sharing the trainer's devices too: each instance within one of its nodes
+            shares = each <= per_node[train_tag] and train_devices % each == 0
+            either = rollout_tag if rollout_tag == train_tag else None  # a mixed cluster's rollout takes either type
             for staleness in STALENESS:
-                overrides = _placement(cfg, (train_tag, train_devices), (rollout_tag, count, each), staleness, colocated=False)
-                out.append(Candidate(overrides=overrides, label=f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"))
-    for tag in dict.fromkeys(g.device.name for g in cluster.groups):  # colocated: a type's devices all train, rollout time-shares them
-        total = sum(g.num_devices for g in cluster.groups if g.device.name == tag)
-        per_node = next(g.device.devices_per_node for g in cluster.groups if g.device.name == tag)
-        for each in DEVICES_EACH:
-            if each > per_node or total % each:
-                continue
-            for staleness in STALENESS:
-                overrides = _placement(cfg, (tag, total), (tag, total // each, each), staleness, colocated=True)
-                out.append(Candidate(overrides=overrides, label=f"colocated on {total} {tag}: rollout {total // each} x {each}, staleness {staleness}"))
+                if "disaggregated" in layouts:
+                    overrides = _placement(cfg, (train_tag, train_devices), (rollout_tag, count, each), staleness)
+                    out.append(Candidate(overrides=overrides, label=f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"))
+                if shares and "hybrid" in layouts:
+                    hosted = train_devices // each
+                    overrides = _placement(cfg, (train_tag, train_devices), (either, hosted + count, each), staleness, layout="hybrid")
+                    label = f"hybrid: train {train_devices} {train_tag}, rollout {hosted} x {each} time-sharing them + {count} x {each} {rollout_tag}, staleness {staleness}"
+                    out.append(Candidate(overrides=overrides, label=label))
+                if shares and "multiplexed" in layouts:
+                    overrides = _placement(cfg, (train_tag, train_devices), (either, count, each), staleness, layout="multiplexed")
+                    label = f"multiplexed: train {train_devices} {train_tag} lending to rollout, rollout {count} x {each} {rollout_tag}, staleness {staleness}"
+                    out.append(Candidate(overrides=overrides, label=label))
+    if "colocated" in layouts:
+        for tag in dict.fromkeys(g.device.name for g in cluster.groups):  # a type's devices all train, rollout time-shares them
+            total = sum(g.num_devices for g in cluster.groups if g.device.name == tag)
+            for each in DEVICES_EACH:
+                if each > per_node[tag] or total % each:
+                    continue
+                for staleness in STALENESS:
+                    overrides = _placement(cfg, (tag, total), (tag, total // each, each), staleness, layout="colocated")
+                    out.append(Candidate(overrides=overrides, label=f"colocated on {total} {tag}: rollout {total // each} x {each}, staleness {staleness}"))
     return out
 
 
 def search(
-    recipe: Any, overrides: Sequence[str], cluster: ClusterSpec, work: Workload, *, progress: Callable[[str], None] | None = None
+    recipe: Any,
+    overrides: Sequence[str],
+    cluster: ClusterSpec,
+    work: Workload,
+    *,
+    layouts: Sequence[str] = LAYOUTS,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Ranked]:
-    """Simulate every candidate placement of `recipe` (with `overrides` first); fastest first."""
+    """Simulate every candidate placement of `recipe` (with `overrides` first) of the
+    `layouts` asked for; fastest first."""
     base = load_config(recipe, overrides)
-    found = candidates(base, cluster)
+    found = candidates(base, cluster, layouts=layouts)
     ranked = []
     for k, candidate in enumerate(found, 1):
         if progress is not None:

@@ -42,8 +42,9 @@ from typing import Any
 
 from tidal.flow.placement import PlacementError, Plan, schedule
 from tidal.flow.store import Store
-from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine, Turns, TurnsSpan
+from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine
 from tidal.flow.trace import Tracer
+from tidal.flow.turns import Turns, TurnsSpan
 from tidal.flow.virtual_clock import VirtualClock
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal.platform import describe
@@ -183,7 +184,8 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     transport = transports[0] if len(set(transports)) == 1 else "+".join(sorted(set(transports)))
     try:
         sync_s = max(
-            costs.weight_sync_s(work.model, transport=t, src=train_device, dst=dev, num_nodes_between=0 if a.node in train_nodes else 1, num_receivers=len(rollout), eff=work.eff)
+            # a transport's fan-out is to the instances it serves (a hybrid's host sends skip its ipc guests)
+            costs.weight_sync_s(work.model, transport=t, src=train_device, dst=dev, num_nodes_between=0 if a.node in train_nodes else 1, num_receivers=transports.count(t), eff=work.eff)
             for t, (dev, _), a in zip(transports, rollout_devices, rollout)
         )
     except ValueError as e:
@@ -238,7 +240,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     return prediction, tracer
 
 
-def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns]) -> tuple[SharedTrainEngine, list[Any]]:
+def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns]) -> tuple[Any, list[Any]]:
     """The seats of a plan where rollout time-shares the trainer's devices: one `Turns` per
     trainer instance, the trainer seated at all of them (in rank order, parking everywhere at
     once) and each colocated or borrowed rollout engine at those of the trainer instances
@@ -255,7 +257,8 @@ def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload,
     train_s = costs.park_s(work.model.num_params * costs.TRAIN_STATE_BYTES_PER_PARAM / num_devices, device, work.eff)
     span = TurnsSpan(turns, clock=clock) if len(turns) > 1 else turns[0]
     seats.append(Seat(span, "train", park=moving(train_s), unpark=moving(train_s), clock=clock))
-    shared_trainer = SharedTrainEngine(trainer, seats[-1])
+    seated: list[SimRolloutEngine] = []
+    shared_trainer = _Claiming(SharedTrainEngine(trainer, seats[-1]), seated, clock)
     guests: list[Any] = []
     for engine, a in zip(engines, plan.of("rollout")):
         if a.mode == "own":
@@ -268,7 +271,49 @@ def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload,
         guest_s = costs.park_s(work.model.weight_bytes / len(a.devices), engine.device, work.eff)
         seats.append(Seat(arbiter, engine.name, park=moving(guest_s), unpark=moving(guest_s), clock=clock))
         guests.append(SharedRolloutEngine(engine, seats[-1]))
+        seated.append(engine)
     return shared_trainer, guests
+
+
+CLAIM_S = 1e-6
+"""Virtual seconds after the trainer asks for its turn that the seated rollout engines are
+interrupted (`_Claiming`): by then its claim is queued, whatever order the clock's threads
+run in."""
+
+
+class _Claiming:
+    """The seated trainer of a simulation: each call that takes a turn (a train step, a
+    logprobs pass) first has the decoding waits of the seated rollout engines interrupted, just
+    after its claim is queued. A real engine looks at `should_pause` (`Seat.wanted`) after
+    every decode step; a simulated one decodes from event to event (a row that ends, a
+    version that arrives), and without this would hold the devices until its next row ended."""
+
+    def __init__(self, shared: SharedTrainEngine, seated: list[SimRolloutEngine], clock: VirtualClock) -> None:
+        self.shared, self.seated, self.clock = shared, seated, clock
+
+    def __getattr__(self, name: str) -> Any:  # version, turn_for_step, named_weights, ...: the shared engine's
+        return getattr(self.shared, name)
+
+    def _claim(self) -> None:
+        if self.seated:
+            self.clock.thread(self._interrupt, name="tidal-sim-claim").start()
+
+    def _interrupt(self) -> None:
+        self.clock.sleep(CLAIM_S)
+        for engine in self.seated:
+            engine.interrupt()
+
+    def logprobs(self, batch: Any) -> Any:
+        self._claim()
+        return self.shared.logprobs(batch)
+
+    def train_step(self, batch: Any, advantages: Any, **kwargs: Any) -> dict[str, float]:
+        self._claim()
+        return self.shared.train_step(batch, advantages, **kwargs)
+
+    def sft_step(self, batch: Any) -> dict[str, float]:
+        self._claim()
+        return self.shared.sft_step(batch)
 
 
 def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngine, engines: list[SimRolloutEngine], plan: Plan, work: Workload, transport: str, wall_s: float) -> Prediction:
@@ -299,7 +344,7 @@ def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngi
         layout=plan.layout,
         roles={
             "train": {"devices": sum(len(a.devices) for a in plan.of("train")), "kind": plan.of("train")[0].kind},
-            "rollout": {"instances": num_rollout, "devices_each": len(plan.of("rollout")[0].devices), "kind": plan.of("rollout")[0].kind},
+            "rollout": {"instances": num_rollout, "devices_each": len(plan.of("rollout")[0].devices), "kind": "+".join(dict.fromkeys(a.kind for a in plan.of("rollout")))},  # e.g. npu+cuda: a mixed hybrid
             "transport": transport,
         },
         wall_s=wall_s,
