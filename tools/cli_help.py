@@ -149,7 +149,8 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
 
   simulate-check  tidal simulate's prediction of this machine against real runs:
           profiles this machine at the quickstart's shapes (tidal profile), runs the
-          quickstart async (max_staleness=1) and sync (0) with `tidal run`'s path for each
+          quickstart async (max_staleness=1), sync (0) and async with rollout
+          time-sharing the trainer's device (colocated) with `tidal run`'s path for each
           of --seeds, simulates each run on two devices of the profiled device (one core
           a role) with the run's own response lengths, and prints measured and predicted
           samples/s and step times, and the async / sync ratio against its targets

@@ -204,3 +204,12 @@ def test_a_park_moves_one_devices_state_over_its_pcie_link():
     assert costs.park_s(0, h100) == 0.0
     with pytest.raises(ValueError, match="nbytes"):
         costs.park_s(-1, h100)
+
+
+def test_a_park_on_a_host_profiled_as_the_device_moves_nothing():
+    """hal's CPU platform parks nothing: the state is in host memory already."""
+    import dataclasses
+
+    host = dataclasses.replace(DEVICES["h100"], name="profiled", kind="cpu")
+    assert host.memory_is_host and not DEVICES["h100"].memory_is_host
+    assert costs.park_s(8e9, host) == 0.0

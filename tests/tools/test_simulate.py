@@ -268,20 +268,23 @@ def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch,
     machine, a simulation of each run with its lengths, and the errors against the targets."""
     from tidal.tools.bench import simulate as bench_simulate
 
-    measured = {"algorithm.max_staleness=1": 2000.0, "algorithm.max_staleness=0": 1500.0}
+    measured = {"algorithm.max_staleness=1": 2000.0, "algorithm.max_staleness=0": 1500.0, "placement.rollout.colocate_with=train": 1200.0}
     ran: list[list[str]] = []
 
     def fake_run(recipe, overrides):
         ran.append(overrides)
-        return measured[overrides[0]], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}
+        return measured[overrides[1] if overrides[1].startswith("placement.") else overrides[0]], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}
 
     monkeypatch.setattr(bench_simulate, "_real_run", fake_run)
     assert main(["bench", "simulate-check", "--steps", "2", "--seeds", "0", "--repeats", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [o[:3] for o in ran] == [["algorithm.max_staleness=1", "seed=0", "algorithm.num_steps=2"], ["algorithm.max_staleness=0", "seed=0", "algorithm.num_steps=2"]]
+    assert [o[:-2] for o in ran] == [["algorithm.max_staleness=1"], ["algorithm.max_staleness=0"], ["algorithm.max_staleness=1", "placement.rollout.colocate_with=train"]]
+    assert all(o[-2:] == ["seed=0", "algorithm.num_steps=2"] for o in ran)
     runs = {r["system"]: r for r in result["runs"]}
     assert runs["async"]["measured_samples_per_s"] == 2000.0 and runs["sync"]["measured_step_s"] == pytest.approx(128 / 1500)
+    assert runs["colocated"]["measured_samples_per_s"] == 1200.0
     assert all(r["predicted_samples_per_s"] > 0 for r in runs.values())
+    assert runs["colocated"]["predicted_samples_per_s"] < runs["async"]["predicted_samples_per_s"]  # one device, taking turns: no overlap
     assert result["measured_ratio"] == pytest.approx(2000 / 1500)
     assert result["ratio_error"] == pytest.approx(result["predicted_ratio"] / result["measured_ratio"] - 1)
     for system, run in runs.items():

@@ -352,9 +352,12 @@ mixed precision: bf16 weights and gradients (2 + 2), fp32 master weights and two
 def park_s(nbytes: float, device: Device, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Seconds one device's `nbytes` of state take to move to host memory, or back, over its
     PCIe link (a role's devices each move their own at once): what a colocated seat's park
-    or onload costs. At `eff.network` of the link, as the host transport's copies."""
+    or onload costs. At `eff.network` of the link, as the host transport's copies. Nothing
+    where the device's memory is the host's (`Device.memory_is_host`)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if device.memory_is_host:
+        return 0.0
     return nbytes / (device.pcie_gbps * 1e9 * eff.network)
 
 

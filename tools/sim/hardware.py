@@ -65,6 +65,12 @@ class Device:
         return self.bf16_tflops * 1e12
 
     @property
+    def memory_is_host(self) -> bool:
+        """A host profiled as the device (`kind` cpu): its state sits in host memory already,
+        so parking it moves nothing (as hal's CPU platform's `offload`)."""
+        return self.kind == "cpu"
+
+    @property
     def hbm_bytes(self) -> float:
         return self.hbm_gib * 2**30
 
