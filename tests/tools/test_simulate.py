@@ -265,34 +265,44 @@ def test_bench_simulate_times_a_1024_device_cluster(capsys):
 
 def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch, capsys):
     """The harness with the real runs stood in for (their RL takes minutes): a profile of this
-    machine, a simulation of each run with its lengths, and the errors against the targets."""
+    machine, a simulation of each run with its lengths, and the errors against the targets.
+    The train step's slowdown beside rollout comes from the other seed's pair of runs."""
     from tidal.tools.bench import simulate as bench_simulate
 
     measured = {"algorithm.max_staleness=1": 2000.0, "algorithm.max_staleness=0": 1500.0, "placement.rollout.colocate_with=train": 1200.0}
+    train_s = {("seed=0", "async"): 0.060, ("seed=1", "async"): 0.050}  # sync and colocated: 0.040 (nothing beside them)
     ran: list[list[str]] = []
 
     def fake_run(recipe, overrides):
         ran.append(overrides)
-        return measured[overrides[1] if overrides[1].startswith("placement.") else overrides[0]], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}
+        key = overrides[1] if overrides[1].startswith("placement.") else overrides[0]
+        system = "async" if overrides == ["algorithm.max_staleness=1", *overrides[-2:]] else "other"
+        return measured[key], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}, train_s.get((overrides[-2], system), 0.040)
 
     monkeypatch.setattr(bench_simulate, "_real_run", fake_run)
-    assert main(["bench", "simulate-check", "--steps", "2", "--seeds", "0", "--repeats", "1", "--json"]) == 0
+    assert main(["bench", "simulate-check", "--steps", "2", "--seeds", "0,1", "--repeats", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [o[:-2] for o in ran] == [["algorithm.max_staleness=1"], ["algorithm.max_staleness=0"], ["algorithm.max_staleness=1", "placement.rollout.colocate_with=train"]]
-    assert all(o[-2:] == ["seed=0", "algorithm.num_steps=2"] for o in ran)
-    runs = {r["system"]: r for r in result["runs"]}
-    assert runs["async"]["measured_samples_per_s"] == 2000.0 and runs["sync"]["measured_step_s"] == pytest.approx(128 / 1500)
-    assert runs["colocated"]["measured_samples_per_s"] == 1200.0
+    assert [o[:-2] for o in ran[:3]] == [["algorithm.max_staleness=1"], ["algorithm.max_staleness=0"], ["algorithm.max_staleness=1", "placement.rollout.colocate_with=train"]]
+    assert [o[-2:] for o in ran] == [["seed=0", "algorithm.num_steps=2"]] * 3 + [["seed=1", "algorithm.num_steps=2"]] * 3
+    runs = {(r["system"], r["seed"]): r for r in result["runs"]}
+    assert runs[("async", 0)]["measured_samples_per_s"] == 2000.0 and runs[("sync", 0)]["measured_step_s"] == pytest.approx(128 / 1500)
+    assert runs[("colocated", 1)]["measured_samples_per_s"] == 1200.0
     assert all(r["predicted_samples_per_s"] > 0 for r in runs.values())
-    assert runs["colocated"]["predicted_samples_per_s"] < runs["async"]["predicted_samples_per_s"]  # one device, taking turns: no overlap
+    assert runs[("colocated", 0)]["predicted_samples_per_s"] < runs[("async", 0)]["predicted_samples_per_s"]  # one device, taking turns: no overlap
+    assert runs[("async", 0)]["train_beside_rollout"] == pytest.approx(0.050 / 0.040)  # the other seed's runs
+    assert runs[("async", 1)]["train_beside_rollout"] == pytest.approx(0.060 / 0.040)
+    for key in (("sync", 0), ("colocated", 1)):  # nothing runs beside their train steps: the factor changes nothing
+        assert runs[key]["predicted_samples_per_s"] == runs[key]["profile_samples_per_s"]
     assert result["measured_ratio"] == pytest.approx(2000 / 1500)
     assert result["ratio_error"] == pytest.approx(result["predicted_ratio"] / result["measured_ratio"] - 1)
-    for system, run in runs.items():
-        assert result["step_errors"][system] == pytest.approx(run["predicted_step_s"] / run["measured_step_s"] - 1)
+    for system in ("async", "sync", "colocated"):
+        predicted = statistics.median(r["predicted_step_s"] for (s, _), r in runs.items() if s == system)
+        assert result["step_errors"][system] == pytest.approx(result["measured_samples_per_s"][system] / result["predicted_samples_per_s"][system] - 1)
+        assert predicted > 0
     within = abs(result["ratio_error"]) <= 0.1 and all(abs(e) <= 0.15 for e in result["step_errors"].values())
     assert result["met"] is within
     rows = bench_simulate.check_table(result)
-    assert rows[-1][-1] == ("met" if within else "NOT met") and rows[-2][0] == "async / sync"
+    assert rows[-1][-1] == ("met" if within else "NOT met") and rows[-3][0] == "async / sync" and "profile" in rows[-2][0]
 
 
 def test_work_beside_the_other_roles_on_one_host_slows_by_the_measured_factor():
