@@ -154,9 +154,10 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           of --seeds, simulates each run on two devices of the profiled device (one core
           a role) with the run's own response lengths, and prints measured and predicted
           samples/s and step times, and the async / sync ratio against its targets
-          (ratio within 10%, step times within 15%). How much a train step slows beside
-          rollout comes from the runs (async's median train step over sync's, of another
-          seed); the ratio with the profile's own measurement of it is printed beside.
+          (ratio within 10%, step times within 15%). How much each role slows beside the
+          other comes from the runs (async's median train step and generate time per
+          token over sync's, of another seed); the ratio with the profile's own
+          measurement is printed beside.
           --steps (default 150) sizes the runs.
 
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw

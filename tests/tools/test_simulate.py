@@ -271,13 +271,14 @@ def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch,
 
     measured = {"algorithm.max_staleness=1": 2000.0, "algorithm.max_staleness=0": 1500.0, "placement.rollout.colocate_with=train": 1200.0}
     train_s = {("seed=0", "async"): 0.060, ("seed=1", "async"): 0.050}  # sync and colocated: 0.040 (nothing beside them)
+    per_token = {("seed=0", "async"): 0.003, ("seed=1", "async"): 0.0024}  # the others: 0.002
     ran: list[list[str]] = []
 
     def fake_run(recipe, overrides):
         ran.append(overrides)
         key = overrides[1] if overrides[1].startswith("placement.") else overrides[0]
         system = "async" if overrides == ["algorithm.max_staleness=1", *overrides[-2:]] else "other"
-        return measured[key], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}, train_s.get((overrides[-2], system), 0.040)
+        return measured[key], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}, {"train_s": train_s.get((overrides[-2], system), 0.040), "generate_s_per_token": per_token.get((overrides[-2], system), 0.002)}
 
     monkeypatch.setattr(bench_simulate, "_real_run", fake_run)
     assert main(["bench", "simulate-check", "--steps", "2", "--seeds", "0,1", "--repeats", "1", "--json"]) == 0
@@ -291,6 +292,7 @@ def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch,
     assert runs[("colocated", 0)]["predicted_samples_per_s"] < runs[("async", 0)]["predicted_samples_per_s"]  # one device, taking turns: no overlap
     assert runs[("async", 0)]["train_beside_rollout"] == pytest.approx(0.050 / 0.040)  # the other seed's runs
     assert runs[("async", 1)]["train_beside_rollout"] == pytest.approx(0.060 / 0.040)
+    assert (runs[("async", 0)]["rollout_beside_train"], runs[("async", 1)]["rollout_beside_train"]) == pytest.approx((1.2, 1.5))
     for key in (("sync", 0), ("colocated", 1)):  # nothing runs beside their train steps: the factor changes nothing
         assert runs[key]["predicted_samples_per_s"] == runs[key]["profile_samples_per_s"]
     assert result["measured_ratio"] == pytest.approx(2000 / 1500)

@@ -93,12 +93,14 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     The step time is the run's: 128 samples over its samples/s (RL wall time, evaluations
     and the warm start excluded), and the prediction's mean step over the same steps.
 
-    How much a training step slows beside rollout's work (`train_beside_rollout`) is taken
-    from the runs: an async run's median train step over a sync run's, of another seed
-    (`_train_beside_rollout`), as a user calibrates on one real run before simulating a
-    cluster. The profile's own two-thread measurement of it leaves out the rest of a run's
-    process and varies from profile to profile; the prediction with it is reported beside
-    (`profile_*`).
+    How much each role's work slows beside the other's (`train_beside_rollout`,
+    `rollout_beside_train`) is taken from the runs: an async run's median train step and
+    generate time per token over a sync run's, of another seed (`_beside`), as a user
+    calibrates on real runs of one node before simulating a cluster. The profile's own
+    two-thread measurement leaves out the rest of a run's process and varies from profile
+    to profile; the prediction with it is reported beside (`profile_*`). An async run's
+    generate calls also pause for new weights and prefill again what they had: that
+    share of its time per token is counted as slowdown here and simulated again.
     """
     from tidal.engines.models import model_source  # noqa: PLC0415
     from tidal.tools.config import load_config  # noqa: PLC0415
@@ -120,11 +122,11 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     prompt_tokens = max(1, round(statistics.mean(len(p["prompt_ids"]) for p in prompts)))
     context = prompt_tokens + cfg.rollout.max_new_tokens
     runs = []
-    train_spans: dict[tuple[int, str], float] = {}  # (seed, system) -> the run's median train step, seconds
+    spans: dict[tuple[int, str], dict[str, float]] = {}  # (seed, system) -> the run's median train step, generate seconds per token
     for seed in seeds:
         for system, overrides in CHECK_SYSTEMS.items():
             say(f"running the quickstart {system}, seed {seed}, {num_steps} steps")
-            measured, lengths, train_spans[(seed, system)] = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
+            measured, lengths, spans[(seed, system)] = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
             runs.append((seed, system, overrides, measured, lengths))
     # A training step's rows are padded to its longest response: profile rows of that shape.
     padded = max(1, round(statistics.median(max(n for group in groups for n in group) for *_, lengths in runs for groups in lengths.values())))
@@ -143,9 +145,9 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
 
         row = {"system": system, "seed": seed, "measured_samples_per_s": measured, "measured_step_s": batch / measured}
         row["profile_samples_per_s"] = predict(calibration.eff)
-        beside = _train_beside_rollout(train_spans, seed)
-        row["train_beside_rollout"] = beside
-        row["predicted_samples_per_s"] = predict(dataclasses.replace(calibration.eff, train_beside_rollout=beside))
+        beside = _beside(spans, seed)
+        row.update(beside)
+        row["predicted_samples_per_s"] = predict(dataclasses.replace(calibration.eff, **beside))
         row["predicted_step_s"] = batch / row["predicted_samples_per_s"]
         rows.append(row)
     out: dict[str, Any] = {"steps": num_steps, "seeds": list(seeds), "prompt_tokens": prompt_tokens, "train_row_tokens": prompt_tokens + padded, "efficiency": dataclasses.asdict(calibration.eff), "runs": rows, "targets": CHECK_TARGETS}
@@ -159,18 +161,22 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     return out
 
 
-def _train_beside_rollout(train_spans: Mapping[tuple[int, str], float], seed: int) -> float:
-    """How much longer the engine's train step took in an async run than in a sync one (where
-    nothing runs beside it), from the runs of another seed when there is one (a run is not
-    calibrated on itself), else of this one; at least 1."""
-    others = sorted({s for s, _ in train_spans if s != seed}) or [seed]
-    ratios = [train_spans[(s, "async")] / train_spans[(s, "sync")] for s in others]
-    return max(1.0, statistics.median(ratios))
+def _beside(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int) -> dict[str, float]:
+    """How much slower each role's work was in an async run than in a sync one (where nothing
+    runs beside it): the engine's median train step (`train_beside_rollout`) and generate
+    time per generated token (`rollout_beside_train`), from the runs of another seed when
+    there is one (a run is not calibrated on itself), else of this one; each at least 1."""
+    others = sorted({s for s, _ in spans if s != seed}) or [seed]
+    out = {}
+    for factor, key in (("train_beside_rollout", "train_s"), ("rollout_beside_train", "generate_s_per_token")):
+        out[factor] = max(1.0, statistics.median(spans[(s, "async")][key] / spans[(s, "sync")][key] for s in others))
+    return out
 
 
-def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list[list[int]]], float]:
+def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list[list[int]]], dict[str, float]]:
     """One `tidal run` of `recipe` in a temporary run directory: its RL samples/s, its
-    response lengths by step and its median train step (the timeline's `train` spans)."""
+    response lengths by step, and from its timeline its median train step (`train_s`) and
+    its generate calls' seconds per trained response token (`generate_s_per_token`)."""
     from tidal.tools.run import prepare_run  # noqa: PLC0415
     from tidal.tools.sim.lengths import replay  # noqa: PLC0415
     from tidal.tools.train import train  # noqa: PLC0415
@@ -179,10 +185,14 @@ def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list
         cfg, run_dir = prepare_run(recipe, [*overrides, f"run_dir={Path(tmp) / 'run'}", "tensorboard=false", "checkpoint_every=1000000"])
         summary = train(cfg, run_dir, progress=False)
         trace = json.loads((run_dir / "timeline.json").read_text())
-        spans = [e["dur"] / 1e6 for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("ph") == "X" and e.get("name") == "train"]
-        if not spans:
-            raise RuntimeError(f"the run's timeline ({run_dir / 'timeline.json'}) has no train step")
-        return float(summary["samples_per_s"]), replay(run_dir / "metrics.jsonl"), statistics.median(spans)
+        events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("ph") == "X"]
+        train_s = [e["dur"] / 1e6 for e in events if e.get("name") == "train"]
+        generate_s = sum(e["dur"] / 1e6 for e in events if e.get("name") == "generate")
+        lengths = replay(run_dir / "metrics.jsonl")
+        tokens = sum(n for groups in lengths.values() for group in groups for n in group)
+        if not train_s or not generate_s or not tokens:
+            raise RuntimeError(f"the run's timeline ({run_dir / 'timeline.json'}) has no train step or no generation")
+        return float(summary["samples_per_s"]), lengths, {"train_s": statistics.median(train_s), "generate_s_per_token": generate_s / tokens}
 
 
 def check_table(result: dict[str, Any]) -> list[list[str]]:
