@@ -193,7 +193,8 @@ def test_search_ranks_placements_and_each_row_reproduces_its_prediction():
     assert sum("placement.train.lend_to=rollout" in c.overrides for c in found) == 4 * 3
     assert sum("placement.rollout.colocate_with=train" in c.overrides for c in found) == 2 * 4 * 3  # colocated and hybrid
     assert [c.label for c in candidates(load_config(recipe, base), cluster, layouts=("colocated",))] == [c.label for c in found if c.label.startswith("colocated")]
-    ranked = search(recipe, base, cluster, work)
+    ranked = search(recipe, base, cluster, work, layouts=("disaggregated", "multiplexed"))  # the CLI tests run the other two
+    assert len(ranked) == 2 * 4 * 3
     speeds = [r.prediction.samples_per_s for r in ranked]
     assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) > 1
     for r in ranked:  # each candidate runs the layout its label names
