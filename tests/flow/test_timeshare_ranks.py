@@ -185,7 +185,7 @@ def test_announced_seats_go_before_later_claims_of_seats_that_hold_no_turn():
     turns.parked("span")
 
     results: list[str] = []
-    early = threading.Thread(target=lambda: results.append("early" if turns.acquire("early", timeout=5) is not None else ""))
+    early = threading.Thread(target=lambda: (turns.acquire("early", timeout=5), results.append("early")))
     turns.acquire("other")  # busy, so that "early" queues
     early.start()
     _wait_until(lambda: turns.state()["queue"] == ["early"])

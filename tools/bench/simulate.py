@@ -134,20 +134,14 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     profile = measure(cfg, batches=(decode_batch // 8, decode_batch), contexts=(prompt_tokens, context), train_rows=(batch // 4, batch), train_context=prompt_tokens + padded, train_prompt=prompt_tokens, repeats=repeats)
     calibration = fit(profile, source="this machine's profile")
     cluster = parse_cluster({"name": "this-machine", "nodes": [{"name": "box", "device": PROFILED, "devices_per_node": 2}]}, devices={PROFILED: profiled_device(profile)})
-    rows = []
+    model, rows = profiled_model(profile), []
     for seed, system, overrides, measured, lengths in runs:
-        model = profiled_model(profile)
-
-        def predict(eff: Any, seed: int = seed, overrides: list[str] = overrides, lengths: Any = lengths, model: Any = model) -> float:
-            work = Workload(model=model, lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, eff=eff)
-            predicted, _ = simulate(load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"]), cluster, work, tracer_events=1)
-            return predicted.samples_per_s
-
-        row = {"system": system, "seed": seed, "measured_samples_per_s": measured, "measured_step_s": batch / measured}
-        row["profile_samples_per_s"] = predict(calibration.eff)
+        run_cfg = load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
+        work = Workload(model=model, lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, eff=calibration.eff)
         beside = _beside(spans, seed)
-        row.update(beside)
-        row["predicted_samples_per_s"] = predict(dataclasses.replace(calibration.eff, **beside))
+        row = {"system": system, "seed": seed, "measured_samples_per_s": measured, "measured_step_s": batch / measured, **beside}
+        row["profile_samples_per_s"] = simulate(run_cfg, cluster, work, tracer_events=1)[0].samples_per_s
+        row["predicted_samples_per_s"] = simulate(run_cfg, cluster, dataclasses.replace(work, eff=dataclasses.replace(calibration.eff, **beside)), tracer_events=1)[0].samples_per_s
         row["predicted_step_s"] = batch / row["predicted_samples_per_s"]
         rows.append(row)
     out: dict[str, Any] = {"steps": num_steps, "seeds": list(seeds), "prompt_tokens": prompt_tokens, "train_row_tokens": prompt_tokens + padded, "efficiency": dataclasses.asdict(calibration.eff), "runs": rows, "targets": CHECK_TARGETS}

@@ -159,9 +159,12 @@ def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_j
     from tidal.tools.config import ConfigError  # noqa: PLC0415
     from tidal.tools.sim.search import LAYOUTS, search, table  # noqa: PLC0415
 
-    if layouts is not None and (not layouts or set(layouts) - set(LAYOUTS)):
-        raise ConfigError(f"--layouts {','.join(layouts)}: layouts are {', '.join(LAYOUTS)} (comma-separated)")
-    ranked = search(recipe, overrides, cluster, work, layouts=layouts or LAYOUTS, progress=lambda line: print(line, file=sys.stderr))
+    try:
+        ranked = search(recipe, overrides, cluster, work, layouts=LAYOUTS if layouts is None else layouts, progress=lambda line: print(line, file=sys.stderr))
+    except ConfigError:
+        raise
+    except ValueError as e:  # the layouts (a candidate's own errors are its row's)
+        raise ConfigError(f"--layouts {','.join(layouts or ())}: {e}") from None
     if as_json:
         rows = [{"placement": r.candidate.label, "overrides": list(r.candidate.overrides), **({"prediction": r.prediction.summary()} if r.prediction else {"cannot_run": r.why_not})} for r in ranked]
         print(json.dumps({"cluster": cluster.name, "calibrated": calibration.source if calibration else False, "ranking": rows}, indent=2))

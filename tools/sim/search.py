@@ -103,9 +103,8 @@ def _placement(cfg: RecipeConfig, train: tuple[str, int], rollout: tuple[str, in
 
 def candidates(cfg: RecipeConfig, cluster: ClusterSpec, *, layouts: Sequence[str] = LAYOUTS) -> list[Candidate]:
     """Every placement `--search` simulates (module docstring), of the `layouts` asked for."""
-    unknown = sorted(set(layouts) - set(LAYOUTS))
-    if unknown:
-        raise ValueError(f"unknown layouts {unknown}; layouts: {', '.join(LAYOUTS)}")
+    if not layouts or set(layouts) - set(LAYOUTS):
+        raise ValueError(f"layouts are {', '.join(LAYOUTS)} (comma-separated), got {list(layouts)}")
     per_node = {g.device.name: g.device.devices_per_node for g in cluster.groups}
     out = []
     for train_tag, train_devices, rollout_tag, rollout_devices, rollout_per_node in _splits(cluster):
