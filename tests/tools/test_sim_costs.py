@@ -213,3 +213,35 @@ def test_a_park_on_a_host_profiled_as_the_device_moves_nothing():
     host = dataclasses.replace(DEVICES["h100"], name="profiled", kind="cpu")
     assert host.memory_is_host and not DEVICES["h100"].memory_is_host
     assert costs.park_s(8e9, host) == 0.0
+
+
+# The step's shape: padding and the ranks' shares ----------------------------------------
+def test_a_padding_free_step_computes_its_busiest_ranks_real_tokens_on_every_rank():
+    assert costs.step_tokens([10, 20, 30, 40]) == 100
+    assert costs.step_tokens([10, 20, 30, 40], ranks=2) == 2 * (30 + 40)  # rank 1's share is the longer
+    assert costs.step_tokens([10, 20], ranks=4) == 4 * 20  # fewer rows than ranks: two ranks idle, the step as long as the longest row
+    assert costs.step_tokens([], ranks=3) == 0
+
+
+def test_a_padded_step_costs_each_micro_batch_its_rows_times_its_width():
+    lengths = [10, 100, 12, 90]
+    free = costs.TrainShape(micro_batch_size=2)
+    assert costs.step_tokens(lengths, shape=free) == 212  # padding-free: real tokens, however cut
+    sorted_cropped = costs.TrainShape(padded=True, micro_batch_size=2)
+    assert costs.step_tokens(lengths, shape=sorted_cropped) == 2 * 12 + 2 * 100  # [10, 12], [90, 100]
+    in_order = costs.TrainShape(padded=True, sorted_rows=False, micro_batch_size=2)
+    assert costs.step_tokens(lengths, shape=in_order) == 2 * 100 + 2 * 90  # [10, 100], [12, 90]
+    batch_wide = costs.TrainShape(padded=True, sorted_rows=False, cropped=False, micro_batch_size=2)
+    assert costs.step_tokens(lengths, shape=batch_wide) == 4 * 100  # every micro-batch as wide as the step's longest row
+    budget = costs.TrainShape(padded=True, micro_batch_size=64, max_tokens_per_micro_batch=150)
+    assert costs.step_tokens(lengths, shape=budget) == 2 * 12 + 90 + 100  # [10, 12], then 3 x 90 and 2 x 100 pass 150: [90], [100]
+    assert costs.step_tokens(lengths, ranks=2, shape=sorted_cropped) == 2 * max(2 * 100, 2 * 90)  # [10, 100] and [12, 90], each sorted
+
+
+def test_the_step_shape_refuses_what_no_engine_runs():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        costs.TrainShape(micro_batch_size=0)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        costs.TrainShape(max_tokens_per_micro_batch=0)
+    with pytest.raises(ValueError, match="ranks"):
+        costs.step_tokens([1], ranks=0)

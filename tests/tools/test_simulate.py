@@ -8,14 +8,14 @@ import statistics
 import pytest
 
 from tidal.tools.cli import main
-from tidal.tools.config import ConfigError, load_config
+from tidal.tools.config import ConfigError, TrainConfig, load_config
 from tidal.tools.recipes import resolve_recipe
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import parse_cluster
 from tidal.tools.sim.costs import Efficiency, ModelShape
 from tidal.tools.sim.hardware import device
 from tidal.tools.sim.lengths import LengthModel
-from tidal.tools.sim.simulate import Workload, simulate
+from tidal.tools.sim.simulate import Workload, simulate, train_shape
 
 # Two H100 servers, one for training and one for rollout; a network so fast that weight
 # syncs cost next to nothing, so a step is generation and training alone.
@@ -390,3 +390,19 @@ def test_a_hybrid_plans_host_transfers_go_to_its_own_instances_only():
     one_receiver = costs.weight_sync_s(work.model, transport="host", src=device("h100"), dst=device("910b"), num_nodes_between=1, num_receivers=1)
     for trace in (alone_trace, hybrid_trace):
         assert _durations(trace, "train", "publish weights") == pytest.approx([one_receiver] * 2)
+
+
+def test_the_train_step_costs_the_padding_the_recipes_engine_runs():
+    assert train_shape(TrainConfig()) == costs.TrainShape(micro_batch_size=64)  # padding-free where the model can
+    assert train_shape(TrainConfig(backend="megatron", micro_batch_size=8)) == costs.TrainShape(padded=True, micro_batch_size=8)  # always padded, rows sorted
+    fsdp = train_shape(TrainConfig(backend="fsdp", padding_free=False))
+    assert fsdp.padded and not fsdp.sorted_rows and not fsdp.cropped  # a rank's rows in order, as wide as the batch
+    assert train_shape(TrainConfig(backend="deepspeed", padding_free=False, max_tokens_per_micro_batch=4096)).cropped  # a budget crops them
+    # long-tailed lengths: padded micro-batches of rows in the batch's order cost far more than the real tokens
+    runs = {
+        padding_free: _run(staleness=0, sigma=1.0, steps=3, overrides=("train.backend=fsdp", "train.micro_batch_size=8", f"train.padding_free={padding_free}"))
+        for padding_free in ("null", "false")
+    }
+    train_s = {k: statistics.median(_durations(tracer, "train", "train")) for k, (_, tracer) in runs.items()}
+    assert train_s["false"] > 1.25 * train_s["null"]  # 1.42 when written: the rows padded to the batch's longest (2,048 tokens) against a mean near 900
+    assert runs["false"][0].samples_per_s < runs["null"][0].samples_per_s

@@ -315,6 +315,60 @@ def generate_s(
     return total
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainShape:
+    """How a train engine cuts a step's rows into micro-batches, as far as its cost goes
+    (each engine's `_micro_batches`, over `engines.micro_batches.pack`)."""
+
+    padded: bool = False
+    """Each micro-batch padded to its width (`train.padding_free=false`, or an engine that
+    always pads: megatron); else the sum of its rows' real tokens (padding-free)."""
+    sorted_rows: bool = True
+    """A rank's rows sorted by length before they are cut (the torch and megatron engines),
+    else in the batch's order (fsdp, deepspeed)."""
+    cropped: bool = True
+    """A padded micro-batch is cut to its longest row; else it is as wide as the step's
+    longest row (fsdp and deepspeed without a token budget)."""
+    micro_batch_size: int = 64
+    max_tokens_per_micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 or None, got {self.max_tokens_per_micro_batch}")
+
+
+def step_tokens(lengths: Sequence[int], *, ranks: int = 1, shape: TrainShape = TrainShape()) -> int:
+    """Tokens one data-parallel step computes over rows of `lengths` (real tokens, prompt and
+    response), counted as `ranks` times its busiest rank's: each rank takes a contiguous share
+    of the rows (rank r the rows [n r / ranks, n (r + 1) / ranks), as the multi-rank engines
+    split a step) and the step ends with the slowest. A padded micro-batch costs its rows
+    times its width (its longest row, or the step's with `shape.cropped` off); a padding-free
+    one its rows' real tokens. Fewer rows than ranks leave ranks idle."""
+    from tidal.engines.micro_batches import pack  # noqa: PLC0415 - the engines' own cut; it imports torch, this module does not
+
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    lengths = [int(n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError("row lengths must be >= 0")
+    n = len(lengths)
+    width = max(lengths, default=0)
+    busiest = 0
+    for r in range(ranks):
+        rows = lengths[n * r // ranks : n * (r + 1) // ranks]
+        if not shape.padded:
+            busiest = max(busiest, sum(rows))
+            continue
+        rows = sorted(rows) if shape.sorted_rows else rows
+        total = 0
+        for part in pack(rows, max_rows=shape.micro_batch_size, max_tokens=shape.max_tokens_per_micro_batch):
+            total += (part.stop - part.start) * (max(rows[part]) if shape.cropped else width)
+        busiest = max(busiest, total)
+    return ranks * busiest
+
+
 def _ring_allreduce_s(nbytes: float, *, ranks: int, gbps: float, eff: Efficiency, latency_s: float) -> float:
     if ranks <= 1:
         return 0.0

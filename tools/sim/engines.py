@@ -373,6 +373,9 @@ class SimTrainEngine:
             placeholders; None: a prompt's simulated tokens x `token_scale`.
         beside: the roles at work on the host the trainer shares with rollout, if it shares
             one (its work slows by `eff.train_beside_rollout` beside rollout's).
+        train_shape: how the recipe's train engine cuts a step into micro-batches (padded
+            or not, `costs.TrainShape`); a step costs the tokens its busiest rank computes
+            (`costs.step_tokens`) times the ranks. Default: padding-free.
     """
 
     def __init__(
@@ -387,24 +390,30 @@ class SimTrainEngine:
         token_scale: int = 1,
         prompt_tokens_real: int | None = None,
         beside: Beside | None = None,
+        train_shape: costs.TrainShape | None = None,
     ) -> None:
         if token_scale < 1:
             raise ValueError(f"token_scale must be >= 1, got {token_scale}")
+        self.train_shape = train_shape or costs.TrainShape()
         self.clock, self.shape, self.device, self.eff = clock, model, device, eff
         self.num_devices, self.num_nodes, self.token_scale, self.prompt_tokens_real = num_devices, num_nodes, token_scale, prompt_tokens_real
         self.beside = beside or Beside()
         self.version = 0
         self.stats: dict[str, float] = {"busy_s": 0.0}
 
-    def real_tokens(self, batch: TokenBatch) -> int:
-        """Real tokens of `batch`: every row's prompt and response."""
+    def row_tokens(self, batch: TokenBatch) -> list[int]:
+        """Each row's real tokens: its prompt and response."""
         if self.prompt_tokens_real is None:
-            return int(batch.attention_mask.sum()) * self.token_scale
-        return len(batch) * self.prompt_tokens_real + int(batch.loss_mask.sum()) * self.token_scale
+            return (batch.attention_mask.sum(dim=1) * self.token_scale).tolist()
+        return (self.prompt_tokens_real + batch.loss_mask.sum(dim=1) * self.token_scale).tolist()
+
+    def step_tokens(self, batch: TokenBatch) -> int:
+        """Tokens a pass over `batch` computes, every rank as the busiest (`costs.step_tokens`)."""
+        return costs.step_tokens(self.row_tokens(batch), ranks=self.num_devices, shape=self.train_shape)
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """Sleep `costs.train_step_s` for the batch's real tokens; version += 1."""
-        tokens = self.real_tokens(batch)
+        """Sleep `costs.train_step_s` for the tokens the batch's step computes; version += 1."""
+        tokens = self.step_tokens(batch)
         seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff)
         self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
         seconds = self._busy(seconds)
@@ -413,7 +422,7 @@ class SimTrainEngine:
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Zeros [batch, seq - 1] after a forward pass's time: a third of a step's FLOPs, no all-reduce."""
-        flops = 2 * self.shape.num_params * self.real_tokens(batch)
+        flops = 2 * self.shape.num_params * self.step_tokens(batch)
         self._busy(flops / (self.num_devices * self.device.flops * self.eff.train_mfu))
         return torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
 

@@ -13,7 +13,9 @@ Assumptions (docs/simulate.md states them for users):
   costs are computed in real tokens);
 - rewards cost nothing and score a seeded coin flip (only their timing is simulated);
 - the trainer is one data-parallel group over every `placement.train` device; its step is
-  `costs.train_step_s` over the step's real tokens;
+  `costs.train_step_s` over the tokens its busiest rank computes times the ranks
+  (`costs.step_tokens`: each rank a contiguous share of the rows, cut into micro-batches as
+  the recipe's train engine cuts them, padded or padding-free, `train_shape`);
 - weights go over the transport the recipe names (`auto`: collective between devices of
   one kind, host between kinds): the trainer spends the send, each rollout instance gets
   the version once the transfer is done (`costs.weight_sync_s`);
@@ -49,7 +51,7 @@ from tidal.flow.virtual_clock import VirtualClock
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal.platform import describe
 from tidal.hal.transfer import choose_transport
-from tidal.tools.config import ConfigError, RecipeConfig
+from tidal.tools.config import ConfigError, RecipeConfig, TrainConfig
 from tidal.tools.plan import roles_of
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import ClusterSpec
@@ -161,6 +163,27 @@ def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dic
         index += 1
 
 
+ALWAYS_PADDED = frozenset({"megatron"})
+"""Train backends whose micro-batches are always padded (megatron-core's local attention takes no packed rows)."""
+SORTED_ROWS = frozenset({"torch", "megatron"})
+"""Train backends that sort a rank's rows by length before cutting them into micro-batches,
+each cut to its longest row (their `_micro_batches`); fsdp and deepspeed cut a rank's rows in
+the batch's order, as wide as the batch unless a token budget crops them. A backend named
+in neither (registered by a user) is taken as padding-free."""
+
+
+def train_shape(train: TrainConfig) -> costs.TrainShape:
+    """How the recipe's train engine (`train.*`) cuts a step into micro-batches."""
+    sorts = train.backend in SORTED_ROWS
+    return costs.TrainShape(
+        padded=train.padding_free is False or train.backend in ALWAYS_PADDED,
+        sorted_rows=sorts,
+        cropped=sorts or train.max_tokens_per_micro_batch is not None,
+        micro_batch_size=train.micro_batch_size,
+        max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
+    )
+
+
 def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_events: int = 200_000) -> tuple[Prediction, Tracer]:
     """Run the recipe's loop on the cluster on a virtual clock; the prediction and its timeline."""
     began = time.perf_counter()
@@ -176,7 +199,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     store = Store(clock=clock)
     shared = set(train_nodes) & {a.node for a in rollout}  # hosts both roles work on: their work slows beside each other's
     beside = Beside() if shared else None
-    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside)
+    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside, train_shape=train_shape(cfg.train))
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
     shares = plan.layout != "disaggregated"  # some rollout instance time-shares the trainer's devices
     # each instance's transport, as the runtime picks it; the workers get a version once the slowest has it
