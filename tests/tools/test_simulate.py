@@ -210,6 +210,27 @@ def test_search_ranks_placements_and_each_row_reproduces_its_prediction():
     assert lent.prediction.handoffs > 0 and alone.prediction.handoffs == 0
 
 
+def test_search_on_a_mixed_cluster_also_splits_the_trainers_type():
+    from tidal.tools.sim.search import candidates
+
+    recipe = resolve_recipe("mixed_npu_gpu")
+    cluster = parse_cluster({"nodes": [{"name": "npu", "device": "910b", "count": 2}, {"name": "gpu", "device": "h100"}]})
+    base = ["algorithm.num_steps=2", "rollout.max_new_tokens=1024", "model.max_positions=2048"]
+    found = candidates(load_config(recipe, base), cluster, layouts=("disaggregated",))
+    labels = [c.label for c in found]
+    # 16 910b train and 8 h100 roll out, or the reverse; or 8 910b train and the other 8 roll out beside the h100s
+    # (the one h100 node cannot be split); each with 1, 2, 4, 8 devices per instance and staleness 0, 1, 2
+    assert len(found) == 3 * 4 * 3
+    assert "train 8 910b, rollout 4 x 4 910b+h100, staleness 1" in labels and not any(label.startswith("train 4 h100") for label in labels)
+    split = found[labels.index("train 8 910b, rollout 4 x 4 910b+h100, staleness 1")]
+    assert "placement.rollout.requires=[]" in split.overrides and "placement.train.count=8" in split.overrides
+    work = Workload(model=ModelShape.qwen2_5("0.5b"), lengths=LengthModel(mean_tokens=100, max_new_tokens=1024), token_scale=64)
+    prediction, _ = simulate(load_config(recipe, [*base, *split.overrides]), cluster, work)
+    assert prediction.roles["train"] == {"devices": 8, "kind": "npu"}
+    assert prediction.roles["rollout"]["instances"] == 4 and set(prediction.roles["rollout"]["kind"].split("+")) == {"npu", "cuda"}
+    assert len(candidates(load_config(recipe, base), cluster)) == len(found) + 2 * 2 * 4 * 3 + 2 * 4 * 3  # whole types only: hybrid and multiplexed; each type colocated
+
+
 def test_cli_search_prints_a_ranking(tmp_path, capsys):
     spec = tmp_path / "two.yaml"
     spec.write_text("nodes:\n  - {name: npu, device: 910b}\n  - {name: gpu, device: h100}\n")

@@ -3,7 +3,9 @@
 The candidates are placements, each a set of recipe overrides:
 - disaggregated: which devices train and which roll out: on a cluster of one device type,
   the trainer takes whole nodes (a quarter to three quarters of them) and rollout the
-  rest; on a mixed cluster, each type trains while another rolls out;
+  rest; on a mixed cluster, each type trains while another rolls out, and each type's
+  trainer also takes half or three quarters of its nodes while the rest of them roll out
+  beside the other types' devices (`placement.rollout.requires=[]`);
 - colocated: every device of one type trains, and rollout time-shares those devices
   (`placement.rollout.colocate_with=train`);
 - hybrid: a disaggregated split whose rollout also time-shares the trainer's devices
@@ -37,6 +39,9 @@ from tidal.tools.sim.simulate import Prediction, Workload, simulate
 
 TRAIN_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)
 """Shares of a one-type cluster's nodes the trainer may take."""
+MIXED_TRAIN_SHARES = (0.5, 0.75)
+"""On a mixed cluster, shares of its own type's nodes a trainer may take besides all of
+them (the rest roll out beside the other types' devices)."""
 DEVICES_EACH = (1, 2, 4, 8)
 STALENESS = (0, 1, 2)
 
@@ -56,26 +61,50 @@ class Ranked:
     why_not: str | None = None
 
 
-def _splits(cluster: ClusterSpec) -> Iterator[tuple[str, int, str, int, int]]:
-    """(train tag, train devices, rollout tag, rollout devices, devices per node of rollout)."""
-    groups = {g.device.name: g for g in cluster.groups}
-    if len(groups) == 1:
-        name, group = next(iter(groups.items()))
-        per_node = group.device.devices_per_node
-        nodes = sum(g.count for g in cluster.groups)
-        seen = set()
-        for share in TRAIN_SHARES:
-            train_nodes = min(max(1, round(nodes * share)), nodes - 1)
-            if train_nodes < 1 or train_nodes in seen:
-                continue
-            seen.add(train_nodes)
-            yield name, train_nodes * per_node, name, (nodes - train_nodes) * per_node, per_node
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    train: str
+    """The trainer's device type."""
+    train_devices: int
+    rollout: str | None
+    """Rollout's device type; None: devices of every type (`requires=[]`)."""
+    rollout_devices: dict[str, int]
+    """Devices left to rollout, by type."""
+
+    def instances(self, each: int, per_node: dict[str, int]) -> int:
+        """Rollout instances of `each` devices (0 where `each` exceeds a node of a type rollout uses)."""
+        if any(each > per_node[t] for t, n in self.rollout_devices.items() if n):
+            return 0
+        return sum(n // each for n in self.rollout_devices.values())
+
+    @property
+    def rollout_label(self) -> str:
+        return self.rollout or "+".join(t for t, n in self.rollout_devices.items() if n)
+
+
+def _train_nodes(nodes: int, shares: Sequence[float]) -> list[int]:
+    """Distinct node counts, each share of `nodes` rounded, leaving rollout at least one node."""
+    return sorted({min(max(1, round(nodes * share)), nodes - 1) for share in shares} - {0})
+
+
+def _splits(cluster: ClusterSpec) -> Iterator[_Split]:
+    """Which devices train and which roll out (module docstring)."""
+    per_node = {g.device.name: g.device.devices_per_node for g in cluster.groups}
+    nodes = {name: sum(g.count for g in cluster.groups if g.device.name == name) for name in per_node}
+    totals = {name: nodes[name] * per_node[name] for name in per_node}
+    if len(per_node) == 1:
+        (name,) = per_node
+        for train_nodes in _train_nodes(nodes[name], TRAIN_SHARES):
+            yield _Split(name, train_nodes * per_node[name], name, {name: (nodes[name] - train_nodes) * per_node[name]})
         return
-    totals = {name: sum(g.num_devices for g in cluster.groups if g.device.name == name) for name in groups}
-    for train in groups:
-        for rollout in groups:
+    for train in per_node:
+        for rollout in per_node:
             if train != rollout:
-                yield train, totals[train], rollout, totals[rollout], groups[rollout].device.devices_per_node
+                yield _Split(train, totals[train], rollout, {rollout: totals[rollout]})
+        # the trainer's type split too: the rest of its nodes roll out beside every other type's
+        for train_nodes in _train_nodes(nodes[train], MIXED_TRAIN_SHARES):
+            left = {t: totals[t] if t != train else (nodes[t] - train_nodes) * per_node[t] for t in per_node}
+            yield _Split(train, train_nodes * per_node[train], None, left)
 
 
 LAYOUTS = ("disaggregated", "colocated", "hybrid", "multiplexed")
@@ -107,26 +136,28 @@ def candidates(cfg: RecipeConfig, cluster: ClusterSpec, *, layouts: Sequence[str
         raise ValueError(f"layouts are {', '.join(LAYOUTS)} (comma-separated), got {list(layouts)}")
     per_node = {g.device.name: g.device.devices_per_node for g in cluster.groups}
     out = []
-    for train_tag, train_devices, rollout_tag, rollout_devices, rollout_per_node in _splits(cluster):
+    for split in _splits(cluster):
+        train_tag, train_devices, rollout_tag, rollout_label = split.train, split.train_devices, split.rollout, split.rollout_label
         for each in DEVICES_EACH:
-            if each > rollout_per_node or rollout_devices < each:
+            count = split.instances(each, per_node)
+            if not count:
                 continue
-            count = rollout_devices // each
             # time-sharing the trainer's devices too: each instance within one of its nodes
-            shares = each <= per_node[train_tag] and train_devices % each == 0
+            # (a mixed cluster's split of the trainer's type is tried disaggregated only)
+            shares = rollout_tag is not None and each <= per_node[train_tag] and train_devices % each == 0
             either = rollout_tag if rollout_tag == train_tag else None  # a mixed cluster's rollout takes either type
             for staleness in STALENESS:
                 if "disaggregated" in layouts:
                     overrides = _placement(cfg, (train_tag, train_devices), (rollout_tag, count, each), staleness)
-                    out.append(Candidate(overrides=overrides, label=f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_tag}, staleness {staleness}"))
+                    out.append(Candidate(overrides=overrides, label=f"train {train_devices} {train_tag}, rollout {count} x {each} {rollout_label}, staleness {staleness}"))
                 if shares and "hybrid" in layouts:
                     hosted = train_devices // each
                     overrides = _placement(cfg, (train_tag, train_devices), (either, hosted + count, each), staleness, layout="hybrid")
-                    label = f"hybrid: train {train_devices} {train_tag}, rollout {hosted} x {each} time-sharing them + {count} x {each} {rollout_tag}, staleness {staleness}"
+                    label = f"hybrid: train {train_devices} {train_tag}, rollout {hosted} x {each} time-sharing them + {count} x {each} {rollout_label}, staleness {staleness}"
                     out.append(Candidate(overrides=overrides, label=label))
                 if shares and "multiplexed" in layouts:
                     overrides = _placement(cfg, (train_tag, train_devices), (either, count, each), staleness, layout="multiplexed")
-                    label = f"multiplexed: train {train_devices} {train_tag} lending to rollout, rollout {count} x {each} {rollout_tag}, staleness {staleness}"
+                    label = f"multiplexed: train {train_devices} {train_tag} lending to rollout, rollout {count} x {each} {rollout_label}, staleness {staleness}"
                     out.append(Candidate(overrides=overrides, label=label))
     if "colocated" in layouts:
         for tag in dict.fromkeys(g.device.name for g in cluster.groups):  # a type's devices all train, rollout time-shares them
