@@ -143,3 +143,16 @@ def test_a_profiles_contention_becomes_the_slowdowns_beside_the_other_role():
     assert (plain.train_beside_rollout, plain.rollout_beside_train) == (1.0, 1.0)
     with pytest.raises(ValueError, match="train_beside_rollout must be >= 1"):
         Efficiency(train_beside_rollout=0.5)
+
+
+def test_an_ipc_weight_sync_costs_what_the_profile_measured_exporting_and_loading_the_weights():
+    profile = _profile(decode=0.5, prefill=0.5, mfu=0.5)  # 1 GB of weights exported and loaded in 0.1 s each
+    eff = fit(profile, source="p.json").eff
+    device, model = profiled_device(profile), profiled_model(profile)
+    assert eff.ipc_setup_s == pytest.approx(0.2 - 10**9 / (1e12 * 0.5))  # less the copy the cost model charges
+    assert model.weight_bytes == 10**9 and costs.weight_sync_s(model, transport="ipc", src=device, dst=device, eff=eff) == pytest.approx(0.2)
+    quick = {**profile, "weights": {"bytes": 10**9, "export_s": 0.0005, "load_s": 0.0005}}  # faster than the copy: no fixed cost below 0
+    assert fit(quick, source="p.json").eff.ipc_setup_s == 0.0
+    assert Efficiency().ipc_setup_s == costs.IPC_SETUP_S  # uncalibrated: the assumption
+    with pytest.raises(ValueError, match="ipc_setup_s"):
+        Efficiency(ipc_setup_s=-1.0)

@@ -18,7 +18,7 @@ from tidal.flow.virtual_clock import VirtualClock
 from tidal.tools.sim import costs
 from tidal.tools.sim.costs import DEFAULT_EFFICIENCY as EFF
 from tidal.tools.sim.costs import ModelShape
-from tidal.tools.sim.engines import SimRolloutEngine, SimRollouts, SimTrainEngine
+from tidal.tools.sim.engines import Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
 from tidal.tools.sim.hardware import device
 
 MODEL = ModelShape.qwen2_5("0.5b")
@@ -256,3 +256,28 @@ def test_sim_rollouts_run_real_workers_and_deliver_weights_late():
     assert all(t.versions_used == [0, 1] for t in rows)  # delivered at 0.13, mid-generation: every row has both
     assert [e.version for e in engines] == [1, 1]
     assert metrics["paused_generations"] == 2 and metrics["handed_off"] == 0 and set(metrics["wait_s"]) <= {"rollout", "weights"}
+
+
+@pytest.mark.parametrize(("rollout_from", "rollout_until", "expected"), [
+    (0.5, None, 0.5 + 0.5 * 2),  # rollout starts halfway: the second half at half pace
+    (0.5, 1.0, 0.5 + 0.5 + 0.25),  # and stops half a second later: a quarter of the work done in it, the last quarter at full pace
+    (None, None, 1.0),  # nothing beside it
+])
+def test_work_beside_the_other_role_slows_for_as_long_as_it_overlaps(rollout_from, rollout_until, expected):
+    """A training step that started before rollout's next call slows from when that call starts
+    (a pace judged only at the step's start would give 1.0 or 2.0)."""
+    clock = VirtualClock()
+    beside = Beside(clock)
+    eff = costs.Efficiency(train_beside_rollout=2.0, rollout_beside_train=3.0)
+
+    def rollout():
+        clock.sleep(rollout_from)
+        with beside.work("rollout"):
+            clock.sleep(10.0 if rollout_until is None else rollout_until - rollout_from)
+
+    def main():
+        if rollout_from is not None:
+            clock.thread(rollout, name="rollout").start()
+        return beside.run("train", 1.0, eff)
+
+    assert clock.run(main) == pytest.approx(expected, abs=1e-9)

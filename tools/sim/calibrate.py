@@ -17,7 +17,10 @@ median ratio ideal / measured. The factors:
 - `train_mfu`: from the training steps (6 x params x tokens FLOPs);
 
 and the fixed costs `decode_step_overhead_s`, `prefill_overhead_s` and
-`train_step_overhead_s` of `costs.Efficiency`. A profile's `contention` (each role's work
+`train_step_overhead_s` of `costs.Efficiency`; `ipc_setup_s` is the profile's weight export
+and load less the copy the cost model charges anyway (on the profiled device, an `ipc` sync
+costs what cloning and loading the weights did there; the handle exchange between
+processes of an accelerator is not in it). A profile's `contention` (each role's work
 beside the other's on one host) becomes `train_beside_rollout` and `rollout_beside_train`.
 
 The assumption that carries a fit to the cluster's devices: software reaches the same
@@ -109,6 +112,13 @@ def _contention(measured: Mapping[str, float] | None) -> dict[str, float]:
     return {"train_beside_rollout": max(1.0, float(measured["train"])), "rollout_beside_train": max(1.0, float(measured["rollout"]))}
 
 
+def _ipc_setup_s(weights: Mapping[str, float], device: Device, decode_bandwidth: float) -> float:
+    """An `ipc` weight sync's cost beside its copy: the profile's weight export and load,
+    less the copy `costs.weight_sync_s` charges on its own."""
+    copy_s = weights["bytes"] / (device.hbm_bytes_per_s * decode_bandwidth)
+    return max(0.0, weights["export_s"] + weights["load_s"] - copy_s)
+
+
 def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
     """The efficiency factors and fixed per-step costs a profile measured (module docstring).
 
@@ -131,6 +141,7 @@ def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
         decode_step_overhead_s=decode_overhead,
         prefill_overhead_s=prefill_overhead,
         train_step_overhead_s=train_overhead,
+        ipc_setup_s=_ipc_setup_s(profile["weights"], device, decode_eff),
         **_contention(profile.get("contention")),
     )
     what = f"{source} ({profile['platform']['kind']}, {model.name}, {profile.get('date', 'undated')})"

@@ -45,7 +45,8 @@ NETWORK_LATENCY_S = 30e-6
 """Fixed cost of one inter-node collective or message (RDMA round trips). Assumption."""
 IPC_SETUP_S = 0.02
 """Fixed cost of an `ipc` weight sync: exchanging and opening the buffer handles and the
-engine's weight-reload call. Assumption: tens of milliseconds."""
+engine's weight-reload call (`Efficiency.ipc_setup_s`'s default). Assumption: tens of
+milliseconds."""
 HOST_LATENCY_S = 5e-3
 """Fixed cost of a `host` weight sync: the manifest round trip and the first bucket's
 device-to-host copy, which the pipeline cannot hide. Assumption."""
@@ -89,13 +90,17 @@ class Efficiency:
     (`tidal profile` measures it: `contention`)."""
     rollout_beside_train: float = 1.0
     """The same for rollout's work while the trainer works."""
+    ipc_setup_s: float = IPC_SETUP_S
+    """Seconds an `ipc` weight sync costs beside copying the weights: the buffer handles and
+    the engine's weight reload. `calibrate.fit` takes it from a profile's weight export and
+    load (where the device is the host, an ipc sync is just those: shared memory, no handles)."""
 
     def __post_init__(self) -> None:
         for f in ("train_mfu", "decode_bandwidth", "prefill_compute", "network"):
             value = getattr(self, f)
             if not 0 < value <= 1:
                 raise ValueError(f"Efficiency.{f} must be in (0, 1], got {value!r}")
-        for f in ("decode_step_overhead_s", "prefill_overhead_s", "train_step_overhead_s"):
+        for f in ("decode_step_overhead_s", "prefill_overhead_s", "train_step_overhead_s", "ipc_setup_s"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Efficiency.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
         for f in ("train_beside_rollout", "rollout_beside_train"):
@@ -428,8 +433,8 @@ def weight_sync_s(
 ) -> float:
     """One policy version's weights (params x bytes_per_param) from a trainer to rollout.
 
-    - `ipc` (same node, colocated): `IPC_SETUP_S` + one copy out of the shared buffer at
-      the device's HBM bandwidth (x `decode_bandwidth`).
+    - `ipc` (same node, colocated): `eff.ipc_setup_s` + one copy out of the shared buffer
+      at the device's HBM bandwidth (x `decode_bandwidth`).
     - `collective` (same device kind): a pipelined broadcast, bytes / link + one latency
       per node it crosses, over scale-out when `num_nodes_between` > 0 else scale-up;
       its time does not grow with the number of receivers (each forwards as it receives).
@@ -459,7 +464,7 @@ def weight_sync_s(
     if transport == "ipc":
         if num_nodes_between or src.kind != dst.kind:
             raise ValueError(f"transport 'ipc' needs the trainer and rollout on one node and device kind, got {src.name} -> {dst.name} across {num_nodes_between} node(s)")
-        return IPC_SETUP_S + nbytes / (dst.hbm_bytes_per_s * eff.decode_bandwidth)
+        return eff.ipc_setup_s + nbytes / (dst.hbm_bytes_per_s * eff.decode_bandwidth)
     if transport == "collective":
         if src.kind != dst.kind:
             raise ValueError(f"transport 'collective' needs one device kind on both sides, got {src.name} ({src.kind}) -> {dst.name} ({dst.kind}): use 'host'")

@@ -50,14 +50,17 @@ LENGTHS_KEY = "lengths"
 
 class Beside:
     """Which roles are at work now on a host they share, for `Efficiency.train_beside_rollout`
-    and `rollout_beside_train`: a piece of one role's work (a training step, a prefill, a
-    stretch of decoding) that starts while the other role works takes that many times
-    longer. Judged when the piece starts, not re-judged when the other starts or stops
-    during it: first order, and the pieces are short beside a step. An engine that shares
-    no host has one of its own, where the other role is never at work."""
+    and `rollout_beside_train`: one role's work goes that many times slower for as long as
+    the other role works. `run` re-judges its pace each time the other role starts or stops
+    (a training step that starts just before rollout's next generate call slows from
+    then on); a stretch of decoding, which an interrupt may cut short, is judged when it
+    starts (`factor`): it ends at its first row's end, short beside a step. An engine that
+    shares no host has one of its own, where the other role is never at work."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self.working = {"train": 0, "rollout": 0}
+        self._changed = clock.condition()
 
     def factor(self, role: str, eff: Efficiency) -> float:
         other = "rollout" if role == "train" else "train"
@@ -67,11 +70,29 @@ class Beside:
 
     @contextlib.contextmanager
     def work(self, role: str) -> Iterator[None]:
-        self.working[role] += 1
+        self._count(role, 1)
         try:
             yield
         finally:
-            self.working[role] -= 1
+            self._count(role, -1)
+
+    def _count(self, role: str, delta: int) -> None:
+        with self._changed:
+            self.working[role] += delta
+            self._changed.notify_all()
+
+    def run(self, role: str, seconds: float, eff: Efficiency) -> float:
+        """Do `seconds` of `role`'s work (its time alone), slower while the other role works;
+        the seconds it took."""
+        start = self.clock.now()
+        with self.work(role), self._changed:
+            left = seconds
+            while left > 1e-12 * max(1.0, seconds):
+                pace = self.factor(role, eff)
+                began = self.clock.now()
+                self._changed.wait(left * pace)  # woken when either role starts or stops work
+                left -= (self.clock.now() - began) / pace
+        return self.clock.now() - start
 
 
 class SimRolloutEngine:
@@ -113,7 +134,7 @@ class SimRolloutEngine:
         costs.max_concurrent_tokens(model, device, tp=tp)  # fail here, not at the first generate, if the model does not fit
         self.clock, self.shape, self.device, self.tp, self.eff = clock, model, device, tp, eff
         self.token_scale, self.max_num_seqs, self.name = token_scale, max_num_seqs, name
-        self.beside = beside or Beside()
+        self.beside = beside or Beside(clock)
         self.version = 0
         self._interrupt: ClockEvent = clock.event()
         # Keyed by id(); the object is kept beside it so its id cannot be reused while the entry lives.
@@ -236,10 +257,9 @@ class SimRolloutEngine:
         # distinct inputs once). A resumed row recomputes its generated tokens' KV too.
         distinct = {(id(t.meta), tuple(t.ids)): len(t.tokens) for t in joining}
         tokens = sum(len(ids) for _, ids in distinct) * self.token_scale
-        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff) * self.beside.factor("rollout", self.eff)
+        seconds = costs.prefill_s(self.shape, self.device, tp=self.tp, tokens=tokens, eff=self.eff)
         if seconds > 0:
-            with self.beside.work("rollout"):
-                self.clock.sleep(seconds)
+            seconds = self.beside.run("rollout", seconds, self.eff)
             self.stats["busy_s"] += seconds
             resumed = sum(len(ids) for (_, ids), generated in distinct.items() if generated)
             self.stats["reprefill_s"] += seconds * resumed * self.token_scale / tokens  # resumed rows' share (prompt included: its KV went too)
@@ -397,7 +417,7 @@ class SimTrainEngine:
         self.train_shape = train_shape or costs.TrainShape()
         self.clock, self.shape, self.device, self.eff = clock, model, device, eff
         self.num_devices, self.num_nodes, self.token_scale, self.prompt_tokens_real = num_devices, num_nodes, token_scale, prompt_tokens_real
-        self.beside = beside or Beside()
+        self.beside = beside or Beside(clock)
         self.version = 0
         self.stats: dict[str, float] = {"busy_s": 0.0}
 
@@ -438,10 +458,8 @@ class SimTrainEngine:
 
     def _busy(self, seconds: float) -> float:
         """Sleep `seconds` of work (longer beside rollout's, `beside`); the seconds slept."""
-        seconds *= self.beside.factor("train", self.eff)
         if seconds > 0:
-            with self.beside.work("train"):
-                self.clock.sleep(seconds)
+            seconds = self.beside.run("train", seconds, self.eff)
         self.stats["busy_s"] += seconds
         return seconds
 

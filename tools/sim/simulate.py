@@ -198,7 +198,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     tracer = Tracer("simulated", max_events=tracer_events, clock=clock)
     store = Store(clock=clock)
     shared = set(train_nodes) & {a.node for a in rollout}  # hosts both roles work on: their work slows beside each other's
-    beside = Beside() if shared else None
+    beside = Beside(clock) if shared else None
     trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside, train_shape=train_shape(cfg.train))
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
     shares = plan.layout != "disaggregated"  # some rollout instance time-shares the trainer's devices
