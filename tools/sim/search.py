@@ -91,11 +91,11 @@ def _splits(cluster: ClusterSpec) -> Iterator[_Split]:
     """Which devices train and which roll out (module docstring)."""
     per_node = {g.device.name: g.device.devices_per_node for g in cluster.groups}
     nodes = {name: sum(g.count for g in cluster.groups if g.device.name == name) for name in per_node}
-    totals = {name: nodes[name] * per_node[name] for name in per_node}
+    totals = {name: sum(g.num_devices for g in cluster.groups if g.device.name == name) for name in per_node}
     if len(per_node) == 1:
         (name,) = per_node
         for train_nodes in _train_nodes(nodes[name], TRAIN_SHARES):
-            yield _Split(name, train_nodes * per_node[name], name, {name: (nodes[name] - train_nodes) * per_node[name]})
+            yield _Split(name, train_nodes * per_node[name], name, {name: totals[name] - train_nodes * per_node[name]})
         return
     for train in per_node:
         for rollout in per_node:
@@ -103,7 +103,7 @@ def _splits(cluster: ClusterSpec) -> Iterator[_Split]:
                 yield _Split(train, totals[train], rollout, {rollout: totals[rollout]})
         # the trainer's type split too: the rest of its nodes roll out beside every other type's
         for train_nodes in _train_nodes(nodes[train], MIXED_TRAIN_SHARES):
-            left = {t: totals[t] if t != train else (nodes[t] - train_nodes) * per_node[t] for t in per_node}
+            left = {t: totals[t] if t != train else totals[t] - train_nodes * per_node[t] for t in per_node}
             yield _Split(train, train_nodes * per_node[train], None, left)
 
 
