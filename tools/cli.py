@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e2e: recipe overrides applied to every system (and TRL), e.g. device=cuda")
     bench.add_argument("--systems", default=None, help="comma-separated systems to measure (default: all)")
     bench.add_argument("--trials", type=count, default=200, help="hand-off latency trials per system (default: 200)")
-    bench.add_argument("--repeats", type=count, default=3, help="runs per system; store reports the median (and the spread), weights the best; simulate-check: timed repeats of each profile point (default: 3)")
+    bench.add_argument("--repeats", type=count, default=None, help="runs per system; store reports the median (and the spread), weights the best (default: 3); simulate-check: timed repeats of each profile point (default: 7)")
     bench.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="store: what tidal and raw ZeroMQ run over - loopback TCP or Unix-domain sockets (same machine) (default: tcp)")
     bench.add_argument("--put-window", type=count, default=4, help="store: puts tidal-tuned keeps in flight (tidal waits for each reply) (default: 4)")
     bench.add_argument("--steps", type=count, default=None, help="e2e: RL steps per run (default: 200); simulate: steps simulated (default: 10); simulate-check: steps of each real run (default: 150)")
@@ -135,7 +135,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "simulate-check":
         from tidal.tools.bench import simulate as bench_simulate  # noqa: PLC0415
 
-        result = bench_simulate.check(num_steps=args.steps or 150, seeds=args.seeds, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        result = bench_simulate.check(num_steps=args.steps or 150, seeds=args.seeds, repeats=args.repeats or 7, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(result, indent=2))
         else:
@@ -156,7 +156,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         systems = _systems(args.systems, bench_weights.SYSTEMS)
         if systems is None:
             return 2
-        results = bench_weights.run(sizes_mb=args.sizes, systems=systems, repeats=args.repeats, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        results = bench_weights.run(sizes_mb=args.sizes, systems=systems, repeats=args.repeats or 3, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
             print(json.dumps(results, indent=2))
         else:
@@ -166,7 +166,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     systems = _systems(args.systems, bench_store.SYSTEMS)
     if systems is None:
         return 2
-    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats, transport=args.transport, put_window=args.put_window, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats or 3, transport=args.transport, put_window=args.put_window, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

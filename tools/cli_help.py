@@ -158,7 +158,8 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           other comes from the runs (async's median train step and generate time per
           token over sync's, of another seed); the ratio with the profile's own
           measurement is printed beside.
-          --steps (default 150) sizes the runs.
+          --steps (default 150) sizes the runs; --repeats (default 7) times each
+          profile point that many times (the median).
 
 Record results in docs/benchmarks.md with the date and machine. --json prints the raw
 numbers instead of the table.

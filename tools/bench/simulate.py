@@ -82,7 +82,7 @@ CHECK_TARGETS = {"ratio": 0.10, "step": 0.15}
 """The issue's bounds: the async / sync ratio within 10%, each step time within 15%."""
 
 
-def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int = 7, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the quickstart async, sync and colocated (`CHECK_SYSTEMS`; `tidal run`'s path) for each seed, profile this
     machine at the runs' shapes (decode batches, contexts, and training rows of the
     quickstart's prompt and the runs' median longest response, which a step's rows are
