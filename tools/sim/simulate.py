@@ -169,7 +169,7 @@ SORTED_ROWS = frozenset({"torch", "megatron"})
 """Train backends that sort a rank's rows by length before cutting them into micro-batches,
 each cut to its longest row (their `_micro_batches`); fsdp and deepspeed cut a rank's rows in
 the batch's order, as wide as the batch unless a token budget crops them. A backend named
-in neither (registered by a user) is taken as padding-free."""
+in neither (registered by a user) is costed as fsdp and deepspeed are."""
 
 
 def train_shape(train: TrainConfig) -> costs.TrainShape:
