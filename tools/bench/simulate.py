@@ -179,7 +179,7 @@ def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list
         cfg, run_dir = prepare_run(recipe, [*overrides, f"run_dir={Path(tmp) / 'run'}", "tensorboard=false", "checkpoint_every=1000000"])
         summary = train(cfg, run_dir, progress=False)
         trace = json.loads((run_dir / "timeline.json").read_text())
-        events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("ph") == "X"]
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]  # flow.trace.Tracer writes a dict
         train_s = [e["dur"] / 1e6 for e in events if e.get("name") == "train"]
         generate_s = sum(e["dur"] / 1e6 for e in events if e.get("name") == "generate")
         lengths = replay(run_dir / "metrics.jsonl")
