@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 from tidal.engines.deepspeed_setup import deepspeed_config, ensure_process_group, import_deepspeed, local_device_index
 from tidal.engines.deepspeed_state import full_state, load_full_state, move_zero3_optimizer, relink_optimizer_views, weight_pass, weight_specs
-from tidal.engines.fsdp_commands import model_recipe, send_command
+from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import padding_free_for
@@ -190,40 +190,18 @@ class DeepSpeedTrainEngine:
         return self.led and self.rank == 0
 
     # Rows of a led group ---------------------------------------------------------------------
-    def _lead(self, op: str, tensors: Sequence[torch.Tensor | None], **args: Any) -> tuple[list[Any], list[int]]:
-        """Rank 0: send `op` and each follower its contiguous share of the rows of `tensors`;
-        return rank 0's share and every rank's number of rows."""
-        n = len(tensors[0])
-        bounds = [n * r // self.world_size for r in range(self.world_size + 1)]
-        rows = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
-        specs = [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
-        send_command(op, rows=rows, specs=specs, **args)
-        for rank in range(1, self.world_size):
-            for t in tensors:
-                if t is not None and rows[rank]:
-                    dist.send(t[bounds[rank] : bounds[rank + 1]].to(_HOST).contiguous(), dst=rank)
-        return [None if t is None else t[: bounds[1]] for t in tensors], rows
-
-    def _receive_rows(self, command: dict[str, Any]) -> list[torch.Tensor | None]:
-        """A follower: this rank's share of the rows rank 0 sent with `command`."""
-        n = command["rows"][self.rank]
-        out: list[torch.Tensor | None] = []
-        for spec in command["specs"]:
-            if spec is None:
-                out.append(None)
-                continue
-            dtype, shape = spec
-            out.append(torch.empty((n, *shape), dtype=dtype))
-            if n:
-                dist.recv(out[-1], src=0)
-        return out
+    def _lead(self, op: str, tensors: Sequence[torch.Tensor | None], lengths: torch.Tensor, **args: Any) -> tuple[list[Any], list[torch.Tensor]]:
+        """Rank 0: send `op` and each follower its share of the rows of `tensors`, even in
+        tokens by the rows' `lengths` (`fsdp_commands.send_rows`); return rank 0's rows and
+        every rank's row indexes."""
+        return send_rows(op, tensors, lengths, self.world_size, **args)
 
     def follow_command(self, command: dict[str, Any]) -> None:
         """A follower (`deepspeed_lead.follow`): the collective calls of rank 0's `command`
         (what rank 0 gets back is dropped)."""
         op = command["op"]
         if op in ("train_step", "sft_step", "logprobs"):
-            fields = self._receive_rows(command)
+            fields = receive_rows(command, self.rank)
             batch = TokenBatch(*fields[:5])
             if op == "train_step":
                 self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
@@ -295,13 +273,8 @@ class DeepSpeedTrainEngine:
         every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
         if not self._leading:
             return self._logprobs(batch)
-        fields, rows = self._lead("logprobs", batch.tensors())
-        parts = [self._logprobs(TokenBatch(*fields))]
-        for rank in range(1, self.world_size):
-            parts.append(torch.empty((rows[rank], batch.input_ids.shape[1] - 1), dtype=parts[0].dtype))
-            if rows[rank]:
-                dist.recv(parts[-1], src=rank)
-        return torch.cat(parts)
+        fields, shares = self._lead("logprobs", batch.tensors(), real_lengths(batch))
+        return gather_rows(self._logprobs(TokenBatch(*fields)), shares)
 
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -373,7 +346,7 @@ class DeepSpeedTrainEngine:
             if not loss.zero_advantage_counts:
                 whole = _counts(batch)
                 batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
-            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], loss=loss, whole=whole)
+            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), loss=loss, whole=whole)
             return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
         return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
 
@@ -423,7 +396,7 @@ class DeepSpeedTrainEngine:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
         tokens (led by rank 0: `batch` is every row); the version is unchanged."""
         if self._leading:
-            fields, _ = self._lead("sft_step", batch.tensors())
+            fields, _ = self._lead("sft_step", batch.tensors(), real_lengths(batch))
             batch = TokenBatch(*fields)
         return self._sft_step(batch)
 

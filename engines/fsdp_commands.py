@@ -1,13 +1,18 @@
 """The commands rank 0 of a led train group sends its followers (`tidal.engines.fsdp_lead`):
-a small pickled dict over the default process group. Apart from `fsdp_lead` so that the
-engines that send them import this, not the module that follows them (no import circle)."""
+a small pickled dict over the default process group, then each follower's share of the
+rows (`send_rows`, `receive_rows`, and `gather_rows` for what comes back). Apart from
+`fsdp_lead` so that the engines that send them import this, not the module that follows
+them (no import circle)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tidal.engines.micro_batches import rank_shares
 
 _HOST = torch.device("cpu")
 
@@ -29,3 +34,47 @@ def model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
     if config is None:
         raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
     return type(model), config, next(model.parameters()).dtype
+
+
+def send_rows(op: str, tensors: Sequence[torch.Tensor | None], lengths: torch.Tensor, world_size: int, **args: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """Rank 0: send `op` and each follower its share of the rows of `tensors` (the
+    `rank_shares` of the rows' token `lengths`: even tokens, not even rows, so no rank
+    holds a step's long tail alone). Returns rank 0's rows and every rank's row indexes,
+    for `gather_rows`. Followers read theirs with `receive_rows`."""
+    shares = [torch.tensor(share, dtype=torch.long) for share in rank_shares(lengths.tolist(), world_size)]
+    specs = [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
+    send_command(op, rows=[len(share) for share in shares], specs=specs, **args)
+    for rank in range(1, world_size):
+        if len(shares[rank]):
+            for t in tensors:
+                if t is not None:
+                    dist.send(t[shares[rank].to(t.device)].to(_HOST).contiguous(), dst=rank)
+    return [None if t is None else t[shares[0].to(t.device)] for t in tensors], shares
+
+
+def receive_rows(command: dict[str, Any], rank: int) -> list[torch.Tensor | None]:
+    """A follower: this rank's share of the rows rank 0 sent with `command` (`send_rows`)."""
+    n = command["rows"][rank]
+    out: list[torch.Tensor | None] = []
+    for spec in command["specs"]:
+        if spec is None:
+            out.append(None)
+            continue
+        dtype, shape = spec
+        out.append(torch.empty((n, *shape), dtype=dtype))
+        if n:
+            dist.recv(out[-1], src=0)
+    return out
+
+
+def gather_rows(own: torch.Tensor, shares: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rank 0: its own part (`own`, rows `shares[0]`) and each follower's, received in rank
+    order and shaped like `own`'s rows, put back in the batch's order."""
+    out = torch.empty((sum(len(share) for share in shares), *own.shape[1:]), dtype=own.dtype)
+    out[shares[0]] = own.to(_HOST)
+    for rank in range(1, len(shares)):
+        if len(shares[rank]):
+            part = torch.empty((len(shares[rank]), *own.shape[1:]), dtype=own.dtype)
+            dist.recv(part, src=rank)
+            out[shares[rank]] = part
+    return out

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engines.fsdp_train import FSDPTrainEngine
-from tidal.engines.micro_batches import pack, row_lengths
+from tidal.engines.micro_batches import pack, rank_shares, row_lengths
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
@@ -94,3 +94,33 @@ def test_a_token_budget_gives_the_fsdp_engine_the_step_of_one_batch(group, per_t
         assert torch.allclose(whole[name], cut[name], atol=1e-10), name
     mask = batch.attention_mask[:, 1:] != 0  # where a row predicts a real token
     assert torch.allclose(engine.logprobs(batch)[mask], whole_logprobs[mask], atol=1e-10)
+
+
+# The ranks' shares of a step -------------------------------------------------------------
+def _busiest(lengths, shares):
+    return max(sum(lengths[i] for i in share) for share in shares)
+
+
+def test_rank_shares_give_every_row_once_in_batch_order_and_counts_within_one():
+    lengths = [5, 300, 7, 9, 40, 41, 2, 1000, 3, 8, 8]
+    for ranks in (1, 2, 3, 4, 11, 16):
+        shares = rank_shares(lengths, ranks)
+        assert len(shares) == ranks
+        assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
+        assert all(share == sorted(share) for share in shares)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert rank_shares([], 3) == [[], [], []]
+    assert rank_shares([4, 1, 3, 2], 2) == [[0, 1], [2, 3]]  # 4 first to rank 0, 3 to rank 1, 2 to rank 1 (3 < 4), 1 to rank 0: 5 and 5
+    with pytest.raises(ValueError, match="ranks"):
+        rank_shares([1], 0)
+
+
+def test_rank_shares_even_out_a_long_tail_that_contiguous_shares_leave_on_a_few_ranks():
+    """8,192 lognormal lengths (sigma ~1, capped at 28k), grouped 16 to a prompt as a GRPO step's are."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.exp(torch.randn(512, 1, generator=gen) * 0.85 + 6.3)
+    lengths = (prompt * torch.exp(torch.randn(512, 16, generator=gen) * 0.45)).clamp(1, 28_672).long().flatten().tolist()
+    mean = sum(lengths) / 64
+    contiguous = [list(range(len(lengths) * r // 64, len(lengths) * (r + 1) // 64)) for r in range(64)]
+    assert _busiest(lengths, contiguous) > 1.3 * mean  # the step waits on its busiest rank
+    assert _busiest(lengths, rank_shares(lengths, 64)) < 1.02 * mean

@@ -218,7 +218,8 @@ def test_a_park_on_a_host_profiled_as_the_device_moves_nothing():
 # The step's shape: padding and the ranks' shares ----------------------------------------
 def test_a_padding_free_step_computes_its_busiest_ranks_real_tokens_on_every_rank():
     assert costs.step_tokens([10, 20, 30, 40]) == 100
-    assert costs.step_tokens([10, 20, 30, 40], ranks=2) == 2 * (30 + 40)  # rank 1's share is the longer
+    assert costs.step_tokens([10, 20, 30, 40], ranks=2) == 2 * 50  # the engines' token-even shares: [10, 40] and [20, 30]
+    assert costs.step_tokens([10, 20, 30, 40, 400], ranks=2) == 2 * (400 + 20 + 10)  # row counts within one: the long row's rank takes the two shortest
     assert costs.step_tokens([10, 20], ranks=4) == 4 * 20  # fewer rows than ranks: two ranks idle, the step as long as the longest row
     assert costs.step_tokens([], ranks=3) == 0
 

@@ -346,23 +346,22 @@ class TrainShape:
 
 def step_tokens(lengths: Sequence[int], *, ranks: int = 1, shape: TrainShape = TrainShape()) -> int:
     """Tokens one data-parallel step computes over rows of `lengths` (real tokens, prompt and
-    response), counted as `ranks` times its busiest rank's: each rank takes a contiguous share
-    of the rows (rank r the rows [n r / ranks, n (r + 1) / ranks), as the multi-rank engines
-    split a step) and the step ends with the slowest. A padded micro-batch costs its rows
+    response), counted as `ranks` times its busiest rank's: each rank takes the share of the
+    rows the multi-rank engines give it (`engines.micro_batches.rank_shares`: even tokens,
+    row counts within one) and the step ends with the slowest. A padded micro-batch costs its rows
     times its width (its longest row, or the step's with `shape.cropped` off); a padding-free
     one its rows' real tokens. Fewer rows than ranks leave ranks idle."""
-    from tidal.engines.micro_batches import pack  # noqa: PLC0415 - the engines' own cut; it imports torch, this module does not
+    from tidal.engines.micro_batches import pack, rank_shares  # noqa: PLC0415 - the engines' own cuts; they import torch, this module does not
 
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     lengths = [int(n) for n in lengths]
     if any(n < 0 for n in lengths):
         raise ValueError("row lengths must be >= 0")
-    n = len(lengths)
     width = max(lengths, default=0)
     busiest = 0
-    for r in range(ranks):
-        rows = lengths[n * r // ranks : n * (r + 1) // ranks]
+    for share in rank_shares(lengths, ranks):
+        rows = [lengths[i] for i in share]
         if not shape.padded:
             busiest = max(busiest, sum(rows))
             continue

@@ -14,7 +14,7 @@ Assumptions (docs/simulate.md states them for users):
 - rewards cost nothing and score a seeded coin flip (only their timing is simulated);
 - the trainer is one data-parallel group over every `placement.train` device; its step is
   `costs.train_step_s` over the tokens its busiest rank computes times the ranks
-  (`costs.step_tokens`: each rank a contiguous share of the rows, cut into micro-batches as
+  (`costs.step_tokens`: each rank the engines' token-even share of the rows, cut into micro-batches as
   the recipe's train engine cuts them, padded or padding-free, `train_shape`);
 - weights go over the transport the recipe names (`auto`: collective between devices of
   one kind, host between kinds): the trainer spends the send, each rollout instance gets
