@@ -35,6 +35,15 @@ def test_fit_recovers_the_efficiencies_a_profile_was_made_with():
     assert "synthetic.json (cuda, synthetic" in cal.source
 
 
+def test_a_profile_of_a_recipe_that_recomputes_activations_fits_the_flops_it_ran():
+    """The same measured train times, taken with `model.gradient_checkpointing` on, did 8/6 the
+    FLOPs: a higher fitted MFU, which a simulated recipe that also recomputes spends again."""
+    plain = _profile(decode=0.5, prefill=0.5, mfu=0.3)
+    recomputed = {**plain, "train": [{**p, "recompute": True} for p in plain["train"]]}
+    assert fit(plain, source="p.json").eff.train_mfu == pytest.approx(0.3)
+    assert fit(recomputed, source="p.json").eff.train_mfu == pytest.approx(0.4)
+
+
 def test_fit_separates_each_steps_fixed_cost_from_the_work():
     cal = fit(_profile(decode=0.55, prefill=0.35, mfu=0.25, fixed=(0.002, 0.004, 0.03)), source="synthetic.json")
     eff = cal.eff

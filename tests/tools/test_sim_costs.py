@@ -166,6 +166,8 @@ def test_train_step_scales_with_devices_plus_a_collective():
     ring8 = COLLECTIVE_LATENCY_S + 2 * 7 / 8 * W7 / (450e9 * 0.8)  # NVLink on one node
     assert train_step_s(Q7, H100, num_devices=8, tokens=tokens, eff=EFF) == pytest.approx(compute8 + ring8)
     assert train_step_s(Q7, H100, num_devices=1, tokens=tokens, eff=EFF) == pytest.approx(8 * compute8)
+    recomputed = train_step_s(Q7, H100, num_devices=8, tokens=tokens, eff=EFF, recompute=True)  # gradient checkpointing: a forward pass more
+    assert recomputed == pytest.approx(8 / 6 * compute8 + ring8)
     two_nodes = train_step_s(Q7, H100, num_devices=16, tokens=tokens, eff=EFF, num_nodes=2)
     four_nodes = train_step_s(Q7, H100, num_devices=32, tokens=tokens, eff=EFF, num_nodes=4)
     comm2, comm4 = two_nodes - compute8 / 2, four_nodes - compute8 / 4

@@ -136,7 +136,7 @@ def test_training_is_timed_on_the_recipes_engine_with_the_prompt_share_asked_for
 
     monkeypatch.setattr(engine_cls, "train_step", counting)
     out = measure(cfg, batches=(1,), contexts=(8,), train_rows=(3,), train_context=8, train_prompt=5, repeats=1)
-    assert out["train"] == [{"rows": 3, "context": 8, "tokens": 24, "seconds": out["train"][0]["seconds"]}]
+    assert out["train"] == [{"rows": 3, "context": 8, "tokens": 24, "seconds": out["train"][0]["seconds"], "recompute": False}]
     assert steps and all(shape == (3, 8) and loss == 3 for shape, loss, _ in steps)  # 5 prompt + 3 response tokens a row
     assert {threads for *_, threads in steps} == {cfg.threads}  # the run's train-stage threads
     with pytest.raises(ValueError, match="train_prompt must be >= 1"):
@@ -148,3 +148,19 @@ def test_a_host_profile_times_each_role_beside_the_others_work(profile, cfg):
     assert all(math.isfinite(v) and v > 0 for v in profile["contention"].values())
     without = measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), repeats=1, contention=False)
     assert "contention" not in without
+
+
+def test_a_train_point_says_whether_the_model_recomputed_activations(cfg, monkeypatch):
+    """`calibrate.fit` counts a recomputed forward pass in such a point's FLOPs."""
+    import tidal.tools.train
+
+    real_build = tidal.tools.train.build_policy
+
+    def checkpointed(cfg):
+        model = real_build(cfg)
+        model.gradient_checkpointing_enable()  # what `model.gradient_checkpointing: true` does to an hf model
+        return model
+
+    monkeypatch.setattr(tidal.tools.train, "build_policy", checkpointed)
+    out = measure(cfg, batches=(1,), contexts=(8,), train_rows=(2,), train_context=8, repeats=1, contention=False)
+    assert [p["recompute"] for p in out["train"]] == [True]

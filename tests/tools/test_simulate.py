@@ -427,3 +427,11 @@ def test_the_train_step_costs_the_padding_the_recipes_engine_runs():
     train_s = {k: statistics.median(_durations(tracer, "train", "train")) for k, (_, tracer) in runs.items()}
     assert train_s["false"] > 1.25 * train_s["null"]  # 1.42 when written: the rows padded to the batch's longest (2,048 tokens) against a mean near 900
     assert runs["false"][0].samples_per_s < runs["null"][0].samples_per_s
+
+
+def test_a_recipe_that_recomputes_activations_trains_a_forward_pass_longer():
+    assert train_shape(TrainConfig(), recompute=True).recompute and not train_shape(TrainConfig()).recompute
+    # constant lengths: the same rows each step, so the steps differ only by the recomputed forward
+    steps = {flag: _durations(_run(staleness=0, sigma=0.0, steps=2, overrides=(f"model.gradient_checkpointing={flag}",))[1], "train", "train") for flag in ("false", "true")}
+    ratio = statistics.median(steps["true"]) / statistics.median(steps["false"])
+    assert 1.25 < ratio <= 8 / 6  # 8 x params x tokens against 6; the gradient all-reduce is the same

@@ -14,7 +14,8 @@ median ratio ideal / measured. The factors:
 - `decode_bandwidth`: from the decode steps (the roofline's max of reading the weights and
   KV cache, and the matmul FLOPs; a compute-bound point's ratio lands on the same factor);
 - `prefill_compute`: from the prefills;
-- `train_mfu`: from the training steps (6 x params x tokens FLOPs);
+- `train_mfu`: from the training steps (6 x params x tokens FLOPs, 8 x for a point that
+  recomputed activations: `model.gradient_checkpointing`, each point's `recompute`);
 
 and the fixed costs `decode_step_overhead_s`, `prefill_overhead_s` and
 `train_step_overhead_s` of `costs.Efficiency`; `ipc_setup_s` is the profile's weight export
@@ -128,7 +129,7 @@ def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
     device, model = profiled_device(profile), profiled_model(profile)
     decode = [costs.decode_step_s(model, device, tp=1, batch=p["batch"], context_tokens=p["batch"] * p["context"], eff=_IDEAL) for p in profile["decode"]]
     prefill = [costs.prefill_s(model, device, tp=1, tokens=p["batch"] * p["context"], eff=_IDEAL) for p in profile["prefill"]]
-    train = [6 * model.num_params * p["tokens"] / device.flops for p in profile["train"]]
+    train = [costs.train_flops_per_token(model, recompute=bool(p.get("recompute", False))) * p["tokens"] / device.flops for p in profile["train"]]  # no "recompute" before 2026-11-29: off
     times = {key: [p["seconds"] for p in profile[key]] for key in ("decode", "prefill", "train")}
     decode_eff, decode_overhead = _factor(decode, times["decode"], "decode", source)
     prefill_eff, prefill_overhead = _factor(prefill, times["prefill"], "prefill", source)

@@ -18,8 +18,9 @@ a reader can check a simulated duration by hand; what each one ignores:
 - `generate_s`: continuous batching of responses of different lengths with a slot limit
   (`decode_slots`) from KV capacity; see its docstring. Preemption and chunked prefill are
   not modelled.
-- `train_step_s`: 6 x params x tokens FLOPs (forward + backward, no activation
-  recomputation) at the training MFU, plus one ring all-reduce of the bf16 gradients
+- `train_step_s`: 6 x params x tokens FLOPs (forward + backward), 8 x with activation
+  recomputation (`model.gradient_checkpointing`: the forward pass again in the backward),
+  at the training MFU (the fraction of peak on the FLOPs executed), plus one ring all-reduce of the bf16 gradients
   over the slowest link; pipeline bubbles, optimizer step, and the extra traffic of
   FSDP's parameter all-gathers are ignored (the latter is folded into the MFU).
   `Efficiency.grad_overlap` says how much of the all-reduce hides under compute.
@@ -336,6 +337,9 @@ class TrainShape:
     longest row (fsdp and deepspeed without a token budget)."""
     micro_batch_size: int = 64
     max_tokens_per_micro_batch: int | None = None
+    recompute: bool = False
+    """Activations recomputed in the backward pass (`model.gradient_checkpointing`): each
+    token costs a forward pass more (`train_flops_per_token`)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -373,16 +377,24 @@ def step_tokens(lengths: Sequence[int], *, ranks: int = 1, shape: TrainShape = T
     return ranks * busiest
 
 
+def train_flops_per_token(model: ModelShape, *, recompute: bool = False) -> float:
+    """A training step's FLOPs per token: 2 x params forward and 4 x params backward, and
+    with `recompute` (activation checkpointing) the forward once more in the backward."""
+    return (8 if recompute else 6) * model.num_params
+
+
 def _ring_allreduce_s(nbytes: float, *, ranks: int, gbps: float, eff: Efficiency, latency_s: float) -> float:
     if ranks <= 1:
         return 0.0
     return latency_s + 2 * (ranks - 1) / ranks * nbytes / (gbps * 1e9 * eff.network)
 
 
-def train_step_s(model: ModelShape, device: Device, *, num_devices: int, tokens: int, eff: Efficiency = DEFAULT_EFFICIENCY, num_nodes: int = 1) -> float:
+def train_step_s(
+    model: ModelShape, device: Device, *, num_devices: int, tokens: int, eff: Efficiency = DEFAULT_EFFICIENCY, num_nodes: int = 1, recompute: bool = False
+) -> float:
     """One optimizer step over `tokens` tokens (all ranks together), data parallel.
 
-    compute = 6 x params x tokens / (num_devices x peak x train_mfu), plus
+    compute = `train_flops_per_token` x tokens / (num_devices x peak x train_mfu), plus
     `eff.train_step_overhead_s` (a step of no tokens costs nothing); the gradients
     (params x bytes_per_param) are all-reduced by a ring over the slowest link its ranks
     cross: scale-out when the ranks span nodes, else scale-up. `eff.grad_overlap` of the
@@ -392,7 +404,7 @@ def train_step_s(model: ModelShape, device: Device, *, num_devices: int, tokens:
         raise ValueError(f"need num_devices >= num_nodes >= 1, got num_devices={num_devices}, num_nodes={num_nodes}")
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
-    compute_s = 6 * model.num_params * tokens / (num_devices * device.flops * eff.train_mfu)
+    compute_s = train_flops_per_token(model, recompute=recompute) * tokens / (num_devices * device.flops * eff.train_mfu)
     if num_nodes > 1:
         comm_s = _ring_allreduce_s(model.weight_bytes, ranks=num_devices, gbps=device.scale_out_gbps, eff=eff, latency_s=NETWORK_LATENCY_S)
     else:

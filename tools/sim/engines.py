@@ -434,7 +434,7 @@ class SimTrainEngine:
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """Sleep `costs.train_step_s` for the tokens the batch's step computes; version += 1."""
         tokens = self.step_tokens(batch)
-        seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff)
+        seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff, recompute=self.train_shape.recompute)
         self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
         seconds = self._busy(seconds)
         self.version += 1

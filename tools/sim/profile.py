@@ -257,6 +257,7 @@ def _train_points(
 
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
 
     from tidal.engines.registry import load  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory, to_token_batch  # noqa: PLC0415
@@ -274,13 +275,14 @@ def _train_points(
         response = max(1, context - prompt)
         points = []
         steps = {}
+        recompute = isinstance(model, transformers.PreTrainedModel) and model.is_gradient_checkpointing  # `model.gradient_checkpointing` (hf models)
         for n in rows:
             token = [3 + k % max(1, vocab - 3) for k in range(prompt + response)]  # ids every vocabulary has
             batch = to_token_batch([Trajectory(prompt_ids=token[:prompt], tokens=token[prompt:], logprobs=[-1.0] * response, versions=[0] * response, finish_reason="length") for _ in range(n)], pad_id=0)
             advantages = torch.linspace(-1.0, 1.0, n)
             steps[n] = lambda batch=batch, advantages=advantages: engine.train_step(batch, advantages, loss=loss)
             seconds = _median_s(steps[n], repeats=repeats, sync=sync)
-            points.append({"rows": n, "context": prompt + response, "tokens": n * (prompt + response), "seconds": seconds})
+            points.append({"rows": n, "context": prompt + response, "tokens": n * (prompt + response), "seconds": seconds, "recompute": recompute})
         if rollout_work is None:
             return points, None
         say("contention: a training step with rollout's work beside it in another thread, and the other way round")

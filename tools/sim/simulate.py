@@ -172,8 +172,9 @@ the batch's order, as wide as the batch unless a token budget crops them. A back
 in neither (registered by a user) is costed as fsdp and deepspeed are."""
 
 
-def train_shape(train: TrainConfig) -> costs.TrainShape:
-    """How the recipe's train engine (`train.*`) cuts a step into micro-batches."""
+def train_shape(train: TrainConfig, *, recompute: bool = False) -> costs.TrainShape:
+    """How the recipe's train engine (`train.*`) cuts a step into micro-batches; `recompute`:
+    the model recomputes activations in its backward pass (`model.gradient_checkpointing`)."""
     sorts = train.backend in SORTED_ROWS
     return costs.TrainShape(
         padded=train.padding_free is False or train.backend in ALWAYS_PADDED,
@@ -181,6 +182,7 @@ def train_shape(train: TrainConfig) -> costs.TrainShape:
         cropped=sorts or train.max_tokens_per_micro_batch is not None,
         micro_batch_size=train.micro_batch_size,
         max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
+        recompute=recompute,
     )
 
 
@@ -199,7 +201,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     store = Store(clock=clock)
     shared = set(train_nodes) & {a.node for a in rollout}  # hosts both roles work on: their work slows beside each other's
     beside = Beside(clock) if shared else None
-    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside, train_shape=train_shape(cfg.train))
+    trainer = SimTrainEngine(clock=clock, model=work.model, device=train_device, num_devices=num_train_devices, num_nodes=len(train_nodes), eff=work.eff, token_scale=work.token_scale, prompt_tokens_real=work.prompt_tokens, beside=beside, train_shape=train_shape(cfg.train, recompute=cfg.model.gradient_checkpointing))
     rollout_devices = [(cluster.group_of(a.node).device, len(a.devices)) for a in rollout]
     shares = plan.layout != "disaggregated"  # some rollout instance time-shares the trainer's devices
     # each instance's transport, as the runtime picks it; the workers get a version once the slowest has it
