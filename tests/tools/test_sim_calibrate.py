@@ -44,6 +44,26 @@ def test_a_profile_of_a_recipe_that_recomputes_activations_fits_the_flops_it_ran
     assert fit(recomputed, source="p.json").eff.train_mfu == pytest.approx(0.4)
 
 
+def test_fit_takes_a_generate_calls_own_cost_from_whole_calls():
+    """Whole calls that took `generate_s` at the fitted factors, plus 5 ms a call and 0.3 ms a
+    decode step that the bare forward passes did not show (sampling, the engine's loop)."""
+    profile = _profile(decode=0.5, prefill=0.5, mfu=0.5, fixed=(0.001, 0.0, 0.0))
+    base = fit(profile, source="p.json").eff
+    device, model = profiled_device(profile), profiled_model(profile)
+    profile["generate"] = [
+        {"batch": b, "prompt": 64, "new_tokens": n, "seconds": 0.005 + 0.0003 * n + costs.generate_s(model, device, tp=1, prompt_tokens=64, response_tokens=[n] * b, slots=b, eff=base)}
+        for b in (1, 16)
+        for n in (4, 16)
+    ]
+    eff = fit(profile, source="p.json").eff
+    assert eff.generate_call_overhead_s == pytest.approx(0.005) and eff.decode_step_overhead_s == pytest.approx(0.001 + 0.0003)
+    assert base.generate_call_overhead_s == 0  # no generate points: nothing assumed
+    # a call predicted at the fitted figures is the call measured
+    for call in profile["generate"]:
+        predicted = costs.generate_s(model, device, tp=1, prompt_tokens=64, response_tokens=[call["new_tokens"]] * call["batch"], slots=call["batch"], eff=eff)
+        assert predicted == pytest.approx(call["seconds"])
+
+
 def test_fit_separates_each_steps_fixed_cost_from_the_work():
     cal = fit(_profile(decode=0.55, prefill=0.35, mfu=0.25, fixed=(0.002, 0.004, 0.03)), source="synthetic.json")
     eff = cal.eff

@@ -3,6 +3,7 @@ cost models say, decodes event by event, pauses, refills and resumes like a real
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -26,8 +27,8 @@ H100 = device("h100")
 SCALE = 64
 
 
-def _engine(clock: VirtualClock, *, dev=H100, scale: int = SCALE, **kwargs) -> SimRolloutEngine:
-    return SimRolloutEngine(clock=clock, model=MODEL, device=dev, tp=1, eff=EFF, token_scale=scale, **kwargs)
+def _engine(clock: VirtualClock, *, dev=H100, scale: int = SCALE, eff: costs.Efficiency = EFF, **kwargs) -> SimRolloutEngine:
+    return SimRolloutEngine(clock=clock, model=MODEL, device=dev, tp=1, eff=eff, token_scale=scale, **kwargs)
 
 
 def _group(lengths: list[int], *, prompt_len: int = 4, group: int = 0) -> list[Trajectory]:
@@ -86,6 +87,21 @@ def test_without_interrupts_a_generate_takes_what_generate_s_says():
     end = clock.run(lambda: (engine.generate(rows, max_new_tokens=64), clock.now())[1])
     slots = costs.decode_slots(MODEL, H100, tp=1, tokens_per_sequence=100 + 64)
     assert end == pytest.approx(costs.generate_s(MODEL, H100, tp=1, prompt_tokens=100, response_tokens=lengths, slots=slots, eff=EFF), rel=1e-12)
+
+
+def test_a_generate_call_costs_its_own_overhead_once():
+    eff = dataclasses.replace(EFF, generate_call_overhead_s=0.25)
+    lengths = [5, 9, 13, 20]
+    ends = []
+    for e in (EFF, eff):
+        clock = VirtualClock()
+        engine = _engine(clock, scale=1, eff=e)
+        rows = [t for k, n in enumerate(lengths) for t in _group([n], prompt_len=100, group=k)]
+        ends.append(clock.run(lambda engine=engine, rows=rows, clock=clock: (engine.generate(rows, max_new_tokens=64), clock.now())[1]))
+        assert engine.stats["busy_s"] == pytest.approx(ends[-1])
+    assert ends[1] == pytest.approx(ends[0] + 0.25)
+    slots = costs.decode_slots(MODEL, H100, tp=1, tokens_per_sequence=100 + 64)
+    assert ends[1] == pytest.approx(costs.generate_s(MODEL, H100, tp=1, prompt_tokens=100, response_tokens=lengths, slots=slots, eff=eff))
 
 
 def test_long_tail_rows_end_one_by_one_and_the_call_ends_with_the_longest():

@@ -48,7 +48,7 @@ def _timings(profile: dict[str, Any]) -> list[float]:
 
 def test_profile_has_every_key_and_positive_finite_timings(profile):
     plain = _plain(profile)
-    assert set(plain) == {*KEYS, "contention"}  # contention: a host profile's, optional
+    assert set(plain) == {*KEYS, "generate", "contention"}  # both optional; contention: a host profile's
     json.dumps(plain, allow_nan=False)
     assert plain["version"] == 1 and plain["recipe"] == "quickstart_cpu"
     assert plain["platform"] == {"kind": "cpu", "device_count": 1}
@@ -88,7 +88,17 @@ def test_save_load_round_trip(profile, tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["profile.json"]  # no temporary file left
 
 
-@pytest.mark.parametrize(("drop", "named"), [("peak", "'peak'"), ("model.head_dim", "'model.head_dim'"), ("decode.seconds", "'decode[0].seconds'")])
+def test_generate_points_are_whole_calls_that_run_to_their_budget(profile, cfg):
+    """The smallest and largest batch x the default new tokens (4, 16), prompts of the
+    shortest context; `_generate_points` raises if a row stopped short of its budget."""
+    calls = [(p["batch"], p["prompt"], p["new_tokens"]) for p in profile["generate"]]
+    assert calls == [(b, 8, n) for b in BATCHES for n in (4, 16)]
+    by = {(p["batch"], p["new_tokens"]): p["seconds"] for p in profile["generate"]}
+    assert by[(2, 16)] > by[(2, 4)]  # more decode steps, longer calls
+    assert "generate" not in measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), generate_tokens=(), repeats=1, contention=False)
+
+
+@pytest.mark.parametrize(("drop", "named"), [("peak", "'peak'"), ("model.head_dim", "'model.head_dim'"), ("decode.seconds", "'decode[0].seconds'"), ("generate.new_tokens", "'generate[0]'")])
 def test_load_names_the_file_and_the_missing_key(profile, tmp_path, drop, named):
     data = json.loads(json.dumps(_plain(profile)))
     section, _, key = drop.partition(".")

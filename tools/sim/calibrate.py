@@ -18,7 +18,12 @@ median ratio ideal / measured. The factors:
   recomputed activations: `model.gradient_checkpointing`, each point's `recompute`);
 
 and the fixed costs `decode_step_overhead_s`, `prefill_overhead_s` and
-`train_step_overhead_s` of `costs.Efficiency`; `ipc_setup_s` is the profile's weight export
+`train_step_overhead_s` of `costs.Efficiency`. A profile's whole generate calls
+(`generate`, optional) are set against what the simulator charges for the same call
+(`costs.generate_s` with the factors above): what is left over, fitted by a line over
+the calls' decode steps, is `generate_call_overhead_s` (its fixed part: the engine's own
+work once a call) and an addition to `decode_step_overhead_s` (its slope: sampling and
+the loop's work each step, which a bare forward pass leaves out); `ipc_setup_s` is the profile's weight export
 and load less the copy the cost model charges anyway (on the profiled device, an `ipc` sync
 costs what cloning and loading the weights did there; the handle exchange between
 processes of an accelerator is not in it). A profile's `contention` (each role's work
@@ -120,6 +125,22 @@ def _ipc_setup_s(weights: Mapping[str, float], device: Device, decode_bandwidth:
     return max(0.0, weights["export_s"] + weights["load_s"] - copy_s)
 
 
+def _generate_overheads(calls: list[Mapping[str, Any]], model: ModelShape, device: Device, eff: Efficiency) -> Efficiency:
+    """`eff` with the per-call and the extra per-step cost of the profile's whole generate
+    calls: measured less `costs.generate_s` at `eff`, by least squares over the calls'
+    steps (one point, or a line that is not physical: the mean remainder, per call)."""
+    if not calls:
+        return eff
+    steps = [float(c["new_tokens"]) for c in calls]
+    left = [c["seconds"] - costs.generate_s(model, device, tp=1, prompt_tokens=c["prompt"], response_tokens=[c["new_tokens"]] * c["batch"], slots=c["batch"], eff=eff) for c in calls]
+    per_step, per_call = 0.0, statistics.mean(left)
+    if len(set(steps)) > 1:
+        slope, intercept = statistics.linear_regression(steps, left)
+        if slope >= 0 and intercept >= 0:
+            per_step, per_call = slope, intercept
+    return dataclasses.replace(eff, generate_call_overhead_s=max(per_call, 0.0), decode_step_overhead_s=eff.decode_step_overhead_s + per_step)
+
+
 def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
     """The efficiency factors and fixed per-step costs a profile measured (module docstring).
 
@@ -145,6 +166,7 @@ def fit(profile: Mapping[str, Any], *, source: str) -> Calibration:
         ipc_setup_s=_ipc_setup_s(profile["weights"], device, decode_eff),
         **_contention(profile.get("contention")),
     )
+    eff = _generate_overheads(profile.get("generate", []), model, device, eff)
     what = f"{source} ({profile['platform']['kind']}, {model.name}, {profile.get('date', 'undated')})"
     ratios = {k: [i / m for i, m in zip(ideal, times[section])] for k, ideal, section in (("decode_bandwidth", decode, "decode"), ("prefill_compute", prefill, "prefill"), ("train_mfu", train, "train"))}
     return Calibration(

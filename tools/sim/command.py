@@ -142,7 +142,7 @@ def _ranges(prediction: Any) -> dict[str, int]:
 
 def _overheads(eff: Any) -> str:
     """The fixed costs a profile fitted, for the banner (none: nothing)."""
-    parts = [f"{name} {1000 * seconds:.2f} ms" for name, seconds in (("decode step", eff.decode_step_overhead_s), ("prefill", eff.prefill_overhead_s), ("train step", eff.train_step_overhead_s)) if seconds]
+    parts = [f"{name} {1000 * seconds:.2f} ms" for name, seconds in (("decode step", eff.decode_step_overhead_s), ("prefill", eff.prefill_overhead_s), ("train step", eff.train_step_overhead_s), ("generate call", eff.generate_call_overhead_s)) if seconds]
     return "; fixed cost a " + ", a ".join(parts) if parts else ""
 
 
@@ -196,8 +196,9 @@ def _print(p: Any, *, cluster_name: str, trace: Path) -> None:
 PROFILE_HELP = """\
 Measure this machine's device for the simulator's calibration: the recipe's policy model
 on the platform tidal picks (TIDAL_DEVICE, the recipe's `device`, or detection), timed at
-decode steps over batch and context, prefills, training steps, weight export and load,
-host <-> device copies, and the device's own achievable matmul FLOP/s and copy bandwidth.
+decode steps over batch and context, prefills, whole generate calls of the recipe's
+rollout engine, training steps, weight export and load, host <-> device copies, and the
+device's own achievable matmul FLOP/s and copy bandwidth.
 The profile (JSON) goes to --out; `tidal simulate ... --profile PATH` fits its efficiency
 factors from it.
 
@@ -217,6 +218,7 @@ def add_profile_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--train-rows", type=positive_ints, default="4,16", help="rows of a training step (default: 4,16)")
     p.add_argument("--train-context", type=count, default=None, help="tokens of each training row (default: the longest of --contexts that fits)")
     p.add_argument("--train-prompt", type=count, default=None, help="prompt tokens of each training row, the rest response: a response token costs a run more (default: half)")
+    p.add_argument("--generate-tokens", type=positive_ints, default="4,16", help="new tokens of the whole generate calls timed, at the smallest and largest batch (default: 4,16)")
     p.add_argument("--repeats", type=count, default=3, help="timed repeats of each point; the median counts (default: 3)")
 
 
@@ -237,6 +239,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         train_rows=tuple(args.train_rows),
         train_context=args.train_context,
         train_prompt=args.train_prompt,
+        generate_tokens=tuple(args.generate_tokens),
         repeats=args.repeats,
         progress=lambda line: print(f"tidal profile: {line}", file=sys.stderr),
     )

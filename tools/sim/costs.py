@@ -84,6 +84,10 @@ class Efficiency:
     """The same for each prefill pass."""
     train_step_overhead_s: float = 0.0
     """The same for each training step (optimizer step, the loop's own work)."""
+    generate_call_overhead_s: float = 0.0
+    """Seconds each generate call takes beside its prefills and decode steps: building the
+    batch, the first sampling, handing the rows back. Default none; `calibrate.fit`
+    measures it from a profile's whole generate calls."""
     train_beside_rollout: float = 1.0
     """How many times longer the trainer's work takes while rollout works on the same host
     (a node both roles have devices on), >= 1. Default 1: devices of their own do not slow
@@ -101,7 +105,7 @@ class Efficiency:
             value = getattr(self, f)
             if not 0 < value <= 1:
                 raise ValueError(f"Efficiency.{f} must be in (0, 1], got {value!r}")
-        for f in ("decode_step_overhead_s", "prefill_overhead_s", "train_step_overhead_s", "ipc_setup_s"):
+        for f in ("decode_step_overhead_s", "prefill_overhead_s", "train_step_overhead_s", "generate_call_overhead_s", "ipc_setup_s"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Efficiency.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
         for f in ("train_beside_rollout", "rollout_beside_train"):
@@ -268,7 +272,8 @@ def generate_s(
     times `decode_step_s` at the segment's average context. The batch shrinks as short
     responses end, and the last, long responses decode nearly alone: the long tail.
 
-    O(n log n) in the number of responses (a heap of finish steps), not per token.
+    The call itself costs `eff.generate_call_overhead_s` once. O(n log n) in the number of
+    responses (a heap of finish steps), not per token.
 
     Args:
         prompt_tokens: the prompt length of every response, or one per response.
@@ -286,7 +291,7 @@ def generate_s(
 
     # Global step t: the number of decode steps the engine has run. A response that joins
     # at step s0 with prompt p holds p + (t - s0) tokens at step t and ends at s0 + length.
-    total = 0.0
+    total = eff.generate_call_overhead_s
     running: list[tuple[int, int]] = []  # heap of (finish step, index)
     sum_prompt = 0  # of the running responses
     sum_start = 0

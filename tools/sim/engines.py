@@ -173,6 +173,8 @@ class SimRolloutEngine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.stats["num_generates"] += 1
+        if self.eff.generate_call_overhead_s > 0:  # the call's own work, beside its prefills and decode steps
+            self.stats["busy_s"] += self.beside.run("rollout", self.eff.generate_call_overhead_s, self.eff)
         rows = list(trajectories)
         seen: set[int] = set()
         goals: dict[int, int] = {}  # id(row) -> generated tokens it ends at, in this call

@@ -23,6 +23,12 @@ after the platform's `synchronize` (accelerators queue work; the clock must wait
 - `peak`: a dense n x n matmul in the model's dtype (flops = 2 n^3 / t) and a `copy_`
   between two byte tensors (bytes/s = 2 x bytes / t: one read, one write): the roofline
   peaks of this device as the simulator's `hardware.Device` states them.
+- `generate` (optional; `generate_tokens=()` leaves it out): whole generate calls of the
+  recipe's rollout engine (`rollout.backend`, built as a run builds it), each row with a
+  prompt of its own of the shortest context and a stop token the model cannot sample, so
+  every row runs to the call's budget: the smallest and the largest batch x each of
+  `generate_tokens` new tokens. What a call costs beside the model's forward passes (the
+  engine's own loop, sampling, building the batch) is what `calibrate.fit` takes from them.
 - `weights`: cloning every distinct tensor of the state dict (tied names share one clone)
   and `load_state_dict` of the clones back: a weight sync's copy on one device.
 - `host_device_bytes_per_s`: a 64 MB tensor device -> host -> device (host memory pinned
@@ -69,6 +75,8 @@ _SECTIONS = {
     "weights": ("bytes", "export_s", "load_s"),
 }
 _POINTS = {"decode": ("batch", "context", "seconds"), "prefill": ("batch", "context", "seconds"), "train": ("rows", "context", "tokens", "seconds")}
+_GENERATE = ("batch", "prompt", "new_tokens", "seconds")
+"""The keys of each point of a profile's optional `generate` section."""
 _MB = 1 << 20
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 """torch dtype names -> `Platform.dtype_support()`'s keys (float32 is always there)."""
@@ -82,6 +90,7 @@ def measure(
     train_rows: Sequence[int] = (4, 16),
     train_context: int | None = None,
     train_prompt: int | None = None,
+    generate_tokens: Sequence[int] = (4, 16),
     repeats: int = 3,
     contention: bool = True,
     progress: Callable[[str], None] | None = None,
@@ -95,6 +104,7 @@ def measure(
         train_rows: rows of a training step, one point each.
         train_context: tokens per training row; default the longest of `contexts` that fits.
         train_prompt: prompt tokens of those (the rest is response, at least one); default half.
+        generate_tokens: new tokens of the whole generate calls timed (`generate`); empty: none.
         contention: also time each role's work beside the other's (`contention` below).
         repeats: timed runs per point (their median is reported), after one warm-up.
         progress: called with one line per group of measurements.
@@ -175,6 +185,14 @@ def measure(
                     seconds = _median_s(lambda prompt=prompt: model(input_ids=prompt, use_cache=False, **last_logits), repeats=repeats, sync=sync)
                     prefill.append({"batch": batch, "context": context, "seconds": seconds})
 
+    generate: list[dict[str, Any]] = []
+    shortest = min(contexts)
+    calls = [(b, n) for b in sorted({min(batches), max(batches)}) for n in generate_tokens if shortest + n <= max_positions]
+    if calls:
+        say(f"generate: whole calls of the {cfg.rollout.backend} rollout engine, batches x new tokens {calls}, prompts of {shortest}")
+        with torch.no_grad(), torch_threads(stage_threads(cfg, "rollout")):
+            generate = _generate_points(cfg, model, platform, calls=calls, prompt=shortest, vocab=vocab, repeats=repeats, sync=sync)
+
     fitting = [c for c in contexts if c <= max_positions]
     context = train_context or max(fitting, default=0)
     train: list[dict[str, Any]] = []
@@ -229,8 +247,35 @@ def measure(
         "train": train,
         "weights": weights,
         "host_device_bytes_per_s": host_device,
+        **({"generate": generate} if generate else {}),
         **({"contention": beside} if beside is not None else {}),
     }
+
+
+class _RunsToBudget:
+    """The part of a tokenizer `build_rollout_engine` reads, with one stop id outside the
+    model's vocabulary: no sampled token ends a row, so each runs to the call's budget."""
+
+    def __init__(self, vocab: int) -> None:
+        self.eos_ids, self.pad_id = [vocab], 0
+
+
+def _generate_points(cfg: Any, model: Any, platform: Any, *, calls: Sequence[tuple[int, int]], prompt: int, vocab: int, repeats: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+    """Median seconds of a whole generate call of the recipe's rollout engine, per (batch, new tokens)."""
+    from tidal.flow.trajectory import Trajectory  # noqa: PLC0415
+    from tidal.tools.rl import build_rollout_engine  # noqa: PLC0415
+
+    engine = build_rollout_engine(cfg, model, _RunsToBudget(vocab), platform=platform, version=0)  # type: ignore[arg-type]  # reads eos_ids and pad_id only
+    points = []
+    for batch, new in calls:
+        def call(batch: int = batch, new: int = new) -> None:
+            rows = [Trajectory(prompt_ids=[3 + (r * prompt + k) % max(1, vocab - 3) for k in range(prompt)]) for r in range(batch)]  # distinct prompts: one prefill each
+            done = engine.generate(rows, max_new_tokens=new)
+            if any(len(t.tokens) != new for t in done):
+                raise RuntimeError(f"a profiled generate call of {new} tokens returned rows of {sorted({len(t.tokens) for t in done})}")
+
+        points.append({"batch": batch, "prompt": prompt, "new_tokens": new, "seconds": _median_s(call, repeats=repeats, sync=sync)})
+    return points
 
 
 def _train_points(
@@ -456,6 +501,9 @@ def _check(profile: Any, *, where: str) -> None:
                     raise ValueError(f"{where} has no key '{section}[{i}].{key}'")
             if not _positive(point["seconds"]):
                 raise ValueError(f"{where}: key '{section}[{i}].seconds' must be a positive number, got {point['seconds']!r}")
+    for i, point in enumerate(profile.get("generate", [])):  # optional: profiles before 2026-11-29 have none
+        if not isinstance(point, Mapping) or any(key not in point for key in _GENERATE) or not _positive(point["seconds"]):
+            raise ValueError(f"{where}: key 'generate[{i}]' must be an object with keys {', '.join(_GENERATE)} and positive seconds")
     for key in ("peak.flops", "peak.bytes_per_s", "weights.export_s", "weights.load_s"):
         section, name = key.split(".")
         if not _positive(profile[section][name]):
