@@ -129,14 +129,24 @@ class Turns:
     def announce(self, seat: str) -> None:
         """`seat` will ask for this turn once it holds the turns before it (`TurnsSpan`):
         meanwhile the seat computing here is `wanted` (a rollout engine pauses at its next
-        step), and claims of seats holding no turn wait behind it (see `acquire`)."""
+        step), claims of seats holding no turn wait behind it (see `acquire`), and the seat
+        whose state is on these devices is asked to park now (once its turn, if it holds
+        one, ends). So a trainer's rank 0 walking its ranks' turns in order finds each rank's
+        guest parked or parking: the guests park side by side, not one after the other (on
+        128 ranks, 128 parks a step in a row)."""
         with self._cond:
             self._announced.setdefault(seat, next(self._tickets))
+            if self._resident not in (None, seat) and self._resident not in self._park_errors:
+                self._park_wanted.add(self._resident)
+                self._cond.notify_all()
 
     def retract(self, seat: str) -> None:
-        """Drop `seat`'s announcement: its acquire failed before it asked here."""
+        """Drop `seat`'s announcement: its acquire failed before it asked here. A park it asked
+        for that has not begun is withdrawn when no other seat waits or announced."""
         with self._cond:
             self._announced.pop(seat, None)
+            if not self._queue and not self._announced:
+                self._park_wanted.clear()
             self._cond.notify_all()
 
     def wait_park(self, seat: str, timeout: float) -> bool:

@@ -109,3 +109,35 @@ def test_a_turn_that_comes_while_its_seat_parks_waits_for_the_park_in_virtual_ti
 
     _run(clock, main)
     assert log == [(3.0, "rollout computed"), (3.5, "train gave up"), (5.0, "rollout parked"), (6.0, "rollout onloaded"), (9.0, "rollout computed")]
+
+
+def test_a_span_over_several_ranks_finds_their_guests_parking_side_by_side():
+    """Rank 0 of a 4-rank trainer takes the ranks' turns in order; each rank's guest (a rollout
+    instance whose state is on that rank's devices) takes 1 s to park. Announced at every turn
+    at once, the guests park together: the span has all four turns after 1 s, not 4."""
+    from tidal.flow.turns import TurnsSpan
+
+    clock = VirtualClock()
+    parked_at: list[float] = []
+
+    def park() -> None:
+        clock.sleep(1.0)
+        parked_at.append(clock.now())
+
+    def main() -> float:
+        arbiters = [Turns(clock=clock) for _ in range(4)]
+        guests = [Seat(t, f"rollout-{k}", park=park, unpark=lambda: None, clock=clock) for k, t in enumerate(arbiters)]
+        for guest in guests:
+            with guest.turn():  # each guest computed once: its state is on its rank's devices
+                pass
+        span = TurnsSpan(arbiters, clock=clock)
+        span.join("train")
+        span.acquire("train")
+        took = clock.now()
+        span.release("train")
+        for guest in guests:
+            guest.close()
+        return took
+
+    assert _run(clock, main) == 1.0
+    assert parked_at == [1.0] * 4

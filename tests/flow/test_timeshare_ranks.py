@@ -255,3 +255,18 @@ def _wait_until(condition, timeout: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.001)
+
+
+def test_an_announcement_asks_the_resident_guest_to_park_and_a_retraction_withdraws_it():
+    turns = Turns()
+    turns.join("rollout")
+    turns.join("train")
+    turns.acquire("rollout")
+    turns.release("rollout")  # its state stays on the devices
+    assert not turns.wait_park("rollout", 0)
+    turns.announce("train")
+    assert turns.wait_park("rollout", 0)  # asked at once, not when the span reaches this turn
+    turns.retract("train")
+    assert not turns.wait_park("rollout", 0)  # nobody waits for the devices any more
+    turns.announce("rollout")  # the resident announcing itself asks nobody to park
+    assert not turns.wait_park("rollout", 0)
