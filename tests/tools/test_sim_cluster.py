@@ -15,7 +15,7 @@ CLUSTERS = Path(__file__).resolve().parents[2] / "recipes" / "clusters"
 
 def test_shipped_specs_load():
     sizes = {p.stem: load_cluster(p).num_devices for p in sorted(CLUSTERS.glob("*.yaml"))}
-    assert sizes == {"gpu64": 64, "npu128": 128, "npu64_gpu32": 96, "npu512_gpu512": 1024}
+    assert sizes == {"gpu64": 64, "h20x32": 32, "h20x64": 64, "h20x128": 128, "npu128": 128, "npu64_gpu32": 96, "npu512_gpu512": 1024}
 
 
 def test_mixed_spec_becomes_resources():
