@@ -45,8 +45,9 @@ Two ways to drive the ranks:
   share of the batch's rows, even in tokens rather than rows (`micro_batches.rank_shares`:
   a long-tail response does not make one rank the step's straggler), as `send`/`recv` of
   CPU tensors, so gloo carries them on every platform, and runs its own share; `logprobs`
-  gathers the shares back into the batch's order. The other ranks run `follow()` (`tidal.engines.fsdp_lead`): receive a command,
-  make the same collective calls, repeat, until `stop_followers()`. Rows with no advantage
+  gathers the shares back into the batch's order. The other ranks run `follow()`
+  (`tidal.engines.fsdp_lead`): receive a command, make the same collective calls,
+  repeat, until `stop_followers()`. Rows with no advantage
   are dropped before the rows are shared out. Building an engine on rank 0 is a command too
   (the followers rebuild the model from `type(model)(model.config)` and take rank 0's
   weights), so rank 0 may build several engines (a warm start's, then RL's) and the

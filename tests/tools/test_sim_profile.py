@@ -98,6 +98,23 @@ def test_generate_points_are_whole_calls_that_run_to_their_budget(profile, cfg):
     assert "generate" not in measure(cfg, batches=(1,), contexts=(8,), train_rows=(1,), generate_tokens=(), repeats=1, contention=False)
 
 
+def test_each_row_of_a_profiled_generate_call_has_a_prompt_of_its_own(cfg, monkeypatch):
+    """Rows sharing a prompt share its prefill (the hf engine prefills distinct inputs once):
+    a call of repeated prompts would time less prefill than the simulator charges for it."""
+    from tidal.engines.hf_rollout import HFRolloutEngine
+
+    prompts: list[list[tuple[int, ...]]] = []
+    real_generate = HFRolloutEngine.generate
+
+    def recording(self, trajectories, **kwargs):
+        prompts.append([tuple(t.prompt_ids) for t in trajectories])
+        return real_generate(self, trajectories, **kwargs)
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", recording)
+    measure(cfg, batches=(64,), contexts=(3,), train_rows=(1,), generate_tokens=(1,), repeats=1, contention=False)
+    assert prompts and all(len(set(call)) == len(call) == 64 for call in prompts)
+
+
 @pytest.mark.parametrize(("drop", "named"), [("peak", "'peak'"), ("model.head_dim", "'model.head_dim'"), ("decode.seconds", "'decode[0].seconds'"), ("generate.new_tokens", "'generate[0]'")])
 def test_load_names_the_file_and_the_missing_key(profile, tmp_path, drop, named):
     data = json.loads(json.dumps(_plain(profile)))

@@ -131,7 +131,17 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     # A training step's rows are padded to its longest response: profile rows of that shape.
     padded = max(1, round(statistics.median(max(n for group in groups for n in group) for *_, lengths in runs for groups in lengths.values())))
     say(f"profiling this machine at the runs' shapes: decode batches up to {decode_batch}, contexts up to {context}, training steps of up to {batch} rows of {prompt_tokens} + {padded} tokens")
-    profile = measure(cfg, batches=(decode_batch // 8, decode_batch), contexts=(prompt_tokens, context), train_rows=(batch // 4, batch), train_context=prompt_tokens + padded, train_prompt=prompt_tokens, repeats=repeats)
+    budget = cfg.rollout.max_new_tokens  # whole generate calls of the runs' budget, and of half of it
+    profile = measure(
+        cfg,
+        batches=(decode_batch // 8, decode_batch),
+        contexts=(prompt_tokens, context),
+        train_rows=(batch // 4, batch),
+        train_context=prompt_tokens + padded,
+        train_prompt=prompt_tokens,
+        generate_tokens=sorted({max(1, budget // 2), budget}),
+        repeats=repeats,
+    )
     calibration = fit(profile, source="this machine's profile")
     cluster = parse_cluster({"name": "this-machine", "nodes": [{"name": "box", "device": PROFILED, "devices_per_node": 2}]}, devices={PROFILED: profiled_device(profile)})
     model, rows = profiled_model(profile), []

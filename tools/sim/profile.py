@@ -269,7 +269,8 @@ def _generate_points(cfg: Any, model: Any, platform: Any, *, calls: Sequence[tup
     points = []
     for batch, new in calls:
         def call(batch: int = batch, new: int = new) -> None:
-            rows = [Trajectory(prompt_ids=[3 + (r * prompt + k) % max(1, vocab - 3) for k in range(prompt)]) for r in range(batch)]  # distinct prompts: one prefill each
+            base = max(2, vocab - 3)  # row r's prompt: r's digits in this base (ids from 3): distinct rows, one prefill each
+            rows = [Trajectory(prompt_ids=[3 + (r // base**k) % base for k in range(prompt)]) for r in range(batch)]
             done = engine.generate(rows, max_new_tokens=new)
             if any(len(t.tokens) != new for t in done):
                 raise RuntimeError(f"a profiled generate call of {new} tokens returned rows of {sorted({len(t.tokens) for t in done})}")
