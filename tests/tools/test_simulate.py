@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
@@ -23,9 +24,9 @@ CLUSTER = parse_cluster({"network": {"scale_out_gbps": 1e5}, "nodes": [{"name": 
 DISJOINT = ["placement.train.requires=[]", "placement.rollout.requires=[]", "placement.train.count=8", "placement.rollout.count=4", "rollout.prompts_per_generate=4"]
 
 
-def _run(*, staleness: int, sigma: float, mean: float = 1000, steps: int = 8, overrides: tuple[str, ...] = ()):
+def _run(*, staleness: int, sigma: float, mean: float = 1000, steps: int = 8, overrides: tuple[str, ...] = (), reward_s: float = 0.0):
     cfg = load_config(resolve_recipe("mixed_npu_gpu"), [f"algorithm.num_steps={steps}", "rollout.max_new_tokens=2048", "model.max_positions=4096", *DISJOINT, f"algorithm.max_staleness={staleness}", *overrides])
-    work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=mean, prompt_sigma=sigma, group_sigma=sigma, max_new_tokens=2048), token_scale=16)
+    work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=mean, prompt_sigma=sigma, group_sigma=sigma, max_new_tokens=2048), token_scale=16, reward_s=reward_s)
     return simulate(cfg, CLUSTER, work)
 
 
@@ -435,3 +436,14 @@ def test_a_recipe_that_recomputes_activations_trains_a_forward_pass_longer():
     steps = {flag: _durations(_run(staleness=0, sigma=0.0, steps=2, overrides=(f"model.gradient_checkpointing={flag}",))[1], "train", "train") for flag in ("false", "true")}
     ratio = statistics.median(steps["true"]) / statistics.median(steps["false"])
     assert 1.25 < ratio <= 8 / 6  # 8 x params x tokens against 6; the gradient all-reduce is the same
+
+
+def test_rewards_take_their_time_on_the_recipes_reward_workers():
+    free, _ = _run(staleness=0, sigma=0.0, steps=2)
+    for workers in (0, 4):  # 0: in the reward stage's thread, one sample after another
+        costly, tracer = _run(staleness=0, sigma=0.0, steps=2, reward_s=0.5, overrides=(f"task.reward_workers={workers}",))
+        spans = [e for e in tracer.spans("reward") if e["name"] == "reward"]
+        assert spans and all(e["dur"] / 1e6 == pytest.approx(math.ceil(e["args"]["rows"] / max(workers, 1)) * 0.5) for e in spans)
+        assert costly.step_s["mean"] > free.step_s["mean"] + 0.5  # the last batch's rewards hold up a synchronous step
+    with pytest.raises(ValueError, match="reward_s"):
+        Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), reward_s=-1.0)

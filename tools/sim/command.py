@@ -61,6 +61,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--drift", type=float, default=0.0, help="growth of the mean length per step, e.g. 0.01 (default: 0)")
     p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
+    p.add_argument("--reward-ms", type=float, default=0.0, help="milliseconds one sample's reward takes; a batch's samples are scored side by side on task.reward_workers (default: 0, free)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
     p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
@@ -111,6 +112,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             token_scale=args.token_scale,
             seed=cfg.seed,
             replay=replay(args.lengths) if args.lengths else None,
+            reward_s=args.reward_ms / 1000,
             **({"eff": calibration.eff} if calibration is not None else {}),
         )
     except ValueError as e:

@@ -11,7 +11,8 @@ what the simulation says of staleness, pauses and idle time is what the code doe
 Assumptions (docs/simulate.md states them for users):
 - one simulated token stands for `token_scale` real ones (memory stays small at scale;
   costs are computed in real tokens);
-- rewards cost nothing and score a seeded coin flip (only their timing is simulated);
+- rewards score a seeded coin flip and take `Workload.reward_s` a sample (0 by default:
+  free), a batch's samples side by side on the recipe's reward workers;
 - the trainer is one data-parallel group over every `placement.train` device; its step is
   `costs.train_step_s` over the tokens its busiest rank computes times the ranks
   (`costs.step_tokens`: each rank the engines' token-even share of the rows, cut into micro-batches as
@@ -53,6 +54,7 @@ from tidal.hal.platform import describe
 from tidal.hal.transfer import choose_transport
 from tidal.tools.config import ConfigError, RecipeConfig, TrainConfig
 from tidal.tools.plan import roles_of
+from tidal.tools.rl import reward_workers
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import ClusterSpec
 from tidal.tools.sim.engines import Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
@@ -76,6 +78,14 @@ class Workload:
     """Recorded lengths (`lengths.replay`: a run's metrics.jsonl) used instead of `lengths`:
     step k's prompts take the groups of the trace's k-th step, the trace repeating when the
     simulation runs longer; a group smaller than `group_size` repeats its lengths."""
+    reward_s: float = 0.0
+    """Seconds one sample's reward takes to compute. The reward stage scores each batch it
+    takes on the recipe's reward workers side by side (`task.reward_workers`; none: one at a
+    time in the stage's thread). 0: rewards are free."""
+
+    def __post_init__(self) -> None:
+        if not self.reward_s >= 0:
+            raise ValueError(f"reward_s must be >= 0 seconds, got {self.reward_s!r}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -222,8 +232,11 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     ]
     steps: list[dict[str, Any]] = []
     coin = random.Random(work.seed + 1)
+    scorers = max(1, reward_workers(cfg))
 
     def score(trajectories: Any) -> tuple[list[float], list[int]]:
+        if work.reward_s and trajectories:  # the batch's samples on the reward workers, side by side
+            clock.sleep(math.ceil(len(trajectories) / scorers) * work.reward_s)
         return [float(coin.random() < 0.5) for _ in trajectories], []
 
     seats: list[Seat] = []
