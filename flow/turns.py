@@ -109,6 +109,7 @@ class Turns:
             if self._holder != seat:
                 raise RuntimeError(f"seat {seat!r} released a turn held by {self._holder!r}")
             self._holder = None
+            self._park_for_announced()
             self._cond.notify_all()
 
     def _next(self) -> tuple[str, int, bool, int] | None:
@@ -130,15 +131,20 @@ class Turns:
         """`seat` will ask for this turn once it holds the turns before it (`TurnsSpan`):
         meanwhile the seat computing here is `wanted` (a rollout engine pauses at its next
         step), claims of seats holding no turn wait behind it (see `acquire`), and the seat
-        whose state is on these devices is asked to park now (once its turn, if it holds
-        one, ends). So a trainer's rank 0 walking its ranks' turns in order finds each rank's
-        guest parked or parking: the guests park side by side, not one after the other (on
-        128 ranks, 128 parks a step in a row)."""
+        whose state is on these devices is asked to park now, or as soon as it releases the
+        turn it holds (`release`). So a trainer's rank 0 walking its ranks' turns in order
+        finds each rank's guest parked or parking: the guests park side by side, not one after
+        the other (on 128 ranks, 128 parks a step in a row)."""
         with self._cond:
             self._announced.setdefault(seat, next(self._tickets))
-            if self._resident not in (None, seat) and self._resident not in self._park_errors:
-                self._park_wanted.add(self._resident)
-                self._cond.notify_all()
+            self._park_for_announced()
+
+    def _park_for_announced(self) -> None:
+        """Ask the idle resident seat to park for an announced one (the lock held)."""
+        resident = self._resident
+        if self._holder is None and resident is not None and resident not in self._park_errors and any(s != resident for s in self._announced):
+            self._park_wanted.add(resident)
+            self._cond.notify_all()
 
     def retract(self, seat: str) -> None:
         """Drop `seat`'s announcement: its acquire failed before it asked here. A park it asked

@@ -270,3 +270,9 @@ def test_an_announcement_asks_the_resident_guest_to_park_and_a_retraction_withdr
     assert not turns.wait_park("rollout", 0)  # nobody waits for the devices any more
     turns.announce("rollout")  # the resident announcing itself asks nobody to park
     assert not turns.wait_park("rollout", 0)
+    turns.retract("rollout")
+    turns.acquire("rollout")  # computing when the span announces itself: asked once its turn ends
+    turns.announce("train")
+    assert not turns.wait_park("rollout", 0)
+    turns.release("rollout")
+    assert turns.wait_park("rollout", 0)
