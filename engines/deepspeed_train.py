@@ -63,7 +63,7 @@ accelerator name; nothing here names a vendor).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -190,12 +190,6 @@ class DeepSpeedTrainEngine:
         return self.led and self.rank == 0
 
     # Rows of a led group ---------------------------------------------------------------------
-    def _lead(self, op: str, tensors: Sequence[torch.Tensor | None], lengths: torch.Tensor, **args: Any) -> tuple[list[Any], list[torch.Tensor]]:
-        """Rank 0: send `op` and each follower its share of the rows of `tensors`, even in
-        tokens by the rows' `lengths` (`fsdp_commands.send_rows`); return rank 0's rows and
-        every rank's row indexes."""
-        return send_rows(op, tensors, lengths, self.world_size, **args)
-
     def follow_command(self, command: dict[str, Any]) -> None:
         """A follower (`deepspeed_lead.follow`): the collective calls of rank 0's `command`
         (what rank 0 gets back is dropped)."""
@@ -273,7 +267,7 @@ class DeepSpeedTrainEngine:
         every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
         if not self._leading:
             return self._logprobs(batch)
-        fields, shares = self._lead("logprobs", batch.tensors(), real_lengths(batch))
+        fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), self.world_size)
         return gather_rows(self._logprobs(TokenBatch(*fields)), shares)
 
     @torch.no_grad()
@@ -346,7 +340,7 @@ class DeepSpeedTrainEngine:
             if not loss.zero_advantage_counts:
                 whole = _counts(batch)
                 batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
-            (*fields, advantages, proximal_logprobs), _ = self._lead("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), loss=loss, whole=whole)
+            (*fields, advantages, proximal_logprobs), _ = send_rows("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), self.world_size, loss=loss, whole=whole)
             return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
         return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
 
@@ -396,7 +390,7 @@ class DeepSpeedTrainEngine:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
         tokens (led by rank 0: `batch` is every row); the version is unchanged."""
         if self._leading:
-            fields, _ = self._lead("sft_step", batch.tensors(), real_lengths(batch))
+            fields, _ = send_rows("sft_step", batch.tensors(), real_lengths(batch), self.world_size)
             batch = TokenBatch(*fields)
         return self._sft_step(batch)
 

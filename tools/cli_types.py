@@ -33,3 +33,14 @@ def positive_ints(text: str) -> list[int]:
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 1")
     return values
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a finite number >= 0 (milliseconds, seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value

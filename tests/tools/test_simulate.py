@@ -447,3 +447,11 @@ def test_rewards_take_their_time_on_the_recipes_reward_workers():
         assert costly.step_s["mean"] > free.step_s["mean"] + 0.5  # the last batch's rewards hold up a synchronous step
     with pytest.raises(ValueError, match="reward_s"):
         Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), reward_s=-1.0)
+
+
+def test_a_negative_reward_time_is_refused_naming_the_option(capsys):
+    from tidal.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--reward-ms", "-1"])
+    assert "--reward-ms: '-1' is not a number >= 0" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.cli_types import count, positive_ints
+from tidal.tools.cli_types import count, non_negative, positive_ints
 
 SIMULATE_HELP = """\
 Predict a recipe's throughput on a cluster you do not have: the recipe's own workflow,
@@ -61,7 +61,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--drift", type=float, default=0.0, help="growth of the mean length per step, e.g. 0.01 (default: 0)")
     p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
-    p.add_argument("--reward-ms", type=float, default=0.0, help="milliseconds one sample's reward takes; a batch's samples are scored side by side on task.reward_workers (default: 0, free)")
+    p.add_argument("--reward-ms", type=non_negative, default=0.0, help="milliseconds one sample's reward takes; a batch's samples are scored side by side on task.reward_workers (default: 0, free)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
     p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")

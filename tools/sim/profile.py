@@ -273,7 +273,10 @@ def _generate_points(cfg: Any, model: Any, platform: Any, *, calls: Sequence[tup
             rows = [Trajectory(prompt_ids=[3 + (r // base**k) % base for k in range(prompt)]) for r in range(batch)]
             done = engine.generate(rows, max_new_tokens=new)
             if any(len(t.tokens) != new for t in done):
-                raise RuntimeError(f"a profiled generate call of {new} tokens returned rows of {sorted({len(t.tokens) for t in done})}")
+                raise RuntimeError(
+                    f"rollout.backend={cfg.rollout.backend!r} ended rows of a {new}-token generate call at {sorted({len(t.tokens) for t in done})} tokens, "
+                    "though it was given no stop token it could sample, so its calls cannot be timed at a fixed length: profile with the hf backend, or from Python with measure(generate_tokens=())"
+                )
 
         points.append({"batch": batch, "prompt": prompt, "new_tokens": new, "seconds": _median_s(call, repeats=repeats, sync=sync)})
     return points
