@@ -314,7 +314,8 @@ class Segments:
         """The `nbytes` at `offset` of segment `name`. An owner maps a segment once, whole
         (`cache` holds this message's mappings) and may hand it back, once it lets go, to
         the connection `origin` that sent it (while `origin` is not `disconnected`); a
-        client reads the bytes into memory of its own."""
+        client reads the bytes into memory of its own, through one descriptor per segment
+        for the message (`cache` holds them until `done`)."""
         path = _path(name)
         if not (isinstance(offset, int) and isinstance(nbytes, int)) or offset < 0 or nbytes < 0:
             raise ShmError(f"bad range ({offset!r}, {nbytes!r}) in segment {name}")
@@ -325,13 +326,20 @@ class Segments:
             if offset + nbytes > len(mm):
                 raise ShmError(f"segment {name} holds {len(mm)} bytes; asked for {nbytes} at {offset}")
             return memoryview(mm)[offset : offset + nbytes]
-        fd = _open(name, path)
+        opened = cache.get(name)
+        if opened is None:
+            fd = _open(name, path)
+            try:
+                opened = cache[name] = (fd, os.fstat(fd).st_size)
+            except OSError as e:
+                os.close(fd)
+                raise ShmError(f"cannot read segment {name}: {e}") from e
+        fd, size = opened
+        if offset + nbytes > size:
+            raise ShmError(f"segment {name} holds {size} bytes; asked for {nbytes} at {offset}")
+        out = np.empty(nbytes, dtype=np.uint8).data  # not zeroed: every byte is read into it
+        done = 0
         try:
-            size = os.fstat(fd).st_size
-            if offset + nbytes > size:
-                raise ShmError(f"segment {name} holds {size} bytes; asked for {nbytes} at {offset}")
-            out = np.empty(nbytes, dtype=np.uint8).data  # not zeroed: every byte is read into it
-            done = 0
             while done < nbytes:  # preadv may read less than asked
                 n = os.preadv(fd, [out[done:]], offset + done)
                 if n == 0:
@@ -339,10 +347,16 @@ class Segments:
                 done += n
         except OSError as e:
             raise ShmError(f"cannot read segment {name}: {e}") from e
-        finally:
-            os.close(fd)
         self.num_read += 1
         return out
+
+    def done(self, cache: dict[str, Any]) -> None:
+        """A message's buffers are read: close the descriptors a client opened for them
+        (an owner's mappings live on in the tensors over them)."""
+        if not self.own:
+            for fd, _ in cache.values():
+                os.close(fd)
+        cache.clear()
 
     def _map_owned(self, name: str, path: str, origin: Any) -> mmap.mmap:
         bare = owner.TAG.sub("", name)

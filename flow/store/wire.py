@@ -121,11 +121,14 @@ def _map_placed(placed: Any, buffers: list[Any], segments: shm.Segments | None, 
     if not isinstance(placed, list):
         raise WireError("shm must be a list of [buffer, segment, offset, nbytes]")
     mapped: dict[str, Any] = {}
-    for entry in placed:
-        if not (isinstance(entry, list) and len(entry) == 4 and type(entry[0]) is int and 0 <= entry[0] < len(buffers)):
-            raise WireError(f"bad shared-memory entry {entry!r}")
-        i, name, offset, nbytes = entry
-        buffers[i] = segments.map(name, offset, nbytes, mapped, origin)
+    try:
+        for entry in placed:
+            if not (isinstance(entry, list) and len(entry) == 4 and type(entry[0]) is int and 0 <= entry[0] < len(buffers)):
+                raise WireError(f"bad shared-memory entry {entry!r}")
+            i, name, offset, nbytes = entry
+            buffers[i] = segments.map(name, offset, nbytes, mapped, origin)
+    finally:
+        segments.done(mapped)
 
 
 def check_request(message: Mapping[str, Any], ops: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]]:

@@ -388,6 +388,28 @@ def test_a_real_segment_named_with_a_bad_range_gets_an_error_reply(served):
         sock.close(linger=0)
 
 
+def test_a_client_reads_a_messages_buffers_through_one_descriptor_per_segment_and_closes_it(monkeypatch):
+    writer, segments = shm.Writer(), shm.Segments(own=False)
+    buffers = [np.full(shm.MIN_BYTES, k, np.uint8) for k in (1, 2, 3)]
+    name, offsets = writer.write(buffers)
+    opened, real_open = [], os.open
+    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(real_open(*a, **k)) or opened[-1])
+    try:
+        cache: dict = {}
+        got = [np.frombuffer(segments.map(name, offset, b.nbytes, cache), np.uint8) for b, offset in zip(buffers, offsets)]
+        assert [int(g[0]) for g in got] == [1, 2, 3] and len(opened) == 1
+        segments.done(cache)
+        with pytest.raises(OSError):
+            os.fstat(opened[0])  # closed
+        with pytest.raises(shm.ShmError, match="holds"):
+            segments.map(name, offsets[-1], 4 * shm.MIN_BYTES, cache)
+        segments.done(cache)
+        with pytest.raises(OSError):
+            os.fstat(opened[1])  # closed after a failed read too
+    finally:
+        writer.close()
+
+
 def test_a_segment_the_server_cannot_map_fails_that_put_with_an_error_reply(served, monkeypatch):
     store, server, (producer, a, b) = served
 
