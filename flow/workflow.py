@@ -273,21 +273,25 @@ class Workflow:
         if cfg.algorithm.overlong == "filter" and num_truncated:
             tokens = dataclasses.replace(tokens, loss_mask=filter_truncated(tokens.loss_mask, finish_reasons))
         versions, counts = torch.unique(tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
+        rewards = batch.stack("reward").to(torch.float32)
         by_group: dict[Any, list[int]] = {}
+        rewards_by_group: dict[Any, list[float]] = {}
         for k, n in zip(order.tolist(), lengths.tolist()):
             by_group.setdefault(batch.groups[k], []).append(int(n))
+            rewards_by_group.setdefault(batch.groups[k], []).append(round(float(rewards[k]), 6))
         return _TrainRows(
             indexes=batch.indexes,
             groups=sorted(set(batch.groups)),
             tokens=tokens,
             advantages=batch.stack("advantage")[order].to(torch.float32),
-            mean_reward=float(batch.stack("reward").to(torch.float32).mean()),
+            mean_reward=float(rewards.mean()),
             num_tokens=int(lengths.sum()),
             max_response_len=int(lengths.max()),
             num_truncated=num_truncated,
             token_versions=dict(zip(versions.tolist(), counts.tolist())),
             dropped=dropped,
             lengths=[by_group[g] for g in sorted(by_group)],
+            rewards=[rewards_by_group[g] for g in sorted(rewards_by_group)],
         )
 
     def _num_dropped(self) -> int:
@@ -333,6 +337,7 @@ class Workflow:
             truncated_fraction=rows.num_truncated / num_rows,
             groups=rows.groups,  # the prompts trained: each once per run
             lengths=rows.lengths,  # a length trace `tidal simulate --lengths` replays
+            rewards=rows.rewards,  # and the rewards beside them (which groups train)
         )
         self.on_step(metrics)
 
@@ -378,3 +383,5 @@ class _TrainRows:
     """Rows the sampler dropped as too old while it took these."""
     lengths: list[list[int]]
     """Generated tokens of each response, a list per group (in `groups`' order)."""
+    rewards: list[list[float]]
+    """Each response's reward, as `lengths`."""

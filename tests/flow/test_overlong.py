@@ -99,6 +99,7 @@ def test_each_step_reports_mean_and_longest_response_and_the_share_cut():
         assert m["response_len"] == (2 + 7 + 9 + 10) / 4 and m["response_len_max"] == 10
         assert m["truncated_fraction"] == 0.25
         assert sorted(n for group in m["lengths"] for n in group) == [2, 7, 9, 10]  # each response's length, by group: a trace `tidal simulate --lengths` replays
+        assert [len(group) for group in m["rewards"]] == [len(group) for group in m["lengths"]] and sum(map(sum, m["rewards"])) == pytest.approx(4 * m["reward"])  # and its reward
     assert all(int(mask.sum()) == 28 for mask in trainer.masks)  # overlong=none: every token trains
 
 

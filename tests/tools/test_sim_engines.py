@@ -211,6 +211,27 @@ def test_the_same_scenario_gives_the_same_tokens_and_times():
     assert any(0 in v and 1 in v for v in versions)  # the interrupt fell mid-call, and decoding went on
 
 
+def test_train_engine_skips_the_rows_without_an_advantage_as_the_real_engines_do():
+    clock = VirtualClock()
+    rows = [Trajectory(prompt_ids=[1] * 4, tokens=[1] * n, logprobs=[-1.0] * n, versions=[0] * n, finish_reason="stop") for n in (10, 6)]
+    batch = to_token_batch(rows, pad_id=0)
+    trainer = SimTrainEngine(clock=clock, model=MODEL, device=H100, num_devices=1, num_nodes=1, eff=EFF, token_scale=SCALE)
+
+    def step(advantages, loss=None):
+        began = clock.now()
+        metrics = trainer.train_step(batch, torch.tensor(advantages), loss=loss or PolicyLossConfig())
+        return clock.now() - began, metrics["skipped_rows"]
+
+    def main():
+        return step([1.0, -1.0]), step([0.0, 2.0]), step([0.0, 0.0]), step([0.0, 0.0], PolicyLossConfig(kl_coef=0.1))
+
+    both, short_only, neither, with_kl = clock.run(main)
+    assert both == (pytest.approx(costs.train_step_s(MODEL, H100, num_devices=1, tokens=(4 + 10 + 4 + 6) * SCALE, eff=EFF), rel=1e-12), 0.0)
+    assert short_only == (pytest.approx(costs.train_step_s(MODEL, H100, num_devices=1, tokens=(4 + 6) * SCALE, eff=EFF), rel=1e-12), 1.0)
+    assert neither == (0.0, 2.0) and trainer.version == 4  # nothing to pass over; the version still counts
+    assert with_kl == (both[0], 0.0)  # a KL term: every row adds to the loss
+
+
 def test_train_engine_sleeps_the_cost_model_step_and_counts_versions():
     clock = VirtualClock()
     rows = [Trajectory(prompt_ids=[1] * 4, tokens=[1] * n, logprobs=[-1.0] * n, versions=[0] * n, finish_reason="stop") for n in (10, 6)]
@@ -220,17 +241,17 @@ def test_train_engine_sleeps_the_cost_model_step_and_counts_versions():
 
     def main():
         t0 = clock.now()
-        metrics = trainer.train_step(batch, torch.zeros(2), loss=PolicyLossConfig())
+        metrics = trainer.train_step(batch, torch.tensor([1.0, -1.0]), loss=PolicyLossConfig())
         t1 = clock.now()
         logprobs = trainer.logprobs(batch)
         t2 = clock.now()
-        placeholder.train_step(batch, torch.zeros(2), loss=PolicyLossConfig())
+        placeholder.train_step(batch, torch.tensor([1.0, -1.0]), loss=PolicyLossConfig())
         return metrics, t1 - t0, logprobs, t2 - t1, clock.now() - t2
 
     metrics, step_s, logprobs, forward_s, placeholder_s = clock.run(main)
     tokens = 8 * (4 + 10) * SCALE  # two rows over 8 ranks: the step lasts as long as the rank with the longer row; six ranks idle
     assert step_s == pytest.approx(costs.train_step_s(MODEL, H100, num_devices=8, tokens=tokens, eff=EFF), rel=1e-12)
-    assert metrics == {"loss": 0.0, "train_s": pytest.approx(step_s)} and trainer.version == 1
+    assert metrics == {"loss": 0.0, "train_s": pytest.approx(step_s), "skipped_rows": 0.0} and trainer.version == 1
     assert logprobs.shape == (2, 4 + 10 - 1) and not logprobs.any()
     assert forward_s == pytest.approx(2 * MODEL.num_params * tokens / (8 * H100.flops * EFF.train_mfu), rel=1e-12)
     assert placeholder_s == pytest.approx(costs.train_step_s(MODEL, H100, num_devices=8, tokens=8 * (500 + 10 * SCALE), eff=EFF), rel=1e-12)

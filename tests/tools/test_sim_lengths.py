@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tidal.tools.sim.lengths import LengthModel, replay
+from tidal.tools.sim.lengths import LengthModel, replay, replay_rewards
 
 
 def _mean(groups: list[list[int]]) -> float:
@@ -88,6 +88,19 @@ def test_replay_errors_name_file_and_line(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message) as err:
         replay(path)
     assert f"{path}:2:" in str(err.value)
+
+
+def test_replay_rewards_reads_the_rewards_beside_the_lengths(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "lengths": [[10, 20]], "rewards": [[1, 0.5]]}, {"step": 2, "lengths": [[5]]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert replay_rewards(path) == {1: [[1.0, 0.5]]}  # step 2 has none: scored as without a trace
+    path.write_text(json.dumps(rows[0]) + "\n" + '{"step": 2, "lengths": [[5, 6]], "rewards": [[1.0]]}\n')
+    with pytest.raises(ValueError, match=f"{path}:2: rewards must be grouped as lengths"):
+        replay_rewards(path)
+    path.write_text('{"step": 2, "lengths": [[5]], "rewards": [[true]]}\n')
+    with pytest.raises(ValueError, match="finite numbers"):
+        replay_rewards(path)
 
 
 def test_replay_of_a_missing_file_names_it(tmp_path):

@@ -12,10 +12,11 @@ from tidal.tools.cli import main
 from tidal.tools.config import ConfigError, TrainConfig, load_config
 from tidal.tools.recipes import resolve_recipe
 from tidal.tools.sim import costs
+from tidal.tools.sim import simulate as sim_module
 from tidal.tools.sim.cluster import parse_cluster
 from tidal.tools.sim.costs import Efficiency, ModelShape
 from tidal.tools.sim.hardware import device
-from tidal.tools.sim.lengths import LengthModel
+from tidal.tools.sim.lengths import LengthModel, replay, replay_rewards
 from tidal.tools.sim.simulate import Workload, simulate, train_shape
 
 # Two H100 servers, one for training and one for rollout; a network so fast that weight
@@ -24,9 +25,9 @@ CLUSTER = parse_cluster({"network": {"scale_out_gbps": 1e5}, "nodes": [{"name": 
 DISJOINT = ["placement.train.requires=[]", "placement.rollout.requires=[]", "placement.train.count=8", "placement.rollout.count=4", "rollout.prompts_per_generate=4"]
 
 
-def _run(*, staleness: int, sigma: float, mean: float = 1000, steps: int = 8, overrides: tuple[str, ...] = (), reward_s: float = 0.0):
+def _run(*, staleness: int, sigma: float, mean: float = 1000, steps: int = 8, overrides: tuple[str, ...] = (), reward_s: float = 0.0, **work_args):
     cfg = load_config(resolve_recipe("mixed_npu_gpu"), [f"algorithm.num_steps={steps}", "rollout.max_new_tokens=2048", "model.max_positions=4096", *DISJOINT, f"algorithm.max_staleness={staleness}", *overrides])
-    work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=mean, prompt_sigma=sigma, group_sigma=sigma, max_new_tokens=2048), token_scale=16, reward_s=reward_s)
+    work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=mean, prompt_sigma=sigma, group_sigma=sigma, max_new_tokens=2048), token_scale=16, reward_s=reward_s, **work_args)
     return simulate(cfg, CLUSTER, work)
 
 
@@ -295,17 +296,46 @@ def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch,
     measured = {"algorithm.max_staleness=1": 2000.0, "algorithm.max_staleness=0": 1500.0, "placement.rollout.colocate_with=train": 1200.0}
     train_s = {("seed=0", "async"): 0.060, ("seed=1", "async"): 0.050}  # sync and colocated: 0.040 (nothing beside them)
     per_token = {("seed=0", "async"): 0.003, ("seed=1", "async"): 0.0024}  # the others: 0.002
+    stage_s = {"seed=0": 0.002, "seed=1": 0.003}
+    sync_s = {"seed=0": 0.001, "seed=1": 0.004}
+    rewards = {1: [[1.0, 0.0] * 4] * 16, 2: [[1.0] * 8] * 8 + [[0.0, 1.0] * 4] * 8}  # step 2: half its groups all right
     ran: list[list[str]] = []
 
     def fake_run(recipe, overrides):
         ran.append(overrides)
         key = overrides[1] if overrides[1].startswith("placement.") else overrides[0]
         system = "async" if overrides == ["algorithm.max_staleness=1", *overrides[-2:]] else "other"
-        return measured[key], {1: [[2] * 8] * 16, 2: [[3] * 8] * 16}, {"train_s": train_s.get((overrides[-2], system), 0.040), "generate_s_per_token": per_token.get((overrides[-2], system), 0.002)}
+        spans = {
+            "train_s": train_s.get((overrides[-2], system), 0.040),
+            "generate_s_per_token": per_token.get((overrides[-2], system), 0.002),
+            "generate_s": 0.2 if overrides[-2] == "seed=1" else 0.1,
+            "stage_s": stage_s[overrides[-2]],
+            "sync_s": sync_s[overrides[-2]],
+            "train_overlap": 0.5 if overrides[-2] == "seed=1" else 1.0,  # seed 1's steps had rollout beside them half the time
+            "generate_overlap": 1.0,
+        }
+        return measured[key], ({1: [[2] * 8] * 16, 2: [[3] * 8] * 16}, rewards), spans
+
+    simulated = []
+    real_simulate = sim_module.simulate
+
+    def recording(cfg, cluster, work, **kw):
+        prediction, tracer = real_simulate(cfg, cluster, work, **kw)
+        simulated.append((work, prediction, tracer))
+        return prediction, tracer
 
     monkeypatch.setattr(bench_simulate, "_real_run", fake_run)
+    monkeypatch.setattr(sim_module, "simulate", recording)
     assert main(["bench", "simulate-check", "--steps", "2", "--seeds", "0,1", "--repeats", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    calibrating, simulated = simulated[:2], simulated[2:]  # first each seed's sync run on the profile, with its own stages and syncs
+    assert [(work.stage_s, work.eff.ipc_setup_s, work.eff.train_in_run) for work, *_ in calibrating] == [(0.002, 0.001, 1.0), (0.003, 0.004, 1.0)]
+    assert {work.stage_s for work, *_ in simulated[:6]} == {0.003} and {work.stage_s for work, *_ in simulated[6:]} == {0.002}  # the other seed's stages
+    assert all(work.replay_rewards == rewards for work, *_ in simulated)
+    assert [work.eff.ipc_setup_s for work, *_ in simulated[:2]] == [result["efficiency"]["ipc_setup_s"], 0.004]  # the profile's, then the runs'
+
+    skipped = [step["skipped_rows"] for step in simulated[0][1].steps]
+    assert skipped == [0.0, 64.0]  # the run's rewards replayed: step 2's eight flat groups do not train
     assert [o[:-2] for o in ran[:3]] == [["algorithm.max_staleness=1"], ["algorithm.max_staleness=0"], ["algorithm.max_staleness=1", "placement.rollout.colocate_with=train"]]
     assert [o[-2:] for o in ran] == [["seed=0", "algorithm.num_steps=2"]] * 3 + [["seed=1", "algorithm.num_steps=2"]] * 3
     runs = {(r["system"], r["seed"]): r for r in result["runs"]}
@@ -313,11 +343,15 @@ def test_bench_simulate_check_compares_each_run_with_its_prediction(monkeypatch,
     assert runs[("colocated", 1)]["measured_samples_per_s"] == 1200.0
     assert all(r["predicted_samples_per_s"] > 0 for r in runs.values())
     assert runs[("colocated", 0)]["predicted_samples_per_s"] < runs[("async", 0)]["predicted_samples_per_s"]  # one device, taking turns: no overlap
-    assert runs[("async", 0)]["train_beside_rollout"] == pytest.approx(0.050 / 0.040)  # the other seed's runs
+    assert runs[("async", 0)]["train_beside_rollout"] == pytest.approx(1 + (0.050 / 0.040 - 1) / 0.5)  # the other seed's runs: slower only while rollout worked
+    assert (runs[("sync", 0)]["ipc_setup_s"], runs[("sync", 1)]["ipc_setup_s"]) == (0.004, 0.001)  # a weight sync as the other seed's sync run took it
+    assert runs[("sync", 0)]["rollout_in_run"] == pytest.approx(2 * runs[("sync", 1)]["rollout_in_run"])  # seed 1's generate took twice seed 0's
+    assert runs[("async", 0)]["train_in_run"] == runs[("sync", 0)]["train_in_run"] > 0
     assert runs[("async", 1)]["train_beside_rollout"] == pytest.approx(0.060 / 0.040)
     assert (runs[("async", 0)]["rollout_beside_train"], runs[("async", 1)]["rollout_beside_train"]) == pytest.approx((1.2, 1.5))
-    for key in (("sync", 0), ("colocated", 1)):  # nothing runs beside their train steps: the factor changes nothing
-        assert runs[key]["predicted_samples_per_s"] == runs[key]["profile_samples_per_s"]
+    *_, tracer = calibrating[1]  # its engines' time in the run over that in its simulation: seed 0's factors
+    assert runs[("sync", 0)]["train_in_run"] == pytest.approx(0.040 / statistics.median(_durations(tracer, "train", "train")))
+    assert runs[("sync", 0)]["rollout_in_run"] == pytest.approx(0.2 / sum(_durations(tracer, "rollout", "generate")))
     assert result["measured_ratio"] == pytest.approx(2000 / 1500)
     assert result["ratio_error"] == pytest.approx(result["predicted_ratio"] / result["measured_ratio"] - 1)
     for system in ("async", "sync", "colocated"):
@@ -447,6 +481,30 @@ def test_rewards_take_their_time_on_the_recipes_reward_workers():
         assert costly.step_s["mean"] > free.step_s["mean"] + 0.5  # the last batch's rewards hold up a synchronous step
     with pytest.raises(ValueError, match="reward_s"):
         Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), reward_s=-1.0)
+
+
+def test_the_loops_own_work_is_charged_once_a_reward_batch():
+    free, _ = _run(staleness=0, sigma=0.0, steps=2)
+    costly, tracer = _run(staleness=0, sigma=0.0, steps=2, reward_s=0.1, stage_s=0.5)
+    spans = [e for e in tracer.spans("reward") if e["name"] == "reward"]
+    assert spans and all(e["dur"] / 1e6 == pytest.approx(e["args"]["rows"] * 0.1 + 0.5) for e in spans)
+    assert costly.step_s["mean"] > free.step_s["mean"] + 0.5  # the last batch's holds up a synchronous step
+    with pytest.raises(ValueError, match="stage_s"):
+        Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), stage_s=-1.0)
+
+
+def test_a_runs_rewards_replayed_decide_which_groups_train(tmp_path):
+    groups = 16  # mixed_npu_gpu: prompts_per_step
+    flat, mixed = [[1.0] * 8] * groups, [[1.0, 0.0, 0.0, 0.0] * 2] * groups
+    trace = tmp_path / "metrics.jsonl"
+    trace.write_text("".join(json.dumps({"step": k, "lengths": [[512] * 8] * groups, "rewards": rewards}) + "\n" for k, rewards in ((1, mixed), (2, flat))))
+    replayed, tracer = _run(staleness=0, sigma=0.0, steps=2, replay=replay(trace), replay_rewards=replay_rewards(trace))
+    assert [step["skipped_rows"] for step in replayed.steps] == [0.0, 8.0 * groups]
+    assert [step["reward"] for step in replayed.steps] == [0.25, 1.0]
+    train = _durations(tracer, "train", "train")
+    assert train[0] > 0 and train[1] == 0  # every group of step 2 is flat: nothing to pass over
+    unrecorded, _ = _run(staleness=0, sigma=0.0, steps=2, replay=replay(trace))
+    assert [step["skipped_rows"] for step in unrecorded.steps] == [0.0, 0.0] and [step["reward"] for step in unrecorded.steps] == [0.5, 0.5]
 
 
 def test_a_negative_reward_time_is_refused_naming_the_option(capsys):

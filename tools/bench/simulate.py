@@ -10,6 +10,7 @@ The figure is real seconds per simulated step; the 200-step time is measured whe
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import json
@@ -93,6 +94,15 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     The step time is the run's: 128 samples over its samples/s (RL wall time, evaluations
     and the warm start excluded), and the prediction's mean step over the same steps.
 
+    What a run costs beside its engines' profiled work is taken from the runs of another
+    seed, as a user calibrates on real runs of one node before simulating a cluster: the
+    run's rewards (which groups train: the trainer skips flat ones) and its own; the
+    loop's reward and advantage stages per batch (`stage_s`); a weight sync (`ipc_setup_s`:
+    the publish and weight-update spans); and how much longer the engines' work takes in a
+    run than the profile says, nothing beside them (`train_in_run`, `rollout_in_run`: a sync
+    run's train steps and generate time over those of its simulation), as the loop's threads
+    share the process and its interpreter lock with them.
+
     How much each role's work slows beside the other's (`train_beside_rollout`,
     `rollout_beside_train`) is taken from the runs: an async run's median train step and
     generate time per token over a sync run's, of another seed (`_beside`), as a user
@@ -129,7 +139,7 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
             measured, lengths, spans[(seed, system)] = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
             runs.append((seed, system, overrides, measured, lengths))
     # A training step's rows are padded to its longest response: profile rows of that shape.
-    padded = max(1, round(statistics.median(max(n for group in groups for n in group) for *_, lengths in runs for groups in lengths.values())))
+    padded = max(1, round(statistics.median(max(n for group in groups for n in group) for *_, (lengths, _) in runs for groups in lengths.values())))
     say(f"profiling this machine at the runs' shapes: decode batches up to {decode_batch}, contexts up to {context}, training steps of up to {batch} rows of {prompt_tokens} + {padded} tokens")
     budget = cfg.rollout.max_new_tokens  # whole generate calls of the runs' budget, and of half of it
     profile = measure(
@@ -145,11 +155,24 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     calibration = fit(profile, source="this machine's profile")
     cluster = parse_cluster({"name": "this-machine", "nodes": [{"name": "box", "device": PROFILED, "devices_per_node": 2}]}, devices={PROFILED: profiled_device(profile)})
     model, rows = profiled_model(profile), []
-    for seed, system, overrides, measured, lengths in runs:
+
+    def workload(seed: int, lengths: Any, rewards: Any, stage_s: float, eff: Any) -> Workload:
+        return Workload(model=model, lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, replay_rewards=rewards, stage_s=stage_s, eff=eff)
+
+    # How much longer the engines' work took in each seed's sync run than its simulation on the
+    # profile says (nothing beside them there, the run's own weight syncs and stage time)
+    for seed, system, overrides, _, (lengths, rewards) in runs:
+        if system == "sync":
+            run_cfg = load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
+            own = spans[(seed, system)]
+            _, tracer = simulate(run_cfg, cluster, workload(seed, lengths, rewards, own["stage_s"], dataclasses.replace(calibration.eff, ipc_setup_s=own["sync_s"])))
+            own.update(_in_run(own, tracer))
+    for seed, system, overrides, measured, (lengths, rewards) in runs:
         run_cfg = load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
-        work = Workload(model=model, lengths=LengthModel(mean_tokens=1.0, max_new_tokens=cfg.rollout.max_new_tokens), prompt_tokens=prompt_tokens, token_scale=1, seed=seed, replay=lengths, eff=calibration.eff)
-        beside = _beside(spans, seed)
-        row = {"system": system, "seed": seed, "measured_samples_per_s": measured, "measured_step_s": batch / measured, **beside}
+        stage_s = _stage_s(spans, seed, system)
+        work = workload(seed, lengths, rewards, stage_s, calibration.eff)
+        beside = {**_beside(spans, seed), "ipc_setup_s": _sync_s(spans, seed), **_from_other_sync(spans, seed, ("train_in_run", "rollout_in_run"))}
+        row = {"system": system, "seed": seed, "measured_samples_per_s": measured, "measured_step_s": batch / measured, **beside, "stage_s": stage_s}
         row["profile_samples_per_s"] = simulate(run_cfg, cluster, work, tracer_events=1)[0].samples_per_s
         row["predicted_samples_per_s"] = simulate(run_cfg, cluster, dataclasses.replace(work, eff=dataclasses.replace(calibration.eff, **beside)), tracer_events=1)[0].samples_per_s
         row["predicted_step_s"] = batch / row["predicted_samples_per_s"]
@@ -166,23 +189,64 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
 
 
 def _beside(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int) -> dict[str, float]:
-    """How much slower each role's work was in an async run than in a sync one (where nothing
-    runs beside it): the engine's median train step (`train_beside_rollout`) and generate
-    time per generated token (`rollout_beside_train`), from the runs of another seed when
-    there is one (a run is not calibrated on itself), else of this one; each at least 1."""
+    """How much slower each role's work goes while the other role works, from an async run
+    against a sync one (where nothing runs beside it): the engine's median train step
+    (`train_beside_rollout`) and generate time per generated token (`rollout_beside_train`).
+    The async run's ratio is an average over its spans, of which only a share had the other
+    role at work beside them (`train_overlap`, `generate_overlap`), while the simulation
+    slows a span only while the other role works: the factor is 1 + (ratio - 1) / share.
+    From the runs of another seed when there is one (a run is not calibrated on itself),
+    else of this one; each at least 1."""
     others = sorted({s for s, _ in spans if s != seed}) or [seed]
     out = {}
-    for factor, key in (("train_beside_rollout", "train_s"), ("rollout_beside_train", "generate_s_per_token")):
-        out[factor] = max(1.0, statistics.median(spans[(s, "async")][key] / spans[(s, "sync")][key] for s in others))
+    for factor, key, share in (("train_beside_rollout", "train_s", "train_overlap"), ("rollout_beside_train", "generate_s_per_token", "generate_overlap")):
+        out[factor] = max(1.0, statistics.median(1 + (spans[(s, "async")][key] / spans[(s, "sync")][key] - 1) / max(spans[(s, "async")][share], MIN_OVERLAP) for s in others))
     return out
 
 
-def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list[list[int]]], dict[str, float]]:
+MIN_OVERLAP = 0.1
+"""The least share of a role's time counted as beside the other's (`_beside`): a smaller one
+would turn a few percent of noise into a large factor."""
+
+
+def _sync_s(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int) -> float:
+    """A weight sync's seconds (`Efficiency.ipc_setup_s`: the weights are a few megabytes on
+    this host): the trainer's `publish weights` and rollout's `weight update`, medians, of
+    the sync runs of another seed when there is one, else of this one."""
+    return _from_other_sync(spans, seed, ("sync_s",))["sync_s"]
+
+
+def _from_other_sync(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int, keys: Sequence[str]) -> dict[str, float]:
+    """The medians of `keys` over the sync runs of the seeds but `seed` (of `seed` alone without another)."""
+    others = sorted({s for s, _ in spans if s != seed}) or [seed]
+    return {key: statistics.median(spans[(s, "sync")][key] for s in others) for key in keys}
+
+
+def _in_run(run: Mapping[str, float], tracer: Any) -> dict[str, float]:
+    """`Efficiency.train_in_run` and `rollout_in_run` of a sync run: its median train step and
+    its generate time over those of its simulation (`tracer`, the same rows on the profile)."""
+    train = [e["dur"] / 1e6 for e in tracer.spans("train") if e["name"] == "train"]
+    generate = sum(e["dur"] / 1e6 for e in tracer.spans("rollout") if e["name"] == "generate")
+    if not train or not generate:
+        raise RuntimeError("the simulation of a sync run has no train step or no generation")
+    return {"train_in_run": run["train_s"] / statistics.median(train), "rollout_in_run": run["generate_s"] / generate}
+
+
+def _stage_s(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int, system: str) -> float:
+    """The loop's own work per reward batch (`Workload.stage_s`): the reward and advantage
+    spans of the same system's runs of another seed when there is one, else of this one."""
+    others = sorted({s for s, _ in spans if s != seed}) or [seed]
+    return statistics.median(spans[(s, system)]["stage_s"] for s in others)
+
+
+def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, tuple[dict[int, list[list[int]]], dict[int, list[list[float]]]], dict[str, float]]:
     """One `tidal run` of `recipe` in a temporary run directory: its RL samples/s, its
-    response lengths by step, and from its timeline its median train step (`train_s`) and
-    its generate calls' seconds per trained response token (`generate_s_per_token`)."""
+    response lengths and rewards by step, and from its timeline its median train step
+    (`train_s`), its generate calls' seconds per trained response token
+    (`generate_s_per_token`) and its reward and advantage stages' seconds per batch the
+    reward stage took (`stage_s`)."""
     from tidal.tools.run import prepare_run  # noqa: PLC0415
-    from tidal.tools.sim.lengths import replay  # noqa: PLC0415
+    from tidal.tools.sim.lengths import replay, replay_rewards  # noqa: PLC0415
     from tidal.tools.train import train  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-simcheck-") as tmp:
@@ -192,11 +256,45 @@ def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, dict[int, list
         events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]  # flow.trace.Tracer writes a dict
         train_s = [e["dur"] / 1e6 for e in events if e.get("name") == "train"]
         generate_s = sum(e["dur"] / 1e6 for e in events if e.get("name") == "generate")
-        lengths = replay(run_dir / "metrics.jsonl")
+        publish = [e["dur"] / 1e6 for e in events if e.get("name") == "publish weights"]
+        update = [e["dur"] / 1e6 for e in events if e.get("name") == "weight update"]
+        batches = sum(e.get("name") == "reward" for e in events)
+        stage_s = sum(e["dur"] / 1e6 for e in events if e.get("name") in ("reward", "advantage"))
+        lengths, rewards = replay(run_dir / "metrics.jsonl"), replay_rewards(run_dir / "metrics.jsonl")
         tokens = sum(n for groups in lengths.values() for group in groups for n in group)
-        if not train_s or not generate_s or not tokens:
-            raise RuntimeError(f"the run's timeline ({run_dir / 'timeline.json'}) has no train step or no generation")
-        return float(summary["samples_per_s"]), lengths, {"train_s": statistics.median(train_s), "generate_s_per_token": generate_s / tokens}
+        if not train_s or not generate_s or not tokens or not batches:
+            raise RuntimeError(f"the run's timeline ({run_dir / 'timeline.json'}) has no train step, no generation or no reward")
+        measured = {
+            "train_s": statistics.median(train_s),
+            "generate_s_per_token": generate_s / tokens,
+            "generate_s": generate_s,
+            "stage_s": stage_s / batches,
+            "sync_s": (statistics.median(publish) if publish else 0.0) + (statistics.median(update) if update else 0.0),
+            "train_overlap": _overlap(events, "train", "generate"),
+            "generate_overlap": _overlap(events, "generate", "train"),
+        }
+        return float(summary["samples_per_s"]), (lengths, rewards), measured
+
+
+def _overlap(events: list[dict[str, Any]], name: str, beside: str) -> float:
+    """The share of the `name` spans' time during which a `beside` span ran too (0 without any)."""
+    others = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == beside)
+    merged: list[list[float]] = []
+    for start, end in others:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [m[0] for m in merged]
+    total = both = 0.0
+    for e in (e for e in events if e.get("name") == name):
+        start, end = e["ts"], e["ts"] + e["dur"]
+        total += end - start
+        k = max(0, bisect.bisect_right(starts, start) - 1)
+        while k < len(merged) and merged[k][0] < end:
+            both += max(0.0, min(end, merged[k][1]) - max(start, merged[k][0]))
+            k += 1
+    return both / total if total else 0.0
 
 
 def check_table(result: dict[str, Any]) -> list[list[str]]:

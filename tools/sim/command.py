@@ -59,9 +59,10 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--prompt-sigma", type=float, default=0.5, help="lognormal spread of the mean length across prompts (default: 0.5)")
     p.add_argument("--group-sigma", type=float, default=0.3, help="lognormal spread within a prompt's group (default: 0.3)")
     p.add_argument("--drift", type=float, default=0.0, help="growth of the mean length per step, e.g. 0.01 (default: 0)")
-    p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them")
+    p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them, and its rewards where it has them")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
     p.add_argument("--reward-ms", type=non_negative, default=0.0, help="milliseconds one sample's reward takes; a batch's samples are scored side by side on task.reward_workers (default: 0, free)")
+    p.add_argument("--stage-ms", type=non_negative, default=0.0, help="milliseconds of the loop's own work (the reward and advantage stages' Python) for each batch the reward stage takes (default: 0, free)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
     p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
     p.add_argument("--trace", default=None, help="where the simulated timeline goes (default: simulate-<recipe>.trace.json)")
@@ -86,7 +87,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from tidal.tools.sim.calibrate import extrapolations, fit, profiled_device, profiled_model  # noqa: PLC0415
     from tidal.tools.sim.cluster import PROFILED, load_cluster  # noqa: PLC0415
     from tidal.tools.sim.costs import ModelShape  # noqa: PLC0415
-    from tidal.tools.sim.lengths import LengthModel, replay  # noqa: PLC0415
+    from tidal.tools.sim.lengths import LengthModel, replay, replay_rewards  # noqa: PLC0415
     from tidal.tools.sim.profile import load as load_profile  # noqa: PLC0415
     from tidal.tools.sim.simulate import Workload, simulate  # noqa: PLC0415
 
@@ -112,7 +113,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             token_scale=args.token_scale,
             seed=cfg.seed,
             replay=replay(args.lengths) if args.lengths else None,
+            replay_rewards=replay_rewards(args.lengths) if args.lengths else None,
             reward_s=args.reward_ms / 1000,
+            stage_s=args.stage_ms / 1000,
             **({"eff": calibration.eff} if calibration is not None else {}),
         )
     except ValueError as e:

@@ -95,6 +95,14 @@ class Efficiency:
     (`tidal profile` measures it: `contention`)."""
     rollout_beside_train: float = 1.0
     """The same for rollout's work while the trainer works."""
+    train_in_run: float = 1.0
+    """How many times longer the trainer's work takes in a run than a profile of it alone
+    measures, > 0: where the loop's own threads (the stages, the store, the workers'
+    hand-offs) share the trainer's process and its interpreter lock, as in a one-process
+    run on a few CPU cores. Default 1: an engine whose host keeps up with the loop.
+    `tidal bench simulate-check` takes it from a real run: its time over a simulation of it."""
+    rollout_in_run: float = 1.0
+    """The same for rollout's work."""
     ipc_setup_s: float = IPC_SETUP_S
     """Seconds an `ipc` weight sync costs beside copying the weights: the buffer handles and
     the engine's weight reload. `calibrate.fit` takes it from a profile's weight export and
@@ -111,6 +119,9 @@ class Efficiency:
         for f in ("train_beside_rollout", "rollout_beside_train"):
             if not getattr(self, f) >= 1:
                 raise ValueError(f"Efficiency.{f} must be >= 1 (a slowdown), got {getattr(self, f)!r}")
+        for f in ("train_in_run", "rollout_in_run"):
+            if not 0 < getattr(self, f) < math.inf:
+                raise ValueError(f"Efficiency.{f} must be > 0 (a factor on the profiled time), got {getattr(self, f)!r}")
         if not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"Efficiency.grad_overlap must be in [0, 1], got {self.grad_overlap!r}")
 

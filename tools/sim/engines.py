@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines.train_steps import rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.clock import Clock, ClockEvent
 from tidal.flow.protocols import Refill
@@ -63,10 +64,13 @@ class Beside:
         self._changed = clock.condition()
 
     def factor(self, role: str, eff: Efficiency) -> float:
+        """How many times its profiled time `role`'s work takes now: `Efficiency.train_in_run`
+        (`rollout_in_run`) always, times the slowdown beside the other role while it works."""
         other = "rollout" if role == "train" else "train"
+        in_run = eff.train_in_run if role == "train" else eff.rollout_in_run
         if not self.working[other]:
-            return 1.0
-        return eff.train_beside_rollout if role == "train" else eff.rollout_beside_train
+            return in_run
+        return in_run * (eff.train_beside_rollout if role == "train" else eff.rollout_beside_train)
 
     @contextlib.contextmanager
     def work(self, role: str) -> Iterator[None]:
@@ -434,13 +438,25 @@ class SimTrainEngine:
         return costs.step_tokens(self.row_tokens(batch), ranks=self.num_devices, shape=self.train_shape)
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """Sleep `costs.train_step_s` for the tokens the batch's step computes; version += 1."""
+        """Sleep `costs.train_step_s` for the tokens the batch's step computes; version += 1.
+        As the real engines, rows whose advantage is zero on every loss token (a GRPO group
+        whose samples all got the same reward) get no pass unless `loss.zero_advantage_counts`:
+        they cost nothing (`skipped_rows`)."""
+        skipped = 0
+        if not loss.zero_advantage_counts:
+            among = rows_with_signal(advantages, batch.loss_mask)
+            skipped = len(batch) - len(among)
+            if skipped:
+                batch = batch.select(among) if among.numel() else None
+        if batch is None:  # nothing to train: the optimizer still steps
+            self.version += 1
+            return {"loss": 0.0, "train_s": 0.0, "skipped_rows": float(skipped)}
         tokens = self.step_tokens(batch)
         seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff, recompute=self.train_shape.recompute)
         self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
         seconds = self._busy(seconds)
         self.version += 1
-        return {"loss": 0.0, "train_s": seconds}
+        return {"loss": 0.0, "train_s": seconds, "skipped_rows": float(skipped)}
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Zeros [batch, seq - 1] after a forward pass's time: a third of a step's FLOPs, no all-reduce."""

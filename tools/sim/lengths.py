@@ -15,6 +15,11 @@ training goes on. Lengths are cut at `max_new_tokens`, and the sampler says whic
 tokens (integers >= 0). Other keys are ignored, so a run's `metrics.jsonl` (each step's
 line has `step` and `lengths`) is such a trace. Blank lines are skipped; each step
 appears once.
+
+`replay_rewards` reads the rewards beside them, where a line has `rewards` (a run's
+metrics.jsonl has, since 2026-11-30): one number per response, grouped as `lengths`. A
+simulation that replays them trains the groups the run trained: a group whose samples all
+got one reward has no advantage, and the trainer skips its rows.
 """
 
 from __future__ import annotations
@@ -109,6 +114,42 @@ def replay(path: str | Path) -> dict[int, list[list[int]]]:
         if step in steps:
             raise ValueError(f"{path}:{number}: step {step} appears twice")
         steps[step] = groups
+    return steps
+
+
+def replay_rewards(path: str | Path) -> dict[int, list[list[float]]]:
+    """Each step's groups of rewards, from the lines of a trace (`replay`'s) that have
+    `rewards`; {} when none has (a trace of lengths alone, or an older run's).
+
+    Raises:
+        ValueError: as `replay`, and for `rewards` that are not numbers grouped as the
+            line's `lengths` (the message names the file and the line number).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the length trace: {e.strerror or e}") from e
+    steps: dict[int, list[list[float]]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON: {e.msg}") from e
+        step, groups = _check_row(row, where=where)
+        rewards = row.get("rewards")
+        if rewards is None:
+            continue
+        if not isinstance(rewards, list) or [len(r) if isinstance(r, list) else None for r in rewards] != [len(g) for g in groups]:
+            raise ValueError(f"{where}: rewards must be grouped as lengths are (one number per response)")
+        for r in rewards:
+            for x in r:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                    raise ValueError(f"{where}: rewards must be finite numbers, got {x!r}")
+        steps[step] = [[float(x) for x in r] for r in rewards]
     return steps
 
 

@@ -11,8 +11,12 @@ what the simulation says of staleness, pauses and idle time is what the code doe
 Assumptions (docs/simulate.md states them for users):
 - one simulated token stands for `token_scale` real ones (memory stays small at scale;
   costs are computed in real tokens);
-- rewards score a seeded coin flip and take `Workload.reward_s` a sample (0 by default:
-  free), a batch's samples side by side on the recipe's reward workers;
+- rewards are a run's recorded ones (`Workload.replay_rewards`), else 1 and 0 in turn
+  within each group, so that every group has an advantage; they take `Workload.reward_s` a
+  sample (0 by default: free), a batch's samples side by side on the recipe's reward
+  workers, and the loop's own work `Workload.stage_s` a batch (0 by default);
+- the trainer skips the rows of a group whose samples all got one reward, as the real
+  engines do (no advantage, no KL or entropy term);
 - the trainer is one data-parallel group over every `placement.train` device; its step is
   `costs.train_step_s` over the tokens its busiest rank computes times the ranks
   (`costs.step_tokens`: each rank the engines' token-even share of the rows, cut into micro-batches as
@@ -57,7 +61,7 @@ from tidal.tools.plan import roles_of
 from tidal.tools.rl import reward_workers
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import ClusterSpec
-from tidal.tools.sim.engines import Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
+from tidal.tools.sim.engines import LENGTHS_KEY, Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
 from tidal.tools.sim.lengths import LengthModel
 
 
@@ -78,14 +82,26 @@ class Workload:
     """Recorded lengths (`lengths.replay`: a run's metrics.jsonl) used instead of `lengths`:
     step k's prompts take the groups of the trace's k-th step, the trace repeating when the
     simulation runs longer; a group smaller than `group_size` repeats its lengths."""
+    replay_rewards: Mapping[int, list[list[float]]] | None = None
+    """Recorded rewards (`lengths.replay_rewards`), step by step beside `replay`: a group's
+    samples are scored with its rewards, in the order they reach the reward stage, so the
+    groups whose samples all got one reward (no advantage: the trainer skips their rows)
+    are the run's. Steps without them, and runs without a trace, score each sample with a
+    1 and 0 in turn, so that every group trains."""
     reward_s: float = 0.0
     """Seconds one sample's reward takes to compute. The reward stage scores each batch it
     takes on the recipe's reward workers side by side (`task.reward_workers`; none: one at a
     time in the stage's thread). 0: rewards are free."""
+    stage_s: float = 0.0
+    """Seconds of the loop's own work for each batch the reward stage takes: the reward and
+    advantage stages' Python around the reward function (a real run's `reward` and
+    `advantage` spans, less the reward function's time), charged in the reward stage's
+    thread. 0: free, as on a cluster whose host CPUs keep up."""
 
     def __post_init__(self) -> None:
-        if not self.reward_s >= 0:
-            raise ValueError(f"reward_s must be >= 0 seconds, got {self.reward_s!r}")
+        for name in ("reward_s", "stage_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -154,6 +170,10 @@ def _transport(cfg: RecipeConfig, train_kind: str, rollout_kind: str, *, same_no
         raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
 
 
+REWARDS_KEY = "rewards"
+"""A prompt row's key (its trajectories' `meta` key) holding its group's recorded rewards."""
+
+
 def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dict[str, Any]]:
     """Endless prompts, each carrying its group's response lengths (simulated tokens)."""
     rng = random.Random(work.seed)
@@ -161,15 +181,21 @@ def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dic
     per_step = cfg.algorithm.prompts_per_step
     index = 0
     recorded = [work.replay[k] for k in sorted(work.replay)] if work.replay else None
+    rewards = [(work.replay_rewards or {}).get(k) for k in sorted(work.replay)] if work.replay else None
     while True:
         step = index // per_step
-        if recorded is not None:
+        row: dict[str, Any] = {"prompt_ids": list(prompt)}
+        if recorded is not None and rewards is not None:
             groups = recorded[step % len(recorded)]
-            lengths = groups[(index % per_step) % len(groups)]
+            g = (index % per_step) % len(groups)
+            lengths = groups[g]
+            scores = rewards[step % len(recorded)]
+            if scores is not None:
+                row[REWARDS_KEY] = scores[g]
         else:
             (lengths,) = work.lengths.sample(step=step, num_prompts=1, group_size=cfg.algorithm.group_size, rng=rng)
-        sim = [min(max(1, math.ceil(n / work.token_scale)), sim_budget) for n in lengths]
-        yield {"prompt_ids": list(prompt), "lengths": sim}
+        row[LENGTHS_KEY] = [min(max(1, math.ceil(n / work.token_scale)), sim_budget) for n in lengths]
+        yield row
         index += 1
 
 
@@ -231,13 +257,25 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
         for k, ((dev, tp), a) in enumerate(zip(rollout_devices, rollout))
     ]
     steps: list[dict[str, Any]] = []
-    coin = random.Random(work.seed + 1)
     scorers = max(1, reward_workers(cfg))
 
+    scored: dict[Any, int] = {}  # group -> its samples scored so far
+
+    def reward_of(t: Any) -> float:
+        """The recorded reward of the group's next sample; without one, 1 and 0 in turn: every
+        group has an advantage and trains whole (the most a step costs)."""
+        recorded = t.meta.get(REWARDS_KEY) or (1.0, 0.0)
+        j = scored.get(t.group, 0)
+        if j + 1 >= len(recorded):
+            scored.pop(t.group, None)  # the group's next sample starts over, as lengths do
+        else:
+            scored[t.group] = j + 1
+        return float(recorded[j % len(recorded)])
+
     def score(trajectories: Any) -> tuple[list[float], list[int]]:
-        if work.reward_s and trajectories:  # the batch's samples on the reward workers, side by side
-            clock.sleep(math.ceil(len(trajectories) / scorers) * work.reward_s)
-        return [float(coin.random() < 0.5) for _ in trajectories], []
+        if trajectories and (work.reward_s or work.stage_s):  # the batch's samples on the reward workers, side by side
+            clock.sleep(math.ceil(len(trajectories) / scorers) * work.reward_s + work.stage_s)
+        return [reward_of(t) for t in trajectories], []
 
     seats: list[Seat] = []
     turns: list[Turns] = []
