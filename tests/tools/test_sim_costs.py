@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tidal.tools.sim import costs
@@ -59,6 +61,10 @@ def test_efficiency_bounds():
         Efficiency(network=1.5)
     with pytest.raises(ValueError, match="grad_overlap"):
         Efficiency(grad_overlap=-0.1)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="train_in_run"):
+            Efficiency(train_in_run=bad)
+    assert Efficiency(rollout_in_run=0.9).rollout_in_run == 0.9  # a run may be quicker than its profile
 
 
 def test_decode_at_batch_1_is_weight_read_bound():

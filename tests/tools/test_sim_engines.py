@@ -318,3 +318,17 @@ def test_work_beside_the_other_role_slows_for_as_long_as_it_overlaps(rollout_fro
         return beside.run("train", 1.0, eff)
 
     assert clock.run(main) == pytest.approx(expected, abs=1e-9)
+
+
+def test_work_in_a_run_takes_its_factor_always_and_the_slowdown_beside_on_top():
+    clock = VirtualClock()
+    beside = Beside(clock)
+    eff = costs.Efficiency(train_beside_rollout=2.0, train_in_run=1.5, rollout_in_run=1.2)
+
+    def main():
+        alone = beside.run("train", 1.0, eff)
+        with beside.work("rollout"):
+            beside_rollout = beside.run("train", 1.0, eff)
+        return alone, beside_rollout, beside.factor("rollout", eff)
+
+    assert clock.run(main) == pytest.approx((1.5, 3.0, 1.2), abs=1e-9)

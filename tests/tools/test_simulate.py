@@ -277,6 +277,14 @@ def test_recorded_lengths_replace_the_sampler(tmp_path, capsys):
     assert main(args) == 0
     sampled = json.loads(capsys.readouterr().out)
     assert sampled["tokens_per_s"] * sampled["total_s"] != pytest.approx(2 * 16 * 8 * 64)
+    trace.write_text("\n".join(json.dumps({"step": k, "lengths": [[64] * 8] * 16, "rewards": [[1] * 8] * 16}) for k in range(2)) + "\n")
+    assert main([*args, "--lengths", str(trace)]) == 0
+    flat = json.loads(capsys.readouterr().out)  # every group all right: nothing trains
+    trained = [e["dur"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("name") == "train"]
+    assert trained == [0, 0] and flat["total_s"] < replayed["total_s"]
+    assert main([*args, "--lengths", str(trace), "--stage-ms", "250"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert staged["total_s"] > flat["total_s"] + 0.25  # a synchronous step waits for its last batch's stages
 
 
 def test_bench_simulate_times_a_1024_device_cluster(capsys):
@@ -513,3 +521,6 @@ def test_a_negative_reward_time_is_refused_naming_the_option(capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--reward-ms", "-1"])
     assert "--reward-ms: '-1' is not a number >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--stage-ms", "-2"])
+    assert "--stage-ms: '-2' is not a number >= 0" in capsys.readouterr().err
