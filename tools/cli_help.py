@@ -152,12 +152,14 @@ Run a benchmark and print its table (ratios against baselines measured in the sa
           quickstart async (max_staleness=1), sync (0) and async with rollout
           time-sharing the trainer's device (colocated) with `tidal run`'s path for each
           of --seeds, simulates each run on two devices of the profiled device (one core
-          a role) with the run's own response lengths, and prints measured and predicted
-          samples/s and step times, and the async / sync ratio against its targets
-          (ratio within 10%, step times within 15%). How much each role slows beside the
-          other comes from the runs (async's median train step and generate time per
-          token over sync's, of another seed); the ratio with the profile's own
-          measurement is printed beside.
+          a role) with the run's own response lengths and rewards, and prints measured
+          and predicted samples/s and step times, and the async / sync ratio against
+          its targets (ratio within 10%, step times within 15%). From the runs of
+          another seed come how much each role slows beside the other (async's median
+          train step and generate time per token over sync's, per second the other role
+          worked beside), the reward and advantage stages' time a batch, a weight
+          sync's time, and the engines' time in a run over the profile's; the ratio
+          with the profile's own contention figures is printed beside.
           --steps (default 150) sizes the runs; --repeats (default 7) times each
           profile point that many times (the median).
 
