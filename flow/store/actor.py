@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.flow.store.memory import retain_freed_memory
+from tidal.flow.store.memory import freeze_startup_objects, retain_freed_memory
 from tidal.flow.store.prometheus import MetricsServer
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.table import Store
@@ -23,7 +23,8 @@ class StoreActor:
     `metrics_port` set, Prometheus metrics are served on it as well. `persist_dir`: where
     clients may save the store (`RemoteStore.save`); None refuses them (`save` here, a
     call of the actor, writes anywhere). The actor's process
-    keeps the memory its rows free for the next rows (`memory.retain_freed_memory`).
+    keeps the memory its rows free for the next rows (`memory.retain_freed_memory`), and
+    leaves its start-up objects out of garbage collections (`memory.freeze_startup_objects`).
     """
 
     def __init__(self, *, role: str = "controller", host: str = "127.0.0.1", token: str | None = None, metrics_port: int | None = None, persist_dir: str | None = None) -> None:
@@ -35,6 +36,7 @@ class StoreActor:
         metrics_host = "0.0.0.0" if host == "*" else host  # ZeroMQ's wildcard; HTTP names every interface so
         self.metrics_server = MetricsServer(self.store.metrics, host=metrics_host, port=metrics_port) if self.store is not None and metrics_port is not None else None
         self._host = host
+        freeze_startup_objects()
 
     def address(self) -> str:
         """The address clients connect to (the node's IP when bound to all interfaces)."""

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from tidal.flow.store.client import TOKEN_ENV
+from tidal.flow.store.memory import freeze_startup_objects
 from tidal.flow.store.server import StoreServer
 from tidal.flow.store.table import Store
 
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "tidal store serve") 
     except ValueError as e:  # a refused bind (no token), a duplicate partition, a bad setting: named in the message
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    freeze_startup_objects()  # a process that is a store server: see `memory`
     print(server.address, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: server.close())
     try:

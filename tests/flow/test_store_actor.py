@@ -59,10 +59,11 @@ def test_an_actor_bound_by_the_wildcard_gives_its_node_address_and_serves_metric
             bound["metrics"] = host
 
     monkeypatch.setattr("tidal.flow.store.actor.retain_freed_memory", lambda: True)  # the actor's body runs in the test's process here
+    monkeypatch.setattr("tidal.flow.store.actor.freeze_startup_objects", lambda: bound.setdefault("frozen", True))
     monkeypatch.setattr("tidal.flow.store.actor.StoreServer", Server)
     monkeypatch.setattr("tidal.flow.store.actor.MetricsServer", Metrics)
     actor = StoreActor(host="*", token="t", metrics_port=0)
-    assert bound == {"store": "tcp://*:0", "metrics": "0.0.0.0"}
+    assert bound == {"store": "tcp://*:0", "metrics": "0.0.0.0", "frozen": True}
     assert actor.address() == f"tcp://{ray.util.get_node_ip_address()}:5555"
 
 

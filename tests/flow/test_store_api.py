@@ -201,6 +201,30 @@ def test_tidal_store_serve_runs_a_server_on_its_own_until_sigterm(tmp_path):
             proc.wait()
 
 
+def test_a_store_server_process_leaves_its_start_up_objects_out_of_garbage_collections(monkeypatch, capsys):
+    code = "from tidal.flow.store.memory import freeze_startup_objects; import gc; n = freeze_startup_objects(); print(n, gc.get_freeze_count())"
+    frozen, count = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert int(frozen) == int(count) > 10_000  # torch's and NumPy's modules, at least
+    from tidal.flow.store import serve
+
+    calls = []
+
+    class Server:
+        address = "tcp://127.0.0.1:1"
+
+        def __init__(self, store, **kw):
+            calls.append("server")
+
+        def serve_forever(self):
+            calls.append("serving")
+
+    monkeypatch.setattr(serve, "StoreServer", Server)
+    monkeypatch.setattr(serve, "freeze_startup_objects", lambda: calls.append("frozen"))
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    assert serve.main([]) == 0 and calls == ["server", "frozen", "serving"]  # once it is set up, before it serves
+    assert capsys.readouterr().out == "tcp://127.0.0.1:1\n"
+
+
 def test_tidal_store_serve_refuses_a_public_address_without_a_token():
     env = {k: v for k, v in os.environ.items() if k != "TIDAL_STORE_TOKEN"}
     done = subprocess.run([sys.executable, "-m", "tidal.tools.cli", "store", "serve", "--host", "0.0.0.0"], capture_output=True, text=True, env=env, timeout=60)

@@ -19,8 +19,9 @@ the first find them warm, as a pipeline that has done a step does.
 
 Systems, the first being the path a user gets from the docs:
 
-- `tidal`: `StoreServer(Store())` in its own process (what `tidal store serve` runs, no
-  allocator tuning); the producer's `put` waits for each reply; the consumer calls
+- `tidal`: `StoreServer(Store())` in its own process, as a user's script starts it (no
+  allocator tuning; `tidal store serve` also leaves its start-up objects out of garbage
+  collections, `memory.freeze_startup_objects`); the producer's `put` waits for each reply; the consumer calls
   `get`, reads the data, then `ack`. On one host large buffers go through shared memory.
 - `tidal-tuned` (labelled as such): the same with the tunings an expert may add - up to
   `put_window` puts in flight (`submit_put`), `get(partial=True, ack=previous)` (one round
