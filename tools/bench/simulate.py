@@ -169,9 +169,11 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
             own.update(_in_run(own, tracer))
     for seed, system, overrides, measured, (lengths, rewards) in runs:
         run_cfg = load_config(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
-        stage_s = _stage_s(spans, seed, system)
+        stage_s = _from_others(spans, seed, system, ("stage_s",))["stage_s"]  # the reward and advantage spans a batch
         work = workload(seed, lengths, rewards, stage_s, calibration.eff)
-        beside = {**_beside(spans, seed), "ipc_setup_s": _sync_s(spans, seed), **_from_other_sync(spans, seed, ("train_in_run", "rollout_in_run"))}
+        # a weight sync as the sync runs' publish and weight-update spans took it; their engines' time in a run
+        in_run = _from_others(spans, seed, "sync", ("sync_s", "train_in_run", "rollout_in_run"))
+        beside = {**_beside(spans, seed), "ipc_setup_s": in_run.pop("sync_s"), **in_run}
         row = {"system": system, "seed": seed, "measured_samples_per_s": measured, "measured_step_s": batch / measured, **beside, "stage_s": stage_s}
         row["profile_samples_per_s"] = simulate(run_cfg, cluster, work, tracer_events=1)[0].samples_per_s
         row["predicted_samples_per_s"] = simulate(run_cfg, cluster, dataclasses.replace(work, eff=dataclasses.replace(calibration.eff, **beside)), tracer_events=1)[0].samples_per_s
@@ -209,17 +211,11 @@ MIN_OVERLAP = 0.1
 would turn a few percent of noise into a large factor."""
 
 
-def _sync_s(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int) -> float:
-    """A weight sync's seconds (`Efficiency.ipc_setup_s`: the weights are a few megabytes on
-    this host): the trainer's `publish weights` and rollout's `weight update`, medians, of
-    the sync runs of another seed when there is one, else of this one."""
-    return _from_other_sync(spans, seed, ("sync_s",))["sync_s"]
-
-
-def _from_other_sync(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int, keys: Sequence[str]) -> dict[str, float]:
-    """The medians of `keys` over the sync runs of the seeds but `seed` (of `seed` alone without another)."""
+def _from_others(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int, system: str, keys: Sequence[str]) -> dict[str, float]:
+    """The medians of `keys` over `system`'s runs of the seeds but `seed` (a run is not
+    calibrated on itself), or of `seed`'s alone without another."""
     others = sorted({s for s, _ in spans if s != seed}) or [seed]
-    return {key: statistics.median(spans[(s, "sync")][key] for s in others) for key in keys}
+    return {key: statistics.median(spans[(s, system)][key] for s in others) for key in keys}
 
 
 def _in_run(run: Mapping[str, float], tracer: Any) -> dict[str, float]:
@@ -230,13 +226,6 @@ def _in_run(run: Mapping[str, float], tracer: Any) -> dict[str, float]:
     if not train or not generate:
         raise RuntimeError("the simulation of a sync run has no train step or no generation")
     return {"train_in_run": run["train_s"] / statistics.median(train), "rollout_in_run": run["generate_s"] / generate}
-
-
-def _stage_s(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int, system: str) -> float:
-    """The loop's own work per reward batch (`Workload.stage_s`): the reward and advantage
-    spans of the same system's runs of another seed when there is one, else of this one."""
-    others = sorted({s for s, _ in spans if s != seed}) or [seed]
-    return statistics.median(spans[(s, system)]["stage_s"] for s in others)
 
 
 def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, tuple[dict[int, list[list[int]]], dict[int, list[list[float]]]], dict[str, float]]:

@@ -28,7 +28,9 @@ import dataclasses
 import json
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,24 +99,7 @@ def replay(path: str | Path) -> dict[int, list[list[int]]]:
         ValueError: the file is missing or unreadable, or a line is not a valid row; the
             message names the file and the line number.
     """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the length trace: {e.strerror or e}") from e
-    steps: dict[int, list[list[int]]] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not JSON: {e.msg}") from e
-        step, groups = _check_row(row, where=f"{path}:{number}")
-        if step in steps:
-            raise ValueError(f"{path}:{number}: step {step} appears twice")
-        steps[step] = groups
-    return steps
+    return {step: groups for _, step, groups, _ in _rows(path)}
 
 
 def replay_rewards(path: str | Path) -> dict[int, list[list[float]]]:
@@ -125,21 +110,8 @@ def replay_rewards(path: str | Path) -> dict[int, list[list[float]]]:
         ValueError: as `replay`, and for `rewards` that are not numbers grouped as the
             line's `lengths` (the message names the file and the line number).
     """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the length trace: {e.strerror or e}") from e
     steps: dict[int, list[list[float]]] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON: {e.msg}") from e
-        step, groups = _check_row(row, where=where)
+    for where, step, groups, row in _rows(path):
         rewards = row.get("rewards")
         if rewards is None:
             continue
@@ -151,6 +123,29 @@ def replay_rewards(path: str | Path) -> dict[int, list[list[float]]]:
                     raise ValueError(f"{where}: rewards must be finite numbers, got {x!r}")
         steps[step] = [[float(x) for x in r] for r in rewards]
     return steps
+
+
+def _rows(path: str | Path) -> Iterator[tuple[str, int, list[list[int]], dict[str, Any]]]:
+    """(file:line, step, its groups of lengths, the whole row) of each line of a trace."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the length trace: {e.strerror or e}") from e
+    seen: set[int] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON: {e.msg}") from e
+        step, groups = _check_row(row, where=where)
+        if step in seen:
+            raise ValueError(f"{where}: step {step} appears twice")
+        seen.add(step)
+        yield where, step, groups, row
 
 
 def _check_row(row: object, *, where: str) -> tuple[int, list[list[int]]]:

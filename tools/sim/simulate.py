@@ -86,7 +86,7 @@ class Workload:
     """Recorded rewards (`lengths.replay_rewards`), step by step beside `replay`: a group's
     samples are scored with its rewards, in the order they reach the reward stage, so the
     groups whose samples all got one reward (no advantage: the trainer skips their rows)
-    are the run's. Steps without them, and runs without a trace, score each sample with a
+    are the run's. Steps without them, and runs without a trace, score a group's samples
     1 and 0 in turn, so that every group trains."""
     reward_s: float = 0.0
     """Seconds one sample's reward takes to compute. The reward stage scores each batch it
@@ -95,8 +95,8 @@ class Workload:
     stage_s: float = 0.0
     """Seconds of the loop's own work for each batch the reward stage takes: the reward and
     advantage stages' Python around the reward function (a real run's `reward` and
-    `advantage` spans, less the reward function's time), charged in the reward stage's
-    thread. 0: free, as on a cluster whose host CPUs keep up."""
+    `advantage` spans a batch, less what `reward_s` charges for it), charged in the reward
+    stage's thread. 0: free, as on a cluster whose host CPUs keep up."""
 
     def __post_init__(self) -> None:
         for name in ("reward_s", "stage_s"):
