@@ -44,3 +44,14 @@ def non_negative(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
     return value
+
+
+def share(text: str) -> float:
+    """An argparse type: a fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share in [0, 1]")
+    return value

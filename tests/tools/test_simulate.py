@@ -277,6 +277,9 @@ def test_recorded_lengths_replace_the_sampler(tmp_path, capsys):
     assert main(args) == 0
     sampled = json.loads(capsys.readouterr().out)
     assert sampled["tokens_per_s"] * sampled["total_s"] != pytest.approx(2 * 16 * 8 * 64)
+    assert main([*args, "--lengths", str(trace), "--flat-groups", "1"]) == 0  # no rewards recorded: every group flat
+    assert json.loads(capsys.readouterr().out)["total_s"] < replayed["total_s"]
+    assert [e["dur"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("name") == "train"] == [0, 0]
     trace.write_text("\n".join(json.dumps({"step": k, "lengths": [[64] * 8] * 16, "rewards": [[1] * 8] * 16}) for k in range(2)) + "\n")
     assert main([*args, "--lengths", str(trace)]) == 0
     flat = json.loads(capsys.readouterr().out)  # every group all right: nothing trains
@@ -515,6 +518,21 @@ def test_a_runs_rewards_replayed_decide_which_groups_train(tmp_path):
     assert [step["skipped_rows"] for step in unrecorded.steps] == [0.0, 0.0] and [step["reward"] for step in unrecorded.steps] == [0.5, 0.5]
 
 
+def test_a_share_of_flat_groups_leaves_their_rows_untrained():
+    every, _ = _run(staleness=0, sigma=0.0, steps=4)
+    half, _ = _run(staleness=0, sigma=0.0, steps=4, flat_groups=0.5)
+    again, _ = _run(staleness=0, sigma=0.0, steps=4, flat_groups=0.5)
+    none, tracer = _run(staleness=0, sigma=0.0, steps=2, flat_groups=1.0)
+    rows = sum(step["samples"] for step in half.steps)
+    skipped = sum(step["skipped_rows"] for step in half.steps)
+    assert sum(step["skipped_rows"] for step in every.steps) == 0 and 0.3 < skipped / rows < 0.7
+    assert [step["skipped_rows"] for step in again.steps] == [step["skipped_rows"] for step in half.steps]  # seeded
+    assert half.total_s < every.total_s and _durations(tracer, "train", "train") == [0, 0]
+    assert [step["response_len"] for step in half.steps] == [step["response_len"] for step in every.steps]  # the lengths are the same draws
+    with pytest.raises(ValueError, match="flat_groups"):
+        Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), flat_groups=1.5)
+
+
 def test_a_negative_reward_time_is_refused_naming_the_option(capsys):
     from tidal.tools.cli import main
 
@@ -524,3 +542,6 @@ def test_a_negative_reward_time_is_refused_naming_the_option(capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--stage-ms", "-2"])
     assert "--stage-ms: '-2' is not a number >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--flat-groups", "1.5"])
+    assert "--flat-groups: '1.5' is not a share in [0, 1]" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.cli_types import count, non_negative, positive_ints
+from tidal.tools.cli_types import count, non_negative, positive_ints, share
 
 SIMULATE_HELP = """\
 Predict a recipe's throughput on a cluster you do not have: the recipe's own workflow,
@@ -62,6 +62,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--lengths", default=None, metavar="PATH", help="replay response lengths recorded by a real run (its metrics.jsonl) instead of sampling them, and its rewards where it has them")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of every prompt (default: 256)")
     p.add_argument("--reward-ms", type=non_negative, default=0.0, help="milliseconds one sample's reward takes; a batch's samples are scored side by side on task.reward_workers (default: 0, free)")
+    p.add_argument("--flat-groups", type=share, default=0.0, help="share of prompts whose samples all get one reward, so the trainer skips their rows (a run's skipped_rows over its rows; default: 0); a --lengths trace's own rewards come first")
     p.add_argument("--stage-ms", type=non_negative, default=0.0, help="milliseconds of the loop's own work (the reward and advantage stages' Python) for each batch the reward stage takes (default: 0, free)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens one simulated token stands for (default: 16)")
     p.add_argument("--profile", default=None, metavar="PATH", help="fit the efficiency factors from a `tidal profile` of a real device (default: the assumed ones, uncalibrated)")
@@ -116,6 +117,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             replay_rewards=replay_rewards(args.lengths) if args.lengths else None,
             reward_s=args.reward_ms / 1000,
             stage_s=args.stage_ms / 1000,
+            flat_groups=args.flat_groups,
             **({"eff": calibration.eff} if calibration is not None else {}),
         )
     except ValueError as e:

@@ -12,7 +12,8 @@ Assumptions (docs/simulate.md states them for users):
 - one simulated token stands for `token_scale` real ones (memory stays small at scale;
   costs are computed in real tokens);
 - rewards are a run's recorded ones (`Workload.replay_rewards`), else 1 and 0 in turn
-  within each group, so that every group has an advantage; they take `Workload.reward_s` a
+  within each group, so that every group has an advantage, but for a share of flat groups
+  (`Workload.flat_groups`, 0 by default); they take `Workload.reward_s` a
   sample (0 by default: free), a batch's samples side by side on the recipe's reward
   workers, and the loop's own work `Workload.stage_s` a batch (0 by default);
 - the trainer skips the rows of a group whose samples all got one reward, as the real
@@ -87,7 +88,11 @@ class Workload:
     samples are scored with its rewards, in the order they reach the reward stage, so the
     groups whose samples all got one reward (no advantage: the trainer skips their rows)
     are the run's. Steps without them, and runs without a trace, score a group's samples
-    1 and 0 in turn, so that every group trains."""
+    1 and 0 in turn, so that every group trains, but for `flat_groups` of them."""
+    flat_groups: float = 0.0
+    """The share of prompts, without recorded rewards, whose samples all get one reward (a
+    prompt the policy always or never solves): a seeded draw per prompt; the trainer skips
+    their rows. A run's `skipped_rows` over its rows says what it had. In [0, 1]."""
     reward_s: float = 0.0
     """Seconds one sample's reward takes to compute. The reward stage scores each batch it
     takes on the recipe's reward workers side by side (`task.reward_workers`; none: one at a
@@ -102,6 +107,8 @@ class Workload:
         for name in ("reward_s", "stage_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        if not 0 <= self.flat_groups <= 1:
+            raise ValueError(f"flat_groups must be a share in [0, 1], got {self.flat_groups!r}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -176,7 +183,7 @@ REWARDS_KEY = "rewards"
 
 def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dict[str, Any]]:
     """Endless prompts, each carrying its group's response lengths (simulated tokens)."""
-    rng = random.Random(work.seed)
+    rng, flat = random.Random(work.seed), random.Random(work.seed + 1)  # the draws of flat groups leave the lengths alone
     prompt = [1] * max(1, math.ceil(work.prompt_tokens / work.token_scale))
     per_step = cfg.algorithm.prompts_per_step
     index = 0
@@ -194,6 +201,8 @@ def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dic
                 row[REWARDS_KEY] = scores[g]
         else:
             (lengths,) = work.lengths.sample(step=step, num_prompts=1, group_size=cfg.algorithm.group_size, rng=rng)
+        if REWARDS_KEY not in row and work.flat_groups and flat.random() < work.flat_groups:
+            row[REWARDS_KEY] = [1.0]  # every sample of the group: no advantage
         row[LENGTHS_KEY] = [min(max(1, math.ceil(n / work.token_scale)), sim_budget) for n in lengths]
         yield row
         index += 1
