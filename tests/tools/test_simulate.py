@@ -499,7 +499,7 @@ def test_the_loops_own_work_is_charged_once_a_reward_batch():
     costly, tracer = _run(staleness=0, sigma=0.0, steps=2, reward_s=0.1, stage_s=0.5)
     spans = [e for e in tracer.spans("reward") if e["name"] == "reward"]
     assert spans and all(e["dur"] / 1e6 == pytest.approx(e["args"]["rows"] * 0.1 + 0.5) for e in spans)
-    assert costly.step_s["mean"] > free.step_s["mean"] + 0.5  # the last batch's holds up a synchronous step
+    assert costly.step_s["mean"] > free.step_s["mean"] + 0.5  # the last batch's stage time holds up a synchronous step
     with pytest.raises(ValueError, match="stage_s"):
         Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), stage_s=-1.0)
 
@@ -522,7 +522,7 @@ def test_a_share_of_flat_groups_leaves_their_rows_untrained():
     every, _ = _run(staleness=0, sigma=0.0, steps=4)
     half, _ = _run(staleness=0, sigma=0.0, steps=4, flat_groups=0.5)
     again, _ = _run(staleness=0, sigma=0.0, steps=4, flat_groups=0.5)
-    none, tracer = _run(staleness=0, sigma=0.0, steps=2, flat_groups=1.0)
+    _, tracer = _run(staleness=0, sigma=0.0, steps=2, flat_groups=1.0)
     rows = sum(step["samples"] for step in half.steps)
     skipped = sum(step["skipped_rows"] for step in half.steps)
     assert sum(step["skipped_rows"] for step in every.steps) == 0 and 0.3 < skipped / rows < 0.7
