@@ -533,6 +533,21 @@ def test_a_share_of_flat_groups_leaves_their_rows_untrained():
         Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=10, max_new_tokens=20), flat_groups=1.5)
 
 
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_transport_overlap_spares_the_trainer_the_weight_sync_under_ray_only(runtime):
+    cluster = parse_cluster({"network": {"scale_out_gbps": 1}, "nodes": [{"name": "t", "device": "h100"}, {"name": "r", "device": "h100"}]})
+    steps = {}
+    for overlap in ("true", "false"):
+        cfg = load_config(resolve_recipe("mixed_npu_gpu"), ["algorithm.num_steps=4", "rollout.max_new_tokens=2048", "model.max_positions=4096", *DISJOINT, "algorithm.max_staleness=1", f"runtime={runtime}", f"transport.overlap={overlap}", "transport.name=host"])  # over 1 Gb/s: a sync the trainer would notice
+        work = Workload(model=ModelShape.qwen2_5("1.5b"), lengths=LengthModel(mean_tokens=1000, prompt_sigma=0.0, group_sigma=0.0, max_new_tokens=2048), token_scale=16)
+        _, tracer = simulate(cfg, cluster, work)
+        steps[overlap] = statistics.median(_durations(tracer, "train", "publish weights"))
+    if runtime == "ray":  # the trainer goes on; the weights arrive a transfer later
+        assert steps["true"] < steps["false"] / 10
+    else:  # a local run publishes in the trainer's thread: transport.overlap is a Ray setting
+        assert steps["true"] == steps["false"] > 0
+
+
 def test_a_negative_reward_time_is_refused_naming_the_option(capsys):
     from tidal.tools.cli import main
 

@@ -57,7 +57,7 @@ from tidal.flow.virtual_clock import VirtualClock
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.hal.platform import describe
 from tidal.hal.transfer import choose_transport
-from tidal.tools.config import ConfigError, RecipeConfig, TrainConfig
+from tidal.tools.config import ConfigError, RecipeConfig, Runtime, TrainConfig
 from tidal.tools.plan import roles_of
 from tidal.tools.rl import reward_workers
 from tidal.tools.sim import costs
@@ -260,6 +260,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
         )
     except ValueError as e:
         raise ConfigError(f"transport.name={cfg.transport.name}: {e}") from None
+    overlap = cfg.transport.overlap and cfg.runtime is Runtime.ray  # `runtime: local` publishes in the trainer's thread, whatever transport.overlap says
     config = WorkflowConfig(algorithm=cfg.algorithm, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=sim_budget))
     engines = [
         SimRolloutEngine(clock=clock, model=work.model, device=dev, tp=tp, eff=work.eff, token_scale=work.token_scale, name=f"rollout-{k}", beside=beside if a.node in shared else None)
@@ -305,8 +306,8 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
             tracer=tracer,
             # without overlap the trainer waits out the whole transfer, and rollout has the
             # weights when it ends; with it, the trainer goes on and they arrive a transfer later
-            send_s=0.0 if cfg.transport.overlap else sync_s,
-            deliver_s=sync_s if cfg.transport.overlap else 0.0,
+            send_s=0.0 if overlap else sync_s,
+            deliver_s=sync_s if overlap else 0.0,
             hand_off=[a.mode == "borrowed" for a in rollout],  # a borrowed seat hands its paused groups back, as under Ray
         )
         group.append(rollouts)
