@@ -276,9 +276,10 @@ class Workflow:
         rewards = batch.stack("reward").to(torch.float32)
         by_group: dict[Any, list[int]] = {}
         rewards_by_group: dict[Any, list[float]] = {}
+        values = rewards.tolist()
         for k, n in zip(order.tolist(), lengths.tolist()):
             by_group.setdefault(batch.groups[k], []).append(int(n))
-            rewards_by_group.setdefault(batch.groups[k], []).append(round(float(rewards[k]), 6))
+            rewards_by_group.setdefault(batch.groups[k], []).append(round(values[k], 6))
         return _TrainRows(
             indexes=batch.indexes,
             groups=sorted(set(batch.groups)),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 
 def int_list(text: str) -> list[int]:
@@ -37,21 +39,20 @@ def positive_ints(text: str) -> list[int]:
 
 def non_negative(text: str) -> float:
     """An argparse type: a finite number >= 0 (milliseconds, seconds)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
+    return _number(text, lambda v: 0 <= v < float("inf"), "a number >= 0")
 
 
 def share(text: str) -> float:
     """An argparse type: a fraction in [0, 1]."""
+    return _number(text, lambda v: 0 <= v <= 1, "a share in [0, 1]")
+
+
+def _number(text: str, ok: Callable[[float], bool], what: str) -> float:
+    """`text` as a float that passes `ok`, else argparse's error saying it is not `what`."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share in [0, 1]")
+        value = math.nan
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value

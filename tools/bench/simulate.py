@@ -11,6 +11,7 @@ The figure is real seconds per simulated step; the 200-step time is measured whe
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import json
@@ -197,12 +198,10 @@ def _beside(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int) -> 
     The async run's ratio is an average over its spans, of which only a share had the other
     role at work beside them (`train_overlap`, `generate_overlap`), while the simulation
     slows a span only while the other role works: the factor is 1 + (ratio - 1) / share.
-    From the runs of another seed when there is one (a run is not calibrated on itself),
-    else of this one; each at least 1."""
-    others = sorted({s for s, _ in spans if s != seed}) or [seed]
+    From the runs of the other seeds (`_other_seeds`); each at least 1."""
     out = {}
     for factor, key, share in (("train_beside_rollout", "train_s", "train_overlap"), ("rollout_beside_train", "generate_s_per_token", "generate_overlap")):
-        out[factor] = max(1.0, statistics.median(1 + (spans[(s, "async")][key] / spans[(s, "sync")][key] - 1) / max(spans[(s, "async")][share], MIN_OVERLAP) for s in others))
+        out[factor] = max(1.0, statistics.median(1 + (spans[(s, "async")][key] / spans[(s, "sync")][key] - 1) / max(spans[(s, "async")][share], MIN_OVERLAP) for s in _other_seeds(spans, seed)))
     return out
 
 
@@ -212,10 +211,13 @@ would turn a few percent of noise into a large factor."""
 
 
 def _from_others(spans: Mapping[tuple[int, str], Mapping[str, float]], seed: int, system: str, keys: Sequence[str]) -> dict[str, float]:
-    """The medians of `keys` over `system`'s runs of the seeds but `seed` (a run is not
-    calibrated on itself), or of `seed`'s alone without another."""
-    others = sorted({s for s, _ in spans if s != seed}) or [seed]
-    return {key: statistics.median(spans[(s, system)][key] for s in others) for key in keys}
+    """The medians of `keys` over `system`'s runs of the other seeds (`_other_seeds`)."""
+    return {key: statistics.median(spans[(s, system)][key] for s in _other_seeds(spans, seed)) for key in keys}
+
+
+def _other_seeds(spans: Mapping[tuple[int, str], Any], seed: int) -> list[int]:
+    """The seeds of the runs but `seed` (a run is not calibrated on itself), or `seed` alone without another."""
+    return sorted({s for s, _ in spans if s != seed}) or [seed]
 
 
 def _in_run(run: Mapping[str, float], tracer: Any) -> dict[str, float]:
@@ -235,7 +237,7 @@ def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, tuple[dict[int
     (`generate_s_per_token`) and its reward and advantage stages' seconds per batch the
     reward stage took (`stage_s`)."""
     from tidal.tools.run import prepare_run  # noqa: PLC0415
-    from tidal.tools.sim.lengths import replay, replay_rewards  # noqa: PLC0415
+    from tidal.tools.sim.lengths import read_trace  # noqa: PLC0415
     from tidal.tools.train import train  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-simcheck-") as tmp:
@@ -243,22 +245,20 @@ def _real_run(recipe: Path, overrides: list[str]) -> tuple[float, tuple[dict[int
         summary = train(cfg, run_dir, progress=False)
         trace = json.loads((run_dir / "timeline.json").read_text())
         events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]  # flow.trace.Tracer writes a dict
-        train_s = [e["dur"] / 1e6 for e in events if e.get("name") == "train"]
-        generate_s = sum(e["dur"] / 1e6 for e in events if e.get("name") == "generate")
-        publish = [e["dur"] / 1e6 for e in events if e.get("name") == "publish weights"]
-        update = [e["dur"] / 1e6 for e in events if e.get("name") == "weight update"]
-        batches = sum(e.get("name") == "reward" for e in events)
-        stage_s = sum(e["dur"] / 1e6 for e in events if e.get("name") in ("reward", "advantage"))
-        lengths, rewards = replay(run_dir / "metrics.jsonl"), replay_rewards(run_dir / "metrics.jsonl")
+        seconds: dict[str, list[float]] = collections.defaultdict(list)  # span name -> each span's seconds
+        for e in events:
+            seconds[e.get("name", "")].append(e["dur"] / 1e6)
+        generate_s = sum(seconds["generate"])
+        lengths, rewards = read_trace(run_dir / "metrics.jsonl")
         tokens = sum(n for groups in lengths.values() for group in groups for n in group)
-        if not train_s or not generate_s or not tokens or not batches:
+        if not seconds["train"] or not generate_s or not tokens or not seconds["reward"]:
             raise RuntimeError(f"the run's timeline ({run_dir / 'timeline.json'}) has no train step, no generation or no reward")
         measured = {
-            "train_s": statistics.median(train_s),
+            "train_s": statistics.median(seconds["train"]),
             "generate_s_per_token": generate_s / tokens,
             "generate_s": generate_s,
-            "stage_s": stage_s / batches,
-            "sync_s": (statistics.median(publish) if publish else 0.0) + (statistics.median(update) if update else 0.0),
+            "stage_s": (sum(seconds["reward"]) + sum(seconds["advantage"])) / len(seconds["reward"]),
+            "sync_s": sum(statistics.median(seconds[name]) for name in ("publish weights", "weight update") if seconds[name]),
             "train_overlap": _overlap(events, "train", "generate"),
             "generate_overlap": _overlap(events, "generate", "train"),
         }

@@ -88,7 +88,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from tidal.tools.sim.calibrate import extrapolations, fit, profiled_device, profiled_model  # noqa: PLC0415
     from tidal.tools.sim.cluster import PROFILED, load_cluster  # noqa: PLC0415
     from tidal.tools.sim.costs import ModelShape  # noqa: PLC0415
-    from tidal.tools.sim.lengths import LengthModel, replay, replay_rewards  # noqa: PLC0415
+    from tidal.tools.sim.lengths import LengthModel, read_trace  # noqa: PLC0415
     from tidal.tools.sim.profile import load as load_profile  # noqa: PLC0415
     from tidal.tools.sim.simulate import Workload, simulate  # noqa: PLC0415
 
@@ -107,14 +107,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cluster = load_cluster(_cluster_path(clusters[0]), devices={PROFILED: profiled_device(profile)} if profile is not None else None)
         if args.model == PROFILED and profile is None:
             raise ConfigError(f"--model {PROFILED} simulates the model a `tidal profile` timed: give the profile with --profile")
+        trace = read_trace(args.lengths) if args.lengths else None
         work = Workload(
             model=profiled_model(profile) if profile is not None and args.model == PROFILED else ModelShape.qwen2_5(args.model),
             lengths=LengthModel(mean_tokens=args.mean_tokens, prompt_sigma=args.prompt_sigma, group_sigma=args.group_sigma, drift=args.drift, max_new_tokens=cfg.rollout.max_new_tokens),
             prompt_tokens=args.prompt_tokens,
             token_scale=args.token_scale,
             seed=cfg.seed,
-            replay=replay(args.lengths) if args.lengths else None,
-            replay_rewards=replay_rewards(args.lengths) if args.lengths else None,
+            replay=trace[0] if trace else None,
+            replay_rewards=trace[1] if trace else None,
             reward_s=args.reward_ms / 1000,
             stage_s=args.stage_ms / 1000,
             flat_groups=args.flat_groups,

@@ -16,7 +16,7 @@ tokens (integers >= 0). Other keys are ignored, so a run's `metrics.jsonl` (each
 line has `step` and `lengths`) is such a trace. Blank lines are skipped; each step
 appears once.
 
-`replay_rewards` reads the rewards beside them, where a line has `rewards` (a run's
+`replay_rewards` reads the rewards beside them (`read_trace` both at once), where a line has `rewards` (a run's
 metrics.jsonl has, since 2026-11-30): one number per response, grouped as `lengths`. A
 simulation that replays them trains the groups the run trained: a group whose samples all
 got one reward has no advantage, and the trainer skips its rows.
@@ -99,19 +99,26 @@ def replay(path: str | Path) -> dict[int, list[list[int]]]:
         ValueError: the file is missing or unreadable, or a line is not a valid row; the
             message names the file and the line number.
     """
-    return {step: groups for _, step, groups, _ in _rows(path)}
+    return read_trace(path)[0]
 
 
 def replay_rewards(path: str | Path) -> dict[int, list[list[float]]]:
-    """Each step's groups of rewards, from the lines of a trace (`replay`'s) that have
-    `rewards`; {} when none has (a trace of lengths alone, or an older run's).
+    """Each step's groups of rewards, from the lines of a trace that have `rewards`; {} when
+    none has (a trace of lengths alone, or an older run's). Raises as `read_trace`."""
+    return read_trace(path)[1]
+
+
+def read_trace(path: str | Path) -> tuple[dict[int, list[list[int]]], dict[int, list[list[float]]]]:
+    """`replay`'s lengths and `replay_rewards`' rewards, in one reading of the trace.
 
     Raises:
         ValueError: as `replay`, and for `rewards` that are not numbers grouped as the
             line's `lengths` (the message names the file and the line number).
     """
+    lengths: dict[int, list[list[int]]] = {}
     steps: dict[int, list[list[float]]] = {}
     for where, step, groups, row in _rows(path):
+        lengths[step] = groups
         rewards = row.get("rewards")
         if rewards is None:
             continue
@@ -122,7 +129,7 @@ def replay_rewards(path: str | Path) -> dict[int, list[list[float]]]:
                 if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
                     raise ValueError(f"{where}: rewards must be finite numbers, got {x!r}")
         steps[step] = [[float(x) for x in r] for r in rewards]
-    return steps
+    return lengths, steps
 
 
 def _rows(path: str | Path) -> Iterator[tuple[str, int, list[list[int]], dict[str, Any]]]:

@@ -187,16 +187,15 @@ def _prompts(cfg: RecipeConfig, work: Workload, sim_budget: int) -> Iterator[dic
     prompt = [1] * max(1, math.ceil(work.prompt_tokens / work.token_scale))
     per_step = cfg.algorithm.prompts_per_step
     index = 0
-    recorded = [work.replay[k] for k in sorted(work.replay)] if work.replay else None
-    rewards = [(work.replay_rewards or {}).get(k) for k in sorted(work.replay)] if work.replay else None
+    # each recorded step's groups of lengths, and of rewards where it has them
+    recorded = [(work.replay[k], (work.replay_rewards or {}).get(k)) for k in sorted(work.replay)] if work.replay else None
     while True:
         step = index // per_step
         row: dict[str, Any] = {"prompt_ids": list(prompt)}
-        if recorded is not None and rewards is not None:
-            groups = recorded[step % len(recorded)]
+        if recorded is not None:
+            groups, scores = recorded[step % len(recorded)]
             g = (index % per_step) % len(groups)
             lengths = groups[g]
-            scores = rewards[step % len(recorded)]
             if scores is not None:
                 row[REWARDS_KEY] = scores[g]
         else:
