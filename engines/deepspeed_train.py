@@ -75,7 +75,7 @@ from tidal.engines.deepspeed_state import full_state, load_full_state, move_zero
 from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
-from tidal.engines.padding_free import padding_free_for
+from tidal.engines.padding_free import no_kv_cache, padding_free_for
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
@@ -158,6 +158,7 @@ class DeepSpeedTrainEngine:
             raise ValueError("the model is DeepSpeed's already (another engine wraps it): build this engine from an un-wrapped copy")
         config = deepspeed_config(zero_stage=zero_stage, grad_clip=grad_clip, model=model)  # raises before any collective
         self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
+        self._no_kv_cache = no_kv_cache(model)  # every training forward's
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises before any collective where the platform lacks it
         self.precision, self.zero_stage = precision, zero_stage
@@ -225,14 +226,14 @@ class DeepSpeedTrainEngine:
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
-            logits = self.deepspeed(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits[:, :-1]
+            logits = self.deepspeed(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _dummy_pass(self, *, backward: bool) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' collectives."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         with self.platform.autocast(self.precision):
-            logits = self.deepspeed(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            logits = self.deepspeed(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache).logits
         if backward:
             self.deepspeed.backward(logits.float().sum() * 0.0)
 

@@ -91,7 +91,7 @@ from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tes
 from tidal.engines.fsdp_setup import ensure_process_group, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
-from tidal.engines.padding_free import padding_free_for
+from tidal.engines.padding_free import no_kv_cache, padding_free_for
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
@@ -162,6 +162,7 @@ class FSDPTrainEngine:
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
+        self._no_kv_cache = no_kv_cache(model)  # every training forward's
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises before any collective where the platform lacks it
         self.precision = precision
@@ -233,14 +234,14 @@ class FSDPTrainEngine:
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits[:, :-1]
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _dummy_pass(self, *, backward: bool) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache).logits
         if backward:
             (logits.float().sum() * 0.0).backward()
 

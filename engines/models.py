@@ -15,7 +15,10 @@ files and the tokenizer's beside them (`save`), loaded back by `load`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -135,8 +138,29 @@ class HFSource:
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"cannot load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
         if m.gradient_checkpointing:
-            module.gradient_checkpointing_enable()
+            with _renamed_checkpointing_api():
+                module.gradient_checkpointing_enable()
         return module
+
+
+@contextlib.contextmanager
+def _renamed_checkpointing_api() -> Iterator[None]:
+    """transformers 5.x renamed `gradient_checkpointing_*` to `activation_checkpointing_*`
+    (4.x has only the old names) and warns at each use; the old names work in both until v6."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is deprecated.*activation_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def recomputes_activations(module: torch.nn.Module) -> bool:
+    """Whether a transformers model recomputes its activations in the backward pass
+    (`model.gradient_checkpointing`); False for any other module."""
+    import transformers  # noqa: PLC0415
+
+    if not isinstance(module, transformers.PreTrainedModel):
+        return False
+    with _renamed_checkpointing_api():
+        return bool(module.is_gradient_checkpointing)
 
 
 def save_policy(policy: Policy, folder: Path) -> None:

@@ -58,6 +58,15 @@ def cannot_pack(model: torch.nn.Module) -> str | None:
     return None
 
 
+def no_kv_cache(model: torch.nn.Module) -> dict[str, bool]:
+    """The keyword a training forward of `model` passes so that it builds no KV cache:
+    `use_cache=False` where its forward takes `use_cache` (a transformers model otherwise
+    takes it from its config, True for Qwen2: a cache each pass, holding keys and values
+    beside activation recomputation's, and a warning under it); nothing for a forward
+    without it."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+
 @dataclasses.dataclass(frozen=True)
 class PaddingFree:
     """How an engine runs a micro-batch padding-free (`padding_free_for` picks it)."""

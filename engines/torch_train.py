@@ -48,7 +48,7 @@ import torch
 
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
-from tidal.engines.padding_free import padding_free_for
+from tidal.engines.padding_free import no_kv_cache, padding_free_for
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
@@ -94,6 +94,7 @@ class TorchTrainEngine:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.padding_free = padding_free_for(model, padding_free)
+        self._no_kv_cache = no_kv_cache(model)  # every training forward's
         """How micro-batches run without padding (`engines.padding_free`); None: padded. Raises
         ValueError for `padding_free=True` where the model cannot."""
         self.platform = platform or current_platform()
@@ -168,7 +169,7 @@ class TorchTrainEngine:
             return self.padding_free.token_stats(model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         positions = {} if right_padded else {"position_ids": padded_positions(mask)}
         with self.platform.autocast(self.precision):
-            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions).logits[:, :-1]
+            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,7 +186,7 @@ class TorchTrainEngine:
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(packed.allowed.shape, dtype=dtype).masked_fill_(~packed.allowed, torch.finfo(dtype).min)
         with self.platform.autocast(self.precision):
-            logits = model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device)).logits
+            logits = model(input_ids=packed.input_ids.to(device), attention_mask=mask[:, None].to(device), position_ids=packed.position_ids.to(device), **self._no_kv_cache).logits
         # [rows, width, vocab]: what predicts each row's response token j. Rows share predictors
         # (a prompt's last token), and `index_select`'s backward sums their gradients in a fixed
         # order, where advanced indexing's (`index_put_` accumulating) does not on CPU threads.

@@ -87,7 +87,10 @@ WORKER = textwrap.dedent(
     rows = data["shards"][rank]
     mine, my_advantages = TokenBatch(*(t[rows] for t in data["batch"])), data["advantages"][rows]
     e = engine(0, zero_stage=3)
+    asked_cache = set()
+    e.module.register_forward_pre_hook(lambda module, args, kwargs: asked_cache.add(kwargs.get("use_cache")), with_kwargs=True)
     spmd = {"metrics": run(e, data["plan"], mine, my_advantages), "version": e.version}
+    spmd["use_cache"] = asked_cache
     spmd["logprobs"] = e.logprobs(mine)
     spmd["weights"] = export(e)
     spmd["specs"] = e.named_weights().specs()  # no collective
@@ -245,6 +248,12 @@ def test_zero3_spmd_steps_equal_one_full_batch_torch_step(ranks, reference):
     _assert_same_logprobs(spmd["logprobs"], reference["logprobs"][SHARDS[0]], reference["batch"].select(SHARDS[0]))
     _assert_same_metrics(spmd["metrics"], reference["metrics"])
     assert ranks["rank_metrics"][0] == ranks["rank_metrics"][1] == spmd["metrics"]  # every rank reports the whole batch's
+
+
+def test_train_forwards_build_no_kv_cache(ranks):
+    """Every forward of the steps asked for no KV cache (transformers' default built one each
+    pass, and logged "`use_cache=True` is incompatible with gradient checkpointing")."""
+    assert ranks["spmd"]["use_cache"] == {False}
 
 
 def test_a_model_deepspeed_wraps_already_is_refused(ranks):

@@ -545,3 +545,21 @@ def test_more_non_finite_steps_in_a_row_than_max_nonfinite_steps_raise(limit):
         if version == limit:  # the first round: nothing ever stepped
             assert all(torch.equal(t, start[n]) for n, t in engine.model.state_dict().items())
         assert engine.train_step(batch, good, loss=PolicyLossConfig())["nonfinite_grad"] == 0.0
+
+
+@pytest.mark.parametrize("max_tokens", [None, 64], ids=["padded", "padding-free"])
+def test_train_forwards_build_no_kv_cache(max_tokens):
+    """A training forward asks for no KV cache: transformers' default (`use_cache` from the
+    config, True for Qwen2) built one each pass, held its keys and values beside activation
+    recomputation's, and logged "`use_cache=True` is incompatible with gradient
+    checkpointing" in every fsdp and deepspeed run."""
+    model = tiny()
+    seen: list = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+    engine = TorchTrainEngine(model, max_tokens_per_micro_batch=max_tokens)
+    grouped = [Trajectory(prompt_ids=T.encode("1+2=")) for _ in range(2)]  # a shared prompt: the packed forward
+    for t in grouped:
+        t.extend([5, 6], [-1.0, -1.0], 0)
+    for batch in (_batch(), to_token_batch(grouped, pad_id=T.pad_id)):
+        engine.train_step(batch, torch.linspace(-1.0, 1.0, batch.input_ids.shape[0]), loss=PolicyLossConfig())
+    assert seen and set(seen) == {False}

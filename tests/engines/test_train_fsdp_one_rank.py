@@ -115,3 +115,15 @@ def test_settings_out_of_bounds_are_refused_before_any_process_group_is_needed(s
     with pytest.raises(ValueError, match=f"{name} must be"):
         FSDPTrainEngine(_model(), **setting)
 
+
+
+def test_train_forwards_build_no_kv_cache(group):
+    """A training forward asks for no KV cache (transformers' default built one each pass, and
+    logged "`use_cache=True` is incompatible with gradient checkpointing" in every run)."""
+    batch, advantages = _batch()
+    engine = FSDPTrainEngine(_model(), **ENGINE)
+    seen: list = []
+    engine.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+    engine.train_step(batch, advantages, loss=PolicyLossConfig())
+    engine.sft_step(batch)
+    assert seen and set(seen) == {False}

@@ -306,8 +306,8 @@ def _train_points(
 
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
 
+    from tidal.engines.models import recomputes_activations  # noqa: PLC0415
     from tidal.engines.registry import load  # noqa: PLC0415
     from tidal.flow.trajectory import Trajectory, to_token_batch  # noqa: PLC0415
     from tidal.tools.config import stage_threads  # noqa: PLC0415
@@ -324,7 +324,7 @@ def _train_points(
         response = max(1, context - prompt)
         points = []
         steps = {}
-        recompute = isinstance(model, transformers.PreTrainedModel) and model.is_gradient_checkpointing  # `model.gradient_checkpointing` (hf models)
+        recompute = recomputes_activations(model)  # `model.gradient_checkpointing` (hf models)
         for n in rows:
             token = [3 + k % max(1, vocab - 3) for k in range(prompt + response)]  # ids every vocabulary has
             batch = to_token_batch([Trajectory(prompt_ids=token[:prompt], tokens=token[prompt:], logprobs=[-1.0] * response, versions=[0] * response, finish_reason="length") for _ in range(n)], pad_id=0)
