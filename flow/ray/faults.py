@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 
 
 class ActorLost(RuntimeError):
@@ -86,8 +87,12 @@ def num_restarts() -> int:
     import ray  # noqa: PLC0415
 
     context = ray.get_runtime_context()
-    if context.get_actor_id() is None or not context.was_current_actor_reconstructed:
+    if context.get_actor_id() is None:
         return 0
+    with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` and warns in every actor's log
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if not context.was_current_actor_reconstructed:
+            return 0
     try:
         from ray._private import state  # noqa: PLC0415
 

@@ -20,7 +20,7 @@ from tidal.flow.ray.runtime import RayRollouts, RolloutActor
 
 def _actor(*, max_restarts: int = 0):
     """A rollout actor stand-in: `describe` (its pid, and Ray's count of its restarts, as
-    `RolloutActor.describe` reports them), `ping`, and a `run` that waits until `stop`."""
+    `RolloutActor.describe` reports them, and the warnings counting them raised), `ping`, and a `run` that waits until `stop`."""
     import ray
 
     @ray.remote(num_cpus=0, max_restarts=max_restarts, max_task_retries=0, max_concurrency=4)
@@ -29,9 +29,14 @@ def _actor(*, max_restarts: int = 0):
             self.stopped = threading.Event()
 
         def describe(self):
+            import warnings
+
             from tidal.flow.ray.faults import num_restarts
 
-            return {"pid": os.getpid(), "restarts": num_restarts()}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                restarts = num_restarts()
+            return {"pid": os.getpid(), "restarts": restarts, "warnings": [str(w.message) for w in caught]}
 
         def ping(self):
             pass
@@ -148,8 +153,10 @@ def test_a_rollout_death_while_the_trainer_warmed_up_counts_against_its_restarts
 
     actor = _actor(max_restarts=1)
     first = ray.get(actor.describe.remote())
+    assert first["restarts"] == 0 and first["warnings"] == []  # Ray's restart flag read without its deprecation warning in every actor's log
     ray.kill(actor, no_restart=False)  # dies while the trainer warms up: Ray restarts it
     wait_for(lambda: _back(actor, first["pid"]), timeout=60)
+    assert ray.get(actor.describe.remote())["warnings"] == []
     rollouts = RayRollouts([actor], _Wiring(), max_restarts=1)
     assert rollouts.restarts == [1] and rollouts.descriptions[0]["restarts"] == 1
     ended: list[BaseException] = []
