@@ -56,9 +56,10 @@ class DataConfig:
 
     train_files: list[str] = dataclasses.field(default_factory=list)
     """Local files of training prompts (.jsonl, .json or .parquet; glob patterns such as
-    `data/train-*.parquet` are expanded), read in this order."""
+    `data/train-*.parquet` are expanded), read in this order. Relative paths are taken from
+    where tidal run starts and stored absolute in config.yaml."""
     eval_files: list[str] = dataclasses.field(default_factory=list)
-    """Local files of held-out prompts, for evaluation (same formats); none: no evaluation set."""
+    """Local files of held-out prompts, for evaluation (same formats and paths); none: no evaluation set."""
     prompt_key: str = "question"
     """Column holding the prompt text (GSM8K's name)."""
     answer_key: str | None = "answer"

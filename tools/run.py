@@ -123,7 +123,7 @@ def resume_changes(cfg: RecipeConfig) -> list[str]:
         checkpoint = latest_checkpoint(previous)
     except FileNotFoundError as e:
         raise ConfigError(f"resume={cfg.resume!r}: {e}") from None
-    now = _values(cfg)
+    now = _values(cfg) | {key: _absolute(select(cfg, key)) for key in INPUT_KEYS}  # as config.yaml has them
     _check_the_model(cfg, checkpoint, now)
     try:
         before = _values(load_config(previous / "config.yaml"))
@@ -162,6 +162,23 @@ def _check_the_model(cfg: RecipeConfig, checkpoint: Path, now: dict[str, Any]) -
         )
 
 
+def _as_the_resumed_run(cfg: RecipeConfig, key: str) -> str:
+    """For a required key a `resume=` run lacks: the override that gives it the value the run
+    it continues had ("" without `resume`, or when that run kept no readable config.yaml or
+    had no value either). A resumed run takes the recipe and the overrides given now, not the
+    earlier run's: a key set on that run's command line must be given again."""
+    if not cfg.resume:
+        return ""
+    try:
+        value = select(load_config(Path(cfg.resume) / "config.yaml"), key)
+    except ConfigError:
+        return ""
+    if not value:
+        return ""
+    shown = "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else value
+    return f"; the run resume={cfg.resume!r} continues had {key}={shown}: a resumed run takes the recipe and the overrides given now, so give it again (with that run's other overrides: the command it printed when it stopped has them)"
+
+
 def check_runnable(cfg: RecipeConfig) -> None:
     """Combinations `tidal run` cannot run (`tidal config` still shows them; `tidal plan`
     shows the plan and this error, `run_refusal`).
@@ -183,7 +200,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
     if cfg.model.source == "hf" and not cfg.model.path:
-        raise ConfigError("model.source=hf needs model.path: a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)")
+        raise ConfigError("model.source=hf needs model.path: a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)" + _as_the_resumed_run(cfg, "model.path"))
     if cfg.model.path and cfg.model.source != "hf":
         raise ConfigError(f"model.path={cfg.model.path!r} is read only with model.source=hf; model.source={cfg.model.source!r}: set model.source=hf or unset model.path")
     if cfg.model.path and not Path(cfg.model.path).is_dir():
@@ -191,7 +208,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
     if cfg.rollout.backend == "vllm" and cfg.model.source != "hf":
         raise ConfigError(f"rollout.backend=vllm loads a Hugging Face checkpoint directory itself; model.source={cfg.model.source!r}: set model.source=hf and model.path")
     if cfg.model.source != "tiny" and not cfg.data.train_files:
-        raise ConfigError(f"model.source={cfg.model.source} trains on prompts from files: set data.train_files (the generated tasks are for the tiny model's character tokenizer)")
+        raise ConfigError(f"model.source={cfg.model.source} trains on prompts from files: set data.train_files (the generated tasks are for the tiny model's character tokenizer)" + _as_the_resumed_run(cfg, "data.train_files"))
     if cfg.data.train_files and not cfg.task.reward:
         raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math)")
     if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
@@ -291,16 +308,28 @@ where freeing space would not help."""
 
 PATH_KEYS = ("run_dir", "output_dir", "resume")
 """Keys naming folders: `prepare_run` makes them absolute."""
+INPUT_KEYS = ("model.path", "data.train_files", "data.eval_files")
+"""Keys naming the run's inputs (a folder, files or glob patterns): made absolute too."""
+
+
+def _absolute(value: Any) -> Any:
+    """A path, or each of a list of paths or glob patterns, absolute against the current
+    directory (not following links); None and "" as they are."""
+    if isinstance(value, str):
+        return os.path.abspath(value) if value else value
+    return None if value is None else [os.path.abspath(v) for v in value]
 
 
 def _make_paths_absolute(cfg: RecipeConfig) -> None:
-    """Each of PATH_KEYS that is set, made absolute against the current directory (not
-    following links): the config goes into config.yaml and, under `runtime: ray`, to actors
-    whose working directory (on other nodes, in Ray's session folder) is not this one, which
-    would resolve a relative run_dir or resume elsewhere."""
+    """Each of PATH_KEYS and INPUT_KEYS that is set, made absolute against the current
+    directory: the config goes into config.yaml, which a later `resume=` reads from
+    anywhere, and under `runtime: ray` to actors whose working directory (on other nodes, in
+    Ray's session folder) is not this one, which would resolve a relative path elsewhere."""
     for key in PATH_KEYS:
-        if getattr(cfg, key):
-            setattr(cfg, key, os.path.abspath(getattr(cfg, key)))
+        setattr(cfg, key, _absolute(getattr(cfg, key)))
+    for key in INPUT_KEYS:
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, _absolute(select(cfg, key)))
 
 
 def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
