@@ -1,0 +1,72 @@
+"""Every train backend takes the torch engine's steps on a local Hugging Face checkpoint,
+through the real `tidal run gsm8k_qwen` (one rank, `runtime: local`).
+
+The engines' own tests compare them with the torch engine on the tiny built-in model
+(tests/engines); this one goes the user's way: the checkpoint loaded with
+`AutoModelForCausalLM` (for megatron, converted to megatron-core's GPTModel), the
+rollout engine fed each backend's weights, the recipe's loss. `max_staleness=0` makes the
+runs repeat each other, so the first steps' loss and gradient norm must agree up to float32
+noise (1e-5 relative, seen 1e-7 on CPU), and the rewards exactly.
+
+On a real GPU (`gpu` marker) the same in float32, and each backend's mixed-precision step
+(`train.precision=bf16`, the recipe's default) runs and stays finite: no GPU has run
+the deepspeed, fsdp or megatron engines yet (issue 39).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+BACKENDS = {"torch": None, "fsdp": None, "deepspeed": "deepspeed", "megatron": "megatron.core"}
+"""Each train backend and the package it needs beyond tidal's own."""
+SMALL = [
+    "threads=1", "tensorboard=false", "rollout.max_new_tokens=4", "algorithm.num_steps=2", "algorithm.prompts_per_step=4",
+    "algorithm.group_size=4", "algorithm.max_staleness=0", "train.micro_batch_size=8", "train.lr=0.01", "checkpoint_every=100",
+    "model.gradient_checkpointing=false", "task.reward=tidal_test_rewards:first_token_even", "--no-progress",
+]  # fmt: skip
+
+
+def _installed(backends) -> list[str]:
+    import importlib.util
+
+    return [b for b in backends if BACKENDS[b] is None or importlib.util.find_spec(BACKENDS[b].split(".")[0]) is not None]
+
+
+def _steps(tidal_cli, runs, tmp_path: Path, tiny_hf_dir: Path, gsm8k_files: dict, *, backend: str, device: str, precision: str) -> list[dict]:
+    run_dir = tmp_path / f"{backend}-{device}-{precision}"
+    data = [f"model.path={tiny_hf_dir}", f"data.train_files=[{gsm8k_files['train_parquet']}]"]
+    out = tidal_cli(
+        "run", "gsm8k_qwen", f"run_dir={run_dir}", *data, *SMALL, f"device={device}", f"train.backend={backend}", f"train.precision={precision}",
+        env={"PYTHONPATH": str(Path(__file__).parent)}, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, f"{backend}: {out.stderr[-3000:]}"
+    steps = runs.steps(run_dir)
+    assert [m["step"] for m in steps] == [1, 2], backend
+    return steps
+
+
+def _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, *, device: str) -> None:
+    backends = _installed(BACKENDS)
+    got = {b: _steps(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, backend=b, device=device, precision="fp32") for b in backends}
+    want = got["torch"]
+    assert any(m["loss"] != 0.0 for m in want), "no step had a signal: the comparison would prove nothing"
+    for backend in backends[1:]:
+        for step, (g, w) in enumerate(zip(got[backend], want, strict=True), start=1):
+            assert g["reward"] == w["reward"], (backend, step)  # the same rollouts: each backend gave the rollout engine the same weights
+            for key in ("loss", "grad_norm"):
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (backend, step, key)
+
+
+def test_every_train_backend_takes_the_torch_engines_steps_on_a_local_checkpoint(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files):
+    _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_every_train_backend_takes_the_torch_engines_steps_and_runs_in_bf16(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files):
+    _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, device="cuda")
+    for backend in _installed(BACKENDS):
+        for m in _steps(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, backend=backend, device="cuda", precision="bf16"):
+            assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["nonfinite_grad"] == 0, (backend, m)
