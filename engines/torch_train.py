@@ -94,9 +94,9 @@ class TorchTrainEngine:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.padding_free = padding_free_for(model, padding_free)
-        self._no_kv_cache = no_kv_cache(model)  # every training forward's
         """How micro-batches run without padding (`engines.padding_free`); None: padded. Raises
         ValueError for `padding_free=True` where the model cannot."""
+        self._no_kv_cache = no_kv_cache(model)  # every training forward's
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
         self.precision = precision
