@@ -6,7 +6,10 @@ The engines' own tests compare them with the torch engine on the tiny built-in m
 `AutoModelForCausalLM` (for megatron, converted to megatron-core's GPTModel), the
 rollout engine fed each backend's weights, the recipe's loss. `max_staleness=0` makes the
 runs repeat each other, so the first steps' loss and gradient norm must agree up to float32
-noise (1e-5 relative, seen 1e-7 on CPU), and the rewards exactly.
+noise (1e-5 relative, seen 1e-7 on CPU), the rewards exactly, and the weights each
+backend's last checkpoint holds within two steps of lr (AdamW turns float noise in a
+near-zero gradient, such as an unused token's embedding's, into a step of up to lr; seen
+5e-5 at lr 1e-2), so a weight saved under another name, layout or shard would show.
 
 On a real GPU (`gpu` marker) the same in float32, and each backend's mixed-precision step
 (`train.precision=bf16`, the recipe's default) runs and stays finite: no GPU has run
@@ -19,12 +22,14 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
+LR = 0.001
 BACKENDS = {"torch": None, "fsdp": None, "deepspeed": "deepspeed", "megatron": "megatron.core"}
 """Each train backend and the package it needs beyond tidal's own."""
 SMALL = [
     "threads=1", "tensorboard=false", "rollout.max_new_tokens=4", "algorithm.num_steps=2", "algorithm.prompts_per_step=4",
-    "algorithm.group_size=4", "algorithm.max_staleness=0", "train.micro_batch_size=8", "train.lr=0.01", "checkpoint_every=100",
+    "algorithm.group_size=4", "algorithm.max_staleness=0", "train.micro_batch_size=8", f"train.lr={LR}", "checkpoint_every=100",
     "model.gradient_checkpointing=false", "task.reward=tidal_test_rewards:first_token_even", "--no-progress",
 ]  # fmt: skip
 
@@ -53,11 +58,21 @@ def _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, *, device
     got = {b: _steps(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, backend=b, device=device, precision="fp32") for b in backends}
     want = got["torch"]
     assert any(m["loss"] != 0.0 for m in want), "no step had a signal: the comparison would prove nothing"
+    weights = {b: _final_weights(tmp_path / f"{b}-{device}-fp32") for b in backends}
     for backend in backends[1:]:
         for step, (g, w) in enumerate(zip(got[backend], want, strict=True), start=1):
             assert g["reward"] == w["reward"], (backend, step)  # the same rollouts: each backend gave the rollout engine the same weights
             for key in ("loss", "grad_norm"):
                 assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (backend, step, key)
+        assert weights[backend].keys() == weights["torch"].keys(), backend  # each backend's checkpoint: the Hugging Face names, gathered whole
+        for name, tensor in weights["torch"].items():
+            torch.testing.assert_close(weights[backend][name], tensor, atol=LR * 2, rtol=0, msg=lambda m, name=name: f"{backend}: {name}: {m}")
+
+
+def _final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "checkpoints" / "step-000002" / "model.safetensors")
 
 
 def test_every_train_backend_takes_the_torch_engines_steps_on_a_local_checkpoint(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files):
