@@ -38,16 +38,17 @@ copy and broadcasts it.
 Driving the ranks: SPMD (every rank calls every method with its own rows), or led by rank 0
 (`rank0_leads=True`, what `tidal run` uses on several ranks): only rank 0 is called, and sends
 each call's command and rows to the others, which run `tidal.engines.megatron_lead.follow()`
-(the `fsdp` engine's command loop). Not here: a colocated layout (the engine keeps no `model`
-for a seat to park, as the deepspeed engine), a KL reference policy, tensor or pipeline
-parallelism, Transformer Engine layers.
+(the `fsdp` engine's command loop). Colocated and multiplexed layouts: the engine parks itself
+(`ParksItself`: its `GPTModel` and AdamW through the platform's `offload`). Not here: a KL
+reference policy, tensor or pipeline parallelism, Transformer Engine layers.
 
 Run for real: megatron-core 0.16.1 on CPU with gloo (the host patches), 2 processes, SPMD and
 led (tests/engines/test_megatron_train.py: equality with the torch engine's steps, logprobs
 equal to the HF model's, exported weights, state round trips with this engine and the torch
 engine), and `tidal run train.backend=megatron` in one process (a checkpoint that resumes exactly)
 and as two rank actors under `runtime: ray` on a fake GPU cluster, which learn the quickstart
-(tests/tools/test_megatron_run.py). Not run: GPU (megatron-core unpatched), NPU with MindSpeed,
+(tests/tools/test_megatron_run.py); colocated with its rollout on a fake GPU, equal to the
+disaggregated run bit for bit (parks copy for real there). Not run: GPU (megatron-core unpatched), NPU with MindSpeed,
 `precision="bf16"`; the code asks hal for the device and nothing here names a vendor.
 """
 
@@ -173,7 +174,7 @@ class MegatronTrainEngine:
         self.group = parallel_state.get_data_parallel_group()
         """The ranks that sum their gradients (all of them)."""
         self.module = megatron_model(model, self.layout).to(self.device).train()
-        """megatron-core's `GPTModel` (not `model`: a time-shared seat would try to park it)."""
+        """megatron-core's `GPTModel` (not `model`: the engine parks itself, with its AdamW: `park`)."""
         self._vocab_size = self.layout.shape.vocab_size
         if self.world_size > 1:
             with torch.no_grad():
@@ -185,6 +186,8 @@ class MegatronTrainEngine:
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
+        self._parked: Any = None
+        """The platform's offload handle while a colocated rollout has the device (`park`)."""
 
     @property
     def _leading(self) -> bool:
@@ -409,6 +412,23 @@ class MegatronTrainEngine:
         metrics = self._step(batch, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]
         return metrics
+
+    # Time-sharing devices: `ParksItself` -------------------------------------------------
+    def park(self) -> None:
+        """Move this rank's weights, gradients and AdamW's state to host memory with the
+        platform's `offload` (they live in `GPTModel`'s parameters and torch's AdamW: nothing
+        of megatron's own holds them between steps), so a colocated rollout engine has the
+        device. Local to this rank, no collective: in a led group each rank's seat parks its
+        own."""
+        assert self._parked is None, "parked twice without an unpark"
+        self._parked = self.platform.offload(module=self.module, optimizer=self.optimizer)
+
+    def unpark(self) -> None:
+        """Bring them back to the device, in place (after a park that raised before moving
+        anything, nothing); one that raises can be called again."""
+        if self._parked is not None:
+            self._parked.onload()
+            self._parked = None
 
     # Weights and state -----------------------------------------------------------------
     def named_weights(self) -> LazyWeights:

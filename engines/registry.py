@@ -22,7 +22,7 @@ TRAIN = {"torch": "tidal.engines.torch_train:TorchTrainEngine", "fsdp": "tidal.e
 MULTI_RANK = {"fsdp": "tidal.engines.fsdp_lead:follow", "deepspeed": "tidal.engines.deepspeed_lead:follow", "megatron": "tidal.engines.megatron_lead:follow"}
 """train.backend values that train over several processes, one per `placement.train` instance
 -> what every rank but 0 runs (`follow(share)`, until rank 0's `stop_followers()`; `follower`)."""
-TIME_SHARES = ("torch", "fsdp", "deepspeed")
+TIME_SHARES = ("torch", "fsdp", "deepspeed", "megatron")
 """train.backend values whose engine parks its state for a rollout guest on its devices and
 takes it back (`flow.colocate`): the ones a colocated or multiplexed layout can use."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}

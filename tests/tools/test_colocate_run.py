@@ -80,14 +80,25 @@ def test_only_rollout_time_shares_the_trainers_devices_under_either_runtime(runt
         check_runnable(load_config(resolve_recipe("quickstart_cpu"), [f"runtime={runtime}", "device=fake:cuda:2", override]))
 
 
+def test_a_train_backend_that_cannot_park_its_state_is_refused_before_anything_starts(monkeypatch):
+    """Refused by the config's check, not by the seat after the warm start. Every shipped
+    train backend parks (`registry.TIME_SHARES`); one registered without it is refused."""
+    from tidal.engines import registry
+    from tidal.tools.config import ConfigError, load_config
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import check_runnable
+
+    assert set(registry.TIME_SHARES) == set(registry.TRAIN)
+    monkeypatch.setattr(registry, "TIME_SHARES", ("torch", "fsdp", "deepspeed"))
+    args = ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "train.backend=megatron", "placement.train.count=2"]
+    with pytest.raises(ConfigError, match=r"placement.rollout.colocate_with=train time-shares the trainer's devices, and train.backend='megatron' cannot park its state for a guest"):
+        check_runnable(load_config(resolve_recipe("quickstart_cpu"), [*args, *COLOCATED]))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["device=fake:cuda:1", "placement.train.colocate_with=rollout"], "placement.train.colocate_with=rollout: only rollout time-shares"),
-        (  # megatron's engine cannot park its state: refused before the warm start, not by the seat after it
-            ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "train.backend=megatron", "placement.train.count=2", *COLOCATED],
-            "placement.rollout.colocate_with=train time-shares the trainer's devices, and train.backend='megatron' cannot park its state for a guest",
-        ),
         (  # two guests on the two devices of one trainer instance
             ["runtime=ray", "cluster.fake=true", "cluster.nodes=[{name: g, kind: cuda, devices: 2}]", "placement.train.devices_each=2", "placement.rollout.count=2", *COLOCATED],
             "placement: rollout instances 0 and 1 use different devices ([0] and [1]) of trainer instance 0's 2 on g",

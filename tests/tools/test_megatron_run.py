@@ -1,6 +1,7 @@
 """`train.backend=megatron` through the real `tidal run`: one process locally whose checkpoint
 resumes exactly (megatron-core on CPU, gloo); what it needs (`engines.registry.NEEDS`); and the
-settings it cannot run refused before a run directory. (Two ranks led by rank 0 run in
+settings it cannot run refused before a run directory; a colocated trainer that parks for its
+rollout guest and trains as one alone does. (Two ranks led by rank 0 run in
 tests/engines/test_megatron_train.py; under Ray, led ranks are the `fsdp` and `deepspeed`
 runs' code, `fsdp_lead.follow_engines`: tests/tools/test_deepspeed_run.py.)
 
@@ -12,10 +13,13 @@ through `state_dict()` / `load_state_dict()`) must end exactly as the uninterrup
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tidal.engines import registry
 
@@ -48,11 +52,32 @@ def test_a_megatron_run_resumed_from_its_periodic_checkpoint_repeats_the_uninter
     assert len({m["loss"] for m in steps}) > 1 and all(m["nonfinite_grad"] == 0.0 for m in steps)  # it trained
 
 
+@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
+def test_a_colocated_megatron_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):
+    """Rollout time-shares the trainer's (fake) device: the engine parks its GPTModel and
+    AdamW state in host memory at each hand-off (`MegatronTrainEngine.park`: on a fake
+    device the platform's offload really copies them out and back into new tensors), and
+    with `max_staleness: 0` the run is the disaggregated run's, bit for bit."""
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    common = ["train.backend=megatron", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={alone}", *common, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={shared}", *common, "placement.rollout.colocate_with=train", env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    share = json.loads((shared / "summary.json").read_text())["timeshare"]
+    assert share["handoffs"] >= 6 and share["seats"]["train"]["parks"] >= 2  # the trainer left the device to rollout for each step after the first
+    a, b = runs.steps(alone), runs.steps(shared)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3] and len({m["loss"] for m in a}) > 1
+    assert [{k: m[k] for k in m if k in o} for m, o in zip(b, a)] == a  # the shared run's metrics add its hand-offs
+    x, y = (load_file(run / "checkpoints" / "step-000003" / "model.safetensors") for run in (alone, shared))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["placement.train.count=2"], "placement.train.count=2 needs runtime=ray"),
-        (["placement.rollout.colocate_with=train"], "train.backend='megatron' cannot park its state for a guest"),
+        (["algorithm.kl_coef=0.1"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch holds"),
     ],
 )
 def test_megatron_settings_that_cannot_run_are_config_errors(tidal_cli, tmp_path, args, message):
@@ -68,4 +93,4 @@ def test_megatron_needs_megatron_core_everywhere_and_mindspeed_on_npus(monkeypat
     monkeypatch.setattr(registry, "version", lambda name: "1.0" if name == "megatron-core" else None)
     assert registry.missing("train.backend", "megatron", kind="cpu") is None
     assert registry.missing("train.backend", "megatron", kind="npu") == "train.backend=megatron needs mindspeed, not installed here"
-    assert "megatron" in registry.MULTI_RANK and "megatron" not in registry.TIME_SHARES
+    assert "megatron" in registry.MULTI_RANK and "megatron" in registry.TIME_SHARES

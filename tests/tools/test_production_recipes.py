@@ -65,7 +65,6 @@ def test_the_recipes_say_what_they_need(tiny_hf_dir, gsm8k_files):
         (["model.source=tiny", "model.path=null", "data.train_files=[]", "rollout.max_new_tokens=6"], "rollout.backend=vllm loads a Hugging Face checkpoint directory itself; model.source='tiny'"),
         (["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization=1.5 must be <= 1"),
         (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization=0.0 must be > 0"),
-        (["placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train", "train.backend=megatron"], "cannot park its state"),
     ],
 )
 def test_what_the_production_recipes_cannot_run_with_is_refused_by_name(capsys, tmp_path, tiny_hf_dir, gsm8k_files, overrides, named):
