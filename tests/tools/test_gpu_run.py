@@ -70,3 +70,17 @@ def test_ray_fsdp_rank_on_one_gpu_takes_turns_with_its_guest(tidal_cli, tmp_path
     assert rollout["versions_received"] == 7 and rollout["samples"] > 0
     assert summary["timeshare"]["seats"]["train"]["parks"] >= 3 and summary["timeshare"]["seats"]["train"]["parked_bytes"] > 0
     assert all("reward" in m for m in steps)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+def test_local_colocated_engine_that_parks_itself_learns_on_one_gpu(tidal_cli, tmp_path, backend):
+    """The deepspeed (`offload_states`) and megatron (the platform's offload) engines park
+    themselves at each hand-off on a real GPU, take their state back and learn."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed" if backend == "deepspeed" else "megatron") is None:
+        pytest.skip(f"{backend} is not installed (carry it: docs/benchmarks.md, GPU test runs)")
+    _, steps, summary = _run(tidal_cli, tmp_path, f"train.backend={backend}", *COLOCATED, "task.reward=tidal_test_rewards:starts_with_seven", num_steps=20)
+    _learned(steps)
+    share = summary["timeshare"]
+    assert share["handoffs"] >= 20 and share["seats"]["train"]["parks"] >= 10 and share["seats"]["rollout"]["parked_bytes"] > 0
