@@ -61,9 +61,13 @@ class DataConfig:
     eval_files: list[str] = dataclasses.field(default_factory=list)
     """Local files of held-out prompts, for evaluation (same formats and paths); none: no evaluation set."""
     prompt_key: str = "question"
-    """Column holding the prompt text (GSM8K's name)."""
+    """Column holding the prompt: its text (GSM8K's name), or a conversation, a list of
+    {role, content} messages (verl's `prompt` column) rendered with the chat template. A
+    dotted name reads a field of a struct column."""
     answer_key: str | None = "answer"
-    """Column holding the reference answer the reward checks (`meta["answer"]`); null: the rows have none."""
+    """Column holding the reference answer the reward checks (`meta["answer"]`); a dotted
+    name reads a field of a struct column (verl's `reward_model.ground_truth`); null: the
+    rows have none."""
     system_prompt: str | None = None
     """System message put before each prompt (needs `chat_template`)."""
     chat_template: bool = True
@@ -174,17 +178,74 @@ def read_table(path: Path, *, columns: Mapping[str, str], cache_dir: str | None 
     except Exception as e:  # every parser failure of a user's file becomes one error naming it
         cause = e.__cause__ or e
         raise DataError(f"{path}: cannot be read as {builder}: {type(cause).__name__}: {cause}") from e
+    tops = []
     for column, key in columns.items():
-        if column not in table.column_names:
-            raise DataError(f"{path}: no column {column!r} ({key}); its columns: {table.column_names}")
+        top, rest = _split(column, table.column_names)
+        if top not in table.column_names:
+            raise DataError(f"{path}: no column {top!r} ({key}); its columns: {table.column_names}")
+        feature = table.features[top]
+        for depth, part in enumerate(rest):
+            fields = feature if isinstance(feature, dict) else {}
+            if part not in fields:
+                inside = ".".join([top, *rest[:depth]])
+                raise DataError(f"{path}: no field {part!r} in column {inside!r} ({key}={column!r}); its fields: {sorted(fields) or 'none (not a struct)'}")
+            feature = fields[part]
+        tops.append(top)
     if table.num_rows == 0:
         raise DataError(f"{path}: no rows")
-    return table.select_columns(list(columns))
+    return table.select_columns(list(dict.fromkeys(tops)))
 
 
-def messages_of(text: str, *, system_prompt: str | None) -> list[dict[str, str]]:
-    """The conversation a prompt becomes under a chat template: an optional system turn, then the user's."""
-    return ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + [{"role": "user", "content": text}]
+def _split(key: str, names: Sequence[str]) -> tuple[str, list[str]]:
+    """The column `key` names and the fields inside it: a column of that very name, else
+    `top.field...` (a dotted key into a struct column)."""
+    if key in names or "." not in key:
+        return key, []
+    top, *rest = key.split(".")
+    return top, rest
+
+
+def field(record: Mapping[str, Any], key: str) -> Any:
+    """The value `key` names in one row (`read_table`'s): a column, or a field of a struct
+    column for a dotted key."""
+    top, rest = _split(key, list(record))
+    value = record[top]
+    for part in rest:
+        value = value[part]
+    return value
+
+
+def _column(table: Any, key: str) -> list[Any]:
+    """Every row's value of `key` (a column, or a dotted field of a struct column)."""
+    top, rest = _split(key, table.column_names)
+    values = table[top]
+    for part in rest:
+        values = [None if v is None else v[part] for v in values]
+    return list(values)
+
+
+def messages_of(prompt: str | Sequence[Mapping[str, str]], *, system_prompt: str | None) -> list[dict[str, str]]:
+    """The conversation a prompt becomes under a chat template: an optional system turn, then
+    the user's text (a text prompt) or the prompt's own messages (a conversation)."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + turns
+
+
+def _why_not_a_prompt(prompt: Any, config: DataConfig) -> str | None:
+    """What is wrong with one row's prompt (None: it is text, or a conversation the settings
+    can render)."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "the prompt is empty"
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return f"the prompt is {type(prompt).__name__} {_short(prompt)}, not text nor a conversation (a list of {{role, content}} messages)"
+    for k, message in enumerate(prompt):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            return f"message {k} of the conversation is {_short(message)}, not {{role: text, content: text}}"
+    if not config.chat_template:
+        return "the prompt is a conversation, which only a chat template renders: set data.chat_template=true"
+    if config.system_prompt is not None and prompt[0]["role"] == "system":
+        return "the conversation has a system turn of its own, and data.system_prompt is set too: unset data.system_prompt"
+    return None
 
 
 class PromptSet:
@@ -206,12 +267,12 @@ class PromptSet:
     def __getitem__(self, k: int) -> dict[str, Any]:
         f, row = int(self._file_index[k]), int(self._rows[k])
         record = self._tables[f][row]
-        text = record[self.config.prompt_key]
-        ids = encode_prompt(text, self.tokenizer, self.config)
+        prompt = field(record, self.config.prompt_key)
+        ids = encode_prompt(prompt, self.tokenizer, self.config)
         # the text that encodes to `ids`, as task prompts have it: the rendered template, or the raw prompt
-        item: dict[str, Any] = {"prompt": self.tokenizer.decode(ids, skip_special=False) if self.config.chat_template else text, "prompt_ids": ids}
+        item: dict[str, Any] = {"prompt": self.tokenizer.decode(ids, skip_special=False) if self.config.chat_template else prompt, "prompt_ids": ids}
         if self.config.answer_key is not None:
-            item["answer"] = record[self.config.answer_key]
+            item["answer"] = field(record, self.config.answer_key)
         item["meta"] = {"file": str(self.files[f]), "row": row}
         return item
 
@@ -219,11 +280,13 @@ class PromptSet:
         return (self[k] for k in range(len(self)))
 
 
-def encode_prompt(text: str, tokenizer: Tokenizer, config: DataConfig) -> list[int]:
-    """The model's input for prompt `text`: the chat template applied, or the raw text tokenized."""
+def encode_prompt(prompt: str | Sequence[Mapping[str, str]], tokenizer: Tokenizer, config: DataConfig) -> list[int]:
+    """The model's input for `prompt` (text, or a conversation): the chat template applied,
+    or the raw text tokenized."""
     if config.chat_template:
-        return tokenizer.apply_chat_template(messages_of(text, system_prompt=config.system_prompt))
-    return tokenizer.encode(text)
+        return tokenizer.apply_chat_template(messages_of(prompt, system_prompt=config.system_prompt))
+    assert isinstance(prompt, str), "a conversation needs the chat template (`_why_not_a_prompt`)"
+    return tokenizer.encode(prompt)
 
 
 def load_prompts(files: Sequence[str], tokenizer: Tokenizer, *, config: DataConfig, key: str = "data.train_files", cache_dir: str | None = None) -> PromptSet:
@@ -249,15 +312,13 @@ def load_prompts(files: Sequence[str], tokenizer: Tokenizer, *, config: DataConf
     for f, path in enumerate(paths):
         table = read_table(path, columns=columns, cache_dir=cache_dir)
         if config.answer_key is not None:
-            for row, answer in enumerate(table[config.answer_key]):
+            for row, answer in enumerate(_column(table, config.answer_key)):
                 if answer is None:
                     raise DataError(f"{path}: row {row}, column {config.answer_key!r}: the answer is null")
-        for row, text in enumerate(table[config.prompt_key]):
-            if not isinstance(text, str):
-                raise DataError(f"{path}: row {row}, column {config.prompt_key!r}: the prompt is {type(text).__name__} {_short(text)}, not text")
-            if not text.strip():
-                raise DataError(f"{path}: row {row}, column {config.prompt_key!r}: the prompt is empty")
-            length = len(encode_prompt(text, tokenizer, config))
+        for row, prompt in enumerate(_column(table, config.prompt_key)):
+            if why := _why_not_a_prompt(prompt, config):
+                raise DataError(f"{path}: row {row}, column {config.prompt_key!r}: {why}")
+            length = len(encode_prompt(prompt, tokenizer, config))
             if length > config.max_prompt_tokens:
                 num_dropped += 1
                 longest = max(longest, length)

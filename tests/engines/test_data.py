@@ -262,3 +262,66 @@ def test_bad_settings_name_their_key(load, gsm8k_files, settings, message):
 
 def test_data_errors_are_value_errors():
     assert issubclass(DataError, ValueError)
+
+
+# --- verl's preprocessed files: a conversation in `prompt`, the answer in `reward_model.ground_truth` ---
+
+
+def _verl_rows(gsm8k_files) -> list[dict]:
+    """GSM8K rows as verl's examples/data_preprocess/gsm8k.py writes them."""
+    rows = []
+    for k, row in enumerate(rows_of(gsm8k_files["eval_jsonl"])):
+        solution = row["answer"].rpartition("####")[2].strip().replace(",", "")
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": row["question"] + ' Let\'s think step by step and output the final answer after "####".'}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": solution},
+            "extra_info": {"split": "test", "index": k, "answer": row["answer"], "question": row["question"]},
+        })  # fmt: skip
+    return rows
+
+
+@pytest.fixture
+def verl_file(tmp_path, gsm8k_files):
+    path = tmp_path / "verl-gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows(gsm8k_files)), path)
+    return path
+
+
+VERL = {"prompt_key": "prompt", "answer_key": "reward_model.ground_truth"}
+
+
+def test_verls_preprocessed_files_are_read_as_they_are(load, tokenizer, verl_file, gsm8k_files):
+    """A conversation in the prompt column is rendered with the chat template as it is; a
+    dotted answer_key reads a field of a struct column."""
+    rows = _verl_rows(gsm8k_files)
+    prompts = load([verl_file], **VERL)
+    assert len(prompts) == len(rows) == 10
+    for item, row in zip(prompts, rows):
+        assert item["prompt_ids"] == tokenizer.apply_chat_template(row["prompt"])
+        assert item["prompt"] == f"<|im_start|>user\n{row['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+        assert item["answer"] == row["reward_model"]["ground_truth"] and item["answer"].isdigit()
+    nested = load([verl_file], prompt_key="extra_info.question", answer_key="extra_info.answer")  # two fields of one struct column
+    assert [item["answer"] for item in nested] == [row["extra_info"]["answer"] for row in rows]
+    with_system = load([verl_file], **VERL, system_prompt="Be brief.")[0]
+    assert with_system["prompt_ids"] == tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, *rows[0]["prompt"]])
+
+
+@pytest.mark.parametrize(
+    ("change", "settings", "message"),
+    [
+        (lambda r: r, {"answer_key": "reward_model.truth"}, r"no field 'truth' in column 'reward_model' \(data.answer_key='reward_model.truth'\); its fields: \['ground_truth', 'style'\]"),
+        (lambda r: r, {"answer_key": "ability.level"}, r"no field 'level' in column 'ability' \(data.answer_key='ability.level'\); its fields: none \(not a struct\)"),
+        (lambda r: r, {"chat_template": False}, r"row 0, column 'prompt': the prompt is a conversation, which only a chat template renders: set data.chat_template=true"),
+        (lambda r: {**r, "prompt": [{"role": "system", "content": "x"}, *r["prompt"]]}, {"system_prompt": "y"}, r"row 0, column 'prompt': the conversation has a system turn of its own, and data.system_prompt is set too"),
+        (lambda r: {**r, "prompt": [{"role": "user", "content": None}]}, {}, r"row 0, column 'prompt': message 0 of the conversation is \{'role': 'user', 'content': None\}, not \{role: text, content: text\}"),
+        (lambda r: {**r, "prompt": []}, {}, r"row 0, column 'prompt': the prompt is list \[\], not text nor a conversation"),
+    ],
+    ids=["missing-field", "not-a-struct", "no-template", "two-system-turns", "bad-message", "empty-conversation"],
+)
+def test_a_conversation_or_field_that_cannot_be_read_is_named(load, tmp_path, gsm8k_files, change, settings, message):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([change(r) for r in _verl_rows(gsm8k_files)][:1] + _verl_rows(gsm8k_files)[1:]), path)
+    with pytest.raises(DataError, match=message):
+        load([path], **{**VERL, **settings})
