@@ -39,8 +39,10 @@ Driving the ranks: SPMD (every rank calls every method with its own rows), or le
 (`rank0_leads=True`, what `tidal run` uses on several ranks): only rank 0 is called, and sends
 each call's command and rows to the others, which run `tidal.engines.megatron_lead.follow()`
 (the `fsdp` engine's command loop). Colocated and multiplexed layouts: the engine parks itself
-(`ParksItself`: its `GPTModel` and AdamW through the platform's `offload`). Not here: a KL
-reference policy, tensor or pipeline parallelism, Transformer Engine layers.
+(`ParksItself`: its `GPTModel` and AdamW through the platform's `offload`). A loss with a KL
+term (`kl_reference=True`): a second, frozen `GPTModel` of the weights the engine was built
+with, in `state_dict()` (HF names, as the torch engine's `reference`) and parked with the
+model. Not here: tensor or pipeline parallelism, Transformer Engine layers.
 
 Run for real: megatron-core 0.16.1 on CPU with gloo (the host patches), 2 processes, SPMD and
 led (tests/engines/test_megatron_train.py: equality with the torch engine's steps, logprobs
@@ -143,6 +145,7 @@ class MegatronTrainEngine:
         rank0_leads: bool = False,
         padding_free: bool | None = None,
         tensor_parallel_size: int = 1,
+        kl_reference: bool = False,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if padding_free:
@@ -161,7 +164,7 @@ class MegatronTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference)
             send_command("init", model=model_recipe(model), options=options)
         self.device = self.platform.device(int(os.environ.get("LOCAL_RANK", "0")) if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
@@ -176,9 +179,12 @@ class MegatronTrainEngine:
         self.module = megatron_model(model, self.layout).to(self.device).train()
         """megatron-core's `GPTModel` (not `model`: the engine parks itself, with its AdamW: `park`)."""
         self._vocab_size = self.layout.shape.vocab_size
+        self.reference = megatron_model(model, self.layout).to(self.device).eval().requires_grad_(False) if kl_reference else None
+        """A frozen `GPTModel` of the weights the engine was built with, the reference policy of a
+        loss with `kl_coef > 0` (`kl_reference=True`); kept in `state_dict()`, parked with the model."""
         if self.world_size > 1:
             with torch.no_grad():
-                for p in self.module.parameters():
+                for p in self._weights():
                     dist.broadcast(p.data, src=0)  # every rank starts from rank 0's weights
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
@@ -188,6 +194,10 @@ class MegatronTrainEngine:
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
         self._parked: Any = None
         """The platform's offload handle while a colocated rollout has the device (`park`)."""
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The model's parameters, then the reference's (where the engine holds one)."""
+        return [*self.module.parameters(), *(self.reference.parameters() if self.reference is not None else ())]
 
     @property
     def _leading(self) -> bool:
@@ -215,9 +225,10 @@ class MegatronTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob ([rows, seq - 1]; 0 where it or its predictor is padding), and
-        its distribution's entropy with `entropy` (`next_token_stats`)."""
+        its distribution's entropy with `entropy` (`next_token_stats`), under `module` (default:
+        the trained model)."""
         batch = batch.to(self.device)
         ids, mask = batch.input_ids, batch.attention_mask != 0
         width = ids.shape[1]
@@ -226,7 +237,7 @@ class MegatronTrainEngine:
         aligned = ids.gather(1, (columns + shift[:, None]).clamp(max=width - 1)) if bool(shift.any()) else ids
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True: not attended
         with self.platform.autocast(self.precision):
-            logits = self.module(aligned, None, causal)[:, :-1, : self._vocab_size]  # the padded vocabulary rows left out
+            logits = (module or self.module)(aligned, None, causal)[:, :-1, : self._vocab_size]  # the padded vocabulary rows left out
         logprobs, entropies = next_token_stats(logits, aligned[:, 1:], temperature=self.temperature, entropy=entropy)
         if bool(shift.any()):  # position t of the batch is t - shift of the aligned rows
             back = (columns[None, :-1] - shift[:, None]).clamp(min=0)
@@ -336,11 +347,11 @@ class MegatronTrainEngine:
         (`mask_sequences`), and `seq_masked_fraction` is the whole batch's on every rank.
 
         Raises:
-            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy), or
+            ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
                 advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
-        if loss.kl_coef > 0:
-            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the megatron engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
+        if loss.kl_coef > 0 and self.reference is None:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
         check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
@@ -382,6 +393,7 @@ class MegatronTrainEngine:
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
                 proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
+                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
                 entropy=entropy,
                 config=loss,
             )
@@ -393,6 +405,11 @@ class MegatronTrainEngine:
         self.scheduler.step()
         self.version += 1
         return metrics
+
+    @torch.no_grad()
+    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+        assert self.reference is not None  # train_step checked it
+        return self._token_stats(part, module=self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
@@ -421,7 +438,8 @@ class MegatronTrainEngine:
         device. Local to this rank, no collective: in a led group each rank's seat parks its
         own."""
         assert self._parked is None, "parked twice without an unpark"
-        self._parked = self.platform.offload(module=self.module, optimizer=self.optimizer)
+        parked = self.module if self.reference is None else torch.nn.ModuleList([self.module, self.reference])  # holds both, changes neither
+        self._parked = self.platform.offload(module=parked, optimizer=self.optimizer)
 
     def unpark(self) -> None:
         """Bring them back to the device, in place (after a park that raised before moving
@@ -443,7 +461,10 @@ class MegatronTrainEngine:
         version, on the host, in `TorchTrainEngine.state_dict`'s format. Local: any rank's is the
         group's (rank 0's is what `tidal run` writes)."""
         model = {name: tensor.to(_HOST, copy=True) for name, tensor in hf_weights(self.module, self.layout)}
-        return {"model": model, "optimizer": hf_optimizer_state(self.optimizer, self.module, self.layout), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+        state = {"model": model, "optimizer": hf_optimizer_state(self.optimizer, self.module, self.layout), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+        if self.reference is not None:
+            state["reference"] = {name: tensor.to(_HOST, copy=True) for name, tensor in hf_weights(self.reference, self.layout)}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a whole state (`state_dict()` of any train engine) on rank 0 and broadcast it. The
@@ -465,6 +486,8 @@ class MegatronTrainEngine:
         if state is not None:  # rank 0
             optimizer = state.get("optimizer")
             converted = None if optimizer is None else megatron_optimizer_state(optimizer, self.module, self.layout)  # raises before anything changed
+            if self.reference is not None and state.get("reference") is not None:  # else the reference stays the weights the engine was built with
+                load_hf_weights(self.reference, self.layout, state["reference"])
             load_hf_weights(self.module, self.layout, state["model"])
             if converted is not None:  # else AdamW's state stays
                 with own_settings(self.optimizer):
@@ -475,13 +498,13 @@ class MegatronTrainEngine:
         self.version = version
 
     def _broadcast_state(self) -> None:
-        """Rank 0's weights and AdamW state on every rank (a collective)."""
+        """Rank 0's weights (the reference's too) and AdamW state on every rank (a collective)."""
         params = list(self.module.parameters())
         first = self.optimizer.state.get(params[0], {})
         box = [float(first["step"]) if self.rank == 0 and "step" in first else None]  # rank 0's step count; None: no step taken
         dist.broadcast_object_list(box, src=0, device=_HOST)
         with torch.no_grad():
-            for p in params:
+            for p in self._weights():
                 dist.broadcast(p.data, src=0)
         step = box[0]
         if step is None:  # a fresh AdamW everywhere

@@ -194,7 +194,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
             whose borrowed instances continue paused groups on the others).
     """
-    from tidal.engines.registry import MULTI_RANK, TASKS, TIME_SHARES  # noqa: PLC0415
+    from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES  # noqa: PLC0415
     from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
@@ -224,8 +224,9 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"placement.train.count={count} needs a train.backend that trains over several processes "
             f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
         )
-    if cfg.algorithm.kl_coef > 0 and cfg.train.backend != "torch":
-        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend=torch holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend=torch")
+    if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:
+        holders = " or ".join(KL_REFERENCE)
+        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend={holders} holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend={KL_REFERENCE[0]}")
     for key, value, why in (
         ("placement.train.colocate_with", cfg.placement.train.colocate_with, "only rollout time-shares the trainer's devices (placement.rollout.colocate_with=train)"),
         ("placement.rollout.lend_to", cfg.placement.rollout.lend_to, "only the trainer lends its devices (placement.train.lend_to=rollout)"),

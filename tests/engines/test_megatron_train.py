@@ -406,10 +406,11 @@ def test_models_it_cannot_build_are_refused_by_what_they_lack():
         MegatronTrainEngine(windowed)
 
 
-def test_a_kl_term_is_refused_before_anything_runs():
-    """The engine holds no reference policy (`tidal run` refuses `algorithm.kl_coef > 0` with
-    any backend but torch before it starts); the check needs no model."""
+def test_a_kl_term_without_a_reference_is_refused_before_anything_runs():
+    """An engine built without `kl_reference` holds no reference policy (`tidal run` builds it
+    with one for `algorithm.kl_coef > 0`: tests/tools/test_megatron_run.py); the check needs no model."""
     engine = object.__new__(MegatronTrainEngine)
+    engine.reference = None
     batch = TokenBatch(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="a loss with kl_coef=0.1 needs a reference policy, which the megatron engine does not hold"):
+    with pytest.raises(ValueError, match="a loss with kl_coef=0.1 needs a reference policy: build the engine with kl_reference=True"):
         engine.train_step(batch, torch.zeros(1), loss=PolicyLossConfig(kl_coef=0.1))

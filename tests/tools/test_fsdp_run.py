@@ -82,7 +82,7 @@ def test_two_fsdp_ranks_on_ray_train_together_and_publish_to_rollout(tidal_cli, 
     [
         (["placement.train.count=2"], "placement.train.count=2 needs a train.backend that trains over several processes (deepspeed, fsdp, megatron); train.backend='torch'"),
         (["placement.train.count=2", "train.backend=fsdp"], "placement.train.count=2 needs runtime=ray"),
-        (["algorithm.kl_coef=0.1", "train.backend=fsdp"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch holds"),
+        (["algorithm.kl_coef=0.1", "train.backend=fsdp"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch or megatron holds"),
     ],
 )
 def test_trainer_ranks_that_cannot_run_are_config_errors(tidal_cli, tmp_path, args, message):

@@ -34,11 +34,13 @@ HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.ut
 
 @pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
 def test_a_megatron_run_resumed_from_its_periodic_checkpoint_repeats_the_uninterrupted_run(tidal_cli, tmp_path, runs):
-    """The tiny quickstart's Qwen2 as megatron-core's GPTModel: the warm start, 4 RL steps, a
-    checkpoint at step 2; a run resumed from it ends with the uninterrupted run's metrics and
-    weights, bit for bit."""
-    full, cut, resumed = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed"
-    common = ["train.backend=megatron", *TINY, "algorithm.num_steps=4", "--no-progress"]
+    """The tiny quickstart's Qwen2 as megatron-core's GPTModel, with a KL term to the warm
+    start's weights (the engine's frozen reference `GPTModel`): the warm start, 4 RL steps, a
+    checkpoint at step 2; a run resumed from it (the reference read back from the checkpoint)
+    ends with the uninterrupted run's metrics and weights, bit for bit; and the torch engine,
+    the same run, gives its losses and KL up to float32 noise."""
+    full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
+    common = ["train.backend=megatron", *TINY, "algorithm.kl_coef=0.1", "algorithm.num_steps=4", "--no-progress"]
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={full}", "checkpoint_every=2", *common, env=ENV, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "warm start: 2 supervised steps" in out.stderr and "UserWarning" not in out.stderr  # megatron's missing-kernel warnings held back
@@ -50,6 +52,13 @@ def test_a_megatron_run_resumed_from_its_periodic_checkpoint_repeats_the_uninter
     runs.assert_same(full, resumed, from_step=2)
     steps = runs.steps(full)
     assert len({m["loss"] for m in steps}) > 1 and all(m["nonfinite_grad"] == 0.0 for m in steps)  # it trained
+    assert steps[-1]["kl"] > 0  # the policy moved away from its reference
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={torch_run}", *common, "train.backend=torch", env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for m, t in zip(steps, runs.steps(torch_run), strict=True):
+        assert m["reward"] == t["reward"]
+        for key in ("loss", "kl"):
+            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
 
 
 @pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
@@ -77,7 +86,6 @@ def test_a_colocated_megatron_trainer_parks_for_its_guest_and_trains_as_alone(ti
     ("args", "message"),
     [
         (["placement.train.count=2"], "placement.train.count=2 needs runtime=ray"),
-        (["algorithm.kl_coef=0.1"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch holds"),
     ],
 )
 def test_megatron_settings_that_cannot_run_are_config_errors(tidal_cli, tmp_path, args, message):
