@@ -57,7 +57,7 @@ class DataConfig:
     train_files: list[str] = dataclasses.field(default_factory=list)
     """Local files of training prompts (.jsonl, .json or .parquet; glob patterns such as
     `data/train-*.parquet` are expanded), read in this order. Relative paths are taken from
-    where tidal run starts and stored absolute in config.yaml."""
+    where tidal run starts (a leading ~ is the home folder) and stored absolute in config.yaml."""
     eval_files: list[str] = dataclasses.field(default_factory=list)
     """Local files of held-out prompts, for evaluation (same formats and paths); none: no evaluation set."""
     prompt_key: str = "question"

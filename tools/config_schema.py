@@ -76,7 +76,7 @@ class ModelConfig:
     """Local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files and
     chat template, generation_config.json) for model.source=hf; loaded with
     AutoModelForCausalLM and AutoTokenizer, nothing downloaded. A relative path is taken from
-    where tidal run starts and stored absolute in config.yaml."""
+    where tidal run starts (a leading ~ is the home folder) and stored absolute in config.yaml."""
     dtype: str = "float32"
     """Weight dtype of an hf model as loaded: float32 | bfloat16 | auto (the checkpoint's own).
     float32 keeps master weights and optimizer state exact; train.precision=bf16 still computes in bf16."""

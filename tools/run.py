@@ -313,12 +313,28 @@ INPUT_KEYS = ("model.path", "data.train_files", "data.eval_files")
 """Keys naming the run's inputs (a folder, files or glob patterns): made absolute too."""
 
 
-def _absolute(value: Any) -> Any:
-    """A path, or each of a list of paths or glob patterns, absolute against the current
-    directory (not following links); None and "" as they are."""
+def _absolute(value: Any, *, home_only: bool = False) -> Any:
+    """A path, or each of a list of paths or glob patterns, with a leading `~` expanded
+    (the shell leaves it in `model.path=~/...`) and made absolute against the current
+    directory (not following links); `home_only`: the `~` expanded, nothing else. None and ""
+    as they are."""
+
+    def one(path: str) -> str:
+        path = os.path.expanduser(path)
+        return path if home_only else os.path.abspath(path)
+
     if isinstance(value, str):
-        return os.path.abspath(value) if value else value
-    return None if value is None else [os.path.abspath(v) for v in value]
+        return one(value) if value else value
+    return None if value is None else [one(v) for v in value]
+
+
+def _expand_home(cfg: RecipeConfig) -> None:
+    """A leading `~` of each of PATH_KEYS and INPUT_KEYS expanded, before anything reads them."""
+    for key in PATH_KEYS:
+        setattr(cfg, key, _absolute(getattr(cfg, key), home_only=True))
+    for key in INPUT_KEYS:
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, _absolute(select(cfg, key), home_only=True))
 
 
 def _make_paths_absolute(cfg: RecipeConfig) -> None:
@@ -351,6 +367,7 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     from tidal.hal import init_platform  # noqa: PLC0415 - imports torch
 
     cfg = load_config(recipe, overrides)
+    _expand_home(cfg)
     check_runnable(cfg)
     resume_changes(cfg)
     selection = init_platform(cfg.device)

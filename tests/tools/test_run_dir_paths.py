@@ -142,3 +142,17 @@ def test_a_resume_without_the_runs_checkpoint_or_files_names_the_values_that_run
         _prepare_qwen("resume=first", overrides[0])
     with pytest.raises(ConfigError, match=r"needs model.path: a local Hugging Face checkpoint directory \(config.json, safetensors, tokenizer files\)$"):
         _prepare_qwen(*overrides[1:])  # no resume: no hint
+
+
+def test_a_leading_tilde_is_the_home_folder(tiny_hf_dir, gsm8k_files, tmp_path, monkeypatch):
+    """The shell leaves `~` in `model.path=~/...` (not an assignment): it was read as a folder
+    named `~`, and the run refused a checkpoint that was there."""
+    home = tiny_hf_dir.parent
+    assert gsm8k_files["train_parquet"].parent.parent == home  # the session's fixtures sit side by side
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    train = gsm8k_files["train_parquet"].relative_to(home)
+    cfg, run_dir = _prepare_qwen(f"model.path=~/{tiny_hf_dir.name}", f"data.train_files=[~/{train}]", "run_dir=first")
+    saved = _saved(run_dir)
+    assert saved["model"]["path"] == cfg.model.path == str(tiny_hf_dir)
+    assert saved["data"]["train_files"] == [str(gsm8k_files["train_parquet"])]
