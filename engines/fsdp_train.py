@@ -15,7 +15,11 @@ is zero on every loss token get no forward or backward pass when there is no KL 
 (`skipped_rows`; each rank skips its own). Ranks run the same number of forwards and
 backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or one whose
 micro-batch has no loss token, runs a zero-weight dummy pass. A step whose global gradient
-norm is not finite is skipped on every rank (`train_steps.NonfiniteGuard`).
+norm is not finite is skipped on every rank (`train_steps.NonfiniteGuard`). A loss with a KL
+term (`kl_reference=True`) reads its reference logprobs from a frozen copy of the weights the
+engine was built with, whole on every rank (a model's weights per device, not sharded: its
+passes need no collective), in `state_dict()` as the torch engine's `reference`, broadcast
+from rank 0 at build and load, and parked with the model by a seat (`HoldsReference`).
 
 Micro-batches run padding-free where the model can (`padding_free=None`; True insists,
 False pads), as in the torch engine and with its code (`engines.padding_free`): only their
@@ -67,6 +71,7 @@ vendor).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -157,6 +162,7 @@ class FSDPTrainEngine:
         version: int = 0,
         rank0_leads: bool = False,
         padding_free: bool | None = None,
+        kl_reference: bool = False,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if isinstance(model, FSDPModule):
@@ -173,12 +179,19 @@ class FSDPTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference)
             send_command("init", model=model_recipe(model), options=options)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
+        self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False) if kl_reference else None
+        """A frozen, un-sharded copy of the weights the engine was built with (rank 0's), the
+        reference policy of a loss with `kl_coef > 0` (`kl_reference=True`): whole on every rank
+        (a model's weights per device, not sharded), so its forward passes are local. Kept in
+        `state_dict()` (not in the sharded `save_checkpoint`); a seat parks it with the model."""
+        if self.reference is not None and self.world_size > 1:
+            self._broadcast_reference()  # the followers built theirs from random weights
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         shard(model, mesh)
         self.model = model.train()  # fully_shard moved parameters and buffers to the mesh's device
@@ -195,6 +208,13 @@ class FSDPTrainEngine:
     @property
     def _leading(self) -> bool:
         return self.led and self.rank == 0
+
+    @torch.no_grad()
+    def _broadcast_reference(self) -> None:
+        """Rank 0's reference weights on every rank (a collective)."""
+        assert self.reference is not None
+        for tensor in self.reference.state_dict().values():
+            dist.broadcast(tensor, src=0)
 
     # Rows of a led group ---------------------------------------------------------------------
     def follow_command(self, command: dict[str, Any]) -> None:
@@ -217,7 +237,7 @@ class FSDPTrainEngine:
         elif op == "state_dict":
             self._state_dict()
         elif op == "load_state_dict":
-            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], version=command["version"], lr_scheduler=command["lr_scheduler"])
+            self._load_state_dict({}, {}, has_optimizer_state=command["has_optimizer_state"], version=command["version"], lr_scheduler=command["lr_scheduler"], has_reference=command.get("has_reference", False))
         elif op == "save_checkpoint":
             self._save_checkpoint(command["directory"])
         elif op == "load_checkpoint":
@@ -226,15 +246,17 @@ class FSDPTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each next token's logprob, and its distribution's entropy with `entropy` (`next_token_stats`)."""
+    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each next token's logprob, and its distribution's entropy with `entropy`
+        (`next_token_stats`), under `module` (default: the trained, sharded model)."""
+        module = module or self.model
         batch = batch.to(self.device)
         if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
-            return self.padding_free.token_stats(self.model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+            return self.padding_free.token_stats(module, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
+            logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _dummy_pass(self, *, backward: bool) -> None:
@@ -350,11 +372,11 @@ class FSDPTrainEngine:
         `_global`'s all-gather).
 
         Raises:
-            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy), or
+            ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
                 advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
-        if loss.kl_coef > 0:
-            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the fsdp engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
+        if loss.kl_coef > 0 and self.reference is None:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
         check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
@@ -398,6 +420,7 @@ class FSDPTrainEngine:
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
                 proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb, :width].to(self.device),
+                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
                 entropy=entropy,
                 config=loss,
             )
@@ -409,6 +432,12 @@ class FSDPTrainEngine:
         self.scheduler.step()
         self.version += 1
         return metrics
+
+    @torch.no_grad()
+    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+        """Local: every rank holds the whole reference."""
+        assert self.reference is not None  # train_step checked it
+        return self._token_stats(part, module=self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask` tokens
@@ -492,14 +521,17 @@ class FSDPTrainEngine:
         return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and version, un-sharded on CPU, in `TorchTrainEngine.state_dict`'s format.
+        """Model, optimizer and version (and the KL reference, where the engine holds one), un-sharded on CPU, in `TorchTrainEngine.state_dict`'s format.
 
         A collective (led by rank 0: rank 0 calls it). Rank 0 gets the tensors; the other
         ranks get empty model and optimizer state (only rank 0 writes `tidal run`'s checkpoint).
         """
         if self._leading:
             send_command("state_dict")
-        return self._state_dict()
+        state = self._state_dict()
+        if self.reference is not None:  # whole on every rank: no collective
+            state["reference"] = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.reference.state_dict().items()}
+        return state
 
     def _state_dict(self) -> dict[str, Any]:
         if not self.optimizer.state:  # nothing to gather; asking would create zero moments
@@ -524,18 +556,24 @@ class FSDPTrainEngine:
         0: rank 0 calls it.
         """
         saved, position = state["optimizer"], state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
+        reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
-            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position)
+            send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
+        if reference is not None:
+            self.reference.load_state_dict(reference)
         names = self._fqns()
         optim = {
             "state": {names[int(i)]: s for i, s in saved["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
         }
-        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position)
+        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
 
-    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any]) -> None:
+    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False) -> None:
         """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on
-        other ranks). The optimizer keeps this engine's settings (`own_settings`)."""
+        other ranks), and with `has_reference` every rank's reference from rank 0's (loaded
+        there already). The optimizer keeps this engine's settings (`own_settings`)."""
+        if has_reference and self.world_size > 1:
+            self._broadcast_reference()
         set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
         if has_optimizer_state:
             with own_settings(self.optimizer):

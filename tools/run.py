@@ -225,7 +225,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
         )
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:
-        holders = " or ".join(KL_REFERENCE)
+        holders = ", ".join(KL_REFERENCE[:-1]) + f" or {KL_REFERENCE[-1]}"
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend={holders} holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend={KL_REFERENCE[0]}")
     for key, value, why in (
         ("placement.train.colocate_with", cfg.placement.train.colocate_with, "only rollout time-shares the trainer's devices (placement.rollout.colocate_with=train)"),

@@ -54,15 +54,33 @@ LEFT_PADDED = TokenBatch(torch.tensor([[T.pad_id] * 3 + _IDS]), torch.tensor([[0
 """One row, and the same row left-padded by 3."""
 
 
-def test_a_kl_term_is_refused_before_anything_runs(group):
-    """The fsdp engine holds no reference policy: a loss with `kl_coef > 0` once failed inside
-    its first micro-batch (led by rank 0: after the followers had joined the step), with
-    policy_loss's "ref_logprobs is required", which the caller never passes."""
+def test_a_kl_term_without_a_reference_is_refused_before_anything_runs(group):
+    """An engine built without `kl_reference` holds no reference policy: a loss with
+    `kl_coef > 0` once failed inside its first micro-batch (led by rank 0: after the followers
+    had joined the step), with policy_loss's "ref_logprobs is required"."""
     batch, advantages = _batch()
     engine = FSDPTrainEngine(_model(), **ENGINE)
-    with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference policy, which the fsdp engine does not hold"):
+    with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference policy: build the engine with kl_reference=True"):
         engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
     assert engine.version == 0 and not engine.optimizer.state
+
+
+def test_a_kl_reference_is_the_built_weights_whole_and_kept_through_a_state_round_trip(group):
+    """The reference is an un-sharded, frozen copy of the weights the engine was built with;
+    `state_dict()` carries it, and `load_state_dict` sets it (another engine's reference)."""
+    batch, advantages = _batch()
+    built = {k: v.clone() for k, v in _model().state_dict().items()}
+    engine = FSDPTrainEngine(_model(), **ENGINE, kl_reference=True)
+    metrics = engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
+    assert metrics["kl"] == 0.0  # the first step's policy is its reference
+    engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
+    state = engine.state_dict()
+    assert state["reference"].keys() == built.keys() and all(torch.equal(state["reference"][k], built[k]) for k in built)
+    assert not any(p.requires_grad for p in engine.reference.parameters())
+    other = FSDPTrainEngine(build_tiny_qwen2(T.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=3), **ENGINE, kl_reference=True)
+    other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other.reference.state_dict().values(), engine.reference.state_dict().values()))
+    assert other.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))["kl"] > 0
 
 
 def test_advantages_whose_shape_does_not_fit_the_batch_are_refused(group):

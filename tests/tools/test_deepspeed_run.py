@@ -107,7 +107,7 @@ def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(t
     [
         (["train.backend=deepspeed", "train.zero_stage=4"], "train.zero_stage=4 is not one of 1, 2, 3"),
         (["train.backend=deepspeed", "placement.train.count=2"], "placement.train.count=2 needs runtime=ray"),
-        (["train.backend=deepspeed", "algorithm.kl_coef=0.1"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch or megatron holds"),
+        (["train.backend=deepspeed", "algorithm.kl_coef=0.1"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch, fsdp or megatron holds"),
     ],
 )
 def test_deepspeed_settings_that_cannot_run_are_config_errors(tidal_cli, tmp_path, args, message):

@@ -4,7 +4,8 @@ Locally the engine runs over a one-process group that `tidal run` makes through 
 checkpoint is the torch engine's format, so a torch run resumes from it. Under Ray (a
 fake cluster of GPUs, CPU tensors and gloo) `placement.train.count=2` starts two trainer
 ranks: rank 0 runs the workflow and leads, rank 1 follows and trains on its share of
-every batch; the weights go live on the rollout actor as usual.
+every batch; the weights go live on the rollout actor as usual. With a KL term the
+engine takes the torch engine's steps and resumes against the reference it saved.
 """
 
 from __future__ import annotations
@@ -47,6 +48,38 @@ def test_fsdp_runs_locally_and_its_checkpoint_resumes_with_the_torch_engine(tida
     assert sum(m["reward"] for m in more) / 4 > sum(m["reward"] for m in steps[:4]) / 4  # it went on from the trained weights
 
 
+KL_TINY = [
+    "task.reward=tidal_test_rewards:first_token_even", "task.num_eval_prompts=4", "sft.steps=2", "sft.batch_size=8", "algorithm.prompts_per_step=2",
+    "algorithm.group_size=4", "algorithm.max_staleness=0", "threads=1", "tensorboard=false", "rollout.max_new_tokens=3", "model.hidden_size=32",
+    "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64", "algorithm.kl_coef=0.1", "algorithm.num_steps=4", "--no-progress",
+]  # fmt: skip
+
+
+def test_an_fsdp_kl_run_takes_the_torch_engines_steps_and_resumes_against_its_saved_reference(tidal_cli, tmp_path, runs):
+    """With a KL term the engine keeps a whole, frozen copy of the warm start's weights on each
+    rank: the losses and KL of 4 steps equal the torch engine's up to float32 noise, and a run
+    resumed from the step-2 checkpoint (its reference read back from it) ends with the
+    uninterrupted run's metrics and weights, bit for bit."""
+    import shutil
+
+    full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=fsdp", f"run_dir={full}", "checkpoint_every=2", *KL_TINY, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=torch", f"run_dir={torch_run}", *KL_TINY, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = runs.steps(full)
+    assert steps[-1]["kl"] > 0  # the policy moved away from its reference
+    for m, t in zip(steps, runs.steps(torch_run), strict=True):
+        assert m["reward"] == t["reward"]
+        for key in ("loss", "kl"):
+            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
+    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
+    (cut / "checkpoints" / "latest").write_text("step-000002\n")
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=fsdp", f"run_dir={resumed}", f"resume={cut}", "checkpoint_every=2", *KL_TINY, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.assert_same(full, resumed, from_step=2)
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_on_ray_train_together_and_publish_to_rollout(tidal_cli, tmp_path):
     run_dir = tmp_path / "run"
@@ -82,7 +115,6 @@ def test_two_fsdp_ranks_on_ray_train_together_and_publish_to_rollout(tidal_cli, 
     [
         (["placement.train.count=2"], "placement.train.count=2 needs a train.backend that trains over several processes (deepspeed, fsdp, megatron); train.backend='torch'"),
         (["placement.train.count=2", "train.backend=fsdp"], "placement.train.count=2 needs runtime=ray"),
-        (["algorithm.kl_coef=0.1", "train.backend=fsdp"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch or megatron holds"),
     ],
 )
 def test_trainer_ranks_that_cannot_run_are_config_errors(tidal_cli, tmp_path, args, message):
