@@ -46,7 +46,10 @@ module's, would cut them from those buffers) and `unpark()` its `reload_states()
 mends: under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its own
 FusedAdam, so tidal moves those (`deepspeed_state.move_zero3_optimizer`); under ZeRO-1 and -2
 `reload_states` drops the views checkpoints read AdamW's moments through, so tidal makes them
-again (`deepspeed_state.relink_optimizer_views`). No KL reference policy (as the fsdp engine).
+again (`deepspeed_state.relink_optimizer_views`). A loss with a KL term (`kl_reference=True`)
+reads its reference logprobs from a frozen copy of the model taken before `deepspeed.initialize`,
+whole on every rank (no collective), broadcast from rank 0 at build and load, in `state_dict()`
+as the torch engine's `reference`, and parked with the platform's offload.
 
 Run for real: CPU with gloo (DeepSpeed's CPU accelerator), 2 processes, ZeRO-1, -2 and -3
 (tests/engines/test_deepspeed_train.py: equality with the torch engine, exported weights,
@@ -62,6 +65,7 @@ accelerator name; nothing here names a vendor).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -152,6 +156,7 @@ class DeepSpeedTrainEngine:
         rank0_leads: bool = False,
         padding_free: bool | None = None,
         zero_stage: int = 2,
+        kl_reference: bool = False,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
@@ -168,11 +173,19 @@ class DeepSpeedTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage, kl_reference=kl_reference)
             send_command("init", model=model_recipe(model), options=options)
         index = local_device_index(self.platform)
         self.device = self.platform.device(index)
         self.platform.set_device(self.device)
+        self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False) if kl_reference else None
+        """A frozen copy of the weights the engine was built with (rank 0's, taken before ZeRO
+        partitions them), the reference policy of a loss with `kl_coef > 0` (`kl_reference=True`):
+        whole on every rank, a plain module DeepSpeed does not manage (its passes need no
+        collective). Kept in `state_dict()` as the torch engine's `reference`, parked with the model."""
+        if self.reference is not None and self.world_size > 1:
+            self._broadcast_reference()  # the followers built theirs from random weights
+        self._parked_reference: Any = None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.deepspeed, self.zero, _, _ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=model, optimizer=optimizer, config=config, dist_init_required=False)
         """DeepSpeed's engine (what forwards, backwards and steps) and its ZeRO optimizer."""
@@ -189,6 +202,13 @@ class DeepSpeedTrainEngine:
     @property
     def _leading(self) -> bool:
         return self.led and self.rank == 0
+
+    @torch.no_grad()
+    def _broadcast_reference(self) -> None:
+        """Rank 0's reference weights on every rank (a collective)."""
+        assert self.reference is not None
+        for tensor in self.reference.state_dict().values():
+            dist.broadcast(tensor, src=0)
 
     # Rows of a led group ---------------------------------------------------------------------
     def follow_command(self, command: dict[str, Any]) -> None:
@@ -212,21 +232,23 @@ class DeepSpeedTrainEngine:
         elif op == "state_dict":
             self._state_dict()
         elif op == "load_state_dict":
-            self._load_state_dict({}, {} if command["with_optimizer"] else None, version=command["version"], lr_scheduler=command["lr_scheduler"])
+            self._load_state_dict({}, {} if command["with_optimizer"] else None, version=command["version"], lr_scheduler=command["lr_scheduler"], has_reference=command.get("has_reference", False))
         else:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each next token's logprob, and its distribution's entropy with `entropy` (`next_token_stats`)."""
+    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each next token's logprob, and its distribution's entropy with `entropy`
+        (`next_token_stats`), under `module` (default: DeepSpeed's engine, the trained model)."""
+        module = module or self.deepspeed
         batch = batch.to(self.device)
         packed = self.padding_free.pack(batch) if self.padding_free is not None else None
         if packed is not None:
-            return self.padding_free.token_stats(self.deepspeed, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+            return self.padding_free.token_stats(module, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
         with self.platform.autocast(self.precision):
-            logits = self.deepspeed(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
+            logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
     def _dummy_pass(self, *, backward: bool) -> None:
@@ -329,11 +351,11 @@ class DeepSpeedTrainEngine:
         (`mask_sequences`), and `seq_masked_fraction` is the whole batch's on every rank.
 
         Raises:
-            ValueError: a loss with `kl_coef > 0` (this engine holds no reference policy), or
+            ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
                 advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
-        if loss.kl_coef > 0:
-            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy, which the deepspeed engine does not hold: use the torch engine (kl_reference=True) or kl_coef=0")
+        if loss.kl_coef > 0 and self.reference is None:
+            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
         check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
         if self._leading:
@@ -375,6 +397,7 @@ class DeepSpeedTrainEngine:
                 behavior_logprobs=part.behavior_logprobs.to(self.device),
                 mask=part.loss_mask.to(self.device),
                 proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb, :width].to(self.device),
+                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
                 entropy=entropy,
                 config=loss,
             )
@@ -386,6 +409,12 @@ class DeepSpeedTrainEngine:
         self.scheduler.step()
         self.version += 1
         return metrics
+
+    @torch.no_grad()
+    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+        """Local: every rank holds the whole reference."""
+        assert self.reference is not None  # train_step checked it
+        return self._token_stats(part, module=self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
@@ -449,7 +478,10 @@ class DeepSpeedTrainEngine:
 
     def _state_dict(self) -> dict[str, Any]:
         model, optimizer = full_state(self.module, self.optimizer, rank=self.rank)
-        return {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+        state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+        if self.reference is not None:  # whole on every rank: no collective
+            state["reference"] = {name: tensor.detach().to(_HOST, copy=True) for name, tensor in self.reference.state_dict().items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a whole state (`state_dict()` of any train engine): rank 0's copy is broadcast.
@@ -460,9 +492,12 @@ class DeepSpeedTrainEngine:
         0: rank 0 calls it.
         """
         position = state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
+        reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
-            send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position)
-        self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position)
+            send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
+        if reference is not None:
+            self.reference.load_state_dict(reference)
+        self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
 
     # Time-sharing devices: `ParksItself` -------------------------------------------------
     def park(self) -> None:
@@ -470,8 +505,10 @@ class DeepSpeedTrainEngine:
         DeepSpeed's flat buffers) to host memory, with `DeepSpeedEngine.offload_states()`.
         Under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its
         own FusedAdam, so those two are moved here (`park_zero3_optimizer`) and DeepSpeed
-        moves the rest. Local to this rank, no collective: in a led group each rank's seat
-        parks its own."""
+        moves the rest. A KL reference goes through the platform's offload. Local to this rank,
+        no collective: in a led group each rank's seat parks its own."""
+        if self.reference is not None and self._parked_reference is None:
+            self._parked_reference = self.platform.offload(module=self.reference)
         if self.zero_stage < 3:
             self.deepspeed.offload_states()
             return
@@ -488,8 +525,15 @@ class DeepSpeedTrainEngine:
         if self.zero_stage == 3:
             move_zero3_optimizer(self.zero, self.device)
         relink_optimizer_views(self.zero)
+        if self._parked_reference is not None:
+            self._parked_reference.onload()
+            self._parked_reference = None
 
-    def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any]) -> None:
+    def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False) -> None:
+        """Rank 0's whole state on every rank; with `has_reference` every rank's reference from
+        rank 0's (loaded there already)."""
+        if has_reference and self.world_size > 1:
+            self._broadcast_reference()
         load_full_state(self.module, self.zero, rank=self.rank, model=model, optimizer=optimizer)
         load_position(self.scheduler, lr_scheduler)
         self.version = version

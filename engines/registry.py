@@ -25,7 +25,7 @@ MULTI_RANK = {"fsdp": "tidal.engines.fsdp_lead:follow", "deepspeed": "tidal.engi
 TIME_SHARES = ("torch", "fsdp", "deepspeed", "megatron")
 """train.backend values whose engine parks its state for a rollout guest on its devices and
 takes it back (`flow.colocate`): the ones a colocated or multiplexed layout can use."""
-KL_REFERENCE = ("torch", "fsdp", "megatron")
+KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 """train.backend values whose engine holds a frozen reference policy (`kl_reference=True`):
 the ones a loss with `algorithm.kl_coef > 0` can use."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}

@@ -66,11 +66,13 @@ def test_two_deepspeed_ranks_on_ray_learn_the_quickstart(tidal_cli, tmp_path, st
 
 
 def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninterrupted_run(tidal_cli, tmp_path, runs):
-    """ZeRO-3 over a one-process group: a run cut after its step-2 checkpoint (weights, AdamW's
-    moments and step, through `state_dict()`) and resumed ends with the uninterrupted run's
-    metrics and weights, bit for bit."""
-    full, cut, resumed = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed"
-    common = ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.num_steps=4", "--no-progress"]
+    """ZeRO-3 over a one-process group, with a KL term to the warm start's weights (the
+    engine's frozen reference, copied whole before ZeRO-3 partitions the model): a run cut
+    after its step-2 checkpoint (weights, AdamW's moments and step, the reference, through
+    `state_dict()`) and resumed ends with the uninterrupted run's metrics and weights, bit
+    for bit; and the torch engine, the same run, gives its losses and KL up to float32 noise."""
+    full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
+    common = ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.kl_coef=0.1", "algorithm.num_steps=4", "--no-progress"]
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={full}", "checkpoint_every=2", *common, env=ENV, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
@@ -79,7 +81,14 @@ def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninte
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at version 2" in out.stderr
     runs.assert_same(full, resumed, from_step=2)
-    assert len({m["loss"] for m in runs.steps(full)}) > 1  # it trained
+    steps = runs.steps(full)
+    assert len({m["loss"] for m in steps}) > 1 and steps[-1]["kl"] > 0  # it trained, away from its reference
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={torch_run}", *common, "train.backend=torch", env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for m, t in zip(steps, runs.steps(torch_run), strict=True):
+        assert m["reward"] == t["reward"]
+        for key in ("loss", "kl"):
+            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
 
 
 def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):
@@ -107,7 +116,6 @@ def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(t
     [
         (["train.backend=deepspeed", "train.zero_stage=4"], "train.zero_stage=4 is not one of 1, 2, 3"),
         (["train.backend=deepspeed", "placement.train.count=2"], "placement.train.count=2 needs runtime=ray"),
-        (["train.backend=deepspeed", "algorithm.kl_coef=0.1"], "algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch, fsdp or megatron holds"),
     ],
 )
 def test_deepspeed_settings_that_cannot_run_are_config_errors(tidal_cli, tmp_path, args, message):
@@ -115,3 +123,17 @@ def test_deepspeed_settings_that_cannot_run_are_config_errors(tidal_cli, tmp_pat
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists(), "nothing is written for an invalid config"
+
+
+def test_a_kl_term_with_a_backend_that_holds_no_reference_is_refused(monkeypatch):
+    """Every shipped train backend holds one (`registry.KL_REFERENCE`); one registered without
+    it is refused before anything starts, naming the key."""
+    from tidal.engines import registry
+    from tidal.tools.config import ConfigError, load_config
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import check_runnable
+
+    assert set(registry.KL_REFERENCE) == set(registry.TRAIN)
+    monkeypatch.setattr(registry, "KL_REFERENCE", ("torch", "megatron"))
+    with pytest.raises(ConfigError, match=r"algorithm.kl_coef=0.1 needs a reference policy, which only train.backend=torch or megatron holds; train.backend='deepspeed'"):
+        check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["train.backend=deepspeed", "algorithm.kl_coef=0.1"]))
