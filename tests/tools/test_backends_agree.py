@@ -54,14 +54,15 @@ def _steps(tidal_cli, runs, tmp_path: Path, tiny_hf_dir: Path, gsm8k_files: dict
     return steps
 
 
-def _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, *, device: str, backends: tuple[str, ...] = tuple(BACKENDS)) -> None:
+def _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, *, device: str, backends: tuple[str, ...] = tuple(BACKENDS), steps: int = 2) -> None:
+    """The first `steps` steps' rewards, losses and gradient norms, and the last checkpoint's weights."""
     backends = _installed(backends)
     got = {b: _steps(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, backend=b, device=device, precision="fp32") for b in backends}
     want = got["torch"]
     assert any(m["loss"] != 0.0 for m in want), "no step had a signal: the comparison would prove nothing"
     weights = {b: _final_weights(tmp_path / f"{b}-{device}-fp32") for b in backends}
     for backend in backends[1:]:
-        for step, (g, w) in enumerate(zip(got[backend], want, strict=True), start=1):
+        for step, (g, w) in enumerate(zip(got[backend][:steps], want[:steps], strict=True), start=1):
             assert g["reward"] == w["reward"], (backend, step)  # the same rollouts: each backend gave the rollout engine the same weights
             for key in ("loss", "grad_norm"):
                 assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (backend, step, key)
@@ -82,7 +83,7 @@ def test_every_train_backend_takes_the_torch_engines_steps_on_a_local_checkpoint
 
 @pytest.mark.gpu
 def test_gpu_every_train_backend_takes_the_torch_engines_steps_and_runs_in_bf16(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files):
-    _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, device="cuda")
+    _assert_agree(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, device="cuda", steps=1)  # the second step's samples may differ: a GPU's kernels differ between backends by float noise, which can tip a sampled token
     for backend in _installed(BACKENDS):
         for m in _steps(tidal_cli, runs, tmp_path, tiny_hf_dir, gsm8k_files, backend=backend, device="cuda", precision="bf16"):
             assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["nonfinite_grad"] == 0, (backend, m)
