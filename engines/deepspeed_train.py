@@ -84,6 +84,7 @@ from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
+    broadcast_from_rank0,
     check_settings,
     check_step_inputs,
     evaluating,
@@ -184,7 +185,7 @@ class DeepSpeedTrainEngine:
         whole on every rank, a plain module DeepSpeed does not manage (its passes need no
         collective). Kept in `state_dict()` as the torch engine's `reference`, parked with the model."""
         if self.reference is not None and self.world_size > 1:
-            self._broadcast_reference()  # the followers built theirs from random weights
+            broadcast_from_rank0(self.reference)  # the followers built theirs from random weights
         self._parked_reference: Any = None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.deepspeed, self.zero, _, _ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=model, optimizer=optimizer, config=config, dist_init_required=False)
@@ -202,13 +203,6 @@ class DeepSpeedTrainEngine:
     @property
     def _leading(self) -> bool:
         return self.led and self.rank == 0
-
-    @torch.no_grad()
-    def _broadcast_reference(self) -> None:
-        """Rank 0's reference weights on every rank (a collective)."""
-        assert self.reference is not None
-        for tensor in self.reference.state_dict().values():
-            dist.broadcast(tensor, src=0)
 
     # Rows of a led group ---------------------------------------------------------------------
     def follow_command(self, command: dict[str, Any]) -> None:
@@ -533,7 +527,8 @@ class DeepSpeedTrainEngine:
         """Rank 0's whole state on every rank; with `has_reference` every rank's reference from
         rank 0's (loaded there already)."""
         if has_reference and self.world_size > 1:
-            self._broadcast_reference()
+            assert self.reference is not None
+            broadcast_from_rank0(self.reference)
         load_full_state(self.module, self.zero, rank=self.rank, model=model, optimizer=optimizer)
         load_position(self.scheduler, lr_scheduler)
         self.version = version

@@ -101,6 +101,7 @@ from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
+    broadcast_from_rank0,
     check_settings,
     check_step_inputs,
     evaluating,
@@ -191,7 +192,7 @@ class FSDPTrainEngine:
         (a model's weights per device, not sharded), so its forward passes are local. Kept in
         `state_dict()` (not in the sharded `save_checkpoint`); a seat parks it with the model."""
         if self.reference is not None and self.world_size > 1:
-            self._broadcast_reference()  # the followers built theirs from random weights
+            broadcast_from_rank0(self.reference)  # the followers built theirs from random weights
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         shard(model, mesh)
         self.model = model.train()  # fully_shard moved parameters and buffers to the mesh's device
@@ -208,13 +209,6 @@ class FSDPTrainEngine:
     @property
     def _leading(self) -> bool:
         return self.led and self.rank == 0
-
-    @torch.no_grad()
-    def _broadcast_reference(self) -> None:
-        """Rank 0's reference weights on every rank (a collective)."""
-        assert self.reference is not None
-        for tensor in self.reference.state_dict().values():
-            dist.broadcast(tensor, src=0)
 
     # Rows of a led group ---------------------------------------------------------------------
     def follow_command(self, command: dict[str, Any]) -> None:
@@ -573,7 +567,8 @@ class FSDPTrainEngine:
         other ranks), and with `has_reference` every rank's reference from rank 0's (loaded
         there already). The optimizer keeps this engine's settings (`own_settings`)."""
         if has_reference and self.world_size > 1:
-            self._broadcast_reference()
+            assert self.reference is not None
+            broadcast_from_rank0(self.reference)
         set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
         if has_optimizer_state:
             with own_settings(self.optimizer):

@@ -115,6 +115,15 @@ def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature
     return chosen, None if entropy is None else token_entropy(logprobs, grad=entropy == "grad")
 
 
+@torch.no_grad()
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Rank 0's values of every tensor of `module`'s state on every rank, in place (a collective)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    for tensor in module.state_dict().values():
+        dist.broadcast(tensor, src=0)
+
+
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Each token's position counted from its row's first real token (left padding at 0),
     as the rollout engine counts them."""

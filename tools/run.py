@@ -328,25 +328,16 @@ def _absolute(value: Any, *, home_only: bool = False) -> Any:
     return None if value is None else [one(v) for v in value]
 
 
-def _expand_home(cfg: RecipeConfig) -> None:
-    """A leading `~` of each of PATH_KEYS and INPUT_KEYS expanded, before anything reads them."""
-    for key in PATH_KEYS:
-        setattr(cfg, key, _absolute(getattr(cfg, key), home_only=True))
-    for key in INPUT_KEYS:
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, _absolute(select(cfg, key), home_only=True))
-
-
-def _make_paths_absolute(cfg: RecipeConfig) -> None:
-    """Each of PATH_KEYS and INPUT_KEYS that is set, made absolute against the current
-    directory: the config goes into config.yaml, which a later `resume=` reads from
-    anywhere, and under `runtime: ray` to actors whose working directory (on other nodes, in
-    Ray's session folder) is not this one, which would resolve a relative path elsewhere."""
-    for key in PATH_KEYS:
-        setattr(cfg, key, _absolute(getattr(cfg, key)))
-    for key in INPUT_KEYS:
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, _absolute(select(cfg, key)))
+def _make_paths_absolute(cfg: RecipeConfig, *, home_only: bool = False) -> None:
+    """Each of PATH_KEYS and INPUT_KEYS that is set, with a leading `~` expanded and made
+    absolute against the current directory (`home_only`: the `~` expanded, nothing else):
+    the config goes into config.yaml, which a later `resume=` reads from anywhere, and under
+    `runtime: ray` to actors whose working directory (on other nodes, in Ray's session
+    folder) is not this one, which would resolve a relative path elsewhere."""
+    for key in (*PATH_KEYS, *INPUT_KEYS):
+        *section, name = key.split(".")
+        owner = getattr(cfg, section[0]) if section else cfg
+        setattr(owner, name, _absolute(getattr(owner, name), home_only=home_only))
 
 
 def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
@@ -367,7 +358,7 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     from tidal.hal import init_platform  # noqa: PLC0415 - imports torch
 
     cfg = load_config(recipe, overrides)
-    _expand_home(cfg)
+    _make_paths_absolute(cfg, home_only=True)  # `~` before anything reads them; the rest after the checks
     check_runnable(cfg)
     resume_changes(cfg)
     selection = init_platform(cfg.device)

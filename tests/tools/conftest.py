@@ -31,8 +31,37 @@ def _assert_same_run(full: Path, resumed: Path, *, from_step: int, last_step: in
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _assert_takes_steps_of(run_dir: Path, reference: Path, *, keys: tuple[str, ...] = ("loss", "kl")) -> None:
+    """`run_dir`'s steps are `reference`'s (another train engine's run of the same recipe): the
+    same rewards, and `keys` up to float32 noise (1e-4 relative)."""
+    for m, t in zip(_steps(run_dir), _steps(reference), strict=True):
+        assert m["reward"] == t["reward"], m["step"]
+        for key in keys:
+            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
+
+
+def _assert_colocated_as_alone(tidal_cli: Any, tmp_path: Path, common: list[str], *, env: dict[str, str]) -> None:
+    """`tidal run quickstart_cpu *common` (3 steps, `max_staleness: 0`) alone, then with rollout
+    time-sharing the trainer's device: the trainer parked for each step after the first, and
+    the shared run's metrics (less its hand-off counts) and last weights are the alone run's, bit for bit."""
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    for run_dir, extra in ((alone, []), (shared, ["placement.rollout.colocate_with=train"])):
+        out = tidal_cli("run", "quickstart_cpu", f"run_dir={run_dir}", *common, *extra, env=env, cwd=tmp_path, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+    share = json.loads((shared / "summary.json").read_text())["timeshare"]
+    assert share["handoffs"] >= 6 and share["seats"]["train"]["parks"] >= 2  # the trainer left the device to rollout for each step after the first
+    a, b = _steps(alone), _steps(shared)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3] and len({m["loss"] for m in a}) > 1
+    assert [{k: m[k] for k in m if k in o} for m, o in zip(b, a)] == a  # the shared run's metrics add its hand-offs
+    x, y = (load_file(run / "checkpoints" / "step-000003" / "model.safetensors") for run in (alone, shared))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 @pytest.fixture(scope="session")
 def runs() -> types.SimpleNamespace:
     """`runs.steps(run_dir)`: a run's per-step metrics less timings; `runs.assert_same(full,
-    resumed, from_step=)`: a resumed run repeats the uninterrupted one."""
-    return types.SimpleNamespace(steps=_steps, assert_same=_assert_same_run)
+    resumed, from_step=)`: a resumed run repeats the uninterrupted one; `runs.assert_takes_steps_of(run,
+    reference)`: another engine's run of the same recipe took the same steps;
+    `runs.assert_colocated_as_alone(tidal_cli, tmp_path, common, env=)`: a colocated run is the
+    disaggregated one."""
+    return types.SimpleNamespace(steps=_steps, assert_same=_assert_same_run, assert_takes_steps_of=_assert_takes_steps_of, assert_colocated_as_alone=_assert_colocated_as_alone)

@@ -17,9 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")
 
@@ -85,10 +83,7 @@ def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninte
     assert len({m["loss"] for m in steps}) > 1 and steps[-1]["kl"] > 0  # it trained, away from its reference
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={torch_run}", *common, "train.backend=torch", env=ENV, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for m, t in zip(steps, runs.steps(torch_run), strict=True):
-        assert m["reward"] == t["reward"]
-        for key in ("loss", "kl"):
-            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
+    runs.assert_takes_steps_of(full, torch_run)
 
 
 def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):
@@ -96,19 +91,7 @@ def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(t
     hand-off (`DeepSpeedTrainEngine.park`: DeepSpeed's `offload_states`, and the master slices
     and AdamW's state moved by tidal) and takes its state back, and with `max_staleness: 0`
     the run is the disaggregated run's, bit for bit."""
-    alone, shared = tmp_path / "alone", tmp_path / "shared"
-    common = ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"]
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={alone}", *common, env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={shared}", *common, "placement.rollout.colocate_with=train", env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    share = json.loads((shared / "summary.json").read_text())["timeshare"]
-    assert share["handoffs"] >= 6 and share["seats"]["train"]["parks"] >= 2  # the trainer left the device to rollout for each step after the first
-    a, b = runs.steps(alone), runs.steps(shared)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3] and len({m["loss"] for m in a}) > 1
-    assert [{k: m[k] for k in m if k in o} for m, o in zip(b, a)] == a  # the shared run's metrics add its hand-offs
-    x, y = (load_file(run / "checkpoints" / "step-000003" / "model.safetensors") for run in (alone, shared))
-    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    runs.assert_colocated_as_alone(tidal_cli, tmp_path, ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"], env=ENV)
 
 
 @pytest.mark.parametrize(

@@ -13,13 +13,10 @@ through `state_dict()` / `load_state_dict()`) must end exactly as the uninterrup
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tidal.engines import registry
 
@@ -55,10 +52,7 @@ def test_a_megatron_run_resumed_from_its_periodic_checkpoint_repeats_the_uninter
     assert steps[-1]["kl"] > 0  # the policy moved away from its reference
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={torch_run}", *common, "train.backend=torch", env=ENV, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for m, t in zip(steps, runs.steps(torch_run), strict=True):
-        assert m["reward"] == t["reward"]
-        for key in ("loss", "kl"):
-            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
+    runs.assert_takes_steps_of(full, torch_run)
 
 
 @pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
@@ -67,19 +61,7 @@ def test_a_colocated_megatron_trainer_parks_for_its_guest_and_trains_as_alone(ti
     AdamW state in host memory at each hand-off (`MegatronTrainEngine.park`: on a fake
     device the platform's offload really copies them out and back into new tensors), and
     with `max_staleness: 0` the run is the disaggregated run's, bit for bit."""
-    alone, shared = tmp_path / "alone", tmp_path / "shared"
-    common = ["train.backend=megatron", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"]
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={alone}", *common, env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = tidal_cli("run", "quickstart_cpu", f"run_dir={shared}", *common, "placement.rollout.colocate_with=train", env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    share = json.loads((shared / "summary.json").read_text())["timeshare"]
-    assert share["handoffs"] >= 6 and share["seats"]["train"]["parks"] >= 2  # the trainer left the device to rollout for each step after the first
-    a, b = runs.steps(alone), runs.steps(shared)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3] and len({m["loss"] for m in a}) > 1
-    assert [{k: m[k] for k in m if k in o} for m, o in zip(b, a)] == a  # the shared run's metrics add its hand-offs
-    x, y = (load_file(run / "checkpoints" / "step-000003" / "model.safetensors") for run in (alone, shared))
-    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    runs.assert_colocated_as_alone(tidal_cli, tmp_path, ["train.backend=megatron", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"], env=ENV)
 
 
 @pytest.mark.parametrize(
