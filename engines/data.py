@@ -11,8 +11,10 @@ tokenized) and `prompt` is their text (the rendered template, or the raw text); 
 `tools/train.py`'s task prompts have (`{"prompt", "answer", "prompt_ids"}`), so either
 feeds the same workflow.
 
-Files are read with `datasets.load_dataset("json" | "parquet", data_files=...)` (pyarrow
-underneath; the Arrow copy it makes goes to `cache_dir`, by default datasets' own cache).
+Files are read with `datasets.load_dataset("json" | "parquet" | "arrow", data_files=...)`
+(pyarrow underneath; the Arrow copy it makes goes to `cache_dir`, by default datasets' own
+cache); a folder that `Dataset.save_to_disk` wrote is read with `datasets.load_from_disk`
+(memory-mapped, no copy).
 Each file is read on its own so that every mistake in one names it: a missing file, an
 unsupported suffix, a missing column (with the columns it has), no rows, a prompt that
 is not text (its row, counted from 0, and its type). These raise `DataError`, a
@@ -41,8 +43,12 @@ from tidal.engines.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-"""File suffix -> the `datasets` builder that reads it (JSON: one object per line, or a list of objects)."""
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File suffix -> the `datasets` builder that reads it (JSON: one object per line, or a list
+of objects; Arrow: a file `Dataset.save_to_disk` wrote)."""
+
+SAVED_DATASET = ("state.json", "dataset_info.json")
+"""The files that mark a folder `datasets.Dataset.save_to_disk` wrote (read whole with `load_from_disk`)."""
 
 
 class DataError(ValueError):
@@ -55,8 +61,9 @@ class DataConfig:
     """Where the prompts come from and how they become the model's input."""
 
     train_files: list[str] = dataclasses.field(default_factory=list)
-    """Local files of training prompts (.jsonl, .json or .parquet; glob patterns such as
-    `data/train-*.parquet` are expanded), read in this order. Relative paths are taken from
+    """Local files of training prompts (.jsonl, .json, .parquet or .arrow; glob patterns such
+    as `data/train-*.parquet` are expanded), or folders `datasets.Dataset.save_to_disk` wrote
+    (one split's), read in this order. Relative paths are taken from
     where tidal run starts (a leading ~ is the home folder) and stored absolute in config.yaml."""
     eval_files: list[str] = dataclasses.field(default_factory=list)
     """Local files of held-out prompts, for evaluation (same formats and paths); none: no evaluation set."""
@@ -120,11 +127,29 @@ def expand_files(patterns: Sequence[str], *, key: str) -> list[Path]:
     for path in paths:
         if not path.exists():
             raise DataError(f"{key}: {str(path)!r} does not exist")
-        if not path.is_file():
-            raise DataError(f"{key}: {str(path)!r} is not a file (list the files of a folder, or give a pattern such as {str(path / '*.parquet')!r})")
-        if path.suffix.lower() not in FORMATS:
-            raise DataError(f"{key}: {str(path)!r} has suffix {path.suffix!r}; readable: {', '.join(FORMATS)}")
+        if path.is_dir():
+            _check_saved_dataset(path, key=key)
+        elif path.suffix.lower() not in FORMATS:
+            raise DataError(f"{key}: {str(path)!r} has suffix {path.suffix!r}; readable: {', '.join(FORMATS)}, or a folder Dataset.save_to_disk wrote")
     return paths
+
+
+def _check_saved_dataset(path: Path, *, key: str) -> None:
+    """`path`, a folder, is one `Dataset.save_to_disk` wrote (a split, not a DatasetDict).
+
+    Raises:
+        DataError: naming `key` and the folder: a DatasetDict's (with its splits' folders),
+            or any other folder (with a pattern for its files).
+    """
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if all((p / name).is_file() for name in SAVED_DATASET))
+        shown = ", ".join(repr(str(path / s)) for s in splits) or "none found"
+        raise DataError(f"{key}: {str(path)!r} holds a DatasetDict (several splits); name one split's folder: {shown}")
+    if not all((path / name).is_file() for name in SAVED_DATASET):
+        raise DataError(
+            f"{key}: {str(path)!r} is a folder, and not one Dataset.save_to_disk wrote (no {' and '.join(SAVED_DATASET)}): "
+            f"list its files, or give a pattern such as {str(path / '*.parquet')!r}"
+        )
 
 
 @contextlib.contextmanager
@@ -167,14 +192,20 @@ def read_table(path: Path, *, columns: Mapping[str, str], cache_dir: str | None 
     """
     import datasets  # noqa: PLC0415
 
-    if path.stat().st_size == 0:
+    if path.is_dir():
+        builder = "a saved dataset"
+    elif path.stat().st_size == 0:
         raise DataError(f"{path}: the file is empty")
-    builder = FORMATS[path.suffix.lower()]
+    else:
+        builder = FORMATS[path.suffix.lower()]
     if builder == "parquet" and _num_parquet_rows(path) == 0:
         raise DataError(f"{path}: no rows")
     try:
         with _quiet_datasets():
-            table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+            if path.is_dir():
+                table = datasets.load_from_disk(str(path))
+            else:
+                table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
     except Exception as e:  # every parser failure of a user's file becomes one error naming it
         cause = e.__cause__ or e
         raise DataError(f"{path}: cannot be read as {builder}: {type(cause).__name__}: {cause}") from e

@@ -444,8 +444,26 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         else:
             print(message, file=sys.stderr)
         code = 1
+    _remove_unused_run_dir(args)
     _print_resume_hint(args)
     return code
+
+
+PREPARED_FILES = frozenset({"config.yaml", "platform.json"})
+"""What `prepare_run` writes in a new run directory before the run starts."""
+
+
+def _remove_unused_run_dir(args: argparse.Namespace) -> None:
+    """After a run that failed before writing anything of its own (a data file it could not
+    read, a model it could not load): its run directory holds only what `prepare_run` wrote,
+    and goes, so that the same `run_dir=` works once the mistake is mended."""
+    run_dir: Path | None = getattr(args, "made_run_dir", None)
+    if run_dir is None or not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= PREPARED_FILES:
+        return
+    for name in PREPARED_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    run_dir.rmdir()
+    print(f"tidal {args.command}: removed {run_dir}: the run wrote nothing there yet", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
 
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
-            registered reward nor importable `module:function`; when the trainer would be the
+            registered reward nor importable `module:function`; when a data file is missing
+            or of no readable kind (`engines.data.expand_files`); when the trainer would be the
             guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
             time-shares the trainer's devices), or would time-share them with a train backend
             that cannot park its state (`TIME_SHARES`); when `placement.train.count` > 1 with a train backend
@@ -194,6 +195,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             rollout instances (`placement.rollout.count` > 1, or `placement.train.lend_to`,
             whose borrowed instances continue paused groups on the others).
     """
+    from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
     from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES  # noqa: PLC0415
     from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
 
@@ -213,6 +215,12 @@ def check_runnable(cfg: RecipeConfig) -> None:
         raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math)")
     if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
         raise ConfigError(f"sft.steps={cfg.sft.steps}: a warm start trains on the reference answers, and data.answer_key is null: set sft.steps=0")
+    for key in ("data.train_files", "data.eval_files"):  # found and of a readable kind now, not after the run directory is made
+        if files := getattr(cfg.data, key.split(".")[1]):
+            try:
+                expand_files(list(files), key=key)
+            except DataError as e:
+                raise ConfigError(str(e)) from None
     if cfg.task.reward:  # imported now (a user's module), not after the run directory and the warm start
         try:
             resolve_reward(cfg.task.reward)

@@ -163,6 +163,29 @@ def test_items_travel_through_the_store_and_become_trajectories(load, gsm8k_file
     assert trajectories[0].meta["answer"] == item["answer"]
 
 
+def test_a_folder_save_to_disk_wrote_and_its_arrow_file_are_read(load, gsm8k_files, tmp_path):
+    import datasets
+
+    rows = rows_of(gsm8k_files["eval_jsonl"])
+    saved = datasets.Dataset.from_list(rows)
+    saved.save_to_disk(str(tmp_path / "saved"))
+    (arrow,) = (tmp_path / "saved").glob("*.arrow")
+    for source in (tmp_path / "saved", arrow):
+        prompts = load([source])
+        assert [item["answer"] for item in prompts] == [row["answer"] for row in rows]
+        assert [item["meta"] for item in prompts] == [{"file": str(source), "row": k} for k in range(len(rows))]
+
+
+def test_a_dataset_dict_folder_names_its_splits(load, gsm8k_files, tmp_path):
+    import datasets
+
+    one = datasets.Dataset.from_list(rows_of(gsm8k_files["eval_jsonl"]))
+    datasets.DatasetDict(train=one, test=one).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"dd' holds a DatasetDict \(several splits\); name one split's folder: '.*dd/test', '.*dd/train'"):
+        load([tmp_path / "dd"])
+    assert len(load([tmp_path / "dd" / "train"])) == len(one)
+
+
 # bad input: each error names the file, the column and the row
 
 
@@ -179,12 +202,12 @@ def test_a_missing_file_is_named(load, tmp_path):
 def test_an_unsupported_suffix_is_named(load, tmp_path):
     path = tmp_path / "prompts.csv"
     path.write_text("question,answer\nq,1\n")
-    with pytest.raises(DataError, match=r"prompts.csv' has suffix '.csv'; readable: .jsonl, .json, .parquet"):
+    with pytest.raises(DataError, match=r"prompts.csv' has suffix '.csv'; readable: .jsonl, .json, .parquet, .arrow, or a folder Dataset.save_to_disk wrote"):
         load([path])
 
 
 def test_a_folder_or_an_unmatched_pattern_is_named(load, tmp_path):
-    with pytest.raises(DataError, match="is not a file"):
+    with pytest.raises(DataError, match=r"is a folder, and not one Dataset.save_to_disk wrote .*a pattern such as '.*\*.parquet'"):
         load([tmp_path])
     with pytest.raises(DataError, match=r"'.*\*.parquet' matches no file"):
         load([str(tmp_path / "*.parquet")])

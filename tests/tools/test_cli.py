@@ -254,6 +254,38 @@ def test_no_resume_command_without_a_checkpoint(tmp_path, capsys):
     assert f"its last checkpoint is step-000007, continue with:\n  tidal run quickstart_cpu seed=3 resume={tmp_path}" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_on_its_data_leaves_no_run_directory_to_block_the_next(tidal_cli, tmp_path, tiny_hf_dir, gsm8k_files):
+    """A file that is not there, or not data, is refused before the run directory is made;
+    one found wanting once read (a column missing) removes the directory the run had made,
+    so the same `run_dir=` takes the mended command."""
+    (tmp_path / "bad.jsonl").write_text('{"problem": "1+1", "answer": "#### 2"}\n')
+    qwen = ["run", "gsm8k_qwen", f"model.path={tiny_hf_dir}", "run_dir=r1", "algorithm.num_steps=1", "rollout.max_new_tokens=4", "--no-progress"]
+    missing = tidal_cli(*qwen, "data.train_files=[nope.jsonl]", cwd=tmp_path)
+    assert missing.returncode == 2 and "data.train_files: 'nope.jsonl' does not exist" in missing.stderr
+    assert not (tmp_path / "r1").exists() and "config written" not in missing.stdout
+    bad = tidal_cli(*qwen, "data.train_files=[bad.jsonl]", cwd=tmp_path)
+    assert bad.returncode == 2 and "bad.jsonl: no column 'question' (data.prompt_key); its columns: ['problem', 'answer']" in bad.stderr
+    assert f"removed {tmp_path / 'r1'}: the run wrote nothing there yet" in bad.stderr and not (tmp_path / "r1").exists()
+    good = tidal_cli(*qwen, f"data.train_files=[{gsm8k_files['train_jsonl']}]", cwd=tmp_path)
+    assert good.returncode == 0, good.stderr
+    assert (tmp_path / "r1" / "metrics.jsonl").is_file()
+
+
+def test_only_a_run_directory_holding_what_prepare_run_wrote_is_removed(tmp_path, capsys):
+    import argparse
+
+    from tidal.tools.cli import _remove_unused_run_dir
+
+    for name in ("config.yaml", "platform.json", "metrics.jsonl"):
+        (tmp_path / name).write_text("x")
+    args = argparse.Namespace(command="run", made_run_dir=tmp_path)
+    _remove_unused_run_dir(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "metrics.jsonl", "platform.json"] and capsys.readouterr().err == ""
+    (tmp_path / "metrics.jsonl").unlink()
+    _remove_unused_run_dir(args)
+    assert not tmp_path.exists() and "the run wrote nothing there yet" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
