@@ -190,7 +190,7 @@ class FSDPTrainEngine:
         """A frozen, un-sharded copy of the weights the engine was built with (rank 0's), the
         reference policy of a loss with `kl_coef > 0` (`kl_reference=True`): whole on every rank
         (a model's weights per device, not sharded), so its forward passes are local. Kept in
-        `state_dict()` (not in the sharded `save_checkpoint`); a seat parks it with the model."""
+        `state_dict()` and in the sharded `save_checkpoint`; a seat parks it with the model."""
         if self.reference is not None and self.world_size > 1:
             broadcast_from_rank0(self.reference)  # the followers built theirs from random weights
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -579,13 +579,13 @@ class FSDPTrainEngine:
         self.version = version
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """Sharded model + optimizer + version with torch.distributed.checkpoint; every rank, same directory."""
+        """Sharded model + optimizer + version (+ the KL reference) with torch.distributed.checkpoint; every rank, same directory."""
         if self._leading:
             send_command("save_checkpoint", directory=str(directory))
         self._save_checkpoint(directory)
 
     def _save_checkpoint(self, directory: str | Path) -> None:
-        save_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, version=self.version)
+        save_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, version=self.version, reference=self.reference)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load what `save_checkpoint` wrote (any number of ranks may have written it)."""
@@ -594,4 +594,4 @@ class FSDPTrainEngine:
         self._load_checkpoint(directory)
 
     def _load_checkpoint(self, directory: str | Path) -> None:
-        self.version = load_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.version = load_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, reference=self.reference)
