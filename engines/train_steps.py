@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines import token_logprobs
 from tidal.flow.algorithms import PolicyLossConfig, sequence_keep, token_entropy
 from tidal.flow.trajectory import TokenBatch
 
@@ -109,7 +110,13 @@ def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature
     """Each position's logprob of its target under softmax(logits / temperature), in float32
     (`logits` [..., vocab], `targets` [...]), and with `entropy` the entropy of that
     distribution (`token_entropy`: "grad" with gradient, for the entropy bonus; "metric"
-    detached, a chunk of positions at a time)."""
+    detached, a chunk of positions at a time).
+
+    Logits of more than `token_logprobs.CHUNK` values go a chunk of positions at a time,
+    without float32 copies of the whole (`token_logprobs`; the same values and gradients,
+    bit for bit), except for the entropy bonus, whose gradient needs every distribution."""
+    if logits.numel() > token_logprobs.CHUNK and entropy != "grad":
+        return token_logprobs.token_logprobs(logits, targets, temperature=temperature, entropy=entropy == "metric")
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     chosen = logprobs.gather(-1, targets[..., None]).squeeze(-1)
     return chosen, None if entropy is None else token_entropy(logprobs, grad=entropy == "grad")
