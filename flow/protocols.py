@@ -239,7 +239,9 @@ class BuildsFromCheckpoint(Protocol):
     """A rollout engine class that loads the model itself from the checkpoint directory (vLLM
     builds its own model, sharded over its devices): the run passes `model.path` where other
     engines take a torch module, `tensor_parallel_size` from the placement's devices per
-    instance, and its recipe `rollout.*` keys by name. Checked on the class."""
+    instance, and its recipe `rollout.*` keys by name; under Ray its actor receives each
+    version into host memory (`load_weights` sends it on to the engine's own processes).
+    Checked on the class."""
 
     builds_from_checkpoint: bool
     """Always True for such an engine: the marker `isinstance` sees."""

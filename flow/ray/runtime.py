@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tidal.flow.protocols import PostsWeights
+from tidal.flow.protocols import BuildsFromCheckpoint, PostsWeights
 from tidal.flow.ray.faults import ActorLost, death_summary, num_restarts
 from tidal.flow.ray.liveness import Liveness, transfer_timeout_s
 from tidal.flow.ray.sends import QueuedSends
@@ -38,6 +38,16 @@ from tidal.flow.rollout import RolloutWorker, Stop
 from tidal.flow.trace import Tracer
 
 log = logging.getLogger(__name__)
+
+
+def weights_device(engine: Any, *, shared: bool) -> torch.device | None:
+    """Where a rollout actor's received versions wait for the next safe point: host memory
+    on a device it time-shares (`shared`: a version arriving while the trainer computes takes
+    none of its device memory; `load_weights` copies it in during the actor's turn) and for
+    an engine whose model lives in processes of its own (`BuildsFromCheckpoint`, vLLM: its
+    `load_weights` sends host tensors on, and a copy on this process's device would take the
+    memory its KV cache was sized beside); else None, this process's device."""
+    return torch.device("cpu") if shared or isinstance(type(engine), BuildsFromCheckpoint) else None
 
 
 class RolloutActor:
@@ -62,6 +72,7 @@ class RolloutActor:
         self.started = time.time_ns()
         """Tells this incarnation from the one before a restart (`metrics`: counts start again at 0)."""
         self.engine = make_engine()
+        self.weights_device = weights_device(self.engine, shared=bool(turns))
         self.sharing: Any = None
         if turns:
             from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
@@ -70,10 +81,6 @@ class RolloutActor:
             proxies = [TurnsProxy(t) for t in turns]
             self.sharing = Sharing(proxies[0] if len(proxies) == 1 else TurnsSpan(proxies), self.platform)
             self.engine = self.sharing.rollout(self.engine, seat)
-        self.weights_device = None if self.sharing is None else torch.device("cpu")
-        """Where received versions wait for the next safe point: on a shared device, host
-        memory (a version arriving while the trainer computes takes none of its device
-        memory; `load_weights` copies it in during this actor's turn)."""
         self.store = RemoteStore(store_address, token=store_token)
         self.stopping = threading.Event()
         self.tracer = Tracer()  # its spans go back with the summary, into the run's timeline

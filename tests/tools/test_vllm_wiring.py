@@ -92,3 +92,21 @@ def test_a_ray_rollout_actor_builds_vllm_without_building_the_model(fake_vllm, t
         assert "model.embed_tokens.weight" in names and all(t.device.type == "meta" for t in names.values())
     finally:
         engine.close()
+
+
+def test_a_ray_rollout_actor_receives_vllms_weights_into_host_memory(fake_vllm, tiny_hf_dir, gsm8k_files):
+    """vLLM's model lives in processes of its own, which `load_weights` sends host tensors to:
+    a version received onto the actor's device would sit beside the KV cache vLLM sized the
+    device for. The `hf` engine generates in the actor's process: its versions go to its device."""
+    from tidal.engines.hf_rollout import HFRolloutEngine
+    from tidal.flow.ray.runtime import weights_device
+    from tidal.tools.config import to_yaml
+    from tidal.tools.ray_run import make_rollout_engine
+
+    engine = make_rollout_engine(to_yaml(_cfg(tiny_hf_dir, gsm8k_files, "runtime=ray")), rank=0)
+    try:
+        assert weights_device(engine, shared=False) == torch.device("cpu")
+    finally:
+        engine.close()
+    hf = HFRolloutEngine.__new__(HFRolloutEngine)
+    assert weights_device(hf, shared=False) is None and weights_device(hf, shared=True) == torch.device("cpu")
