@@ -42,16 +42,18 @@ weight receiver's `expected_specs`). vLLM fuses q/k/v into `qkv_proj` and gate/u
 `gate_up_proj`, so a missing part is named with the fused parameter it belongs to. The
 tensors then go to every worker through the worker extension
 (`tidal.engines.vllm_worker.TidalWorkerExtension`, named by the engine argument
-`worker_extension_cls`) with `collective_rpc`: in buckets, each tensor as raw bytes inside
-the message (vLLM's utility calls decode tensor arguments untyped, so they cannot travel
-as tensors); each worker's model `load_weights` maps the names onto its fused, sharded
-parameters, and the commit call checks every parameter was written and returns the
-version each worker now has, which must all equal `version`. Then the prefix cache is
-reset (its KV was computed by the old weights). This first cut moves weights through
-vLLM's engine process on the host: tidal's `ipc`, `collective` and `host` transports feed
-the adapter's process (the Ray rollout actor receives a version with tidal's receivers and
-calls `load_weights`), and the `host` transport is the path between a trainer and a
-rollout of different torch builds (a vLLM environment pins its own torch).
+`worker_extension_cls`) with `collective_rpc`, in buckets (`tidal.engines.vllm_weights`):
+written into a host file every worker maps, the calls naming where each tensor lies, or,
+where a worker cannot map it (on another host), as raw bytes inside the messages (vLLM's
+utility calls decode tensor arguments untyped, so they cannot travel as tensors); each
+worker's model `load_weights` maps the names onto its fused, sharded parameters, and the
+commit call checks every parameter was written and returns the version each worker now
+has, which must all equal `version`. Then the prefix cache is reset (its KV was computed
+by the old weights). Weights reach vLLM's workers through host memory: tidal's `ipc`,
+`collective` and `host` transports feed the adapter's process (the Ray rollout actor
+receives a version into host memory with tidal's receivers and calls `load_weights`), and
+the `host` transport is the path between a trainer and a rollout of different torch builds
+(a vLLM environment pins its own torch).
 
 `sleep(level)` / `wake_up(tags)` map to `AsyncLLM.sleep` / `wake_up` (sleep mode is always
 enabled) for colocated and multiplexed layouts; `generate` refuses to run while anything
@@ -81,7 +83,7 @@ from typing import Any
 
 import torch
 
-from tidal.engines.vllm_worker import pack_tensor
+from tidal.engines.vllm_weights import WeightPusher
 from tidal.flow.protocols import Refill
 from tidal.flow.trajectory import Trajectory, unfinished
 from tidal.hal import Platform, current_platform
@@ -90,15 +92,9 @@ WORKER_EXTENSION = "tidal.engines.vllm_worker.TidalWorkerExtension"
 """The `worker_extension_cls` engine argument: mixed into every vLLM worker."""
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 """The `dtype` values vLLM 0.32 takes (its `ModelDType`)."""
-_TORCH_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "float32": torch.float32}
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0
 """vLLM's `SamplingParams` refuses a temperature above 2 and silently raises one below 0.01 to
 0.01: the adapter refuses both, so behavior logprobs are always at the recipe's temperature."""
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-"""Hugging Face module name -> the vLLM parameter it is a part of (Llama, Qwen2/3, Mistral...)."""
-WEIGHT_BUCKET_BYTES = 64 << 20
-"""Bytes of tensors per `collective_rpc` call: each call is one message through vLLM's engine
-process to every worker, held whole in memory on its way."""
 _END = object()
 """A request's stream ended (after its last output, or its error)."""
 
@@ -156,7 +152,7 @@ class VLLMRolloutEngine:
         """Kept for the run's bookkeeping: vLLM finds its device through its own platform
         detection (vllm-ascend's plugin on Ascend), inside the devices hal made visible."""
         self.model_path = path
-        self._specs, self._ties = checkpoint_manifest(path, dtype)
+        self._weights = WeightPusher(path, dtype)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 - vLLM is optional: only this backend needs it
             from vllm.inputs import TokensPrompt  # noqa: PLC0415
@@ -231,7 +227,7 @@ class VLLMRolloutEngine:
         """Every weight `load_weights` takes, as a meta tensor of its shape and dtype (no memory):
         what a weight receiver checks versions against (`expected_specs`). Floating tensors have
         the dtype the constructor's `dtype` names ("auto": the checkpoint's own)."""
-        for name, (shape, dtype) in self._specs.items():
+        for name, (shape, dtype) in self._weights.specs.items():
             yield name, torch.empty(shape, dtype=dtype, device="meta")
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -248,15 +244,14 @@ class VLLMRolloutEngine:
                 then be part old, part new: the version is unchanged and the engine should be
                 rebuilt).
         """
-        given = self._checked(version, named_tensors)
+        given = self._weights.check(version, named_tensors)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the vllm rollout engine is closed")
             if "weights" in self._asleep:
                 raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) before load_weights")
-            for bucket in self._buckets(given):
-                self._call(self._llm.collective_rpc("tidal_load_bucket", args=(version, bucket)))
-            reported = self._call(self._llm.collective_rpc("tidal_commit_weights", args=(version,)))
+            self._weights.push(version, given, self._rpc)
+            reported = self._rpc("tidal_commit_weights", version)
             if not reported or any(v != version for v in reported):
                 raise RuntimeError(f"weights of version {version} were sent, but the workers report versions {reported} (one per rank)")
             if not self._call(self._llm.reset_prefix_cache()):  # cached KV was computed by the old weights
@@ -310,6 +305,7 @@ class VLLMRolloutEngine:
 
                 asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
         finally:
+            self._weights.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
 
@@ -335,6 +331,10 @@ class VLLMRolloutEngine:
             raise RuntimeError("the vllm rollout engine is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """`method` of every worker's extension (`collective_rpc`), their answers in rank order."""
+        return self._call(self._llm.collective_rpc(method, args=args))
+
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop)
 
@@ -353,53 +353,6 @@ class VLLMRolloutEngine:
             output_kind=self._delta,
         )
         return self._tokens_prompt(prompt_token_ids=prompt_ids), params, f"tidal-{next(self._request_ids)}"
-
-    def _checked(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The tensors by name, after every check `load_weights` makes (ValueError naming what is wrong)."""
-        given: dict[str, torch.Tensor] = {}
-        repeated = []
-        for name, tensor in named_tensors:
-            if name in given:
-                repeated.append(name)
-            given[name] = tensor
-        own = self._specs
-        missing = sorted(set(own) - set(given))
-        unknown = sorted(set(given) - set(own))
-        both = sorted(set(own) & set(given))
-        wrong = [n for n in both if tuple(given[n].shape) != own[n][0]]
-        dtype = [n for n in both if given[n].dtype != own[n][1] and not (own[n][1].is_floating_point and given[n].dtype.is_floating_point)]
-        if missing or unknown or wrong or dtype or repeated:
-            fused = sorted({f for n in missing if (f := fused_name(n))})
-            raise ValueError(
-                f"weights for version {version} do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}, "
-                f"wrong dtype {dtype[:5]}, given twice {repeated[:5]}" + (f" (vLLM fuses the missing parts into {fused[:5]})" if fused else "")
-            )
-        for name, tied in self._ties.items():
-            a, b = given[tied], given[name]
-            if a is not b and not torch.equal(a, b.to(a.device, a.dtype)):
-                raise ValueError(f"weights for version {version}: {name!r} is tied to {tied!r} in the model, but they were given different values")
-        return given
-
-    def _buckets(self, given: dict[str, torch.Tensor]) -> Iterator[list[list[Any]]]:
-        """The tensors to send, packed, in buckets of about `WEIGHT_BUCKET_BYTES`: in the
-        manifest's order, each cast to the manifest's floating dtype, a tied name's twin left
-        out (vLLM's loader skips it too: one parameter holds both)."""
-        bucket: list[list[Any]] = []
-        size = 0
-        for name, (_, dtype) in self._specs.items():
-            if name in self._ties:
-                continue
-            tensor = given[name]
-            if tensor.is_floating_point() and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
-            bucket.append(pack_tensor(name, tensor))
-            size += tensor.nbytes
-            if size >= WEIGHT_BUCKET_BYTES:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-
 
 class _Generation:
     """One `generate` call: its requests, each a slot, and the outputs they stream back.
@@ -521,51 +474,6 @@ class _Generation:
                 self._take(self.events.get())
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 pass
-
-
-def checkpoint_manifest(path: Path, dtype: str) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
-    """The tensors of the Hugging Face model a checkpoint directory configures, by name: (shape,
-    dtype), floating ones in `dtype` ("auto": the checkpoint's `dtype`); and its ties (name ->
-    the first name sharing its tensor). The model is built on the meta device: no memory.
-
-    Raises:
-        ValueError: naming `path`, when transformers cannot build a causal LM from its config.
-    """
-    import transformers  # noqa: PLC0415 - heavy: only a vllm run reads a manifest here
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"model_path={str(path)!r}: cannot build a causal LM from its config: {type(e).__name__}: {e}") from e
-    floating = _TORCH_DTYPES.get(dtype) or _checkpoint_dtype(config)
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    ties: dict[str, str] = {}
-    first: dict[int, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        specs[name] = (tuple(tensor.shape), floating if tensor.is_floating_point() else tensor.dtype)
-        tied = first.setdefault(id(tensor), name)
-        if tied != name:
-            ties[name] = tied
-    return specs, ties
-
-
-def _checkpoint_dtype(config: Any) -> torch.dtype:
-    """The dtype a checkpoint's config names (transformers gives a torch dtype or its name; float32 when none)."""
-    value = config.dtype
-    if isinstance(value, str):
-        value = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(value)
-    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
-
-
-def fused_name(name: str) -> str | None:
-    """The vLLM parameter a Hugging Face weight is part of (`...q_proj.weight` -> `...qkv_proj.weight`), or None."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in FUSED:
-            return ".".join([*parts[:i], FUSED[part], *parts[i + 1 :]])
-    return None
 
 
 def _check_int(key: str, value: Any, least: int) -> None:

@@ -27,12 +27,8 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import os
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +36,6 @@ from typing import Any
 import torch
 import zmq
 
-from tidal.hal import owner
 from tidal.hal.platform import Platform
 from tidal.hal.transfer import (
     Manifest,
@@ -57,11 +52,10 @@ from tidal.hal.transfer import (
     weight_source,
 )
 from tidal.hal.transfer.host import POLL_S, check_bind, open_socket
+from tidal.hal.transfer.shared_file import SharedFile, map_shared
 
 PLACE_ALIGN = 64
 """Byte alignment of each tensor `IpcSender.place` lays out (a cache line; any dtype's itemsize divides it)."""
-_SHM = Path(owner.DIR) if Path(owner.DIR).is_dir() else Path(tempfile.gettempdir())
-_names = itertools.count()
 
 
 class IpcSender:
@@ -81,13 +75,17 @@ class IpcSender:
         self._token = token or ""
         self._sockets: dict[str, zmq.Socket] = {}
         self._buffer: torch.Tensor | None = None
-        self._path: Path | None = None
-        self._unlink: weakref.finalize | None = None  # the file goes when this sender does, or at exit
+        self._file: SharedFile | None = None  # the host buffer's file: it goes when this sender does, or at exit
         self._posted: tuple[Manifest, list[bytes]] | None = None  # the version in the buffer, and its announcement
         self._waiting: set[str] = set()  # receivers announced to that have not answered yet
         self._unsettled: set[str] = set()  # reset while they may still read the buffer: no new version until they answer or go
         self._aborted = threading.Event()
         self._placed: tuple[tuple[TensorSpec, ...], list[int], list[int]] | None = None  # the specs living in the buffer (`place`), their addresses and byte offsets
+
+    @property
+    def _path(self) -> Path | None:
+        """The host buffer's file (None: none, or the buffer is on a device)."""
+        return None if self._file is None else self._file.path
 
     def connect(self, address: str) -> None:
         self._sockets[address] = _request_socket(address)
@@ -126,7 +124,7 @@ class IpcSender:
         buf = self._check_placed(manifest, source) if self._placed is not None else self._write(manifest, source)
         if buf.device.type != "cpu":
             self._platform.synchronize()  # the copies finished before the receiver reads
-        where: dict[str, Any] = {"path": str(self._path)} if buf.device.type == "cpu" else {"cuda": list(_cuda_handle(buf))}
+        where: dict[str, Any] = {"path": str(self._file.path)} if self._file is not None else {"cuda": list(_cuda_handle(buf))}
         if self._placed is not None:
             where["offsets"] = self._placed[2]  # a tied tensor is read from the place of the one it is tied to
         self._posted = (manifest, [pack_header(kind="ipc", version=version, token=self._token, **where), manifest.pack()])
@@ -275,22 +273,8 @@ class IpcSender:
             return self._buffer
         self._release_file()
         if device.type == "cpu":
-            owner.sweep(str(_SHM))  # what killed senders left behind (their exit handlers never ran)
-            self._path = _SHM / owner.tagged(f"tidal-weights-{os.getpid()}-{next(_names)}")
-            fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            self._unlink = weakref.finalize(self, self._path.unlink, missing_ok=True)
-            try:  # the pages are taken now: a full /dev/shm fails here, not as SIGBUS on a write into the mapping
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
-            except OSError as e:
-                self._release_file()
-                free = shutil.disk_usage(_SHM).free
-                raise TransferError(
-                    f"cannot hold {nbytes / 2**20:.1f} MiB of weights in {_SHM} ({free / 2**20:.1f} MiB free: {e.strerror}): "
-                    "give it more room (e.g. docker run --shm-size) or set transport.name=host"
-                ) from None
-            finally:
-                os.close(fd)
-            self._buffer = torch.from_file(str(self._path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            self._file = SharedFile(nbytes, remedy="give it more room (e.g. docker run --shm-size) or set transport.name=host")
+            self._buffer = self._file.buffer
         else:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._buffer
@@ -305,10 +289,9 @@ class IpcSender:
 
     def _release_file(self) -> None:
         self._buffer = None
-        if self._unlink is not None:
-            self._unlink()  # unlinks once, and no more at exit
-            self._unlink = None
-        self._path = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def close(self) -> None:
         for sock in self._sockets.values():
@@ -370,16 +353,11 @@ class IpcReceiver:
     def _open(self, header: dict[str, Any], nbytes: int) -> torch.Tensor:
         if "path" in header:
             path = str(header["path"])
-            if not path.startswith(str(_SHM) + os.sep) or "/.." in path:
-                raise TransferError(f"shared weight buffer {path!r} is outside {_SHM}")
             if self._mapped is None or self._mapped[0] != path or self._mapped[1].numel() < nbytes:
                 try:
-                    size = os.path.getsize(path)
-                    self._mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-                except (OSError, RuntimeError) as e:  # torch.from_file raises RuntimeError
-                    raise TransferError(f"version {header.get('version')}: cannot map the shared weight buffer {path!r} ({getattr(e, 'strerror', None) or e}): its sender closed or died before it was read") from None
-            if self._mapped[1].numel() < nbytes:
-                raise TransferError(f"version {header.get('version')}: shared weight buffer {path!r} holds {self._mapped[1].numel()} bytes, the version needs {nbytes}")
+                    self._mapped = (path, map_shared(path, nbytes))
+                except TransferError as e:
+                    raise TransferError(f"version {header.get('version')}: {e}") from None
             return self._mapped[1]
         return _open_cuda_handle(header["cuda"])[:nbytes]
 

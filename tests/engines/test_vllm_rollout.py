@@ -389,20 +389,44 @@ def test_named_weights_are_the_checkpoints_specs_without_memory(make_engine, ref
     assert expected_specs(weights) == expected_specs(reference.state_dict().items())
 
 
-def test_a_weight_update_reaches_every_worker_and_each_reports_the_version(make_engine, reference):
+@pytest.mark.parametrize("via", ["shared file", "messages"])
+def test_a_weight_update_reaches_every_worker_and_each_reports_the_version(make_engine, reference, monkeypatch, via):
+    """Through a host file every worker maps (asked once), in buckets of at least the largest
+    tensor (the second written over the first after the workers loaded it); or, where a
+    worker cannot map this host's files, inside the messages. Two versions each."""
+    from tidal.engines import vllm_weights
+
+    monkeypatch.setattr(vllm_weights, "SHARED_BUCKET_BYTES", 4096)  # several buckets of the tiny model
     engine, fake = make_engine(tensor_parallel_size=2)
-    new = perturbed(reference, seed=2)
+    if via == "messages":
+        monkeypatch.setattr(fake.workers[1], "tidal_maps", lambda path: False)
     before = len(fake.calls)
-    engine.load_weights(7, ((n, t.to(torch.bfloat16)) for n, t in new.state_dict().items()))  # any floating dtype
-    assert engine.version == 7
-    assert [w.tidal_weight_version() for w in fake.workers] == [7, 7]
+    for version, seed in ((7, 2), (8, 3)):
+        new = perturbed(reference, seed=seed)
+        engine.load_weights(version, ((n, t.to(torch.bfloat16)) for n, t in new.state_dict().items()))  # any floating dtype
+        assert engine.version == version
+        assert [w.tidal_weight_version() for w in fake.workers] == [version, version]
+        want = {n: t.to(torch.bfloat16).float() for n, t in new.state_dict().items()}
+        for worker in fake.workers:
+            got = worker.get_model().hf_state()
+            assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     calls = fake.calls[before:]
+    loads = ("collective_rpc", "tidal_load_shared" if via == "shared file" else "tidal_load_bucket")
+    assert calls[0] == ("collective_rpc", "tidal_maps") and calls.count(calls[0]) == 1
     assert calls[-2:] == [("collective_rpc", "tidal_commit_weights"), ("reset_prefix_cache",)]
-    assert {c for c in calls[:-2]} == {("collective_rpc", "tidal_load_bucket")}
-    want = {n: t.to(torch.bfloat16).float() for n, t in new.state_dict().items()}
-    for worker in fake.workers:
-        got = worker.get_model().hf_state()
-        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert set(calls[1:-2]) == {loads, *calls[-2:]} and calls.count(loads) > (2 if via == "shared file" else 1)
+    assert engine._weights.shared is (via == "shared file")
+
+
+def test_the_shared_bucket_is_reused_and_goes_with_the_engine(make_engine, reference):
+    """One host file for every version (no file left behind per version); none after close."""
+    engine, fake = make_engine()
+    engine.load_weights(1, reference.state_dict().items())
+    path = engine._weights._file.path
+    engine.load_weights(2, perturbed(reference, seed=1).state_dict().items())
+    assert engine._weights._file.path == path and path.exists() and fake.workers[0].tidal_weight_version() == 2
+    engine.close()
+    assert not path.exists()
 
 
 def test_a_worker_that_reports_another_version_fails_the_update(make_engine, reference, monkeypatch):
@@ -543,3 +567,24 @@ def test_the_fake_enforces_what_real_vllm_does(fake_vllm, tiny_hf_dir):
     asyncio.run(run())
     with pytest.raises(RuntimeError, match="event loop"):
         asyncio.run(llm.reset_prefix_cache())  # another loop
+
+
+def test_a_dev_shm_without_room_for_the_bucket_sends_inside_the_messages(make_engine, reference, monkeypatch, caplog):
+    """Docker's 64 MB /dev/shm holds no 512 MB bucket: a warning, and the version still arrives."""
+    from tidal.hal.transfer import shared_file
+
+    engine, fake = make_engine()
+    engine.load_weights(1, reference.state_dict().items())  # the workers map this host's files
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine._weights, "_file", None)
+    monkeypatch.setattr(shared_file.os, "posix_fallocate", full)
+    new = perturbed(reference, seed=4)
+    with caplog.at_level("WARNING"):
+        engine.load_weights(2, new.state_dict().items())
+    assert "cannot hold" in caplog.text and "inside vLLM's messages" in caplog.text and engine._weights.shared is False
+    assert fake.calls[-3] == ("collective_rpc", "tidal_load_bucket") and fake.workers[0].tidal_weight_version() == 2
+    got = fake.workers[0].get_model().hf_state()
+    assert all(torch.equal(got[n], t) for n, t in new.state_dict().items())

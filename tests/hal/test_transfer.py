@@ -549,19 +549,19 @@ def test_large_tensors_get_buckets_of_their_own_when_asked():
 def test_ipc_sender_on_a_full_dev_shm_says_so_and_leaves_no_file(monkeypatch):
     """tmpfs refuses the pages at fallocate (ENOSPC) instead of killing the trainer with
     SIGBUS on its first write into the mapping."""
-    from tidal.hal.transfer import ipc
+    from tidal.hal.transfer import shared_file
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     receiver, sender = IpcReceiver(CpuPlatform(), expected=None), IpcSender(CpuPlatform(), reply_timeout_s=30)
     sender.connect(receiver.address)
-    monkeypatch.setattr(ipc.os, "posix_fallocate", full)
-    before = set(os.listdir(ipc._SHM))
+    monkeypatch.setattr(shared_file.os, "posix_fallocate", full)
+    before = set(os.listdir(shared_file.SHM))
     try:
         with pytest.raises(TransferError, match=r"cannot hold .* MiB of weights in .*No space left on device.*transport.name=host"):
             sender.send(1, _weights().items())
-        assert set(os.listdir(ipc._SHM)) - before == set() and sender._path is None
+        assert set(os.listdir(shared_file.SHM)) - before == set() and sender._path is None
         monkeypatch.undo()  # room again: the next version goes through
         t, out = _receive_in_thread(receiver, 30)
         sender.send(2, _weights().items())
@@ -570,3 +570,24 @@ def test_ipc_sender_on_a_full_dev_shm_says_so_and_leaves_no_file(monkeypatch):
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_shared_file_is_mapped_by_path_and_deleted_when_closed(tmp_path):
+    """What the ipc transport and the vllm engine hand to other processes: writes through one
+    mapping are seen through the other; paths outside /dev/shm, short files and closed ones
+    are refused, naming the file."""
+    from tidal.hal.transfer.shared_file import SharedFile, map_shared
+
+    shared = SharedFile(4096, prefix="tidal-test")
+    other = map_shared(str(shared.path), 4096)
+    shared.buffer[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert other[:4].tolist() == [1, 2, 3, 4] and shared.nbytes == 4096
+    with pytest.raises(TransferError, match=r"holds 4096 bytes, 8192 are needed"):
+        map_shared(str(shared.path), 8192)
+    (tmp_path / "x").write_bytes(b"x")
+    with pytest.raises(TransferError, match=r"is outside"):
+        map_shared(str(tmp_path / "x"), 1)
+    shared.close()
+    assert not shared.path.exists() and shared.nbytes == 0 and other[:4].tolist() == [1, 2, 3, 4]  # a mapping keeps its pages
+    with pytest.raises(TransferError, match=r"cannot map the shared weight buffer .*No such file or directory.*its holder closed it or died, or runs on another host"):
+        map_shared(str(shared.path), 1)

@@ -176,7 +176,7 @@ def test_ipc_receiver_whose_sender_closed_before_it_read_names_the_version():
         sender.post(7, [("w", torch.ones(3))])
         assert receiver._sock.poll(30_000)  # the announcement arrived: a close with linger 0 drops one still queued
         sender.close()  # the trainer ended (or its buffer was deleted) before this receiver read the version
-        with pytest.raises(TransferError, match=r"version 7: cannot map the shared weight buffer .*tidal-weights-.* \(No such file or directory\): its sender closed or died"):
+        with pytest.raises(TransferError, match=r"version 7: cannot map the shared weight buffer .*tidal-weights-.* \(No such file or directory\): its holder closed it or died"):
             receiver.receive(30)
     finally:
         sender.close()
