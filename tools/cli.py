@@ -429,6 +429,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         print(f"tidal {args.command}: error: {e}", file=sys.stderr)
+        _remove_unused_run_dir(args)  # a mistake to mend: the same run_dir= takes the mended command
         code = 2
     except KeyboardInterrupt as e:  # Ctrl-C, or a run that stopped early on SIGINT / SIGTERM (RunStopped)
         reason = getattr(e, "reason", None)
@@ -444,7 +445,6 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         else:
             print(message, file=sys.stderr)
         code = 1
-    _remove_unused_run_dir(args)
     _print_resume_hint(args)
     return code
 
@@ -454,9 +454,10 @@ PREPARED_FILES = frozenset({"config.yaml", "platform.json"})
 
 
 def _remove_unused_run_dir(args: argparse.Namespace) -> None:
-    """After a run that failed before writing anything of its own (a data file it could not
-    read, a model it could not load): its run directory holds only what `prepare_run` wrote,
-    and goes, so that the same `run_dir=` works once the mistake is mended."""
+    """After a run stopped by a mistake in its input before it wrote anything of its own (a
+    data file it could not read: a `ConfigError`): its run directory holds only what
+    `prepare_run` wrote, and goes, so that the same `run_dir=` works once the mistake is
+    mended. A run that fails otherwise keeps its config.yaml, to reproduce it."""
     run_dir: Path | None = getattr(args, "made_run_dir", None)
     if run_dir is None or not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= PREPARED_FILES:
         return
