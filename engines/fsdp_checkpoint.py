@@ -1,5 +1,5 @@
 """The `fsdp` engine's own sharded checkpoints: model, optimizer, lr schedule position and
-version (and the KL reference, whole on every rank, where the engine holds one) written by
+version (and the KL reference's shards, where the engine holds one) written by
 every rank with torch.distributed.checkpoint into one directory, and read back by any number
 of ranks (`FSDPTrainEngine.save_checkpoint` / `load_checkpoint`)."""
 
@@ -18,8 +18,7 @@ from tidal.engines.train_steps import own_settings
 
 def save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, version: int, reference: torch.nn.Module | None = None) -> None:
     """Write this rank's shards of `model` (and `optimizer`'s state, once it has any), the
-    schedule's step, `version` and the un-sharded `reference` (the same on every rank:
-    written once) to `directory`; every rank calls it."""
+    schedule's step, `version` and `reference`'s shards to `directory`; every rank calls it."""
     state: dict[str, Any] = {"version": torch.tensor(version, dtype=torch.int64), "lr_step": torch.tensor(scheduler.last_epoch, dtype=torch.int64)}
     if reference is not None:
         state["reference"] = reference.state_dict()
@@ -38,7 +37,7 @@ def load_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: to
     has_optimizer = any(key.startswith("optimizer.") for key in stored)
     state: dict[str, Any] = {"version": torch.tensor(0, dtype=torch.int64), **({"lr_step": torch.tensor(0, dtype=torch.int64)} if "lr_step" in stored else {})}
     if reference is not None and any(key.startswith("reference.") for key in stored):
-        state["reference"] = reference.state_dict()  # its own tensors: dcp.load reads into them
+        state["reference"] = reference.state_dict()  # its own shards: dcp.load reads into them
     if has_optimizer:
         state["model"], state["optimizer"] = get_state_dict(model, optimizer)
     else:

@@ -1,6 +1,7 @@
 """How the `fsdp` train engine gets its process group and shards its model
 (`FSDPTrainEngine.__init__`): the group hal sets up, or one from torchrun's variables, and
-FSDP2's `fully_shard` on every decoder layer and the root, reducing gradients by a plain sum."""
+FSDP2's `fully_shard` on every decoder layer and the root, reducing gradients by a plain sum;
+and the local calls on its sharded modules (`reshard`, `reset_sharded_params`)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,29 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a plain sum
             module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM(1.0), which gloo lacks
+
+
+def _fsdp_modules(modules: tuple[torch.nn.Module | None, ...]) -> list[FSDPModule]:
+    return [m for module in modules if module is not None for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(*modules: torch.nn.Module | None) -> None:
+    """Reshard every FSDP module of `modules` (local: no collective). After a forward without
+    backward a root keeps its gathered parameters; every rank reshards at the same point, so
+    their next all-gathers match, and what a park moves is only this rank's shards."""
+    for module in _fsdp_modules(modules):
+        module.reshard()
+
+
+def reset_sharded_params(*modules: torch.nn.Module | None) -> None:
+    """After an offload moved each parameter's local shard (to host memory or back): point
+    FSDP's flat shard buffers of `modules`, which its all-gathers read, at the moved shards.
+    The same call `FSDPModule._apply` (`module.to(...)`) makes after moving parameters."""
+    for module in _fsdp_modules(modules):
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per state
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
+            for param in group.fsdp_params:
+                param.reset_sharded_param()

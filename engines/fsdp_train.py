@@ -17,9 +17,10 @@ backwards (FSDP's collectives demand it): a rank with fewer micro-batches, or on
 micro-batch has no loss token, runs a zero-weight dummy pass. A step whose global gradient
 norm is not finite is skipped on every rank (`train_steps.NonfiniteGuard`). A loss with a KL
 term (`kl_reference=True`) reads its reference logprobs from a frozen copy of the weights the
-engine was built with, whole on every rank (a model's weights per device, not sharded: its
-passes need no collective), in `state_dict()` as the torch engine's `reference`, broadcast
-from rank 0 at build and load, and parked with the model by a seat (`HoldsReference`).
+engine was built with, sharded as the policy is (a model's weights over the ranks: each
+reference pass all-gathers a layer at a time, every rank in step, a dummy one with a dummy
+pass), in `state_dict()` whole as the torch engine's `reference`, set from rank 0's at build
+and load, and parked with the model by a seat (`HoldsReference`).
 
 Micro-batches run padding-free where the model can (`padding_free=None`; True insists,
 False pads), as in the torch engine and with its code (`engines.padding_free`): only their
@@ -93,7 +94,7 @@ from torch.distributed.tensor import DTensor
 from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
 from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
-from tidal.engines.fsdp_setup import ensure_process_group, shard
+from tidal.engines.fsdp_setup import ensure_process_group, reset_sharded_params, reshard, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import no_kv_cache, padding_free_for
@@ -101,7 +102,6 @@ from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
-    broadcast_from_rank0,
     check_settings,
     check_step_inputs,
     evaluating,
@@ -186,18 +186,20 @@ class FSDPTrainEngine:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
-        self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False) if kl_reference else None
-        """A frozen, un-sharded copy of the weights the engine was built with (rank 0's), the
-        reference policy of a loss with `kl_coef > 0` (`kl_reference=True`): whole on every rank
-        (a model's weights per device, not sharded), so its forward passes are local. Kept in
-        `state_dict()` and in the sharded `save_checkpoint`; a seat parks it with the model."""
-        if self.reference is not None and self.world_size > 1:
-            broadcast_from_rank0(self.reference)  # the followers built theirs from random weights
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference else None
+        """A frozen copy of the weights the engine was built with (rank 0's, when led), the
+        reference policy of a loss with `kl_coef > 0` (`kl_reference=True`), sharded as the
+        model is: its forward passes are collectives, as the model's. Kept in `state_dict()`
+        and in the sharded `save_checkpoint`; a seat parks it with the model."""
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         shard(model, mesh)
+        if self.reference is not None:
+            shard(self.reference, mesh)  # frozen: no gradient to reduce
         self.model = model.train()  # fully_shard moved parameters and buffers to the mesh's device
         if self.led:
-            set_model_state_dict(self.model, weights, options=_FROM_RANK0)  # the followers built theirs from random weights
+            for module in (self.model, self.reference):
+                if module is not None:
+                    set_model_state_dict(module, dict(weights), options=_FROM_RANK0)  # the followers built theirs from random weights; a dict of its own: the call puts the shards in it
         del weights
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
@@ -253,11 +255,17 @@ class FSDPTrainEngine:
             logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
-    def _dummy_pass(self, *, backward: bool) -> None:
-        """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives."""
+    def _dummy_pass(self, *, backward: bool, reference: bool = False) -> None:
+        """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives;
+        with `reference`, a reference forward between them, as a KL micro-batch makes."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         with self.platform.autocast(self.precision):
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache).logits
+        if reference:
+            assert self.reference is not None  # train_step checked it
+            with torch.no_grad(), self.platform.autocast(self.precision):
+                self.reference(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
+            reshard(self.reference)
         if backward:
             (logits.float().sum() * 0.0).backward()
 
@@ -316,11 +324,12 @@ class FSDPTrainEngine:
         return torch.where(part.attention_mask[:, 1:].cpu() != 0, self._token_stats(part)[0].cpu(), 0.0)
 
     # Steps -----------------------------------------------------------------------------
-    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
+    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float], *, reference: bool = False) -> dict[str, float]:
         """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics are
         means over the loss tokens of the rows that ran (on every rank; `LOSS_METRICS`). With
         no rows to run anywhere, one dummy pass gives every parameter a zero gradient, so
-        AdamW still steps."""
+        AdamW still steps. `reference`: each micro-batch makes a reference pass (a KL term),
+        so each dummy pass makes one too."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
         slices = self._micro_batches(batch)
@@ -328,7 +337,7 @@ class FSDPTrainEngine:
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
             if weight == 0:
-                self._dummy_pass(backward=True)
+                self._dummy_pass(backward=True, reference=reference)
                 continue
             loss, metrics = micro_loss(part, slices[k])
             (loss * weight).backward()
@@ -419,7 +428,7 @@ class FSDPTrainEngine:
                 config=loss,
             )
 
-        metrics = self._step(batch, num_micro, micro_loss, weight_of)
+        metrics = self._step(batch, num_micro, micro_loss, weight_of, reference=loss.kl_coef > 0)
         metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
         if masked is not None:
             metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
@@ -429,9 +438,11 @@ class FSDPTrainEngine:
 
     @torch.no_grad()
     def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
-        """Local: every rank holds the whole reference."""
+        """A collective, as the model's forward: every rank makes it for each of its micro-batches (or a dummy pass)."""
         assert self.reference is not None  # train_step checked it
-        return self._token_stats(part, module=self.reference)[0]
+        logprobs = self._token_stats(part, module=self.reference)[0]
+        reshard(self.reference)  # a root keeps its gathered parameters after a forward without backward
+        return logprobs
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask` tokens
@@ -454,26 +465,13 @@ class FSDPTrainEngine:
 
     # Time-sharing the devices (`flow.timeshare.Offloader` calls this after each move) ------
     def _reshard(self) -> None:
-        """Reshard every FSDP module (local: no collective). After a forward without backward
-        the root keeps its gathered parameters; every rank reshards at the same point, so
-        their next all-gathers match, and what a park moves is only this rank's shards."""
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        """Reshard the model's FSDP modules (`fsdp_setup.reshard`: local, no collective)."""
+        reshard(self.model)
 
     def after_offload_move(self) -> None:
-        """The offload moved each parameter's local shard (to host memory or back): point FSDP's
-        flat shard buffers, which its all-gathers read, at the moved shards. The same call
-        `FSDPModule._apply` (`module.to(...)`) makes after moving parameters."""
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                state = module._get_fsdp_state()
-                groups = getattr(state, "_fsdp_param_groups", None)
-                if groups is None:  # older torch: one group per state
-                    groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-                for group in groups:
-                    for param in group.fsdp_params:
-                        param.reset_sharded_param()
+        """The offload moved each parameter's local shard, the reference's too (to host memory or
+        back): point FSDP's flat shard buffers at them (`fsdp_setup.reset_sharded_params`)."""
+        reset_sharded_params(self.model, self.reference)
 
     # Weights and state -----------------------------------------------------------------
     def named_weights(self) -> LazyWeights:
@@ -522,24 +520,22 @@ class FSDPTrainEngine:
         """
         if self._leading:
             send_command("state_dict")
-        state = self._state_dict()
-        if self.reference is not None:  # whole on every rank: no collective
-            state["reference"] = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.reference.state_dict().items()}
-        return state
+        return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
+        reference = {} if self.reference is None else {"reference": self._unshared(get_model_state_dict(self.reference, options=_FULL))}  # gathered: a collective
         if not self.optimizer.state:  # nothing to gather; asking would create zero moments
-            return {"model": self._unshared(get_model_state_dict(self.model, options=_FULL)), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+            return {"model": self._unshared(get_model_state_dict(self.model, options=_FULL)), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
         model, optim = get_state_dict(self.model, self.optimizer, options=_FULL)
         index = {name: i for i, name in enumerate(self._fqns())}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim.get("param_groups", [])]
         state = {index[n]: self._unshared(s) for n, s in optim.get("state", {}).items()}
-        return {"model": self._unshared(model), "optimizer": {"state": state, "param_groups": groups}, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
+        return {"model": self._unshared(model), "optimizer": {"state": state, "param_groups": groups}, "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
 
     def _unshared(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` with copies of the tensors that are live engine state (on CPU, "offloading" returns
         the optimizer's `step` itself), so the result is a snapshot, not a view that later steps change."""
-        live = [self.model.state_dict().values(), *(s.values() for s in self.optimizer.state.values())]
+        live = [self.model.state_dict().values(), *(s.values() for s in self.optimizer.state.values()), *([self.reference.state_dict().values()] if self.reference is not None else [])]
         pointers = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for group in live for t in group if torch.is_tensor(t)}
         return {k: v.clone() if torch.is_tensor(v) and v.untyped_storage().data_ptr() in pointers else v for k, v in state.items()}
 
@@ -553,22 +549,22 @@ class FSDPTrainEngine:
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
             send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
-        if reference is not None:
-            self.reference.load_state_dict(reference)
         names = self._fqns()
         optim = {
             "state": {names[int(i)]: s for i, s in saved["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
         }
-        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
+        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None, reference=reference)
 
-    def _load_state_dict(self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False) -> None:
+    def _load_state_dict(
+        self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False, reference: dict[str, Any] | None = None
+    ) -> None:
         """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on
-        other ranks), and with `has_reference` every rank's reference from rank 0's (loaded
-        there already). The optimizer keeps this engine's settings (`own_settings`)."""
-        if has_reference and self.world_size > 1:
+        other ranks), and with `has_reference` the reference from rank 0's full `reference`.
+        The optimizer keeps this engine's settings (`own_settings`)."""
+        if has_reference:
             assert self.reference is not None
-            broadcast_from_rank0(self.reference)
+            set_model_state_dict(self.reference, (reference or {}) if self.rank == 0 else {}, options=_FROM_RANK0)
         set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
         if has_optimizer_state:
             with own_settings(self.optimizer):

@@ -23,17 +23,19 @@ from tidal.flow.trajectory import TokenBatch
 
 T = CharTokenizer()
 MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
-ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2, padding_free=False)
+ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2, padding_free=False, kl_reference=True)
 """Padded micro-batches: the float32 tolerances below were set for them. Padding-free ones
 (the default) across two ranks: tests/engines/test_fsdp_padding_free.py, in float64."""
 SHARDS = [[0, 1, 2, 3], [4, 5]]
 """Rows of each rank: rank 0 has 2 micro-batches (the second with no loss token), rank 1 one."""
-PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}, {"aggregation": "token_mean", "scale": 0.0}, {"aggregation": "token_mean", "seq_mask_low": 0.5, "seq_mask_high": 2.0}]
+PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}, {"aggregation": "token_mean", "scale": 0.0}, {"aggregation": "token_mean", "seq_mask_low": 0.5, "seq_mask_high": 2.0}, {"aggregation": "token_mean", "kl_coef": 0.5}]
 """The steps both engines take: policy losses with three aggregations, a supervised step,
-a step whose advantages are all zero (no row runs anywhere; AdamW still steps), and one
-with sequence masking (decided before the rows are shared out)."""
+a step whose advantages are all zero (no row runs anywhere; AdamW still steps), one with
+sequence masking (decided before the rows are shared out), and one with a KL term (the
+sharded reference: every row runs, rank 1's one micro-batch against rank 0's two, so a
+dummy pass joins a reference pass)."""
 NUM_RL_STEPS = sum(step != "sft" for step in PLAN)
-RESUME = [{"aggregation": "token_mean"}, "sft"]
+RESUME = [{"aggregation": "token_mean", "kl_coef": 0.5}, "sft"]
 """The steps taken after the checkpoint, once by the saver and once by a fresh engine that loaded it."""
 
 # Both worker scripts end with `os._exit(0)` once rank 0 has written its results and the
@@ -88,6 +90,7 @@ WORKER = textwrap.dedent(
 
     e = engine(0)
     fused = {"built": e.optimizer.param_groups[0]["fused"]}
+    sizes = {"reference_here": sum(p.to_local().numel() for p in e.reference.parameters()), "reference": sum(p.numel() for p in e.reference.parameters())}
     out = {"metrics": run(e, data["plan"]), "version": e.version}
     out["logprobs"] = e.logprobs(batch)
     out["weights"] = export(e)
@@ -107,6 +110,7 @@ WORKER = textwrap.dedent(
     out["from_torch_version"] = other.version
     fused["torch_state"] = other.optimizer.param_groups[0]["fused"]
     out["fused"] = fused
+    out["sizes"] = sizes
     out["from_torch_settings"] = {key: other.optimizer.param_groups[0][key] for key in ("lr", "weight_decay")}
     run(other, data["resume"])
     out["from_torch"] = export(other)
@@ -158,7 +162,8 @@ LED_WORKER = textwrap.dedent(
             # moments go to host memory after each command and come back before the next
 
             def __init__(self, engine):
-                self.offloader = Offloader(fake, engine.model, engine.optimizer, moved=engine.after_offload_move)
+                parked = torch.nn.ModuleList([engine.model, engine.reference])  # the sharded reference moves too
+                self.offloader = Offloader(fake, parked, engine.optimizer, moved=engine.after_offload_move)
                 self.park()
 
             def park(self):
@@ -305,20 +310,28 @@ def test_two_rank_steps_equal_one_full_batch_torch_step(fsdp_run, reference):
         assert set(got) == set(want)
         # The torch engine groups rows of similar length into micro-batches, so its micro-batches
         # differ from the ranks' (see the led test): only batch-level values compare.
-        for key in ("loss", "grad_norm", "num_tokens", "lr"):
+        for key in ("loss", "grad_norm", "num_tokens", "lr", *(["kl"] if "kl" in want else [])):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
-        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 5.0, 6.0)  # policy steps: rows 2-5 (rank 1 ran none), and one masked out, or all
+        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 0.0, 4.0, 5.0, 6.0)  # policy steps: rows 2-5 (rank 1 ran none), and one masked out, or all; none with a KL term
+
+
+def test_the_kl_reference_is_sharded_over_the_ranks(fsdp_run):
+    """Each rank holds its shard of the frozen reference, not a whole copy (a model's weights
+    per device were a 7B model's 30 GB in float32); its KL step equals the torch engine's (above)."""
+    sizes = fsdp_run["sizes"]
+    assert sizes["reference"] == sum(p.numel() for p in _model(0).parameters())
+    assert sizes["reference_here"] <= sizes["reference"] / 2 + 64  # rank 0's half (a dimension that does not split evenly rounds up)
 
 
 def test_every_rank_reports_the_whole_batchs_sequence_masked_fraction(fsdp_run, led_run, reference):
     """The masking step drops 3 of the 4 rows with a loss token: one of rank 0's two, both of
     rank 1's. Every rank's metrics are the whole batch's, as the torch engine's and the led
     group's (SPMD ranks once reported their own rows' fraction: 0.5 and 1.0)."""
-    want = reference["metrics"][-1]["seq_masked_fraction"]
+    want = reference["metrics"][-2]["seq_masked_fraction"]
     assert want == 0.75
-    assert [metrics[-1]["seq_masked_fraction"] for metrics in fsdp_run["rank_metrics"]] == [want, want]
+    assert [metrics[-2]["seq_masked_fraction"] for metrics in fsdp_run["rank_metrics"]] == [want, want]
     assert fsdp_run["rank_metrics"][0] == fsdp_run["metrics"]
-    assert led_run["metrics"][-1]["seq_masked_fraction"] == want
+    assert led_run["metrics"][-2]["seq_masked_fraction"] == want
 
 
 def test_exported_weights_are_the_unsharded_models(fsdp_run, reference):
@@ -397,9 +410,9 @@ def test_led_by_rank0_equals_one_full_batch_torch_step(led_run, reference):
         # Rows fall into other micro-batches here (3 + 3 rows) than in the torch engine (2 + 2 + 2):
         # the loss and the gradient do not depend on that; per-micro-batch diagnostics such as
         # ratio_mean are weighted by micro-batch and do.
-        for key in ("loss", "grad_norm", "num_tokens", "lr"):
+        for key in ("loss", "grad_norm", "num_tokens", "lr", *(["kl"] if "kl" in want else [])):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
-        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 4.0, 5.0, 6.0)
+        assert got.get("skipped_rows") == want.get("skipped_rows") in (None, 0.0, 4.0, 5.0, 6.0)
 
 
 def test_a_follower_parks_its_shards_between_commands(led_run):
@@ -424,9 +437,10 @@ def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
     _assert_same_weights(led_run["continued"], fsdp_run["continued"])
     # rank 1 built both engines, took every step on its half of the rows that ran and made every
     # pass over the weights rank 0 started: 4 exports, the stopped pass and both streamed ones.
-    # Rank 0 shares out only the rows with advantage (0 and 1: one each), or none, in policy steps;
-    # the sequence-masked step keeps one of them, and an uneven split's extra row stays on rank 0.
-    rows = [3 if step == "sft" else 0 if step.get("scale") == 0 or "seq_mask_low" in step else 1 for step in PLAN + RESUME]
+    # Rank 0 shares out only the rows with advantage (0 and 1: one each), or none, in policy steps
+    # without a KL term (with one, every row); the sequence-masked step keeps one of them, and an
+    # uneven split's extra row stays on rank 0.
+    rows = [3 if step == "sft" or "kl_coef" in step else 0 if step.get("scale") == 0 or "seq_mask_low" in step else 1 for step in PLAN + RESUME]
     assert led_run["follower"] == {"engines": 3, "steps": len(PLAN) + len(RESUME), "rows": sum(rows), "exports": 6}  # the third: below
 
 

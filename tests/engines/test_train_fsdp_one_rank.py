@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from torch.distributed.tensor import DTensor
 
 from tidal.engines.fsdp_train import FSDPTrainEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
@@ -66,9 +67,9 @@ def test_a_kl_term_without_a_reference_is_refused_before_anything_runs(group):
 
 
 def test_a_kl_reference_is_the_built_weights_whole_and_kept_through_a_state_round_trip(group, tmp_path):
-    """The reference is an un-sharded, frozen copy of the weights the engine was built with;
-    `state_dict()` and the sharded checkpoint carry it, and `load_state_dict` and
-    `load_checkpoint` set it (another engine's reference)."""
+    """The reference is a frozen copy of the weights the engine was built with, sharded as the
+    model is; `state_dict()` (whole) and the sharded checkpoint carry it, and `load_state_dict`
+    and `load_checkpoint` set it (another engine's reference)."""
     batch, advantages = _batch()
     built = {k: v.clone() for k, v in _model().state_dict().items()}
     engine = FSDPTrainEngine(_model(), **ENGINE, kl_reference=True)
@@ -77,15 +78,15 @@ def test_a_kl_reference_is_the_built_weights_whole_and_kept_through_a_state_roun
     engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
     state = engine.state_dict()
     assert state["reference"].keys() == built.keys() and all(torch.equal(state["reference"][k], built[k]) for k in built)
-    assert not any(p.requires_grad for p in engine.reference.parameters())
+    assert not any(p.requires_grad for p in engine.reference.parameters()) and all(isinstance(p, DTensor) for p in engine.reference.parameters())
     other = FSDPTrainEngine(build_tiny_qwen2(T.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=3), **ENGINE, kl_reference=True)
     other.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(other.reference.state_dict().values(), engine.reference.state_dict().values()))
+    assert all(torch.equal(other.state_dict()["reference"][k], built[k]) for k in built)
     assert other.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))["kl"] > 0
     engine.save_checkpoint(tmp_path / "sharded")
     third = FSDPTrainEngine(build_tiny_qwen2(T.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=4), **ENGINE, kl_reference=True)
     third.load_checkpoint(tmp_path / "sharded")
-    assert all(torch.equal(third.reference.state_dict()[k], built[k]) for k in built)
+    assert all(torch.equal(third.state_dict()["reference"][k], built[k]) for k in built)
     assert not any(p.requires_grad for p in third.reference.parameters())
     assert third.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))["kl"] == engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))["kl"] > 0
 
