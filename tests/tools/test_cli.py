@@ -266,9 +266,9 @@ def test_a_run_that_fails_on_its_data_leaves_no_run_directory_to_block_the_next(
     bad = tidal_cli(*qwen, "data.train_files=[bad.jsonl]", cwd=tmp_path)
     assert bad.returncode == 2 and "bad.jsonl: no column 'question' (data.prompt_key); its columns: ['problem', 'answer']" in bad.stderr
     assert f"removed {tmp_path / 'r1'}: the run wrote nothing there yet" in bad.stderr and not (tmp_path / "r1").exists()
-    good = tidal_cli(*qwen, f"data.train_files=[{gsm8k_files['train_jsonl']}]", cwd=tmp_path)
+    good = tidal_cli(*qwen, f"data.train_files=[{gsm8k_files['train_jsonl']}]", "--check", cwd=tmp_path)
     assert good.returncode == 0, good.stderr
-    assert (tmp_path / "r1" / "metrics.jsonl").is_file()
+    assert (tmp_path / "r1" / "config.yaml").is_file()
 
 
 def test_only_a_run_directory_holding_what_prepare_run_wrote_is_removed(tmp_path, capsys):
