@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines.weight_checks import collect_weights
 from tidal.flow.protocols import Refill
 from tidal.flow.trajectory import Trajectory, unfinished
 from tidal.hal import Platform, current_platform
@@ -107,20 +108,8 @@ class HFRolloutEngine:
             ValueError: a name is missing, unknown, given twice, or its shape, dtype or tie
                 does not match (nothing is copied; the version is unchanged).
         """
-        given: dict[str, torch.Tensor] = {}
-        repeated = []
-        for name, tensor in named_tensors:
-            if name in given:
-                repeated.append(name)
-            given[name] = tensor
         own = self.model.state_dict()  # fresh views: parking (flow.timeshare) gives parameters new storage
-        missing = sorted(set(own) - set(given))
-        unknown = sorted(set(given) - set(own))
-        both = sorted(set(own) & set(given))
-        wrong = [n for n in both if own[n].shape != given[n].shape]
-        dtype = [n for n in both if own[n].dtype != given[n].dtype and not (own[n].dtype.is_floating_point and given[n].dtype.is_floating_point)]
-        if missing or unknown or wrong or dtype or repeated:
-            raise ValueError(f"weights for version {version} do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}, wrong dtype {dtype[:5]}, given twice {repeated[:5]}")
+        given = collect_weights(version, named_tensors, {name: (t.shape, t.dtype) for name, t in own.items()})
         first: dict[int, str] = {}  # tied names are one Parameter: the copy of the last would overwrite the others
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             tied = first.setdefault(id(tensor), name)

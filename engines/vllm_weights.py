@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tidal.engines.vllm_worker import dtype_name, pack_tensor
+from tidal.engines.weight_checks import collect_weights
 from tidal.hal.transfer import TransferError
 from tidal.hal.transfer.shared_file import SharedFile
 
@@ -58,30 +59,13 @@ class WeightPusher:
 
     def __init__(self, model_path: Path, dtype: str) -> None:
         self.specs, self.ties = checkpoint_manifest(model_path, dtype)
-        self._file: Any = None  # the shared bucket's `SharedFile`, made at the first push
+        self._file: SharedFile | None = None  # the shared bucket, made at the first push
         self.shared: bool | None = None
         """Whether versions go through the host file (None until the first push asks the workers)."""
 
     def check(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The tensors by name, after every check `load_weights` makes (ValueError naming what is wrong)."""
-        given: dict[str, torch.Tensor] = {}
-        repeated = []
-        for name, tensor in named_tensors:
-            if name in given:
-                repeated.append(name)
-            given[name] = tensor
-        own = self.specs
-        missing = sorted(set(own) - set(given))
-        unknown = sorted(set(given) - set(own))
-        both = sorted(set(own) & set(given))
-        wrong = [n for n in both if tuple(given[n].shape) != own[n][0]]
-        dtype = [n for n in both if given[n].dtype != own[n][1] and not (own[n][1].is_floating_point and given[n].dtype.is_floating_point)]
-        if missing or unknown or wrong or dtype or repeated:
-            fused = sorted({f for n in missing if (f := fused_name(n))})
-            raise ValueError(
-                f"weights for version {version} do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}, "
-                f"wrong dtype {dtype[:5]}, given twice {repeated[:5]}" + (f" (vLLM fuses the missing parts into {fused[:5]})" if fused else "")
-            )
+        given = collect_weights(version, named_tensors, self.specs, about_missing=_fused_into)
         for name, tied in self.ties.items():
             a, b = given[tied], given[name]
             if a is not b and not torch.equal(a, b.to(a.device, a.dtype)):
@@ -166,6 +150,12 @@ class WeightPusher:
                 bucket, size = [], 0
         if bucket:
             yield bucket
+
+
+def _fused_into(missing: list[str]) -> str:
+    """What `collect_weights` adds about missing names that vLLM fuses into one parameter."""
+    fused = sorted({f for n in missing if (f := fused_name(n))})
+    return f" (vLLM fuses the missing parts into {fused[:5]})" if fused else ""
 
 
 def _aligned(nbytes: int) -> int:

@@ -215,12 +215,12 @@ def check_runnable(cfg: RecipeConfig) -> None:
         raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math)")
     if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
         raise ConfigError(f"sft.steps={cfg.sft.steps}: a warm start trains on the reference answers, and data.answer_key is null: set sft.steps=0")
-    for key in ("data.train_files", "data.eval_files"):  # found and of a readable kind now, not after the run directory is made
-        if files := getattr(cfg.data, key.split(".")[1]):
-            try:
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):  # found and of a readable kind now, not after the run directory is made
+        try:
+            if files:
                 expand_files(list(files), key=key)
-            except DataError as e:
-                raise ConfigError(str(e)) from None
+        except DataError as e:
+            raise ConfigError(str(e)) from None
     if cfg.task.reward:  # imported now (a user's module), not after the run directory and the warm start
         try:
             resolve_reward(cfg.task.reward)
