@@ -40,7 +40,7 @@ meanwhile (`flow.rollout`). Every token keeps the version that produced it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -200,9 +200,15 @@ def _one_part_each(host: Assignment, index: int, seated: list[Assignment]) -> No
         )
 
 
-def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str, Any]) -> dict[int, Any]:
+def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str, Any], *, name: str) -> dict[int, Any]:
     """One `Turns` actor per trainer bundle of a trainer with guests (`Spot.turns`), on that
-    bundle's node (it asks for no resources); keyed by trainer rank."""
+    bundle's node (it asks for no resources); keyed by trainer rank.
+
+    Each is a named actor, `turns_actor_name(name, rank)` (`name`: unique to this run's
+    attempt), so a rollout actor looks its seats up by name instead of taking the handles
+    as constructor arguments: Ray refuses to promise a restartable actor (`max_restarts`
+    > 0) its constructor's handles and says so in an error line (ray-project/ray#53727).
+    """
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
@@ -211,5 +217,18 @@ def start_turns(placements: Mapping[tuple[str, int], Spot], groups: Mapping[str,
     for (role, _), spot in placements.items():
         if role == "train" and spot.turns:
             strategy = PlacementGroupSchedulingStrategy(placement_group=groups["train"], placement_group_bundle_index=spot.bundle)
-            out[spot.turns[0]] = actor_cls.options(scheduling_strategy=strategy).remote()
+            rank = spot.turns[0]
+            out[rank] = actor_cls.options(scheduling_strategy=strategy, name=turns_actor_name(name, rank)).remote()
     return out
+
+
+def turns_actor_name(name: str, rank: int) -> str:
+    """The Ray name of trainer rank `rank`'s `Turns` actor among those `start_turns(name=name)` started."""
+    return f"{name}-rank{rank}"
+
+
+def find_turns(names: Sequence[str]) -> list[Any]:
+    """The `Turns` actors named `names` (`turns_actor_name`), looked up in this Ray job."""
+    import ray  # noqa: PLC0415
+
+    return [ray.get_actor(n) for n in names]

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,8 +104,9 @@ def train_rank0(
     """Trainer rank 0 (`TrainerActor`'s `lead`): `train()`, its rollout stage on actors; after a
     restart (`attempt` > 0) resumed from the run's last checkpoint.
 
-    `placed`: the placement groups by role, every actor's bundle (`flow.colocate.spots`) and
-    the `Turns` actors of shared trainer bundles, by rank; `stopper`: the `StopSignal` actor
+    `placed`: the placement groups by role, every actor's bundle (`flow.colocate.spots`), and
+    the `Turns` actors of shared trainer bundles, by rank, with the name they were started
+    under; `stopper`: the `StopSignal` actor
     through which the driver asks it to stop early. `ranks` and `turns` come from the actor:
     with several ranks this rank's engines lead the others', and it ends their `follow()`
     when it is done (`stop_followers`).
@@ -215,11 +217,12 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
     try:
         for attempt in range(cfg.fault.trainer_restarts + 1):
             # fresh each attempt: no claim (or blocked call) of the last attempt's dead seats stays
-            turns = start_turns(placed, groups)
+            turns_name = f"tidal-turns-{uuid.uuid4().hex}"  # the rollout actors look them up by it
+            turns = start_turns(placed, groups, name=turns_name)
             stopper = stopper_cls.remote()
             stop.on_request(lambda reason, stopper=stopper: stopper.request.remote(reason))
             watch: Liveness | None = None
-            lead = functools.partial(train_rank0, to_yaml(cfg), str(run_dir), {"groups": groups, "spots": placed, "turns": turns}, plan.of("rollout"), fake, attempt, stopper)
+            lead = functools.partial(train_rank0, to_yaml(cfg), str(run_dir), {"groups": groups, "spots": placed, "turns": turns, "turns_name": turns_name}, plan.of("rollout"), fake, attempt, stopper)
             options = [actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources) for i, a in enumerate(plan.of("train"))]
             ranks = [trainer_cls.options(**o).remote(lead, follow, follower_threads=stage_threads(cfg, "train")) for o in options]
             try:

@@ -103,6 +103,7 @@ def start_rollouts(
     assignments: Sequence[Any],
     spots: Mapping[Any, Any],
     turns: Mapping[int, Any],
+    turns_name: str,
     fake: bool,
     info_path: str,
     attempt: int = 0,
@@ -121,6 +122,8 @@ def start_rollouts(
         groups / assignments / spots / turns: the placement groups by role, the rollout
             assignments, every actor's bundle (`flow.colocate.spots`) and the `Turns` actor
             of each trainer rank whose bundle hosts a rollout guest.
+        turns_name: the `name` those `Turns` actors were started with
+            (`flow.colocate.start_turns`): a guest is given its seats' names, not handles.
         fake: the recipe's cluster is fake (each actor selects a fake platform).
         info_path: the run's runtime.json, written here and by `connect`.
         attempt / ranks: the trainer's restart count and its ranks' `TrainerActor.where`.
@@ -136,6 +139,7 @@ def start_rollouts(
     """
     import ray  # noqa: PLC0415
 
+    from tidal.flow.colocate import turns_actor_name  # noqa: PLC0415
     from tidal.flow.ray.placement import actor_options  # noqa: PLC0415
     from tidal.flow.ray.runtime import RolloutActor  # noqa: PLC0415
     from tidal.flow.store.server import StoreServer  # noqa: PLC0415
@@ -155,7 +159,7 @@ def start_rollouts(
             env = visible_devices([ranks[r] for r in spot.turns])
         options = actor_options(a, groups[spot.group], spot.bundle, fake=fake, env=env, resources=spot.resources)
         # a borrowed seat hands the groups the trainer's reclaim paused to the other instances
-        seat = {"turns": [turns[r] for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
+        seat = {"turns": [turns_actor_name(turns_name, r) for r in spot.turns], "seat": f"rollout-{a.rank}", "hand_off": a.mode == "borrowed"} if spot.turns else {}
         engine = functools.partial(make_engine, rank=a.rank)
         actors.append(actor_cls.options(**options).remote(engine, store_address=address, store_token=token, settings={**settings, "sample_seed": setup.seed}, **seat))
     return StartedRollouts(

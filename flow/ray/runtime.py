@@ -57,14 +57,15 @@ class RolloutActor:
         make_engine: builds the rollout engine on this process's platform (a picklable function).
         store_address / store_token: the trainer's store server.
         settings: `group_size`, `max_new_tokens`, `prompts_per_generate`, `continuous` (continuous batching) and `sample_seed` (the run's seed: each generate call is seeded from it, `RolloutWorker.sample_seed`).
-        turns / seat: the `Turns` actors (one per trainer rank whose devices it uses, in
-            rank order) and this actor's seat name when it time-shares a trainer's devices
+        turns / seat: the names of the `Turns` actors (one per trainer rank whose devices it
+            uses, in rank order; `flow.colocate.turns_actor_name`: a restarted actor looks
+            them up again) and this actor's seat name when it time-shares a trainer's devices
             (its engine then generates and loads weights in turns).
         hand_off: a borrowed (multiplexed) seat: groups paused because the trainer
             reclaimed the devices go back to the store for another instance to continue.
     """
 
-    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, Any], turns: Sequence[Any] = (), seat: str = "rollout", hand_off: bool = False) -> None:
+    def __init__(self, make_engine: Callable[[], Any], *, store_address: str, store_token: str | None, settings: Mapping[str, Any], turns: Sequence[str] = (), seat: str = "rollout", hand_off: bool = False) -> None:
         from tidal.flow.store.client import RemoteStore  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
 
@@ -75,10 +76,10 @@ class RolloutActor:
         self.weights_device = weights_device(self.engine, shared=bool(turns))
         self.sharing: Any = None
         if turns:
-            from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
+            from tidal.flow.colocate import Sharing, TurnsProxy, find_turns  # noqa: PLC0415
             from tidal.flow.turns import TurnsSpan  # noqa: PLC0415
 
-            proxies = [TurnsProxy(t) for t in turns]
+            proxies = [TurnsProxy(t) for t in find_turns(turns)]
             self.sharing = Sharing(proxies[0] if len(proxies) == 1 else TurnsSpan(proxies), self.platform)
             self.engine = self.sharing.rollout(self.engine, seat)
         self.store = RemoteStore(store_address, token=store_token)

@@ -85,15 +85,16 @@ def test_every_rank_of_a_multi_rank_trainer_hosts_its_own_guest():
 def test_start_turns_gives_each_shared_trainer_bundle_a_turns_actor(ray_session):
     import ray
 
-    from tidal.flow.colocate import start_turns
+    from tidal.flow.colocate import find_turns, start_turns, turns_actor_name
     from tidal.flow.ray.placement import placement_groups
 
     plan = schedule([Resource(node="box", kind="cpu", capacity=2)], [Role(name="train", count=2), Role(name="rollout", count=2, colocate_with="train")])
     placed = spots(plan)
     groups = placement_groups(plan)
-    turns = start_turns(placed, groups)
+    turns = start_turns(placed, groups, name="tidal-turns-test")
     try:
         assert sorted(turns) == [0, 1]
+        assert find_turns([turns_actor_name("tidal-turns-test", 1)]) == [turns[1]]  # how a guest finds its seat
         ray.get(turns[1].acquire.remote("train"))  # rank 1's turn says nothing about rank 0's devices
         assert [ray.get(turns[rank].state.remote())["holder"] for rank in (0, 1)] == [None, "train"]
     finally:
