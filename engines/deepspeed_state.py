@@ -58,6 +58,47 @@ def weight_pass(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor.detach()
 
 
+def whole_weights(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor]:
+    """Every weight, whole and on the host, under its `state_dict` name (`weight_pass`): a
+    collective under ZeRO-3; rank 0 gets the tensors, the others an empty dict."""
+    if rank == 0:
+        return {name: tensor.to(_HOST, copy=True) for name, tensor in weight_pass(module)}
+    for _ in weight_pass(module):  # its collectives
+        pass
+    return {}
+
+
+def load_whole_weights(module: torch.nn.Module, *, rank: int, weights: dict[str, torch.Tensor]) -> None:
+    """Set every weight from rank 0's whole `weights` (`state_dict` names; the other ranks'
+    are not read): a ZeRO-3 parameter gathered, written by rank 0 and partitioned again,
+    any other tensor broadcast. A collective."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # noqa: PLC0415
+
+    named = {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in module.state_dict()}}  # tied names once
+    with torch.no_grad():
+        for name, tensor in named.items():
+            if _partitioned(tensor):
+                with GatheredParameters([tensor], modifier_rank=0):  # rank 0 writes, the others get it on exit
+                    if rank == 0:
+                        tensor.data.copy_(weights[name])
+            else:
+                if rank == 0:
+                    tensor.data.copy_(weights[name])
+                dist.broadcast(tensor.data, src=0)
+
+
+def move_zero3_params(module: torch.nn.Module, device: torch.device) -> None:
+    """Move a ZeRO-3 module's parameters to `device` in place (`.data`): each one's slice
+    (`ds_tensor`), and the whole tensor of those kept whole (under the persistence
+    threshold). For a module with no optimizer (the ZeRO-3 reference), whose slices are
+    tensors of their own rather than views of a flat buffer; local."""
+    for param in module.parameters():
+        if hasattr(param, "ds_tensor"):
+            param.ds_tensor.data = param.ds_tensor.data.to(device)
+        if param.numel():  # kept whole (an empty tensor where partitioned)
+            param.data = param.data.to(device)
+
+
 def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's weights and AdamW's state, whole and on the host, in the torch engine's
     format: the optimizer's parameters are indexed in `module.parameters()` order, each with
@@ -68,10 +109,7 @@ def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, ran
     """
     from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
 
-    model = {name: tensor.to(_HOST, copy=True) for name, tensor in weight_pass(module)} if rank == 0 else {}
-    if rank != 0:
-        for _ in weight_pass(module):  # its collectives
-            pass
+    model = whole_weights(module, rank=rank)
     params = list(module.parameters())
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(params)))} for group in optimizer.param_groups[:1]]
     flat = next((s for s in optimizer.state.values() if "step" in s), {})  # (ZeRO-3 makes empty entries at the start)
@@ -99,20 +137,9 @@ def load_full_state(module: torch.nn.Module, zero_optimizer: Any, *, rank: int, 
 
     `zero_optimizer` is DeepSpeed's ZeRO optimizer; its `optimizer` the torch one it steps.
     """
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # noqa: PLC0415
     from deepspeed.utils import safe_set_full_optimizer_state  # noqa: PLC0415
 
-    named = {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in module.state_dict()}}  # tied names once
-    with torch.no_grad():
-        for name, tensor in named.items():
-            if _partitioned(tensor):
-                with GatheredParameters([tensor], modifier_rank=0):  # rank 0 writes, the others get it on exit
-                    if rank == 0:
-                        tensor.data.copy_(model[name])
-            else:
-                if rank == 0:
-                    tensor.data.copy_(model[name])
-                dist.broadcast(tensor.data, src=0)
+    load_whole_weights(module, rank=rank, weights=model)
     zero_optimizer.refresh_fp32_params()
     inner = zero_optimizer.optimizer
     if optimizer is None:

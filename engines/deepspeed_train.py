@@ -46,14 +46,20 @@ module's, would cut them from those buffers) and `unpark()` its `reload_states()
 mends: under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its own
 FusedAdam, so tidal moves those (`deepspeed_state.move_zero3_optimizer`); under ZeRO-1 and -2
 `reload_states` drops the views checkpoints read AdamW's moments through, so tidal makes them
-again (`deepspeed_state.relink_optimizer_views`). A loss with a KL term (`kl_reference=True`)
-reads its reference logprobs from a frozen copy of the model taken before `deepspeed.initialize`,
-whole on every rank (no collective), broadcast from rank 0 at build and load, in `state_dict()`
-as the torch engine's `reference`, and parked with the platform's offload.
+again (`deepspeed_state.relink_optimizer_views`).
+
+A loss with a KL term (`kl_reference=True`) reads its reference logprobs from a frozen copy
+of the model taken before `deepspeed.initialize`, set from rank 0's at build and load, in
+`state_dict()` as the torch engine's `reference`. Under ZeRO-1 and -2 it is whole on every
+rank, as the policy's weights are (its passes are local), and parked with the platform's
+offload. Under ZeRO-3 it is partitioned as the policy is: a second DeepSpeed engine with no
+optimizer (OpenRLHF's way), whose passes gather its weights, so every rank makes one
+reference pass per micro-batch in step (a dummy pass makes one too); `park()` moves its
+slices to host memory (`deepspeed_state.move_zero3_params`).
 
 Run for real: CPU with gloo (DeepSpeed's CPU accelerator), 2 processes, ZeRO-1, -2 and -3
-(tests/engines/test_deepspeed_train.py: equality with the torch engine, exported weights,
-state round trips, non-finite steps), and `tidal run train.backend=deepspeed` (one process
+(tests/engines/test_deepspeed_train.py: equality with the torch engine, a KL step among
+them, exported weights, state round trips, non-finite steps, ZeRO-3's reference in slices), and `tidal run train.backend=deepspeed` (one process
 locally; 2 rank actors under `runtime: ray` on a fake GPU cluster, ZeRO-2 and ZeRO-3:
 tests/tools/test_deepspeed_run.py), parking (every stage: the whole state after `park()` /
 `unpark()` equals the state before and the steps after it those of an engine that never
@@ -75,7 +81,17 @@ import torch
 import torch.distributed as dist
 
 from tidal.engines.deepspeed_setup import deepspeed_config, ensure_process_group, import_deepspeed, local_device_index
-from tidal.engines.deepspeed_state import full_state, load_full_state, move_zero3_optimizer, relink_optimizer_views, weight_pass, weight_specs
+from tidal.engines.deepspeed_state import (
+    full_state,
+    load_full_state,
+    load_whole_weights,
+    move_zero3_optimizer,
+    move_zero3_params,
+    relink_optimizer_views,
+    weight_pass,
+    weight_specs,
+    whole_weights,
+)
 from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
@@ -179,17 +195,27 @@ class DeepSpeedTrainEngine:
         index = local_device_index(self.platform)
         self.device = self.platform.device(index)
         self.platform.set_device(self.device)
-        self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False) if kl_reference else None
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference else None
         """A frozen copy of the weights the engine was built with (rank 0's, taken before ZeRO
-        partitions them), the reference policy of a loss with `kl_coef > 0` (`kl_reference=True`):
-        whole on every rank, a plain module DeepSpeed does not manage (its passes need no
-        collective). Kept in `state_dict()` as the torch engine's `reference`, parked with the model."""
-        if self.reference is not None and self.world_size > 1:
-            broadcast_from_rank0(self.reference)  # the followers built theirs from random weights
+        partitions them), the reference policy of a loss with `kl_coef > 0` (`kl_reference=True`).
+        Under ZeRO-1 and -2 a plain module DeepSpeed does not manage, whole on every rank (its
+        passes are local); under ZeRO-3 the module of `_reference_engine`, partitioned. Kept in
+        `state_dict()` as the torch engine's `reference`, parked with the model."""
         self._parked_reference: Any = None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.deepspeed, self.zero, _, _ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=model, optimizer=optimizer, config=config, dist_init_required=False)
         """DeepSpeed's engine (what forwards, backwards and steps) and its ZeRO optimizer."""
+        self._reference_engine: Any = None
+        """ZeRO-3's reference: a DeepSpeed engine with no optimizer over `reference` (made after
+        the policy is partitioned, so the two are never whole on the device together)."""
+        if self.reference is not None and zero_stage == 3:
+            reference_config = deepspeed_config(zero_stage=3, grad_clip=grad_clip, model=self.reference)
+            self._reference_engine, *_ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=self.reference, config=reference_config, dist_init_required=False)  # rank 0's weights, partitioned
+            self._reference_engine.eval()
+        elif self.reference is not None:
+            self.reference.to(self.device)
+            if self.world_size > 1:
+                broadcast_from_rank0(self.reference)  # the followers built theirs from random weights
         self.module = self.deepspeed.module.train()
         """The model DeepSpeed wraps (its parameters DeepSpeed's views, or ZeRO-3's slices)."""
         self.optimizer: torch.optim.Optimizer = self.zero.optimizer
@@ -226,7 +252,7 @@ class DeepSpeedTrainEngine:
         elif op == "state_dict":
             self._state_dict()
         elif op == "load_state_dict":
-            self._load_state_dict({}, {} if command["with_optimizer"] else None, version=command["version"], lr_scheduler=command["lr_scheduler"], has_reference=command.get("has_reference", False))
+            self._load_state_dict({}, {} if command["with_optimizer"] else None, version=command["version"], lr_scheduler=command["lr_scheduler"], reference={} if command.get("has_reference") else None)
         else:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
@@ -245,11 +271,15 @@ class DeepSpeedTrainEngine:
             logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
         return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
 
-    def _dummy_pass(self, *, backward: bool) -> None:
-        """A forward (and zero-gradient backward) that joins the other ranks' collectives."""
+    def _dummy_pass(self, *, backward: bool, reference: bool = False) -> None:
+        """A forward (and zero-gradient backward) that joins the other ranks' collectives; with
+        `reference`, a ZeRO-3 reference's forward between them, as a KL micro-batch makes."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         with self.platform.autocast(self.precision):
             logits = self.deepspeed(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache).logits
+            if reference:
+                with torch.no_grad():
+                    self._reference_engine(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
         if backward:
             self.deepspeed.backward(logits.float().sum() * 0.0)
 
@@ -302,22 +332,27 @@ class DeepSpeedTrainEngine:
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
 
     # Steps -----------------------------------------------------------------------------
-    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
+    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:
         """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics are
         means over the loss tokens of the rows that ran (on every rank). With no rows to run
-        anywhere, one dummy pass gives every parameter a zero gradient, so AdamW still steps."""
+        anywhere, one dummy pass gives every parameter a zero gradient, so AdamW still steps.
+        `kl`: each micro-batch makes one reference pass (`micro_loss` does), so under ZeRO-3
+        each dummy pass makes one too."""
         totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
         slices = self._micro_batches(batch)
+        gathers_reference = kl and self._reference_engine is not None
         for k in range(max(num_micro, 1)):
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
             if weight == 0:
-                self._dummy_pass(backward=True)
+                self._dummy_pass(backward=True, reference=gathers_reference)
                 continue
             loss, metrics = micro_loss(part, slices[k])
             self.deepspeed.backward(loss * (weight * self.world_size))  # DeepSpeed averages over the ranks: this sums
             totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         self.deepspeed.step()  # reduces, clips, steps AdamW; skips a non-finite norm on every rank
+        if gathers_reference:  # forwards without backward leave prefetched weights gathered, or still arriving
+            self._reference_engine.empty_partition_cache()  # local, on every rank at the same point
         norm = self.deepspeed.get_global_grad_norm()
         grad_norm = torch.tensor(math.nan if norm is None else float(norm))
         step_metrics = self.nonfinite.step(_StepTaken(), [], grad_norm, grad_clip=self.grad_clip, version=self.version)  # type: ignore[arg-type]
@@ -396,7 +431,7 @@ class DeepSpeedTrainEngine:
                 config=loss,
             )
 
-        metrics = self._step(batch, num_micro, micro_loss, weight_of)
+        metrics = self._step(batch, num_micro, micro_loss, weight_of, kl=loss.kl_coef > 0)
         metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
         if masked is not None:
             metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
@@ -406,9 +441,10 @@ class DeepSpeedTrainEngine:
 
     @torch.no_grad()
     def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
-        """Local: every rank holds the whole reference."""
+        """Local under ZeRO-1 and -2 (every rank holds the whole reference); under ZeRO-3 a
+        pass of the reference's engine, gathering its weights with every rank."""
         assert self.reference is not None  # train_step checked it
-        return self._token_stats(part, module=self.reference)[0]
+        return self._token_stats(part, module=self._reference_engine or self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
@@ -473,8 +509,8 @@ class DeepSpeedTrainEngine:
     def _state_dict(self) -> dict[str, Any]:
         model, optimizer = full_state(self.module, self.optimizer, rank=self.rank)
         state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
-        if self.reference is not None:  # whole on every rank: no collective
-            state["reference"] = {name: tensor.detach().to(_HOST, copy=True) for name, tensor in self.reference.state_dict().items()}
+        if self.reference is not None:  # ZeRO-3: gathered, a collective; else whole on every rank
+            state["reference"] = whole_weights(self.reference, rank=self.rank)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -489,9 +525,7 @@ class DeepSpeedTrainEngine:
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
             send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
-        if reference is not None:
-            self.reference.load_state_dict(reference)
-        self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
+        self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position, reference=reference)
 
     # Time-sharing devices: `ParksItself` -------------------------------------------------
     def park(self) -> None:
@@ -501,7 +535,10 @@ class DeepSpeedTrainEngine:
         own FusedAdam, so those two are moved here (`park_zero3_optimizer`) and DeepSpeed
         moves the rest. A KL reference goes through the platform's offload. Local to this rank,
         no collective: in a led group each rank's seat parks its own."""
-        if self.reference is not None and self._parked_reference is None:
+        if self._reference_engine is not None and self._parked_reference is None:
+            move_zero3_params(self.reference, _HOST)
+            self._parked_reference = True
+        elif self.reference is not None and self._parked_reference is None:
             self._parked_reference = self.platform.offload(module=self.reference)
         if self.zero_stage < 3:
             self.deepspeed.offload_states()
@@ -519,16 +556,18 @@ class DeepSpeedTrainEngine:
         if self.zero_stage == 3:
             move_zero3_optimizer(self.zero, self.device)
         relink_optimizer_views(self.zero)
-        if self._parked_reference is not None:
+        if self._reference_engine is not None and self._parked_reference is not None:
+            move_zero3_params(self.reference, self.device)
+        elif self._parked_reference is not None:
             self._parked_reference.onload()
-            self._parked_reference = None
+        self._parked_reference = None
 
-    def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False) -> None:
-        """Rank 0's whole state on every rank; with `has_reference` every rank's reference from
-        rank 0's (loaded there already)."""
-        if has_reference and self.world_size > 1:
+    def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any], reference: dict[str, Any] | None = None) -> None:
+        """Rank 0's whole state on every rank; with `reference` (rank 0's whole weights, the
+        other ranks' empty) every rank's reference set from rank 0's."""
+        if reference is not None:
             assert self.reference is not None
-            broadcast_from_rank0(self.reference)
+            load_whole_weights(self.reference, rank=self.rank, weights=reference)
         load_full_state(self.module, self.zero, rank=self.rank, model=model, optimizer=optimizer)
         load_position(self.scheduler, lr_scheduler)
         self.version = version

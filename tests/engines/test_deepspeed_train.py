@@ -30,15 +30,17 @@ from tidal.flow.trajectory import TokenBatch
 
 T = CharTokenizer()
 MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
-ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2, padding_free=False)
+ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2, padding_free=False, kl_reference=True)
 SHARDS = [[0, 1, 2, 3], [4, 5]]
 """Rows of each SPMD rank: rank 0 has 2 micro-batches (the second with no loss token), rank 1
 one, whose rows have no advantage (a dummy pass in policy steps)."""
-PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}, {"aggregation": "token_mean", "scale": 0.0}, {"aggregation": "token_mean", "seq_mask_low": 0.5, "seq_mask_high": 2.0}]
+PLAN = [{"aggregation": "token_mean"}, {"aggregation": "seq_mean_token_mean"}, "sft", {"aggregation": "token_sum_norm", "max_tokens": 8}, {"aggregation": "token_mean", "scale": 0.0}, {"aggregation": "token_mean", "seq_mask_low": 0.5, "seq_mask_high": 2.0}, {"aggregation": "token_mean", "kl_coef": 0.5}]
 """Policy losses with three aggregations, a supervised step, a step with all advantages zero
-(no row runs anywhere; AdamW still steps) and one with sequence masking."""
+(no row runs anywhere; AdamW still steps), one with sequence masking and one with a KL term
+(every row runs; under SPMD ZeRO-3 rank 1's one micro-batch against rank 0's two makes a
+dummy pass with a reference pass in it)."""
 NUM_RL_STEPS = sum(step != "sft" for step in PLAN)
-RESUME = [{"aggregation": "token_mean"}, "sft"]
+RESUME = [{"aggregation": "token_mean", "kl_coef": 0.5}, "sft"]
 """Steps taken after a state moved, by the engine that saved it and by the one that loaded it."""
 STAGES = (1, 2, 3)
 
@@ -95,6 +97,7 @@ WORKER = textwrap.dedent(
     spmd["weights"] = export(e)
     spmd["specs"] = e.named_weights().specs()  # no collective
     spmd["partitioned"] = sum(p.numel() == 0 for p in e.module.parameters())  # ZeRO-3 slices: an empty tensor beside its slice
+    spmd["reference_sizes"] = [(p.numel(), p.ds_tensor.numel(), p.ds_numel) for p in e.reference.parameters()]
     from deepspeed.comm import comm as ds_comm
 
     spmd["shm_op_built"] = ds_comm.cdb.shm_comm_op is not None
@@ -250,6 +253,20 @@ def test_zero3_spmd_steps_equal_one_full_batch_torch_step(ranks, reference):
     assert ranks["rank_metrics"][0] == ranks["rank_metrics"][1] == spmd["metrics"]  # every rank reports the whole batch's
 
 
+def test_the_zero3_kl_reference_is_partitioned_and_saved_whole(ranks, reference):
+    """Under ZeRO-3 each rank holds a slice of the frozen reference, as of the policy, not a
+    whole copy; `state_dict()` gathers it whole (the warm start's weights, which the KL steps
+    above were taken against: their losses equal the torch engine's), and a moved or parked
+    state carries it (`test_a_state_moved_between_engines_goes_on_exactly` takes KL steps)."""
+    sizes = ranks["spmd"]["reference_sizes"]
+    sliced = [(here, whole) for numel, here, whole in sizes if numel == 0]
+    assert sliced and all(here <= whole // 2 + 1 for here, whole in sliced)  # a half each (rounded up)
+    want = reference["engine"].state_dict()["reference"]
+    for state in (ranks["spmd"]["state"], *(ranks["led"][stage]["state"] for stage in STAGES)):
+        assert state["reference"].keys() == want.keys()
+        assert all(torch.equal(state["reference"][name], tensor) for name, tensor in want.items())
+
+
 def test_train_forwards_build_no_kv_cache(ranks):
     """Every forward of the steps asked for no KV cache (transformers' default built one each
     pass, and logged "`use_cache=True` is incompatible with gradient checkpointing")."""
@@ -274,7 +291,8 @@ def test_led_steps_equal_one_full_batch_torch_step(ranks, reference, stage):
     _assert_same_weights(led["weights"], reference["weights"])
     _assert_same_logprobs(led["logprobs"], reference["logprobs"], reference["batch"])
     _assert_same_metrics(led["metrics"], reference["metrics"])
-    assert reference["metrics"][-1]["seq_masked_fraction"] == 0.75
+    assert reference["metrics"][-2]["seq_masked_fraction"] == 0.75
+    assert reference["metrics"][-1]["kl"] > 0
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -358,15 +376,15 @@ def test_followers_build_every_engine_and_take_every_step(ranks):
     """Rank 1 built every engine rank 0 built (three per stage, then three more), took each
     step on its share of the rows that ran (rank 0 shares out only rows with advantage: one of
     two in policy steps, none when all are zero or when sequence masks leave one, which an
-    uneven split keeps on rank 0; 3 of 6 in supervised ones), and made ZeRO-3's
+    uneven split keeps on rank 0; 3 of 6 in supervised steps and those with a KL term), and made ZeRO-3's
     passes over the weights in step: six, the stopped one included. ZeRO-1 and -2 export from
     rank 0 alone."""
-    rows = sum(3 if step == "sft" else 0 if step.get("scale") == 0 or "seq_mask_low" in step else 1 for step in PLAN)
-    resume_rows = sum(3 if step == "sft" else 1 for step in RESUME)
+    rows = sum(3 if step == "sft" or "kl_coef" in step else 0 if step.get("scale") == 0 or "seq_mask_low" in step else 1 for step in PLAN)
+    resume_rows = sum(3 if step == "sft" or "kl_coef" in step else 1 for step in RESUME)
     assert ranks["follower"] == {
         "engines": 3 * len(STAGES) + 3,  # and the strict one, the reset one and a fresh one
         "steps": len(STAGES) * (len(PLAN) + 3 * len(RESUME)) + 3,  # the strict engine's step raised: not counted
-        "rows": len(STAGES) * (rows + 3 * resume_rows) + 1 + 2 * 1,
+        "rows": len(STAGES) * (rows + 3 * resume_rows) + 1 + 2 * 3,  # the reset engine's first step; its KL step and the fresh one's share out every row
         "exports": 6,
     }
 

@@ -88,10 +88,10 @@ def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninte
 
 def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):
     """Rollout time-shares the trainer's (fake) device: the ZeRO-3 engine parks itself at each
-    hand-off (`DeepSpeedTrainEngine.park`: DeepSpeed's `offload_states`, and the master slices
-    and AdamW's state moved by tidal) and takes its state back, and with `max_staleness: 0`
-    the run is the disaggregated run's, bit for bit."""
-    runs.assert_colocated_as_alone(tidal_cli, tmp_path, ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"], env=ENV)
+    hand-off (`DeepSpeedTrainEngine.park`: DeepSpeed's `offload_states`, and the master slices,
+    AdamW's state and the KL reference's slices moved by tidal) and takes its state back, and
+    with `max_staleness: 0` the run is the disaggregated run's, bit for bit."""
+    runs.assert_colocated_as_alone(tidal_cli, tmp_path, ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.kl_coef=0.1", "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"], env=ENV)
 
 
 @pytest.mark.parametrize(
