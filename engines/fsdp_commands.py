@@ -28,12 +28,31 @@ def receive_command() -> dict[str, Any]:
     return box[0]
 
 
-def model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype]:
-    """What a follower needs to build a model like rank 0's (the weights come from rank 0)."""
+def model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype, bool]:
+    """What a follower needs to build a model like rank 0's (`build_from_recipe`; the weights
+    come from rank 0): its class, config and dtype, and whether it recomputes activations
+    (`model.gradient_checkpointing`, a module setting its config does not carry)."""
+    from tidal.engines.models import recomputes_activations  # noqa: PLC0415 - transformers, imported when a group is led
+
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
-    return type(model), config, next(model.parameters()).dtype
+    return type(model), config, next(model.parameters()).dtype, recomputes_activations(model)
+
+
+def build_from_recipe(recipe: tuple[type, Any, torch.dtype, bool]) -> torch.nn.Module:
+    """A follower's model like rank 0's (`model_recipe`), with random weights (rank 0's
+    replace them; this process's RNG is left as it was). A rank that recomputed
+    activations while another did not would run other collectives in its backward passes
+    (ZeRO-3 gathers the weights of each recomputed layer again): the group would hang."""
+    from tidal.engines.models import recompute_activations  # noqa: PLC0415
+
+    cls, config, dtype, recompute = recipe
+    with torch.random.fork_rng(devices=[]):  # building draws random weights
+        model = cls(config).to(dtype)
+    if recompute:
+        recompute_activations(model)
+    return model
 
 
 def send_rows(op: str, tensors: Sequence[torch.Tensor | None], lengths: torch.Tensor, world_size: int, **args: Any) -> tuple[list[Any], list[torch.Tensor]]:

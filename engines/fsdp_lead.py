@@ -12,11 +12,10 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
+from tidal.engines.fsdp_commands import build_from_recipe, receive_command, send_command
 from tidal.engines.fsdp_commands import model_recipe as model_recipe  # re-exported: the engines that lead import it from here
-from tidal.engines.fsdp_commands import receive_command, send_command
 
 if TYPE_CHECKING:
     from tidal.engines.fsdp_train import FSDPTrainEngine
@@ -64,10 +63,7 @@ def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None) -
                 if seat is not None:
                     seat.close()
                 engine = seat = None  # the previous engine's shards go before the next one's arrive
-                cls, config, dtype = command["model"]
-                with torch.random.fork_rng(devices=[]):  # building draws random weights; rank 0's replace them
-                    model = cls(config).to(dtype)
-                engine = engine_cls(model, rank0_leads=True, **command["options"])
+                engine = engine_cls(build_from_recipe(command["model"]), rank0_leads=True, **command["options"])
                 seat = share(engine) if share is not None else None
                 done["engines"] += 1
                 continue

@@ -138,8 +138,7 @@ class HFSource:
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"cannot load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
         if m.gradient_checkpointing:
-            with _renamed_checkpointing_api():
-                module.gradient_checkpointing_enable()
+            recompute_activations(module)
         return module
 
 
@@ -150,6 +149,13 @@ def _renamed_checkpointing_api() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is deprecated.*activation_checkpointing.*", category=FutureWarning)
         yield
+
+
+def recompute_activations(module: torch.nn.Module) -> None:
+    """Make a transformers model recompute its activations in the backward pass
+    (`model.gradient_checkpointing`), with transformers' default checkpointing."""
+    with _renamed_checkpointing_api():
+        module.gradient_checkpointing_enable()  # type: ignore[operator]  # a transformers PreTrainedModel's
 
 
 def recomputes_activations(module: torch.nn.Module) -> bool:

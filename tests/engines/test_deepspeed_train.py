@@ -148,6 +148,12 @@ WORKER = textwrap.dedent(
             run(from_torch, data["resume"], batch, advantages)
             out["from_torch"] = export(from_torch)
             del e, other, from_torch
+        recomputing = build_tiny_qwen2(data["vocab_size"], seed=0, **data["model"])
+        recomputing.gradient_checkpointing_enable()  # model.gradient_checkpointing: rank 1's model must recompute too
+        e = DeepSpeedTrainEngine(recomputing, **data["engine"], zero_stage=3, rank0_leads=True)
+        led["recomputed_metrics"] = run(e, data["plan"], batch, advantages)
+        led["recomputed"] = export(e)
+        del e
         strict = engine(11, zero_stage=3, rank0_leads=True, max_nonfinite_steps=0)
         try:  # every rank skips the step and raises (the followers too: the option went with `init`)
             strict.train_step(batch, advantages * float("nan"), loss=PolicyLossConfig())
@@ -365,6 +371,30 @@ def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference, stag
     _assert_same_weights(led["from_torch"], led["continued"])
 
 
+def test_a_led_model_that_recomputes_activations_trains_as_one_that_does_not(ranks):
+    """rank 0's model has `gradient_checkpointing` on (`model.gradient_checkpointing`, which
+    gsm8k_qwen sets): rank 1 builds its model recomputing too. It built one that did not, and
+    under ZeRO-3 the ranks' backward passes then made different gathers: the group hung at
+    its first dummy pass. Recomputing changes nothing else: the steps are the same."""
+    led = ranks["led"]
+    _assert_same_metrics(led["recomputed_metrics"], led[3]["metrics"])
+    _assert_same_weights(led["recomputed"], led[3]["weights"])
+
+
+def test_a_followers_model_is_built_as_rank_0s():
+    """The recipe a led group's followers build from carries what the config does not."""
+    from tidal.engines.fsdp_commands import build_from_recipe, model_recipe
+    from tidal.engines.models import recompute_activations, recomputes_activations
+
+    for recompute in (False, True):
+        model = _model(0)
+        if recompute:
+            recompute_activations(model)
+        built = build_from_recipe(model_recipe(model))
+        assert type(built) is type(model) and recomputes_activations(built) is recompute
+        assert built.config.to_dict() == model.config.to_dict()
+
+
 def test_a_state_without_optimizer_state_gives_a_fresh_adamw(ranks):
     """An engine that stepped loads a state saved before any step: its next step is a fresh
     engine's, bit for bit (moments and step reset in place, where ZeRO-1 keeps views of them)."""
@@ -377,15 +407,15 @@ def test_followers_build_every_engine_and_take_every_step(ranks):
     step on its share of the rows that ran (rank 0 shares out only rows with advantage: one of
     two in policy steps, none when all are zero or when sequence masks leave one, which an
     uneven split keeps on rank 0; 3 of 6 in supervised steps and those with a KL term), and made ZeRO-3's
-    passes over the weights in step: six, the stopped one included. ZeRO-1 and -2 export from
+    passes over the weights in step: seven, the stopped one included. ZeRO-1 and -2 export from
     rank 0 alone."""
     rows = sum(3 if step == "sft" or "kl_coef" in step else 0 if step.get("scale") == 0 or "seq_mask_low" in step else 1 for step in PLAN)
     resume_rows = sum(3 if step == "sft" or "kl_coef" in step else 1 for step in RESUME)
     assert ranks["follower"] == {
-        "engines": 3 * len(STAGES) + 3,  # and the strict one, the reset one and a fresh one
-        "steps": len(STAGES) * (len(PLAN) + 3 * len(RESUME)) + 3,  # the strict engine's step raised: not counted
-        "rows": len(STAGES) * (rows + 3 * resume_rows) + 1 + 2 * 3,  # the reset engine's first step; its KL step and the fresh one's share out every row
-        "exports": 6,
+        "engines": 3 * len(STAGES) + 4,  # and the recomputing one, the strict one, the reset one and a fresh one
+        "steps": len(STAGES) * (len(PLAN) + 3 * len(RESUME)) + len(PLAN) + 3,  # the strict engine's step raised: not counted
+        "rows": len(STAGES) * (rows + 3 * resume_rows) + rows + 1 + 2 * 3,  # the reset engine's first step; its KL step and the fresh one's share out every row
+        "exports": 7,
     }
 
 
