@@ -533,7 +533,8 @@ class DeepSpeedTrainEngine:
         DeepSpeed's flat buffers) to host memory, with `DeepSpeedEngine.offload_states()`.
         Under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its
         own FusedAdam, so those two are moved here (`park_zero3_optimizer`) and DeepSpeed
-        moves the rest. A KL reference goes through the platform's offload. Local to this rank,
+        moves the rest. A KL reference goes through the platform's offload, or under ZeRO-3 its
+        slices are moved here (`move_zero3_params`). Local to this rank,
         no collective: in a led group each rank's seat parks its own."""
         if self._reference_engine is not None and self._parked_reference is None:
             move_zero3_params(self.reference, _HOST)
