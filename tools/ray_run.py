@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.flow.files import write_whole
 from tidal.flow.ray.faults import ActorLost, death_summary, rank_died
-from tidal.flow.ray.liveness import Liveness
+from tidal.flow.ray.liveness import Liveness, StepStall
 from tidal.flow.ray.placement import check_guests_on_one_node, ray_address
 from tidal.flow.ray.rollouts import RolloutSetup, StartedRollouts, start_rollouts
 from tidal.flow.ray.trainer import TrainerActor, wait_ranks
@@ -235,7 +235,8 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
                 refs = [r.run.remote(rank=i, ranks=where, group_address=address, turns=turns) for i, r in enumerate(ranks)]
                 watch = Liveness(ranks, lambda i, where=where: f"trainer rank {i} (pid {where[i]['pid']})", silent_s=cfg.fault.liveness_s, grace_s=cfg.fault.liveness_grace_s)
                 with stop_on_signals(stop):
-                    summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress, watch=watch)
+                    stall = StepStall(f"trainer ranks: {', '.join(str(w['pid']) for w in where)}; rollout actors: runtime.json's rollout_actors")
+                    summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress, watch=watch, stall=stall)
                 if followers:
                     for follower in (f for f in followers if f.get("timeshare") is not None):  # labelled as rank 0's (tools/train.py): this attempt's
                         follower["timeshare"] = {"since_version": summary.get("resumed_at", 0), **follower["timeshare"]}
@@ -262,9 +263,10 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
             ray.util.remove_placement_group(pg)
 
 
-def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, progress: bool, watch: Liveness | None = None) -> list[Any]:
+def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, progress: bool, watch: Liveness | None = None, stall: StepStall | None = None) -> list[Any]:
     """`flow.ray.trainer.wait_ranks`, showing the steps from metrics.jsonl (display only:
-    read about once a second): every rank's result, or its death or error raised."""
+    read about once a second): every rank's result, or its death or error raised. `stall`
+    says so when the steps stop (`flow.ray.liveness.StepStall`), with or without the bar."""
     from rich.console import Console  # noqa: PLC0415
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
@@ -274,6 +276,8 @@ def _wait_with_progress(refs: list[Any], metrics_path: Path, *, total: int, prog
     def show() -> None:
         if (m := last_metrics(metrics_path)) is not None:  # a resumed trainer rewrites the file: show its last step
             bar.update(task, completed=m["step"], info="reward " + ("-" if m["reward"] is None else f"{m['reward']:.2f}"))  # null: NaN
+        if stall is not None and (message := stall.check(None if m is None else m["step"])) is not None:
+            bar.console.print(f"tidal: {message}", markup=False, highlight=False, soft_wrap=True)
 
     with bar:
         return wait_ranks(refs, watch=watch, tick=show)

@@ -125,3 +125,62 @@ class Liveness:
             log.warning("%s answered again after %.0fs of silence", self.name(i), now - self._heard[i])
             self._warned.discard(i)
         self._heard[i] = now
+
+
+STALL_FIRST_S = 1800.0
+"""Before the first step (models loading, the untrained evaluation, a warm start): how long
+with no step before `StepStall` speaks."""
+STALL_FLOOR_S = 600.0
+"""After it: the least silence `StepStall` speaks after, whatever the steps took."""
+STALL_STEPS = 10.0
+"""After it: `StepStall` speaks once no step finished for this many times the median step."""
+
+
+class StepStall:
+    """Notices a run whose steps stopped while every actor still answers its pings: a rank
+    waiting in a collective the other ranks never join (ranks that disagree on what to run)
+    answers, so `Liveness` sees nothing, and the run hangs without a word until the group's
+    timeout, or for ever where the collective has none.
+
+    `check(step)` is called about once a second with the last finished step (None before the
+    first) and returns a message once no step has finished for `STALL_FIRST_S` (before the
+    first), or for `STALL_STEPS` times the median step and at least `STALL_FLOOR_S` (after),
+    once per stall; a warning only: a long evaluation or checkpoint may be all it is.
+
+    Args:
+        pids: names the processes to look into (`py-spy dump --pid PID`), for the message.
+        clock: seconds, monotonic (injected by tests).
+    """
+
+    def __init__(self, pids: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pids, self.clock = pids, clock
+        self._step: int | None = None
+        self._since = clock()
+        self._step_s: list[float] = []
+        self._spoke = False
+
+    def limit_s(self) -> float:
+        """The silence after which `check` speaks now."""
+        if not self._step_s:
+            return STALL_FIRST_S
+        ordered = sorted(self._step_s)
+        return max(STALL_FLOOR_S, STALL_STEPS * ordered[len(ordered) // 2])
+
+    def check(self, step: int | None) -> str | None:
+        now = self.clock()
+        step = self._step if step is None else step  # a line being written reads as none
+        if step != self._step:
+            if self._step is not None and step is not None and step > self._step:
+                self._step_s.append((now - self._since) / (step - self._step))
+            self._step, self._since, self._spoke = step, now, False
+            return None
+        silent = now - self._since
+        if self._spoke or silent <= self.limit_s():
+            return None
+        self._spoke = True
+        after = "since the run started" if step is None else f"since step {step}"
+        pace = f"; steps took {sorted(self._step_s)[len(self._step_s) // 2]:.1f}s (median)" if self._step_s else ""
+        return (
+            f"no RL step has finished for {silent:.0f}s ({after}{pace}), though every trainer rank answers: if none is computing, "
+            f"one may wait in a collective the others never join; `py-spy dump --pid PID` shows where each is ({self.pids})"
+        )

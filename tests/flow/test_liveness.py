@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tidal.flow.ray import liveness, runtime
-from tidal.flow.ray.liveness import Liveness, transfer_timeout_s
+from tidal.flow.ray.liveness import Liveness, StepStall, transfer_timeout_s
 from tidal.flow.ray.runtime import RayRollouts, RolloutActor
 
 
@@ -226,3 +226,43 @@ def test_a_weight_receiver_waits_for_the_next_version_longer_than_a_transfer_may
 def test_a_transfer_may_take_longer_the_larger_it_is():
     assert transfer_timeout_s(0) == liveness.TRANSFER_BASE_S == 30.0
     assert transfer_timeout_s(16 << 30) == pytest.approx(30 + (16 << 30) / 50e6)  # an 8B model in bf16: about 6 minutes
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_run_whose_steps_stop_while_its_ranks_answer_is_reported_once_per_stall():
+    """Two ranks disagreeing on what to run wait in a collective for ever and still answer
+    pings (a two-rank deepspeed ZeRO-3 run hung so, silently: tests/engines/test_deepspeed_train.py
+    has that bug's test). Before the first step the bar is high (loading, evaluation); after
+    it, ten median steps and at least ten minutes."""
+    clock = _Clock()
+    stall = StepStall("trainer ranks: 11, 12", clock=clock)
+    clock.now = liveness.STALL_FIRST_S - 1
+    assert stall.check(None) is None
+    clock.now = liveness.STALL_FIRST_S + 1
+    message = stall.check(None)
+    assert message is not None and "since the run started" in message and "py-spy dump --pid PID" in message and "trainer ranks: 11, 12" in message
+    assert stall.check(None) is None  # once per stall
+    for step in range(1, 4):  # 100 s a step from here
+        clock.now += 100
+        assert stall.check(step) is None
+        assert stall.check(None) is None  # a line being written reads as no step: not a new one
+    assert stall.limit_s() == 10 * 100
+    clock.now += 1000
+    assert stall.check(3) is None
+    clock.now += 1
+    message = stall.check(3)
+    assert message is not None and "for 1001s (since step 3; steps took 100.0s (median))" in message
+    clock.now += 5
+    assert stall.check(4) is None and stall.check(4) is None  # steps again: quiet until the next stall
+    fast = StepStall("-", clock=clock)
+    for step in range(1, 5):
+        clock.now += 1
+        fast.check(step)
+    assert fast.limit_s() == liveness.STALL_FLOOR_S  # ten one-second steps would be ten seconds: the floor
