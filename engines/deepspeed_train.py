@@ -95,7 +95,7 @@ from tidal.engines.deepspeed_state import (
 from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
-from tidal.engines.padding_free import no_kv_cache, padding_free_for
+from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
@@ -106,8 +106,8 @@ from tidal.engines.train_steps import (
     evaluating,
     mask_sequences,
     masked_fraction,
-    next_token_stats,
     padded_positions,
+    padded_token_stats,
     rows_with_signal,
 )
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
@@ -180,7 +180,7 @@ class DeepSpeedTrainEngine:
             raise ValueError("the model is DeepSpeed's already (another engine wraps it): build this engine from an un-wrapped copy")
         config = deepspeed_config(zero_stage=zero_stage, grad_clip=grad_clip, model=model)  # raises before any collective
         self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
-        self._no_kv_cache = no_kv_cache(model)  # every training forward's
+        self._no_kv_cache, self._keeps_logits = no_kv_cache(model), keeps_logits(model)  # every training forward's
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises before any collective where the platform lacks it
         self.precision, self.zero_stage = precision, zero_stage
@@ -266,10 +266,8 @@ class DeepSpeedTrainEngine:
         if packed is not None:
             return self.padding_free.token_stats(module, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
-        positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
-        with self.platform.autocast(self.precision):
-            logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
-        return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
+        inputs = {"attention_mask": batch.attention_mask, **({"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}), **self._no_kv_cache}
+        return padded_token_stats(module, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
 
     def _dummy_pass(self, *, backward: bool, reference: bool = False) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' collectives; with

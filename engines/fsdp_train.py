@@ -97,7 +97,7 @@ from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tes
 from tidal.engines.fsdp_setup import ensure_process_group, reset_sharded_params, reshard, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
-from tidal.engines.padding_free import no_kv_cache, padding_free_for
+from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
@@ -107,9 +107,9 @@ from tidal.engines.train_steps import (
     evaluating,
     mask_sequences,
     masked_fraction,
-    next_token_stats,
     own_settings,
     padded_positions,
+    padded_token_stats,
     rows_with_signal,
 )
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
@@ -169,7 +169,7 @@ class FSDPTrainEngine:
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
-        self._no_kv_cache = no_kv_cache(model)  # every training forward's
+        self._no_kv_cache, self._keeps_logits = no_kv_cache(model), keeps_logits(model)  # every training forward's
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises before any collective where the platform lacks it
         self.precision = precision
@@ -250,10 +250,8 @@ class FSDPTrainEngine:
         if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
             return self.padding_free.token_stats(module, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
-        positions = {"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}
-        with self.platform.autocast(self.precision):
-            logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions, **self._no_kv_cache).logits[:, :-1]
-        return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
+        inputs = {"attention_mask": batch.attention_mask, **({"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}), **self._no_kv_cache}
+        return padded_token_stats(module, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
 
     def _dummy_pass(self, *, backward: bool, reference: bool = False) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives;

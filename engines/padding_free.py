@@ -67,6 +67,12 @@ def no_kv_cache(model: torch.nn.Module) -> dict[str, bool]:
     return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (transformers' causal LMs), with which
+    a padded micro-batch makes logits only where a loss reads them (`padded_token_stats`)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 @dataclasses.dataclass(frozen=True)
 class PaddingFree:
     """How an engine runs a micro-batch padding-free (`padding_free_for` picks it)."""

@@ -48,7 +48,7 @@ import torch
 
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
-from tidal.engines.padding_free import no_kv_cache, padding_free_for
+from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
@@ -61,6 +61,7 @@ from tidal.engines.train_steps import (
     next_token_stats,
     own_settings,
     padded_positions,
+    padded_token_stats,
     rows_with_signal,
 )
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
@@ -96,7 +97,7 @@ class TorchTrainEngine:
         self.padding_free = padding_free_for(model, padding_free)
         """How micro-batches run without padding (`engines.padding_free`); None: padded. Raises
         ValueError for `padding_free=True` where the model cannot."""
-        self._no_kv_cache = no_kv_cache(model)  # every training forward's
+        self._no_kv_cache, self._keeps_logits = no_kv_cache(model), keeps_logits(model)  # every training forward's
         self.platform = platform or current_platform()
         self.platform.autocast(precision)  # raises here, not at the first step, where the platform lacks it
         self.precision = precision
@@ -167,10 +168,8 @@ class TorchTrainEngine:
                 return self._packed_logprobs(model, batch, shared, _pack(batch, shared), entropy=entropy)
         if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
             return self.padding_free.token_stats(model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
-        positions = {} if right_padded else {"position_ids": padded_positions(mask)}
-        with self.platform.autocast(self.precision):
-            logits = model(input_ids=batch.input_ids, attention_mask=None if right_padded else mask, **positions, **self._no_kv_cache).logits[:, :-1]
-        return next_token_stats(logits, batch.input_ids[:, 1:], temperature=self.temperature, entropy=entropy)
+        inputs = {"attention_mask": None, **self._no_kv_cache} if right_padded else {"attention_mask": mask, "position_ids": padded_positions(mask), **self._no_kv_cache}
+        return padded_token_stats(model, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
 
     def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).

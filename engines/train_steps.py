@@ -122,6 +122,29 @@ def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature
     return chosen, None if entropy is None else token_entropy(logprobs, grad=entropy == "grad")
 
 
+def padded_token_stats(
+    model: Any, batch: TokenBatch, *, inputs: dict[str, Any], keeps_logits: bool, temperature: float, entropy: str | None, autocast: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`next_token_stats` of a padded micro-batch under `model`, [rows, seq - 1]; `inputs`: the
+    forward's keywords besides `input_ids` (its mask, positions and `use_cache`).
+
+    With `keeps_logits` (the model's forward takes transformers' `logits_to_keep`), logits are
+    made only from the first position any row's loss reads (`loss_mask`): the positions
+    before it, a prompt's, which no loss reads (a third of GSM8K's tokens), cost no lm_head
+    and no log-softmax, and their logprobs and entropies are 0, as the torch engine's
+    shared-prompt packing leaves them. A micro-batch without a loss token computes them all."""
+    width = batch.input_ids.shape[1]
+    read = batch.loss_mask.any(0).nonzero()
+    start = int(read[0]) if keeps_logits and len(read) else 0
+    keep = {"logits_to_keep": width - start} if start else {}
+    with autocast:
+        logits = model(input_ids=batch.input_ids, **inputs, **keep).logits[:, :-1]
+    logprobs, entropies = next_token_stats(logits, batch.input_ids[:, start + 1 :], temperature=temperature, entropy=entropy)
+    if not start:
+        return logprobs, entropies
+    return torch.nn.functional.pad(logprobs, (start, 0)), None if entropies is None else torch.nn.functional.pad(entropies, (start, 0))
+
+
 @torch.no_grad()
 def broadcast_from_rank0(module: torch.nn.Module) -> None:
     """Rank 0's values of every tensor of `module`'s state on every rank, in place (a collective)."""

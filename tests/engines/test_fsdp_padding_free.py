@@ -142,12 +142,14 @@ def test_the_ranks_cut_their_rows_by_real_tokens_into_different_micro_batches(ru
 
 
 def test_two_padding_free_ranks_equal_one_padded_torch_engine(runs):
-    """SPMD with each rank's rows: logprobs where a real token is predicted, then the weights after two steps."""
+    """SPMD with each rank's rows: logprobs where a response token is predicted (the padded
+    engine makes no logits before a micro-batch's first loss token), then the weights after two steps."""
     batch, reference = runs["batch"], runs["reference"]
     real = batch.attention_mask[:, 1:] != 0
+    response = real & (batch.loss_mask.cumsum(1) > 0)
     for rank, rows in enumerate(SHARDS):
         got = runs["spmd"][rank]["logprobs"]
-        torch.testing.assert_close(got[real[rows]], reference["logprobs"][rows][real[rows]], atol=1e-12, rtol=0)
+        torch.testing.assert_close(got[response[rows]], reference["logprobs"][rows][response[rows]], atol=1e-12, rtol=0)
         assert (got[~real[rows]] == 0).all()
     for rank in range(2):
         _assert_same_weights(runs["spmd"][rank]["weights"], reference["weights"])
@@ -158,6 +160,6 @@ def test_two_padding_free_ranks_equal_one_padded_torch_engine(runs):
 def test_a_padding_free_group_led_by_rank0_equals_one_padded_torch_engine(runs):
     """Rank 0 alone is called with every row (the followers build the padding-free engine too)."""
     batch, reference = runs["batch"], runs["reference"]
-    real = batch.attention_mask[:, 1:] != 0
-    torch.testing.assert_close(runs["led"]["logprobs"][real], reference["logprobs"][real], atol=1e-12, rtol=0)
+    response = (batch.attention_mask[:, 1:] != 0) & (batch.loss_mask.cumsum(1) > 0)
+    torch.testing.assert_close(runs["led"]["logprobs"][response], reference["logprobs"][response], atol=1e-12, rtol=0)
     _assert_same_weights(runs["led"]["weights"], reference["weights"])

@@ -92,8 +92,8 @@ def test_a_token_budget_gives_the_fsdp_engine_the_step_of_one_batch(group, per_t
     cut = _step(engine, per_token)
     for name in whole:
         assert torch.allclose(whole[name], cut[name], atol=1e-10), name
-    mask = batch.attention_mask[:, 1:] != 0  # where a row predicts a real token
-    assert torch.allclose(engine.logprobs(batch)[mask], whole_logprobs[mask], atol=1e-10)
+    mask = (batch.attention_mask[:, 1:] != 0) & (batch.loss_mask.cumsum(1) > 0)  # where a row predicts a response token
+    assert mask.any() and torch.allclose(engine.logprobs(batch)[mask], whole_logprobs[mask], atol=1e-10)
 
 
 # The ranks' shares of a step -------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
@@ -28,7 +30,8 @@ def test_logprobs_are_zero_where_padding_is_predicted_whatever_the_micro_batches
     assert padding.any()
     alone, together = (TorchTrainEngine(tiny(), micro_batch_size=m).logprobs(batch) for m in (1, 2))
     assert (alone[padding] == 0).all() and (together[padding] == 0).all()
-    assert torch.equal(alone != 0, together != 0) and (together[batch.loss_mask != 0] != 0).all()
+    response = ~padding & (batch.loss_mask.cumsum(1) > 0)  # before it, a prompt's positions: 0 where no loss of the micro-batch reads them
+    assert (alone[response] != 0).all() and (together[response] != 0).all()
 
 
 def _gpt2(**dropout: float) -> torch.nn.Module:
@@ -72,3 +75,39 @@ def test_logprobs_are_the_current_weights_without_dropout():
     first, second = engine.logprobs(batch), engine.logprobs(batch)
     assert torch.equal(first, second)
     assert engine.model.training  # the train steps' forwards keep the model's dropout
+
+
+def test_a_padded_micro_batch_makes_logits_only_from_its_first_loss_token():
+    """A prompt's positions, which no loss reads, cost no lm_head rows and no log-softmax
+    (`logits_to_keep`); the logprobs and entropies a loss reads, and their gradients, are those
+    of the whole forward, and the positions before are 0."""
+    from tidal.engines.padding_free import keeps_logits
+    from tidal.engines.train_steps import padded_token_stats
+
+    rows = []
+    for prompt, response in [("12+34=", [5, 6, 7]), ("1+2+3+4=", [8, 9])]:
+        t = Trajectory(prompt_ids=T.encode(prompt))
+        t.extend(response, [-1.0] * len(response), 0)
+        rows.append(t)
+    batch = to_token_batch(rows, pad_id=T.pad_id)  # right-padded: the rows' first loss tokens at 5 and 7
+    start = int(batch.loss_mask.any(0).nonzero()[0])
+    assert start == len(T.encode("12+34=")) - 1 > 0  # the shorter prompt's last token predicts the first response token
+    model = tiny()
+    assert keeps_logits(model)
+    widths: list[int] = []
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    results = []
+    for keep in (True, False):
+        model.zero_grad()
+        inputs = {"attention_mask": batch.attention_mask, "use_cache": False}
+        logprobs, entropies = padded_token_stats(model, batch, inputs=inputs, keeps_logits=keep, temperature=0.7, entropy="grad", autocast=contextlib.nullcontext())
+        ((logprobs + entropies) * batch.loss_mask).sum().backward()
+        results.append((logprobs, entropies, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert widths == [batch.input_ids.shape[1] - start, batch.input_ids.shape[1]]
+    (lp, ent, grads), (want_lp, want_ent, want_grads) = results
+    read = batch.loss_mask != 0
+    torch.testing.assert_close(lp[read], want_lp[read], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent[read], want_ent[read], atol=1e-6, rtol=0)
+    assert (lp[:, :start] == 0).all() and (ent[:, :start] == 0).all()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -146,7 +146,8 @@ def test_a_padding_free_torch_step_is_the_padded_step(monkeypatch, max_tokens):
     padded, free = _engine(False, micro_batch_size=4), _engine(True, micro_batch_size=4, max_tokens_per_micro_batch=max_tokens)
     assert padded.padding_free is None and free.padding_free == PaddingFree(one_row=False)
     real = batch.attention_mask[:, 1:] != 0
-    torch.testing.assert_close(free.logprobs(batch)[real], padded.logprobs(batch)[real], atol=1e-12, rtol=0)
+    response = real & (batch.loss_mask.cumsum(1) > 0)  # the padded engine makes no logits before a micro-batch's first loss token
+    torch.testing.assert_close(free.logprobs(batch)[response], padded.logprobs(batch)[response], atol=1e-12, rtol=0)
     if max_tokens is not None:
         parts = [rows for rows, _ in free._micro_batches(batch)]
         assert len(parts) > 2 and all(int(real_lengths(batch)[rows].sum()) <= max_tokens for rows in parts if len(rows) > 1)
