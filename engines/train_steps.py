@@ -134,8 +134,8 @@ def padded_token_stats(
     and no log-softmax, and their logprobs and entropies are 0, as the torch engine's
     shared-prompt packing leaves them. A micro-batch without a loss token computes them all."""
     width = batch.input_ids.shape[1]
-    read = batch.loss_mask.any(0).nonzero()
-    start = int(read[0]) if keeps_logits and len(read) else 0
+    read = batch.loss_mask.any(0).nonzero() if keeps_logits else ()  # no device sync for a model without `logits_to_keep`
+    start = int(read[0]) if len(read) else 0
     keep = {"logits_to_keep": width - start} if start else {}
     with autocast:
         logits = model(input_ids=batch.input_ids, **inputs, **keep).logits[:, :-1]

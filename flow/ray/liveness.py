@@ -21,6 +21,7 @@ version that started to arrive, bounded by `transfer_timeout_s` of its size.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -161,10 +162,7 @@ class StepStall:
 
     def limit_s(self) -> float:
         """The silence after which `check` speaks now."""
-        if not self._step_s:
-            return STALL_FIRST_S
-        ordered = sorted(self._step_s)
-        return max(STALL_FLOOR_S, STALL_STEPS * ordered[len(ordered) // 2])
+        return max(STALL_FLOOR_S, STALL_STEPS * statistics.median_high(self._step_s)) if self._step_s else STALL_FIRST_S
 
     def check(self, step: int | None) -> str | None:
         now = self.clock()
@@ -179,7 +177,7 @@ class StepStall:
             return None
         self._spoke = True
         after = "since the run started" if step is None else f"since step {step}"
-        pace = f"; steps took {sorted(self._step_s)[len(self._step_s) // 2]:.1f}s (median)" if self._step_s else ""
+        pace = f"; steps took {statistics.median_high(self._step_s):.1f}s (median)" if self._step_s else ""
         return (
             f"no RL step has finished for {silent:.0f}s ({after}{pace}), though every trainer rank answers: if none is computing, "
             f"one may wait in a collective the others never join; `py-spy dump --pid PID` shows where each is ({self.pids})"
