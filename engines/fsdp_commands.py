@@ -6,12 +6,15 @@ them (no import circle)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tidal.engines import remote_code
 from tidal.engines.micro_batches import rank_shares
 
 _HOST = torch.device("cpu")
@@ -28,29 +31,46 @@ def receive_command() -> dict[str, Any]:
     return box[0]
 
 
-def model_recipe(model: torch.nn.Module) -> tuple[type, Any, torch.dtype, bool]:
+@dataclasses.dataclass(frozen=True)
+class ModelRecipe:
     """What a follower needs to build a model like rank 0's (`build_from_recipe`; the weights
-    come from rank 0): its class, config and dtype, and whether it recomputes activations
-    (`model.gradient_checkpointing`, a module setting its config does not carry)."""
+    come from rank 0)."""
+
+    classes: bytes
+    """The model's class and config, pickled apart from the command so that `code` is in
+    place before they are unpickled."""
+    code: dict[str, str]
+    """The source files of a `trust_remote_code` model's classes (`remote_code.module_files`;
+    empty for any other), which a follower's process may never have loaded."""
+    dtype: torch.dtype
+    recompute: bool
+    """Whether it recomputes activations (`model.gradient_checkpointing`, a module setting
+    its config does not carry)."""
+
+
+def model_recipe(model: torch.nn.Module) -> ModelRecipe:
+    """The recipe of `model` for a led group's followers (`build_from_recipe`)."""
     from tidal.engines.models import recomputes_activations  # noqa: PLC0415 - transformers, imported when a group is led
 
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"rank0_leads=True needs a transformers-style model with a `config` (the other ranks build type(model)(model.config)); {type(model).__name__} has none")
-    return type(model), config, next(model.parameters()).dtype, recomputes_activations(model)
+    classes = pickle.dumps((type(model), config))
+    return ModelRecipe(classes, remote_code.module_files(type(model), type(config)), next(model.parameters()).dtype, recomputes_activations(model))
 
 
-def build_from_recipe(recipe: tuple[type, Any, torch.dtype, bool]) -> torch.nn.Module:
+def build_from_recipe(recipe: ModelRecipe) -> torch.nn.Module:
     """A follower's model like rank 0's (`model_recipe`), with random weights (rank 0's
     replace them; this process's RNG is left as it was). A rank that recomputed
     activations while another did not would run other collectives in its backward passes
     (ZeRO-3 gathers the weights of each recomputed layer again): the group would hang."""
     from tidal.engines.models import recompute_activations  # noqa: PLC0415
 
-    cls, config, dtype, recompute = recipe
+    remote_code.install(recipe.code)
+    cls, config = pickle.loads(recipe.classes)  # rank 0's own objects, as every command is
     with torch.random.fork_rng(devices=[]):  # building draws random weights
-        model = cls(config).to(dtype)
-    if recompute:
+        model = cls(config).to(recipe.dtype)
+    if recipe.recompute:
         recompute_activations(model)
     return model
 

@@ -115,13 +115,13 @@ class HFSource:
         path = Path(self.section.path)
         if not path.is_dir():
             raise ValueError(f"model.path={str(path)!r} does not exist or is not a folder")
-        return Policy(self._module(path), HFTokenizer.from_pretrained(path))
+        return Policy(self._module(path), self.load_tokenizer(path))
 
     def load(self, folder: Path) -> Policy:
         return Policy(self._module(folder), self.load_tokenizer(folder))
 
     def load_tokenizer(self, folder: Path) -> Tokenizer:
-        return HFTokenizer.from_pretrained(folder)
+        return HFTokenizer.from_pretrained(folder, trust_remote_code=self.section.trust_remote_code)
 
     def save(self, policy: Policy, folder: Path) -> None:
         save_policy(policy, folder)

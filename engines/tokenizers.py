@@ -86,9 +86,13 @@ class HFTokenizer:
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str]) -> HFTokenizer:
+    def from_pretrained(cls, directory: str | os.PathLike[str], *, trust_remote_code: bool = False) -> HFTokenizer:
         """The tokenizer of a local checkpoint directory (`AutoTokenizer.from_pretrained`),
         with the end ids of the tokenizer and of the directory's `generation_config.json`.
+
+        `trust_remote_code`: the checkpoint's model (or tokenizer) is code of its own
+        (`model.trust_remote_code`). AutoTokenizer reads the model's config too; left
+        unsaid, transformers would stop to ask on the terminal for such a checkpoint.
 
         Raises:
             ValueError: `directory` is not a folder, or transformers cannot load a
@@ -100,7 +104,7 @@ class HFTokenizer:
         if not path.is_dir():
             raise ValueError(f"tokenizer directory {str(path)!r} does not exist or is not a folder")
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e
         extra: list[int] = []

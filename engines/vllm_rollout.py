@@ -124,6 +124,7 @@ class VLLMRolloutEngine:
         enforce_eager: bool = False,
         seed: int = 0,
         dtype: str = "auto",
+        trust_remote_code: bool = False,
     ) -> None:
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -145,6 +146,8 @@ class VLLMRolloutEngine:
             raise ValueError(f"enforce_eager must be true or false, got {enforce_eager!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if not isinstance(trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
         self.eos_ids, self.pad_id = frozenset(stops), pad_id
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.version = version
@@ -152,7 +155,7 @@ class VLLMRolloutEngine:
         """Kept for the run's bookkeeping: vLLM finds its device through its own platform
         detection (vllm-ascend's plugin on Ascend), inside the devices hal made visible."""
         self.model_path = path
-        self._weights = WeightPusher(path, dtype)
+        self._weights = WeightPusher(path, dtype, trust_remote_code=trust_remote_code)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 - vLLM is optional: only this backend needs it
             from vllm.inputs import TokensPrompt  # noqa: PLC0415
@@ -165,6 +168,7 @@ class VLLMRolloutEngine:
             model=str(path),
             dtype=dtype,
             seed=seed,
+            trust_remote_code=trust_remote_code,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,

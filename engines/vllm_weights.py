@@ -57,8 +57,8 @@ Rpc = Callable[..., list[Any]]
 class WeightPusher:
     """The checks and sends of `VLLMRolloutEngine.load_weights` (module docstring)."""
 
-    def __init__(self, model_path: Path, dtype: str) -> None:
-        self.specs, self.ties = checkpoint_manifest(model_path, dtype)
+    def __init__(self, model_path: Path, dtype: str, *, trust_remote_code: bool = False) -> None:
+        self.specs, self.ties = checkpoint_manifest(model_path, dtype, trust_remote_code=trust_remote_code)
         self._file: SharedFile | None = None  # the shared bucket, made at the first push
         self.shared: bool | None = None
         """Whether versions go through the host file (None until the first push asks the workers)."""
@@ -162,10 +162,11 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def checkpoint_manifest(path: Path, dtype: str) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
+def checkpoint_manifest(path: Path, dtype: str, *, trust_remote_code: bool = False) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
     """The tensors of the Hugging Face model a checkpoint directory configures, by name: (shape,
     dtype), floating ones in `dtype` ("auto": the checkpoint's `dtype`); and its ties (name ->
-    the first name sharing its tensor). The model is built on the meta device: no memory.
+    the first name sharing its tensor). The model is built on the meta device: no memory;
+    `trust_remote_code`: a checkpoint whose model is its own code (`model.trust_remote_code`).
 
     Raises:
         ValueError: naming `path`, when transformers cannot build a causal LM from its config.
@@ -173,9 +174,9 @@ def checkpoint_manifest(path: Path, dtype: str) -> tuple[dict[str, tuple[tuple[i
     import transformers  # noqa: PLC0415 - heavy: only a vllm run reads a manifest here
 
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"model_path={str(path)!r}: cannot build a causal LM from its config: {type(e).__name__}: {e}") from e
     floating = _TORCH_DTYPES.get(dtype) or _checkpoint_dtype(config)

@@ -6,7 +6,9 @@ torch_npu is installed; elsewhere they are skipped with the reason. CPU is the d
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -114,3 +116,38 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gsm8k_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """GSM8K-format train / eval files in jsonl and parquet (`write_gsm8k_files`), written once per session."""
     return write_gsm8k_files(tmp_path_factory.mktemp("gsm8k"))
+
+
+REMOTE_CONFIG = '''from transformers import Qwen2Config
+
+
+class TidalTestConfig(Qwen2Config):
+    model_type = "tidal_test_qwen2"
+'''
+REMOTE_MODEL = '''from transformers import Qwen2ForCausalLM
+
+from .configuration_tidal_test import TidalTestConfig
+
+
+class TidalTestForCausalLM(Qwen2ForCausalLM):
+    config_class = TidalTestConfig
+'''
+
+
+@pytest.fixture(scope="session")
+def remote_code_hf_dir(tiny_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_hf_dir` as a checkpoint whose model is code of its own (config.json's `auto_map`
+    naming the folder's configuration and modeling files), which transformers loads only with
+    `trust_remote_code=True`; do not modify it."""
+    folder = tmp_path_factory.mktemp("remote-code") / "tidal-test-qwen2"
+    shutil.copytree(tiny_hf_dir, folder)
+    (folder / "configuration_tidal_test.py").write_text(REMOTE_CONFIG)
+    (folder / "modeling_tidal_test.py").write_text(REMOTE_MODEL)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {
+        "model_type": "tidal_test_qwen2",
+        "architectures": ["TidalTestForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_tidal_test.TidalTestConfig", "AutoModelForCausalLM": "modeling_tidal_test.TidalTestForCausalLM"},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", metavar="OUT_DIR", help="where the model directory goes")
     export.add_argument("--step", type=int, default=None, metavar="N", help="export checkpoints/step-N (default: the one checkpoints/latest names)")
     export.add_argument("--force", action="store_true", help="replace OUT_DIR when it is not empty")
+    export.add_argument(
+        "--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+        help="run the checkpoint's own model code (config.json auto_map) to check the export loads (default: what the run's model.trust_remote_code was)",
+    )  # fmt: skip
     return parser
 
 
@@ -317,7 +321,7 @@ def strict_reward(cfg: RecipeConfig) -> bool:
 def _cmd_export(args: argparse.Namespace) -> int:
     from tidal.tools.export import export  # noqa: PLC0415 - imports torch and transformers
 
-    checkpoint = export(Path(args.run_dir), Path(args.out_dir), step=args.step, force=args.force)
+    checkpoint = export(Path(args.run_dir), Path(args.out_dir), step=args.step, force=args.force, trust_remote_code=args.trust_remote_code)
     files = sorted(p.name for p in Path(args.out_dir).iterdir())
     print(f"tidal: exported {checkpoint.name} of {args.run_dir} to {args.out_dir} ({', '.join(files)})")
     return 0

@@ -175,5 +175,7 @@ AutoTokenizer.from_pretrained(OUT_DIR) load unchanged. The checkpoint is the one
 RUN_DIR/checkpoints/latest names, or --step N's. OUT_DIR must not exist or be empty
 (--force replaces it). The export is written beside OUT_DIR and renamed into place once
 whole, so a failure leaves OUT_DIR as it was. A run directory without that checkpoint,
-or an OUT_DIR in the way, exits with 2, naming it.
+or an OUT_DIR in the way, exits with 2, naming it. A model that is code of its own
+(config.json's auto_map: a run with model.trust_remote_code=true) keeps its code files,
+and the check runs that code when the run trusted it or with --trust-remote-code.
 """

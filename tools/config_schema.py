@@ -82,7 +82,9 @@ class ModelConfig:
     float32 keeps master weights and optimizer state exact; train.precision=bf16 still computes in bf16."""
     trust_remote_code: bool = False
     """Let transformers run Python code shipped in the checkpoint directory (custom model
-    classes); only for checkpoints whose code you trust."""
+    classes); only for checkpoints whose code you trust. It reaches every load: the model,
+    its tokenizer, vLLM, a led group's other ranks (the code files are sent with the
+    model's class) and `tidal export`."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (less memory,
     about a third more compute); hf models."""

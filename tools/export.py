@@ -50,7 +50,7 @@ def checkpoint_of(run_dir: Path, *, step: int | None = None) -> Path:
     return folder
 
 
-def export(run_dir: Path, out_dir: Path, *, step: int | None = None, force: bool = False) -> Path:
+def export(run_dir: Path, out_dir: Path, *, step: int | None = None, force: bool = False, trust_remote_code: bool | None = None) -> Path:
     """Write the checkpoint of `run_dir` (`checkpoint_of`) to `out_dir` as a Hugging Face
     model directory; returns the checkpoint folder exported.
 
@@ -59,6 +59,9 @@ def export(run_dir: Path, out_dir: Path, *, step: int | None = None, force: bool
         out_dir: where the model goes; it must not exist or be empty, unless `force`.
         step: the checkpoint's step (default: the latest).
         force: replace a non-empty `out_dir` (once the new export is whole).
+        trust_remote_code: run a checkpoint's own model code (config.json's `auto_map`) to
+            check the export loads; default: what the run had (`model.trust_remote_code`
+            in its config.yaml; false when that is gone).
 
     Raises:
         ConfigError: naming the run directory without that checkpoint, the checkpoint
@@ -67,6 +70,8 @@ def export(run_dir: Path, out_dir: Path, *, step: int | None = None, force: bool
     run_dir, out_dir = Path(run_dir), Path(os.path.abspath(out_dir))  # `.` and `..` named as folders
     checkpoint = checkpoint_of(run_dir, step=step)
     _check_destination(out_dir, force=force)
+    if trust_remote_code is None:
+        trust_remote_code = run_trusted_remote_code(run_dir)
     if out_dir == run_dir.resolve() or out_dir in run_dir.resolve().parents:
         raise ConfigError(f"OUT_DIR {str(out_dir)!r} holds the run directory {str(run_dir)!r}: the export would replace it")
     missing = [name for name in ("config.json",) if not (checkpoint / name).is_file()]
@@ -81,7 +86,7 @@ def export(run_dir: Path, out_dir: Path, *, step: int | None = None, force: bool
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        _write(checkpoint, tmp)
+        _write(checkpoint, tmp, trust_remote_code=trust_remote_code)
         _sync_folder(tmp)  # on disk before its name says it is whole
         if out_dir.exists() and any(out_dir.iterdir()):  # `force`: the old export goes once the new one is whole
             out_dir.rename(aside)
@@ -105,7 +110,18 @@ def _check_destination(out_dir: Path, *, force: bool) -> None:
         raise ConfigError(f"OUT_DIR {str(out_dir)!r} exists and is not empty; choose another, or pass --force to replace it")
 
 
-def _write(checkpoint: Path, folder: Path) -> None:
+def run_trusted_remote_code(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` ran its checkpoint's own model code (`model.trust_remote_code`
+    in its config.yaml; False when that file is gone or unreadable)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    try:
+        return OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "model.trust_remote_code", default=False) is True
+    except (OSError, ValueError):
+        return False
+
+
+def _write(checkpoint: Path, folder: Path, *, trust_remote_code: bool) -> None:
     """The model directory of `checkpoint` in `folder`, checked to load with transformers.
 
     Raises:
@@ -123,12 +139,18 @@ def _write(checkpoint: Path, folder: Path) -> None:
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint {checkpoint} has no readable tokenizer.json ({type(e).__name__}: {e})") from None
         tokenizer.save(folder)
+    custom = _custom_code(folder)
+    if custom and not trust_remote_code:
+        raise ConfigError(
+            f"checkpoint {checkpoint}'s model is code of its own ({custom}), which the export runs to check that it loads, "
+            "and trust_remote_code is off (--no-trust-remote-code, or a run without model.trust_remote_code=true): pass --trust-remote-code if you trust it"
+        )
     try:
-        config = transformers.AutoConfig.from_pretrained(folder)
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {checkpoint} has no readable config.json ({type(e).__name__}: {e})") from None
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint {checkpoint}'s tokenizer files do not load with AutoTokenizer ({type(e).__name__}: {e})") from None
     for name in _weight_files(folder):
@@ -138,6 +160,18 @@ def _write(checkpoint: Path, folder: Path) -> None:
         except Exception as e:  # noqa: BLE001 - whatever safetensors raises, the file is what to name
             raise ConfigError(f"checkpoint {checkpoint} has no readable {name} ({type(e).__name__}: {e})") from None
     _write_generation_config(folder, checkpoint=checkpoint, config=config, tokenizer=tokenizer)
+
+
+def _custom_code(folder: Path) -> str:
+    """What in `folder`'s config.json makes transformers run the folder's own code (its
+    `auto_map`, e.g. "AutoConfig: configuration_x.XConfig"), or "" when nothing does."""
+    try:
+        auto_map = json.loads((folder / "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return ""  # AutoConfig says what is wrong with it
+    if not isinstance(auto_map, dict) or not auto_map:
+        return ""
+    return "config.json auto_map: " + ", ".join(f"{k}: {v}" for k, v in auto_map.items())
 
 
 def _weight_files(folder: Path) -> list[str]:

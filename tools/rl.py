@@ -179,7 +179,7 @@ def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module | None, token
     if not isinstance(rollout_cls, BuildsFromCheckpoint):
         return rollout_cls(model, version=version, **common)
     own = section_values(cfg.rollout, rollout_cls.rollout_keys)
-    engine = rollout_cls(cfg.model.path, version=version, tensor_parallel_size=cfg.placement.rollout.devices_each, seed=cfg.seed, dtype=cfg.model.dtype, **own, **common)
+    engine = rollout_cls(cfg.model.path, version=version, tensor_parallel_size=cfg.placement.rollout.devices_each, seed=cfg.seed, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code, **own, **common)
     if model is not None and (version > 0 or cfg.sft.steps):
         engine.load_weights(version, model.state_dict().items())
     return engine

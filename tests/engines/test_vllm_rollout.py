@@ -389,6 +389,24 @@ def test_named_weights_are_the_checkpoints_specs_without_memory(make_engine, ref
     assert expected_specs(weights) == expected_specs(reference.state_dict().items())
 
 
+def test_a_custom_model_is_built_and_updated_when_the_run_trusts_its_code(fake_vllm, remote_code_hf_dir, reference):
+    """`model.trust_remote_code` reaches vLLM's engine arguments (vLLM's config loading refuses
+    a checkpoint's own code otherwise, as the fake does) and the manifest the weights are
+    checked against; the custom model has the checkpoint's weights and takes a new version."""
+    from tidal.engines.vllm_rollout import VLLMRolloutEngine
+
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        VLLMRolloutEngine(remote_code_hf_dir, eos_id=NO_END, pad_id=0)
+    engine = VLLMRolloutEngine(remote_code_hf_dir, eos_id=NO_END, pad_id=0, trust_remote_code=True)
+    try:
+        fake = sys.modules["vllm.v1.engine.async_llm"].INSTANCES[-1]
+        assert fake.engine_args.trust_remote_code is True
+        engine.load_weights(1, perturbed(reference, 1).state_dict().items())
+        assert engine.version == 1 and len(engine.generate(rows(2), max_new_tokens=3)[0].tokens) == 3
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("via", ["shared file", "messages"])
 def test_a_weight_update_reaches_every_worker_and_each_reports_the_version(make_engine, reference, monkeypatch, via):
     """Through a host file every worker maps (asked once), in buckets of at least the largest

@@ -26,7 +26,7 @@ from typing import Any
 KINDS = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY", "VAR_KEYWORD")
 
 ENGINE_ARGS_FIELDS = (
-    "model", "dtype", "seed", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization",
+    "model", "dtype", "seed", "trust_remote_code", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization",
     "logprobs_mode", "enforce_eager", "worker_extension_cls", "enable_sleep_mode",
 )  # fmt: skip
 """The `AsyncEngineArgs` fields the adapter passes."""

@@ -126,8 +126,31 @@ def test_an_older_checkpoints_tokenizer_is_exported_as_a_hugging_face_one(run_di
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode("4+5=") == tokenizer.encode("4+5=")
 
 
+def test_a_custom_model_is_exported_with_its_code_when_the_run_trusted_it(remote_code_hf_dir, tmp_path, capsys):
+    """A checkpoint of a `model.trust_remote_code` run keeps the model's code files (transformers
+    saves them beside the weights): the export copies them and runs them to check the load,
+    as the run did; told not to trust it, it refuses, naming the option, before loading."""
+    run = tmp_path / "run"
+    shutil.copytree(remote_code_hf_dir, run / "checkpoints" / "step-000001")
+    (run / "checkpoints" / "latest").write_text("step-000001\n")
+    (run / "config.yaml").write_text("model:\n  trust_remote_code: true\n")
+    export_module.export(run, tmp_path / "hf")
+    assert {"configuration_tidal_test.py", "modeling_tidal_test.py"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)).__name__ == "TidalTestForCausalLM"
+
+    (run / "config.yaml").write_text("model:\n  trust_remote_code: false\n")
+    assert main(["export", str(run), str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert "auto_map: AutoConfig: configuration_tidal_test.TidalTestConfig" in err and "pass --trust-remote-code" in err
+    assert not (tmp_path / "hf2").exists()
+    assert main(["export", str(run), str(tmp_path / "hf2"), "--trust-remote-code"]) == 0
+    (run / "config.yaml").write_text("model:\n  trust_remote_code: true\n")
+    assert main(["export", str(run), str(tmp_path / "hf3"), "--no-trust-remote-code"]) == 2
+    assert "pass --trust-remote-code" in capsys.readouterr().err
+
+
 def test_the_help_documents_export(tidal_cli):
     assert "export" in tidal_cli("--help").stdout
     text = " ".join(tidal_cli("export", "--help").stdout.split())
-    for words in ("RUN_DIR", "OUT_DIR", "--step N", "--force", "AutoModelForCausalLM.from_pretrained(OUT_DIR)", "generation_config.json", "exits with 2"):
+    for words in ("RUN_DIR", "OUT_DIR", "--step N", "--force", "AutoModelForCausalLM.from_pretrained(OUT_DIR)", "generation_config.json", "exits with 2", "--trust-remote-code"):
         assert words in text, words

@@ -12,6 +12,7 @@ class EngineArgs:
     model: str = "Qwen/Qwen3-0.6B"
     dtype: str = "auto"
     seed: int = 0
+    trust_remote_code: bool = False
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.92

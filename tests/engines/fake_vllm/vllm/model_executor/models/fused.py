@@ -28,13 +28,13 @@ SKIPPED = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq", "rotary_emb.cos_cac
 class FusedCausalLM(nn.Module):
     """The model a fake worker's model runner holds (float32, on the host)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, trust_remote_code: bool = False) -> None:
         super().__init__()
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(model_dir)
+        config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)  # vLLM's get_config: transformers refuses custom code unless trusted
         self.config = config
-        skeleton = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).float().eval()
         self._skeleton = [skeleton]  # a list: not a submodule (its parameters are not this model's)
         self._hf_names = list(skeleton.state_dict())
         self._slices: dict[str, tuple[str, int, int]] = {}  # HF name -> (vLLM name, start row, rows)

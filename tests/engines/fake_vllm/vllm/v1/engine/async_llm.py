@@ -105,7 +105,7 @@ class AsyncLLM:
         self.engine_args = engine_args
         self.calls: list[tuple[Any, ...]] = [("from_engine_args",)]
         worker_class = with_extension(Worker, a.worker_extension_cls)
-        self.workers = [worker_class(str(model_dir), rank) for rank in range(a.tensor_parallel_size)]
+        self.workers = [worker_class(str(model_dir), rank, trust_remote_code=a.trust_remote_code) for rank in range(a.tensor_parallel_size)]
         self.requests: dict[str, _Request] = {}
         self.sleeping_tags: set[str] = set()
         self.paused = False

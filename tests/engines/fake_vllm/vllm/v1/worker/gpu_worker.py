@@ -22,9 +22,9 @@ class GPUModelRunner:
 class Worker(WorkerBase):
     """One rank: loads the checkpoint's weights into its model at start, as vLLM's loader does."""
 
-    def __init__(self, model_dir: str, rank: int) -> None:
+    def __init__(self, model_dir: str, rank: int, *, trust_remote_code: bool = False) -> None:
         self.rank, self.model_dir = rank, Path(model_dir)
-        self.model_runner = GPUModelRunner(FusedCausalLM(model_dir))
+        self.model_runner = GPUModelRunner(FusedCausalLM(model_dir, trust_remote_code=trust_remote_code))
         self.load_model()
         self._saved: dict[str, torch.Tensor] | None = None
 
