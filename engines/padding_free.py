@@ -79,13 +79,18 @@ class PaddingFree:
 
     one_row: bool
     """All the tokens in one row (flash attention); else rows as wide as the longest sequence."""
+    loss_logits_only: bool = False
+    """One row whose model takes `logits_to_keep` (`keeps_logits`): logits only where a loss
+    reads them (`pack_rows`' `loss_mask`). Rows as wide as the longest sequence make them
+    everywhere: `logits_to_keep` picks columns, which every packed row shares, and a
+    sequence's prompt sits in a different column in each."""
 
     def pack(self, batch: TokenBatch) -> PackedRows | None:
         """`batch` laid out padding-free (`pack_rows`), or None where rows as wide as the
         longest sequence hold more than four fifths of its sequences: their rows then save
         little over the padded forward, which needs no mask (a causal kernel skips the
         masked half of the scores, where a dense mask computes all of them)."""
-        packed = pack_rows(batch.input_ids, batch.attention_mask, one_row=self.one_row)
+        packed = pack_rows(batch.input_ids, batch.attention_mask, one_row=self.one_row, loss_mask=batch.loss_mask if self.loss_logits_only else None)
         return None if not self.one_row and packed.input_ids.shape[0] > 0.8 * packed.num_sequences else packed
 
     def token_stats(self, model: torch.nn.Module, packed: PackedRows, *, temperature: float, entropy: str | None = None, autocast: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,7 +99,8 @@ class PaddingFree:
         (`next_token_stats`); 0 where the token or its predecessor is padding. `autocast`: the
         context the forward runs in."""
         with autocast if autocast is not None else contextlib.nullcontext():
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False).logits
+            keep = {} if packed.keep is None else {"logits_to_keep": packed.keep}
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False, **keep).logits
         logits = logits.flatten(0, 1)
         if packed.source is not None:
             logits = logits.index_select(0, packed.source)  # each target's predicting token (unique: its backward adds nothing up)
@@ -116,7 +122,8 @@ def padding_free_for(model: torch.nn.Module, setting: bool | None) -> PaddingFre
         if setting:
             raise ValueError(f"train.padding_free=true, but {reason}: set train.padding_free=false (pad each micro-batch) or null (padding-free where the model can)")
         return None
-    return PaddingFree(one_row="flash" in model.config._attn_implementation)
+    one_row = "flash" in model.config._attn_implementation
+    return PaddingFree(one_row=one_row, loss_logits_only=one_row and keeps_logits(model))
 
 
 @dataclasses.dataclass
@@ -138,6 +145,9 @@ class PackedRows:
     """[rows, seq - 1]."""
     num_sequences: int
     """Rows with a token to predict from (two real tokens or more)."""
+    keep: torch.Tensor | None = None
+    """The positions of the one packed row whose logits are made (`logits_to_keep`: the
+    `targets`' predicting tokens, in order); None: every position's."""
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """One value per target into the [rows, seq - 1] layout, 0 elsewhere."""
@@ -145,10 +155,15 @@ class PackedRows:
         return out.index_copy(0, self.slots, values).view(self.shape)
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, one_row: bool) -> PackedRows:
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, one_row: bool, loss_mask: torch.Tensor | None = None) -> PackedRows:
     """Lay out a micro-batch padding-free: each row's real tokens but its last (a sequence),
     all in one packed row (`one_row`) or first-fit, longest first, into rows as wide as the
-    longest sequence. On `input_ids`' device."""
+    longest sequence. On `input_ids`' device.
+
+    `loss_mask` ([rows, seq - 1], one row only): the targets are only those from each row's
+    first loss position on (`keep`): a prompt's, which no loss reads (a third of GSM8K's
+    tokens), get no logits and no log-softmax, and logprob 0, as a padded micro-batch's
+    (`train_steps.padded_token_stats`). A micro-batch without a loss position keeps all."""
     device = input_ids.device
     num_rows, seq = input_ids.shape
     real = attention_mask.cpu() != 0
@@ -180,8 +195,16 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, one_row:
     flat_positions[tails] = positions
     flat_positions[slot] = within
     predicts = real[rows, (cols + 1).clamp(max=seq - 1)] & (cols + 1 < seq)  # the next token is real
+    keep = None
+    if loss_mask is not None and one_row:
+        read = loss_mask.cpu() != 0
+        first = torch.where(read.any(1), read.to(torch.uint8).argmax(1), seq)  # each row's first loss position
+        kept = cols >= first[rows]
+        if bool((predicts & kept).any()) and not bool(kept[predicts].all()):
+            predicts &= kept
+            keep = slot[predicts]
     source = slot[predicts]
-    dense = len(source) == len(used) * width and bool((source == torch.arange(len(source))).all())
+    dense = keep is not None or (len(source) == len(used) * width and bool((source == torch.arange(len(source))).all()))  # kept logits come in the targets' order
     return PackedRows(
         input_ids=flat_ids.view(len(used), width).to(device),
         position_ids=flat_positions.view(len(used), width).to(device),
@@ -190,4 +213,5 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, one_row:
         slots=(rows[predicts] * (seq - 1) + cols[predicts]).to(device),
         shape=(num_rows, seq - 1),
         num_sequences=len(order),
+        keep=None if keep is None else keep.to(device),
     )

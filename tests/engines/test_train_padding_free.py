@@ -115,6 +115,41 @@ def test_the_padding_free_forward_is_the_padded_one(attention, one_row):
         torch.testing.assert_close(grads[name], want, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_one_row_makes_logits_only_where_a_loss_reads_them():
+    """Flash attention's one row, with a model that takes `logits_to_keep`: the prompts'
+    positions, which no loss reads, cost no lm_head rows and no log-softmax; the logprobs and
+    entropies a loss reads, and their gradients, are those of every position's logits, and
+    the prompts' positions are 0, as in a padded micro-batch."""
+    rows = []
+    for k, (prompt, n) in enumerate(LONG_TAIL):
+        t = Trajectory(prompt_ids=T.encode(prompt))
+        t.extend([5 + (3 * k + i) % 9 for i in range(n)], [-1.0] * n, 0)
+        rows.append(t)
+    batch = to_token_batch(rows, pad_id=T.pad_id)
+    read = batch.loss_mask != 0
+    model = tiny()
+    widths: list[int] = []
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    results = []
+    for only in (True, False):
+        model.zero_grad()
+        layout = PaddingFree(one_row=True, loss_logits_only=only)
+        packed = layout.pack(batch)
+        logprobs, entropy = layout.token_stats(model, packed, temperature=0.7, entropy="grad")
+        ((logprobs + entropy) * batch.loss_mask).sum().backward()
+        results.append((logprobs, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert widths == [int(read.sum()), packed.input_ids.shape[1]]  # the loss positions; every fed token
+    (lp, ent, grads), (want_lp, want_ent, want_grads) = results
+    torch.testing.assert_close(lp[read], want_lp[read], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent[read], want_ent[read], atol=1e-6, rtol=0)
+    assert (lp[~read] == 0).all() and (ent[~read] == 0).all()
+    assert (want_lp[~read & (batch.attention_mask[:, 1:] != 0) & (batch.attention_mask[:, :-1] != 0)] != 0).all()  # there were prompt logprobs to skip
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    no_loss = dataclasses.replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))
+    assert PaddingFree(one_row=True, loss_logits_only=True).pack(no_loss).keep is None  # nothing read: every position, as a padded micro-batch
+
+
 def _engine(padding_free: bool | None, **options) -> TorchTrainEngine:
     return TorchTrainEngine(tiny(torch.float64), lr=1e-2, weight_decay=0.01, padding_free=padding_free, **options)
 
@@ -201,7 +236,7 @@ def test_auto_is_padding_free_where_the_model_can_and_true_is_refused_where_it_c
     assert padding_free_for(tiny(), False) is None
     flash = tiny()
     flash.config._attn_implementation = "flash_attention_2"  # not run: only the layout it would get
-    assert padding_free_for(flash, None) == PaddingFree(one_row=True)
+    assert padding_free_for(flash, None) == PaddingFree(one_row=True, loss_logits_only=True)  # a transformers model takes logits_to_keep
     assert "position_ids" in cannot_pack(_NoPositions())
     engine = TorchTrainEngine(_NoPositions(), micro_batch_size=2)  # auto: padded, and it trains
     assert engine.padding_free is None
