@@ -113,12 +113,14 @@ def _check_destination(out_dir: Path, *, force: bool) -> None:
 def run_trusted_remote_code(run_dir: Path) -> bool:
     """Whether the run in `run_dir` ran its checkpoint's own model code (`model.trust_remote_code`
     in its config.yaml; False when that file is gone or unreadable)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
+    import yaml  # noqa: PLC0415 - OmegaConf's parser
 
     try:
-        return OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "model.trust_remote_code", default=False) is True
-    except (OSError, ValueError):
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
         return False
+    model = saved.get("model") if isinstance(saved, dict) else None
+    return isinstance(model, dict) and model.get("trust_remote_code") is True
 
 
 def _write(checkpoint: Path, folder: Path, *, trust_remote_code: bool) -> None:

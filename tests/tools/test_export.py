@@ -144,6 +144,10 @@ def test_a_custom_model_is_exported_with_its_code_when_the_run_trusted_it(remote
     assert "auto_map: AutoConfig: configuration_tidal_test.TidalTestConfig" in err and "pass --trust-remote-code" in err
     assert not (tmp_path / "hf2").exists()
     assert main(["export", str(run), str(tmp_path / "hf2"), "--trust-remote-code"]) == 0
+    for garbled in ("model: [unclosed\n", "- a list\n", "model: 3\n"):  # not the run's say: untrusted
+        (run / "config.yaml").write_text(garbled)
+        assert main(["export", str(run), str(tmp_path / "hf4")]) == 2
+        assert "pass --trust-remote-code" in capsys.readouterr().err
     (run / "config.yaml").write_text("model:\n  trust_remote_code: true\n")
     assert main(["export", str(run), str(tmp_path / "hf3"), "--no-trust-remote-code"]) == 2
     assert "pass --trust-remote-code" in capsys.readouterr().err
