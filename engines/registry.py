@@ -78,12 +78,14 @@ class Needs:
     """Further distributions it needs on one kind (vLLM's Ascend plugin on NPUs)."""
     extra: str = ""
     """The `tidal-rl` extra that installs its packages."""
+    host_precisions: tuple[str, ...] = ("fp32", "bf16")
+    """`train.precision`s it trains in where it computes on the host (a cpu or fake platform)."""
 
 
 NEEDS = {
     ("rollout.backend", "vllm"): Needs(packages=("vllm",), kinds=("cuda", "npu"), on_kind={"npu": ("vllm-ascend",)}, extra="vllm"),
     ("train.backend", "deepspeed"): Needs(packages=("deepspeed",), extra="deepspeed"),
-    ("train.backend", "megatron"): Needs(packages=("megatron-core",), on_kind={"npu": ("mindspeed",)}, extra="megatron"),
+    ("train.backend", "megatron"): Needs(packages=("megatron-core",), on_kind={"npu": ("mindspeed",)}, extra="megatron", host_precisions=("fp32",)),  # hal.megatron.check_precision
 }
 """(recipe key, name) -> what that engine needs beyond tidal's own dependencies (the others
 need nothing more and run on every platform)."""
@@ -94,15 +96,17 @@ def needs(key: str, name: str) -> Needs:
     return NEEDS.get((key, name), Needs())
 
 
-def missing(key: str, name: str, *, kind: str, fake: bool = False) -> str | None:
+def missing(key: str, name: str, *, kind: str, fake: bool = False, precision: str | None = None) -> str | None:
     """Why the engine `name` under `key` cannot run here, on a platform of `kind` (`fake`: a
-    fake platform, which computes on CPU), from package metadata alone (imports nothing); None
-    when it can."""
+    fake platform, which computes on CPU), in `precision` (`train.precision`, for a train
+    engine), from package metadata alone (imports nothing); None when it can."""
     need = needs(key, name)
     computes_on = "cpu" if fake else kind
+    where = f"a fake {kind} platform, which computes on CPU" if fake else f"a {kind} platform"
     if computes_on not in need.kinds:
-        where = f"a fake {kind} platform, which computes on CPU" if fake else f"a {kind} platform"
         return f"{key}={name} runs on {' or '.join(need.kinds)} devices, not on {where}"
+    if precision is not None and computes_on == "cpu" and precision not in need.host_precisions:
+        return f"train.precision={precision}: {key}={name} trains in {' or '.join(need.host_precisions)} on {where}; set train.precision={need.host_precisions[0]}"
     absent = [p for p in (*need.packages, *need.on_kind.get(computes_on, ())) if version(p) is None]  # a fake NPU computes on CPU: no Ascend plugin
     if absent:
         hint = f" (pip install 'tidal-rl[{need.extra}]')" if need.extra and set(absent) & set(need.packages) else ""

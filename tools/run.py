@@ -262,16 +262,18 @@ def check_runnable(cfg: RecipeConfig) -> None:
 
 def check_engines_here(cfg: RecipeConfig, descriptor: Any) -> None:
     """The recipe's rollout and train engines can run on this process's platform (`descriptor`):
-    their packages are installed and they compute on its kind (`engines.registry.missing`).
+    their packages are installed, they compute on its kind, and the train engine in
+    `train.precision` there (`engines.registry.missing`).
 
     Raises:
         ConfigError: naming the key, the engine and what it lacks.
     """
     from tidal.engines.registry import missing  # noqa: PLC0415
 
-    for key, name in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):
-        if why := missing(key, name, kind=descriptor.kind, fake=descriptor.fake):
-            raise ConfigError(why)
+    if why := missing("rollout.backend", cfg.rollout.backend, kind=descriptor.kind, fake=descriptor.fake):
+        raise ConfigError(why)
+    if why := missing("train.backend", cfg.train.backend, kind=descriptor.kind, fake=descriptor.fake, precision=cfg.train.precision.value):
+        raise ConfigError(why)
 
 
 def check_plan(cfg: RecipeConfig) -> None:

@@ -38,6 +38,18 @@ def test_megatron_needs_megatron_core_and_on_real_npus_mindspeed(monkeypatch):
     assert registry.missing("train.backend", "megatron", kind="npu") == "train.backend=megatron needs mindspeed, not installed here"
 
 
+def test_megatron_trains_in_fp32_only_where_it_computes_on_the_host(monkeypatch):
+    """hal.megatron.check_precision refuses it when the engine is built, after the untrained
+    evaluation; the registry says it before the run directory (and `tidal run --check`)."""
+    _installed(monkeypatch, "megatron-core", "deepspeed")
+    want = "train.precision=bf16: train.backend=megatron trains in fp32 on a fake cuda platform, which computes on CPU; set train.precision=fp32"
+    assert registry.missing("train.backend", "megatron", kind="cuda", fake=True, precision="bf16") == want
+    assert "on a cpu platform" in registry.missing("train.backend", "megatron", kind="cpu", precision="bf16")
+    assert registry.missing("train.backend", "megatron", kind="cuda", fake=True, precision="fp32") is None
+    assert registry.missing("train.backend", "megatron", kind="cuda", precision="bf16") is None  # on the device: megatron's own autocast
+    assert registry.missing("train.backend", "deepspeed", kind="cpu", precision="bf16") is None
+
+
 def test_deepspeed_needs_its_package_on_every_kind(monkeypatch):
     _installed(monkeypatch)
     assert registry.missing("train.backend", "deepspeed", kind="cpu") == "train.backend=deepspeed needs deepspeed, not installed here (pip install 'tidal-rl[deepspeed]')"
@@ -81,4 +93,8 @@ def test_a_local_run_whose_engine_cannot_run_here_is_refused_before_its_run_dire
     _installed(monkeypatch)
     with pytest.raises(ConfigError, match=r"train\.backend=deepspeed needs deepspeed, not installed here"):
         prepare_run(resolve_recipe("quickstart_cpu"), ["train.backend=deepspeed", f"run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+    _installed(monkeypatch, "megatron-core")
+    with pytest.raises(ConfigError, match=r"train\.precision=bf16: train\.backend=megatron trains in fp32 on a cpu platform"):
+        prepare_run(resolve_recipe("quickstart_cpu"), ["train.backend=megatron", "train.precision=bf16", f"run_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
