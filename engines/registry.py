@@ -105,12 +105,12 @@ def missing(key: str, name: str, *, kind: str, fake: bool = False, precision: st
     where = f"a fake {kind} platform, which computes on CPU" if fake else f"a {kind} platform"
     if computes_on not in need.kinds:
         return f"{key}={name} runs on {' or '.join(need.kinds)} devices, not on {where}"
-    if precision is not None and computes_on == "cpu" and precision not in need.host_precisions:
-        return f"train.precision={precision}: {key}={name} trains in {' or '.join(need.host_precisions)} on {where}; set train.precision={need.host_precisions[0]}"
     absent = [p for p in (*need.packages, *need.on_kind.get(computes_on, ())) if version(p) is None]  # a fake NPU computes on CPU: no Ascend plugin
     if absent:
         hint = f" (pip install 'tidal-rl[{need.extra}]')" if need.extra and set(absent) & set(need.packages) else ""
         return f"{key}={name} needs {', '.join(absent)}, not installed here{hint}"
+    if precision is not None and computes_on == "cpu" and precision not in need.host_precisions:
+        return f"train.precision={precision}: {key}={name} trains in {' or '.join(need.host_precisions)} on {where}; set train.precision={need.host_precisions[0]}"
     return None
 
 
