@@ -13,12 +13,11 @@ pickle then imports them as rank 0 did.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from tidal.flow.files import write_whole
 
 DYNAMIC_PACKAGE = "transformers_modules"
 """The package transformers imports remote code under (`TRANSFORMERS_DYNAMIC_MODULE_NAME`)."""
@@ -61,17 +60,5 @@ def install(files: dict[str, str]) -> None:
         path = cache / relative
         if path.is_file() and path.read_text(encoding="utf-8") == text:
             continue
-        _write_whole(path, text)
+        write_whole(path, text)
     importlib.invalidate_caches()
-
-
-def _write_whole(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise

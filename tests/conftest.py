@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,3 +152,24 @@ def remote_code_hf_dir(tiny_hf_dir: Path, tmp_path_factory: pytest.TempPathFacto
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def _drop_vllm() -> dict[str, Any]:
+    gone = {k: m for k, m in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
+    for k in gone:
+        del sys.modules[k]
+    return gone
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The fake vLLM 0.32.0 of tests/engines/fake_vllm importable as `vllm` (first on sys.path)
+    for one test, then gone again; yields the `vllm` package."""
+    saved = _drop_vllm()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "engines" / "fake_vllm"))
+    import vllm
+
+    assert vllm.FAKE
+    yield vllm
+    _drop_vllm()
+    sys.modules.update(saved)

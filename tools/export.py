@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from tidal.engines.models import tiny_source
-from tidal.tools.config import ConfigError
+from tidal.tools.config import ConfigError, load_config, select
 from tidal.tools.run import latest_checkpoint
 
 RESUME_ONLY = frozenset({"trainer.pt", "store.bin", "state.json"})
@@ -113,14 +113,10 @@ def _check_destination(out_dir: Path, *, force: bool) -> None:
 def run_trusted_remote_code(run_dir: Path) -> bool:
     """Whether the run in `run_dir` ran its checkpoint's own model code (`model.trust_remote_code`
     in its config.yaml; False when that file is gone or unreadable)."""
-    import yaml  # noqa: PLC0415 - OmegaConf's parser
-
     try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+        return select(load_config(run_dir / "config.yaml"), "model.trust_remote_code") is True
+    except ConfigError:
         return False
-    model = saved.get("model") if isinstance(saved, dict) else None
-    return isinstance(model, dict) and model.get("trust_remote_code") is True
 
 
 def _write(checkpoint: Path, folder: Path, *, trust_remote_code: bool) -> None:

@@ -10,7 +10,7 @@ GPU and no vLLM environment are needed):
 The output has, for every class or function the adapter (`tidal.engines.vllm_rollout`,
 `tidal.engines.vllm_worker`) or the fake (`tests/engines/fake_vllm`) names, its parameters as
 `inspect.signature` gives them: name, kind, and default in the form `canonical_default`
-(tests/engines/test_vllm_rollout.py) writes, which both the fake's and a live vLLM's
+(tests/engines/test_vllm_api.py) writes, which both the fake's and a live vLLM's
 signatures are compared in. Classes with hundreds of fields (`AsyncEngineArgs`,
 `SamplingParams`) are snapshotted for the fields the adapter passes (`"subset": true`).
 """

@@ -8,32 +8,15 @@ from __future__ import annotations
 
 import copy
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-FAKE = Path(__file__).resolve().parents[1] / "engines" / "fake_vllm"
-
-
-def _drop_vllm() -> dict:
-    gone = {k: m for k, m in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
-    for k in gone:
-        del sys.modules[k]
-    return gone
-
 
 @pytest.fixture
-def fake_vllm(monkeypatch):
-    saved = _drop_vllm()
-    monkeypatch.syspath_prepend(str(FAKE))
-    import vllm
-
-    assert vllm.FAKE
-    yield importlib.import_module("vllm.v1.engine.async_llm")
-    _drop_vllm()
-    sys.modules.update(saved)
+def fake_llms(fake_vllm):
+    """The fake vLLM's `async_llm` module (tests/conftest.py's `fake_vllm`): its `INSTANCES`."""
+    return importlib.import_module("vllm.v1.engine.async_llm")
 
 
 def _cfg(tiny_hf_dir, gsm8k_files, *more):
@@ -46,7 +29,7 @@ def _cfg(tiny_hf_dir, gsm8k_files, *more):
     )
 
 
-def test_a_run_builds_vllm_from_the_checkpoint_with_its_keys_and_sends_the_trainers_weights(fake_vllm, tiny_hf_dir, gsm8k_files):
+def test_a_run_builds_vllm_from_the_checkpoint_with_its_keys_and_sends_the_trainers_weights(fake_llms, tiny_hf_dir, gsm8k_files):
     from tidal.engines.models import model_source
     from tidal.hal import current_platform
     from tidal.tools.rl import build_rollout_engine
@@ -55,7 +38,7 @@ def test_a_run_builds_vllm_from_the_checkpoint_with_its_keys_and_sends_the_train
     policy = model_source(cfg.model).build(seed=cfg.seed)
     engine = build_rollout_engine(cfg, copy.deepcopy(policy.module), policy.tokenizer, platform=current_platform(), version=0)  # a new run without warm start: the checkpoint's weights
     try:
-        llm = fake_vllm.INSTANCES[-1]
+        llm = fake_llms.INSTANCES[-1]
         args = engine.engine_args
         assert (args.model, args.tensor_parallel_size, args.dtype, args.seed) == (str(tiny_hf_dir), 2, "float32", 5)
         assert (args.gpu_memory_utilization, args.max_model_len, args.enforce_eager) == (0.5, 256, True)
@@ -70,7 +53,7 @@ def test_a_run_builds_vllm_from_the_checkpoint_with_its_keys_and_sends_the_train
             p.add_(0.01)
     engine = build_rollout_engine(cfg, trained, policy.tokenizer, platform=current_platform(), version=4)  # resumed at version 4
     try:
-        llm = fake_vllm.INSTANCES[-1]
+        llm = fake_llms.INSTANCES[-1]
         assert engine.version == 4 and [w.tidal_weight_version() for w in llm.workers] == [4, 4]
         got = llm.workers[0].get_model().hf_state()
         assert all(torch.equal(got[name], tensor) for name, tensor in trained.state_dict().items())
@@ -78,7 +61,7 @@ def test_a_run_builds_vllm_from_the_checkpoint_with_its_keys_and_sends_the_train
         engine.close()
 
 
-def test_a_ray_rollout_actor_builds_vllm_without_building_the_model(fake_vllm, tiny_hf_dir, gsm8k_files, monkeypatch):
+def test_a_ray_rollout_actor_builds_vllm_without_building_the_model(fake_llms, tiny_hf_dir, gsm8k_files, monkeypatch):
     from tidal.engines import models
     from tidal.tools.config import to_yaml
     from tidal.tools.ray_run import make_rollout_engine
@@ -94,7 +77,7 @@ def test_a_ray_rollout_actor_builds_vllm_without_building_the_model(fake_vllm, t
         engine.close()
 
 
-def test_a_ray_rollout_actor_receives_vllms_weights_into_host_memory(fake_vllm, tiny_hf_dir, gsm8k_files):
+def test_a_ray_rollout_actor_receives_vllms_weights_into_host_memory(fake_llms, tiny_hf_dir, gsm8k_files):
     """vLLM's model lives in processes of its own, which `load_weights` sends host tensors to:
     a version received onto the actor's device would sit beside the KV cache vLLM sized the
     device for. The `hf` engine generates in the actor's process: its versions go to its device."""
