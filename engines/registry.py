@@ -96,10 +96,11 @@ def needs(key: str, name: str) -> Needs:
     return NEEDS.get((key, name), Needs())
 
 
-def missing(key: str, name: str, *, kind: str, fake: bool = False, precision: str | None = None) -> str | None:
+def missing(key: str, name: str, *, kind: str, fake: bool = False, precision: str | None = None, here: str = "here") -> str | None:
     """Why the engine `name` under `key` cannot run here, on a platform of `kind` (`fake`: a
     fake platform, which computes on CPU), in `precision` (`train.precision`, for a train
-    engine), from package metadata alone (imports nothing); None when it can."""
+    engine), from package metadata alone (imports nothing); None when it can. `here`: how
+    the answer names the place it was asked (a cluster node's probe: "on that node")."""
     need = needs(key, name)
     computes_on = "cpu" if fake else kind
     where = f"a fake {kind} platform, which computes on CPU" if fake else f"a {kind} platform"
@@ -108,7 +109,7 @@ def missing(key: str, name: str, *, kind: str, fake: bool = False, precision: st
     absent = [p for p in (*need.packages, *need.on_kind.get(computes_on, ())) if version(p) is None]  # a fake NPU computes on CPU: no Ascend plugin
     if absent:
         hint = f" (pip install 'tidal-rl[{need.extra}]')" if need.extra and set(absent) & set(need.packages) else ""
-        return f"{key}={name} needs {', '.join(absent)}, not installed here{hint}"
+        return f"{key}={name} needs {', '.join(absent)}, not installed {here}{hint}"
     if precision is not None and computes_on == "cpu" and precision not in need.host_precisions:
         return f"train.precision={precision}: {key}={name} trains in {' or '.join(need.host_precisions)} on {where}; set train.precision={need.host_precisions[0]}"
     return None

@@ -13,10 +13,14 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.tools.config import ConfigError, RecipeConfig, load_config
 from tidal.tools.recipes import resolve_recipe
+
+if TYPE_CHECKING:
+    from tidal.flow.placement import Plan
+    from tidal.flow.ray.cluster import NodeReport
 
 
 @dataclasses.dataclass
@@ -31,7 +35,8 @@ class ClusterCheck:
 def check_cluster(cfg: RecipeConfig | None = None) -> ClusterCheck:
     """Probe the cluster this process joined (`ray.init(address=...)`), and with a recipe
     plan its roles on the cluster's own nodes (not `cluster.nodes`, which describes the
-    cluster the recipe expects).
+    cluster the recipe expects) and check, on each node the plan gives a role, that the
+    role's engine can run there (installed, on that kind of device: `RecipeEngineCheck`).
 
     Raises:
         TimeoutError: a node's probe did not answer (`probe_cluster`).
@@ -42,16 +47,40 @@ def check_cluster(cfg: RecipeConfig | None = None) -> ClusterCheck:
     from tidal.flow.ray.placement import ray_address  # noqa: PLC0415
     from tidal.hal.versions import package_versions  # noqa: PLC0415
     from tidal.tools.plan import make_plan  # noqa: PLC0415
+    from tidal.tools.run import RecipeEngineCheck  # noqa: PLC0415
 
-    reports = probe_cluster()
-    problems = cluster_problems(reports, driver_versions=package_versions(), fake=bool(cfg and cfg.cluster.fake))
+    fake = bool(cfg and cfg.cluster.fake)
+    reports = probe_cluster(check=RecipeEngineCheck.of(cfg, fake=fake) if cfg is not None else None)
+    problems = cluster_problems(reports, driver_versions=package_versions(), fake=fake)
     if cfg is not None:
         on_ray = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nodes=[]))
         try:
-            make_plan(on_ray, ray_nodes=ray.nodes)
+            plan, _ = make_plan(on_ray, ray_nodes=ray.nodes)
         except ConfigError as e:
             problems.append(f"recipe {cfg.name!r} cannot be placed on this cluster's nodes: {e}")
+        else:
+            problems += engine_problems(plan, reports)
     return ClusterCheck(address=ray_address() or "", nodes=reports, problems=problems)
+
+
+def engine_problems(plan: Plan, reports: Sequence[NodeReport]) -> list[str]:
+    """One sentence per node and role of `plan` whose engine that node's probe found it
+    cannot run (`NodeReport.engines`), naming the node, the role's instances and the fix."""
+    node_ids = {r.node: r.ray_node_id for r in plan.resources}
+    by_id = {r.node_id: r for r in reports}
+    held: dict[tuple[str, str, str], list[int]] = {}  # (node id, role, kind) -> the role's ranks there
+    for a in plan.assignments:
+        if (node_id := node_ids.get(a.node)) in by_id:
+            held.setdefault((node_id, a.role, a.kind), []).append(a.rank)
+    problems = []
+    for (node_id, role, kind), ranks in held.items():
+        report = by_id[node_id]
+        if why := report.engines.get(kind, {}).get(role):
+            problems.append(
+                f"node {report.name} ({report.kinds}) would hold {role} instance(s) {', '.join(map(str, sorted(set(ranks))))}, "
+                f"but {why}; or keep {role} off the node (placement.{role}.requires)"
+            )
+    return problems
 
 
 def refuse_bad_cluster(cfg: RecipeConfig) -> None:

@@ -7,6 +7,7 @@ any work starts, so every run can be reproduced from its own folder.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import json
@@ -18,6 +19,7 @@ from typing import Any
 
 from tidal.flow.files import write_whole
 from tidal.flow.placement import Plan
+from tidal.flow.ray.placement import ray_address
 from tidal.tools.config import ConfigError, RecipeConfig, iter_keys, load_config, select, to_yaml
 
 FIXED_ON_RESUME = {
@@ -260,24 +262,52 @@ def check_runnable(cfg: RecipeConfig) -> None:
             )
 
 
-def check_engines_here(cfg: RecipeConfig, descriptor: Any) -> None:
-    """The recipe's rollout and train engines can run on this process's platform (`descriptor`):
-    their packages are installed, they compute on its kind, and the train engine in
-    `train.precision` there (`engines.registry.missing`).
+@dataclasses.dataclass(frozen=True)
+class RecipeEngineCheck:
+    """What the recipe's engines need of a place that holds its roles: called with a device
+    kind, it answers each role (rollout, train) whose engine cannot run there, and why
+    (`engines.registry.missing`, from package metadata). Small and picklable: a Ray
+    cluster's node probes run it on their nodes (`tools.cluster.check_cluster`)."""
+
+    rollout: str
+    train: str
+    precision: str
+    fake: bool
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, *, fake: bool) -> RecipeEngineCheck:
+        return cls(rollout=cfg.rollout.backend, train=cfg.train.backend, precision=cfg.train.precision.value, fake=fake)
+
+    def __call__(self, kind: str, *, here: str = "here") -> dict[str, str]:
+        from tidal.engines.registry import missing  # noqa: PLC0415
+
+        found = {
+            "rollout": missing("rollout.backend", self.rollout, kind=kind, fake=self.fake, here=here),
+            "train": missing("train.backend", self.train, kind=kind, fake=self.fake, precision=self.precision, here=here),
+        }
+        return {role: why for role, why in found.items() if why}
+
+
+def check_engines_here(cfg: RecipeConfig, *, kind: str, fake: bool, plan: Plan | None = None) -> None:
+    """The recipe's rollout and train engines can run in this machine's environment: their
+    packages are installed, they compute on the device kind, and the train engine in
+    `train.precision` there (`RecipeEngineCheck`). A local run's engines are built in this
+    process, on its platform (`kind`, `fake`); a Ray run that starts a Ray of its own puts
+    every actor on this machine, each role on the device kinds its `plan` gives it (on
+    the platform's `kind` where the plan is made only once Ray runs).
 
     Raises:
         ConfigError: naming the key, the engine and what it lacks.
     """
-    from tidal.engines.registry import missing  # noqa: PLC0415
+    check = RecipeEngineCheck.of(cfg, fake=fake)
+    for role in ("rollout", "train"):
+        for on in sorted({a.kind for a in plan.of(role)}) if plan is not None else [kind]:
+            if why := check(on).get(role):
+                raise ConfigError(why)
 
-    if why := missing("rollout.backend", cfg.rollout.backend, kind=descriptor.kind, fake=descriptor.fake):
-        raise ConfigError(why)
-    if why := missing("train.backend", cfg.train.backend, kind=descriptor.kind, fake=descriptor.fake, precision=cfg.train.precision.value):
-        raise ConfigError(why)
 
-
-def check_plan(cfg: RecipeConfig) -> None:
-    """Make the recipe's plan now, as `tidal plan` does, where it can be made without Ray:
+def check_plan(cfg: RecipeConfig) -> Plan | None:
+    """Make the recipe's plan now (and return it), as `tidal plan` does, where it can be made without Ray:
     the recipe lists its cluster (`cluster.nodes`), or a local run shares devices
     (`placement.rollout.colocate_with`, `placement.train.lend_to`); under `runtime: ray`
     also where each actor would sit (`flow.colocate.spots`). A Ray run without
@@ -290,9 +320,10 @@ def check_plan(cfg: RecipeConfig) -> None:
     from tidal.tools.plan import check_seatable, make_plan, shares_devices  # noqa: PLC0415
 
     if not (cfg.cluster.nodes or (cfg.runtime.value == "local" and shares_devices(cfg))):
-        return
+        return None
     plan, _ = make_plan(cfg)
     check_seatable(cfg, plan)
+    return plan
 
 
 def run_refusal(cfg: RecipeConfig, plan: Plan) -> str | None:
@@ -372,9 +403,15 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
     check_runnable(cfg)
     resume_changes(cfg)
     selection = init_platform(cfg.device)
-    if cfg.runtime.value == "local":  # its engines are built in this process (under ray, in actors on the nodes the plan picks)
-        check_engines_here(cfg, selection.platform.descriptor)
-    check_plan(cfg)
+    if cfg.runtime.value == "local":  # its engines are built in this process
+        check_engines_here(cfg, kind=selection.platform.descriptor.kind, fake=selection.platform.descriptor.fake)
+    plan = check_plan(cfg)
+    if cfg.runtime.value == "ray" and not cfg.cluster.fake and ray_address() is None:
+        # a Ray of its own, on this machine: its actors find this environment. A cluster it
+        # joins is checked node by node when it has joined (`tools.cluster.refuse_bad_cluster`);
+        # fake devices compute on CPU, where a production recipe's engines cannot: `--check`
+        # of such a recipe on fake platforms checks its config and plan.
+        check_engines_here(cfg, kind=selection.platform.descriptor.kind, fake=False, plan=plan)
     if cfg.resume:  # its files, before the run directory is made (and under --check)
         from tidal.engines.models import model_source  # noqa: PLC0415
         from tidal.tools.checkpoint import check_checkpoint  # noqa: PLC0415 - imports transformers

@@ -18,7 +18,7 @@ import dataclasses
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tidal.flow.placement import RAY_RESOURCES
 
@@ -51,6 +51,9 @@ class NodeReport:
     """host:port its probe listened on."""
     unreachable: Mapping[str, str]
     """Other nodes (by node id) whose probe this one could not connect to, and the error."""
+    engines: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    """For each device kind the node holds roles on (its devices', else cpu), each role whose
+    engine cannot run there, and why (the `check` given to `probe_cluster`; empty: none given)."""
 
     @property
     def kinds(self) -> str:
@@ -63,10 +66,11 @@ class NodeProbe:
     def __init__(self) -> None:
         self._server: socket.socket | None = None
 
-    def describe(self, kinds: Sequence[str]) -> dict[str, Any]:
+    def describe(self, kinds: Sequence[str], check: EngineCheck | None = None) -> dict[str, Any]:
         from tidal.hal.versions import missing_stack, package_versions  # noqa: PLC0415
 
-        return {"versions": package_versions(), "missing": {k: why for k in kinds if (why := missing_stack(k))}}
+        engines = {k: dict(check(k, here="on that node")) for k in (kinds or ["cpu"])} if check is not None else {}
+        return {"versions": package_versions(), "missing": {k: why for k in kinds if (why := missing_stack(k))}, "engines": engines}
 
     def listen(self, host: str) -> str:
         """Listen on `host` (this node's address) on a port the OS picks, accepting and
@@ -102,8 +106,17 @@ def node_devices(resources: Mapping[str, float]) -> dict[str, int]:
     return {kind: int(resources[RAY_RESOURCES[kind]]) for kind in ("npu", "cuda") if resources.get(RAY_RESOURCES[kind], 0) >= 1}
 
 
-def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
-    """Probe every alive node of the Ray cluster this process is connected to.
+class EngineCheck(Protocol):
+    """Which roles' engines cannot run on a device kind, in the environment it is called in,
+    and why (role -> reason; `tools.run.RecipeEngineCheck`). Picklable: each probe calls it."""
+
+    def __call__(self, kind: str, *, here: str = ...) -> Mapping[str, str]: ...
+
+
+def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S, check: EngineCheck | None = None) -> list[NodeReport]:
+    """Probe every alive node of the Ray cluster this process is connected to; with `check`,
+    each probe also runs it on its node for the kinds the node holds roles on
+    (`NodeReport.engines`): whether a recipe's engines are installed there.
 
     Raises:
         TimeoutError: naming the nodes whose probe did not answer in `timeout_s` (a node
@@ -116,7 +129,7 @@ def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
     probe_cls: Any = ray.remote(num_cpus=0, max_restarts=0)(NodeProbe)
     probes: list[Any] = [probe_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote() for n in nodes]
     try:
-        described = _gather(ray, [p.describe.remote(list(node_devices(n["Resources"]))) for p, n in zip(probes, nodes)], nodes, timeout_s, "answer")
+        described = _gather(ray, [p.describe.remote(list(node_devices(n["Resources"])), check) for p, n in zip(probes, nodes)], nodes, timeout_s, "answer")
         listening = _gather(ray, [p.listen.remote(n["NodeManagerAddress"]) for p, n in zip(probes, nodes)], nodes, timeout_s, "listen")
         addresses = {n["NodeID"]: a for n, a in zip(nodes, listening)}
         reached = _gather(ray, [p.reach.remote({k: a for k, a in addresses.items() if k != n["NodeID"]}) for p, n in zip(probes, nodes)], nodes, timeout_s, "connect")
@@ -134,6 +147,7 @@ def probe_cluster(*, timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
             free=free.get(n["NodeID"]) if free is not None else None,
             versions=d["versions"],
             missing=d["missing"],
+            engines=d["engines"],
             listens=a,
             unreachable=r,
         )

@@ -98,3 +98,29 @@ def test_a_local_run_whose_engine_cannot_run_here_is_refused_before_its_run_dire
     with pytest.raises(ConfigError, match=r"train\.precision=bf16: train\.backend=megatron trains in fp32 on a cpu platform"):
         prepare_run(resolve_recipe("quickstart_cpu"), ["train.backend=megatron", "train.precision=bf16", f"run_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_ray_run_on_a_ray_of_its_own_is_refused_before_its_run_directory_on_each_roles_kind(monkeypatch, tmp_path):
+    """A Ray run that starts its own Ray puts every actor on this machine: its engines are
+    checked here, each role on the device kinds its plan gives it. A fake cluster's devices
+    compute on CPU: `--check` there checks the config and the plan, as the production
+    recipes' do (tests/tools/test_production_recipes.py)."""
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import prepare_run
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _installed(monkeypatch, "megatron-core")
+    ray_run = ["runtime=ray", f"run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"train\.precision=bf16: train\.backend=megatron trains in fp32 on a cpu platform"):
+        prepare_run(resolve_recipe("quickstart_cpu"), [*ray_run, "train.backend=megatron", "train.precision=bf16"])
+    assert not (tmp_path / "run").exists()
+    gpu_box = ["cluster.nodes=[{name: box, kind: cuda, devices: 2}]", "placement.train.count=1", "placement.rollout.count=1"]
+    with pytest.raises(ConfigError, match=r"train\.backend=deepspeed needs deepspeed, not installed here"):
+        prepare_run(resolve_recipe("quickstart_cpu"), [*ray_run, *gpu_box, "train.backend=deepspeed"])
+    assert not (tmp_path / "run").exists()
+    cfg, _ = prepare_run(resolve_recipe("quickstart_cpu"), [*ray_run, *gpu_box, "cluster.fake=true", "train.backend=deepspeed"])
+    assert cfg.train.backend == "deepspeed"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster it joins: its nodes' probes check (tools.cluster)
+    cfg, _ = prepare_run(resolve_recipe("quickstart_cpu"), ["runtime=ray", f"run_dir={tmp_path / 'joined'}", *gpu_box, "train.backend=deepspeed"])
+    assert cfg.train.backend == "deepspeed"
