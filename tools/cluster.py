@@ -114,32 +114,72 @@ def join_cluster() -> str:
     return address
 
 
-def render(found: ClusterCheck) -> None:
+SHARED_VERSIONS = ("tidal-rl", "python", "ray", "torch")
+"""Versions shown once above the node table when every node runs the same (the usual case),
+else in a column each."""
+
+
+def render(found: ClusterCheck, console: Any = None) -> None:
+    """The nodes as a table that fits the terminal: versions every node shares said once
+    above it, a node's address only where its name is not its address; where the table is
+    still wider than the terminal, one block of lines per node instead."""
     from rich.console import Console  # noqa: PLC0415
     from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    console = Console(highlight=False)
-    table = Table(title=f"Ray cluster at {found.address}: {len(found.nodes)} node(s)")
-    for col in ("node", "address", "devices", "free", "tags", "tidal", "python", "ray", "torch", "vendor", "reaches"):
+    console = console or Console(highlight=False)
+    rows = [_node_fields(r, len(found.nodes)) for r in found.nodes]
+    shared = {k: rows[0][k] for k in SHARED_VERSIONS if rows and all(row[k] == rows[0][k] for row in rows)}
+    columns = [c for c in rows[0] if c not in shared and (c != "address" or any(row["address"] != row["node"] for row in rows))] if rows else ["node"]
+    title = f"Ray cluster at {found.address}: {len(found.nodes)} node(s)"
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col)
-    from tidal.hal.versions import VENDOR_PACKAGES  # noqa: PLC0415
-
-    builtin = {"CPU", "GPU", "NPU", "memory", "object_store_memory"}
-    for r in found.nodes:
-        tags = sorted(k for k in r.resources if k not in builtin and not k.startswith(("node:", "accelerator_type:", "tidal_node_")))
-        vendor = ", ".join(f"{p} {r.versions.get(p)}" for p in VENDOR_PACKAGES if r.versions.get(p, "not installed") != "not installed") or "-"
-        reaches = "all" if not r.unreachable else f"[red]{len(found.nodes) - 1 - len(r.unreachable)} of {len(found.nodes) - 1}[/]"
-        v = r.versions
-        free = "?" if r.free is None else ", ".join(f"{r.free.get(name, 0):g} {name}" for name in ("NPU", "GPU", "CPU") if r.resources.get(name))
-        table.add_row(escape(r.name), escape(r.listens), escape(r.kinds), escape(free), escape(", ".join(tags) or "-"), escape(v.get("tidal-rl", "?")), escape(v.get("python", "?")), escape(v.get("ray", "?")), escape(v.get("torch", "?")), escape(vendor), reaches)
-    console.print(table)
+    for row in rows:
+        table.add_row(*(escape(row[c]) if c != "reaches" else row[c] for c in columns))
+    if shared:
+        console.print("every node runs " + ", ".join(f"{k} {escape(v)}" for k, v in shared.items()))
+    if _natural_width(table) <= console.width:  # rich would squeeze the columns of a wider one to a few letters each
+        console.print(table)
+    else:  # too wide for this terminal: one node at a time
+        console.print(title)
+        for row in rows:
+            console.print(f"[bold]{escape(row['node'])}[/]")
+            for c in columns[1:]:
+                console.print(f"  {c}: {escape(row[c]) if c != 'reaches' else row[c]}", soft_wrap=True)
     if found.problems:
         console.print(f"[bold red]{len(found.problems)} problem(s) would break a run:[/]")
         for p in found.problems:
             console.print(f"  - {escape(p)}", soft_wrap=True)
     else:
         console.print("no problem found: every node runs the driver's tidal, python and ray, has its devices' stacks, and reaches every other node")
+
+
+def _natural_width(table: Any) -> int:
+    """How wide `table` prints where nothing makes it wrap."""
+    import io  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    wide = Console(width=10_000, file=io.StringIO(), color_system=None)
+    with wide.capture() as captured:
+        wide.print(table)
+    return max(map(len, captured.get().splitlines()), default=0)
+
+
+def _node_fields(r: NodeReport, count: int) -> dict[str, str]:
+    """One node's row, column -> text (`reaches` is rich markup, the rest plain)."""
+    from tidal.hal.versions import VENDOR_PACKAGES  # noqa: PLC0415
+
+    builtin = {"CPU", "GPU", "NPU", "memory", "object_store_memory"}
+    tags = sorted(k for k in r.resources if k not in builtin and not k.startswith(("node:", "accelerator_type:", "tidal_node_")))
+    vendor = ", ".join(f"{p} {r.versions.get(p)}" for p in VENDOR_PACKAGES if r.versions.get(p, "not installed") != "not installed") or "-"
+    reaches = "all" if not r.unreachable else f"[red]{count - 1 - len(r.unreachable)} of {count - 1}[/]"
+    free = "?" if r.free is None else ", ".join(f"{r.free.get(name, 0):g} {name}" for name in ("NPU", "GPU", "CPU") if r.resources.get(name))
+    return {
+        "node": r.name, "address": r.address, "devices": r.kinds, "free": free, "tags": ", ".join(tags) or "-",
+        **{k: r.versions.get(k, "?") for k in SHARED_VERSIONS}, "vendor": vendor, "reaches": reaches,
+    }  # fmt: skip
 
 
 def as_json(found: ClusterCheck) -> dict[str, Any]:
