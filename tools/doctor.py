@@ -165,16 +165,18 @@ def render(data: dict[str, Any]) -> None:
 
     recipes = Table(title="shipped recipes")
     recipes.add_column("recipe", no_wrap=True)
-    for col in ("device", "runtime", "runs here", "why"):
+    for col in ("device", "runtime", "runs here"):
         recipes.add_column(col)
+    recipes.add_column("why", overflow="fold")  # long words (key=value) fold, not cut to an ellipsis
     for r in data["recipes"]:
         ok = "[green]yes[/]" if r["runs_here"] else "[red]no[/]"
         recipes.add_row(escape(r["recipe"]), escape(r["device"]), r["runtime"], ok, escape(r["why"]))
     console.print(recipes)
 
     table = Table(title="engines")
-    for col in ("recipe key", "engine", "needs", "usable here", "why"):
+    for col in ("recipe key", "engine", "needs", "usable here"):
         table.add_column(col)
+    table.add_column("why", overflow="fold")
     for e in data["engines"]:
         packages = ", ".join(f"{name} {v}" for name, v in e["packages"].items()) or "-"
         table.add_row(e["key"], e["engine"], escape(packages), "[green]yes[/]" if e["usable"] else "[red]no[/]", escape(e["why"]))

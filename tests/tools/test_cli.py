@@ -34,10 +34,11 @@ def test_help_documents_every_command(tidal_cli):
 
 
 def test_doctor_detects_cpu_here(tidal_cli):
-    out = tidal_cli("doctor")
+    out = tidal_cli("doctor", env={"COLUMNS": "80"})
     assert out.returncode == 0, out.stderr
     for word in ("platform", "detection", "device count", "gloo", "versions", "torch", "not installed", "quickstart_cpu"):
         assert word in out.stdout
+    assert "…" not in out.stdout  # a long word in a narrow column folds, never cut off
     data = json.loads(tidal_cli("doctor", "--json").stdout)
     assert data["platform"]["kind"] == "cpu" and data["platform"]["chosen_by"] == "detection"
     assert data["versions"]["torch_npu"] == "not installed" and data["versions"]["vllm"] == "not installed"
