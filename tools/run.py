@@ -211,6 +211,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
         raise ConfigError(f"model.path={cfg.model.path!r} does not exist or is not a folder")
     if cfg.rollout.backend == "vllm" and cfg.model.source != "hf":
         raise ConfigError(f"rollout.backend=vllm loads a Hugging Face checkpoint directory itself; model.source={cfg.model.source!r}: set model.source=hf and model.path")
+    if cfg.model.source == "hf" and cfg.model.path:
+        check_context(cfg)
     if cfg.model.source != "tiny" and not cfg.data.train_files:
         raise ConfigError(f"model.source={cfg.model.source} trains on prompts from files: set data.train_files (the generated tasks are for the tiny model's character tokenizer)" + _as_the_resumed_run(cfg, "data.train_files"))
     if cfg.data.train_files and not cfg.task.reward:
@@ -260,6 +262,56 @@ def check_runnable(cfg: RecipeConfig) -> None:
                 f"placement.train.lend_to={cfg.placement.train.lend_to} (multiplexed: borrowed rollout instances beside rollout's own) needs runtime=ray; "
                 "runtime=local runs one rollout engine in this process: set runtime=ray, or placement.rollout.colocate_with=train for that engine to take turns on the trainer's device"
             )
+
+
+_FIXED_CONTEXT_ROPE = ("default", "llama3", "longrope", "su", "mrope")
+"""RoPE types whose checkpoint's `max_position_embeddings` is already the whole context;
+another type's `factor` stretches it (yarn, dynamic, linear), as vLLM derives its limit."""
+
+
+def checkpoint_context(path: Path) -> tuple[int, str] | None:
+    """The longest sequence the checkpoint at `path` was made for, and how its config.json
+    says so; None where config.json cannot be read or names no `max_position_embeddings`
+    (the model's load reports an unreadable one)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = (config.get("text_config") or config) if isinstance(config, dict) else {}  # a multimodal config nests the language model's
+    positions = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        return None
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    factor = rope.get("factor") if isinstance(rope, dict) and kind not in _FIXED_CONTEXT_ROPE else None
+    if isinstance(factor, int | float) and not isinstance(factor, bool) and factor > 1:
+        return int(positions * factor), f"max_position_embeddings={positions} x its {kind} RoPE factor {factor:g}"
+    return positions, f"max_position_embeddings={positions}"
+
+
+def check_context(cfg: RecipeConfig) -> None:
+    """The longest sequence a run makes (`data.max_prompt_tokens`, longer prompts are
+    dropped, + `rollout.max_new_tokens`; at most vLLM's `rollout.max_model_len`) fits the
+    checkpoint's context: past it the model meets positions it was never trained at (the
+    `hf` engine generates on with worse answers; vLLM refuses to start).
+
+    Raises:
+        ConfigError: naming the keys, their sum and the checkpoint's limit.
+    """
+    found = checkpoint_context(Path(cfg.model.path))
+    if found is None:
+        return
+    limit, why = found
+    where = f"the checkpoint's context ({why} in {str(Path(cfg.model.path) / 'config.json')!r})"
+    served = cfg.rollout.max_model_len if cfg.rollout.backend == "vllm" else None
+    if served is not None and served > limit:
+        raise ConfigError(f"rollout.max_model_len={served} is longer than {where}: lower it, or leave it null (vLLM then serves the checkpoint's)")
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if longest > limit and served is None:  # a max_model_len within the context caps each sequence there
+        raise ConfigError(
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} = {longest} tokens "
+            f"is longer than {where}: lower one of them (a model that was made for a longer context says so in its config.json)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,14 +57,14 @@ def build_tiny_hf_checkpoint(directory: Path, *, vocab_size: int = 320, hidden_s
     bpe.train_from_iterator(corpus, trainer=trainer)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
-        clean_up_tokenization_spaces=False, model_max_length=512,
+        clean_up_tokenization_spaces=False, model_max_length=4096,
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = transformers.Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=im_end, pad_token_id=endoftext,
     )
     import torch  # noqa: PLC0415
