@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,10 +81,11 @@ class PaddingFree:
     one_row: bool
     """All the tokens in one row (flash attention); else rows as wide as the longest sequence."""
     loss_logits_only: bool = False
-    """One row whose model takes `logits_to_keep` (`keeps_logits`): logits only where a loss
-    reads them (`pack_rows`' `loss_mask`). Rows as wide as the longest sequence make them
-    everywhere: `logits_to_keep` picks columns, which every packed row shares, and a
-    sequence's prompt sits in a different column in each."""
+    """Logits only where a loss reads them (`pack_rows`' `loss_mask`): one row through the
+    model's `logits_to_keep` (`keeps_logits`); rows as wide as the longest sequence, where a
+    sequence's prompt sits in other columns in each row (and `logits_to_keep` picks columns
+    every row shares), by handing the model's output embedding only the kept positions'
+    hidden states (`head_reads`: the model's own code still scales or caps the logits)."""
 
     def pack(self, batch: TokenBatch) -> PackedRows | None:
         """`batch` laid out padding-free (`pack_rows`), or None where rows as wide as the
@@ -98,8 +100,9 @@ class PaddingFree:
         device) under `model`, and with `entropy` its distribution's entropy
         (`next_token_stats`); 0 where the token or its predecessor is padding. `autocast`: the
         context the forward runs in."""
-        with autocast if autocast is not None else contextlib.nullcontext():
-            keep = {} if packed.keep is None else {"logits_to_keep": packed.keep}
+        keep = {"logits_to_keep": packed.keep} if packed.keep is not None and self.one_row else {}
+        heads = head_reads(model, packed.keep, packed.input_ids.shape) if packed.keep is not None and not self.one_row else contextlib.nullcontext()
+        with autocast if autocast is not None else contextlib.nullcontext(), heads:
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False, **keep).logits
         logits = logits.flatten(0, 1)
         if packed.source is not None:
@@ -123,7 +126,43 @@ def padding_free_for(model: torch.nn.Module, setting: bool | None) -> PaddingFre
             raise ValueError(f"train.padding_free=true, but {reason}: set train.padding_free=false (pad each micro-batch) or null (padding-free where the model can)")
         return None
     one_row = "flash" in model.config._attn_implementation
-    return PaddingFree(one_row=one_row, loss_logits_only=one_row and keeps_logits(model))
+    return PaddingFree(one_row=one_row, loss_logits_only=keeps_logits(model) if one_row else has_head(model))
+
+
+def has_head(model: torch.nn.Module) -> bool:
+    """Whether `model` names the module that turns hidden states into logits
+    (`get_output_embeddings()`, transformers' causal LMs), which `head_reads` narrows."""
+    get = getattr(model, "get_output_embeddings", None)
+    return callable(get) and isinstance(get(), torch.nn.Module)
+
+
+@contextlib.contextmanager
+def head_reads(model: torch.nn.Module, keep: torch.Tensor, shape: torch.Size) -> Iterator[None]:
+    """Within it, `model`'s output embedding (`get_output_embeddings()`) reads only the
+    hidden states at `keep`, positions in the flattened `shape` ([rows, width]) layout of the
+    packed rows, as one row: the forward's logits are `[1, len(keep), vocab]`, in `keep`'s
+    order, and the lm_head and the log-softmax cost nothing elsewhere.
+
+    Raises:
+        RuntimeError: the output embedding was called on something other than the packed
+            rows' hidden states (a model whose head works otherwise): set
+            train.padding_free=false.
+    """
+
+    def gather(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden, *rest = args
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shape):
+            raise RuntimeError(
+                f"{type(model).__name__}'s output embedding read hidden states of shape {list(hidden.shape)}, not the packed rows' {list(shape)}: "
+                "it cannot make logits only where a loss reads them; set train.padding_free=false"
+            )
+        return (hidden.flatten(0, 1).index_select(0, keep).unsqueeze(0), *rest)
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @dataclasses.dataclass
@@ -146,8 +185,9 @@ class PackedRows:
     num_sequences: int
     """Rows with a token to predict from (two real tokens or more)."""
     keep: torch.Tensor | None = None
-    """The positions of the one packed row whose logits are made (`logits_to_keep`: the
-    `targets`' predicting tokens, in order); None: every position's."""
+    """The positions, in the flattened [packed * width] layout, whose logits are made (the
+    `targets`' predicting tokens, in order: one row's `logits_to_keep`, else `head_reads`);
+    None: every position's."""
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """One value per target into the [rows, seq - 1] layout, 0 elsewhere."""
@@ -160,10 +200,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, one_row:
     all in one packed row (`one_row`) or first-fit, longest first, into rows as wide as the
     longest sequence. On `input_ids`' device.
 
-    `loss_mask` ([rows, seq - 1], one row only): the targets are only those from each row's
-    first loss position on (`keep`): a prompt's, which no loss reads (a third of GSM8K's
-    tokens), get no logits and no log-softmax, and logprob 0, as a padded micro-batch's
-    (`train_steps.padded_token_stats`). A micro-batch without a loss position keeps all."""
+    `loss_mask` ([rows, seq - 1]): the targets are only those from each row's first loss
+    position on (`keep`, their predicting tokens in the flattened packed layout): a
+    prompt's, which no loss reads (a third of GSM8K's tokens), get no logits and no
+    log-softmax, and logprob 0, as a padded micro-batch's (`train_steps.padded_token_stats`).
+    A micro-batch without a loss position keeps all."""
     device = input_ids.device
     num_rows, seq = input_ids.shape
     real = attention_mask.cpu() != 0
@@ -196,7 +237,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, one_row:
     flat_positions[slot] = within
     predicts = real[rows, (cols + 1).clamp(max=seq - 1)] & (cols + 1 < seq)  # the next token is real
     keep = None
-    if loss_mask is not None and one_row:
+    if loss_mask is not None:
         read = loss_mask.cpu() != 0
         first = torch.where(read.any(1), read.to(torch.uint8).argmax(1), seq)  # each row's first loss position
         kept = cols >= first[rows]

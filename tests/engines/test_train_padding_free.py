@@ -115,11 +115,14 @@ def test_the_padding_free_forward_is_the_padded_one(attention, one_row):
         torch.testing.assert_close(grads[name], want, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_one_row_makes_logits_only_where_a_loss_reads_them():
-    """Flash attention's one row, with a model that takes `logits_to_keep`: the prompts'
-    positions, which no loss reads, cost no lm_head rows and no log-softmax; the logprobs and
-    entropies a loss reads, and their gradients, are those of every position's logits, and
-    the prompts' positions are 0, as in a padded micro-batch."""
+@pytest.mark.parametrize("one_row", [True, False], ids=["one-row", "rows"])
+def test_logits_are_made_only_where_a_loss_reads_them(one_row):
+    """Flash attention's one row (the model's `logits_to_keep`), and rows as wide as the
+    longest sequence (the lm_head handed only the kept hidden states, `head_reads`): the
+    prompts' positions, which no loss reads, cost no lm_head rows and no log-softmax; the
+    logprobs and entropies a loss reads, and their gradients, are those of every position's
+    logits, and the prompts' positions are 0, as in a padded micro-batch. (float64: fewer
+    positions through the lm_head sum its gradient in another order.)"""
     rows = []
     for k, (prompt, n) in enumerate(LONG_TAIL):
         t = Trajectory(prompt_ids=T.encode(prompt))
@@ -127,27 +130,51 @@ def test_one_row_makes_logits_only_where_a_loss_reads_them():
         rows.append(t)
     batch = to_token_batch(rows, pad_id=T.pad_id)
     read = batch.loss_mask != 0
-    model = tiny()
+    model = tiny(torch.float64)
     widths: list[int] = []
     model.lm_head.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
     results = []
     for only in (True, False):
         model.zero_grad()
-        layout = PaddingFree(one_row=True, loss_logits_only=only)
+        layout = PaddingFree(one_row=one_row, loss_logits_only=only)
         packed = layout.pack(batch)
+        assert packed is not None and (packed.input_ids.shape[0] == 1) is one_row
         logprobs, entropy = layout.token_stats(model, packed, temperature=0.7, entropy="grad")
         ((logprobs + entropy) * batch.loss_mask).sum().backward()
         results.append((logprobs, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert widths == [int(read.sum()), packed.input_ids.shape[1]]  # the loss positions; every fed token
     (lp, ent, grads), (want_lp, want_ent, want_grads) = results
-    torch.testing.assert_close(lp[read], want_lp[read], atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent[read], want_ent[read], atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp[read], want_lp[read], atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent[read], want_ent[read], atol=1e-12, rtol=0)
     assert (lp[~read] == 0).all() and (ent[~read] == 0).all()
     assert (want_lp[~read & (batch.attention_mask[:, 1:] != 0) & (batch.attention_mask[:, :-1] != 0)] != 0).all()  # there were prompt logprobs to skip
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-12, rtol=1e-10, msg=name)
     no_loss = dataclasses.replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))
-    assert PaddingFree(one_row=True, loss_logits_only=True).pack(no_loss).keep is None  # nothing read: every position, as a padded micro-batch
+    assert PaddingFree(one_row=one_row, loss_logits_only=True).pack(no_loss).keep is None  # nothing read: every position, as a padded micro-batch
+
+
+def test_a_model_whose_head_reads_other_than_the_packed_rows_is_told_to_pad():
+    """`head_reads` hands the output embedding only the kept positions of the packed rows'
+    hidden states: a model that calls it on anything else is refused by name."""
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tiny()
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.inner.lm_head
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            self.inner.lm_head(torch.zeros(1, 3, 32))  # a second, other call
+            return out
+
+    batch = _batch(LONG_TAIL)
+    layout = PaddingFree(one_row=False, loss_logits_only=True)
+    with pytest.raises(RuntimeError, match=r"Odd's output embedding read hidden states of shape \[1, 3, 32\].*set train\.padding_free=false"):
+        layout.token_stats(Odd(), layout.pack(batch), temperature=1.0)
 
 
 def _engine(padding_free: bool | None, **options) -> TorchTrainEngine:
@@ -179,7 +206,7 @@ def test_a_padding_free_torch_step_is_the_padded_step(monkeypatch, max_tokens):
     monkeypatch.setattr(torch_train, "_shared_prompts", lambda batch: None)
     batch = _batch(LONG_TAIL, torch.float64)
     padded, free = _engine(False, micro_batch_size=4), _engine(True, micro_batch_size=4, max_tokens_per_micro_batch=max_tokens)
-    assert padded.padding_free is None and free.padding_free == PaddingFree(one_row=False)
+    assert padded.padding_free is None and free.padding_free == PaddingFree(one_row=False, loss_logits_only=True)
     real = batch.attention_mask[:, 1:] != 0
     response = real & (batch.loss_mask.cumsum(1) > 0)  # the padded engine makes no logits before a micro-batch's first loss token
     torch.testing.assert_close(free.logprobs(batch)[response], padded.logprobs(batch)[response], atol=1e-12, rtol=0)
@@ -203,20 +230,24 @@ def _grouped(prompt: str, response_lengths: list[int]) -> TokenBatch:
     return to_token_batch(rows, pad_id=T.pad_id)
 
 
-def test_shared_prompts_run_where_they_save_a_fifth_of_the_real_tokens():
+def test_shared_prompts_run_where_they_save_a_fifth_of_the_real_tokens(monkeypatch):
     """A long prompt and short responses: computing the prompt once saves most of the tokens,
-    so the torch engine packs by prompt (prompt positions come out 0). Long responses to a
-    short prompt: it saves little, so they run padding-free (every real position has a
-    logprob); with padding_free=False they still pack by prompt (that saves padding)."""
+    so the torch engine packs by prompt. Long responses to a short prompt: it saves little,
+    so they run padding-free; with padding_free=False they still pack by prompt (that saves
+    padding). Prompt positions come out 0 either way (no loss reads them)."""
     short = _grouped("12+34+56-78=", [2, 3, 2, 3])
     long = _grouped("1=", [5, 40, 6, 8])
     assert torch_train._shared_prompts(short).beats_padding_free()
     assert torch_train._shared_prompts(long) is not None and not torch_train._shared_prompts(long).beats_padding_free()
-    prompt = (short.loss_mask == 0) & (short.attention_mask[:, 1:] != 0)
-    assert (_engine(None).logprobs(short)[prompt] == 0).all()
-    real = long.attention_mask[:, 1:] != 0
-    assert (_engine(None).logprobs(long)[real] != 0).all()
-    assert (_engine(False).logprobs(long)[(long.loss_mask == 0) & real] == 0).all()
+    by_prompt: list[int] = []
+    packed_logprobs = TorchTrainEngine._packed_logprobs
+    monkeypatch.setattr(TorchTrainEngine, "_packed_logprobs", lambda self, *a, **k: by_prompt.append(1) or packed_logprobs(self, *a, **k))
+    for batch, engine, packs_by_prompt in ((short, _engine(None), True), (long, _engine(None), False), (long, _engine(False), True)):
+        by_prompt.clear()
+        logprobs = engine.logprobs(batch)
+        real = batch.attention_mask[:, 1:] != 0
+        assert bool(by_prompt) is packs_by_prompt
+        assert (logprobs[(batch.loss_mask == 0) & real] == 0).all() and (logprobs[batch.loss_mask != 0] != 0).all()
 
 
 class _NoPositions(torch.nn.Module):
@@ -232,7 +263,7 @@ class _NoPositions(torch.nn.Module):
 
 
 def test_auto_is_padding_free_where_the_model_can_and_true_is_refused_where_it_cannot():
-    assert cannot_pack(tiny()) is None and padding_free_for(tiny(), None) == PaddingFree(one_row=False)
+    assert cannot_pack(tiny()) is None and padding_free_for(tiny(), None) == PaddingFree(one_row=False, loss_logits_only=True)  # it names its lm_head
     assert padding_free_for(tiny(), False) is None
     flash = tiny()
     flash.config._attn_implementation = "flash_attention_2"  # not run: only the layout it would get
