@@ -29,6 +29,17 @@ def count(text: str) -> int:
     return value
 
 
+def whole(text: str) -> int:
+    """An argparse type: an integer >= 0 (0: no limit, where the option says so)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse type: comma-separated integers, each >= 1 (`1,4,16`)."""
     values = int_list(text)

@@ -560,3 +560,30 @@ def test_a_negative_reward_time_is_refused_naming_the_option(capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--flat-groups", "1.5"])
     assert "--flat-groups: '1.5' is not a share in [0, 1]" in capsys.readouterr().err
+
+
+def test_cli_search_prints_the_fastest_placements_and_says_how_many_more(tmp_path, capsys, monkeypatch):
+    """A search of a large cluster ranks a hundred placements or more: the table shows the
+    --top N (10 by default), and says how to see the rest."""
+    import types
+
+    from tidal.tools.sim import search as search_module
+
+    def prediction(speed: float) -> types.SimpleNamespace:
+        return types.SimpleNamespace(samples_per_s=speed, step_s={"p50": 1.0}, utilisation={"train": 0.5, "rollout": 0.5}, summary=lambda: {"samples_per_s": speed})
+
+    ranked = [search_module.Ranked(candidate=search_module.Candidate(overrides=(f"placement.train.count={k}",), label=f"split {k}"), prediction=prediction(100.0 - k)) for k in range(25)]
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: ranked)
+    args = ["simulate", "mixed_npu_gpu", "cluster=npu64_gpu32", "--search", "--steps", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the 10 fastest of 25" in out and "split 9 " in out and "split 10 " not in out
+    assert "15 more placement(s): --top 0 prints every one, --json gives each with its whole prediction" in out
+    assert main([*args, "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "split 24 " in out and "more placement" not in out and "fastest of" not in out
+    assert main([*args, "--top", "3", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ranking"]) == 25
+    with pytest.raises(SystemExit):
+        main([*args, "--top", "-1"])
+    assert "'-1' is not an integer >= 0" in capsys.readouterr().err

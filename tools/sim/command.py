@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tidal.tools.cli_types import count, non_negative, positive_ints, share
+from tidal.tools.cli_types import count, non_negative, positive_ints, share, whole
 
 SIMULATE_HELP = """\
 Predict a recipe's throughput on a cluster you do not have: the recipe's own workflow,
@@ -70,6 +70,7 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("--steps", type=count, default=None, help="steps to simulate (default: the recipe's algorithm.num_steps; 20 with --search)")
     p.add_argument("--search", action="store_true", help="simulate candidate placements (layout, train : rollout split, devices per rollout instance, staleness) and rank them")
     p.add_argument("--layouts", default=None, metavar="LIST", help="with --search: the layouts to try, comma-separated, of disaggregated, colocated, hybrid and multiplexed (default: all four)")
+    p.add_argument("--top", type=whole, default=10, metavar="N", help="with --search: print the N fastest placements (default: 10; 0: every one; --json gives every one)")
     p.add_argument("--json", action="store_true", help="print the prediction (or the ranking) as JSON")
 
 
@@ -127,7 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--layouts chooses what --search tries: give --search too")
     if args.search:
         layouts = None if args.layouts is None else tuple(name.strip() for name in args.layouts.split(",") if name.strip())
-        return _search(recipe, overrides, cluster, work, as_json=args.json, calibration=calibration, layouts=layouts)
+        return _search(recipe, overrides, cluster, work, as_json=args.json, calibration=calibration, layouts=layouts, top=args.top)
     prediction, tracer = simulate(cfg, cluster, work)
     trace = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
     tracer.save(trace)
@@ -161,7 +162,7 @@ def _banner(calibration: Any, eff: Any) -> str:
     return f"calibrated from {calibration.source}: {factors}"
 
 
-def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any, layouts: tuple[str, ...] | None) -> int:
+def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any, layouts: tuple[str, ...] | None, top: int = 0) -> int:
     import sys  # noqa: PLC0415
 
     from tidal.tools.config import ConfigError  # noqa: PLC0415
@@ -180,7 +181,10 @@ def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_j
     print(_banner(calibration, work.eff))
     from tidal.tools.tables import print_table  # noqa: PLC0415
 
-    print_table(f"placements on {cluster.name}, fastest first", table(ranked))
+    shown = ranked[:top] if top else ranked
+    print_table(f"placements on {cluster.name}, fastest first" + (f": the {len(shown)} fastest of {len(ranked)}" if len(shown) < len(ranked) else ""), table(shown))
+    if len(shown) < len(ranked):
+        print(f"{len(ranked) - len(shown)} more placement(s): --top 0 prints every one, --json gives each with its whole prediction")
     return 0
 
 
