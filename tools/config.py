@@ -46,6 +46,8 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     TaskConfig,
     TrainConfig,
     TransportConfig,
+    WandbConfig,
+    WandbMode,
     longest_prompt,
     loss_config,
     loss_error,

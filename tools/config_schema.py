@@ -38,6 +38,14 @@ class Precision(enum.Enum):
     bf16 = "bf16"
 
 
+class WandbMode(enum.Enum):
+    """How the wandb package logs a run."""
+
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
 class Attention(enum.Enum):
     """transformers attention implementations a model runs with."""
 
@@ -295,6 +303,22 @@ class FaultConfig:
 
 
 @dataclasses.dataclass
+class WandbConfig:
+    """Weights & Biases logging of each step's metrics (off unless `project` is set)."""
+
+    project: Optional[str] = None
+    """W&B project to log to; null = no W&B logging. Needs the wandb package (the `[wandb]` extra) and, online, `wandb login` or WANDB_API_KEY where the trainer runs (under `runtime: ray`, trainer rank 0's node)."""
+    entity: Optional[str] = None
+    """W&B team or user the project belongs to; null = the logged-in user's default."""
+    name: Optional[str] = None
+    """The W&B run's display name; null = the run directory's name."""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Tags of the W&B run."""
+    mode: Optional[WandbMode] = None
+    """online | offline | disabled; null = wandb's own choice (WANDB_MODE, else online). Offline runs are written under run_dir/wandb for `wandb sync`."""
+
+
+@dataclasses.dataclass
 class RecipeConfig:
     """A tidal recipe: what to run, on which platform, and where its files go."""
 
@@ -328,6 +352,8 @@ class RecipeConfig:
     at once, so this only frees rows that a hung one holds."""
     tensorboard: bool = True
     """Also write each step's metrics as TensorBoard scalars to run_dir/tensorboard, when the tensorboard package is installed."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases logging (with `wandb.project`): every number of each step's metrics, the held-out accuracies, and the resolved config. A resumed run continues its W&B run."""
     threads: int = 0
     """torch intra-op threads of the RL stages (rollout and training); 0 = torch's default.
     `rollout.threads` and `train.threads` set one stage's. The warm start and the evaluations

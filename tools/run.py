@@ -198,7 +198,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             whose borrowed instances continue paused groups on the others).
     """
     from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
-    from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES  # noqa: PLC0415
+    from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
     from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
@@ -215,6 +215,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
         check_context(cfg)
     if cfg.model.source != "tiny" and not cfg.data.train_files:
         raise ConfigError(f"model.source={cfg.model.source} trains on prompts from files: set data.train_files (the generated tasks are for the tiny model's character tokenizer)" + _as_the_resumed_run(cfg, "data.train_files"))
+    if cfg.wandb.project and version("wandb") is None:  # now, not after the warm start (the trainer makes the W&B run)
+        raise ConfigError(f"wandb.project={cfg.wandb.project!r} needs the wandb package, not installed here (pip install 'tidal-rl[wandb]'); or leave wandb.project unset")
     if cfg.data.train_files and not cfg.task.reward:
         raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math)")
     if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
