@@ -20,23 +20,21 @@ def int_list(text: str) -> list[int]:
 
 def count(text: str) -> int:
     """An argparse type: an integer >= 1 (runs, trials, steps, puts in flight)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
+    return _integer(text, at_least=1)
 
 
 def whole(text: str) -> int:
     """An argparse type: an integer >= 0 (0: no limit, where the option says so)."""
+    return _integer(text, at_least=0)
+
+
+def _integer(text: str, *, at_least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+        value = at_least - 1
+    if value < at_least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {at_least}")
     return value
 
 

@@ -336,4 +336,14 @@ def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:
 
 def to_yaml(cfg: Any) -> str:
     """The config as YAML (what run directories keep, and Ray actors are sent)."""
-    return OmegaConf.to_yaml(cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg), resolve=True)
+    return OmegaConf.to_yaml(_structured(cfg), resolve=True)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain dicts, lists and scalars, an enum as its value (what config.yaml
+    holds: a W&B run's config)."""
+    return OmegaConf.to_container(_structured(cfg), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def _structured(cfg: Any) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)

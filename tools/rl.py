@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import yaml
 
 from tidal.engines.lr_schedule import LRSchedule
 from tidal.engines.registry import load
@@ -30,7 +29,7 @@ from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
 from tidal.tools.checkpoint import rng_state, save_checkpoint, set_rng_state
-from tidal.tools.config import RecipeConfig, loss_config, stage_threads, to_yaml
+from tidal.tools.config import RecipeConfig, loss_config, stage_threads, to_dict
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
@@ -246,7 +245,7 @@ class RL:
                 self.rollout = self.sharing.rollout(self.rollout)
         self.metrics = MetricsLog(
             run.run_dir, tensorboard=cfg.tensorboard, first_step=self.trainer.version + 1, earlier=run.earlier,
-            wandb=cfg.wandb, config=yaml.safe_load(to_yaml(cfg)) if cfg.wandb.project else None,
+            wandb=cfg.wandb, config=to_dict(cfg) if cfg.wandb.project else None,
         )  # fmt: skip
         self.history: list[dict[str, Any]] = []
         self.bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=run.console, disable=not run.progress)
