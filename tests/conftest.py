@@ -93,12 +93,14 @@ def child_env():
 
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
-    """One local Ray for the whole test session (it costs ~4 s and ~370 MB to start)."""
+    """One local Ray for the whole test session (it costs ~4 s and ~370 MB to start); a Ray of
+    its own (`address="local"`), never the cluster a `ray start` on this machine left for
+    `ray.init()` to join (the deploy rehearsal starts one, maybe while this runs beside it)."""
     import ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

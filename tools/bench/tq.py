@@ -120,6 +120,7 @@ def _start_ray_if_needed() -> bool:
     ray_constants.ENABLE_RAY_CLUSTER = False  # lets "127.0.0.1" stay loopback (see module docstring)
     try:
         ray.init(
+            address="local",  # a Ray of its own, not one a `ray start` on this machine left running
             num_cpus=2,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
