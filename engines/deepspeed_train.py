@@ -80,6 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tidal.engines import rank_steps
 from tidal.engines.deepspeed_setup import deepspeed_config, ensure_process_group, import_deepspeed, local_device_index
 from tidal.engines.deepspeed_state import (
     full_state,
@@ -96,38 +97,23 @@ from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows,
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
+from tidal.engines.rank_steps import COVERED, MicroLoss, sum_over_ranks, summed_counts
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
     broadcast_from_rank0,
     check_settings,
-    check_step_inputs,
     evaluating,
-    mask_sequences,
-    masked_fraction,
     padded_positions,
     padded_token_stats,
-    rows_with_signal,
 )
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
 
 _HOST = torch.device("cpu")
-_COVERED = "_covered"
-"""A step's internal total: the loss tokens of the micro-batches that ran."""
-
-
-def _counts(batch: TokenBatch) -> dict[str, float]:
-    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
-    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
-
-
-def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
-    """The rows `among` of a train step's batch, advantages and proximal logprobs."""
-    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
 
 
 class _StepTaken:
@@ -239,7 +225,7 @@ class DeepSpeedTrainEngine:
             fields = receive_rows(command, self.rank)
             batch = TokenBatch(*fields[:5])
             if op == "train_step":
-                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
+                rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
             elif op == "sft_step":
                 self._sft_step(batch)
             else:
@@ -257,7 +243,7 @@ class DeepSpeedTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob, and its distribution's entropy with `entropy`
         (`next_token_stats`), under `module` (default: DeepSpeed's engine, the trained model)."""
         module = module or self.deepspeed
@@ -284,7 +270,7 @@ class DeepSpeedTrainEngine:
     def _micro_batches(self, batch: TokenBatch) -> list[slice]:
         """This rank's runs of rows, in order, within `micro_batch_size` rows and
         `max_tokens_per_micro_batch` tokens (`engines.micro_batches.pack`); their number may
-        differ between ranks (`_global` takes the most; the others make it up with dummy passes)."""
+        differ between ranks (`step_counts` takes the most; the others make it up with dummy passes)."""
         padded = self.padding_free is None
         return pack((row_lengths(batch) if padded else real_lengths(batch)).tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch, padded=padded)
 
@@ -293,19 +279,9 @@ class DeepSpeedTrainEngine:
         part = batch.select(mb)
         return part if self.max_tokens_per_micro_batch is None else part.crop(max(int(row_lengths(part).max()), 2))
 
-    def _global(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> tuple[dict[str, float], int]:
-        """Loss tokens, sequences with a loss token, rows, rows that run (`running`: those of
-        this rank's rows; default all), and sequence masking's counts (`masked`: this rank's
-        sequences dropped and sequences with a loss token before it) summed over ranks; the
-        most micro-batches of any rank."""
-        running = batch if running is None else running
-        local = torch.tensor([*_counts(batch).values(), float(len(running)), *(masked or (0, 0)), float(len(self._micro_batches(running)))], dtype=torch.float64)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
-        stacked = torch.stack(parts)
-        tokens, sequences, rows, ran, dropped, with_tokens = stacked[:, :6].sum(0).tolist()
-        counts = {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens}
-        return counts, int(stacked[:, 6].max())
+    def step_counts(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> dict[str, float]:
+        """`rank_steps.summed_counts`, with the most micro-batches any rank makes of its rows (`running`)."""
+        return summed_counts(batch, running, masked, world_size=self.world_size, micro_batches=len(self._micro_batches(batch if running is None else running)))
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
@@ -318,10 +294,10 @@ class DeepSpeedTrainEngine:
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """In eval mode (no dropout), as a rollout engine computes them."""
-        _, num_micro = self._global(batch)
+        num_micro = int(self.step_counts(batch)["micro_batches"])
         with evaluating(self.module):
             slices = self._micro_batches(batch)
-            parts = [self._token_stats(self._part(batch, mb))[0].cpu() for mb in slices]
+            parts = [self.token_stats(self._part(batch, mb))[0].cpu() for mb in slices]
             for _ in range(num_micro - len(slices)):
                 self._dummy_pass(backward=False)
         if self.zero_stage == 3:  # a forward without backward leaves prefetched weights gathered, or still arriving
@@ -330,16 +306,16 @@ class DeepSpeedTrainEngine:
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
 
     # Steps -----------------------------------------------------------------------------
-    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:
+    def run_step(self, batch: TokenBatch, counts: dict[str, float], micro_loss: MicroLoss, weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:
         """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics are
         means over the loss tokens of the rows that ran (on every rank). With no rows to run
         anywhere, one dummy pass gives every parameter a zero gradient, so AdamW still steps.
         `kl`: each micro-batch makes one reference pass (`micro_loss` does), so under ZeRO-3
         each dummy pass makes one too."""
-        totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
+        totals: dict[str, float] = {"loss": 0.0, COVERED: 0.0}
         slices = self._micro_batches(batch)
         gathers_reference = kl and self._reference_engine is not None
-        for k in range(max(num_micro, 1)):
+        for k in range(max(int(counts["micro_batches"]), 1)):  # as many on every rank: ZeRO's collectives need it
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
             if weight == 0:
@@ -347,102 +323,34 @@ class DeepSpeedTrainEngine:
                 continue
             loss, metrics = micro_loss(part, slices[k])
             self.deepspeed.backward(loss * (weight * self.world_size))  # DeepSpeed averages over the ranks: this sums
-            totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
+            totals[COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         self.deepspeed.step()  # reduces, clips, steps AdamW; skips a non-finite norm on every rank
         if gathers_reference:  # forwards without backward leave prefetched weights gathered, or still arriving
             self._reference_engine.empty_partition_cache()  # local, on every rank at the same point
         norm = self.deepspeed.get_global_grad_norm()
         grad_norm = torch.tensor(math.nan if norm is None else float(norm))
         step_metrics = self.nonfinite.step(_StepTaken(), [], grad_norm, grad_clip=self.grad_clip, version=self.version)  # type: ignore[arg-type]
-        summed = self._sum_over_ranks(totals)
-        average_metrics(summed, summed.pop(_COVERED))
+        summed = sum_over_ranks(totals, self.world_size)
+        average_metrics(summed, summed.pop(COVERED))
         summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
         return summed
 
-    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each rank's share-weighted metrics summed: the metrics of the whole batch."""
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, totals)  # small dicts of floats, inside this job only
-        out: dict[str, float] = {}
-        for part in gathered:
-            for key, value in part.items():
-                out[key] = out.get(key, 0.0) + value
-        return out
-
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over every rank's rows; version += 1.
-
-        SPMD: a collective; every rank calls it with its own rows. Led by rank 0: `batch` is
-        every row; rank 0 drops the rows without advantage before it shares out the rest and
-        sends the whole batch's counts along. Sequence masking is decided before any of that
-        (`mask_sequences`), and `seq_masked_fraction` is the whole batch's on every rank.
+        """One optimizer step over every rank's rows; version += 1 (`rank_steps.train_step`: SPMD,
+        or led by rank 0). `seq_masked_fraction` is the whole batch's on every rank.
 
         Raises:
             ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
                 advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
-        if loss.kl_coef > 0 and self.reference is None:
-            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
-        check_step_inputs(batch, advantages, proximal_logprobs)
-        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
-        if self._leading:
-            whole = None
-            if not loss.zero_advantage_counts:
-                whole = _counts(batch)
-                batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
-            (*fields, advantages, proximal_logprobs), _ = send_rows("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), self.world_size, loss=loss, whole=whole)
-            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
-        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
-
-    def _train_step(
-        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
-    ) -> dict[str, float]:
-        """Without a KL or entropy term, rows whose advantage is zero on every loss token get no
-        pass; the counts that weigh the micro-batches are still the whole batch's (`whole`, when
-        the leader dropped those rows already)."""
-        among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
-        counts, num_micro = self._global(batch, None if among is None else batch.select(among), masked)
-        if whole is not None:
-            counts.update(whole)
-        if among is not None:
-            batch, advantages, proximal_logprobs = _rows(among, batch, advantages, proximal_logprobs)
-        by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
-
-        def weight_of(part: TokenBatch) -> float:
-            if by_sequence:
-                if loss.aggregation == "token_sum_norm":
-                    return len(part) / counts["rows"]
-                return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
-            return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
-
-        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
-            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
-            return policy_loss(
-                logprobs,
-                (advantages[mb] if advantages.dim() == 1 else advantages[mb, :width]).to(self.device),
-                behavior_logprobs=part.behavior_logprobs.to(self.device),
-                mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb, :width].to(self.device),
-                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
-                entropy=entropy,
-                config=loss,
-            )
-
-        metrics = self._step(batch, num_micro, micro_loss, weight_of, kl=loss.kl_coef > 0)
-        metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
-        if masked is not None:
-            metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
-        self.scheduler.step()
-        self.version += 1
-        return metrics
+        return rank_steps.train_step(self, batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, leading=self._leading)
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+    def reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
         """Local under ZeRO-1 and -2 (every rank holds the whole reference); under ZeRO-3 a
         pass of the reference's engine, gathering its weights with every rank."""
         assert self.reference is not None  # train_step checked it
-        return self._token_stats(part, module=self._reference_engine or self.reference)[0]
+        return self.token_stats(part, module=self._reference_engine or self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
@@ -453,13 +361,13 @@ class DeepSpeedTrainEngine:
         return self._sft_step(batch)
 
     def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        counts, num_micro = self._global(batch)
+        counts = self.step_counts(batch)
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
             mask = part.loss_mask.to(self.device)
-            return -(self._token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+            return -(self.token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
 
-        metrics = self._step(batch, num_micro, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
+        metrics = self.run_step(batch, counts, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]
         return metrics
 

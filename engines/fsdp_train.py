@@ -91,6 +91,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from tidal.engines import rank_steps
 from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
 from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
@@ -98,39 +99,24 @@ from tidal.engines.fsdp_setup import ensure_process_group, reset_sharded_params,
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
+from tidal.engines.rank_steps import COVERED, MicroLoss, sum_over_ranks, summed_counts
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
     check_settings,
-    check_step_inputs,
     evaluating,
-    mask_sequences,
-    masked_fraction,
     own_settings,
     padded_positions,
     padded_token_stats,
-    rows_with_signal,
 )
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-_COVERED = "_covered"
-"""A step's internal total: the loss tokens of the micro-batches that ran."""
-
-
-def _counts(batch: TokenBatch) -> dict[str, float]:
-    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
-    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
-
-
-def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
-    """The rows `among` of a train step's batch, advantages and proximal logprobs."""
-    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
 
 
 class FSDPTrainEngine:
@@ -220,7 +206,7 @@ class FSDPTrainEngine:
             fields = receive_rows(command, self.rank)
             batch = TokenBatch(*fields[:5])
             if op == "train_step":
-                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
+                rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
             elif op == "sft_step":
                 self._sft_step(batch)
             else:
@@ -242,7 +228,7 @@ class FSDPTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob, and its distribution's entropy with `entropy`
         (`next_token_stats`), under `module` (default: the trained, sharded model)."""
         module = module or self.model
@@ -270,7 +256,7 @@ class FSDPTrainEngine:
     def _micro_batches(self, batch: TokenBatch) -> list[slice]:
         """This rank's runs of rows, in order, within `micro_batch_size` rows and
         `max_tokens_per_micro_batch` tokens, padded or padding-free (`engines.micro_batches.pack`):
-        their number may differ between ranks (`_global` takes the most; the others make it
+        their number may differ between ranks (`step_counts` takes the most; the others make it
         up with dummy passes)."""
         padded = self.padding_free is None
         return pack((row_lengths(batch) if padded else real_lengths(batch)).tolist(), max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch, padded=padded)
@@ -282,19 +268,9 @@ class FSDPTrainEngine:
         part = batch.select(mb)
         return part if self.max_tokens_per_micro_batch is None else part.crop(max(int(row_lengths(part).max()), 2))
 
-    def _global(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> tuple[dict[str, float], int]:
-        """Loss tokens, sequences with a loss token, rows, rows that run (`running`: those of
-        this rank's rows; default all), and sequence masking's counts (`masked`: this rank's
-        sequences dropped and sequences with a loss token before it; default none) summed
-        over ranks; the most micro-batches of any rank."""
-        running = batch if running is None else running
-        local = torch.tensor([*_counts(batch).values(), float(len(running)), *(masked or (0, 0)), float(len(self._micro_batches(running)))], dtype=torch.float64)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
-        stacked = torch.stack(parts)
-        tokens, sequences, rows, ran, dropped, with_tokens = stacked[:, :6].sum(0).tolist()
-        counts = {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens}
-        return counts, int(stacked[:, 6].max())
+    def step_counts(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> dict[str, float]:
+        """`rank_steps.summed_counts`, with the most micro-batches any rank makes of its rows (`running`)."""
+        return summed_counts(batch, running, masked, world_size=self.world_size, micro_batches=len(self._micro_batches(batch if running is None else running)))
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
@@ -307,7 +283,7 @@ class FSDPTrainEngine:
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """In eval mode (no dropout), as a rollout engine computes them."""
-        _, num_micro = self._global(batch)
+        num_micro = int(self.step_counts(batch)["micro_batches"])
         with evaluating(self.model):
             slices = self._micro_batches(batch)
             parts = [self._predicted(self._part(batch, mb)) for mb in slices]
@@ -319,126 +295,54 @@ class FSDPTrainEngine:
 
     def _predicted(self, part: TokenBatch) -> torch.Tensor:
         """A micro-batch's logprobs on the host, 0 where padding is predicted (as padding-free ones and the torch engine's are)."""
-        return torch.where(part.attention_mask[:, 1:].cpu() != 0, self._token_stats(part)[0].cpu(), 0.0)
+        return torch.where(part.attention_mask[:, 1:].cpu() != 0, self.token_stats(part)[0].cpu(), 0.0)
 
     # Steps -----------------------------------------------------------------------------
-    def _step(self, batch: TokenBatch, num_micro: int, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float], *, reference: bool = False) -> dict[str, float]:
+    def run_step(self, batch: TokenBatch, counts: dict[str, float], micro_loss: MicroLoss, weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:
         """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics are
         means over the loss tokens of the rows that ran (on every rank; `LOSS_METRICS`). With
         no rows to run anywhere, one dummy pass gives every parameter a zero gradient, so
-        AdamW still steps. `reference`: each micro-batch makes a reference pass (a KL term),
-        so each dummy pass makes one too."""
+        AdamW still steps; every rank makes `counts["micro_batches"]` passes, as FSDP's
+        collectives need. `kl`: each micro-batch makes a reference pass (a KL term), so each
+        dummy pass makes one too."""
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
+        totals: dict[str, float] = {"loss": 0.0, COVERED: 0.0}
         slices = self._micro_batches(batch)
-        for k in range(max(num_micro, 1)):
+        for k in range(max(int(counts["micro_batches"]), 1)):
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
             if weight == 0:
-                self._dummy_pass(backward=True, reference=reference)
+                self._dummy_pass(backward=True, reference=kl)
                 continue
             loss, metrics = micro_loss(part, slices[k])
             (loss * weight).backward()
-            totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
+            totals[COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()  # all-reduced: every rank steps, or skips a non-finite norm, alike
         step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
-        summed = self._sum_over_ranks(totals)
-        average_metrics(summed, summed.pop(_COVERED))
+        summed = sum_over_ranks(totals, self.world_size)
+        average_metrics(summed, summed.pop(COVERED))
         summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
         return summed
 
-    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each rank's share-weighted metrics summed: the metrics of the whole batch."""
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, totals)  # small dicts of floats, inside this job only
-        out: dict[str, float] = {}
-        for part in gathered:
-            for key, value in part.items():
-                out[key] = out.get(key, 0.0) + value
-        return out
-
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over every rank's rows; version += 1.
-
-        SPMD: a collective; every rank calls it, each with its own rows (possibly a
-        different number of them), advantages and proximal logprobs for those rows.
-        Led by rank 0: `batch` is every row; rank 0 drops the rows without advantage
-        (see `_train_step`) before it shares out the rest, so every rank gets its part of
-        the rows that run, and sends the whole batch's counts along. Sequence masking is
-        decided before any of that (`mask_sequences`; SPMD: by each rank for its rows), and
-        `seq_masked_fraction` is the whole batch's on every rank (the counts ride along
-        `_global`'s all-gather).
+        """One optimizer step over every rank's rows; version += 1 (`rank_steps.train_step`: SPMD,
+        or led by rank 0). `seq_masked_fraction` is the whole batch's on every rank (the
+        counts ride along `step_counts`' all-gather).
 
         Raises:
             ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
                 advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
-        if loss.kl_coef > 0 and self.reference is None:
-            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
-        check_step_inputs(batch, advantages, proximal_logprobs)
-        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
-        if self._leading:
-            whole = None
-            if not loss.zero_advantage_counts:
-                whole = _counts(batch)
-                batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
-            (*fields, advantages, proximal_logprobs), _ = send_rows("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), self.world_size, loss=loss, whole=whole)
-            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
-        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
-
-    def _train_step(
-        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
-    ) -> dict[str, float]:
-        """Without a KL or entropy term, rows whose advantage is zero on every loss token add nothing
-        to the loss or its gradient and get no pass (as in the torch engine); the counts
-        that weigh the micro-batches are still the whole batch's (`whole`, when the leader
-        dropped those rows already). `masked`: this rank's sequence masking counts
-        (`mask_sequences`; a follower has none: its leader's are the whole batch's)."""
-        among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
-        counts, num_micro = self._global(batch, None if among is None else batch.select(among), masked)
-        if whole is not None:
-            counts.update(whole)
-        if among is not None:
-            batch, advantages, proximal_logprobs = _rows(among, batch, advantages, proximal_logprobs)
-        by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
-
-        def weight_of(part: TokenBatch) -> float:
-            if by_sequence:
-                if loss.aggregation == "token_sum_norm":
-                    return len(part) / counts["rows"]
-                return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
-            return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
-
-        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
-            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
-            return policy_loss(
-                logprobs,
-                (advantages[mb] if advantages.dim() == 1 else advantages[mb, :width]).to(self.device),
-                behavior_logprobs=part.behavior_logprobs.to(self.device),
-                mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[mb, :width].to(self.device),
-                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
-                entropy=entropy,
-                config=loss,
-            )
-
-        metrics = self._step(batch, num_micro, micro_loss, weight_of, reference=loss.kl_coef > 0)
-        metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
-        if masked is not None:
-            metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
-        self.scheduler.step()
-        self.version += 1
-        return metrics
+        return rank_steps.train_step(self, batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, leading=self._leading)
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+    def reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
         """A collective, as the model's forward: every rank makes it for each of its micro-batches (or a dummy pass)."""
         assert self.reference is not None  # train_step checked it
-        logprobs = self._token_stats(part, module=self.reference)[0]
+        logprobs = self.token_stats(part, module=self.reference)[0]
         reshard(self.reference)  # a root keeps its gathered parameters after a forward without backward
         return logprobs
 
@@ -451,13 +355,13 @@ class FSDPTrainEngine:
         return self._sft_step(batch)
 
     def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        counts, num_micro = self._global(batch)
+        counts = self.step_counts(batch)
 
         def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
             mask = part.loss_mask.to(self.device)
-            return -(self._token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+            return -(self.token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
 
-        metrics = self._step(batch, num_micro, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
+        metrics = self.run_step(batch, counts, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]
         return metrics
 

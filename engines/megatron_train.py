@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tidal.engines import rank_steps
 from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.megatron_setup import (
@@ -79,39 +80,25 @@ from tidal.engines.megatron_setup import (
     quiet_optional_kernels,
 )
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
+from tidal.engines.rank_steps import COVERED, MicroLoss, sum_over_ranks, summed_counts
 from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
     check_settings,
-    check_step_inputs,
     evaluating,
-    mask_sequences,
-    masked_fraction,
     next_token_stats,
     own_settings,
-    rows_with_signal,
 )
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.megatron import check_precision, prepare_megatron, seed_megatron
 from tidal.hal.transfer import LazyWeights, TensorSpec
 
 _HOST = torch.device("cpu")
-_COVERED = "_covered"
-"""A step's internal total: the loss tokens of the micro-batches that ran."""
 BUCKET_NUMEL = 1 << 24
 """Gradient elements summed over the ranks per `all_reduce` (one flat buffer of at most this many)."""
-
-
-def _counts(batch: TokenBatch) -> dict[str, float]:
-    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
-    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
-
-
-def _rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
-    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
 
 
 class MegatronTrainEngine:
@@ -212,7 +199,7 @@ class MegatronTrainEngine:
             fields = receive_rows(command, self.rank)
             batch = TokenBatch(*fields[:5])
             if op == "train_step":
-                self._train_step(batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
+                rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
             elif op == "sft_step":
                 self._sft_step(batch)
             else:
@@ -225,7 +212,7 @@ class MegatronTrainEngine:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
     # Forward passes --------------------------------------------------------------------
-    def _token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob ([rows, seq - 1]; 0 where it or its predictor is padding), and
         its distribution's entropy with `entropy` (`next_token_stats`), under `module` (default:
         the trained model)."""
@@ -255,16 +242,10 @@ class MegatronTrainEngine:
             rows = order[part]
             yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
 
-    def _global(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> dict[str, float]:
-        """Loss tokens, sequences with a loss token, rows, rows that run (`running`: those of this
-        rank's rows; default all), and sequence masking's counts (`masked`: this rank's sequences
-        dropped and sequences with a loss token before it), summed over ranks."""
-        running = batch if running is None else running
-        local = torch.tensor([*_counts(batch).values(), float(len(running)), *(masked or (0, 0))], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(local)  # a CPU tensor: gloo carries it on every platform
-        tokens, sequences, rows, ran, dropped, with_tokens = local.tolist()
-        return {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens}
+    def step_counts(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> dict[str, float]:
+        """`rank_steps.summed_counts` (its ranks need not make as many micro-batches: data parallel
+        sums the gradients once, after them)."""
+        return summed_counts(batch, running, masked, world_size=self.world_size)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (0 where it or its
@@ -280,23 +261,24 @@ class MegatronTrainEngine:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         with evaluating(self.module):
             for rows, part in self._micro_batches(batch):
-                out[rows, : part.loss_mask.shape[1]] = self._token_stats(part)[0].float().cpu()
+                out[rows, : part.loss_mask.shape[1]] = self.token_stats(part)[0].float().cpu()
         return out
 
     # Steps -----------------------------------------------------------------------------
-    def _step(self, batch: TokenBatch, micro_loss: Callable[..., Any], weight_of: Callable[[TokenBatch], float]) -> dict[str, float]:
+    def run_step(self, batch: TokenBatch, counts: dict[str, float], micro_loss: MicroLoss, weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:
         """One optimizer step; "loss" (and "kl") are the global batch's, the other metrics means
         over the loss tokens of the rows that ran (on every rank). A parameter no micro-batch
-        reached (none ran on any rank) gets a zero gradient, so AdamW still steps."""
+        reached (none ran on any rank) gets a zero gradient, so AdamW still steps. `counts` and
+        `kl` change nothing here (the reference is local to each rank)."""
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {"loss": 0.0, _COVERED: 0.0}
+        totals: dict[str, float] = {"loss": 0.0, COVERED: 0.0}
         for rows, part in self._micro_batches(batch):
             weight = weight_of(part)
             if weight == 0:
                 continue
             loss, metrics = micro_loss(part, rows)
             (loss * weight).backward()
-            totals[_COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
+            totals[COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         params = [p for p in self.module.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -304,8 +286,8 @@ class MegatronTrainEngine:
         self._sum_gradients([p.grad for p in params])
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # the same on every rank
         step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
-        summed = self._sum_over_ranks(totals)
-        average_metrics(summed, summed.pop(_COVERED))
+        summed = sum_over_ranks(totals, self.world_size)
+        average_metrics(summed, summed.pop(COVERED))
         summed.update(step_metrics, lr=self.optimizer.param_groups[0]["lr"])
         return summed
 
@@ -326,90 +308,20 @@ class MegatronTrainEngine:
                     offset += g.numel()
                 bucket = []
 
-    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each rank's share-weighted metrics summed: the metrics of the whole batch."""
-        if self.world_size == 1:
-            return dict(totals)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, totals)  # small dicts of floats, inside this job only
-        out: dict[str, float] = {}
-        for part in gathered:
-            for key, value in part.items():
-                out[key] = out.get(key, 0.0) + value
-        return out
-
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over every rank's rows; version += 1.
-
-        SPMD: a collective; every rank calls it with its own rows. Led by rank 0: `batch` is
-        every row; rank 0 drops the rows without advantage before it shares out the rest and
-        sends the whole batch's counts along. Sequence masking is decided before any of that
-        (`mask_sequences`), and `seq_masked_fraction` is the whole batch's on every rank.
+        """One optimizer step over every rank's rows; version += 1 (`rank_steps.train_step`: SPMD,
+        or led by rank 0). `seq_masked_fraction` is the whole batch's on every rank.
 
         Raises:
             ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
                 advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
         """
-        if loss.kl_coef > 0 and self.reference is None:
-            raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
-        check_step_inputs(batch, advantages, proximal_logprobs)
-        batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
-        if self._leading:
-            whole = None
-            if not loss.zero_advantage_counts:
-                whole = _counts(batch)
-                batch, advantages, proximal_logprobs = _rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
-            (*fields, advantages, proximal_logprobs), _ = send_rows("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), self.world_size, loss=loss, whole=whole)
-            return self._train_step(TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
-        return self._train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
-
-    def _train_step(
-        self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
-    ) -> dict[str, float]:
-        """Without a KL or entropy term, rows whose advantage is zero on every loss token get no
-        pass; the counts that weigh the micro-batches are still the whole batch's (`whole`, when
-        the leader dropped those rows already)."""
-        among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
-        counts = self._global(batch, None if among is None else batch.select(among), masked)
-        if whole is not None:
-            counts.update(whole)
-        if among is not None:
-            batch, advantages, proximal_logprobs = _rows(among, batch, advantages, proximal_logprobs)
-        by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
-
-        def weight_of(part: TokenBatch) -> float:
-            if by_sequence:
-                if loss.aggregation == "token_sum_norm":
-                    return len(part) / counts["rows"]
-                return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
-            return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
-
-        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
-            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
-            return policy_loss(
-                logprobs,
-                (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(self.device),
-                behavior_logprobs=part.behavior_logprobs.to(self.device),
-                mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
-                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
-                entropy=entropy,
-                config=loss,
-            )
-
-        metrics = self._step(batch, micro_loss, weight_of)
-        metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
-        if masked is not None:
-            metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
-        self.scheduler.step()
-        self.version += 1
-        return metrics
+        return rank_steps.train_step(self, batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, leading=self._leading)
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
+    def reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
         assert self.reference is not None  # train_step checked it
-        return self._token_stats(part, module=self.reference)[0]
+        return self.token_stats(part, module=self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
@@ -420,13 +332,13 @@ class MegatronTrainEngine:
         return self._sft_step(batch)
 
     def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        counts = self._global(batch)
+        counts = self.step_counts(batch)
 
         def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             mask = part.loss_mask.to(self.device)
-            return -(self._token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+            return -(self.token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
 
-        metrics = self._step(batch, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
+        metrics = self.run_step(batch, counts, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
         metrics["num_tokens"] = counts["tokens"]
         return metrics
 

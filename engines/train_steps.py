@@ -1,5 +1,6 @@
-"""What both train engines (`torch`, `fsdp`) share: the step's checks, its metrics, the
-non-finite-gradient guard, sequence masking and the rows with a learning signal."""
+"""What every train engine shares: the step's checks, its metrics, the non-finite-gradient
+guard, sequence masking and the rows with a learning signal (the multi-rank engines' policy
+step itself is `engines.rank_steps`)."""
 
 from __future__ import annotations
 

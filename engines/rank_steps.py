@@ -1,0 +1,169 @@
+"""The RL step the multi-rank train engines (`fsdp`, `deepspeed`, `megatron`) share.
+
+Each engine keeps what is its own: a micro-batch's forward pass (`RankedTrainer.token_stats`),
+how its ranks sum a step's counts (`step_counts`) and how the micro-batches' gradients become
+one optimizer step over its sharding (`run_step`). What a policy step is does not differ
+between them and lives here: the checks, sequence masking, rank 0 dropping the rows without
+a learning signal before it shares out the rest (`train_step`), and each micro-batch's loss
+and weight (`policy_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tidal.engines.fsdp_commands import send_rows
+from tidal.engines.micro_batches import real_lengths
+from tidal.engines.train_steps import check_step_inputs, mask_sequences, masked_fraction, rows_with_signal
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.trajectory import TokenBatch
+
+COVERED = "_covered"
+"""A step's internal total: the loss tokens of the micro-batches that ran."""
+MicroLoss = Callable[[TokenBatch, Any], tuple[torch.Tensor, dict[str, float]]]
+"""(a micro-batch, its rows in the step's batch: a slice or an index tensor) -> (its loss, its metrics)."""
+
+
+class RankedTrainer(Protocol):
+    """What `train_step` and `policy_step` need of a multi-rank train engine."""
+
+    reference: Any
+    """The frozen KL reference, or None (an engine built without `kl_reference`)."""
+    world_size: int
+    device: torch.device
+    scheduler: Any
+    version: int
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor: ...
+
+    def token_stats(self, batch: TokenBatch, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[rows, width - 1] logprobs of the next tokens and (`entropy`: "grad" or "metric") their entropies."""
+        ...
+
+    def reference_logprobs(self, part: TokenBatch) -> torch.Tensor: ...
+
+    def step_counts(self, batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None) -> dict[str, float]:
+        """`summed_counts`, with "micro_batches" as the engine's `run_step` needs it."""
+        ...
+
+    def run_step(self, batch: TokenBatch, counts: dict[str, float], micro_loss: MicroLoss, weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:
+        """One optimizer step over `batch`'s micro-batches, each's loss weighed by `weight_of`;
+        `kl`: each micro-batch makes a reference pass. Returns the whole batch's metrics."""
+        ...
+
+
+def batch_counts(batch: TokenBatch) -> dict[str, float]:
+    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
+    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
+
+
+def select_rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
+    """The rows `among` of a train step's batch, advantages and proximal logprobs."""
+    return batch.select(among), advantages[among], None if proximal_logprobs is None else proximal_logprobs[among]
+
+
+def summed_counts(batch: TokenBatch, running: TokenBatch | None = None, masked: tuple[int, int] | None = None, *, world_size: int, micro_batches: int = 0) -> dict[str, float]:
+    """`batch_counts` of this rank's rows, "run_rows" (of `running`, default all), "masked" and
+    "masked_of" (`masked`: this rank's sequences dropped and sequences with a loss token before
+    it; default none), each summed over the ranks, and "micro_batches": the most of any rank's
+    `micro_batches` (a collective: what `RankedTrainer.step_counts` gives)."""
+    running = batch if running is None else running
+    local = torch.tensor([*batch_counts(batch).values(), float(len(running)), *(masked or (0, 0)), float(micro_batches)], dtype=torch.float64)
+    stacked = local[None]
+    if world_size > 1:
+        parts = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(parts, local)  # a CPU tensor: gloo carries it on every platform
+        stacked = torch.stack(parts)
+    tokens, sequences, rows, ran, dropped, with_tokens = stacked[:, :6].sum(0).tolist()
+    return {"tokens": tokens, "sequences": sequences, "rows": rows, "run_rows": ran, "masked": dropped, "masked_of": with_tokens, "micro_batches": float(stacked[:, 6].max())}
+
+
+def sum_over_ranks(totals: dict[str, float], world_size: int) -> dict[str, float]:
+    """Each rank's share-weighted metrics summed: the metrics of the whole batch (a collective)."""
+    if world_size == 1:
+        return dict(totals)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, totals)  # small dicts of floats, inside this job only
+    out: dict[str, float] = {}
+    for part in gathered:
+        for key, value in part.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def train_step(engine: RankedTrainer, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, leading: bool) -> dict[str, float]:
+    """One optimizer step over every rank's rows; version += 1.
+
+    SPMD: a collective; every rank calls it, each with its own rows (possibly a different
+    number of them), advantages and proximal logprobs for those rows. `leading` (rank 0 of a
+    led group): `batch` is every row; rank 0 drops the rows without advantage before it
+    shares out the rest, so every rank gets its part of the rows that run, and sends the
+    whole batch's counts along (its followers call `policy_step` with them). Sequence
+    masking is decided before any of that (`mask_sequences`; SPMD: by each rank for its
+    rows), and `seq_masked_fraction` is the whole batch's on every rank.
+
+    Raises:
+        ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
+            advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
+    """
+    if loss.kl_coef > 0 and engine.reference is None:
+        raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
+    check_step_inputs(batch, advantages, proximal_logprobs)
+    batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, engine.logprobs)
+    if not leading:
+        return policy_step(engine, batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs, masked=masked)
+    whole = None
+    if not loss.zero_advantage_counts:
+        whole = batch_counts(batch)
+        batch, advantages, proximal_logprobs = select_rows(rows_with_signal(advantages, batch.loss_mask), batch, advantages, proximal_logprobs)
+    (*fields, advantages, proximal_logprobs), _ = send_rows("train_step", [*batch.tensors(), advantages, proximal_logprobs], real_lengths(batch), engine.world_size, loss=loss, whole=whole)
+    return policy_step(engine, TokenBatch(*fields), advantages, loss=loss, proximal_logprobs=proximal_logprobs, whole=whole, masked=masked)
+
+
+def policy_step(
+    engine: RankedTrainer, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None, whole: dict[str, float] | None = None, masked: tuple[int, int] | None = None
+) -> dict[str, float]:
+    """This rank's part of a step. Without a KL or entropy term, rows whose advantage is zero
+    on every loss token add nothing to the loss or its gradient and get no pass (as in the
+    torch engine); the counts that weigh the micro-batches are still the whole batch's
+    (`whole`, when the leader dropped those rows already). `masked`: this rank's sequence
+    masking counts (`mask_sequences`; a follower has none: its leader's are the whole batch's)."""
+    among = rows_with_signal(advantages, batch.loss_mask) if not loss.zero_advantage_counts and whole is None else None
+    counts = engine.step_counts(batch, None if among is None else batch.select(among), masked)
+    if whole is not None:
+        counts.update(whole)
+    if among is not None:
+        batch, advantages, proximal_logprobs = select_rows(among, batch, advantages, proximal_logprobs)
+
+    def weight_of(part: TokenBatch) -> float:
+        if loss.aggregation == "token_sum_norm":
+            return len(part) / counts["rows"]
+        if loss.aggregation.startswith("seq_"):
+            return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
+        return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
+
+    def micro_loss(part: TokenBatch, rows: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs, entropy = engine.token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
+        width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
+        return policy_loss(
+            logprobs,
+            (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(engine.device),
+            behavior_logprobs=part.behavior_logprobs.to(engine.device),
+            mask=part.loss_mask.to(engine.device),
+            proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(engine.device),
+            ref_logprobs=engine.reference_logprobs(part) if loss.kl_coef > 0 else None,
+            entropy=entropy,
+            config=loss,
+        )
+
+    metrics = engine.run_step(batch, counts, micro_loss, weight_of, kl=loss.kl_coef > 0)
+    metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
+    if masked is not None:
+        metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])
+    engine.scheduler.step()
+    engine.version += 1
+    return metrics
