@@ -93,7 +93,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.engines import rank_steps
 from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
-from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
+from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
 from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
 from tidal.engines.fsdp_setup import ensure_process_group, reset_sharded_params, reshard, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
@@ -208,7 +208,7 @@ class FSDPTrainEngine:
             if op == "train_step":
                 rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
             elif op == "sft_step":
-                self._sft_step(batch)
+                rank_steps.supervised_step(self, batch)
             else:
                 logprobs = self._logprobs(batch)
                 if len(batch):
@@ -275,10 +275,7 @@ class FSDPTrainEngine:
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (SPMD: a collective,
         every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
-        if not self._leading:
-            return self._logprobs(batch)
-        fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), self.world_size)
-        return gather_rows(self._logprobs(TokenBatch(*fields)), shares)
+        return rank_steps.lead_logprobs(batch, self._logprobs, leading=self._leading, world_size=self.world_size)
 
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -347,23 +344,9 @@ class FSDPTrainEngine:
         return logprobs
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask` tokens
-        (led by rank 0: `batch` is every row)."""
-        if self._leading:
-            fields, _ = send_rows("sft_step", batch.tensors(), real_lengths(batch), self.world_size)
-            batch = TokenBatch(*fields)
-        return self._sft_step(batch)
-
-    def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        counts = self.step_counts(batch)
-
-        def micro_loss(part: TokenBatch, mb: slice) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = part.loss_mask.to(self.device)
-            return -(self.token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
-
-        metrics = self.run_step(batch, counts, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
-        metrics["num_tokens"] = counts["tokens"]
-        return metrics
+        """One supervised step over every rank's rows (`rank_steps.sft_step`; led by rank 0:
+        `batch` is every row); the version is unchanged."""
+        return rank_steps.sft_step(self, batch, leading=self._leading)
 
     # Time-sharing the devices (`flow.timeshare.Offloader` calls this after each move) ------
     def _reshard(self) -> None:

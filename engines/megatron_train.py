@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engines import rank_steps
-from tidal.engines.fsdp_commands import gather_rows, model_recipe, receive_rows, send_command, send_rows
+from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.megatron_setup import (
     HFLayout,
@@ -79,7 +79,7 @@ from tidal.engines.megatron_setup import (
     megatron_optimizer_state,
     quiet_optional_kernels,
 )
-from tidal.engines.micro_batches import pack, real_lengths, row_lengths
+from tidal.engines.micro_batches import pack, row_lengths
 from tidal.engines.rank_steps import COVERED, MicroLoss, sum_over_ranks, summed_counts
 from tidal.engines.train_steps import (
     NonfiniteGuard,
@@ -201,7 +201,7 @@ class MegatronTrainEngine:
             if op == "train_step":
                 rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
             elif op == "sft_step":
-                self._sft_step(batch)
+                rank_steps.supervised_step(self, batch)
             else:
                 logprobs = self._logprobs(batch)
                 if len(batch):
@@ -250,10 +250,7 @@ class MegatronTrainEngine:
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token of this rank's rows (0 where it or its
         predictor is padding); led by rank 0: of every row of `batch`, computed by all ranks."""
-        if not self._leading:
-            return self._logprobs(batch)
-        fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), self.world_size)
-        return gather_rows(self._logprobs(TokenBatch(*fields)), shares)
+        return rank_steps.lead_logprobs(batch, self._logprobs, leading=self._leading, world_size=self.world_size)
 
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -324,23 +321,9 @@ class MegatronTrainEngine:
         return self.token_stats(part, module=self.reference)[0]
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One supervised step over every rank's rows: next-token cross-entropy on `loss_mask`
-        tokens (led by rank 0: `batch` is every row); the version is unchanged."""
-        if self._leading:
-            fields, _ = send_rows("sft_step", batch.tensors(), real_lengths(batch), self.world_size)
-            batch = TokenBatch(*fields)
-        return self._sft_step(batch)
-
-    def _sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        counts = self.step_counts(batch)
-
-        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = part.loss_mask.to(self.device)
-            return -(self.token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
-
-        metrics = self.run_step(batch, counts, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
-        metrics["num_tokens"] = counts["tokens"]
-        return metrics
+        """One supervised step over every rank's rows (`rank_steps.sft_step`; led by rank 0:
+        `batch` is every row); the version is unchanged."""
+        return rank_steps.sft_step(self, batch, leading=self._leading)
 
     # Time-sharing devices: `ParksItself` -------------------------------------------------
     def park(self) -> None:

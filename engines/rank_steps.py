@@ -1,11 +1,12 @@
-"""The RL step the multi-rank train engines (`fsdp`, `deepspeed`, `megatron`) share.
+"""The steps the multi-rank train engines (`fsdp`, `deepspeed`, `megatron`) share.
 
 Each engine keeps what is its own: a micro-batch's forward pass (`RankedTrainer.token_stats`),
 how its ranks sum a step's counts (`step_counts`) and how the micro-batches' gradients become
 one optimizer step over its sharding (`run_step`). What a policy step is does not differ
 between them and lives here: the checks, sequence masking, rank 0 dropping the rows without
 a learning signal before it shares out the rest (`train_step`), and each micro-batch's loss
-and weight (`policy_step`).
+and weight (`policy_step`); the supervised step (`sft_step`, `supervised_step`) and rank 0
+sharing out the rows whose logprobs it is asked for (`lead_logprobs`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from tidal.engines.fsdp_commands import send_rows
+from tidal.engines.fsdp_commands import gather_rows, send_rows
 from tidal.engines.micro_batches import real_lengths
 from tidal.engines.train_steps import check_step_inputs, mask_sequences, masked_fraction, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss
@@ -29,7 +30,7 @@ MicroLoss = Callable[[TokenBatch, Any], tuple[torch.Tensor, dict[str, float]]]
 
 
 class RankedTrainer(Protocol):
-    """What `train_step` and `policy_step` need of a multi-rank train engine."""
+    """What the steps here need of a multi-rank train engine."""
 
     reference: Any
     """The frozen KL reference, or None (an engine built without `kl_reference`)."""
@@ -167,3 +168,35 @@ def policy_step(
     engine.scheduler.step()
     engine.version += 1
     return metrics
+
+
+def sft_step(engine: RankedTrainer, batch: TokenBatch, *, leading: bool) -> dict[str, float]:
+    """One supervised step over every rank's rows (`leading`: rank 0 of a led group, `batch` is
+    every row, shared out first): next-token cross-entropy on `loss_mask` tokens; the
+    version is unchanged."""
+    if leading:
+        fields, _ = send_rows("sft_step", batch.tensors(), real_lengths(batch), engine.world_size)
+        batch = TokenBatch(*fields)
+    return supervised_step(engine, batch)
+
+
+def supervised_step(engine: RankedTrainer, batch: TokenBatch) -> dict[str, float]:
+    """This rank's part of `sft_step` (what a follower runs), weighed by the loss tokens of every rank."""
+    counts = engine.step_counts(batch)
+
+    def micro_loss(part: TokenBatch, rows: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = part.loss_mask.to(engine.device)
+        return -(engine.token_stats(part)[0] * mask).sum() / mask.sum().clamp(min=1), {}
+
+    metrics = engine.run_step(batch, counts, micro_loss, lambda part: float(part.loss_mask.sum()) / max(counts["tokens"], 1.0))
+    metrics["num_tokens"] = counts["tokens"]
+    return metrics
+
+
+def lead_logprobs(batch: TokenBatch, local: Callable[[TokenBatch], torch.Tensor], *, leading: bool, world_size: int) -> torch.Tensor:
+    """`local(batch)`: this rank's rows' logprobs (SPMD: a collective, every rank calls it); led
+    by rank 0 (`leading`), of every row of `batch`, shared out and computed by all ranks."""
+    if not leading:
+        return local(batch)
+    fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), world_size)
+    return gather_rows(local(TokenBatch(*fields)), shares)
