@@ -97,8 +97,9 @@ from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
-from tidal.engines.rank_steps import COVERED, MicroLoss, sum_over_ranks, summed_counts
+from tidal.engines.rank_steps import COVERED, sum_over_ranks, summed_counts
 from tidal.engines.train_steps import (
+    MicroLoss,
     NonfiniteGuard,
     add_metrics,
     average_metrics,

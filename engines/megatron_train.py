@@ -80,8 +80,9 @@ from tidal.engines.megatron_setup import (
     quiet_optional_kernels,
 )
 from tidal.engines.micro_batches import pack, row_lengths
-from tidal.engines.rank_steps import COVERED, MicroLoss, sum_over_ranks, summed_counts
+from tidal.engines.rank_steps import COVERED, sum_over_ranks, summed_counts
 from tidal.engines.train_steps import (
+    MicroLoss,
     NonfiniteGuard,
     add_metrics,
     average_metrics,

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -129,11 +129,17 @@ def padding_free_for(model: torch.nn.Module, setting: bool | None) -> PaddingFre
     return PaddingFree(one_row=one_row, loss_logits_only=keeps_logits(model) if one_row else has_head(model))
 
 
+@runtime_checkable
+class NamesItsHead(Protocol):
+    """A model that names the module turning hidden states into logits (transformers' causal LMs)."""
+
+    def get_output_embeddings(self) -> Any: ...
+
+
 def has_head(model: torch.nn.Module) -> bool:
-    """Whether `model` names the module that turns hidden states into logits
-    (`get_output_embeddings()`, transformers' causal LMs), which `head_reads` narrows."""
-    get = getattr(model, "get_output_embeddings", None)
-    return callable(get) and isinstance(get(), torch.nn.Module)
+    """Whether `model` names its output embedding (`NamesItsHead`, and it is a module), which
+    `head_reads` narrows."""
+    return isinstance(model, NamesItsHead) and isinstance(model.get_output_embeddings(), torch.nn.Module)
 
 
 @contextlib.contextmanager

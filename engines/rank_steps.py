@@ -19,14 +19,12 @@ import torch.distributed as dist
 
 from tidal.engines.fsdp_commands import gather_rows, send_rows
 from tidal.engines.micro_batches import real_lengths
-from tidal.engines.train_steps import check_step_inputs, mask_sequences, masked_fraction, rows_with_signal
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.engines.train_steps import MicroLoss, batch_counts, check_step_inputs, loss_weight, mask_sequences, masked_fraction, policy_micro_loss, rows_with_signal
+from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 
 COVERED = "_covered"
 """A step's internal total: the loss tokens of the micro-batches that ran."""
-MicroLoss = Callable[[TokenBatch, Any], tuple[torch.Tensor, dict[str, float]]]
-"""(a micro-batch, its rows in the step's batch: a slice or an index tensor) -> (its loss, its metrics)."""
 
 
 class RankedTrainer(Protocol):
@@ -55,11 +53,6 @@ class RankedTrainer(Protocol):
         """One optimizer step over `batch`'s micro-batches, each's loss weighed by `weight_of`;
         `kl`: each micro-batch makes a reference pass. Returns the whole batch's metrics."""
         ...
-
-
-def batch_counts(batch: TokenBatch) -> dict[str, float]:
-    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
-    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
 
 
 def select_rows(among: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> tuple[TokenBatch, torch.Tensor, torch.Tensor | None]:
@@ -140,28 +133,8 @@ def policy_step(
     if among is not None:
         batch, advantages, proximal_logprobs = select_rows(among, batch, advantages, proximal_logprobs)
 
-    def weight_of(part: TokenBatch) -> float:
-        if loss.aggregation == "token_sum_norm":
-            return len(part) / counts["rows"]
-        if loss.aggregation.startswith("seq_"):
-            return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
-        return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
-
-    def micro_loss(part: TokenBatch, rows: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, entropy = engine.token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
-        width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
-        return policy_loss(
-            logprobs,
-            (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(engine.device),
-            behavior_logprobs=part.behavior_logprobs.to(engine.device),
-            mask=part.loss_mask.to(engine.device),
-            proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(engine.device),
-            ref_logprobs=engine.reference_logprobs(part) if loss.kl_coef > 0 else None,
-            entropy=entropy,
-            config=loss,
-        )
-
-    metrics = engine.run_step(batch, counts, micro_loss, weight_of, kl=loss.kl_coef > 0)
+    micro_loss = policy_micro_loss(engine.token_stats, engine.reference_logprobs, advantages=advantages, proximal_logprobs=proximal_logprobs, loss=loss, device=engine.device)
+    metrics = engine.run_step(batch, counts, micro_loss, loss_weight(loss, counts), kl=loss.kl_coef > 0)
     metrics.update(num_tokens=counts["tokens"], skipped_rows=counts["rows"] - counts["run_rows"])
     if masked is not None:
         metrics["seq_masked_fraction"] = masked_fraction(counts["masked"], counts["masked_of"])

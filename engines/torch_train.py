@@ -53,18 +53,21 @@ from tidal.engines.train_steps import (
     NonfiniteGuard,
     add_metrics,
     average_metrics,
+    batch_counts,
     check_settings,
     check_step_inputs,
     evaluating,
+    loss_weight,
     mask_sequences,
     masked_fraction,
     next_token_stats,
     own_settings,
     padded_positions,
     padded_token_stats,
+    policy_micro_loss,
     rows_with_signal,
 )
-from tidal.flow.algorithms import PolicyLossConfig, policy_loss
+from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
@@ -267,33 +270,12 @@ class TorchTrainEngine:
             raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
         check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
-        num_tokens = float(batch.loss_mask.sum())
-        num_sequences = float((batch.loss_mask.sum(1) > 0).sum())
-        by_sequence = loss.aggregation.startswith("seq_") or loss.aggregation == "token_sum_norm"
-
-        def weight_of(part: TokenBatch) -> float:
-            if by_sequence:
-                return float((part.loss_mask.sum(1) > 0).sum()) / max(num_sequences, 1.0) if loss.aggregation != "token_sum_norm" else len(part) / len(batch)
-            return float(part.loss_mask.sum()) / max(num_tokens, 1.0)
-
-        def micro_loss(part: TokenBatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = self._token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
-            width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
-            return policy_loss(
-                logprobs,
-                (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(self.device),
-                behavior_logprobs=part.behavior_logprobs.to(self.device),
-                mask=part.loss_mask.to(self.device),
-                proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(self.device),
-                ref_logprobs=self._reference_logprobs(part) if loss.kl_coef > 0 else None,
-                entropy=entropy,
-                config=loss,
-            )
-
+        counts = batch_counts(batch)
+        micro_loss = policy_micro_loss(self._token_stats, self._reference_logprobs, advantages=advantages, proximal_logprobs=proximal_logprobs, loss=loss, device=self.device)
         among = None
         if not loss.zero_advantage_counts:  # every other term of the loss is a multiple of the advantage
             among = rows_with_signal(advantages, batch.loss_mask)
-        metrics = self._step(batch, micro_loss, weight_of, among)
+        metrics = self._step(batch, micro_loss, loss_weight(loss, counts), among)
         metrics["skipped_rows"] = float(len(batch) - (len(batch) if among is None else len(among)))
         if masked is not None:
             metrics["seq_masked_fraction"] = masked_fraction(*masked)

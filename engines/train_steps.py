@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from tidal.engines import token_logprobs
-from tidal.flow.algorithms import PolicyLossConfig, sequence_keep, token_entropy
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss, sequence_keep, token_entropy
 from tidal.flow.trajectory import TokenBatch
 
+MicroLoss = Callable[[TokenBatch, Any], tuple[torch.Tensor, dict[str, float]]]
+"""(a micro-batch, its rows in the step's batch: a slice or an index tensor) -> (its loss, its metrics)."""
 LOSS_METRICS = frozenset({"loss", "kl"})
 """A step's metrics that are terms of the batch's loss (each micro-batch's weighed by its share
 of the loss's `aggregation`, summed); the others (`clip_fraction`, `entropy`, ...) are means
@@ -229,3 +231,53 @@ def rows_with_signal(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch
     signal = (adv != 0) & mask.any(1) if adv.dim() == 1 else ((adv != 0) & mask).any(1)
     return torch.nonzero(signal).squeeze(1)
 
+
+
+def batch_counts(batch: TokenBatch) -> dict[str, float]:
+    """What weighs a step's micro-batches: loss tokens, sequences with a loss token, rows."""
+    return {"tokens": float(batch.loss_mask.sum()), "sequences": float((batch.loss_mask.sum(1) > 0).sum()), "rows": float(len(batch))}
+
+
+def loss_weight(loss: PolicyLossConfig, counts: dict[str, float]) -> Callable[[TokenBatch], float]:
+    """A micro-batch's share of the step's loss under `loss.aggregation`: of its rows
+    (`token_sum_norm`), of its sequences with a loss token (`seq_*`) or of its loss tokens,
+    against the whole batch's `counts` ("rows", "sequences", "tokens")."""
+
+    def weight_of(part: TokenBatch) -> float:
+        if loss.aggregation == "token_sum_norm":
+            return len(part) / counts["rows"]
+        if loss.aggregation.startswith("seq_"):
+            return float((part.loss_mask.sum(1) > 0).sum()) / max(counts["sequences"], 1.0)
+        return float(part.loss_mask.sum()) / max(counts["tokens"], 1.0)
+
+    return weight_of
+
+
+def policy_micro_loss(
+    token_stats: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    reference_logprobs: Callable[[TokenBatch], torch.Tensor],
+    *,
+    advantages: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
+    loss: PolicyLossConfig,
+    device: torch.device,
+) -> MicroLoss:
+    """A micro-batch's policy loss: its logprobs (and entropies) by `token_stats(part,
+    entropy=...)`, its rows' advantages and proximal logprobs cut to its width, and with a KL
+    term `reference_logprobs(part)`."""
+
+    def micro_loss(part: TokenBatch, rows: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs, entropy = token_stats(part, entropy="grad" if loss.entropy_coef > 0 else "metric")
+        width = logprobs.shape[1]  # the micro-batch is cut to its longest row: so are per-token inputs
+        return policy_loss(
+            logprobs,
+            (advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]).to(device),
+            behavior_logprobs=part.behavior_logprobs.to(device),
+            mask=part.loss_mask.to(device),
+            proximal_logprobs=None if proximal_logprobs is None else proximal_logprobs[rows, :width].to(device),
+            ref_logprobs=reference_logprobs(part) if loss.kl_coef > 0 else None,
+            entropy=entropy,
+            config=loss,
+        )
+
+    return micro_loss

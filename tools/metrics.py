@@ -87,7 +87,7 @@ class _WandbWriter:
         )  # fmt: skip
         write_whole(run_dir / WANDB_FILE, json.dumps({"id": run_id, "project": settings.project, "entity": settings.entity}) + "\n")
 
-    def write(self, values: Iterable[tuple[str, float]], step: int, wall_time: float | None = None) -> None:
+    def write(self, values: Iterable[tuple[str, float]], step: int) -> None:
         self.run.log(dict(values), step=step)
 
     def summarize(self, values: Iterable[tuple[str, float]]) -> None:

@@ -15,7 +15,7 @@ from tidal.engines import torch_train
 from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.algorithms import PolicyLossConfig
+from tidal.flow.algorithms import PolicyLossConfig, policy_loss
 from tidal.flow.trajectory import Trajectory, to_token_batch
 
 T = CharTokenizer()
@@ -63,7 +63,7 @@ def test_sequence_masking_over_micro_batches_gives_the_full_batch_step(given):
     for micro in (1, 4):
         engine = TorchTrainEngine(tiny(dtype=torch.float64), lr=1e-2, micro_batch_size=micro)
         proximal = engine.logprobs(batch) if given else None
-        full, _ = torch_train.policy_loss(engine._token_logprobs(batch), advantages, behavior_logprobs=batch.behavior_logprobs.double(), mask=batch.loss_mask, config=cfg)
+        full, _ = policy_loss(engine._token_logprobs(batch), advantages, behavior_logprobs=batch.behavior_logprobs.double(), mask=batch.loss_mask, config=cfg)
         metrics = engine.train_step(batch, advantages, loss=cfg, proximal_logprobs=proximal)
         assert metrics["loss"] == pytest.approx(float(full.detach()), rel=1e-6)
         assert metrics["seq_masked_fraction"] == 0.25

@@ -162,7 +162,7 @@ def _banner(calibration: Any, eff: Any) -> str:
     return f"calibrated from {calibration.source}: {factors}"
 
 
-def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any, layouts: tuple[str, ...] | None, top: int = 0) -> int:
+def _search(recipe: Path, overrides: list[str], cluster: Any, work: Any, *, as_json: bool, calibration: Any, layouts: tuple[str, ...] | None, top: int) -> int:
     import sys  # noqa: PLC0415
 
     from tidal.tools.config import ConfigError  # noqa: PLC0415
