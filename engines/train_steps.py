@@ -1,6 +1,7 @@
 """What every train engine shares: the step's checks, its metrics, the non-finite-gradient
-guard, sequence masking and the rows with a learning signal (the multi-rank engines' policy
-step itself is `engines.rank_steps`)."""
+guard, sequence masking, the rows with a learning signal, and a micro-batch's policy loss
+and share of the step (`policy_micro_loss`, `loss_weight`); the multi-rank engines' policy
+step itself is `engines.rank_steps`."""
 
 from __future__ import annotations
 
