@@ -120,6 +120,24 @@ def select_platform(recipe_device: str | None = None) -> Selection:
 
 _current: Selection | None = None
 _selecting = threading.Lock()
+
+DEEPSPEED_VAR = "DS_ACCELERATOR"
+"""The variable DeepSpeed reads, once, when it is first imported, to pick its accelerator."""
+DEEPSPEED_SET_VAR = "TIDAL_DS_ACCELERATOR"
+"""What tidal last set `DS_ACCELERATOR` to (inherited by child processes with it)."""
+
+
+def name_deepspeed_accelerator(platform: Platform) -> None:
+    """Set `DS_ACCELERATOR` to the DeepSpeed accelerator `platform` computes with, unless the
+    user set it (it then differs from what tidal last set, `TIDAL_DS_ACCELERATOR`).
+
+    DeepSpeed may be imported by other libraries, not only by the deepspeed train engine:
+    with accelerate installed (peft needs it), every transformers `save_pretrained` imports
+    it. Left to detect its accelerator it prints a warning to stdout, and the accelerator it
+    picks stays for the process."""
+    given, ours = os.environ.get(DEEPSPEED_VAR), os.environ.get(DEEPSPEED_SET_VAR)
+    if given is None or given == ours:
+        os.environ[DEEPSPEED_VAR] = os.environ[DEEPSPEED_SET_VAR] = platform.descriptor.deepspeed_accelerator
 """Held while the platform is selected, so threads that ask at once get one platform
 object, not one each (a `set_visible_devices` or peak-memory reset on one would not show
 on the other). Today every process selects before it starts threads (rollout actors in
@@ -140,6 +158,7 @@ def init_platform(recipe_device: str | None = None) -> Selection:
         with _selecting:
             if _current is None:
                 _current = select_platform(recipe_device)
+                name_deepspeed_accelerator(_current.platform)
                 return _current
             current = _current
     wanted = check_spec(recipe_device, source="device") if recipe_device else "auto"

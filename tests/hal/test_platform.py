@@ -402,3 +402,42 @@ def test_visible_devices_not_given_as_a_list_are_refused_naming_them(ids, monkey
     with pytest.raises(ValueError, match=rf"cannot make devices {re.escape(repr(ids))} visible: expected a list of device ids"):
         platform.set_visible_devices(ids)
     assert platform.device_count() == 4
+
+
+def test_the_platform_names_deepspeeds_accelerator_unless_the_user_did(monkeypatch):
+    """DeepSpeed picks its accelerator once, when first imported, and other libraries import
+    it (accelerate, from every transformers `save_pretrained`); left to detect one it prints
+    a warning on stdout. A child process inherits tidal's value and sets its own platform's."""
+    from tidal.hal.select import DEEPSPEED_SET_VAR, DEEPSPEED_VAR, name_deepspeed_accelerator
+
+    monkeypatch.delenv(DEEPSPEED_VAR, raising=False)
+    monkeypatch.delenv(DEEPSPEED_SET_VAR, raising=False)
+    name_deepspeed_accelerator(CpuPlatform())
+    assert os.environ[DEEPSPEED_VAR] == os.environ[DEEPSPEED_SET_VAR] == "cpu"
+    monkeypatch.setenv(DEEPSPEED_SET_VAR, "npu")  # a parent on an NPU platform set both
+    monkeypatch.setenv(DEEPSPEED_VAR, "npu")
+    name_deepspeed_accelerator(fake_platform("cuda", 2))  # a fake platform computes on the host
+    assert os.environ[DEEPSPEED_VAR] == "cpu"
+    monkeypatch.setenv(DEEPSPEED_VAR, "cuda")  # the user's own
+    name_deepspeed_accelerator(CpuPlatform())
+    assert os.environ[DEEPSPEED_VAR] == "cuda"
+
+
+def test_saving_a_model_prints_nothing_where_deepspeed_and_accelerate_are_installed(tmp_path):
+    """transformers' `save_pretrained` imports DeepSpeed through accelerate; a run's stdout
+    (and a script's JSON lines on it) stays clean."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("deepspeed")
+    script = textwrap.dedent(f"""
+        from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2, save_model
+        from tidal.hal import current_platform
+        current_platform()
+        t = CharTokenizer()
+        save_model(build_tiny_qwen2(t.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), t, __import__("pathlib").Path({str(tmp_path / "m")!r}))
+        import sys
+        assert "deepspeed" in sys.modules  # what this test is about
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TIDAL_DS_ACCELERATOR", "TIDAL_DEVICE")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == ""
