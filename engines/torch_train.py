@@ -33,6 +33,10 @@ A step whose gradient norm is NaN or infinite is skipped (`NonfiniteGuard`, whic
 `fsdp` engine shares): the weights and AdamW's state stay, the version still counts, and
 the metrics say `nonfinite_grad: 1.0`; more than `max_nonfinite_steps` in a row raise.
 
+With `lora_rank` > 0 only LoRA adapters train (`engines.lora`, with peft): the base weights
+stay as loaded, the KL reference is the base with the adapters off (no copy), and
+`named_weights()` gives the merged weights under the base model's names.
+
 Run for real: CPU (tests and the CPU quickstart). On GPU/NPU platforms the model lives
 on `platform.device(0)`; multi-process training is the `fsdp` engine's job.
 """
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines import lora as lora_
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
@@ -76,6 +81,9 @@ from tidal.hal.transfer import LazyWeights, TensorSpec
 class TorchTrainEngine:
     """A `TrainEngine` for a transformers-style causal LM (forward returns `.logits`)."""
 
+    train_keys = ("lora_rank", "lora_alpha", "lora_target_modules")
+    """The recipe's LoRA keys (`TakesTrainKeys`)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -94,6 +102,9 @@ class TorchTrainEngine:
         platform: Platform | None = None,
         version: int = 0,
         padding_free: bool | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_target_modules: Sequence[str] | str = lora_.TARGETS_ALL_LINEAR,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
@@ -107,11 +118,18 @@ class TorchTrainEngine:
         """Forward passes run under `platform.autocast(precision)`; weights, gradients and
         optimizer state stay fp32, and logprobs are computed from fp32 logits."""
         self.device = self.platform.device(0)
+        self.lora = lora_.lora_settings(lora_rank, lora_alpha, lora_target_modules)
+        """The LoRA adapters' settings; None: every weight trains."""
+        if self.lora is not None:
+            lora_.add_adapters(model, self.lora)
         self.model = model.to(self.device).train()
-        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if kl_reference else None
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if kl_reference and self.lora is None else None
         """A frozen copy of the weights the engine was built with, the reference policy of a
-        loss with `kl_coef > 0` (`kl_reference=True`); kept in `state_dict()`."""
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        loss with `kl_coef > 0` (`kl_reference=True`); kept in `state_dict()`. With LoRA the
+        reference is the base with the adapters off (`engines.lora.adapters_off`), no copy."""
+        self.kl_reference = kl_reference
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step (`engines.lr_schedule`)
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.version = version
@@ -133,6 +151,8 @@ class TorchTrainEngine:
                 nothing moved).
             RuntimeError: `place` gave a tensor unlike its spec (nothing moved).
         """
+        if self.lora is not None:
+            raise ValueError("with LoRA adapters (train.lora_rank) the weights rollout takes are merged from the base and the adapters at each publish, not kept in place")
         params = self.model.state_dict(keep_vars=True)
         first: dict[int, str] = {}
         ties = {}
@@ -266,7 +286,7 @@ class TorchTrainEngine:
             ValueError: `kl_coef > 0` without a reference, or advantages or proximal
                 logprobs not shaped like the batch (`check_step_inputs`), before anything runs.
         """
-        if loss.kl_coef > 0 and self.reference is None:
+        if loss.kl_coef > 0 and not self.kl_reference:
             raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
         check_step_inputs(batch, advantages, proximal_logprobs)
         batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, self.logprobs)
@@ -285,7 +305,9 @@ class TorchTrainEngine:
 
     @torch.no_grad()
     def _reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
-        assert self.reference is not None  # train_step checked it
+        if self.reference is None:  # LoRA: the base is the reference (train_step checked there is one)
+            with lora_.adapters_off(self.model), evaluating(self.model):
+                return self._token_logprobs(part)
         return self._token_logprobs(part, self.reference)
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
@@ -299,7 +321,11 @@ class TorchTrainEngine:
         return self._step(batch, micro_loss, lambda part: float(part.loss_mask.sum()) / max(num_tokens, 1.0))
 
     def named_weights(self) -> LazyWeights:
-        """Every weight by name: a `WeightSource` over the model's own tensors (no copies)."""
+        """Every weight by name: a `WeightSource` over the model's own tensors (no copies); with
+        LoRA the base model's weights by its names, each adapted one merged as it is taken."""
+        if self.lora is not None:
+            specs = lambda: [TensorSpec.of(n, t) for n, t in lora_.base_weights(self.model).items()]  # noqa: E731 - merged ones keep the base's dtype and shape
+            return LazyWeights(specs, lambda: lora_.merged_weights(self.model))
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in self.model.state_dict().items():
@@ -308,14 +334,32 @@ class TorchTrainEngine:
         return LazyWeights(lambda: [TensorSpec.of(n, t) for n, t in self.model.state_dict().items()], tensors)
 
     def state_dict(self) -> dict[str, Any]:
+        """"model": the weights as `named_weights()` gives them; with LoRA also "lora": the base
+        ("base", by the base's names) and the adapters ("adapters") an exact resume loads."""
+        if self.lora is not None:
+            model = dict(lora_.merged_weights(self.model))
+            lora = {"base": lora_.base_weights(self.model), "adapters": lora_.adapter_weights(self.model), "settings": self.lora.keys()}
+            return {"model": model, "lora": lora, "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set what `state_dict()` gave. With LoRA the base and adapters come from "lora"
+        ("model", the merged weights, follows from them).
+
+        Raises:
+            ValueError: with LoRA, a state without "lora" (an engine's that trained every
+                weight) or whose adapters do not fit these settings; nothing is set then.
+        """
+        if self.lora is not None and not isinstance(state.get("lora"), dict):
+            raise ValueError(f"train.lora_rank={self.lora.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
         self._before_change()
-        self.model.load_state_dict(state["model"])
+        if self.lora is not None:
+            lora_.load_weights(self.model, state["lora"]["base"], state["lora"]["adapters"])
+        else:
+            self.model.load_state_dict(state["model"])
         with own_settings(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
         load_position(self.scheduler, state.get("lr_scheduler") or {"last_epoch": int(state["version"])})  # a state from before schedules: a step per version

@@ -5,7 +5,9 @@ A checkpoint is a folder `checkpoints/step-NNNNNN/` of the run directory: the mo
 (model.safetensors, config.json, generation_config.json) and its tokenizer as a Hugging
 Face one (tokenizer.json, tokenizer_config.json, special_tokens_map.json; an older tidal
 wrote its own tokenizer.json only, which `CharTokenizer.load` reads too), `trainer.pt`
-(optimizer, version, RNG states, reference policy, the lr schedule's position), `store.bin` (the store's rows and
+(optimizer, version, RNG states, reference policy, the lr schedule's position; with LoRA
+adapters the base weights, the adapters and their settings, while model.safetensors holds
+the merged weights), `store.bin` (the store's rows and
 counts) and `state.json` (version, the prompt stream's position, the run's running totals
 that its metrics report, such as `failed_rewards`, and what its summary keeps: accuracy
 before RL, first reward).
@@ -120,7 +122,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
                 model = copy.deepcopy(template)
                 model.load_state_dict(state["model"])
                 save_model(model, tokenizer, tmp)
-                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference"), "lr_scheduler": state.get("lr_scheduler")}, tmp / "trainer.pt")
+                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference"), "lr_scheduler": state.get("lr_scheduler"), "lora": state.get("lora")}, tmp / "trainer.pt")
                 saved = save_data(tmp / "store.bin")
                 (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
                 _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)
@@ -233,13 +235,33 @@ def load_checkpoint(folder: Path, *, attention: str = "sdpa", source: ModelSourc
     return store, model, tokenizer, saved, state
 
 
-def check_checkpoint(folder: Path, *, source: ModelSource | None = None) -> None:
+def check_lora(saved: dict[str, Any], train: Any, *, resume: str) -> None:
+    """That a checkpoint's trainer.pt (`saved`) trained what the recipe's `train` section
+    trains: LoRA adapters with the same keys (`train.lora_*`), or every weight.
+
+    Raises:
+        ConfigError: naming the key that differs and the checkpoint's value.
+    """
+    lora = saved.get("lora")
+    if lora is None:
+        if train.lora_rank:
+            raise ConfigError(f"resume={resume!r}: its checkpoint trained every weight, and train.lora_rank={train.lora_rank} trains adapters (AdamW's state would not fit them); resume with train.lora_rank=0")
+        return
+    given = {"train.lora_rank": train.lora_rank, "train.lora_alpha": train.lora_alpha, "train.lora_target_modules": list(train.lora_target_modules)}
+    for key, value in lora["settings"].items():
+        if given.get(key) != value:
+            raise ConfigError(f"resume={resume!r}: its checkpoint trained LoRA adapters with {key}={value}, the recipe says {given.get(key)}; resume with {key}={value}")
+
+
+def check_checkpoint(folder: Path, *, source: ModelSource | None = None, train: Any = None) -> None:
     """Open each file `load_checkpoint` reads, only as far as it takes to find one missing,
     cut short or without its keys, so that `tidal run` (and `--check`) refuse a damaged
     checkpoint before they make a run directory: the safetensors header, and that the file
     holds every tensor it lists (the weights are not read); trainer.pt's keys, its tensors
     mapped, not read (a truncated archive has no directory to map them from); the small
     files whole.
+
+    `train` (the recipe's `train` section): that the checkpoint trained what it trains (`check_lora`).
 
     Raises:
         ConfigError: as `load_checkpoint` would, naming the file.
@@ -254,7 +276,9 @@ def check_checkpoint(folder: Path, *, source: ModelSource | None = None) -> None
     read("config.json", lambda path: json.loads(path.read_text()))
     read("tokenizer.json", lambda _: (source or tiny_source()).load_tokenizer(folder))
     read("model.safetensors", tensor_names)
-    read("trainer.pt", lambda path: load_plain(path, mmap=True, map_location="cpu"), *TRAINER_KEYS)
+    saved = read("trainer.pt", lambda path: load_plain(path, mmap=True, map_location="cpu"), *TRAINER_KEYS)
+    if train is not None:
+        check_lora(saved, train, resume=str(folder.parent.parent))
     read("state.json", lambda path: json.loads(path.read_text()), *STATE_KEYS)
     read("store.bin", persist.load)  # the rows in flight: a few steps' samples, small beside the weights
 

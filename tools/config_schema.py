@@ -161,7 +161,11 @@ class SFTConfig:
 class TrainConfig:
     """The train engine."""
 
-    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"warmup_steps": 0, "micro_batch_size": 1, "max_tokens_per_micro_batch": 2, "weight_decay": 0, "threads": 0, "max_nonfinite_steps": 0}, positive=("lr", "grad_clip"), why={"grad_clip": "gradients are clipped to this norm"})
+    BOUNDS: ClassVar[Bounds] = Bounds(
+        at_least={"warmup_steps": 0, "micro_batch_size": 1, "max_tokens_per_micro_batch": 2, "weight_decay": 0, "threads": 0, "max_nonfinite_steps": 0, "lora_rank": 0},
+        positive=("lr", "grad_clip", "lora_alpha"),
+        why={"grad_clip": "gradients are clipped to this norm", "lora_alpha": "adapters are scaled by lora_alpha / lora_rank"},
+    )
 
     backend: str = "torch"
     """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance) | megatron (megatron-core's GPTModel from a Qwen2 / Llama / Mistral model, data parallel, MindSpeed on NPUs; a process per placement.train instance; padded micro-batches)."""
@@ -191,6 +195,12 @@ class TrainConfig:
     """Compute precision of the RL phase's forward passes: fp32 | bf16 (matmuls in bf16 under the platform's autocast; weights, gradients, optimizer state and logprobs stay fp32; the warm start stays fp32)."""
     zero_stage: int = 2
     """train.backend=deepspeed only: what DeepSpeed ZeRO shards over the trainer ranks: 1 (the optimizer state: AdamW's moments and fp32 master weights) | 2 (also the gradients) | 3 (also the weights, gathered module by module for each forward and backward). Every stage trains the same weights; higher stages hold less per rank and communicate more."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank train instead of every weight (peft; the `lora` extra): the base weights stay as loaded, AdamW's state is the adapters' only, a KL term's reference is the base with the adapters off, and rollout, evaluation, checkpoints and `tidal export` get the merged weights. The warm start (sft.steps) trains adapters too and merges them into the weights RL starts from; RL trains adapters of its own on those (a resumed run goes on with its checkpoint's base and adapters). 0 = every weight trains. train.backend=torch only."""
+    lora_alpha: float = 16.0
+    """LoRA scale: adapters add lora_alpha / lora_rank x B A to each adapted weight. > 0."""
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """Modules that take adapters, by name or its last part (q_proj, v_proj, ...); [all-linear] = every linear layer but the output head. Layers must be linear and own their weight (not a tied embedding)."""
 
     def check(self) -> None:
         from tidal.engines.lr_schedule import LR_SCHEDULES  # noqa: PLC0415
@@ -199,6 +209,12 @@ class TrainConfig:
             raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
         if not 0 <= self.min_lr_ratio <= 1:  # nan fails it too
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]: the cosine schedule's last lr as a share of train.lr")
+        from tidal.engines.registry import LORA  # noqa: PLC0415
+
+        if self.lora_rank and self.backend not in LORA:
+            raise ValueError(f"train.lora_rank={self.lora_rank} needs train.backend {' or '.join(LORA)} (LoRA adapters); train.backend={self.backend} trains every weight: set train.lora_rank=0")
+        if self.lora_rank and not self.lora_target_modules:
+            raise ValueError("train.lora_target_modules is empty: name the modules that take adapters (q_proj, v_proj, ...), or [all-linear]")
         if self.zero_stage not in (1, 2, 3):  # `engines.deepspeed_setup.ZERO_STAGES`
             raise ValueError(f"train.zero_stage={self.zero_stage} is not one of 1, 2, 3 (DeepSpeed ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the weights)")
 

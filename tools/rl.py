@@ -232,7 +232,8 @@ class RL:
         if run.saved is not None:
             saved = run.saved
             reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights
-            self.trainer.load_state_dict({**self.trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lr_scheduler": saved.get("lr_scheduler"), **reference})
+            lora = {"lora": saved["lora"]} if saved.get("lora") is not None else {}  # the base and adapters, exactly (`Run.build` checked the keys)
+            self.trainer.load_state_dict({**self.trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lr_scheduler": saved.get("lr_scheduler"), **reference, **lora})
             set_rng_state(saved["rng"])
         self.rollout = build_rollout_engine(cfg, copy.deepcopy(self.template), run.tokenizer, platform=run.platform, version=self.trainer.version)  # the trainer's weights too
         self.sharing = None

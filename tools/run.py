@@ -327,18 +327,21 @@ class RecipeEngineCheck:
     train: str
     precision: str
     fake: bool
+    lora_rank: int = 0
 
     @classmethod
     def of(cls, cfg: RecipeConfig, *, fake: bool) -> RecipeEngineCheck:
-        return cls(rollout=cfg.rollout.backend, train=cfg.train.backend, precision=cfg.train.precision.value, fake=fake)
+        return cls(rollout=cfg.rollout.backend, train=cfg.train.backend, precision=cfg.train.precision.value, fake=fake, lora_rank=cfg.train.lora_rank)
 
     def __call__(self, kind: str, *, here: str = "here") -> dict[str, str]:
-        from tidal.engines.registry import missing  # noqa: PLC0415
+        from tidal.engines.registry import missing, version  # noqa: PLC0415
 
         found = {
             "rollout": missing("rollout.backend", self.rollout, kind=kind, fake=self.fake, here=here),
             "train": missing("train.backend", self.train, kind=kind, fake=self.fake, precision=self.precision, here=here),
         }
+        if found["train"] is None and self.lora_rank and version("peft") is None:  # LoRA adapters are peft's (`engines.lora`)
+            found["train"] = f"train.lora_rank={self.lora_rank} needs peft, not installed {here} (pip install 'tidal-rl[lora]')"
         return {role: why for role, why in found.items() if why}
 
 
@@ -470,7 +473,7 @@ def prepare_run(recipe: Path, overrides: Sequence[str]) -> tuple[Any, Path]:
         from tidal.engines.models import model_source  # noqa: PLC0415
         from tidal.tools.checkpoint import check_checkpoint  # noqa: PLC0415 - imports transformers
 
-        check_checkpoint(latest_checkpoint(Path(cfg.resume)), source=model_source(cfg.model))
+        check_checkpoint(latest_checkpoint(Path(cfg.resume)), source=model_source(cfg.model), train=cfg.train)
     selection.platform.seed_all(cfg.seed)
     key = "run_dir" if cfg.run_dir else "output_dir"
     asked = getattr(cfg, key)

@@ -38,7 +38,7 @@ from tidal.flow.store import Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.hal import PlatformError, current_platform
-from tidal.tools.checkpoint import load_checkpoint, truncate_metrics
+from tidal.tools.checkpoint import check_lora, load_checkpoint, truncate_metrics
 from tidal.tools.config import ConfigError, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
@@ -237,6 +237,7 @@ class Run:
         self.resume_from = latest_checkpoint(Path(cfg.resume)) if cfg.resume else None
         if self.resume_from is not None:
             self.store, self.model, self.tokenizer, self.saved, self.resumed = load_checkpoint(self.resume_from, source=self.source)
+            check_lora(self.saved, cfg.train, resume=str(self.resume_from.parent.parent))
         else:
             self.store = Store()
             policy = self.source.build(seed=cfg.seed)

@@ -100,6 +100,17 @@ def test_a_local_run_whose_engine_cannot_run_here_is_refused_before_its_run_dire
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_with_lora_adapters_needs_peft(monkeypatch, tmp_path):
+    from tidal.tools.config import ConfigError
+    from tidal.tools.recipes import resolve_recipe
+    from tidal.tools.run import prepare_run
+
+    _installed(monkeypatch)
+    with pytest.raises(ConfigError, match=r"train\.lora_rank=8 needs peft, not installed here \(pip install 'tidal-rl\[lora\]'\)"):
+        prepare_run(resolve_recipe("quickstart_cpu"), ["train.lora_rank=8", f"run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_ray_run_on_a_ray_of_its_own_is_refused_before_its_run_directory_on_each_roles_kind(monkeypatch, tmp_path):
     """A Ray run that starts its own Ray puts every actor on this machine: its engines are
     checked here, each role on the device kinds its plan gives it. A fake cluster's devices

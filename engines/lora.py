@@ -1,0 +1,185 @@
+"""LoRA adapters for a train engine (`train.lora_rank` > 0), with the `peft` library.
+
+`add_adapters` injects peft's LoRA layers into the model in place
+(`peft.inject_adapter_in_model`): the model stays the transformers model it was, its
+linear layers wrapped, and only the adapters' A and B matrices train. B starts at 0, so the
+adapted model starts as the base. The base weights stay as they were loaded, so the
+reference policy of a KL term is the base with the adapters off (`adapters_off`), no copy.
+
+What leaves the engine is always one set of weights under the base model's names:
+`merged_weights` gives each adapted layer's `W + scale * B @ A`, computed one layer at a
+time and never written into the base (merging in place and back would change the base by
+float rounding). Rollout engines, evaluation, checkpoints' model.safetensors and
+`tidal export` see a plain model of the base's shape. An exact resume also needs the base and
+the adapters themselves: `base_weights` and `adapter_weights` (the engine's `state_dict`
+keeps both; the checkpoint stores them in trainer.pt).
+
+Only linear layers that own their weight take adapters: a tied embedding and output head
+(one tensor under two names) would come out as two different merged tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+TARGETS_ALL_LINEAR = "all-linear"
+"""peft's name for every linear layer but the output head."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """A recipe's LoRA keys (`train.lora_rank`, `train.lora_alpha`, `train.lora_target_modules`)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = (TARGETS_ALL_LINEAR,)
+    """Module names (or the last part of one: `q_proj`) that take adapters; `all-linear`: every
+    linear layer but the output head."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"train.lora_rank={self.rank} must be >= 1 to add adapters (0 trains every weight)")
+        if not self.alpha > 0:  # `not >`: nan is refused too
+            raise ValueError(f"train.lora_alpha={self.alpha} must be > 0: adapters are scaled by lora_alpha / lora_rank")
+        if not self.target_modules:
+            raise ValueError("train.lora_target_modules is empty: name the modules that take adapters, or all-linear")
+
+    def keys(self) -> dict[str, Any]:
+        """The recipe keys these settings came from, and their values (a checkpoint records them)."""
+        return {"train.lora_rank": self.rank, "train.lora_alpha": self.alpha, "train.lora_target_modules": list(self.target_modules)}
+
+    def peft_config(self) -> Any:
+        """peft's `LoraConfig` for these settings (no dropout: a rollout engine's forward has none)."""
+        from peft import LoraConfig  # noqa: PLC0415
+
+        targets: str | list[str] = TARGETS_ALL_LINEAR if self.target_modules == (TARGETS_ALL_LINEAR,) else list(self.target_modules)
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+
+
+def lora_settings(rank: int, alpha: float, target_modules: Any) -> LoraSettings | None:
+    """The settings of a recipe's LoRA keys; None for `rank` 0 (every weight trains)."""
+    if rank == 0:
+        return None
+    targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    return LoraSettings(rank=rank, alpha=alpha, target_modules=targets)
+
+
+def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """Inject LoRA layers into `model` in place, freeze every other weight; returns `model`.
+
+    Raises:
+        ImportError: peft is not installed (naming the extra that installs it).
+        ValueError: no module matched `train.lora_target_modules`, or one that did has a weight
+            it shares with another module (a tied embedding or output head).
+    """
+    try:
+        import peft  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError(f"train.lora_rank={settings.rank} needs peft: pip install 'tidal-rl[lora]' -c constraints.txt ({e})") from None
+    try:
+        peft.inject_adapter_in_model(settings.peft_config(), model)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"train.lora_target_modules={list(settings.target_modules)}: {e}") from None
+    shared = _tied_names(model)
+    for name, layer in _layers(model).items():
+        weight = f"{name}.base_layer.weight"
+        if not isinstance(layer.base_layer, torch.nn.Linear) or weight in shared:
+            raise ValueError(f"train.lora_target_modules={list(settings.target_modules)} takes in {name!r} ({type(layer.base_layer).__name__}), whose weight is not a linear layer's own: adapters go on linear layers that own their weights")
+    return model
+
+
+def _layers(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's LoRA layers by module name."""
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """The names of weights that share their tensor with another name."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    return {name for names in by_tensor.values() if len(names) > 1 for name in names}
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether `model` holds LoRA layers (`add_adapters`)."""
+    return bool(_layers(model))
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in name
+
+
+def _base_name(name: str) -> str:
+    """An adapted model's name for a base weight -> the base model's name for it."""
+    return name.replace(".base_layer.", ".")
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's weights (adapters left out), under its own names: the model's
+    tensors, no copies."""
+    return {_base_name(name): tensor for name, tensor in model.state_dict().items() if not _is_adapter(name)}
+
+
+def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' A and B matrices under the adapted model's names: its tensors, no copies."""
+    return {name: tensor for name, tensor in model.state_dict().items() if _is_adapter(name)}
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the base model, by its name, with each adapted layer's weight merged
+    (`W + scale * B @ A`, a new tensor in `W`'s dtype; every other weight is the model's own
+    tensor). One merged tensor at a time: a consumer that copies each before taking the next
+    holds one layer's extra memory."""
+    layers = _layers(model)
+    merged = {f"{name}.base_layer.weight": layer for name, layer in layers.items()}
+    for name, tensor in model.state_dict().items():
+        if _is_adapter(name):
+            continue
+        layer = merged.get(name)
+        if layer is None:
+            yield _base_name(name), tensor.detach()
+            continue
+        with torch.no_grad():
+            delta = sum((layer.get_delta_weight(adapter) for adapter in layer.active_adapters), torch.zeros_like(tensor))
+            yield _base_name(name), (tensor.detach() + delta.to(tensor.dtype))
+
+
+def load_weights(model: torch.nn.Module, base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> None:
+    """Set an adapted model's base weights (by the base's names, as `base_weights` gives them)
+    and adapters (as `adapter_weights` does) exactly; strict: every weight of both is given.
+
+    Raises:
+        ValueError: a name is missing or unknown, naming it (nothing is set then).
+    """
+    own = model.state_dict()
+    wanted = {_base_name(name): name for name in own if not _is_adapter(name)}
+    missing = sorted({*wanted, *(n for n in own if _is_adapter(n))} - {*base, *adapters})
+    unknown = sorted({*base} - {*wanted} | {*adapters} - {n for n in own if _is_adapter(n)})
+    if missing or unknown:
+        raise ValueError(f"the LoRA state does not fit this model (train.lora_rank, train.lora_target_modules): missing {missing[:3]}, unknown {unknown[:3]}")
+    with torch.no_grad():
+        for name, tensor in base.items():
+            own[wanted[name]].copy_(tensor)
+        for name, tensor in adapters.items():
+            own[name].copy_(tensor)
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The base model inside the block (its adapters bypassed), the adapted one after."""
+    layers = list(_layers(model).values())
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
