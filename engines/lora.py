@@ -172,6 +172,26 @@ def load_weights(model: torch.nn.Module, base: dict[str, torch.Tensor], adapters
             own[name].copy_(tensor)
 
 
+def peft_adapter(settings: LoraSettings, adapters: dict[str, torch.Tensor], *, base: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`adapters` (as `adapter_weights` gives them) as peft saves a causal LM's adapter: its
+    `LoraConfig` (`base` as `base_model_name_or_path`) and the weights by the names in
+    adapter_model.safetensors (`base_model.model.` first, no adapter name), which
+    `PeftModel.from_pretrained` and vLLM's LoRA loading read.
+
+    Raises:
+        ImportError: peft is not installed (naming the extra that installs it).
+    """
+    try:
+        from peft import LoraConfig  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError(f"pip install 'tidal-rl[lora]' -c constraints.txt ({e})") from None
+    config: LoraConfig = settings.peft_config()
+    config.task_type, config.base_model_name_or_path = "CAUSAL_LM", base or None
+    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters})  # as peft resolves all-linear
+    weights = {"base_model.model." + name.replace(".default.", "."): tensor.contiguous() for name, tensor in adapters.items()}
+    return config, weights
+
+
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """The base model inside the block (its adapters bypassed), the adapted one after."""

@@ -177,5 +177,7 @@ RUN_DIR/checkpoints/latest names, or --step N's. OUT_DIR must not exist or be em
 whole, so a failure leaves OUT_DIR as it was. A run directory without that checkpoint,
 or an OUT_DIR in the way, exits with 2, naming it. A model that is code of its own
 (config.json's auto_map: a run with model.trust_remote_code=true) keeps its code files,
-and the check runs that code when the run trusted it or with --trust-remote-code.
+and the check runs that code when the run trusted it or with --trust-remote-code. A run
+that trained LoRA adapters (train.lora_rank) exports the merged weights, and its adapters
+in peft's format in OUT_DIR/lora_adapter, for the weights RL started from.
 """

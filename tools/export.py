@@ -5,6 +5,12 @@ the end and pad ids) and the tokenizer's files, so `AutoModelForCausalLM.from_pr
 and `AutoTokenizer.from_pretrained` (and servers built on them, such as vLLM) load it
 unchanged. What only a resume needs (trainer.pt, store.bin, state.json) stays behind.
 
+A run that trained LoRA adapters (`train.lora_rank`) has the merged weights in its
+checkpoints' model.safetensors, which is what OUT_DIR gets; its adapters also go to
+OUT_DIR/lora_adapter in peft's format (adapter_config.json, adapter_model.safetensors), for
+`PeftModel.from_pretrained` or vLLM's LoRA serving on top of the weights RL started from
+(`base_model_name_or_path`: the run's `model.path` when that is what it started from).
+
 A checkpoint already is such a directory plus those files, so the model's files are
 copied byte for byte; a checkpoint an older tidal wrote, whose tokenizer.json was its own
 format, gets its tokenizer rewritten as a Hugging Face one. The export is written to a
@@ -25,6 +31,8 @@ from tidal.tools.run import latest_checkpoint
 
 RESUME_ONLY = frozenset({"trainer.pt", "store.bin", "state.json"})
 """A checkpoint's files that only `resume=` reads (tools/checkpoint.py); the rest is the model."""
+ADAPTER = "lora_adapter"
+"""The folder of OUT_DIR a LoRA run's adapters go to, in peft's format."""
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 """One of these names the weights: a single file, or the index of a sharded save."""
 
@@ -87,6 +95,7 @@ def export(run_dir: Path, out_dir: Path, *, step: int | None = None, force: bool
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         _write(checkpoint, tmp, trust_remote_code=trust_remote_code)
+        write_adapter(checkpoint, tmp / ADAPTER, base=started_from(run_dir))
         _sync_folder(tmp)  # on disk before its name says it is whole
         if out_dir.exists() and any(out_dir.iterdir()):  # `force`: the old export goes once the new one is whole
             out_dir.rename(aside)
@@ -158,6 +167,51 @@ def _write(checkpoint: Path, folder: Path, *, trust_remote_code: bool) -> None:
         except Exception as e:  # noqa: BLE001 - whatever safetensors raises, the file is what to name
             raise ConfigError(f"checkpoint {checkpoint} has no readable {name} ({type(e).__name__}: {e})") from None
     _write_generation_config(folder, checkpoint=checkpoint, config=config, tokenizer=tokenizer)
+
+
+def started_from(run_dir: Path) -> str:
+    """The checkpoint directory the run's RL started from, as its config.yaml names it:
+    `model.path` of a `model.source: hf` run without a warm start; "" otherwise (the tiny
+    model's weights, or a warm start's, are the run's own: `cache/` in its directory)."""
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except ConfigError:
+        return ""
+    return str(cfg.model.path) if cfg.model.source == "hf" and cfg.model.path and not cfg.sft.steps else ""
+
+
+def write_adapter(checkpoint: Path, folder: Path, *, base: str) -> bool:
+    """`checkpoint`'s LoRA adapters (its trainer.pt's, when the run trained some) in peft's
+    format in `folder`, with `base` as `base_model_name_or_path`; returns whether there were any.
+
+    Raises:
+        ConfigError: naming trainer.pt when it cannot be read, or peft when it is missing.
+    """
+    from tidal.engines.lora import lora_settings, peft_adapter  # noqa: PLC0415
+    from tidal.tools.checkpoint import load_plain  # noqa: PLC0415
+
+    path = checkpoint / "trainer.pt"
+    if not path.is_file():
+        return False
+    try:
+        lora = load_plain(path, mmap=True, map_location="cpu").get("lora")
+    except Exception as e:  # noqa: BLE001 - whatever torch.load raises, the file is what to name
+        raise ConfigError(f"checkpoint {checkpoint} has no readable trainer.pt ({type(e).__name__}: {e})") from None
+    if lora is None:
+        return False
+    keys = lora["settings"]
+    settings = lora_settings(keys["train.lora_rank"], keys["train.lora_alpha"], keys["train.lora_target_modules"])
+    assert settings is not None  # a checkpoint keeps LoRA state only for a rank > 0
+    try:
+        config, weights = peft_adapter(settings, lora["adapters"], base=base)
+    except ImportError as e:
+        raise ConfigError(f"checkpoint {checkpoint} holds LoRA adapters, which are written in peft's format: {e}") from None
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    folder.mkdir()
+    config.save_pretrained(folder)
+    save_file(weights, folder / "adapter_model.safetensors")
+    return True
 
 
 def _custom_code(folder: Path) -> str:

@@ -110,3 +110,45 @@ def test_lora_keys_are_checked_when_the_recipe_loads(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(resolve_recipe("quickstart_cpu"), ["train.lora_rank=4", *overrides])
+
+
+def test_the_export_is_the_merged_model_and_peft_loads_its_adapter_onto_the_base(tmp_path, rewards):
+    """OUT_DIR is a plain model (the merged weights); OUT_DIR/lora_adapter, put onto the
+    weights RL started from with peft, computes the same logits."""
+    import json
+
+    import transformers
+    from peft import PeftModel
+
+    from tidal.tools.export import export
+
+    run = tmp_path / "run"
+    _run(run, "algorithm.num_steps=2", "sft.steps=0")
+    out = tmp_path / "out"
+    export(run, out)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any(".lora_" in name for name in merged.state_dict())
+    config = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (4, 16.0, "CAUSAL_LM")
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(out)
+    started = torch.load(run / "checkpoints" / "step-000002" / "trainer.pt", weights_only=True)["lora"]["base"]
+    base.load_state_dict(started)
+    adapted = PeftModel.from_pretrained(base, out / "lora_adapter").eval()
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        with adapted.disable_adapter():  # the adapters matter
+            assert not torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize(("overrides", "base"), [(["sft.steps=0"], "/models/qwen"), (["sft.steps=3"], ""), (["model.source=tiny", "sft.steps=0"], "")], ids=["hf", "warm-start", "tiny"])
+def test_the_adapters_base_is_the_checkpoint_rl_started_from(tmp_path, overrides, base):
+    from tidal.tools.config import load_config, to_yaml
+    from tidal.tools.export import started_from
+    from tidal.tools.recipes import resolve_recipe
+
+    cfg = load_config(resolve_recipe("quickstart_cpu"), ["model.source=hf", "model.path=/models/qwen", *overrides])
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert started_from(tmp_path) == base
+    assert started_from(tmp_path / "gone") == ""
