@@ -12,7 +12,7 @@ a checkpoint must hold for the stream to resume exactly.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from tidal.engines.registry import load
@@ -149,13 +149,17 @@ class FilePrompts:
             the file, column and row).
     """
 
-    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer, *, on_progress: Callable[[str, int, int], None] | None = None) -> None:
         from tidal.engines.data import DataError, load_prompts  # noqa: PLC0415 - imports datasets
 
         self.cfg = cfg
+
+        def progress(key: str) -> Callable[[int, int], None] | None:
+            return None if on_progress is None else lambda done, total: on_progress(key, done, total)
+
         try:
-            self.prompts = load_prompts(list(cfg.data.train_files), tokenizer, config=cfg.data)
-            held = load_prompts(list(cfg.data.eval_files), tokenizer, config=cfg.data, key="data.eval_files") if cfg.data.eval_files else []
+            self.prompts = load_prompts(list(cfg.data.train_files), tokenizer, config=cfg.data, on_progress=progress("data.train_files"))
+            held = load_prompts(list(cfg.data.eval_files), tokenizer, config=cfg.data, key="data.eval_files", on_progress=progress("data.eval_files")) if cfg.data.eval_files else []
         except DataError as e:
             raise ConfigError(str(e)) from None
         except ValueError as e:  # the tokenizer refused: no chat template
@@ -182,6 +186,7 @@ class FilePrompts:
         return {"data": {k: v for k, v in stream.state_dict().items() if k != "position"}}
 
 
-def prompt_source(cfg: RecipeConfig, tokenizer: Tokenizer) -> PromptSource:
-    """The recipe's prompts: its data files when `data.train_files` is set, else its task."""
-    return FilePrompts(cfg, tokenizer) if cfg.data.train_files else TaskPrompts(cfg, tokenizer)
+def prompt_source(cfg: RecipeConfig, tokenizer: Tokenizer, *, on_progress: Callable[[str, int, int], None] | None = None) -> PromptSource:
+    """The recipe's prompts: its data files when `data.train_files` is set, else its task.
+    `on_progress(key, rows checked, rows)` follows the reading of each key's files."""
+    return FilePrompts(cfg, tokenizer, on_progress=on_progress) if cfg.data.train_files else TaskPrompts(cfg, tokenizer)

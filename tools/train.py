@@ -247,7 +247,7 @@ class Run:
         if self.start_rollouts is not None and self.turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
             self.launched = self.start_rollouts(cfg, self.store, settings)
         self.settings = settings
-        self.prompts: PromptSource = prompt_source(cfg, self.tokenizer)
+        self.prompts: PromptSource = self._read_prompts()
         if self.resumed is not None:
             state = self.resumed
             self.totals, self.first_reward, self.last_reward = state.get("totals", {}), state.get("first_reward"), state.get("last_reward")  # none in a checkpoint from before they were saved
@@ -255,6 +255,22 @@ class Run:
             self.earlier = truncate_metrics(Path(cfg.resume) / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
             self.accuracy_before = state["accuracy_before"]
             self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({self.resume_from.name})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
+
+    def _read_prompts(self) -> PromptSource:
+        """The recipe's prompts (`prompt_source`), with a bar while data files are read and
+        measured (a large dataset takes a while: 20k GSM8K-size prompts about 2.5 s)."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+        bar = Progress(TextColumn("[bold]reading {task.fields[key]}[/bold] prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, disable=not self.progress, transient=True)
+        tasks: dict[str, Any] = {}
+
+        def on_progress(key: str, done: int, total: int) -> None:
+            if key not in tasks:
+                tasks[key] = bar.add_task("read", total=total, key=key)
+            bar.update(tasks[key], completed=done)
+
+        with bar:
+            return prompt_source(self.cfg, self.tokenizer, on_progress=on_progress)
 
     def evaluate(self, model: torch.nn.Module) -> float | None:
         """Held-out accuracy of `model` (None: the run has no held-out prompts)."""

@@ -348,3 +348,19 @@ def test_a_conversation_or_field_that_cannot_be_read_is_named(load, tmp_path, gs
     pq.write_table(pa.Table.from_pylist([change(r) for r in _verl_rows(gsm8k_files)][:1] + _verl_rows(gsm8k_files)[1:]), path)
     with pytest.raises(DataError, match=message):
         load([path], **{**VERL, **settings})
+
+
+def test_reading_reports_progress_over_every_files_rows(tokenizer, cache_dir, tmp_path, monkeypatch):
+    """`on_progress(rows checked, rows)`: at 0 once the files are read, every PROGRESS_EVERY
+    rows while prompts are measured (dropped ones count), and at the end."""
+    from tidal.engines import data
+
+    monkeypatch.setattr(data, "PROGRESS_EVERY", 4)
+    paths = []
+    for f, n in enumerate((7, 6)):
+        paths.append(tmp_path / f"part-{f}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"question": "x" * (3 if k else 300), "answer": "#### 1"}) + "\n" for k in range(n)))
+    calls = []
+    prompts = load_prompts([str(p) for p in paths], tokenizer, config=DataConfig(chat_template=False, max_prompt_tokens=100), cache_dir=cache_dir, on_progress=lambda done, total: calls.append((done, total)))
+    assert len(prompts) == 11  # the first row of each file is too long
+    assert calls == [(0, 13), (4, 13), (8, 13), (12, 13), (13, 13)]
