@@ -3,7 +3,7 @@
 A worker script is written into the test's folder and run once per rank (a plain `pytest`
 run cannot import `tests.*` in a child); it reads what to do from `data.pt` there
 (`write_rank_data`) and writes its results beside it. The helpers are handed to tests as
-session fixtures (`spawn`, `write_data`, `six_rows`): test files of this folder cannot
+session fixtures (`spawn`, `write_data`, `six_rows`, `run_torch`): test files of this folder cannot
 import each other or this file.
 """
 
@@ -83,6 +83,30 @@ def six_row_batch(tokenizer: CharTokenizer) -> tuple[TokenBatch, torch.Tensor]:
     advantages = torch.randn(6, generator=g)
     advantages[4:] = 0.0
     return to_token_batch(trajectories, pad_id=tokenizer.pad_id), advantages
+
+
+def run_torch_plan(engine: Any, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
+    """Each step of `plan` on a `TorchTrainEngine` (the reference a multi-rank engine is held
+    to): "sft" a supervised step, a dict an RL step with those `PolicyLossConfig` fields (and
+    the advantages times its "scale"), its proximal logprobs the engine's before the step."""
+    from tidal.flow.algorithms import PolicyLossConfig
+
+    metrics = []
+    for step in plan:
+        if step == "sft":
+            metrics.append(engine.sft_step(batch))
+        else:
+            proximal = engine.logprobs(batch)
+            fields = dict(step)
+            scaled = advantages * fields.pop("scale", 1.0)
+            metrics.append(engine.train_step(batch, scaled, loss=PolicyLossConfig(**fields), proximal_logprobs=proximal))
+    return metrics
+
+
+@pytest.fixture(scope="session")
+def run_torch():
+    """`run_torch(engine, batch, advantages, plan)`: see `run_torch_plan`."""
+    return run_torch_plan
 
 
 @pytest.fixture(scope="session")

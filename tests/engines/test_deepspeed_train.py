@@ -25,7 +25,6 @@ pytest.importorskip("deepspeed")
 from tidal.engines.deepspeed_setup import deepspeed_config
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
-from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 
 T = CharTokenizer()
@@ -186,25 +185,12 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return build_tiny_qwen2(T.vocab_size, seed=seed, **MODEL)
 
 
-def _run_torch(engine: TorchTrainEngine, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
-    metrics = []
-    for step in plan:
-        if step == "sft":
-            metrics.append(engine.sft_step(batch))
-        else:
-            proximal = engine.logprobs(batch)
-            step = dict(step)
-            scaled = advantages * step.pop("scale", 1.0)
-            metrics.append(engine.train_step(batch, scaled, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-    return metrics
-
-
 @pytest.fixture(scope="module")
-def reference(six_rows) -> dict:
+def reference(six_rows, run_torch) -> dict:
     """The same steps by one `TorchTrainEngine` on all six rows (`conftest.six_row_batch`)."""
     batch, advantages = six_rows
     engine = TorchTrainEngine(_model(0), **ENGINE)
-    metrics = _run_torch(engine, batch, advantages, PLAN)
+    metrics = run_torch(engine, batch, advantages, PLAN)
     return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights())}
 
 
@@ -353,7 +339,7 @@ def test_a_parked_engine_gets_its_state_back_exactly(ranks, stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference, stage):
+def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference, stage, run_torch):
     """A torch engine continues where DeepSpeed stopped, and DeepSpeed engines that loaded the
     torch engine's state (saved with other settings) continue as DeepSpeed did, keeping their own lr."""
     led = ranks["led"][stage]
@@ -365,7 +351,7 @@ def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference, stag
     engine = TorchTrainEngine(_model(9), **ENGINE)
     engine.load_state_dict(state)
     assert engine.version == NUM_RL_STEPS
-    _run_torch(engine, reference["batch"], reference["advantages"], RESUME)
+    run_torch(engine, reference["batch"], reference["advantages"], RESUME)
     _assert_same_weights(list(engine.named_weights()), led["continued"])
     assert led["from_torch_version"] == NUM_RL_STEPS
     assert led["from_torch_settings"] == {"lr": ENGINE["lr"], "weight_decay": ENGINE["weight_decay"], "fused": True}

@@ -252,25 +252,12 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return build_tiny_qwen2(T.vocab_size, seed=seed, **MODEL)
 
 
-def _run_torch(engine: TorchTrainEngine, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
-    metrics = []
-    for step in plan:
-        if step == "sft":
-            metrics.append(engine.sft_step(batch))
-        else:
-            proximal = engine.logprobs(batch)
-            step = dict(step)
-            scaled = advantages * step.pop("scale", 1.0)
-            metrics.append(engine.train_step(batch, scaled, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-    return metrics
-
-
 @pytest.fixture(scope="module")
-def reference(six_rows) -> dict:
+def reference(six_rows, run_torch) -> dict:
     """The same steps by one `TorchTrainEngine` on all six rows (`conftest.six_row_batch`)."""
     batch, advantages = six_rows
     engine = TorchTrainEngine(_model(0), **ENGINE)
-    metrics = _run_torch(engine, batch, advantages, PLAN)
+    metrics = run_torch(engine, batch, advantages, PLAN)
     return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights())}
 
 
@@ -353,12 +340,12 @@ def test_checkpoint_resume_repeats_the_same_steps(fsdp_run):
     assert moved  # the resumed steps did train
 
 
-def test_state_dict_loads_into_the_torch_engine(fsdp_run, reference):
+def test_state_dict_loads_into_the_torch_engine(fsdp_run, reference, run_torch):
     """`state_dict()` is the torch engine's format: a torch engine continues where FSDP stopped."""
     engine = TorchTrainEngine(_model(9), **ENGINE)
     engine.load_state_dict(fsdp_run["state"])
     assert engine.version == NUM_RL_STEPS
-    _run_torch(engine, reference["batch"], reference["advantages"], RESUME)
+    run_torch(engine, reference["batch"], reference["advantages"], RESUME)
     _assert_same_weights(list(engine.named_weights()), fsdp_run["continued"])
 
 

@@ -185,27 +185,14 @@ def _left_padded(batch: TokenBatch) -> TokenBatch:
     return TokenBatch(pad(batch.input_ids, T.pad_id), pad(batch.attention_mask, 0), pad(batch.loss_mask, 0), pad(batch.behavior_logprobs, 0), pad(batch.versions, -1))
 
 
-def _run_torch(engine: TorchTrainEngine, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
-    metrics = []
-    for step in plan:
-        if step == "sft":
-            metrics.append(engine.sft_step(batch))
-        else:
-            proximal = engine.logprobs(batch)
-            step = dict(step)
-            scaled = advantages * step.pop("scale", 1.0)
-            metrics.append(engine.train_step(batch, scaled, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-    return metrics
-
-
 @pytest.fixture(scope="module")
-def reference(six_rows) -> dict:
+def reference(six_rows, run_torch) -> dict:
     """The same steps by one `TorchTrainEngine` on all six rows (`conftest.six_row_batch`)."""
     batch, advantages = six_rows
     engine = TorchTrainEngine(_model(0), **ENGINE)
-    metrics = _run_torch(engine, batch, advantages, PLAN)
+    metrics = run_torch(engine, batch, advantages, PLAN)
     untied = TorchTrainEngine(_untied(), **ENGINE)
-    untied_metrics = _run_torch(untied, batch, advantages, PLAN[:3])
+    untied_metrics = run_torch(untied, batch, advantages, PLAN[:3])
     return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights()), "untied_metrics": untied_metrics, "untied_weights": list(untied.named_weights())}
 
 
@@ -321,7 +308,7 @@ def test_a_state_moved_between_engines_goes_on_exactly(ranks):
     assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(led["weights"], led["continued"]))  # the resumed steps did train
 
 
-def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference):
+def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference, run_torch):
     """A torch engine continues where megatron stopped, and megatron engines that loaded the torch
     engine's state (saved with other settings) continue as megatron did, keeping their own lr."""
     led = ranks["led"]
@@ -333,7 +320,7 @@ def test_state_dict_is_the_torch_engines_format_both_ways(ranks, reference):
     engine = TorchTrainEngine(_model(9), **ENGINE)
     engine.load_state_dict(state)
     assert engine.version == NUM_RL_STEPS
-    _run_torch(engine, reference["batch"], reference["advantages"], RESUME)
+    run_torch(engine, reference["batch"], reference["advantages"], RESUME)
     _assert_same_weights(list(engine.named_weights()), led["continued"])
     assert led["from_torch_version"] == NUM_RL_STEPS
     assert led["from_torch_settings"] == {"lr": ENGINE["lr"], "weight_decay": ENGINE["weight_decay"], "fused": True}
