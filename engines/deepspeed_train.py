@@ -188,6 +188,7 @@ class DeepSpeedTrainEngine:
         Under ZeRO-1 and -2 a plain module DeepSpeed does not manage, whole on every rank (its
         passes are local); under ZeRO-3 the module of `_reference_engine`, partitioned. Kept in
         `state_dict()` as the torch engine's `reference`, parked with the model."""
+        self.kl_reference = kl_reference
         self._parked_reference: Any = None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.deepspeed, self.zero, _, _ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=model, optimizer=optimizer, config=config, dist_init_required=False)

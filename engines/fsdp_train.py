@@ -22,6 +22,13 @@ reference pass all-gathers a layer at a time, every rank in step, a dummy one wi
 pass), in `state_dict()` whole as the torch engine's `reference`, set from rank 0's at build
 and load, and parked with the model by a seat (`HoldsReference`).
 
+With `lora_rank` > 0 only LoRA adapters train (`engines.lora`): every rank adds the same
+ones (from a fixed seed; led, rank 0's are broadcast with its weights) before sharding, so
+the base and the adapters are sharded alike, and AdamW holds the adapters' state only. The
+KL reference is the model with its adapters off (no copy); a weight pass gathers each
+adapted layer's weight, A and B and yields the merged weight under the base model's name;
+`state_dict()` has the torch engine's LoRA format ("lora": base, adapters, settings).
+
 Micro-batches run padding-free where the model can (`padding_free=None`; True insists,
 False pads), as in the torch engine and with its code (`engines.padding_free`): only their
 rows' real tokens go through the model, and a token budget counts those. Padded, a
@@ -72,9 +79,10 @@ vendor).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +99,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from tidal.engines import lora as lora_
 from tidal.engines import rank_steps
 from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
 from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
@@ -126,6 +135,8 @@ class FSDPTrainEngine:
     `rank0_leads=True`: only rank 0 is called; the other ranks run `follow()` (see the module).
     """
 
+    train_keys = ("lora_rank", "lora_alpha", "lora_target_modules")
+    """The recipe's LoRA keys (`TakesTrainKeys`)."""
     distributed = True
     """Needs an initialised process group: `tidal run` makes a one-process group when none exists."""
     collective = True
@@ -151,6 +162,9 @@ class FSDPTrainEngine:
         rank0_leads: bool = False,
         padding_free: bool | None = None,
         kl_reference: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_target_modules: Sequence[str] | str = lora_.TARGETS_ALL_LINEAR,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if isinstance(model, FSDPModule):
@@ -167,17 +181,23 @@ class FSDPTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference)
-            send_command("init", model=model_recipe(model), options=options)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules)
+            send_command("init", model=model_recipe(model), options=options)  # the followers add the same adapters to theirs
+        self.lora = lora_.lora_settings(lora_rank, lora_alpha, lora_target_modules)
+        """The LoRA adapters' settings (`engines.lora`); None: every weight trains."""
+        if self.lora is not None:
+            lora_.add_adapters(model, self.lora)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference else None
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference and self.lora is None else None
         """A frozen copy of the weights the engine was built with (rank 0's, when led), the
         reference policy of a loss with `kl_coef > 0` (`kl_reference=True`), sharded as the
         model is: its forward passes are collectives, as the model's. Kept in `state_dict()`
-        and in the sharded `save_checkpoint`; a seat parks it with the model."""
+        and in the sharded `save_checkpoint`; a seat parks it with the model. With LoRA the
+        reference is the base with the adapters off (`engines.lora.adapters_off`), no copy."""
+        self.kl_reference = kl_reference
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         shard(model, mesh)
         if self.reference is not None:
@@ -188,7 +208,7 @@ class FSDPTrainEngine:
                 if module is not None:
                     set_model_state_dict(module, dict(weights), options=_FROM_RANK0)  # the followers built theirs from random weights; a dict of its own: the call puts the shards in it
         del weights
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
@@ -247,10 +267,8 @@ class FSDPTrainEngine:
         with self.platform.autocast(self.precision):
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache).logits
         if reference:
-            assert self.reference is not None  # train_step checked it
-            with torch.no_grad(), self.platform.autocast(self.precision):
-                self.reference(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
-            reshard(self.reference)
+            with torch.no_grad(), self._reference() as module, self.platform.autocast(self.precision):
+                module(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
         if backward:
             (logits.float().sum() * 0.0).backward()
 
@@ -339,10 +357,22 @@ class FSDPTrainEngine:
     @torch.no_grad()
     def reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
         """A collective, as the model's forward: every rank makes it for each of its micro-batches (or a dummy pass)."""
-        assert self.reference is not None  # train_step checked it
-        logprobs = self.token_stats(part, module=self.reference)[0]
-        reshard(self.reference)  # a root keeps its gathered parameters after a forward without backward
-        return logprobs
+        with self._reference() as module:
+            return self.token_stats(part, module=module)[0]
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference for a forward without backward, resharded after it (a root keeps its
+        gathered parameters then): the frozen copy, or with LoRA the model with its adapters off."""
+        if self.reference is not None:
+            try:
+                yield self.reference
+            finally:
+                reshard(self.reference)
+            return
+        assert self.lora is not None and self.kl_reference  # train_step checked it
+        with lora_.adapters_off(self.model), evaluating(self.model):
+            yield self.model
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows (`rank_steps.sft_step`; led by rank 0:
@@ -376,7 +406,8 @@ class FSDPTrainEngine:
         return LazyWeights(self._weight_specs, self._weight_pass)
 
     def _weight_specs(self) -> list[TensorSpec]:
-        return [TensorSpec.of(name, tensor) for name, tensor in self.model.state_dict().items()]  # a DTensor's shape is global
+        weights = self.model.state_dict() if self.lora is None else lora_.base_weights(self.model)  # LoRA: merged ones keep the base's shape and dtype
+        return [TensorSpec.of(name, tensor) for name, tensor in weights.items()]  # a DTensor's shape is global
 
     def _weight_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._leading:
@@ -390,8 +421,11 @@ class FSDPTrainEngine:
                 pass
 
     def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora is not None:  # each adapted layer merged: its weight, A and B gathered when the weight is reached
+            yield from lora_.merged_weights(self.model, full=_gathered)
+            return
         for name, tensor in self.model.state_dict().items():
-            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            yield name, _gathered(tensor)
 
     def _fqns(self) -> list[str]:
         """The name of each optimizer parameter, in the optimizer's order (torch's integer ids)."""
@@ -411,12 +445,17 @@ class FSDPTrainEngine:
     def _state_dict(self) -> dict[str, Any]:
         reference = {} if self.reference is None else {"reference": self._unshared(get_model_state_dict(self.reference, options=_FULL))}  # gathered: a collective
         if not self.optimizer.state:  # nothing to gather; asking would create zero moments
-            return {"model": self._unshared(get_model_state_dict(self.model, options=_FULL)), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
-        model, optim = get_state_dict(self.model, self.optimizer, options=_FULL)
-        index = {name: i for i, name in enumerate(self._fqns())}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim.get("param_groups", [])]
-        state = {index[n]: self._unshared(s) for n, s in optim.get("state", {}).items()}
-        return {"model": self._unshared(model), "optimizer": {"state": state, "param_groups": groups}, "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
+            model, optimizer = self._unshared(get_model_state_dict(self.model, options=_FULL)), self.optimizer.state_dict()
+        else:
+            full, optim = get_state_dict(self.model, self.optimizer, options=_FULL)
+            index = {name: i for i, name in enumerate(self._fqns())}
+            groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim.get("param_groups", [])]
+            model, optimizer = self._unshared(full), {"state": {index[n]: self._unshared(s) for n, s in optim.get("state", {}).items()}, "param_groups": groups}
+        state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
+        if self.lora is not None:  # rank 0's full state, in the torch engine's LoRA format (other ranks': empty)
+            state["model"] = dict(lora_.merged_weights(self.model, model, full=lambda t: t)) if model else {}
+            state["lora"] = {"base": lora_.base_weights(self.model, model), "adapters": lora_.adapter_weights(self.model, model), "settings": self.lora.keys()}
+        return state
 
     def _unshared(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` with copies of the tensors that are live engine state (on CPU, "offloading" returns
@@ -432,6 +471,11 @@ class FSDPTrainEngine:
         0: rank 0 calls it.
         """
         saved, position = state["optimizer"], state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
+        model = state["model"]
+        if self.lora is not None:  # the adapted model's weights, exactly: its base and adapters ("model", merged, follows from them)
+            if not isinstance(state.get("lora"), dict):
+                raise ValueError(f"train.lora_rank={self.lora.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
+            model = lora_.adapted_state(self.model, state["lora"]["base"], state["lora"]["adapters"])
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
             send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
@@ -440,7 +484,7 @@ class FSDPTrainEngine:
             "state": {names[int(i)]: s for i, s in saved["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
         }
-        self._load_state_dict(dict(state["model"]), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None, reference=reference)
+        self._load_state_dict(dict(model), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None, reference=reference)
 
     def _load_state_dict(
         self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False, reference: dict[str, Any] | None = None
@@ -477,3 +521,8 @@ class FSDPTrainEngine:
 
     def _load_checkpoint(self, directory: str | Path) -> None:
         self.version = load_sharded(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, reference=self.reference)
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor all-gathered (a collective), or a plain one detached."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+ADAPTER_SEED = 0
+"""The CPU generator's seed while adapters are made (their A matrices are random, B is 0):
+every rank of a multi-rank engine, and every engine, makes the same ones from the same
+model, which is on the host then."""
 TARGETS_ALL_LINEAR = "all-linear"
 """peft's name for every linear layer but the output head."""
 
@@ -58,7 +62,8 @@ class LoraSettings:
         from peft import LoraConfig  # noqa: PLC0415
 
         targets: str | list[str] = TARGETS_ALL_LINEAR if self.target_modules == (TARGETS_ALL_LINEAR,) else list(self.target_modules)
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+        alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha  # peft and vLLM type it an int
+        return LoraConfig(r=self.rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
 
 
 def lora_settings(rank: int, alpha: float, target_modules: Any) -> LoraSettings | None:
@@ -71,6 +76,7 @@ def lora_settings(rank: int, alpha: float, target_modules: Any) -> LoraSettings 
 
 def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """Inject LoRA layers into `model` in place, freeze every other weight; returns `model`.
+    The adapters are made from the CPU generator seeded with `ADAPTER_SEED`.
 
     Raises:
         ImportError: peft is not installed (naming the extra that installs it).
@@ -82,7 +88,9 @@ def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Mod
     except ImportError as e:
         raise ImportError(f"train.lora_rank={settings.rank} needs peft: pip install 'tidal-rl[lora]' -c constraints.txt ({e})") from None
     try:
-        peft.inject_adapter_in_model(settings.peft_config(), model)
+        with torch.random.fork_rng(devices=[]):  # the same A on every rank and in every engine; the run's RNG untouched
+            torch.manual_seed(ADAPTER_SEED)
+            peft.inject_adapter_in_model(settings.peft_config(), model)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"train.lora_target_modules={list(settings.target_modules)}: {e}") from None
     shared = _tied_names(model)
@@ -122,53 +130,69 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's weights (adapters left out), under its own names: the model's
-    tensors, no copies."""
-    return {_base_name(name): tensor for name, tensor in model.state_dict().items() if not _is_adapter(name)}
+def base_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The base model's weights (adapters left out), under its own names: the tensors of
+    `state` (the adapted model's by its names; default: `model.state_dict()`), no copies."""
+    return {_base_name(name): tensor for name, tensor in (model.state_dict() if state is None else state).items() if not _is_adapter(name)}
 
 
-def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' A and B matrices under the adapted model's names: its tensors, no copies."""
-    return {name: tensor for name, tensor in model.state_dict().items() if _is_adapter(name)}
+def adapter_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapters' A and B matrices under the adapted model's names: the tensors of `state`
+    (default: `model.state_dict()`), no copies."""
+    return {name: tensor for name, tensor in (model.state_dict() if state is None else state).items() if _is_adapter(name)}
 
 
-def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the base model, by its name, with each adapted layer's weight merged
-    (`W + scale * B @ A`, a new tensor in `W`'s dtype; every other weight is the model's own
-    tensor). One merged tensor at a time: a consumer that copies each before taking the next
-    holds one layer's extra memory."""
-    layers = _layers(model)
-    merged = {f"{name}.base_layer.weight": layer for name, layer in layers.items()}
-    for name, tensor in model.state_dict().items():
+def merged_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None, *, full: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the base model, by its name and in its order, with each adapted layer's
+    weight merged: `W + scale * B @ A`, a new tensor in `W`'s dtype; every other weight is
+    `full(tensor)` (the model's own tensor, by default).
+
+    `state`: the adapted model's weights by its names (default: `model.state_dict()`), each
+    passed through `full` when reached (a sharded engine gathers it there: every rank makes
+    the same calls in the same order). One merged tensor at a time: a consumer that copies
+    each before taking the next holds one layer's extra memory.
+    """
+    state = model.state_dict() if state is None else state
+    scales = {f"{name}.base_layer.weight": (name, layer.scaling["default"]) for name, layer in _layers(model).items()}
+    for name, tensor in state.items():
         if _is_adapter(name):
             continue
-        layer = merged.get(name)
-        if layer is None:
-            yield _base_name(name), tensor.detach()
+        if name not in scales:
+            yield _base_name(name), full(tensor)
             continue
+        layer, scale = scales[name]
         with torch.no_grad():
-            delta = sum((layer.get_delta_weight(adapter) for adapter in layer.active_adapters), torch.zeros_like(tensor))
-            yield _base_name(name), (tensor.detach() + delta.to(tensor.dtype))
+            weight, a, b = (full(t) for t in (tensor, state[f"{layer}.lora_A.default.weight"], state[f"{layer}.lora_B.default.weight"]))
+            yield _base_name(name), weight + ((b @ a) * scale).to(weight.dtype)  # as peft's get_delta_weight computes it
 
 
-def load_weights(model: torch.nn.Module, base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> None:
-    """Set an adapted model's base weights (by the base's names, as `base_weights` gives them)
-    and adapters (as `adapter_weights` does) exactly; strict: every weight of both is given.
+def adapted_state(model: torch.nn.Module, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapted model's weights by its own names, from its base weights (by the base's
+    names, as `base_weights` gives them) and adapters (as `adapter_weights` does); strict:
+    every weight of both is given, and nothing else.
+
+    Raises:
+        ValueError: a name is missing or unknown, naming it.
+    """
+    own = list(model.state_dict())
+    wanted = {_base_name(name): name for name in own if not _is_adapter(name)}
+    adapter_names = {name for name in own if _is_adapter(name)}
+    missing = sorted({*wanted} - {*base} | adapter_names - {*adapters})
+    unknown = sorted({*base} - {*wanted} | {*adapters} - adapter_names)
+    if missing or unknown:
+        raise ValueError(f"the LoRA state does not fit this model (train.lora_rank, train.lora_target_modules): missing {missing[:3]}, unknown {unknown[:3]}")
+    return {**{wanted[name]: tensor for name, tensor in base.items()}, **adapters}
+
+
+def load_weights(model: torch.nn.Module, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]) -> None:
+    """Set an adapted model's base weights and adapters exactly (`adapted_state`).
 
     Raises:
         ValueError: a name is missing or unknown, naming it (nothing is set then).
     """
-    own = model.state_dict()
-    wanted = {_base_name(name): name for name in own if not _is_adapter(name)}
-    missing = sorted({*wanted, *(n for n in own if _is_adapter(n))} - {*base, *adapters})
-    unknown = sorted({*base} - {*wanted} | {*adapters} - {n for n in own if _is_adapter(n)})
-    if missing or unknown:
-        raise ValueError(f"the LoRA state does not fit this model (train.lora_rank, train.lora_target_modules): missing {missing[:3]}, unknown {unknown[:3]}")
+    given, own = adapted_state(model, base, adapters), model.state_dict()
     with torch.no_grad():
-        for name, tensor in base.items():
-            own[wanted[name]].copy_(tensor)
-        for name, tensor in adapters.items():
+        for name, tensor in given.items():
             own[name].copy_(tensor)
 
 

@@ -170,6 +170,7 @@ class MegatronTrainEngine:
         self.reference = megatron_model(model, self.layout).to(self.device).eval().requires_grad_(False) if kl_reference else None
         """A frozen `GPTModel` of the weights the engine was built with, the reference policy of a
         loss with `kl_coef > 0` (`kl_reference=True`); kept in `state_dict()`, parked with the model."""
+        self.kl_reference = kl_reference
         if self.world_size > 1:
             with torch.no_grad():
                 for p in self._weights():

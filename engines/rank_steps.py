@@ -30,8 +30,9 @@ COVERED = "_covered"
 class RankedTrainer(Protocol):
     """What the steps here need of a multi-rank train engine."""
 
-    reference: Any
-    """The frozen KL reference, or None (an engine built without `kl_reference`)."""
+    kl_reference: bool
+    """Whether the engine holds a KL reference (built with `kl_reference`): a frozen copy of
+    the weights it was built with, or with LoRA adapters the base they sit on."""
     world_size: int
     device: torch.device
     scheduler: Any
@@ -104,7 +105,7 @@ def train_step(engine: RankedTrainer, batch: TokenBatch, advantages: torch.Tenso
         ValueError: a loss with `kl_coef > 0` on an engine built without `kl_reference`, or
             advantages or proximal logprobs not shaped like the batch, before any rank runs anything.
     """
-    if loss.kl_coef > 0 and engine.reference is None:
+    if loss.kl_coef > 0 and not engine.kl_reference:
         raise ValueError(f"a loss with kl_coef={loss.kl_coef} needs a reference policy: build the engine with kl_reference=True")
     check_step_inputs(batch, advantages, proximal_logprobs)
     batch, loss, masked = mask_sequences(batch, loss, proximal_logprobs, engine.logprobs)

@@ -133,3 +133,17 @@ def test_weights_are_not_kept_in_a_transports_memory():
 
     with pytest.raises(ValueError, match="merged from the base and the adapters"):
         engine.share_weights(place, before_change=lambda: None)
+
+
+def test_adapters_are_the_same_whatever_the_generators_state_and_leave_it_as_it_was():
+    """Every rank of a multi-rank engine, and every engine, makes the same adapters from the
+    same model (`ADAPTER_SEED`); the run's generator goes on as if none were made."""
+    torch.manual_seed(1)
+    first = lora.adapter_weights(TorchTrainEngine(tiny(), lora_rank=4).model)
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    assert torch.equal(torch.rand(3), after)
+    torch.manual_seed(2)
+    second = lora.adapter_weights(TorchTrainEngine(tiny(), lora_rank=4).model)
+    assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
+    assert any(t.abs().sum() > 0 for n, t in first.items() if ".lora_A." in n)

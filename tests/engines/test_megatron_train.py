@@ -397,7 +397,7 @@ def test_a_kl_term_without_a_reference_is_refused_before_anything_runs():
     """An engine built without `kl_reference` holds no reference policy (`tidal run` builds it
     with one for `algorithm.kl_coef > 0`: tests/tools/test_megatron_run.py); the check needs no model."""
     engine = object.__new__(MegatronTrainEngine)
-    engine.reference, engine.led, engine.rank = None, True, 0
+    engine.reference, engine.kl_reference, engine.led, engine.rank = None, False, True, 0
     batch = TokenBatch(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="a loss with kl_coef=0.1 needs a reference policy: build the engine with kl_reference=True"):
         engine.train_step(batch, torch.zeros(1), loss=PolicyLossConfig(kl_coef=0.1))
