@@ -212,25 +212,43 @@ class LazyWeights:
         return self._tensors()
 
 
+SNAPSHOT_BATCH_BYTES = 1 << 30
+"""`snapshot` copies the tensors it has taken each time they add up to this many bytes."""
+
+
 def snapshot(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """A copy of every tensor (detached), as views into one new buffer per dtype and device
-    filled by one copy op each: a clone per tensor would give up the GIL once per tensor,
-    and a trainer publishing weights would wait for the threads its publish just woke."""
-    listed = [(name, tensor.detach()) for name, tensor in weights]
-    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, (_, tensor) in enumerate(listed):
-        kinds.setdefault((tensor.dtype, tensor.device), []).append(i)
-    out: list[tuple[str, torch.Tensor]] = list(listed)
-    for (dtype, device), members in kinds.items():
-        flat = torch.empty(sum(listed[i][1].numel() for i in members), dtype=dtype, device=device)
-        views, offset = [], 0
-        for i in members:
-            shape = listed[i][1].shape
-            views.append(flat[offset : offset + listed[i][1].numel()].view(shape))
-            offset += listed[i][1].numel()
-        torch._foreach_copy_(views, [listed[i][1] for i in members])
-        for i, view in zip(members, views):
-            out[i] = (listed[i][0], view)
+    """A copy of every tensor (detached), as views into new buffers, one per dtype and device
+    for each `SNAPSHOT_BATCH_BYTES` of tensors, each filled by one copy op: a clone per tensor
+    would give up the GIL once per tensor, and a trainer publishing weights would wait for the
+    threads its publish just woke. Copying batch by batch as the tensors come keeps what a
+    source makes as it is taken (a LoRA engine's merged weights) to one batch beside the copy."""
+    out: list[tuple[str, torch.Tensor]] = []
+    pending: list[int] = []  # indices into `out` still holding the source's tensors
+    size = 0
+
+    def copy_pending() -> None:
+        kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i in pending:
+            kinds.setdefault((out[i][1].dtype, out[i][1].device), []).append(i)
+        for (dtype, device), members in kinds.items():
+            flat = torch.empty(sum(out[i][1].numel() for i in members), dtype=dtype, device=device)
+            views, offset = [], 0
+            for i in members:
+                views.append(flat[offset : offset + out[i][1].numel()].view(out[i][1].shape))
+                offset += out[i][1].numel()
+            torch._foreach_copy_(views, [out[i][1] for i in members])
+            for i, view in zip(members, views):
+                out[i] = (out[i][0], view)
+        pending.clear()
+
+    for name, tensor in weights:
+        out.append((name, tensor.detach()))
+        pending.append(len(out) - 1)
+        size += tensor.numel() * tensor.element_size()
+        if size >= SNAPSHOT_BATCH_BYTES:
+            copy_pending()
+            size = 0
+    copy_pending()
     return out
 
 

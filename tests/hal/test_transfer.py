@@ -591,3 +591,29 @@ def test_a_shared_file_is_mapped_by_path_and_deleted_when_closed(tmp_path):
     assert not shared.path.exists() and shared.nbytes == 0 and other[:4].tolist() == [1, 2, 3, 4]  # a mapping keeps its pages
     with pytest.raises(TransferError, match=r"cannot map the shared weight buffer .*No such file or directory.*its holder closed it or died, or runs on another host"):
         map_shared(str(shared.path), 1)
+
+
+def test_snapshot_copies_a_sources_tensors_batch_by_batch_as_they_come(monkeypatch):
+    """A source that makes each tensor as it is taken (a LoRA engine's merged weights) has at
+    most a batch of them alive beside the copy: each batch is copied, and its tensors let go,
+    once it holds `SNAPSHOT_BATCH_BYTES`."""
+    import weakref
+
+    from tidal.hal import transfer
+
+    monkeypatch.setattr(transfer, "SNAPSHOT_BATCH_BYTES", 2 * 16 * 4)  # two of the tensors below
+    made: list[weakref.ref] = []
+    alive = []
+
+    def source():
+        for k in range(7):
+            alive.append(sum(ref() is not None for ref in made))
+            tensor = torch.full((16,), float(k))
+            made.append(weakref.ref(tensor.untyped_storage()))  # alive while any tensor uses the memory
+            yield f"w{k}", tensor
+
+    copies = transfer.snapshot(source())
+    assert [n for n, _ in copies] == [f"w{k}" for k in range(7)]
+    assert all(torch.equal(t, torch.full((16,), float(k))) for k, (_, t) in enumerate(copies))
+    assert max(alive) <= 2
+    assert sum(ref() is not None for ref in made) == 0
