@@ -116,11 +116,6 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
     return {name for names in by_tensor.values() if len(names) > 1 for name in names}
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
-    """Whether `model` holds LoRA layers (`add_adapters`)."""
-    return bool(_layers(model))
-
-
 def _is_adapter(name: str) -> bool:
     return ".lora_" in name
 

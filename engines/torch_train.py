@@ -339,7 +339,7 @@ class TorchTrainEngine:
         if self.lora is not None:  # each merged layer to the host as it is made: at most one extra on the device
             base = lora_.base_weights(self.model)
             model = {n: t if t.data_ptr() == base[n].data_ptr() else t.cpu() for n, t in lora_.merged_weights(self.model)}
-            lora = {"base": lora_.base_weights(self.model), "adapters": lora_.adapter_weights(self.model), "settings": self.lora.keys()}
+            lora = {"base": base, "adapters": lora_.adapter_weights(self.model), "settings": self.lora.keys()}
             return {"model": model, "lora": lora, "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         if self.reference is not None:
