@@ -34,9 +34,8 @@ import torch.distributed as dist
 
 from tidal.engines.fsdp_setup import TORCHRUN_VARS
 from tidal.hal import Platform
+from tidal.hal.select import DEEPSPEED_VAR as ACCELERATOR_VAR  # hal sets it when it selects the platform
 
-ACCELERATOR_VAR = "DS_ACCELERATOR"
-"""The variable DeepSpeed reads, once, when it first picks its accelerator."""
 _DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 """The start of the two warnings the second patch ignores."""
 ZERO_STAGES = (1, 2, 3)

@@ -120,6 +120,12 @@ def select_platform(recipe_device: str | None = None) -> Selection:
 
 _current: Selection | None = None
 _selecting = threading.Lock()
+"""Held while the platform is selected, so threads that ask at once get one platform
+object, not one each (a `set_visible_devices` or peak-memory reset on one would not show
+on the other). Today every process selects before it starts threads (rollout actors in
+`__init__`, the trainer before its stages); a threaded Ray actor (`max_concurrency`) whose
+first method call selects would race without it. Uncontended once selected: the fast
+path reads `_current` without it."""
 
 DEEPSPEED_VAR = "DS_ACCELERATOR"
 """The variable DeepSpeed reads, once, when it is first imported, to pick its accelerator."""
@@ -138,12 +144,6 @@ def name_deepspeed_accelerator(platform: Platform) -> None:
     given, ours = os.environ.get(DEEPSPEED_VAR), os.environ.get(DEEPSPEED_SET_VAR)
     if given is None or given == ours:
         os.environ[DEEPSPEED_VAR] = os.environ[DEEPSPEED_SET_VAR] = platform.descriptor.deepspeed_accelerator
-"""Held while the platform is selected, so threads that ask at once get one platform
-object, not one each (a `set_visible_devices` or peak-memory reset on one would not show
-on the other). Today every process selects before it starts threads (rollout actors in
-`__init__`, the trainer before its stages); a threaded Ray actor (`max_concurrency`) whose
-first method call selects would race without it. Uncontended once selected: the fast
-path reads `_current` without it."""
 
 
 def init_platform(recipe_device: str | None = None) -> Selection:
