@@ -148,3 +148,16 @@ def test_the_state_is_the_torch_engines_both_ways(fsdp_run, reference):
     assert state["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
     assert state["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
     _assert_same_weights(fsdp_run["from_torch"], reference["continued"])
+
+
+@pytest.mark.gpu
+def test_one_rank_on_a_real_gpu_trains_the_torch_engines_adapters(tmp_path, reference, spawn, write_data):
+    """FSDP2 over NCCL on one real GPU (a group of one holding every row) trains the adapters
+    the torch engine trains on CPU, and exports the same merged weights."""
+    write_data(tmp_path, reference["batch"], reference["advantages"], shards=[list(range(6))], plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size, torch_state=reference["state"], led=False)
+    spawn(tmp_path, WORKER, world=1, device="cuda")
+    run = torch.load(tmp_path / "result.pt", weights_only=False, map_location="cpu")
+    got = dict(run["weights"])
+    for name, expected in reference["weights"]:  # float32 on another device: sums in another order
+        torch.testing.assert_close(got[name], expected, atol=1e-4, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_same_weights(run["from_torch"], reference["continued"])
