@@ -76,7 +76,8 @@ def lora_settings(rank: int, alpha: float, target_modules: Any) -> LoraSettings 
 
 def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """Inject LoRA layers into `model` in place, freeze every other weight; returns `model`.
-    The adapters are made from the CPU generator seeded with `ADAPTER_SEED`.
+    The adapters are made from the CPU generator seeded with `ADAPTER_SEED`, in float32
+    over a half-precision base too (peft computes each adapter's part in its dtype).
 
     Raises:
         ImportError: peft is not installed (naming the extra that installs it).
@@ -93,6 +94,9 @@ def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Mod
             peft.inject_adapter_in_model(settings.peft_config(), model)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"train.lora_target_modules={list(settings.target_modules)}: {e}") from None
+    for name, param in model.named_parameters():  # as peft's get_peft_model (autocast_adapter_dtype): AdamW on float32 adapters over a half-precision base
+        if _is_adapter(name) and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
     shared = _tied_names(model)
     for name, layer in _layers(model).items():
         weight = f"{name}.base_layer.weight"

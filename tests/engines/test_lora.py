@@ -147,3 +147,16 @@ def test_adapters_are_the_same_whatever_the_generators_state_and_leave_it_as_it_
     second = lora.adapter_weights(TorchTrainEngine(tiny(), lora_rank=4).model)
     assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
     assert any(t.abs().sum() > 0 for n, t in first.items() if ".lora_A." in n)
+
+
+def test_adapters_on_a_bfloat16_base_train_in_float32_and_merge_into_its_dtype():
+    """As peft's `get_peft_model` makes them: AdamW steps float32 adapters; the merged weights
+    keep the base's dtype (a bfloat16 rollout model takes them as they are)."""
+    base, batch = tiny().to(torch.bfloat16), _batch()
+    engine = TorchTrainEngine(copy.deepcopy(base), lr=1e-2, lora_rank=4)
+    assert {t.dtype for t in lora.adapter_weights(engine.model).values()} == {torch.float32}
+    engine.train_step(batch, ADVANTAGES, loss=PolicyLossConfig())
+    merged = dict(engine.named_weights())
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    assert [s.dtype for s in engine.named_weights().specs()] == ["bfloat16"] * len(merged)
+    assert any(not torch.equal(merged[n], t) for n, t in base.state_dict().items())
