@@ -233,7 +233,10 @@ class RL:
             saved = run.saved
             reference = {"reference": saved["reference"]} if saved.get("reference") is not None else {}  # a run saved without one: this checkpoint's weights
             lora = {"lora": saved["lora"]} if saved.get("lora") is not None else {}  # the base and adapters, exactly (`Run.build` checked the keys)
-            self.trainer.load_state_dict({**self.trainer.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lr_scheduler": saved.get("lr_scheduler"), **reference, **lora})
+            # "model": the checkpoint's weights, which the engine was built from (asking the engine for its state
+            # would gather it whole, a collective of a sharded engine and a merged copy of a LoRA one, to be dropped)
+            state = {"model": self.template.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lr_scheduler": saved.get("lr_scheduler")}
+            self.trainer.load_state_dict({**state, **reference, **lora})
             set_rng_state(saved["rng"])
         self.rollout = build_rollout_engine(cfg, copy.deepcopy(self.template), run.tokenizer, platform=run.platform, version=self.trainer.version)  # the trainer's weights too
         self.sharing = None
