@@ -74,6 +74,31 @@ def lora_settings(rank: int, alpha: float, target_modules: Any) -> LoraSettings 
     return LoraSettings(rank=rank, alpha=alpha, target_modules=targets)
 
 
+def check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
+    """That `train.lora_target_modules` names modules of `model` that can take adapters:
+    linear layers that own their weight (a tied embedding or output head is one tensor under
+    two names, which would merge into two). `all-linear` takes every linear layer but the
+    output head, as peft resolves it. Cheap: no adapter is made (`tidal run` checks before
+    its warm start).
+
+    Raises:
+        ValueError: naming the key, what it matched, and the model's linear layers' names.
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists  # noqa: PLC0415
+
+    if settings.target_modules == (TARGETS_ALL_LINEAR,):
+        return
+    key = f"train.lora_target_modules={list(settings.target_modules)}"
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+    config, shared = settings.peft_config(), _tied_names(model)
+    matched = [(name, module) for name, module in model.named_modules() if name and check_target_module_exists(config, name)]
+    if not matched:
+        raise ValueError(f"{key} matches no module of the model; its linear layers are {', '.join(linear)} (or name all-linear)")
+    for name, module in matched:
+        if not isinstance(module, torch.nn.Linear) or f"{name}.weight" in shared:
+            raise ValueError(f"{key} takes in {name!r} ({type(module).__name__}), whose weight is not a linear layer's own: name linear layers that own their weights ({', '.join(linear)}), or all-linear")
+
+
 def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """Inject LoRA layers into `model` in place, freeze every other weight; returns `model`.
     The adapters are made from the CPU generator seeded with `ADAPTER_SEED`, in float32
@@ -81,27 +106,19 @@ def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Mod
 
     Raises:
         ImportError: peft is not installed (naming the extra that installs it).
-        ValueError: no module matched `train.lora_target_modules`, or one that did has a weight
-            it shares with another module (a tied embedding or output head).
+        ValueError: the targets cannot take adapters (`check_targets`); nothing is changed then.
     """
     try:
         import peft  # noqa: PLC0415
     except ImportError as e:
         raise ImportError(f"train.lora_rank={settings.rank} needs peft: pip install 'tidal-rl[lora]' -c constraints.txt ({e})") from None
-    try:
-        with torch.random.fork_rng(devices=[]):  # the same A on every rank and in every engine; the run's RNG untouched
-            torch.manual_seed(ADAPTER_SEED)
-            peft.inject_adapter_in_model(settings.peft_config(), model)
-    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise ValueError(f"train.lora_target_modules={list(settings.target_modules)}: {e}") from None
+    check_targets(model, settings)
+    with torch.random.fork_rng(devices=[]):  # the same A on every rank and in every engine; the run's RNG untouched
+        torch.manual_seed(ADAPTER_SEED)
+        peft.inject_adapter_in_model(settings.peft_config(), model)
     for name, param in model.named_parameters():  # as peft's get_peft_model (autocast_adapter_dtype): AdamW on float32 adapters over a half-precision base
         if _is_adapter(name) and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
-    shared = _tied_names(model)
-    for name, layer in _layers(model).items():
-        weight = f"{name}.base_layer.weight"
-        if not isinstance(layer.base_layer, torch.nn.Linear) or weight in shared:
-            raise ValueError(f"train.lora_target_modules={list(settings.target_modules)} takes in {name!r} ({type(layer.base_layer).__name__}), whose weight is not a linear layer's own: adapters go on linear layers that own their weights")
     return model
 
 

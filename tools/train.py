@@ -242,6 +242,7 @@ class Run:
             self.store = Store()
             policy = self.source.build(seed=cfg.seed)
             self.model, self.tokenizer = policy.module, policy.tokenizer
+        self._check_lora_targets()
         settings = {"group_size": cfg.algorithm.group_size, "max_new_tokens": self.budget, "prompts_per_generate": cfg.rollout.prompts_per_generate, "continuous": cfg.rollout.continuous_batching}
         self.launched = None
         if self.start_rollouts is not None and self.turns is None:  # rollout on devices of its own: its actors build their engines while this warms up
@@ -255,6 +256,25 @@ class Run:
             self.earlier = truncate_metrics(Path(cfg.resume) / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
             self.accuracy_before = state["accuracy_before"]
             self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({self.resume_from.name})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
+
+    def _check_lora_targets(self) -> None:
+        """`train.lora_target_modules` names layers of this model that take adapters, before the
+        warm start (the engines would refuse them only when they are built).
+
+        Raises:
+            ConfigError: naming the key and the model's linear layers (`engines.lora.check_targets`).
+        """
+        train = self.cfg.train
+        if not train.lora_rank:
+            return
+        from tidal.engines.lora import check_targets, lora_settings  # noqa: PLC0415
+
+        settings = lora_settings(train.lora_rank, train.lora_alpha, train.lora_target_modules)
+        assert settings is not None  # a rank > 0
+        try:
+            check_targets(self.model, settings)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _read_prompts(self) -> PromptSource:
         """The recipe's prompts (`prompt_source`), with a bar while data files are read and

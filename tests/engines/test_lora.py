@@ -108,12 +108,18 @@ def test_a_state_without_adapters_is_refused():
 
 @pytest.mark.parametrize(
     ("targets", "message"),
-    [(["no_such_layer"], r"train.lora_target_modules=\['no_such_layer'\]"), (["embed_tokens"], "'model.embed_tokens'.*linear layers that own their weights")],
-    ids=["no-match", "tied-embedding"],
+    [
+        (["no_such_layer"], r"train.lora_target_modules=\['no_such_layer'\] matches no module of the model; its linear layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+        (["embed_tokens"], r"'model.embed_tokens' \(Embedding\), whose weight is not a linear layer's own"),
+        (["lm_head"], r"'lm_head' \(Linear\), whose weight is not a linear layer's own"),  # tied to the embedding
+    ],
+    ids=["no-match", "embedding", "tied-head"],
 )
 def test_targets_that_cannot_take_adapters_are_refused(targets, message):
+    model = tiny()
     with pytest.raises(ValueError, match=message):
-        TorchTrainEngine(tiny(), lora_rank=4, lora_target_modules=targets)
+        TorchTrainEngine(model, lora_rank=4, lora_target_modules=targets)
+    assert not lora.adapter_weights(model)  # refused before any adapter was made
 
 
 def test_settings_are_checked():

@@ -89,6 +89,12 @@ def test_a_resume_with_other_adapters_is_refused_before_it_starts(tmp_path, rewa
     assert not (tmp_path / "second").exists()
 
 
+def test_targets_the_model_lacks_are_refused_before_the_warm_start(tmp_path, rewards):
+    with pytest.raises(ConfigError, match=r"train.lora_target_modules=\['qkv'\] matches no module of the model; its linear layers are down_proj, gate_proj, k_proj"):
+        _run(tmp_path / "run", "train.lora_target_modules=[qkv]")
+    assert not (tmp_path / "run" / "cache").exists()  # no warm start, no initial weights kept: the run directory holds what prepare_run wrote
+
+
 def test_a_run_without_adapters_is_not_resumed_with_them(tmp_path, rewards):
     first = tmp_path / "first"
     _run(first, "algorithm.num_steps=1", "sft.steps=0", "train.lora_rank=0")
