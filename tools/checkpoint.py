@@ -247,10 +247,10 @@ def check_lora(saved: dict[str, Any], train: Any, *, resume: str) -> None:
         if train.lora_rank:
             raise ConfigError(f"resume={resume!r}: its checkpoint trained every weight, and train.lora_rank={train.lora_rank} trains adapters (AdamW's state would not fit them); resume with train.lora_rank=0")
         return
-    given = {"train.lora_rank": train.lora_rank, "train.lora_alpha": train.lora_alpha, "train.lora_target_modules": list(train.lora_target_modules)}
-    for key, value in lora["settings"].items():
-        if given.get(key) != value:
-            raise ConfigError(f"resume={resume!r}: its checkpoint trained LoRA adapters with {key}={value}, the recipe says {given.get(key)}; resume with {key}={value}")
+    for key, value in lora["settings"].items():  # `LoraSettings.keys()`: "train.<field>" -> its value
+        given = getattr(train, key.removeprefix("train."))
+        if given != value:
+            raise ConfigError(f"resume={resume!r}: its checkpoint trained LoRA adapters with {key}={value}, the recipe says {given}; resume with {key}={value}")
 
 
 def check_checkpoint(folder: Path, *, source: ModelSource | None = None, train: Any = None) -> None:
