@@ -9,7 +9,9 @@ import each other or this file.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RANK_WORKER = Path(__file__).with_name("rank_worker.py")
+"""What the worker scripts share (`import rank_worker`): copied beside each."""
+
+
+def _rank_worker() -> Any:
+    """`rank_worker.py` as a module (this folder is no package, and pytest imports it with importlib)."""
+    spec = importlib.util.spec_from_file_location("rank_worker", RANK_WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def spawn_ranks(work: Path, script: str, world: int = 2, device: str | None = None) -> None:
     """Run `script` as ranks 0 .. world-1 of one group (gloo on CPU, or the `device` platform's
     backend); fail with every rank's exit code and log if one fails. The ranks run with
@@ -38,6 +53,7 @@ def spawn_ranks(work: Path, script: str, world: int = 2, device: str | None = No
     from tidal.engines.fsdp_train import TORCHRUN_VARS  # torch.distributed only for the tests that spawn
 
     (work / "worker.py").write_text(script)
+    shutil.copyfile(RANK_WORKER, work / RANK_WORKER.name)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_DEVICE", *TORCHRUN_VARS)}
     env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **({"TIDAL_DEVICE": device} if device else {}))
@@ -85,28 +101,11 @@ def six_row_batch(tokenizer: CharTokenizer) -> tuple[TokenBatch, torch.Tensor]:
     return to_token_batch(trajectories, pad_id=tokenizer.pad_id), advantages
 
 
-def run_torch_plan(engine: Any, batch: TokenBatch, advantages: torch.Tensor, plan: list) -> list[dict[str, float]]:
-    """Each step of `plan` on a `TorchTrainEngine` (the reference a multi-rank engine is held
-    to): "sft" a supervised step, a dict an RL step with those `PolicyLossConfig` fields (and
-    the advantages times its "scale"), its proximal logprobs the engine's before the step."""
-    from tidal.flow.algorithms import PolicyLossConfig
-
-    metrics = []
-    for step in plan:
-        if step == "sft":
-            metrics.append(engine.sft_step(batch))
-        else:
-            proximal = engine.logprobs(batch)
-            fields = dict(step)
-            scaled = advantages * fields.pop("scale", 1.0)
-            metrics.append(engine.train_step(batch, scaled, loss=PolicyLossConfig(**fields), proximal_logprobs=proximal))
-    return metrics
-
-
 @pytest.fixture(scope="session")
 def run_torch():
-    """`run_torch(engine, batch, advantages, plan)`: see `run_torch_plan`."""
-    return run_torch_plan
+    """`run_torch(engine, batch, advantages, plan)`: `rank_worker.run_plan`, the steps the rank
+    processes take, on a `TorchTrainEngine` (the reference they are held to)."""
+    return _rank_worker().run_plan
 
 
 @pytest.fixture(scope="session")

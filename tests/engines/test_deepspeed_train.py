@@ -64,6 +64,8 @@ WORKER = textwrap.dedent(
     from tidal.flow.trajectory import TokenBatch
     from tidal.hal import current_platform
 
+    import rank_worker  # beside this script (conftest.spawn_ranks)
+
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
     data = torch.load(work / "data.pt", weights_only=False)
@@ -72,19 +74,9 @@ WORKER = textwrap.dedent(
         return DeepSpeedTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=seed, **data["model"]), **data["engine"], **options)
 
     def run(e, plan, batch, advantages):
-        metrics = []
-        for step in plan:
-            if step == "sft":
-                metrics.append(e.sft_step(batch))
-            else:
-                proximal = e.logprobs(batch)
-                step = dict(step)
-                scaled = advantages * step.pop("scale", 1.0)
-                metrics.append(e.train_step(batch, scaled, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-        return metrics
+        return rank_worker.run_plan(e, batch, advantages, plan)
 
-    def export(e):
-        return [(name, tensor.clone()) for name, tensor in e.named_weights()]
+    export = rank_worker.export
 
     # SPMD, ZeRO-3: every rank calls every method with its own rows
     rows = data["shards"][rank]

@@ -39,9 +39,10 @@ WORKER = textwrap.dedent(
     from tidal.engines.fsdp_lead import follow, stop_followers
     from tidal.engines.fsdp_train import FSDPTrainEngine
     from tidal.engines.tiny import build_tiny_qwen2
-    from tidal.flow.algorithms import PolicyLossConfig
     from tidal.flow.trajectory import TokenBatch
     from tidal.hal import current_platform
+
+    import rank_worker  # beside this script (conftest.spawn_ranks)
 
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
@@ -56,18 +57,9 @@ WORKER = textwrap.dedent(
     advantages = data["advantages"][rows]
 
     def run(e, plan):
-        metrics = []
-        for step in plan:
-            if step == "sft":
-                metrics.append(e.sft_step(batch))
-            else:
-                proximal = e.logprobs(batch)
-                step = dict(step)
-                metrics.append(e.train_step(batch, advantages, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-        return metrics
+        return rank_worker.run_plan(e, batch, advantages, plan)
 
-    def export(e):
-        return [(name, tensor.clone()) for name, tensor in e.named_weights()]
+    export = rank_worker.export
 
     out = {}
     if led and rank != 0:

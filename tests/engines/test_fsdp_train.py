@@ -59,9 +59,10 @@ WORKER = textwrap.dedent(
 
     from tidal.engines.fsdp_train import FSDPTrainEngine
     from tidal.engines.tiny import build_tiny_qwen2
-    from tidal.flow.algorithms import PolicyLossConfig
     from tidal.flow.trajectory import TokenBatch
     from tidal.hal import current_platform
+
+    import rank_worker  # beside this script (conftest.spawn_ranks)
 
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
@@ -74,19 +75,9 @@ WORKER = textwrap.dedent(
         return FSDPTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=seed, **data["model"]), **data["engine"])
 
     def run(e, plan):
-        metrics = []
-        for step in plan:
-            if step == "sft":
-                metrics.append(e.sft_step(batch))
-            else:
-                proximal = e.logprobs(batch)
-                step = dict(step)
-                scaled = advantages * step.pop("scale", 1.0)
-                metrics.append(e.train_step(batch, scaled, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-        return metrics
+        return rank_worker.run_plan(e, batch, advantages, plan)
 
-    def export(e):
-        return [(name, tensor.clone()) for name, tensor in e.named_weights()]
+    export = rank_worker.export
 
     e = engine(0)
     fused = {"built": e.optimizer.param_groups[0]["fused"]}
@@ -144,6 +135,8 @@ LED_WORKER = textwrap.dedent(
     from tidal.flow.algorithms import PolicyLossConfig
     from tidal.flow.trajectory import TokenBatch
     from tidal.hal import current_platform
+
+    import rank_worker  # beside this script (conftest.spawn_ranks)
     from tidal.hal.transfer.host import HostReceiver, HostSender
 
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
@@ -191,16 +184,7 @@ LED_WORKER = textwrap.dedent(
             return FSDPTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=seed, **data["model"]), rank0_leads=True, **data["engine"])
 
         def run(e, plan):
-            metrics = []
-            for step in plan:
-                if step == "sft":
-                    metrics.append(e.sft_step(batch))
-                else:
-                    proximal = e.logprobs(batch)
-                    step = dict(step)
-                    scaled = advantages * step.pop("scale", 1.0)
-                    metrics.append(e.train_step(batch, scaled, loss=PolicyLossConfig(**step), proximal_logprobs=proximal))
-            return metrics
+            return rank_worker.run_plan(e, batch, advantages, plan)
 
         e = engine(0)
         out = {"metrics": run(e, data["plan"]), "version": e.version}

@@ -10,29 +10,18 @@ import pytest
 import torch
 
 from tidal.engines import lora
-from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.algorithms import PolicyLossConfig
-from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.tools.rl import unsharded
 
 pytest.importorskip("peft")
 
 T = CharTokenizer()
-ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, -1.0], dtype=torch.float64)
 
 
 def tiny(seed: int = 0) -> torch.nn.Module:
     return build_tiny_qwen2(T.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=seed, attention="sdpa")
-
-
-def _batch():
-    torch.manual_seed(0)
-    engine = HFRolloutEngine(tiny(), eos_id=T.eos_id, pad_id=T.pad_id)
-    trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-4=", "7+7=", "2-9="]]
-    engine.generate(trajectories, max_new_tokens=4)
-    return to_token_batch(trajectories, pad_id=T.pad_id)
 
 
 def _logits(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -40,8 +29,8 @@ def _logits(model: torch.nn.Module, batch) -> torch.Tensor:
         return model.eval()(input_ids=batch.input_ids).logits
 
 
-def test_only_the_adapters_train_and_the_merged_weights_are_the_adapted_model():
-    base, batch = tiny(), _batch()
+def test_only_the_adapters_train_and_the_merged_weights_are_the_adapted_model(six_rows):
+    base, (batch, advantages) = tiny(), six_rows
     engine = TorchTrainEngine(copy.deepcopy(base), lr=1e-2, lora_rank=4, lora_alpha=8)
     trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
@@ -50,7 +39,7 @@ def test_only_the_adapters_train_and_the_merged_weights_are_the_adapted_model():
     assert list(start) == list(base.state_dict())  # the base model's names, in its order
     assert all(torch.equal(start[n], t) for n, t in base.state_dict().items())  # B starts at 0: the base
     for _ in range(2):
-        engine.train_step(batch, ADVANTAGES, loss=PolicyLossConfig())
+        engine.train_step(batch, advantages, loss=PolicyLossConfig())
     assert all(torch.equal(t, base.state_dict()[n]) for n, t in lora.base_weights(engine.model).items())  # the base never moves
     merged = dict(engine.named_weights())
     changed = [n for n in merged if not torch.equal(merged[n], start[n])]
@@ -66,31 +55,31 @@ def test_target_modules_choose_the_adapted_layers():
     assert adapted == {"q_proj", "v_proj"}
 
 
-def test_the_kl_reference_is_the_base_with_the_adapters_off():
+def test_the_kl_reference_is_the_base_with_the_adapters_off(six_rows):
     """No copy of the model: the reference logprobs are the base's, while the policy's move."""
-    base, batch = tiny(), _batch()
+    base, (batch, advantages) = tiny(), six_rows
     engine = TorchTrainEngine(copy.deepcopy(base), lr=1e-2, lora_rank=4, kl_reference=True)
     assert engine.reference is None
     full = TorchTrainEngine(copy.deepcopy(base), kl_reference=True)
-    engine.train_step(batch, ADVANTAGES, loss=PolicyLossConfig(kl_coef=0.1))
-    metrics = engine.train_step(batch, ADVANTAGES, loss=PolicyLossConfig(kl_coef=0.1))
+    engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
+    metrics = engine.train_step(batch, advantages, loss=PolicyLossConfig(kl_coef=0.1))
     assert metrics["kl"] > 0  # the policy has moved away from the base
     torch.testing.assert_close(engine._reference_logprobs(batch), full._reference_logprobs(batch), rtol=0, atol=1e-6)
     assert all(p.requires_grad for n, p in engine.model.named_parameters() if ".lora_" in n)  # switched back on, still trained
 
 
-def test_a_state_round_trip_resumes_exactly():
+def test_a_state_round_trip_resumes_exactly(six_rows):
     """As a resume does it: a new engine around the merged weights (the checkpoint's model),
     given the saved base, adapters and optimizer, takes the very step the first one takes."""
-    base, batch = tiny(), _batch()
+    base, (batch, advantages) = tiny(), six_rows
     first = TorchTrainEngine(copy.deepcopy(base), lr=1e-2, lora_rank=4)
-    first.train_step(batch, ADVANTAGES, loss=PolicyLossConfig())
+    first.train_step(batch, advantages, loss=PolicyLossConfig())
     saved = copy.deepcopy(first.state_dict())
     assert saved["lora"]["settings"] == {"train.lora_rank": 4, "train.lora_alpha": 16.0, "train.lora_target_modules": ["all-linear"]}
     second = TorchTrainEngine(unsharded(base, first.named_weights()), lr=1e-2, lora_rank=4)
     second.load_state_dict({**second.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lora": saved["lora"]})
     for engine in (first, second):
-        engine.train_step(batch, ADVANTAGES, loss=PolicyLossConfig())
+        engine.train_step(batch, advantages, loss=PolicyLossConfig())
     a, b = dict(first.named_weights()), dict(second.named_weights())
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert all(torch.equal(t, base.state_dict()[n]) for n, t in lora.base_weights(second.model).items())
@@ -155,13 +144,13 @@ def test_adapters_are_the_same_whatever_the_generators_state_and_leave_it_as_it_
     assert any(t.abs().sum() > 0 for n, t in first.items() if ".lora_A." in n)
 
 
-def test_adapters_on_a_bfloat16_base_train_in_float32_and_merge_into_its_dtype():
+def test_adapters_on_a_bfloat16_base_train_in_float32_and_merge_into_its_dtype(six_rows):
     """As peft's `get_peft_model` makes them: AdamW steps float32 adapters; the merged weights
     keep the base's dtype (a bfloat16 rollout model takes them as they are)."""
-    base, batch = tiny().to(torch.bfloat16), _batch()
+    base, (batch, advantages) = tiny().to(torch.bfloat16), six_rows
     engine = TorchTrainEngine(copy.deepcopy(base), lr=1e-2, lora_rank=4)
     assert {t.dtype for t in lora.adapter_weights(engine.model).values()} == {torch.float32}
-    engine.train_step(batch, ADVANTAGES, loss=PolicyLossConfig())
+    engine.train_step(batch, advantages, loss=PolicyLossConfig())
     merged = dict(engine.named_weights())
     assert {t.dtype for t in merged.values()} == {torch.bfloat16}
     assert [s.dtype for s in engine.named_weights().specs()] == ["bfloat16"] * len(merged)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -65,3 +67,24 @@ def runs() -> types.SimpleNamespace:
     `runs.assert_colocated_as_alone(tidal_cli, tmp_path, common, env=)`: a colocated run is the
     disaggregated one."""
     return types.SimpleNamespace(steps=_steps, assert_same=_assert_same_run, assert_takes_steps_of=_assert_takes_steps_of, assert_colocated_as_alone=_assert_colocated_as_alone)
+
+
+@pytest.fixture
+def reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`reward_module(name, source)`: a module `name` holding `source`, importable by name for
+    the test, as a user's `task.reward=name:function` is (from the Python path), and returned
+    imported; a fresh import each test, dropped after it."""
+    folder = tmp_path / "rewards"
+    made: list[str] = []
+
+    def make(name: str, source: str) -> Any:
+        folder.mkdir(exist_ok=True)
+        (folder / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        made.append(name)
+        return importlib.import_module(name)
+
+    yield make
+    for name in made:
+        sys.modules.pop(name, None)

@@ -4,7 +4,6 @@ not fit the adapters is refused by key."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,8 @@ TINY = [
 
 
 @pytest.fixture
-def rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    folder = tmp_path / "rewards"
-    folder.mkdir()
-    (folder / "lora_rewards.py").write_text(REWARDS)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.delitem(sys.modules, "lora_rewards", raising=False)
-    yield
-    sys.modules.pop("lora_rewards", None)
+def rewards(reward_module) -> Any:
+    return reward_module("lora_rewards", REWARDS)
 
 
 def _run(run_dir: Path, *overrides: str) -> dict[str, Any]:

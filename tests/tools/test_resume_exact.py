@@ -43,16 +43,8 @@ TINY = [
 
 
 @pytest.fixture
-def rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    folder = tmp_path / "rewards"
-    folder.mkdir()
-    (folder / "resume_rewards.py").write_text(REWARDS)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.delitem(sys.modules, "resume_rewards", raising=False)
-    import resume_rewards
-
-    yield resume_rewards
-    sys.modules.pop("resume_rewards", None)
+def rewards(reward_module) -> Any:
+    return reward_module("resume_rewards", REWARDS)
 
 
 def _run(run_dir: Path, *overrides: str, stop: StopRequest | None = None) -> dict[str, Any]:

@@ -9,7 +9,6 @@ with rollout taking turns on the trainer's device: a few seconds.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,8 @@ TINY = [
 
 
 @pytest.fixture
-def rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    folder = tmp_path / "rewards"
-    folder.mkdir()
-    (folder / "summary_rewards.py").write_text(REWARDS)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.delitem(sys.modules, "summary_rewards", raising=False)
-    yield
-    sys.modules.pop("summary_rewards", None)
+def rewards(reward_module) -> Any:
+    return reward_module("summary_rewards", REWARDS)
 
 
 def _run(run_dir: Path, *overrides: str) -> dict[str, Any]:
