@@ -95,7 +95,7 @@ class AlgorithmConfig:
     """The RL algorithm and its staleness bound."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(
-        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 2, "max_staleness": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "overlong_buffer": 0},
+        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 2, "max_staleness": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "overlong_buffer": 0, "max_filtered_in_a_row": 1},
         positive=("tis_cap", "seq_mask_high"),
         finite=("seq_mask_low", "dual_clip", "entropy_coef"),
         why={
@@ -145,6 +145,11 @@ class AlgorithmConfig:
     overlong_buffer: int = 0
     """overlong=penalty: the last tokens before rollout.max_new_tokens over which the penalty falls from 0 to -1; 1..rollout.max_new_tokens (DAPO: a fifth of the budget, 4096 of 20480)."""
 
+    filter_groups: bool = False
+    """Dynamic sampling (DAPO; verl's algorithm.filter_groups): a group whose samples all got the same reward (after the overlong penalty), or whose rewards all failed but one, has every advantage 0 and no policy-gradient signal; it is left out of training, and rollout starts another prompt in its place, so each step trains prompts_per_step groups that carry signal (their share of a step no longer dilutes it). The `filtered_groups` metric counts them. Left-out groups add no KL or entropy term either (kl_coef, entropy_coef)."""
+    max_filtered_in_a_row: Optional[int] = None
+    """With filter_groups: how many groups may be left out one after another, with none kept between them, before the run stops with an error (every prompt solved, or none, or a reward that gives one value); null = 10 x prompts_per_step (verl's max_num_gen_batches=10). >= 1."""
+
     def check(self) -> None:
         """Each name key holds a known name."""
         from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS, OVERLONG  # noqa: PLC0415 - imports torch; loading a recipe must not
@@ -152,6 +157,11 @@ class AlgorithmConfig:
         for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS), ("overlong", OVERLONG)):
             if getattr(self, key) not in names:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)!r} is not one of {', '.join(names)}")
+
+    @property
+    def filtered_limit(self) -> int:
+        """`max_filtered_in_a_row`, its null resolved."""
+        return self.max_filtered_in_a_row if self.max_filtered_in_a_row is not None else 10 * self.prompts_per_step
 
     def loss(self, max_tokens: int) -> PolicyLossConfig:
         """The policy loss these keys describe, `max_tokens` the longest response

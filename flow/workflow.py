@@ -13,9 +13,11 @@ next safe point - before a generate call, or between decoding chunks, where the
 generation pauses and resumes with the new weights (partial rollout, every token keeps
 the version that produced it). Admission control keeps rollout from starting samples
 that could not be trained in time: a group may start only if, its samples counted as
-started, `started - dropped <= (max_staleness + version + 1) * batch_size` (AReaL's
-bound), and the trainer's sampler drops any group with a row older than `max_staleness`
-versions (whole, each row counted).
+started, `started - dropped - filtered <= (max_staleness + version + 1) * batch_size`
+(AReaL's bound), and the trainer's sampler drops any group with a row older than
+`max_staleness` versions (whole, each row counted). With `algorithm.filter_groups` the
+advantage stage leaves out the groups without signal (DAPO's dynamic sampling; `filtered`),
+and admission starts other prompts in their place.
 `max_staleness: 0` is synchronous on-policy training.
 
 The loader, reward and advantage stages are `flow.stages.Stages`, threads of the process
@@ -328,6 +330,7 @@ class Workflow:
             step_s=step_s,
             time=self.clock.wall(),
             dropped=rows.dropped,
+            **({"filtered_groups": self.stages.filtered_groups(before=self.version)} if cfg.algorithm.filter_groups else {}),
             failed_rewards=stage_metrics["failed_rewards"],
             reward_timeouts=stage_metrics["reward_timeouts"],
             **self._rollout_counts,

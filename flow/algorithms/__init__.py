@@ -2,13 +2,14 @@
 
 Nothing here knows about devices, engines or the store: every function takes tensors and
 returns tensors on the same device, so the trainer can call them wherever its model runs.
-`ADVANTAGES` maps recipe names to estimators; `policy_loss` with a `PolicyLossConfig`
+`ADVANTAGES` maps recipe names to estimators (`silent_groups` finds the groups they give no
+signal); `policy_loss` with a `PolicyLossConfig`
 covers PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO, KL and
 entropy terms (`token_entropy` gives the entropy from log-probabilities); `overlong`
 handles responses cut at the token budget (DAPO's filter and soft penalty).
 """
 
-from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo
+from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo, silent_groups
 from tidal.flow.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -41,5 +42,6 @@ __all__ = [
     "policy_loss",
     "rloo",
     "sequence_keep",
+    "silent_groups",
     "token_entropy",
 ]

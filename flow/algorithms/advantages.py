@@ -156,6 +156,25 @@ def dr_grpo(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
     return grpo(rewards, groups, normalize_std=False)
 
 
+def silent_groups(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Per row, `[num_rows]` bool: True for every row of a group without signal, one whose
+    every advantage is exactly 0 under every estimator: all its scored rewards are the same,
+    or fewer than two of its rewards scored (DAPO's dynamic sampling leaves such groups out).
+
+    Args:
+        rewards: Rewards, `[num_rows]`, floating point (non-finite: failed).
+        groups: One group id per row.
+
+    Raises:
+        ValueError: If `rewards` or `groups` is malformed.
+    """
+    index, num_groups = _group_index(rewards, groups)
+    wide, scored = _scored(rewards)
+    silent = _silent(wide, scored, index, num_groups)
+    loud = _group_sums((~silent).double(), index, num_groups)  # rows with an advantage, per group
+    return (loud == 0)[index]
+
+
 ADVANTAGES: dict[str, Callable[[torch.Tensor, Groups], torch.Tensor]] = {
     "grpo": grpo,
     "grpo_no_std": functools.partial(grpo, normalize_std=False),

@@ -272,3 +272,19 @@ def test_a_signal_during_the_final_checkpoint_still_saves_it(tmp_path, signal_na
     assert {"model.safetensors", "trainer.pt", "store.bin", "state.json"} <= {p.name for p in (run_dir / "checkpoints" / "step-000004").iterdir()}
     assert json.loads((run_dir / "summary.json").read_text())["stopped_early"] == signal_name
     assert f"resume={run_dir}" in out.stderr
+
+
+def test_a_run_that_leaves_out_groups_without_signal_resumes_as_it_ran(runs, tmp_path, rewards):
+    """`algorithm.filter_groups`: which groups are left out, how many prompts start in their
+    place and each step's `filtered_groups` are the uninterrupted run's after a resume."""
+    keys = ["algorithm.filter_groups=true", "algorithm.group_size=2", "checkpoint_every=2"]  # pairs: half of them tie
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(full, *keys)
+    steps = runs.steps(full)
+    assert all(m["filtered_groups"] >= 0 for m in steps) and sum(m["filtered_groups"] for m in steps[2:]) > 0, steps
+    assert all(len(set(pair)) == 2 for m in steps for pair in m["rewards"])  # every trained group's rewards differ
+    cut = tmp_path / "cut"
+    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
+    (cut / "checkpoints" / "latest").write_text("step-000002\n")
+    _run(resumed, *keys, f"resume={cut}")
+    runs.assert_same(full, resumed, from_step=2)
