@@ -152,6 +152,8 @@ class DeepSpeedTrainEngine:
         micro_batch_size: int = 8,
         max_tokens_per_micro_batch: int | None = None,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         precision: str = "fp32",
         max_nonfinite_steps: int = 5,
         lr_schedule: LRSchedule | None = None,
@@ -162,7 +164,7 @@ class DeepSpeedTrainEngine:
         zero_stage: int = 2,
         kl_reference: bool = False,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, top_k=top_k, top_p=top_p, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
             raise ValueError("the model is DeepSpeed's already (another engine wraps it): build this engine from an un-wrapped copy")
         config = deepspeed_config(zero_stage=zero_stage, grad_clip=grad_clip, model=model)  # raises before any collective
@@ -177,7 +179,7 @@ class DeepSpeedTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage, kl_reference=kl_reference)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, top_k=top_k, top_p=top_p, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage, kl_reference=kl_reference)
             send_command("init", model=model_recipe(model), options=options)
         index = local_device_index(self.platform)
         self.device = self.platform.device(index)
@@ -210,6 +212,7 @@ class DeepSpeedTrainEngine:
         """The torch AdamW DeepSpeed steps, over this rank's flat fp32 slices."""
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.top_k, self.top_p = top_k, top_p  # rollout's truncation: logprobs are taken under it (`engines.sampling`)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
@@ -252,10 +255,10 @@ class DeepSpeedTrainEngine:
         batch = batch.to(self.device)
         packed = self.padding_free.pack(batch) if self.padding_free is not None else None
         if packed is not None:
-            return self.padding_free.token_stats(module, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+            return self.padding_free.token_stats(module, packed, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         inputs = {"attention_mask": batch.attention_mask, **({"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}), **self._no_kv_cache}
-        return padded_token_stats(module, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+        return padded_token_stats(module, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
 
     def _dummy_pass(self, *, backward: bool, reference: bool = False) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' collectives; with

@@ -154,6 +154,8 @@ class FSDPTrainEngine:
         micro_batch_size: int = 8,
         max_tokens_per_micro_batch: int | None = None,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         precision: str = "fp32",
         max_nonfinite_steps: int = 5,
         lr_schedule: LRSchedule | None = None,
@@ -166,7 +168,7 @@ class FSDPTrainEngine:
         lora_alpha: float = 16.0,
         lora_target_modules: Sequence[str] | str = lora_.TARGETS_ALL_LINEAR,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, top_k=top_k, top_p=top_p, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if isinstance(model, FSDPModule):
             raise ValueError("the model is sharded already (another engine wraps it): build this engine from an un-sharded copy")
         self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
@@ -181,7 +183,7 @@ class FSDPTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, top_k=top_k, top_p=top_p, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules)
             send_command("init", model=model_recipe(model), options=options)  # the followers add the same adapters to theirs
         self.lora = lora_.lora_settings(lora_rank, lora_alpha, lora_target_modules)
         """The LoRA adapters' settings (`engines.lora`); None: every weight trains."""
@@ -211,6 +213,7 @@ class FSDPTrainEngine:
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.top_k, self.top_p = top_k, top_p  # rollout's truncation: logprobs are taken under it (`engines.sampling`)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
@@ -255,10 +258,10 @@ class FSDPTrainEngine:
         module = module or self.model
         batch = batch.to(self.device)
         if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
-            return self.padding_free.token_stats(module, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+            return self.padding_free.token_stats(module, packed, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         inputs = {"attention_mask": batch.attention_mask, **({"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}), **self._no_kv_cache}
-        return padded_token_stats(module, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+        return padded_token_stats(module, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
 
     def _dummy_pass(self, *, backward: bool, reference: bool = False) -> None:
         """A forward (and zero-gradient backward) that joins the other ranks' FSDP collectives;

@@ -1,16 +1,18 @@
 """The `hf` rollout engine: a transformers causal LM sampled by tidal's own decoding loop, on any hal platform.
 
 Token in, token out: it continues `Trajectory` objects and records, for every sampled
-token, its behavior logprob (log-softmax of the raw logits at the sampling temperature)
-and the version of the weights that sampled it.
+token, its behavior logprob (log-softmax of the raw logits at the sampling temperature,
+truncated to `top_k` / `top_p` when they are set: `engines.sampling`) and the version of
+the weights that sampled it.
 
 The decoding loop is written here rather than calling transformers `generate`: one
 prefill of the left-padded batch (prompt and any tokens a paused trajectory already
 has), then one forward per token over the model's KV cache (`DynamicCache`), sampling
-from `softmax(logits / temperature)` with `torch.multinomial` as `generate(do_sample=True,
-top_k=0, top_p=1)` does. Rows that end (EOS, or their own token budget) leave the batch
-and the cache at once, so later steps compute only unfinished rows (`eos_id` may list
-several stop tokens, as instruct models' generation configs do); `generate` keeps
+from `softmax(logits / temperature)`, cut to `top_k` then `top_p`, with `torch.multinomial`
+as `generate(do_sample=True, top_k=..., top_p=...)` does. Rows that end (EOS, or their own
+token budget) leave the batch and the cache at once, so later steps compute only
+unfinished rows (`eos_id` may list several stop tokens, as instruct models' generation
+configs do); `generate` keeps
 every row to the end and costs a call's set-up every chunk. With no row ending early the
 tokens are those `generate` samples under the same seed (a test checks it).
 
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines.sampling import check_truncation, truncate
 from tidal.engines.weight_checks import collect_weights
 from tidal.flow.protocols import Refill
 from tidal.flow.trajectory import Trajectory, unfinished
@@ -51,12 +54,15 @@ class HFRolloutEngine:
         eos_id: int | Sequence[int],
         pad_id: int,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         chunk_tokens: int = 8,
         platform: Platform | None = None,
         version: int = 0,
     ) -> None:
         if not temperature > 0:  # `not >`: nan is refused too
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        check_truncation(top_k=top_k, top_p=top_p)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.platform = platform or current_platform()
@@ -67,6 +73,7 @@ class HFRolloutEngine:
             raise ValueError(f"eos_id must be a token id or a non-empty list of them, got {eos_id!r}")
         self.eos_ids, self.pad_id = frozenset(stops), pad_id
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
+        self.top_k, self.top_p = top_k, top_p
         self.version = version
         # Only the last position's logits are needed: models that can skip the others do.
         forward = inspect.signature(type(model).forward).parameters
@@ -278,7 +285,9 @@ class _Decoding:
     def _sample(self, batch: _Rows, scores: torch.Tensor) -> list[Trajectory]:
         """Sample a token for every row of `batch` from `scores`; rows that end (a stop token,
         or their budget) leave it, their trajectories written. Returns those."""
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / self.engine.temperature  # half precision up to float32; float64 stays
+        engine = self.engine
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) / engine.temperature  # half precision up to float32; float64 stays
+        scores = truncate(scores, top_k=engine.top_k, top_p=engine.top_p)
         sampled = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
         chosen = torch.log_softmax(scores, dim=-1).gather(-1, sampled).squeeze(-1)
         sampled = sampled.squeeze(-1)

@@ -125,6 +125,8 @@ class MegatronTrainEngine:
         micro_batch_size: int = 8,
         max_tokens_per_micro_batch: int | None = None,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         precision: str = "fp32",
         max_nonfinite_steps: int = 5,
         lr_schedule: LRSchedule | None = None,
@@ -135,7 +137,7 @@ class MegatronTrainEngine:
         tensor_parallel_size: int = 1,
         kl_reference: bool = False,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, top_k=top_k, top_p=top_p, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if padding_free:
             raise ValueError("train.padding_free=true: the megatron engine runs megatron-core's local attention, which takes no packed sequences: set train.padding_free=false or null (padded micro-batches)")
         if tensor_parallel_size != 1:
@@ -152,7 +154,7 @@ class MegatronTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, top_k=top_k, top_p=top_p, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, kl_reference=kl_reference)
             send_command("init", model=model_recipe(model), options=options)
         self.device = self.platform.device(int(os.environ.get("LOCAL_RANK", "0")) if self.platform.device_count() > 1 else 0)
         self.platform.set_device(self.device)
@@ -178,6 +180,7 @@ class MegatronTrainEngine:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.top_k, self.top_p = top_k, top_p  # rollout's truncation: logprobs are taken under it (`engines.sampling`)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
@@ -227,7 +230,7 @@ class MegatronTrainEngine:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True: not attended
         with self.platform.autocast(self.precision):
             logits = (module or self.module)(aligned, None, causal)[:, :-1, : self._vocab_size]  # the padded vocabulary rows left out
-        logprobs, entropies = next_token_stats(logits, aligned[:, 1:], temperature=self.temperature, entropy=entropy)
+        logprobs, entropies = next_token_stats(logits, aligned[:, 1:], temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy)
         if bool(shift.any()):  # position t of the batch is t - shift of the aligned rows
             back = (columns[None, :-1] - shift[:, None]).clamp(min=0)
             logprobs = logprobs.gather(1, back)

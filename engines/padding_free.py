@@ -95,7 +95,7 @@ class PaddingFree:
         packed = pack_rows(batch.input_ids, batch.attention_mask, one_row=self.one_row, loss_mask=batch.loss_mask if self.loss_logits_only else None)
         return None if not self.one_row and packed.input_ids.shape[0] > 0.8 * packed.num_sequences else packed
 
-    def token_stats(self, model: torch.nn.Module, packed: PackedRows, *, temperature: float, entropy: str | None = None, autocast: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def token_stats(self, model: torch.nn.Module, packed: PackedRows, *, temperature: float, top_k: int = 0, top_p: float = 1.0, entropy: str | None = None, autocast: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[rows, seq - 1] logprob of each next token of the rows `packed` holds (on their
         device) under `model`, and with `entropy` its distribution's entropy
         (`next_token_stats`); 0 where the token or its predecessor is padding. `autocast`: the
@@ -107,7 +107,7 @@ class PaddingFree:
         logits = logits.flatten(0, 1)
         if packed.source is not None:
             logits = logits.index_select(0, packed.source)  # each target's predicting token (unique: its backward adds nothing up)
-        logprobs, entropies = next_token_stats(logits, packed.targets, temperature=temperature, entropy=entropy)
+        logprobs, entropies = next_token_stats(logits, packed.targets, temperature=temperature, top_k=top_k, top_p=top_p, entropy=entropy)
         return packed.scatter(logprobs), None if entropies is None else packed.scatter(entropies)
 
 

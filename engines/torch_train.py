@@ -95,6 +95,8 @@ class TorchTrainEngine:
         micro_batch_size: int = 8,
         max_tokens_per_micro_batch: int | None = None,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         precision: str = "fp32",
         kl_reference: bool = False,
         max_nonfinite_steps: int = 5,
@@ -106,7 +108,7 @@ class TorchTrainEngine:
         lora_alpha: float = 16.0,
         lora_target_modules: Sequence[str] | str = lora_.TARGETS_ALL_LINEAR,
     ) -> None:
-        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, top_k=top_k, top_p=top_p, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # None: micro-batches bounded by rows only
         self.padding_free = padding_free_for(model, padding_free)
         """How micro-batches run without padding (`engines.padding_free`); None: padded. Raises
@@ -132,6 +134,7 @@ class TorchTrainEngine:
         self.optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step (`engines.lr_schedule`)
         self.grad_clip, self.micro_batch_size, self.temperature = grad_clip, micro_batch_size, temperature
+        self.top_k, self.top_p = top_k, top_p  # rollout's truncation: logprobs are taken under it (`engines.sampling`)
         self.version = version
         self.nonfinite = NonfiniteGuard(max_nonfinite_steps)
         # packed rows need a custom 4D attention mask, which these implementations take
@@ -190,9 +193,9 @@ class TorchTrainEngine:
             if shared is not None and (self.padding_free is None or shared.beats_padding_free()):
                 return self._packed_logprobs(model, batch, shared, _pack(batch, shared), entropy=entropy)
         if self.padding_free is not None and (packed := self.padding_free.pack(batch)) is not None:
-            return self.padding_free.token_stats(model, packed, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+            return self.padding_free.token_stats(model, packed, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
         inputs = {"attention_mask": None, **self._no_kv_cache} if right_padded else {"attention_mask": mask, "position_ids": padded_positions(mask), **self._no_kv_cache}
-        return padded_token_stats(model, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, entropy=entropy, autocast=self.platform.autocast(self.precision))
+        return padded_token_stats(model, batch, inputs=inputs, keeps_logits=self._keeps_logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
 
     def _packed_logprobs(self, model: torch.nn.Module, batch: TokenBatch, shared: _SharedPrompts, packed: _Packed, *, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_token_logprobs` computing each distinct prompt once (a GRPO group's rows share theirs).
@@ -218,7 +221,7 @@ class TorchTrainEngine:
         num_response = torch.tensor(shared.lengths, device=device) - starts
         width = logits.shape[1]
         response = batch.input_ids.gather(1, (starts[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=batch.input_ids.shape[1] - 1))
-        logprobs, entropies = next_token_stats(logits, response, temperature=self.temperature, entropy=entropy)
+        logprobs, entropies = next_token_stats(logits, response, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy)
         # position t of the batch layout predicts input_ids[:, t + 1]: response token j is at t = start - 1 + j
         j = torch.arange(batch.loss_mask.shape[1], device=device)[None, :] - (starts[:, None] - 1)
         placed = (j >= 0) & (j < num_response[:, None])

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tidal.engines import token_logprobs
+from tidal.engines.sampling import check_truncation, truncate
 from tidal.flow.algorithms import PolicyLossConfig, policy_loss, sequence_keep, token_entropy
 from tidal.flow.trajectory import TokenBatch
 
@@ -71,7 +72,7 @@ class NonfiniteGuard:
         return {"grad_norm": norm, "nonfinite_grad": float(not finite)}
 
 
-def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float, max_nonfinite_steps: int, max_tokens_per_micro_batch: int | None = None) -> None:
+def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: float, max_nonfinite_steps: int, max_tokens_per_micro_batch: int | None = None, top_k: int = 0, top_p: float = 1.0) -> None:
     """Raises ValueError naming the first train engine setting out of bounds."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -81,6 +82,7 @@ def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: floa
         raise ValueError(f"grad_clip must be > 0 (the norm gradients are clipped to), got {grad_clip}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
+    check_truncation(top_k=top_k, top_p=top_p)
     if max_nonfinite_steps < 0:
         raise ValueError(f"max_nonfinite_steps must be >= 0 (non-finite steps in a row that are skipped; 0 = raise at the first), got {max_nonfinite_steps}")
 
@@ -110,24 +112,25 @@ def check_step_inputs(batch: TokenBatch, advantages: torch.Tensor, proximal_logp
         raise ValueError(f"proximal_logprobs must be [batch, seq - 1] = {shape}, got {list(proximal_logprobs.shape)}")
 
 
-def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def next_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each position's logprob of its target under softmax(logits / temperature), in float32
     (`logits` [..., vocab], `targets` [...]), and with `entropy` the entropy of that
     distribution (`token_entropy`: "grad" with gradient, for the entropy bonus; "metric"
-    detached, a chunk of positions at a time).
+    detached, a chunk of positions at a time). With `top_k` / `top_p` the distribution is
+    truncated as rollout's is (`sampling.truncate`; each target kept in).
 
     Logits of more than `token_logprobs.CHUNK` values go a chunk of positions at a time,
     without float32 copies of the whole (`token_logprobs`; the same values and gradients,
     bit for bit), except for the entropy bonus, whose gradient needs every distribution."""
     if logits.numel() > token_logprobs.CHUNK and entropy != "grad":
-        return token_logprobs.token_logprobs(logits, targets, temperature=temperature, entropy=entropy == "metric")
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return token_logprobs.token_logprobs(logits, targets, temperature=temperature, top_k=top_k, top_p=top_p, entropy=entropy == "metric")
+    logprobs = torch.log_softmax(truncate(logits.float() / temperature, top_k=top_k, top_p=top_p, keep=targets), dim=-1)
     chosen = logprobs.gather(-1, targets[..., None]).squeeze(-1)
     return chosen, None if entropy is None else token_entropy(logprobs, grad=entropy == "grad")
 
 
 def padded_token_stats(
-    model: Any, batch: TokenBatch, *, inputs: dict[str, Any], keeps_logits: bool, temperature: float, entropy: str | None, autocast: Any
+    model: Any, batch: TokenBatch, *, inputs: dict[str, Any], keeps_logits: bool, temperature: float, entropy: str | None, autocast: Any, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`next_token_stats` of a padded micro-batch under `model`, [rows, seq - 1]; `inputs`: the
     forward's keywords besides `input_ids` (its mask, positions and `use_cache`).
@@ -143,7 +146,7 @@ def padded_token_stats(
     keep = {"logits_to_keep": width - start} if start else {}
     with autocast:
         logits = model(input_ids=batch.input_ids, **inputs, **keep).logits[:, :-1]
-    logprobs, entropies = next_token_stats(logits, batch.input_ids[:, start + 1 :], temperature=temperature, entropy=entropy)
+    logprobs, entropies = next_token_stats(logits, batch.input_ids[:, start + 1 :], temperature=temperature, top_k=top_k, top_p=top_p, entropy=entropy)
     if not start:
         return logprobs, entropies
     return torch.nn.functional.pad(logprobs, (start, 0)), None if entropies is None else torch.nn.functional.pad(entropies, (start, 0))

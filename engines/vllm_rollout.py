@@ -3,13 +3,14 @@
 Token in, token out, as the `hf` engine: every unfinished `Trajectory` becomes one vLLM
 request whose prompt is its token ids so far (`TokensPrompt`: the prompt and whatever a
 paused trajectory already generated), sampled with `SamplingParams(n=1, temperature,
-top_k=0 and top_p=1 (both off), max_tokens=its remaining budget, logprobs=0, detokenize=False,
+top_k, top_p (0 and 1: off), max_tokens=its remaining budget, logprobs=0, detokenize=False,
 output_kind=DELTA)`; each streamed delta's token ids and the logprob of each sampled token
 are appended to the trajectory with the engine's `version`. The engine is created with
 `logprobs_mode="processed_logprobs"`: vLLM's default, `raw_logprobs`, reports the model's
 log-softmax before the temperature is applied, which is not the distribution the token was
 sampled from, so every importance ratio the trainer forms from those behavior logprobs
-would be biased. Rows stop at tidal's `eos_id`s only (`ignore_eos=True` with
+would be biased; the processed ones are also cut to top-k / top-p, as the trainer's are
+(`engines.sampling`, which follows vLLM's `apply_top_k_top_p`). Rows stop at tidal's `eos_id`s only (`ignore_eos=True` with
 `stop_token_ids`), as the `hf` engine's do, not also at the checkpoint's generation-config
 ends. `finish_reason` is "stop" (an end token, kept in the tokens) or "length" (the
 budget, or vLLM's `max_model_len`).
@@ -83,6 +84,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines.sampling import check_truncation
 from tidal.engines.vllm_weights import WeightPusher
 from tidal.flow.protocols import Refill
 from tidal.flow.trajectory import Trajectory, unfinished
@@ -115,6 +117,8 @@ class VLLMRolloutEngine:
         eos_id: int | Sequence[int],
         pad_id: int,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         chunk_tokens: int = 8,
         platform: Platform | None = None,
         version: int = 0,
@@ -134,6 +138,7 @@ class VLLMRolloutEngine:
             raise ValueError(f"eos_id must be a token id or a non-empty list of them, got {eos_id!r}")
         if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:  # `not <=`: nan is refused too
             raise ValueError(f"temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] for vLLM sampling, got {temperature}")
+        check_truncation(top_k=top_k, top_p=top_p)
         _check_int("chunk_tokens", chunk_tokens, 1)
         _check_int("version", version, -1)  # -1: no weights of the trainer yet (a Ray rollout actor, until its first version arrives)
         _check_int("tensor_parallel_size", tensor_parallel_size, 1)
@@ -150,6 +155,7 @@ class VLLMRolloutEngine:
             raise ValueError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
         self.eos_ids, self.pad_id = frozenset(stops), pad_id
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
+        self.top_k, self.top_p = top_k, top_p
         self.version = version
         self.platform = platform or current_platform()
         """Kept for the run's bookkeeping: vLLM finds its device through its own platform
@@ -347,8 +353,8 @@ class VLLMRolloutEngine:
         params = self._sampling_params(
             n=1,
             temperature=self.temperature,
-            top_k=0,  # 0 is "off" in vLLM 0.32 (-1 is still accepted)
-            top_p=1.0,
+            top_k=self.top_k,  # 0 is "off" in vLLM 0.32 (-1 is still accepted)
+            top_p=self.top_p,
             max_tokens=max_tokens,
             logprobs=0,  # the sampled token's own logprob only
             stop_token_ids=sorted(self.eos_ids),

@@ -54,9 +54,9 @@ class RolloutConfig:
     """The rollout engine."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(
-        at_least={"max_new_tokens": 1, "chunk_tokens": 1, "prompts_per_generate": 1, "threads": 0, "max_model_len": 1},
-        positive=("temperature", "gpu_memory_utilization"),
-        why={"temperature": "rollout samples, and its behavior logprobs are taken at this temperature"},
+        at_least={"max_new_tokens": 1, "chunk_tokens": 1, "prompts_per_generate": 1, "threads": 0, "max_model_len": 1, "top_k": 0},
+        positive=("temperature", "gpu_memory_utilization", "top_p"),
+        why={"temperature": "rollout samples, and its behavior logprobs are taken at this temperature", "top_k": "0 turns it off (verl's and vLLM's -1)"},
     )
 
     backend: str = "hf"
@@ -65,6 +65,10 @@ class RolloutConfig:
     tensor parallel over `placement.rollout.devices_each`)."""
     temperature: float = 1.0
     """Sampling temperature (behavior logprobs are computed at it)."""
+    top_k: int = 0
+    """Sample from the top_k most likely tokens only (after the temperature; ties with the k-th kept); 0 = off (verl's -1). The trainer takes its logprobs under the same cut, so the policy it trains is the one rollout samples from (with the same weights the importance ratio stays 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of most likely tokens whose probability reaches top_p (after top_k); 1 = off; in (0, 1]. Like top_k, the trainer's logprobs are taken under the same cut."""
     max_new_tokens: int = 6
     """Generated-token budget per sample."""
     chunk_tokens: int = 3
@@ -86,6 +90,8 @@ class RolloutConfig:
     """backend vllm: no CUDA/NPU graphs (slower decoding, faster start, less memory)."""
 
     def check(self) -> None:
+        if self.top_p > 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be <= 1: it is a share of the probability (1 = off)")
         if self.gpu_memory_utilization > 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be <= 1: it is a share of each device's memory")
 

@@ -158,6 +158,8 @@ def build_train_engine(cfg: RecipeConfig, train_cls: Any, model: torch.nn.Module
         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         padding_free=cfg.train.padding_free,
         temperature=cfg.rollout.temperature,
+        top_k=cfg.rollout.top_k,  # the trainer's logprobs are taken under rollout's truncation
+        top_p=cfg.rollout.top_p,
         precision=cfg.train.precision.value,
         max_nonfinite_steps=cfg.train.max_nonfinite_steps,
         lr_schedule=lr_schedule(cfg),
@@ -175,7 +177,7 @@ def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module | None, token
     `model`'s weights as `version` when `model` is given and differs from the checkpoint (a
     warm start or a resumed run: `version` > 0 or `sft.steps`)."""
     rollout_cls = load("rollout.backend", cfg.rollout.backend)  # names were checked when the recipe loaded
-    common = {"eos_id": list(tokenizer.eos_ids), "pad_id": tokenizer.pad_id, "temperature": cfg.rollout.temperature, "chunk_tokens": cfg.rollout.chunk_tokens, "platform": platform}
+    common = {"eos_id": list(tokenizer.eos_ids), "pad_id": tokenizer.pad_id, "temperature": cfg.rollout.temperature, "top_k": cfg.rollout.top_k, "top_p": cfg.rollout.top_p, "chunk_tokens": cfg.rollout.chunk_tokens, "platform": platform}
     if not isinstance(rollout_cls, BuildsFromCheckpoint):
         return rollout_cls(model, version=version, **common)
     own = section_values(cfg.rollout, rollout_cls.rollout_keys)

@@ -151,6 +151,25 @@ def test_generate_records_tokens_logprobs_and_versions(make_engine, reference):
     assert sorted(c.max_tokens for c in params) == [7, 9, 9, 9, 9]
 
 
+def test_top_k_and_top_p_go_to_vllm_and_its_logprobs_are_the_trainers_under_the_same_cut(make_engine, reference):
+    """The fake cuts as vLLM 0.32's sampler does (its `apply_top_k_top_p`, transcribed), and its
+    processed logprobs are of the cut distribution: the torch train engine, told the same
+    cut, takes the same logprobs (importance ratio 1); uncut, lower ones."""
+    from tidal.engines.torch_train import TorchTrainEngine
+    from tidal.flow.trajectory import to_token_batch
+
+    engine, fake = make_engine(temperature=0.9, top_k=20, top_p=0.8)
+    trajectories = engine.generate(rows(6), max_new_tokens=6)
+    p = next(c[2] for c in fake.calls if c[0] == "generate")
+    assert (p.top_k, p.top_p) == (20, 0.8)
+    batch = to_token_batch(trajectories, pad_id=0)
+    behavior = batch.behavior_logprobs[batch.loss_mask != 0]
+    cut = TorchTrainEngine(copy.deepcopy(reference), temperature=0.9, top_k=20, top_p=0.8).logprobs(batch)[batch.loss_mask != 0]
+    full = TorchTrainEngine(copy.deepcopy(reference), temperature=0.9).logprobs(batch)[batch.loss_mask != 0]
+    assert torch.allclose(cut, behavior, atol=1e-4)
+    assert (full < behavior - 1e-3).float().mean() > 0.5
+
+
 def test_an_end_token_ends_a_row_with_it_and_rows_at_their_budget_are_not_sent(make_engine):
     engine, fake = make_engine(eos_id=list(range(320)))  # every token ends a row
     trajectories = rows(3)

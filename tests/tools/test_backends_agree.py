@@ -5,7 +5,9 @@ megatron on CPU, all four on a GPU.
 The engines' own tests compare them with the torch engine on the tiny built-in model
 (tests/engines); this one goes the user's way: the checkpoint loaded with
 `AutoModelForCausalLM` (for megatron, converted to megatron-core's GPTModel), the
-rollout engine fed each backend's weights, the recipe's loss. `max_staleness=0` makes the
+rollout engine fed each backend's weights, the recipe's loss, sampling cut to top-k and
+top-p (a backend taking its logprobs without the cut would weigh every token's behavior
+importance weight otherwise, and its loss would differ). `max_staleness=0` makes the
 runs repeat each other, so the first steps' loss and gradient norm must agree up to float32
 noise (1e-5 relative, seen 1e-7 on CPU), the rewards exactly, and the weights each
 backend's last checkpoint holds within two steps of lr (AdamW turns float noise in a
@@ -31,7 +33,7 @@ BACKENDS = {"torch": None, "fsdp": None, "deepspeed": "deepspeed", "megatron": "
 SMALL = [
     "threads=1", "tensorboard=false", "rollout.max_new_tokens=4", "algorithm.num_steps=2", "algorithm.prompts_per_step=4",
     "algorithm.group_size=4", "algorithm.max_staleness=0", "train.micro_batch_size=8", f"train.lr={LR}", "checkpoint_every=100",
-    "model.gradient_checkpointing=false", "task.reward=tidal_test_rewards:first_token_even", "--no-progress",
+    "model.gradient_checkpointing=false", "task.reward=tidal_test_rewards:first_token_even", "rollout.top_k=40", "rollout.top_p=0.9", "--no-progress",
 ]  # fmt: skip
 
 

@@ -14,8 +14,8 @@ maps onto `GRPOConfig` as:
   group_size; per_device_train_batch_size = train.micro_batch_size, or the largest
   divisor of the step's samples below it, with gradient accumulation over the rest;
   one generation per optimizer step, num_iterations=1: on-policy, like `max_staleness: 0`);
-- rollout.max_new_tokens -> max_completion_length, rollout.temperature -> temperature
-  (top_k 0, top_p 1: plain sampling, as the `hf` rollout engine); generation stops at
+- rollout.max_new_tokens -> max_completion_length, rollout.temperature, top_k, top_p ->
+  temperature, top_k, top_p (TRL samples with them and trains on the full softmax); generation stops at
   the tokenizer's end ids (`Tokenizer.eos_ids`), as tidal's rollout does;
 - clip_low / clip_high -> epsilon / epsilon_high; aggregation -> loss_type (token_mean is
   TRL's "dapo"); advantage -> scale_rewards (grpo divides by the group's std);
@@ -172,8 +172,8 @@ def grpo_config(cfg: RecipeConfig, output_dir: str | Path) -> Any:
         num_iterations=1,
         max_completion_length=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature,
-        top_k=0,
-        top_p=1.0,
+        top_k=cfg.rollout.top_k,
+        top_p=cfg.rollout.top_p,
         epsilon=algo.clip_low,
         epsilon_high=algo.clip_high,
         loss_type=LOSS_TYPES[algo.aggregation],

@@ -159,8 +159,6 @@ class AsyncLLM:
         p = sampling_params
         if p.n != 1 or p.output_kind is not RequestOutputKind.DELTA or p.detokenize:
             raise NotImplementedError("the fake supports n=1, output_kind=DELTA and detokenize=False only")
-        if p.top_k not in (0, -1) or p.top_p != 1.0:
-            raise NotImplementedError("the fake samples from the whole distribution only (top_k=0, top_p=1)")
         if p.logprobs is not None and p.logprobs > 20:
             raise VLLMValidationError(f"Requested sample logprobs of {p.logprobs}, which is greater than max allowed: 20")
         if len(ids) >= self.max_model_len:
@@ -332,7 +330,7 @@ class AsyncLLM:
         logits = self.workers[0].get_model().next_token_logits(r.prompt + r.output)
         p = r.params
         greedy = p.temperature < 1e-5
-        scaled = logits if greedy else logits / p.temperature
+        scaled = logits if greedy else _apply_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
         token = int(scaled.argmax()) if greedy else int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=r.generator))
         values = {
             "raw_logprobs": torch.log_softmax(logits, -1), "processed_logprobs": torch.log_softmax(scaled, -1),
@@ -348,3 +346,23 @@ class AsyncLLM:
         elif len(r.prompt) + len(r.output) >= self.max_model_len or (p.max_tokens is not None and len(r.output) >= p.max_tokens):
             reason = "length"
         r.emit([token], [{token: logprob}], reason, stop_reason)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """vLLM 0.32's `apply_top_k_top_p_pytorch` (vllm/v1/sample/ops/topk_topp_sampler.py) for
+    one request's `[vocab]` logits, transcribed: one ascending sort, top-k on it (ties with the
+    k-th kept), then top-p over what top-k left (at least the most probable token), scattered
+    back. k in (0, -1) and p == 1 are off. Its Triton kernel (batches of 8 or more on GPUs)
+    is not transcribed."""
+    if k in (0, -1) and p >= 1.0:
+        return logits
+    logits_sort, logits_idx = logits[None].sort(dim=-1, descending=False)
+    if k not in (0, -1):
+        top_k_mask = logits_sort.gather(1, torch.tensor([[max(logits_sort.size(1) - k, 0)]]))
+        logits_sort.masked_fill_(logits_sort < top_k_mask, -float("inf"))
+    if p < 1.0:
+        probs_sum = torch.cumsum(logits_sort.softmax(dim=-1), dim=-1)
+        top_p_mask = probs_sum <= 1 - p
+        top_p_mask[:, -1] = False
+        logits_sort.masked_fill_(top_p_mask, -float("inf"))
+    return logits[None].clone().scatter_(dim=-1, index=logits_idx, src=logits_sort)[0]
