@@ -42,20 +42,23 @@ def weight_specs(module: torch.nn.Module) -> list[TensorSpec]:
     return specs
 
 
-def weight_pass(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight, whole, under its `state_dict` name, one at a time. A ZeRO-3 parameter is
-    gathered when it is reached and yielded as a copy (its gathered memory is DeepSpeed's to
-    reuse once the gather ends): a collective. Other tensors are yielded as they are (no copy):
-    under ZeRO-1 and -2 nothing is gathered, and a pass is local."""
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` whole: a ZeRO-3 parameter gathered and copied (its gathered memory is
+    DeepSpeed's to reuse once the gather ends), a collective; any other tensor as it is."""
+    if not _partitioned(tensor):
+        return tensor.detach()
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # noqa: PLC0415 - imported by the engine before this runs
 
+    with GatheredParameters([tensor], modifier_rank=None):
+        return tensor.detach().clone()
+
+
+def weight_pass(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight, whole (`whole`), under its `state_dict` name, one at a time: under ZeRO-3
+    each parameter gathered when it is reached, a collective; under ZeRO-1 and -2 the tensors
+    themselves (no copy), and a pass is local."""
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if _partitioned(tensor):
-            with GatheredParameters([tensor], modifier_rank=None):
-                whole = tensor.detach().clone()
-            yield name, whole
-        else:
-            yield name, tensor.detach()
+        yield name, whole(tensor)
 
 
 def whole_weights(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor]:
@@ -87,21 +90,32 @@ def load_whole_weights(module: torch.nn.Module, *, rank: int, weights: dict[str,
                 dist.broadcast(tensor.data, src=0)
 
 
-def move_zero3_params(module: torch.nn.Module, device: torch.device) -> None:
+def move_zero3_params(module: torch.nn.Module, device: torch.device, *, frozen_only: bool = False) -> None:
     """Move a ZeRO-3 module's parameters to `device` in place (`.data`): each one's slice
     (`ds_tensor`), and the whole tensor of those kept whole (under the persistence
     threshold). For a module with no optimizer (the ZeRO-3 reference), whose slices are
-    tensors of their own rather than views of a flat buffer; local."""
+    tensors of their own rather than views of a flat buffer, or with `frozen_only` for the
+    parameters no optimizer steps (a LoRA base: DeepSpeed's flat buffers hold the trained
+    ones only, and `offload_states` moves only those); local. Under ZeRO-1 and -2 a frozen
+    parameter is a plain tensor, moved the same way."""
     for param in module.parameters():
+        if frozen_only and param.requires_grad:
+            continue
         if hasattr(param, "ds_tensor"):
             param.ds_tensor.data = param.ds_tensor.data.to(device)
         if param.numel():  # kept whole (an empty tensor where partitioned)
             param.data = param.data.to(device)
 
 
+def trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters AdamW steps (all but a LoRA base's), in `module.parameters()` order:
+    the optimizer state's indexes, as the torch engine's AdamW numbers them."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
 def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's weights and AdamW's state, whole and on the host, in the torch engine's
-    format: the optimizer's parameters are indexed in `module.parameters()` order, each with
+    format: the optimizer's parameters are indexed in `trained(module)` order, each with
     its `step` and moments (a step count DeepSpeed keeps once per flat buffer, the same for
     every parameter). A collective; rank 0 gets the tensors, the others empty dicts.
 
@@ -110,7 +124,7 @@ def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, ran
     from deepspeed.utils import safe_get_full_optimizer_state  # noqa: PLC0415
 
     model = whole_weights(module, rank=rank)
-    params = list(module.parameters())
+    params = trained(module)
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(params)))} for group in optimizer.param_groups[:1]]
     flat = next((s for s in optimizer.state.values() if "step" in s), {})  # (ZeRO-3 makes empty entries at the start)
     step = flat.get("step")
@@ -158,7 +172,7 @@ def load_full_state(module: torch.nn.Module, zero_optimizer: Any, *, rank: int, 
     for flat in inner.state.values():
         if "step" in flat:
             flat["step"].fill_(step)
-    for index, param in enumerate(module.parameters()):
+    for index, param in enumerate(trained(module)):
         shape = tuple(param.ds_shape) if _partitioned(param) else tuple(param.shape)
         for key in keys:
             value = saved[index][key].to(param.device, torch.float32).contiguous() if rank == 0 else torch.empty(shape, dtype=torch.float32, device=param.device)
@@ -220,6 +234,26 @@ def move_zero3_optimizer(zero_optimizer: Any, device: torch.device) -> None:
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor):
                 value.data = value.data.to(device)
+
+
+def offload_zero3_lp_params(zero_optimizer: Any, device: torch.device) -> None:
+    """ZeRO-3's `offload_states` step for the 16-bit parameter slices (`lp_params`), over the
+    parameters its flat buffer holds. DeepSpeed 0.19.8 maps `module.parameters()` onto the
+    buffer there, which fails when some parameters are frozen (a LoRA base, partitioned apart
+    from the buffer: "start + length exceeds dimension size"); its `reload_states` maps the
+    right ones (`_get_parameter_partitions`), so it brings these back as it would its own.
+    Remove once DeepSpeed's offload maps the same list (checked by
+    tests/engines/test_deepspeed_lora.py's parking). Local."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
+    from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer  # noqa: PLC0415
+
+    zero_optimizer.empty_partition_cache()
+    moved = zero_optimizer.lp_param_buffer.to(device)
+    zero_optimizer.lp_param_buffer.data = moved
+    for tensor, offset, numel in get_mapping_to_flat_buffer(zero_optimizer._get_parameter_partitions()):
+        tensor.data = moved.narrow(0, offset, numel)
+    zero_optimizer.fp16_partitioned_groups_flat.clear()
+    zero_optimizer.offloaded_states.add(OffloadStateTypeEnum.lp_params)
 
 
 def _broadcast_object(value: Any) -> Any:

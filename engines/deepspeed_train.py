@@ -57,9 +57,21 @@ optimizer (OpenRLHF's way), whose passes gather its weights, so every rank makes
 reference pass per micro-batch in step (a dummy pass makes one too); `park()` moves its
 slices to host memory (`deepspeed_state.move_zero3_params`).
 
+With `lora_rank` > 0 only LoRA adapters train (`engines.lora`, peft), as in the torch and
+`fsdp` engines: every rank adds the same adapters (from a fixed seed) before DeepSpeed
+takes the model, AdamW (and so DeepSpeed's flat buffers, its master weights and moments)
+holds the adapters only, and the base weights stay as loaded (under ZeRO-3 partitioned like
+the rest). A weight pass yields the base's names, each adapted layer's weight merged
+(`W + scale * B @ A`; under ZeRO-3 its weight, A and B gathered when it is reached), the KL
+reference is the model with its adapters off (no copy), and `state_dict()` is the torch
+engine's LoRA format ("lora": base, adapters, settings), so checkpoints move between the
+three engines. `park()` also moves the base (`move_zero3_params(frozen_only=True)`), which
+`offload_states` leaves where it is.
+
 Run for real: CPU with gloo (DeepSpeed's CPU accelerator), 2 processes, ZeRO-1, -2 and -3
 (tests/engines/test_deepspeed_train.py: equality with the torch engine, a KL step among
-them, exported weights, state round trips, non-finite steps, ZeRO-3's reference in slices), and `tidal run train.backend=deepspeed` (one process
+them, exported weights, state round trips, non-finite steps, ZeRO-3's reference in slices;
+LoRA under each stage: tests/engines/test_deepspeed_lora.py), and `tidal run train.backend=deepspeed` (one process
 locally; 2 rank actors under `runtime: ray` on a fake GPU cluster, ZeRO-2 and ZeRO-3:
 tests/tools/test_deepspeed_run.py), parking (every stage: the whole state after `park()` /
 `unpark()` equals the state before and the steps after it those of an engine that never
@@ -71,15 +83,17 @@ accelerator name; nothing here names a vendor).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tidal.engines import lora as lora_
 from tidal.engines import rank_steps
 from tidal.engines.deepspeed_setup import deepspeed_config, ensure_process_group, import_deepspeed, local_device_index
 from tidal.engines.deepspeed_state import (
@@ -88,9 +102,12 @@ from tidal.engines.deepspeed_state import (
     load_whole_weights,
     move_zero3_optimizer,
     move_zero3_params,
+    offload_zero3_lp_params,
     relink_optimizer_views,
+    trained,
     weight_pass,
     weight_specs,
+    whole,
     whole_weights,
 )
 from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
@@ -138,7 +155,7 @@ class DeepSpeedTrainEngine:
     """Needs an initialised process group: `tidal run` makes a one-process group when none exists."""
     collective = True
     """`state_dict`, `load_state_dict` and ZeRO-3's weight passes are collectives over every rank."""
-    train_keys = ("zero_stage",)
+    train_keys = ("zero_stage", "lora_rank", "lora_alpha", "lora_target_modules")
     """Recipe `train.*` keys its constructor takes besides those every train engine takes."""
 
     def __init__(
@@ -163,10 +180,17 @@ class DeepSpeedTrainEngine:
         padding_free: bool | None = None,
         zero_stage: int = 2,
         kl_reference: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_target_modules: Sequence[str] | str = lora_.TARGETS_ALL_LINEAR,
     ) -> None:
         check_settings(micro_batch_size=micro_batch_size, grad_clip=grad_clip, temperature=temperature, top_k=top_k, top_p=top_p, max_nonfinite_steps=max_nonfinite_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in model.parameters()):
             raise ValueError("the model is DeepSpeed's already (another engine wraps it): build this engine from an un-wrapped copy")
+        self.lora = lora_.lora_settings(lora_rank, lora_alpha, lora_target_modules)
+        """The LoRA adapters' settings (`engines.lora`); None: every weight trains."""
+        if self.lora is not None:
+            lora_.add_adapters(model, self.lora)  # on every rank, from the same seed: before DeepSpeed partitions anything
         config = deepspeed_config(zero_stage=zero_stage, grad_clip=grad_clip, model=model)  # raises before any collective
         self.padding_free = padding_free_for(model, padding_free)  # None: micro-batches padded (`engines.padding_free`)
         self._no_kv_cache, self._keeps_logits = no_kv_cache(model), keeps_logits(model)  # every training forward's
@@ -179,20 +203,21 @@ class DeepSpeedTrainEngine:
         self.led = rank0_leads and self.world_size > 1
         """Only rank 0 is called; it sends every call to the other ranks."""
         if self.led and self.rank == 0:
-            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, top_k=top_k, top_p=top_p, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage, kl_reference=kl_reference)
+            options = dict(lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, top_k=top_k, top_p=top_p, precision=precision, max_nonfinite_steps=max_nonfinite_steps, lr_schedule=lr_schedule, version=version, padding_free=padding_free, zero_stage=zero_stage, kl_reference=kl_reference, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules)
             send_command("init", model=model_recipe(model), options=options)
         index = local_device_index(self.platform)
         self.device = self.platform.device(index)
         self.platform.set_device(self.device)
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference else None
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference and self.lora is None else None
         """A frozen copy of the weights the engine was built with (rank 0's, taken before ZeRO
         partitions them), the reference policy of a loss with `kl_coef > 0` (`kl_reference=True`).
         Under ZeRO-1 and -2 a plain module DeepSpeed does not manage, whole on every rank (its
         passes are local); under ZeRO-3 the module of `_reference_engine`, partitioned. Kept in
-        `state_dict()` as the torch engine's `reference`, parked with the model."""
+        `state_dict()` as the torch engine's `reference`, parked with the model. With LoRA the
+        reference is the model with its adapters off (`engines.lora.adapters_off`), no copy."""
         self.kl_reference = kl_reference
         self._parked_reference: Any = None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
+        optimizer = torch.optim.AdamW(trained(model), lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.deepspeed, self.zero, _, _ = deepspeed.initialize(args=SimpleNamespace(device_rank=index), model=model, optimizer=optimizer, config=config, dist_init_required=False)
         """DeepSpeed's engine (what forwards, backwards and steps) and its ZeRO optimizer."""
         self._reference_engine: Any = None
@@ -238,7 +263,7 @@ class DeepSpeedTrainEngine:
                 if len(batch):
                     dist.send(logprobs.contiguous(), dst=0)
         elif op == "named_weights":
-            for _ in weight_pass(self.module):
+            for _ in self._named_weights():
                 pass
         elif op == "state_dict":
             self._state_dict()
@@ -267,8 +292,8 @@ class DeepSpeedTrainEngine:
         with self.platform.autocast(self.precision):
             logits = self.deepspeed(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache).logits
             if reference:
-                with torch.no_grad():
-                    self._reference_engine(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
+                with torch.no_grad(), self._reference() as module:
+                    module(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
         if backward:
             self.deepspeed.backward(logits.float().sum() * 0.0)
 
@@ -316,7 +341,7 @@ class DeepSpeedTrainEngine:
         each dummy pass makes one too."""
         totals: dict[str, float] = {"loss": 0.0, COVERED: 0.0}
         slices = self._micro_batches(batch)
-        gathers_reference = kl and self._reference_engine is not None
+        gathers_reference = kl and self.zero_stage == 3  # the reference's engine, or with LoRA this one's adapters off
         for k in range(max(int(counts["micro_batches"]), 1)):  # as many on every rank: ZeRO's collectives need it
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
@@ -327,7 +352,7 @@ class DeepSpeedTrainEngine:
             self.deepspeed.backward(loss * (weight * self.world_size))  # DeepSpeed averages over the ranks: this sums
             totals[COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         self.deepspeed.step()  # reduces, clips, steps AdamW; skips a non-finite norm on every rank
-        if gathers_reference:  # forwards without backward leave prefetched weights gathered, or still arriving
+        if gathers_reference and self._reference_engine is not None:  # forwards without backward leave prefetched weights gathered, or still arriving
             self._reference_engine.empty_partition_cache()  # local, on every rank at the same point
         norm = self.deepspeed.get_global_grad_norm()
         grad_norm = torch.tensor(math.nan if norm is None else float(norm))
@@ -350,9 +375,21 @@ class DeepSpeedTrainEngine:
     @torch.no_grad()
     def reference_logprobs(self, part: TokenBatch) -> torch.Tensor:
         """Local under ZeRO-1 and -2 (every rank holds the whole reference); under ZeRO-3 a
-        pass of the reference's engine, gathering its weights with every rank."""
-        assert self.reference is not None  # train_step checked it
-        return self.token_stats(part, module=self._reference_engine or self.reference)[0]
+        pass of the reference's engine (with LoRA: of this one, its adapters off), gathering
+        its weights with every rank."""
+        with self._reference() as module:
+            return self.token_stats(part, module=module)[0]
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference to run a forward of: the frozen copy (under ZeRO-3 its engine), or
+        with LoRA DeepSpeed's engine with the adapters off."""
+        if self.reference is not None:
+            yield self._reference_engine or self.reference
+            return
+        assert self.lora is not None and self.kl_reference  # train_step checked it
+        with lora_.adapters_off(self.module), evaluating(self.module):
+            yield self.deepspeed
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows (`rank_steps.sft_step`; led by rank 0:
@@ -373,15 +410,25 @@ class DeepSpeedTrainEngine:
         return LazyWeights(self._weight_specs, self._weight_pass)
 
     def _weight_specs(self) -> list[TensorSpec]:
-        return weight_specs(self.module)
+        specs = weight_specs(self.module)
+        if self.lora is None:
+            return specs
+        metas = {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for s in specs}
+        return [TensorSpec.of(name, meta) for name, meta in lora_.base_weights(self.module, metas).items()]  # merged ones keep the base's shape and dtype
+
+    def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights a pass yields, gathering as it goes under ZeRO-3 (what a follower runs too)."""
+        if self.lora is None:
+            return weight_pass(self.module)
+        return lora_.merged_weights(self.module, self.module.state_dict(keep_vars=True), full=whole)  # a layer's weight, A and B gathered when the weight is reached
 
     def _weight_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage < 3:
-            yield from weight_pass(self.module)
+            yield from self._named_weights()
             return
         if self._leading:
             send_command("named_weights")
-        weights = weight_pass(self.module)
+        weights = self._named_weights()
         try:
             for item in weights:  # noqa: UP028 - not `yield from`: closing this would close `weights` too
                 yield item
@@ -405,6 +452,9 @@ class DeepSpeedTrainEngine:
         state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         if self.reference is not None:  # ZeRO-3: gathered, a collective; else whole on every rank
             state["reference"] = whole_weights(self.reference, rank=self.rank)
+        if self.lora is not None:  # rank 0's whole state, in the torch engine's LoRA format (other ranks': empty)
+            state["model"] = dict(lora_.merged_weights(self.module, model, full=lambda t: t)) if model else {}
+            state["lora"] = {"base": lora_.base_weights(self.module, model), "adapters": lora_.adapter_weights(self.module, model), "settings": self.lora.keys()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -417,9 +467,14 @@ class DeepSpeedTrainEngine:
         """
         position = state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
+        model = state["model"]
+        if self.lora is not None:  # the adapted model's weights, exactly: its base and adapters ("model", merged, follows from them)
+            if not isinstance(state.get("lora"), dict):
+                raise ValueError(f"train.lora_rank={self.lora.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
+            model = lora_.adapted_state(self.module, state["lora"]["base"], state["lora"]["adapters"])
         if self._leading:
             send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
-        self._load_state_dict(dict(state["model"]), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position, reference=reference)
+        self._load_state_dict(dict(model), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position, reference=reference)
 
     # Time-sharing devices: `ParksItself` -------------------------------------------------
     def park(self) -> None:
@@ -435,11 +490,15 @@ class DeepSpeedTrainEngine:
             self._parked_reference = True
         elif self.reference is not None and self._parked_reference is None:
             self._parked_reference = self.platform.offload(module=self.reference)
+        if self.lora is not None:
+            move_zero3_params(self.module, _HOST, frozen_only=True)
         if self.zero_stage < 3:
             self.deepspeed.offload_states()
             return
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
 
+        if self.lora is not None:  # DeepSpeed's own lp_params step fails with frozen parameters
+            offload_zero3_lp_params(self.zero, _HOST)
         self.deepspeed.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer])
         move_zero3_optimizer(self.zero, _HOST)
 
@@ -451,6 +510,8 @@ class DeepSpeedTrainEngine:
         if self.zero_stage == 3:
             move_zero3_optimizer(self.zero, self.device)
         relink_optimizer_views(self.zero)
+        if self.lora is not None:
+            move_zero3_params(self.module, self.device, frozen_only=True)
         if self._reference_engine is not None and self._parked_reference is not None:
             move_zero3_params(self.reference, self.device)
         elif self._parked_reference is not None:

@@ -28,7 +28,7 @@ takes it back (`flow.colocate`): the ones a colocated or multiplexed layout can 
 KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 """train.backend values whose engine holds a frozen reference policy (`kl_reference=True`):
 the ones a loss with `algorithm.kl_coef > 0` can use."""
-LORA = ("torch", "fsdp")
+LORA = ("torch", "fsdp", "deepspeed")
 """train.backend values whose engine trains LoRA adapters (`train.lora_rank` > 0; `engines.lora`)."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}
 """model.source -> `ModelSource` class, built from the recipe's `model` section."""

@@ -196,7 +196,7 @@ class TrainConfig:
     zero_stage: int = 2
     """train.backend=deepspeed only: what DeepSpeed ZeRO shards over the trainer ranks: 1 (the optimizer state: AdamW's moments and fp32 master weights) | 2 (also the gradients) | 3 (also the weights, gathered module by module for each forward and backward). Every stage trains the same weights; higher stages hold less per rank and communicate more."""
     lora_rank: int = 0
-    """LoRA adapters of this rank train instead of every weight (peft; the `lora` extra): the base weights stay as loaded, AdamW's state is the adapters' only, a KL term's reference is the base with the adapters off, and rollout, evaluation, checkpoints and `tidal export` get the merged weights. The warm start (sft.steps) trains adapters too and merges them into the weights RL starts from; RL trains adapters of its own on those (a resumed run goes on with its checkpoint's base and adapters). 0 = every weight trains. train.backend torch or fsdp."""
+    """LoRA adapters of this rank train instead of every weight (peft; the `lora` extra): the base weights stay as loaded, AdamW's state is the adapters' only, a KL term's reference is the base with the adapters off, and rollout, evaluation, checkpoints and `tidal export` get the merged weights. The warm start (sft.steps) trains adapters too and merges them into the weights RL starts from; RL trains adapters of its own on those (a resumed run goes on with its checkpoint's base and adapters). 0 = every weight trains. train.backend torch, fsdp or deepspeed (ZeRO 1-3)."""
     lora_alpha: float = 16.0
     """LoRA scale: adapters add lora_alpha / lora_rank x B A to each adapted weight. > 0."""
     lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])

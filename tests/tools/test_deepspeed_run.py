@@ -63,14 +63,18 @@ def test_two_deepspeed_ranks_on_ray_learn_the_quickstart(tidal_cli, tmp_path, st
     assert rollout["last_version_received"] == num_steps
 
 
-def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninterrupted_run(tidal_cli, tmp_path, runs):
+@pytest.mark.parametrize("adapters", [[], ["train.lora_rank=4", "train.lr=0.01"]], ids=["every-weight", "lora"])
+def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninterrupted_run(tidal_cli, tmp_path, runs, adapters):
     """ZeRO-3 over a one-process group, with a KL term to the warm start's weights (the
-    engine's frozen reference, copied whole before ZeRO-3 partitions the model): a run cut
-    after its step-2 checkpoint (weights, AdamW's moments and step, the reference, through
+    engine's frozen reference, copied whole before ZeRO-3 partitions the model; with LoRA
+    adapters, the base with the adapters off): a run cut after its step-2 checkpoint
+    (weights, or the base and adapters, AdamW's moments and step, the reference, through
     `state_dict()`) and resumed ends with the uninterrupted run's metrics and weights, bit
     for bit; and the torch engine, the same run, gives its losses and KL up to float32 noise."""
+    if adapters:
+        pytest.importorskip("peft")
     full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
-    common = ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.kl_coef=0.1", "algorithm.num_steps=4", "--no-progress"]
+    common = ["train.backend=deepspeed", "train.zero_stage=3", *TINY, "algorithm.kl_coef=0.1", "algorithm.num_steps=4", *adapters, "--no-progress"]
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={full}", "checkpoint_every=2", *common, env=ENV, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
@@ -84,6 +88,11 @@ def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninte
     out = tidal_cli("run", "quickstart_cpu", f"run_dir={torch_run}", *common, "train.backend=torch", env=ENV, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     runs.assert_takes_steps_of(full, torch_run)
+    if adapters:  # the checkpoint's base and adapters, in the torch engine's format
+        import torch
+
+        lora = torch.load(full / "checkpoints" / "step-000004" / "trainer.pt", weights_only=True)["lora"]
+        assert lora["settings"]["train.lora_rank"] == 4 and lora["adapters"] and all(".lora_" in name for name in lora["adapters"])
 
 
 def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):

@@ -44,7 +44,7 @@ def _run(run_dir: Path, *overrides: str) -> dict[str, Any]:
     return train(cfg, made, progress=False)
 
 
-@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])  # deepspeed: tests/tools/test_deepspeed_run.py (a process per run)
 def test_a_lora_run_resumed_repeats_the_uninterrupted_run(runs, tmp_path, rewards, backend):
     """The warm start and RL train adapters; the KL term's reference is the base. A finished
     run continued for more steps ends with the longer run's metrics and weights, bit for bit,
@@ -98,7 +98,7 @@ def test_a_run_without_adapters_is_not_resumed_with_them(tmp_path, rewards):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.backend=deepspeed"], "train.lora_rank=4 needs train.backend torch or fsdp.*train.backend=deepspeed trains every weight"),
+        (["train.backend=megatron"], "train.lora_rank=4 needs train.backend torch or fsdp or deepspeed.*train.backend=megatron trains every weight"),
         (["train.lora_alpha=0"], "train.lora_alpha"),
         (["train.lora_rank=-1"], "train.lora_rank"),
         (["train.lora_target_modules=[]"], "train.lora_target_modules is empty"),

@@ -1,0 +1,160 @@
+"""LoRA adapters in the deepspeed train engine across two real processes (DeepSpeed's CPU
+accelerator, gloo): the steps, the merged weights, the KL reference (the base with the
+adapters off), parking and the state equal the torch engine's with the same adapters, under
+ZeRO-1 and -2 (every rank holds the base whole, the adapters in DeepSpeed's flat buffers)
+and ZeRO-3 (the base partitioned too), SPMD and led by rank 0."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+
+import pytest
+import torch
+
+from tidal.engines import lora
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+from tidal.engines.torch_train import TorchTrainEngine
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("peft")
+
+T = CharTokenizer()
+MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
+ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2, padding_free=False, kl_reference=True, lora_rank=4, lora_alpha=8.0)
+SHARDS = [[0, 1, 2, 3], [4, 5]]
+PLAN = [{"aggregation": "token_mean"}, "sft", {"aggregation": "token_mean", "kl_coef": 0.5}, {"aggregation": "seq_mean_token_mean", "kl_coef": 0.5}]
+"""Policy steps with and without a KL term (every row runs then: rank 1's one micro-batch
+against rank 0's two, so a dummy pass joins a reference pass), and a supervised step."""
+RESUME = [{"aggregation": "token_mean", "kl_coef": 0.5}]
+
+WORKER = textwrap.dedent(
+    """
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from tidal.engines.deepspeed_lead import follow
+    from tidal.engines.deepspeed_train import DeepSpeedTrainEngine
+    from tidal.engines.fsdp_lead import stop_followers
+    from tidal.engines.tiny import build_tiny_qwen2
+    from tidal.flow.trajectory import TokenBatch
+    from tidal.hal import current_platform
+
+    import rank_worker  # beside this script (conftest.spawn_ranks)
+
+    rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
+    data = torch.load(work / "data.pt", weights_only=False)
+    led, stage = data["led"], data["stage"]
+
+    def engine(seed):
+        return DeepSpeedTrainEngine(build_tiny_qwen2(data["vocab_size"], seed=seed, **data["model"]), rank0_leads=led, zero_stage=stage, **data["engine"])
+
+    rows = list(range(6)) if led else data["shards"][rank]
+    batch = TokenBatch(*(t[rows] for t in data["batch"]))
+    advantages = data["advantages"][rows]
+
+    def run(e, plan):
+        return rank_worker.run_plan(e, batch, advantages, plan)
+
+    export = rank_worker.export
+
+    out = {}
+    if led and rank != 0:
+        follow()
+    else:
+        e = engine(0)
+        out["trained"] = sorted(n for n, p in e.module.named_parameters() if p.requires_grad)
+        out["metrics"] = run(e, data["plan"])
+        out["moments"] = sum(s["exp_avg"].numel() for s in e.optimizer.state.values() if "exp_avg" in s)
+        out["weights"] = export(e)
+        out["specs"] = e.named_weights().specs()
+        out["state"] = e.state_dict()
+        e.park()
+        e.unpark()
+        out["parked_state"] = e.state_dict()
+        other = engine(7)
+        other.load_state_dict(data["torch_state"])
+        run(other, data["resume"])
+        out["from_torch"] = export(other)
+        if led:
+            stop_followers()
+    if rank == 0:
+        torch.save(out, work / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (see tests/engines/test_fsdp_train.py)
+    """
+)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    return build_tiny_qwen2(T.vocab_size, seed=seed, **MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(six_rows, run_torch) -> dict:
+    """The same steps by one `TorchTrainEngine` with the same adapters on all six rows."""
+    batch, advantages = six_rows
+    engine = TorchTrainEngine(_model(0), **ENGINE)
+    metrics = run_torch(engine, batch, advantages, PLAN)
+    state = copy.deepcopy(engine.state_dict())  # the engine's own tensors otherwise: a step of the engine that loads it would change them
+    continued = TorchTrainEngine(_model(7), **ENGINE)
+    continued.load_state_dict(copy.deepcopy(state))  # AdamW takes the given moments as its own
+    run_torch(continued, batch, advantages, RESUME)
+    return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "weights": list(engine.named_weights()), "state": state, "continued": list(continued.named_weights())}
+
+
+@pytest.fixture(scope="module", params=[(2, False), (3, False), (1, True), (2, True), (3, True)], ids=["zero2-spmd", "zero3-spmd", "zero1-led", "zero2-led", "zero3-led"])
+def ds_run(request, tmp_path_factory, reference, spawn, write_data) -> dict:
+    stage, led = request.param
+    work = tmp_path_factory.mktemp("deepspeed-lora")
+    write_data(work, reference["batch"], reference["advantages"], shards=SHARDS, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size, torch_state=reference["state"], led=led, stage=stage)
+    spawn(work, WORKER)
+    return torch.load(work / "result.pt", weights_only=False)
+
+
+def _assert_same_weights(got: list, want: list) -> None:
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, a), (_, b) in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_two_ranks_train_the_torch_engines_adapters(ds_run, reference):
+    assert ds_run["trained"] and all(".lora_" in n for n in ds_run["trained"])
+    adapters = sum(t.numel() for n, t in reference["state"]["lora"]["adapters"].items())
+    assert 0 < ds_run["moments"] <= adapters + 2  # AdamW's moments (of this rank's flat slices, padded to the ranks) are the adapters' only
+    for got, want in zip(ds_run["metrics"], reference["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "num_tokens", *(["kl"] if "kl" in want else [])):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+    assert ds_run["metrics"][-1]["kl"] > 0  # the adapters moved the policy from the base
+    _assert_same_weights(ds_run["weights"], reference["weights"])  # merged, under the base's names
+    assert [s.name for s in ds_run["specs"]] == list(_model(0).state_dict())
+    assert [(s.shape, s.dtype) for s in ds_run["specs"]] == [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in _model(0).state_dict().values()]
+
+
+def test_the_state_is_the_torch_engines_both_ways_and_parking_keeps_it(ds_run, reference):
+    state, want = ds_run["state"], reference["state"]
+    assert state["model"].keys() == want["model"].keys() and state["lora"]["settings"] == want["lora"]["settings"]
+    for part in ("base", "adapters"):
+        assert state["lora"][part].keys() == want["lora"][part].keys()
+        for name, tensor in state["lora"][part].items():
+            torch.testing.assert_close(tensor, want["lora"][part][name], rtol=1e-4, atol=1e-5, msg=name)
+    base = lora.base_weights(TorchTrainEngine(_model(0), lora_rank=4).model)
+    assert all(torch.equal(state["lora"]["base"][n], t) for n, t in base.items())  # the base never moved
+    assert state["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
+    assert state["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
+    for index, moments in state["optimizer"]["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(value, want["optimizer"]["state"][index][key], rtol=1e-4, atol=1e-6, msg=f"{index} {key}")
+    parked = ds_run["parked_state"]
+    for part in ("base", "adapters"):
+        assert all(torch.equal(parked["lora"][part][n], t) for n, t in state["lora"][part].items()), part
+    _assert_same_weights(ds_run["from_torch"], reference["continued"])
