@@ -120,7 +120,7 @@ class AlgorithmConfig:
     max_staleness: int = 1
     """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo."""
+    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's)."""
     clip_low: float = 0.2
     """PPO clip below 1."""
     clip_high: float = 0.28

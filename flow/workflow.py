@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.flow.algorithms import PolicyLossConfig, filter_truncated
+from tidal.flow.algorithms import TOKEN_WHITENED, PolicyLossConfig, filter_truncated, token_whiten
 from tidal.flow.clock import FIRST_COMPLETED, REAL, Clock
 from tidal.flow.config import AlgorithmConfig, RolloutConfig
 from tidal.flow.protocols import HoldsModel, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
@@ -286,7 +286,7 @@ class Workflow:
             indexes=batch.indexes,
             groups=sorted(set(batch.groups)),
             tokens=tokens,
-            advantages=batch.stack("advantage")[order].to(torch.float32),
+            advantages=self._step_advantages(batch.stack("advantage")[order].to(torch.float32), tokens.loss_mask),
             mean_reward=float(rewards.mean()),
             num_tokens=int(lengths.sum()),
             max_response_len=int(lengths.max()),
@@ -296,6 +296,13 @@ class Workflow:
             lengths=[by_group[g] for g in sorted(by_group)],
             rewards=[rewards_by_group[g] for g in sorted(rewards_by_group)],
         )
+
+    def _step_advantages(self, advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The rows' advantages as the step trains them: whitened over the step's loss tokens
+        for an estimator that asks it (`TOKEN_WHITENED`: REINFORCE++-baseline), else as put."""
+        if self.config.algorithm.advantage not in TOKEN_WHITENED:
+            return advantages
+        return token_whiten(advantages, loss_mask.sum(1))
 
     def _num_dropped(self) -> int:
         """Rows the trainer's sampler found too old, so far."""

@@ -9,7 +9,7 @@ entropy terms (`token_entropy` gives the entropy from log-probabilities); `overl
 handles responses cut at the token budget (DAPO's filter and soft penalty).
 """
 
-from tidal.flow.algorithms.advantages import ADVANTAGES, compute_advantages, dr_grpo, grpo, rloo, silent_groups
+from tidal.flow.algorithms.advantages import ADVANTAGES, TOKEN_WHITENED, compute_advantages, dr_grpo, grpo, rloo, silent_groups, token_whiten
 from tidal.flow.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -31,6 +31,7 @@ __all__ = [
     "LEVELS",
     "OVERLONG",
     "PolicyLossConfig",
+    "TOKEN_WHITENED",
     "aggregate",
     "compute_advantages",
     "dr_grpo",
@@ -44,4 +45,5 @@ __all__ = [
     "sequence_keep",
     "silent_groups",
     "token_entropy",
+    "token_whiten",
 ]

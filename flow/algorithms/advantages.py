@@ -175,13 +175,47 @@ def silent_groups(rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
     return (loud == 0)[index]
 
 
+def token_whiten(advantages: torch.Tensor, num_tokens: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
+    """Row advantages whitened over a batch's tokens, as verl's `masked_whiten` whitens them
+    over the response mask (REINFORCE++): each row's advantage counts once per loss token,
+    the batch's token mean is subtracted and the result divided by the tokens' unbiased std
+    (`rsqrt(var + eps)`). Rows without a loss token count nowhere and keep what they had, so
+    a step of one row, or of one token, returns the advantages unchanged.
+
+    Args:
+        advantages: `[num_rows]` per-row advantages, floating point.
+        num_tokens: `[num_rows]` loss tokens of each row (>= 0).
+        eps: Added to the variance.
+
+    Returns:
+        `[num_rows]`, in `advantages`' dtype.
+    """
+    if advantages.shape != num_tokens.shape or advantages.dim() != 1:
+        raise ValueError(f"advantages and num_tokens must be 1-D and alike, got {tuple(advantages.shape)} and {tuple(num_tokens.shape)}")
+    wide, weights = advantages.double(), num_tokens.double()
+    total = float(weights.sum())
+    if total < 2:
+        return advantages
+    mean = (wide * weights).sum() / total
+    var = ((wide - mean).square() * weights).sum() / (total - 1)
+    return torch.where(weights > 0, (wide - mean) * torch.rsqrt(var + eps), wide).to(advantages.dtype)
+
+
 ADVANTAGES: dict[str, Callable[[torch.Tensor, Groups], torch.Tensor]] = {
     "grpo": grpo,
     "grpo_no_std": functools.partial(grpo, normalize_std=False),
     "rloo": rloo,
     "dr_grpo": dr_grpo,
+    "reinforce_plus_plus_baseline": functools.partial(grpo, normalize_std=False),
 }
-"""Advantage estimators by the name a recipe uses; each is `fn(rewards, groups)`."""
+"""Advantage estimators by the name a recipe uses; each is `fn(rewards, groups)`, a group's
+part. Those in `TOKEN_WHITENED` are whitened over each step's tokens besides."""
+
+TOKEN_WHITENED = frozenset({"reinforce_plus_plus_baseline"})
+"""Estimators whose advantages the trainer whitens over each step's loss tokens
+(`token_whiten`): REINFORCE++-baseline (verl's `reinforce_plus_plus_baseline`, OpenRLHF's
+`reinforce_baseline`) is the reward minus its group's mean, normalised by the whole batch's
+std instead of the group's, which keeps a group of near-equal rewards from being blown up."""
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -297,3 +297,41 @@ def test_kl_in_the_loss_has_the_estimators_gradient(estimator, slope):
     loss, _ = policy_loss(logp, torch.zeros(1, dtype=torch.float64), behavior_logprobs=logp.detach(), mask=torch.ones(1, 2), ref_logprobs=ref, config=config)
     (grad,) = torch.autograd.grad(loss, logp)
     close(grad, [[0.25 * slope(d) for d in ds]])
+
+
+def verl_reinforce_plus_plus_baseline(scores: torch.Tensor, index: list, response_mask: torch.Tensor) -> torch.Tensor:
+    """verl `core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage` (token-level
+    rewards summed to a score per row, each row's index its prompt), with `masked_whiten`."""
+    scores = scores.clone()
+    groups: dict = {}
+    for i, g in enumerate(index):
+        groups.setdefault(g, []).append(scores[i])
+    means = {g: (torch.tensor(0.0, dtype=scores.dtype) if len(v) == 1 else torch.mean(torch.stack(v))) for g, v in groups.items()}
+    for i, g in enumerate(index):
+        scores[i] = scores[i] - means[g]
+    tiled = scores.unsqueeze(-1).tile([1, response_mask.shape[-1]]) * response_mask
+    mean = (tiled * response_mask).sum() / response_mask.sum()
+    var = ((tiled - mean) ** 2 * response_mask).sum() / response_mask.sum() * (response_mask.sum() / (response_mask.sum() - 1))
+    return (tiled - mean) * torch.rsqrt(var + 1e-8) * response_mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reinforce_plus_plus_baseline_matches_verl(seed):
+    from tidal.flow.algorithms import compute_advantages, token_whiten
+
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 3, (12,), generator=g).double()
+    index = [k // 4 for k in range(12)]
+    lengths = torch.randint(1, 9, (12,), generator=g)
+    mask = (torch.arange(8)[None, :] < lengths[:, None]).double()
+    want = verl_reinforce_plus_plus_baseline(rewards, index, mask)
+    got = token_whiten(compute_advantages("reinforce_plus_plus_baseline", rewards, index), lengths)
+    close(got[:, None] * mask, want, tol=1e-10)
+
+
+def test_token_whitening_leaves_a_batch_of_one_token_and_rows_without_tokens_alone():
+    from tidal.flow.algorithms import token_whiten
+
+    assert token_whiten(torch.tensor([0.5, 2.0]), torch.tensor([1, 0])).tolist() == [0.5, 2.0]
+    out = token_whiten(torch.tensor([1.0, -1.0, 3.0]), torch.tensor([2, 2, 0]))
+    assert out[2] == 3.0 and out[0] == -out[1] and out[0] > 0
