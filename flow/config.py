@@ -132,8 +132,7 @@ class AlgorithmConfig:
     tis_cap: Optional[float] = 2.0
     """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
     kl_coef: float = 0.0
-    """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps
-    (and checkpoints); 0 = none. Every train backend holds one (fsdp sharded as the policy; deepspeed whole on every rank)."""
+    """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps (and checkpoints); 0 = none. Every train backend holds one (fsdp sharded as the policy; deepspeed partitioned under ZeRO-3, else whole on every rank as the policy is); with LoRA adapters (train.lora_rank) the reference is the base with the adapters off."""
     entropy_coef: float = 0.0
     """Entropy bonus (verl's entropy_coeff): this times the aggregated entropy of the policy's next-token distributions is subtracted from the loss, against entropy collapse; 0 = none (the entropy is still reported as the `entropy` metric); >= 0. Like kl_coef, a value > 0 trains rows whose advantage is 0 too."""
     kl_estimator: str = "k3"

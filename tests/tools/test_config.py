@@ -152,6 +152,19 @@ def test_bad_recipe_files(tmp_path):
         load_config(bad)
 
 
+def test_the_keys_table_of_docs_recipes_says_what_the_schema_says():
+    """docs/recipes.md's table has a row for every key, with its documentation as `tidal
+    config --keys` prints it (a docstring changed in one place and not the other drifted once)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).parents[2] / "docs" / "recipes.md").read_text().splitlines()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in lines if line.startswith("| `")}
+    for entry in iter_keys(RecipeConfig):
+        assert entry.key in rows, f"docs/recipes.md has no row for {entry.key}"
+        doc = " ".join(entry.doc.split()).replace("|", "\\|")
+        assert f" | {doc} |" in rows[entry.key], f"docs/recipes.md's row for {entry.key} says other than its docstring: {doc[:80]}..."
+
+
 def test_every_shipped_recipe_validates():
     recipes = shipped_recipes()
     assert recipes, "no shipped recipes found"
