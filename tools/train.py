@@ -91,35 +91,50 @@ def _until_end(row: list[int], ends: set[int]) -> tuple[list[int], bool]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None) -> float:
-    """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0, with the
+    """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0 (plain
+    argmax decoding: the model's generation config, its repetition penalty say, left out), with the
     rule RL trains on (the built-in verifiers' is strict: the answer alone, then an end
     token; generation stops at any of `tokenizer.eos_ids`). Items are encoded as RL's are:
     their `prompt_ids`, else their `prompt` encoded. With `scorer` (the run's, for `reward`)
     answers are scored as RL's are, in its worker pool under its per-sample timeout; without
     one, in this thread."""
     device = next(model.parameters()).device
-    was_training = model.training
+    was_training, own = model.training, getattr(model, "generation_config", None)
     model.eval()
+    model.generation_config = _plain_generation(tokenizer)
     ends = set(tokenizer.eos_ids)
     correct = 0
-    for start in range(0, len(items), batch_size):
-        chunk = items[start : start + batch_size]
-        ids = [item["prompt_ids"] if "prompt_ids" in item else tokenizer.encode(item["prompt"]) for item in chunk]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(x)) + x for x in ids], device=device)
-        mask = (torch.arange(width, device=device)[None, :] >= torch.tensor([width - len(x) for x in ids], device=device)[:, None]).long()
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_id, eos_token_id=list(tokenizer.eos_ids))
-        trajectories, texts = [], []
-        for item, prompt, row in zip(chunk, ids, out[:, width:].tolist()):
-            tokens, stopped = _until_end(row, ends)
-            meta = {k: v for k, v in item.items() if k != "prompt_ids"}
-            kept = row[: len(tokens) + 1] if stopped else tokens  # as RL's trajectories hold them: through the end token
-            trajectories.append(Trajectory(prompt_ids=prompt, tokens=kept, logprobs=[0.0] * len(kept), versions=[0] * len(kept), finish_reason="stop" if stopped else "length", meta=meta))
-            texts.append(tokenizer.decode(tokens))
-        rewards = scorer.rewards(trajectories, texts) if scorer is not None else score(reward, trajectories, texts)[0]  # a reward that fails scores the answer 0, as in RL
-        correct += sum(r == 1.0 for r in rewards)
-    model.train(was_training)
+    try:
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
+            ids = [item["prompt_ids"] if "prompt_ids" in item else tokenizer.encode(item["prompt"]) for item in chunk]
+            width = max(map(len, ids))
+            input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(x)) + x for x in ids], device=device)
+            mask = (torch.arange(width, device=device)[None, :] >= torch.tensor([width - len(x) for x in ids], device=device)[:, None]).long()
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+            trajectories, texts = [], []
+            for item, prompt, row in zip(chunk, ids, out[:, width:].tolist()):
+                tokens, stopped = _until_end(row, ends)
+                meta = {k: v for k, v in item.items() if k != "prompt_ids"}
+                kept = row[: len(tokens) + 1] if stopped else tokens  # as RL's trajectories hold them: through the end token
+                trajectories.append(Trajectory(prompt_ids=prompt, tokens=kept, logprobs=[0.0] * len(kept), versions=[0] * len(kept), finish_reason="stop" if stopped else "length", meta=meta))
+                texts.append(tokenizer.decode(tokens))
+            rewards = scorer.rewards(trajectories, texts) if scorer is not None else score(reward, trajectories, texts)[0]  # a reward that fails scores the answer 0, as in RL
+            correct += sum(r == 1.0 for r in rewards)
+    finally:
+        model.train(was_training)
+        model.generation_config = own
     return correct / max(len(items), 1)
+
+
+def _plain_generation(tokenizer: Tokenizer) -> Any:
+    """A generation config with nothing but the end and padding ids: `generate` fills what a
+    call leaves unset from the model's own `generation_config`, so a checkpoint's
+    `repetition_penalty` (1.05 in Qwen2.5-Instruct's), `no_repeat_ngram_size`, `num_beams`
+    or `min_new_tokens` would change what "greedy" decodes, and the held-out accuracy with it."""
+    from transformers import GenerationConfig  # noqa: PLC0415
+
+    return GenerationConfig(eos_token_id=list(tokenizer.eos_ids), pad_token_id=tokenizer.pad_id)
 
 
 def build_policy(cfg: RecipeConfig, tokenizer: Tokenizer | None = None) -> torch.nn.Module:

@@ -415,3 +415,37 @@ def test_an_output_dir_that_is_a_file_does_not_stop_a_run_given_its_run_dir(tmp_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").write_text("")
     assert _new_run_dir(load_config(resolve_recipe("quickstart_cpu"), [f"run_dir={tmp_path / 'mine'}", "output_dir=runs"])) == tmp_path / "mine"
+
+
+def test_evaluation_decodes_greedily_whatever_the_checkpoints_generation_config_says(tmp_path):
+    """A checkpoint's generation_config.json is filled into every `generate` call: Qwen2.5-Instruct's
+    `repetition_penalty: 1.05` (here 3.0) would change the "greedy" answers, and the held-out
+    accuracy with them. Evaluation decodes by plain argmax, and leaves the model's config as it was."""
+    import json
+
+    from tidal.engines.tiny import load_model, save_model
+    from tidal.tools.train import evaluate
+
+    tokenizer = CharTokenizer()
+    save_model(build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=0), tokenizer, tmp_path)
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "repetition_penalty": 3.0}))
+    model, _ = load_model(tmp_path)
+    favourite, second = tokenizer.encode("7")[-1], tokenizer.encode("8")[-1]
+    forward = model.forward
+
+    def favouring(*args, **kwargs):  # argmax is `favourite` at every position; divided by a penalty of 3 once seen, `second` wins
+        out = forward(*args, **kwargs)
+        out.logits[..., favourite] += 4.0
+        out.logits[..., second] += 3.0
+        return out
+
+    model.forward = favouring
+    items = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(4)]
+    seen = []
+    evaluate(model, tokenizer, items, lambda trajectory, text: seen.append(list(trajectory.tokens)) or 1.0, max_new_tokens=4)
+    assert seen == [[favourite] * 4] * 4
+    assert model.generation_config.repetition_penalty == 3.0
+    with torch.no_grad():  # what generate makes of the checkpoint's config: other answers
+        penalised = model.generate(torch.tensor([tokenizer.encode(items[0]["prompt"])]), max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_id)
+    assert penalised[0, -4:].tolist() != [favourite] * 4
