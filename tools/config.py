@@ -33,6 +33,7 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     ClusterConfig,
     ConfigError,
     DataConfig,
+    EvalConfig,
     FaultConfig,
     ModelConfig,
     NodeConfig,

@@ -158,6 +158,28 @@ class SFTConfig:
 
 
 @dataclasses.dataclass
+class EvalConfig:
+    """How held-out prompts are answered (before and after RL, and every `eval_every` steps)."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"samples": 1, "temperature": 0, "top_k": 0}, positive=("top_p",), why={"top_k": "0 turns it off"})
+
+    samples: int = 1
+    """Answers sampled per held-out prompt; held_out_accuracy is the share of all answers the reward scores 1.0 (verl's mean@N). > 1 needs eval.temperature > 0."""
+    temperature: float = 0.0
+    """0 = greedy (plain argmax, whatever the checkpoint's generation config says); > 0 samples at it, from the evaluation's own generator seeded by `seed` (each evaluation draws the same noise; the run's own random streams are untouched)."""
+    top_k: int = 0
+    """With temperature > 0: sample from the top_k most likely tokens only; 0 = off."""
+    top_p: float = 1.0
+    """With temperature > 0: nucleus sampling (after top_k); 1 = off; in (0, 1]."""
+
+    def check(self) -> None:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.samples={self.samples} needs eval.temperature > 0: greedy decoding gives every sample of a prompt the same answer")
+        if self.top_p > 1:
+            raise ValueError(f"eval.top_p={self.top_p} must be <= 1: it is a share of the probability (1 = off)")
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """The train engine."""
 
@@ -359,7 +381,7 @@ class RecipeConfig:
     checkpoint_every: int = 10
     """Save a checkpoint every this many RL steps (and always at the end)."""
     eval_every: int = 0
-    """Also measure held-out accuracy (greedy, as before and after RL) every this many RL steps, with the trainer's weights of that step, while training waits: the `held_out_accuracy` field of that step's metrics.jsonl line and points in progress.png. 0 = only before and after RL."""
+    """Also measure held-out accuracy (as before and after RL: greedy, unless `eval` says otherwise) every this many RL steps, with the trainer's weights of that step, while training waits: the `held_out_accuracy` field of that step's metrics.jsonl line and points in progress.png. 0 = only before and after RL."""
     keep_checkpoints: int = 0
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete. 0 = keep all."""
     lease_s: float = 3600.0
@@ -383,6 +405,8 @@ class RecipeConfig:
     """Prompts from local dataset files instead of the generated task (`data.train_files`)."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     """Supervised warm start."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Held-out evaluation's decoding."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Rollout engine."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -31,6 +31,7 @@ import torch
 from tidal.engines.models import ModelSource, Policy, model_source
 from tidal.engines.registry import load
 from tidal.engines.rewards import score
+from tidal.engines.sampling import truncate
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.files import write_whole
 from tidal.flow.protocols import Distributed, TrainEngine
@@ -39,7 +40,7 @@ from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
 from tidal.hal import PlatformError, current_platform
 from tidal.tools.checkpoint import check_lora, load_checkpoint, truncate_metrics
-from tidal.tools.config import ConfigError, RecipeConfig
+from tidal.tools.config import ConfigError, EvalConfig, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
@@ -90,28 +91,36 @@ def _until_end(row: list[int], ends: set[int]) -> tuple[list[int], bool]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None) -> float:
-    """Greedy accuracy: the share of prompts whose answer the verifier scores 1.0 (plain
-    argmax decoding: the model's generation config, its repetition penalty say, left out), with the
-    rule RL trains on (the built-in verifiers' is strict: the answer alone, then an end
-    token; generation stops at any of `tokenizer.eos_ids`). Items are encoded as RL's are:
-    their `prompt_ids`, else their `prompt` encoded. With `scorer` (the run's, for `reward`)
+def evaluate(
+    model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None, sampling: EvalConfig | None = None, seed: int = 0
+) -> float:
+    """Held-out accuracy: the share of answers the verifier scores 1.0, with the rule RL trains
+    on (the built-in verifiers' is strict: the answer alone, then an end token; generation
+    stops at any of `tokenizer.eos_ids`). Greedy (plain argmax decoding: the model's
+    generation config, its repetition penalty say, left out), or as `sampling` says:
+    `samples` answers per prompt at `temperature`, cut to `top_k` / `top_p` as rollout cuts
+    (`engines.sampling.truncate`), drawn from a generator of the evaluation's own seeded with
+    `seed` (`_SampledArgmax`). Items are encoded as RL's are: their `prompt_ids`, else their
+    `prompt` encoded. `batch_size` counts prompts. With `scorer` (the run's, for `reward`)
     answers are scored as RL's are, in its worker pool under its per-sample timeout; without
     one, in this thread."""
+    samples = sampling.samples if sampling is not None else 1
+    sampled = sampling is not None and sampling.temperature > 0
     device = next(model.parameters()).device
     was_training, own = model.training, getattr(model, "generation_config", None)
     model.eval()
     model.generation_config = _plain_generation(tokenizer)
+    processors = [_SampledArgmax(sampling, seed=seed)] if sampled else []
     ends = set(tokenizer.eos_ids)
     correct = 0
     try:
         for start in range(0, len(items), batch_size):
-            chunk = items[start : start + batch_size]
+            chunk = [item for item in items[start : start + batch_size] for _ in range(samples)]
             ids = [item["prompt_ids"] if "prompt_ids" in item else tokenizer.encode(item["prompt"]) for item in chunk]
             width = max(map(len, ids))
             input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(x)) + x for x in ids], device=device)
             mask = (torch.arange(width, device=device)[None, :] >= torch.tensor([width - len(x) for x in ids], device=device)[:, None]).long()
-            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, logits_processor=processors)
             trajectories, texts = [], []
             for item, prompt, row in zip(chunk, ids, out[:, width:].tolist()):
                 tokens, stopped = _until_end(row, ends)
@@ -124,7 +133,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str,
     finally:
         model.train(was_training)
         model.generation_config = own
-    return correct / max(len(items), 1)
+    return correct / max(len(items) * samples, 1)
 
 
 def _plain_generation(tokenizer: Tokenizer) -> Any:
@@ -135,6 +144,24 @@ def _plain_generation(tokenizer: Tokenizer) -> Any:
     from transformers import GenerationConfig  # noqa: PLC0415
 
     return GenerationConfig(eos_token_id=list(tokenizer.eos_ids), pad_token_id=tokenizer.pad_id)
+
+
+class _SampledArgmax:
+    """A logits processor that turns greedy decoding into sampling: the scores at the
+    temperature, cut to top-k / top-p, plus Gumbel noise, whose argmax is a draw from the cut
+    softmax (the Gumbel-max trick). The noise comes from a CPU generator of its own, seeded
+    once, so an evaluation draws nothing from the global generators a concurrent rollout
+    thread samples with, and every evaluation of a run draws the same noise."""
+
+    def __init__(self, sampling: EvalConfig, *, seed: int) -> None:
+        self.sampling = sampling
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        cut = truncate(scores.float() / s.temperature, top_k=s.top_k, top_p=s.top_p)
+        uniform = torch.rand(cut.shape, generator=self.generator).clamp_(min=torch.finfo(torch.float32).tiny)
+        return cut + (-torch.log(-torch.log(uniform))).to(cut.device)
 
 
 def build_policy(cfg: RecipeConfig, tokenizer: Tokenizer | None = None) -> torch.nn.Module:
@@ -314,7 +341,7 @@ class Run:
             return None
         if self.eval_scorer is None:  # its own pool: `eval_every` scores in this thread while RL's reward stage scores in its own
             self.eval_scorer = make_score(self.cfg, self.tokenizer)
-        return evaluate(model, self.tokenizer, items, self.reward, max_new_tokens=self.budget, scorer=self.eval_scorer)
+        return evaluate(model, self.tokenizer, items, self.reward, max_new_tokens=self.budget, scorer=self.eval_scorer, sampling=self.cfg.eval, seed=self.cfg.seed)
 
     # --- warm start --------------------------------------------------------------------
 

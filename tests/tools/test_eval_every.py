@@ -42,3 +42,20 @@ def test_every_nth_step_records_held_out_accuracy_and_the_run_trains_as_without(
     assert [{k: v for k, v in m.items() if k != "held_out_accuracy"} for m in steps] == runs.steps(plain)  # greedy: nothing else changed
     assert (periodic / "progress.png").exists()
     assert json.loads((periodic / "summary.json").read_text())["accuracy_after"] == accuracies[-1]
+
+
+def test_sampled_evaluations_change_nothing_the_run_trains_and_repeat_themselves(runs, tmp_path):
+    """`eval.samples=4 eval.temperature=1.0`: each held-out prompt is answered four times from the
+    evaluation's own generator, so the run trains as without evaluations (its random streams are
+    untouched, here with a rollout that samples), and two such runs measure the same accuracies."""
+    sampled = ["eval_every=2", "eval.samples=4", "eval.temperature=1.0", "eval.top_p=0.9"]
+    plain, first, second = tmp_path / "plain", tmp_path / "first", tmp_path / "second"
+    _run(plain)
+    summary = _run(first, *sampled)
+    _run(second, *sampled)
+    steps = runs.steps(first)
+    assert [{k: v for k, v in m.items() if k != "held_out_accuracy"} for m in steps] == runs.steps(plain)
+    assert runs.steps(second) == steps
+    accuracies = [m["held_out_accuracy"] for m in steps if "held_out_accuracy" in m]
+    assert len(accuracies) == 2 and all(a * 16 == round(a * 16) for a in accuracies)  # 4 prompts x 4 answers
+    assert summary["accuracy_after"] == accuracies[-1]

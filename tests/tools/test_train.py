@@ -449,3 +449,38 @@ def test_evaluation_decodes_greedily_whatever_the_checkpoints_generation_config_
     with torch.no_grad():  # what generate makes of the checkpoint's config: other answers
         penalised = model.generate(torch.tensor([tokenizer.encode(items[0]["prompt"])]), max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_id)
     assert penalised[0, -4:].tolist() != [favourite] * 4
+
+
+def test_sampled_evaluation_draws_from_the_cut_softmax_with_a_generator_of_its_own():
+    """`_SampledArgmax` (Gumbel noise on the cut scores, then greedy's argmax) draws each token
+    as often as the cut softmax says, never one the cut drops, and leaves torch's global
+    generator as it was; each answer counts once in the accuracy (mean@N)."""
+    from tidal.tools.config import EvalConfig
+    from tidal.tools.train import _SampledArgmax, evaluate
+
+    scores = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    state = torch.get_rng_state()
+    draws = _SampledArgmax(EvalConfig(samples=2, temperature=0.5, top_p=0.99), seed=3)(None, scores).argmax(-1)
+    assert torch.equal(torch.get_rng_state(), state)
+    kept = torch.softmax(torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0]) / 0.5, -1)  # 0.656, 0.241, 0.089, 0.012, 0.002
+    kept[4] = 0  # top_p=0.99: the first four hold 0.998, the first three 0.986 (< 0.99), so the fourth is kept and the last cut
+    kept /= kept.sum()
+    frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert torch.allclose(frequencies, kept.double(), atol=0.01) and frequencies[kept == 0].sum() == 0
+
+    tokenizer = CharTokenizer()
+    model = build_tiny_qwen2(tokenizer.vocab_size, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32, seed=0)
+    items = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(3)]
+    answers: list = []
+
+    def first_of_each(trajectory, text):  # 1.0 for the first answer to each prompt only
+        answers.append(trajectory.meta["answer"])
+        return float(answers.count(trajectory.meta["answer"]) == 1)
+
+    assert evaluate(model, tokenizer, items, first_of_each, max_new_tokens=3, sampling=EvalConfig(samples=4, temperature=1.0)) == 3 / 12
+    assert sorted(answers) == [1] * 4 + [2] * 4 + [3] * 4
+    greedy: list = []
+    evaluate(model, tokenizer, items, lambda t, text: greedy.append(t.tokens) or 0.0, max_new_tokens=3)
+    top1: list = []
+    evaluate(model, tokenizer, items, lambda t, text: top1.append(t.tokens) or 0.0, max_new_tokens=3, sampling=EvalConfig(samples=2, temperature=1.0, top_k=1))
+    assert top1 == [g for g in greedy for _ in range(2)]  # top_k=1 keeps only the argmax
