@@ -62,8 +62,8 @@ class BuiltRun(Protocol):
     last_reward: float | None
     accuracy_before: float | None
 
-    def evaluate(self, model: torch.nn.Module) -> float | None:
-        """Greedy held-out accuracy of `model` (None without held-out prompts)."""
+    def evaluate(self, model: torch.nn.Module) -> Any:
+        """What `model` does on the held-out prompts (`tools.train.HeldOut`; None without held-out prompts)."""
         ...
 
 
@@ -309,9 +309,9 @@ class RL:
     def on_step(self, m: dict[str, Any]) -> None:
         if self.sharing is not None:
             m["handoffs"] = self.handoffs()
-        if self.evaluates(m["step"]):  # this step's weights; the next step waits. Greedy: no random number drawn, the run's samples stay as they were
+        if self.evaluates(m["step"]):  # this step's weights; the next step waits. Greedy, or sampled from the evaluation's own generator: the run's samples stay as they were
             with self.r.tracer.span("train", "evaluate", step=m["step"]):
-                m["held_out_accuracy"] = self.r.evaluate(unsharded(self.template, self.trainer.named_weights()))
+                m.update(self.r.evaluate(unsharded(self.template, self.trainer.named_weights())).metrics())
         self.history.append(m)
         self.metrics.write(m)
         recent = self.history[-5:]

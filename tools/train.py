@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -90,11 +91,25 @@ def _until_end(row: list[int], ends: set[int]) -> tuple[list[int], bool]:
     return row, False
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """What a held-out evaluation measured."""
+
+    accuracy: float
+    """The share of answers the reward scores 1.0 (with `eval.samples` > 1, of all of them: mean@N)."""
+    pass_at_n: float | None = None
+    """With `eval.samples` > 1: the share of prompts with at least one such answer (pass@N); else None."""
+
+    def metrics(self) -> dict[str, float]:
+        """The step metrics' fields: `held_out_accuracy`, and `held_out_pass_at_n` when sampled N times."""
+        return {"held_out_accuracy": self.accuracy, **({"held_out_pass_at_n": self.pass_at_n} if self.pass_at_n is not None else {})}
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None, sampling: EvalConfig | None = None, seed: int = 0
-) -> float:
-    """Held-out accuracy: the share of answers the verifier scores 1.0, with the rule RL trains
+) -> HeldOut:
+    """Held-out accuracy (`HeldOut`): the share of answers the verifier scores 1.0, with the rule RL trains
     on (the built-in verifiers' is strict: the answer alone, then an end token; generation
     stops at any of `tokenizer.eos_ids`). Greedy (plain argmax decoding: the model's
     generation config, its repetition penalty say, left out), or as `sampling` says:
@@ -112,7 +127,7 @@ def evaluate(
     model.generation_config = _plain_generation(tokenizer)
     processors = [_SampledArgmax(sampling, seed=seed)] if sampled else []
     ends = set(tokenizer.eos_ids)
-    correct = 0
+    correct = solved = 0
     try:
         for start in range(0, len(items), batch_size):
             chunk = [item for item in items[start : start + batch_size] for _ in range(samples)]
@@ -129,11 +144,13 @@ def evaluate(
                 trajectories.append(Trajectory(prompt_ids=prompt, tokens=kept, logprobs=[0.0] * len(kept), versions=[0] * len(kept), finish_reason="stop" if stopped else "length", meta=meta))
                 texts.append(tokenizer.decode(tokens))
             rewards = scorer.rewards(trajectories, texts) if scorer is not None else score(reward, trajectories, texts)[0]  # a reward that fails scores the answer 0, as in RL
-            correct += sum(r == 1.0 for r in rewards)
+            right = [r == 1.0 for r in rewards]
+            correct += sum(right)
+            solved += sum(any(right[k : k + samples]) for k in range(0, len(right), samples))  # a prompt's answers are consecutive
     finally:
         model.train(was_training)
         model.generation_config = own
-    return correct / max(len(items) * samples, 1)
+    return HeldOut(correct / max(len(items) * samples, 1), solved / max(len(items), 1) if samples > 1 else None)
 
 
 def _plain_generation(tokenizer: Tokenizer) -> Any:
@@ -334,8 +351,8 @@ class Run:
         with bar:
             return prompt_source(self.cfg, self.tokenizer, on_progress=on_progress)
 
-    def evaluate(self, model: torch.nn.Module) -> float | None:
-        """Held-out accuracy of `model` (None: the run has no held-out prompts)."""
+    def evaluate(self, model: torch.nn.Module) -> HeldOut | None:
+        """What `model` does on the held-out prompts (None: the run has none)."""
         items = self.prompts.eval_items
         if not items:
             return None
@@ -352,7 +369,8 @@ class Run:
         cfg, console = self.cfg, self.console
         if self.source.built_here:  # a checkpoint directory is its own record of them
             self.source.save(self._policy(self.model), self.run_dir / "cache" / "initial")
-        accuracy_start = self.evaluate(self.model)
+        start = self.evaluate(self.model)
+        accuracy_start = start.accuracy if start is not None else None
         if cfg.sft.steps:
             sft = self.train_cls(copy.deepcopy(self.model), lr=cfg.sft.lr, grad_clip=cfg.train.grad_clip, micro_batch_size=cfg.sft.batch_size, max_nonfinite_steps=cfg.train.max_nonfinite_steps, platform=self.platform, **own_train_keys(self.train_cls, cfg), **self.engine_options)
             bar = Progress(TextColumn("[bold]warm start[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not self.progress, transient=True)
@@ -363,7 +381,8 @@ class Run:
             self.model = unsharded(self.model, sft.named_weights())
             del sft
             self.source.save(self._policy(self.model), self.run_dir / "cache" / "warm_start")
-            self.accuracy_before = self.evaluate(self.model)
+            after = self.evaluate(self.model)
+            self.accuracy_before = after.accuracy if after is not None else None
             if accuracy_start is not None:
                 console.print(f"tidal: held-out accuracy: {accuracy_start:.1%} untrained, {self.accuracy_before:.1%} after the warm start")
         else:
@@ -379,11 +398,13 @@ class Run:
     def finish(self, rl: RL) -> dict[str, Any]:
         """The final evaluation (unless stopped early), timeline, plot and summary.json."""
         history, totals = rl.history, self.totals
-        accuracy_after = None
+        accuracy_after, final = None, {}
         if rl.stop.reason is None:
             last = history[-1] if history else {}
             measured = last.get("step") == rl.trainer.version and "held_out_accuracy" in last  # at the last step (`eval_every`): these weights
-            accuracy_after = last["held_out_accuracy"] if measured else self.evaluate(unsharded(self.model, rl.trainer.named_weights()))
+            held_out = HeldOut(last["held_out_accuracy"], last.get("held_out_pass_at_n")) if measured else self.evaluate(unsharded(self.model, rl.trainer.named_weights()))
+            final = held_out.metrics() if held_out is not None else {}
+            accuracy_after = final.get("held_out_accuracy")
             if accuracy_after is not None:
                 rl.metrics.write_final({"held_out_accuracy": {"before_rl": self.accuracy_before, "after_rl": accuracy_after}}, step=rl.trainer.version)
         rl.metrics.close()
@@ -396,6 +417,7 @@ class Run:
         summary = {
             "accuracy_before": self.accuracy_before,
             "accuracy_after": accuracy_after,
+            **({"pass_at_n_after": final["held_out_pass_at_n"]} if "held_out_pass_at_n" in final else {}),
             "steps": rl.trainer.version,
             "rl_seconds": seconds,
             "samples_per_s": samples / seconds if seconds else 0.0,

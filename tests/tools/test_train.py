@@ -247,7 +247,7 @@ def test_evaluation_scores_an_answer_whose_reward_fails_as_wrong():
             raise RuntimeError("cannot score odd answers")
         return 1.0
 
-    assert evaluate(model, tokenizer, items, picky, max_new_tokens=2) == 0.5
+    assert evaluate(model, tokenizer, items, picky, max_new_tokens=2).accuracy == 0.5
 
 
 def test_evaluation_gives_the_reward_the_answer_as_rl_does_and_scores_in_the_runs_pool_under_its_timeout(tmp_path, monkeypatch):
@@ -266,7 +266,7 @@ def test_evaluation_gives_the_reward_the_answer_as_rl_does_and_scores_in_the_run
         seen.append((trajectory.prompt_ids, list(trajectory.tokens), trajectory.finish_reason, text))
         return 1.0
 
-    assert evaluate(model, tokenizer, items, records, max_new_tokens=3) == 1.0
+    assert evaluate(model, tokenizer, items, records, max_new_tokens=3).accuracy == 1.0
     assert [prompt for prompt, *_ in seen] == [tokenizer.encode(item["prompt"]) for item in items]
     for _, tokens, reason, text in seen:
         ends = [k for k, t in enumerate(tokens) if t in tokenizer.eos_ids]
@@ -278,7 +278,7 @@ def test_evaluation_gives_the_reward_the_answer_as_rl_does_and_scores_in_the_run
     scorer = make_score(cfg, tokenizer)
     try:
         started = time.monotonic()
-        assert evaluate(model, tokenizer, items, scorer.reward, max_new_tokens=3, scorer=scorer) == 0.0
+        assert evaluate(model, tokenizer, items, scorer.reward, max_new_tokens=3, scorer=scorer).accuracy == 0.0
         assert time.monotonic() - started < 60
     finally:
         scorer.close()
@@ -477,10 +477,11 @@ def test_sampled_evaluation_draws_from_the_cut_softmax_with_a_generator_of_its_o
         answers.append(trajectory.meta["answer"])
         return float(answers.count(trajectory.meta["answer"]) == 1)
 
-    assert evaluate(model, tokenizer, items, first_of_each, max_new_tokens=3, sampling=EvalConfig(samples=4, temperature=1.0)) == 3 / 12
+    held_out = evaluate(model, tokenizer, items, first_of_each, max_new_tokens=3, sampling=EvalConfig(samples=4, temperature=1.0))
+    assert (held_out.accuracy, held_out.pass_at_n) == (3 / 12, 1.0)  # mean@4, and pass@4: each prompt has its one right answer
     assert sorted(answers) == [1] * 4 + [2] * 4 + [3] * 4
     greedy: list = []
-    evaluate(model, tokenizer, items, lambda t, text: greedy.append(t.tokens) or 0.0, max_new_tokens=3)
+    assert evaluate(model, tokenizer, items, lambda t, text: greedy.append(t.tokens) or 0.0, max_new_tokens=3).pass_at_n is None
     top1: list = []
     evaluate(model, tokenizer, items, lambda t, text: top1.append(t.tokens) or 0.0, max_new_tokens=3, sampling=EvalConfig(samples=2, temperature=1.0, top_k=1))
     assert top1 == [g for g in greedy for _ in range(2)]  # top_k=1 keeps only the argmax

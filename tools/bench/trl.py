@@ -270,7 +270,7 @@ def run_trl(*, seed: int, num_steps: int, overrides: Sequence[str] = (), recipe:
         budget = cfg.rollout.max_new_tokens
 
         def held_out(policy: Any) -> float | None:
-            return evaluate(policy, tokenizer, held_items, reward, max_new_tokens=budget) if held_items else None
+            return evaluate(policy, tokenizer, held_items, reward, max_new_tokens=budget).accuracy if held_items else None
 
         accuracy_before = held_out(model)
 
