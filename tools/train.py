@@ -122,7 +122,7 @@ def evaluate(
     samples = sampling.samples if sampling is not None else 1
     sampled = sampling is not None and sampling.temperature > 0
     device = next(model.parameters()).device
-    was_training, own = model.training, getattr(model, "generation_config", None)
+    was_training, own = model.training, model.generation_config  # a transformers model: it has one (`generate` reads it)
     model.eval()
     model.generation_config = _plain_generation(tokenizer)
     processors = [_SampledArgmax(sampling, seed=seed)] if sampled else []

@@ -134,7 +134,7 @@ def test_rewards_near_float32s_range_do_not_overflow_the_group_sums():
 
 
 def test_advantage_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"name='ppo'.*'dr_grpo', 'grpo', 'grpo_no_std', 'rloo'"):
+    with pytest.raises(ValueError, match=r"name='ppo'.*'dr_grpo', 'grpo', 'grpo_no_std', 'reinforce_plus_plus_baseline', 'rloo'"):
         compute_advantages("ppo", REWARDS, GROUPS)
     with pytest.raises(ValueError, match="groups has 2 ids but rewards has 6 rows"):
         rloo(REWARDS, ["a", "b"])
