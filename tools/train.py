@@ -116,7 +116,7 @@ def evaluate(
     `samples` answers per prompt at `temperature`, cut to `top_k` / `top_p` as rollout cuts
     (`engines.sampling.truncate`), drawn from a generator of the evaluation's own seeded with
     `seed` (`_SampledArgmax`). Items are encoded as RL's are: their `prompt_ids`, else their
-    `prompt` encoded. `batch_size` counts prompts. With `scorer` (the run's, for `reward`)
+    `prompt` encoded. `batch_size` answers go in each `generate` call (at least one prompt's). With `scorer` (the run's, for `reward`)
     answers are scored as RL's are, in its worker pool under its per-sample timeout; without
     one, in this thread."""
     samples = sampling.samples if sampling is not None else 1
@@ -129,8 +129,9 @@ def evaluate(
     ends = set(tokenizer.eos_ids)
     correct = solved = 0
     try:
-        for start in range(0, len(items), batch_size):
-            chunk = [item for item in items[start : start + batch_size] for _ in range(samples)]
+        prompts_per_call = max(batch_size // samples, 1)  # a generate call's rows: about `batch_size`, as greedy's
+        for start in range(0, len(items), prompts_per_call):
+            chunk = [item for item in items[start : start + prompts_per_call] for _ in range(samples)]
             ids = [item["prompt_ids"] if "prompt_ids" in item else tokenizer.encode(item["prompt"]) for item in chunk]
             width = max(map(len, ids))
             input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(x)) + x for x in ids], device=device)
