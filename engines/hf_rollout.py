@@ -12,9 +12,9 @@ from `softmax(logits / temperature)`, cut to `top_k` then `top_p`, with `torch.m
 as `generate(do_sample=True, top_k=..., top_p=...)` does. Rows that end (EOS, or their own
 token budget) leave the batch and the cache at once, so later steps compute only
 unfinished rows (`eos_id` may list several stop tokens, as instruct models' generation
-configs do); `generate` keeps
-every row to the end and costs a call's set-up every chunk. With no row ending early the
-tokens are those `generate` samples under the same seed (a test checks it).
+configs do); `generate` keeps every row to the end and costs a call's set-up every chunk.
+With no row ending early the tokens are those `generate` samples under the same seed (a
+test checks it).
 
 Every `chunk_tokens` decoding steps is a safe point: the loop asks `should_pause()` and,
 when it says so, returns with unfinished trajectories (`finish_reason=None`); new
