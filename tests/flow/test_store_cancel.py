@@ -14,6 +14,7 @@ import torch
 
 from tidal.flow.store import RemoteStore, StoreError, StoreTimeout, shm
 from tidal.flow.store import client as client_module
+from tidal.hal import owner
 
 BIG = shm.MIN_BYTES // 4  # float32 elements: a row of this many goes by shared memory where it can
 
@@ -143,16 +144,22 @@ def test_a_cancelled_put_without_a_wake_is_withdrawn_and_leaves_nothing_behind(i
     store, server, client = served
     client.create_partition("train", consumers=["train"], capacity_rows=1)
     client.put("train", {"x": torch.zeros(1, BIG)})
-    before = set(shm.leftovers())
+    own = f"@{owner.tag()}"  # this process's segments: the other test worker makes its own meanwhile
+
+    def mine() -> set[str]:
+        return {name for name in shm.leftovers() if name.endswith(own)}
+
+    before = mine()
     cancel = threading.Event()
     thread, outcome = in_thread(lambda: client.put("train", {"x": torch.ones(1, BIG)}, cancel=cancel))
     wait_for(lambda: len(server._parked) == 1)
+    assert mine() - before  # the waiting put's segment, under this process's name
     cancel.set()
     thread.join(5)
     assert not thread.is_alive() and isinstance(outcome[0], StoreError) and "cancelled" in str(outcome[0])
     assert server._parked == []
     gc.collect()
-    assert set(shm.leftovers()) <= before  # its segment went with it
+    assert mine() <= before  # its segment went with it
     store.ack("train", "train", store.get("train", "train", ["x"], 1, timeout=5).indexes)
     with pytest.raises(StoreTimeout):  # room was made, and the cancelled put did not take it
         store.get("train", "train", ["x"], 1, timeout=0.3)
