@@ -453,8 +453,7 @@ class DeepSpeedTrainEngine:
         if self.reference is not None:  # ZeRO-3: gathered, a collective; else whole on every rank
             state["reference"] = whole_weights(self.reference, rank=self.rank)
         if self.lora is not None:  # rank 0's whole state, in the torch engine's LoRA format (other ranks': empty)
-            state["model"] = dict(lora_.merged_weights(self.module, model, full=lambda t: t)) if model else {}
-            state["lora"] = {"base": lora_.base_weights(self.module, model), "adapters": lora_.adapter_weights(self.module, model), "settings": self.lora.keys()}
+            state.update(lora_.state_entries(self.module, model, self.lora))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -467,11 +466,7 @@ class DeepSpeedTrainEngine:
         """
         position = state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
-        model = state["model"]
-        if self.lora is not None:  # the adapted model's weights, exactly: its base and adapters ("model", merged, follows from them)
-            if not isinstance(state.get("lora"), dict):
-                raise ValueError(f"train.lora_rank={self.lora.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
-            model = lora_.adapted_state(self.module, state["lora"]["base"], state["lora"]["adapters"])
+        model = state["model"] if self.lora is None else lora_.saved_weights(self.module, state, self.lora)  # LoRA: the base and adapters, exactly
         if self._leading:
             send_command("load_state_dict", with_optimizer=state.get("optimizer") is not None, version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
         self._load_state_dict(dict(model), state.get("optimizer"), version=int(state["version"]), lr_scheduler=position, reference=reference)

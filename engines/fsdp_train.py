@@ -456,8 +456,7 @@ class FSDPTrainEngine:
             model, optimizer = self._unshared(full), {"state": {index[n]: self._unshared(s) for n, s in optim.get("state", {}).items()}, "param_groups": groups}
         state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
         if self.lora is not None:  # rank 0's full state, in the torch engine's LoRA format (other ranks': empty)
-            state["model"] = dict(lora_.merged_weights(self.model, model, full=lambda t: t)) if model else {}
-            state["lora"] = {"base": lora_.base_weights(self.model, model), "adapters": lora_.adapter_weights(self.model, model), "settings": self.lora.keys()}
+            state.update(lora_.state_entries(self.model, model, self.lora))
         return state
 
     def _unshared(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -474,11 +473,7 @@ class FSDPTrainEngine:
         0: rank 0 calls it.
         """
         saved, position = state["optimizer"], state.get("lr_scheduler") or {"last_epoch": int(state["version"])}  # from before schedules: a step per version
-        model = state["model"]
-        if self.lora is not None:  # the adapted model's weights, exactly: its base and adapters ("model", merged, follows from them)
-            if not isinstance(state.get("lora"), dict):
-                raise ValueError(f"train.lora_rank={self.lora.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
-            model = lora_.adapted_state(self.model, state["lora"]["base"], state["lora"]["adapters"])
+        model = state["model"] if self.lora is None else lora_.saved_weights(self.model, state, self.lora)  # LoRA: the base and adapters, exactly
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
             send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)

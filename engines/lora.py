@@ -200,16 +200,26 @@ def adapted_state(model: torch.nn.Module, base: Mapping[str, torch.Tensor], adap
     return {**{wanted[name]: tensor for name, tensor in base.items()}, **adapters}
 
 
-def load_weights(model: torch.nn.Module, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]) -> None:
-    """Set an adapted model's base weights and adapters exactly (`adapted_state`).
+def state_entries(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], settings: LoraSettings) -> dict[str, Any]:
+    """A train engine's `state_dict()` entries with LoRA, from the adapted model's whole weights
+    by its names (empty on a rank that saves nothing): "model", the merged weights under the
+    base's names (what users and rollout load), and "lora", the base, the adapters and the
+    settings an exact resume loads."""
+    lora = {"base": base_weights(model, weights), "adapters": adapter_weights(model, weights), "settings": settings.keys()}
+    return {"model": dict(merged_weights(model, weights, full=lambda t: t)), "lora": lora}
+
+
+def saved_weights(model: torch.nn.Module, state: Mapping[str, Any], settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """The adapted model's weights by its names from a train engine's state: its "lora" base
+    and adapters ("model", merged, follows from them).
 
     Raises:
-        ValueError: a name is missing or unknown, naming it (nothing is set then).
+        ValueError: a state without "lora" (an engine's that trained every weight), or whose
+            names do not fit the model (`adapted_state`).
     """
-    given, own = adapted_state(model, base, adapters), model.state_dict()
-    with torch.no_grad():
-        for name, tensor in given.items():
-            own[name].copy_(tensor)
+    if not isinstance(state.get("lora"), dict):
+        raise ValueError(f"train.lora_rank={settings.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
+    return adapted_state(model, state["lora"]["base"], state["lora"]["adapters"])
 
 
 def peft_adapter(settings: LoraSettings, adapters: dict[str, torch.Tensor], *, base: str) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -357,13 +357,9 @@ class TorchTrainEngine:
             ValueError: with LoRA, a state without "lora" (an engine's that trained every
                 weight) or whose adapters do not fit these settings; nothing is set then.
         """
-        if self.lora is not None and not isinstance(state.get("lora"), dict):
-            raise ValueError(f"train.lora_rank={self.lora.rank}: the state has no LoRA base and adapters (it comes from training every weight)")
+        weights = state["model"] if self.lora is None else lora_.saved_weights(self.model, state, self.lora)  # raises before anything is set
         self._before_change()
-        if self.lora is not None:
-            lora_.load_weights(self.model, state["lora"]["base"], state["lora"]["adapters"])
-        else:
-            self.model.load_state_dict(state["model"])
+        self.model.load_state_dict(weights)
         with own_settings(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
         load_position(self.scheduler, state.get("lr_scheduler") or {"last_epoch": int(state["version"])})  # a state from before schedules: a step per version

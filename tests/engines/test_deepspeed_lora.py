@@ -6,27 +6,22 @@ and ZeRO-3 (the base partitioned too), SPMD and led by rank 0."""
 
 from __future__ import annotations
 
-import copy
 import textwrap
 
 import pytest
 import torch
 
-from tidal.engines import lora
-from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
-from tidal.engines.torch_train import TorchTrainEngine
+from tests.engines.lora_steps import (
+    assert_same_weights,
+    assert_state_is_the_torch_engines,
+    assert_trains_the_torch_engines_adapters,
+    model,
+    torch_reference,
+    write_run_data,
+)
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("peft")
-
-T = CharTokenizer()
-MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
-ENGINE = dict(lr=1e-2, weight_decay=0.01, micro_batch_size=2, padding_free=False, kl_reference=True, lora_rank=4, lora_alpha=8.0)
-SHARDS = [[0, 1, 2, 3], [4, 5]]
-PLAN = [{"aggregation": "token_mean"}, "sft", {"aggregation": "token_mean", "kl_coef": 0.5}, {"aggregation": "seq_mean_token_mean", "kl_coef": 0.5}]
-"""Policy steps with and without a KL term (every row runs then: rank 1's one micro-batch
-against rank 0's two, so a dummy pass joins a reference pass), and a supervised step."""
-RESUME = [{"aggregation": "token_mean", "kl_coef": 0.5}]
 
 WORKER = textwrap.dedent(
     """
@@ -95,69 +90,36 @@ WORKER = textwrap.dedent(
 )
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    return build_tiny_qwen2(T.vocab_size, seed=seed, **MODEL)
-
-
 @pytest.fixture(scope="module")
 def reference(six_rows, run_torch) -> dict:
-    """The same steps by one `TorchTrainEngine` with the same adapters on all six rows."""
-    batch, advantages = six_rows
-    engine = TorchTrainEngine(_model(0), **ENGINE)
-    metrics = run_torch(engine, batch, advantages, PLAN)
-    state = copy.deepcopy(engine.state_dict())  # the engine's own tensors otherwise: a step of the engine that loads it would change them
-    continued = TorchTrainEngine(_model(7), **ENGINE)
-    continued.load_state_dict(copy.deepcopy(state))  # AdamW takes the given moments as its own
-    run_torch(continued, batch, advantages, RESUME)
-    return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "weights": list(engine.named_weights()), "state": state, "continued": list(continued.named_weights())}
+    return torch_reference(six_rows, run_torch)
 
 
 @pytest.fixture(scope="module", params=[(2, False), (3, False), (1, True), (2, True), (3, True)], ids=["zero2-spmd", "zero3-spmd", "zero1-led", "zero2-led", "zero3-led"])
 def ds_run(request, tmp_path_factory, reference, spawn, write_data) -> dict:
     stage, led = request.param
     work = tmp_path_factory.mktemp("deepspeed-lora")
-    write_data(work, reference["batch"], reference["advantages"], shards=SHARDS, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size, torch_state=reference["state"], led=led, stage=stage)
+    write_run_data(write_data, work, reference, led=led, stage=stage)
     spawn(work, WORKER)
     return torch.load(work / "result.pt", weights_only=False)
 
 
-def _assert_same_weights(got: list, want: list) -> None:
-    assert [n for n, _ in got] == [n for n, _ in want]
-    for (name, a), (_, b) in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-
-
 def test_two_ranks_train_the_torch_engines_adapters(ds_run, reference):
-    assert ds_run["trained"] and all(".lora_" in n for n in ds_run["trained"])
-    adapters = sum(t.numel() for n, t in reference["state"]["lora"]["adapters"].items())
+    assert_trains_the_torch_engines_adapters(ds_run, reference)
+    adapters = sum(t.numel() for t in reference["state"]["lora"]["adapters"].values())
     assert 0 < ds_run["moments"] <= adapters + 2  # AdamW's moments (of this rank's flat slices, padded to the ranks) are the adapters' only
-    for got, want in zip(ds_run["metrics"], reference["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "num_tokens", *(["kl"] if "kl" in want else [])):
-            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
-    assert ds_run["metrics"][-1]["kl"] > 0  # the adapters moved the policy from the base
-    _assert_same_weights(ds_run["weights"], reference["weights"])  # merged, under the base's names
-    assert [s.name for s in ds_run["specs"]] == list(_model(0).state_dict())
-    assert [(s.shape, s.dtype) for s in ds_run["specs"]] == [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in _model(0).state_dict().values()]
+    assert [(s.shape, s.dtype) for s in ds_run["specs"]] == [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in model(0).state_dict().values()]
 
 
 def test_the_state_is_the_torch_engines_both_ways_and_parking_keeps_it(ds_run, reference):
+    assert_state_is_the_torch_engines(ds_run, reference)
     state, want = ds_run["state"], reference["state"]
-    assert state["model"].keys() == want["model"].keys() and state["lora"]["settings"] == want["lora"]["settings"]
-    for part in ("base", "adapters"):
-        assert state["lora"][part].keys() == want["lora"][part].keys()
-        for name, tensor in state["lora"][part].items():
-            torch.testing.assert_close(tensor, want["lora"][part][name], rtol=1e-4, atol=1e-5, msg=name)
-    base = lora.base_weights(TorchTrainEngine(_model(0), lora_rank=4).model)
-    assert all(torch.equal(state["lora"]["base"][n], t) for n, t in base.items())  # the base never moved
-    assert state["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
-    assert state["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
     for index, moments in state["optimizer"]["state"].items():
         for key, value in moments.items():
             torch.testing.assert_close(value, want["optimizer"]["state"][index][key], rtol=1e-4, atol=1e-6, msg=f"{index} {key}")
     parked = ds_run["parked_state"]
     for part in ("base", "adapters"):
         assert all(torch.equal(parked["lora"][part][n], t) for n, t in state["lora"][part].items()), part
-    _assert_same_weights(ds_run["from_torch"], reference["continued"])
 
 
 @pytest.mark.gpu
@@ -166,7 +128,7 @@ def test_one_rank_on_a_real_gpu_trains_the_torch_engines_adapters_and_parks(tmp_
     """DeepSpeed over NCCL on one real GPU (a group of one holding every row) trains the adapters
     the torch engine trains on CPU, and its state survives a park to host memory and back
     (where ZeRO-3's `offload_zero3_lp_params` really moves the flat buffer)."""
-    write_data(tmp_path, reference["batch"], reference["advantages"], shards=[list(range(6))], plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size, torch_state=reference["state"], led=False, stage=stage)
+    write_run_data(write_data, tmp_path, reference, led=False, stage=stage, shards=[list(range(6))])
     spawn(tmp_path, WORKER, world=1, device="cuda")
     run = torch.load(tmp_path / "result.pt", weights_only=False, map_location="cpu")
     got = dict(run["weights"])
@@ -174,4 +136,4 @@ def test_one_rank_on_a_real_gpu_trains_the_torch_engines_adapters_and_parks(tmp_
         torch.testing.assert_close(got[name], expected, atol=1e-4, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     for part in ("base", "adapters"):
         assert all(torch.equal(run["parked_state"]["lora"][part][n], t) for n, t in run["state"]["lora"][part].items()), part
-    _assert_same_weights(run["from_torch"], reference["continued"])
+    assert_same_weights(run["from_torch"], reference["continued"])

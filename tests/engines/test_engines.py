@@ -150,12 +150,14 @@ def test_a_float64_models_sampled_logprobs_are_not_rounded_to_float32():
         assert t.logprobs == pytest.approx(_reference_logprobs(model, t), abs=1e-9)
 
 
-def test_sampling_loop_draws_what_transformers_generate_draws():
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (4, 1.0), (0, 0.6), (6, 0.8)])
+def test_sampling_loop_draws_what_transformers_generate_draws(top_k, top_p):
     # No row ends early (EOS suppressed), so every decoding step samples every row, as
-    # `generate` does: same seed, same tokens; a group's rows share one prefill.
+    # `generate` does: same seed, same tokens; a group's rows share one prefill. With top_k /
+    # top_p the behavior logprobs are the cut distribution's: generate's scores, after its warpers.
     model = tiny(0, torch.float64)
     _bias_token(model, T.eos_id)[T.eos_id] = -1e9
-    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, temperature=0.7, chunk_tokens=2)
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, temperature=0.7, top_k=top_k, top_p=top_p, chunk_tokens=2)
     _bias_token(engine.model, T.eos_id)[T.eos_id] = -1e9
     prompts = [T.encode(p) for p in ["1+2=", "13-4=", "7="] for _ in range(3)]
     torch.manual_seed(5)
@@ -164,11 +166,19 @@ def test_sampling_loop_draws_what_transformers_generate_draws():
     torch.manual_seed(5)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[T.pad_id] * (width - len(p)) + p for p in prompts])
-    out = model.generate(input_ids, attention_mask=(input_ids != T.pad_id).long(), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, pad_token_id=T.pad_id, eos_token_id=T.eos_id, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids, attention_mask=(input_ids != T.pad_id).long(), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=top_k, top_p=top_p,
+        pad_token_id=T.pad_id, eos_token_id=T.eos_id, output_scores=True, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
     new = out.sequences[:, width:]
     assert [t.tokens for t in trajectories] == new.tolist()
-    logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / 0.7, -1).gather(-1, new[..., None]).squeeze(-1)
-    assert torch.allclose(torch.tensor([t.logprobs for t in trajectories]), logprobs, atol=1e-6)
+    logged = torch.tensor([t.logprobs for t in trajectories])
+    assert torch.allclose(logged, torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, new[..., None]).squeeze(-1), atol=1e-6)
+    full = torch.log_softmax(torch.stack(out.logits, 1).float() / 0.7, -1).gather(-1, new[..., None]).squeeze(-1)
+    if top_k or top_p < 1:
+        assert (logged >= full - 1e-6).all() and (logged > full + 1e-3).any()  # renormalised over the kept tokens
+    else:
+        assert torch.allclose(logged, full, atol=1e-6)
     assert all(t.finish_reason == "length" and t.versions == [0] * 6 for t in trajectories)
 
 

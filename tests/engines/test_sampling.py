@@ -1,6 +1,7 @@
 """`rollout.top_k` / `rollout.top_p`: the truncation follows transformers' warpers (and so
-vLLM's sampler), the hf rollout draws what `generate` draws with them, and the trainer's
-logprobs are taken under the same cut, so on-policy samples have importance ratio 1."""
+vLLM's sampler), and the trainer's logprobs are taken under the same cut, so on-policy
+samples have importance ratio 1. That the hf rollout draws what `generate` draws with them:
+test_engines.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from tests.engines.test_engines import T, _bias_token, tiny
+from tests.engines.test_engines import T, tiny
 from tidal.engines import token_logprobs
 from tidal.engines.hf_rollout import HFRolloutEngine
 from tidal.engines.sampling import truncate
@@ -48,31 +49,6 @@ def _samples(top_k: int, top_p: float, temperature: float = 0.8) -> tuple[torch.
     trajectories = [Trajectory(prompt_ids=T.encode(p)) for p in ["1+2=", "13-4=", "7="] for _ in range(6)]
     engine.generate(trajectories, max_new_tokens=6)
     return model, trajectories
-
-
-@pytest.mark.parametrize(("top_k", "top_p"), [(4, 1.0), (0, 0.6), (6, 0.8)])
-def test_rollout_draws_what_generate_draws_and_logs_the_cut_distributions_logprobs(top_k, top_p):
-    model = tiny(0, torch.float64)
-    _bias_token(model, T.eos_id)[T.eos_id] = -1e9  # no row ends early: every step samples every row, as generate does
-    engine = HFRolloutEngine(copy.deepcopy(model), eos_id=T.eos_id, pad_id=T.pad_id, temperature=0.7, top_k=top_k, top_p=top_p, chunk_tokens=2)
-    prompts = [T.encode(p) for p in ["1+2=", "13-4=", "7="] for _ in range(3)]
-    torch.manual_seed(5)
-    trajectories = [Trajectory(prompt_ids=p) for p in prompts]
-    engine.generate(trajectories, max_new_tokens=6, should_pause=lambda: False)
-    torch.manual_seed(5)
-    width = max(map(len, prompts))
-    input_ids = torch.tensor([[T.pad_id] * (width - len(p)) + p for p in prompts])
-    out = model.generate(
-        input_ids, attention_mask=(input_ids != T.pad_id).long(), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=top_k, top_p=top_p,
-        pad_token_id=T.pad_id, eos_token_id=T.eos_id, output_scores=True, output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    new = out.sequences[:, width:]
-    assert [t.tokens for t in trajectories] == new.tolist()
-    processed = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, new[..., None]).squeeze(-1)  # generate's scores are after its warpers
-    logged = torch.tensor([t.logprobs for t in trajectories])
-    assert torch.allclose(logged, processed, atol=1e-6)
-    full = torch.log_softmax(torch.stack(out.logits, 1).float() / 0.7, -1).gather(-1, new[..., None]).squeeze(-1)
-    assert (logged >= full - 1e-6).all() and (logged > full + 1e-3).any()  # renormalised over the kept tokens
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(4, 1.0), (0, 0.6), (6, 0.8)])
