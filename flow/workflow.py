@@ -124,7 +124,9 @@ class Workflow:
         tracer: records a span per generate / reward / advantage / train / weight update.
         totals: the run's running totals before this attempt (a resumed run's checkpoint,
             what `save` returned): `failed_rewards`, `reward_timeouts`, `paused_generations` and `handed_off`
-            in each step's metrics go on from them; keys it does not count are kept for `save`.
+            in each step's metrics go on from them, and `reported_dropped` (the rows the
+            steps' `dropped` counted) lets the first step count the store's drops that no
+            step did; keys it does not count are kept for `save`.
         clock: what every stage waits on, reads the time from and starts its threads with:
             the real clock, or a simulation's virtual one (`tidal simulate`), under which
             this same loop schedules simulated engines.
@@ -173,6 +175,11 @@ class Workflow:
         self._trained = 0
         self._waits: dict[str, float] = collections.defaultdict(float)
         self._rollout_counts = {key: self._totals.get(key, 0) for key in ROLLOUT_TOTALS}  # the run's, as of the last step's metrics
+        # Drops the steps reported so far. A checkpoint saved while the next step's rows are
+        # being taken (the prefetch) holds a store with drops no reported step counted: this
+        # attempt's first step reports them (a checkpoint from before the count: none).
+        self._reported_dropped = self._totals.get("reported_dropped", self._num_dropped())
+        self._unreported_dropped = self._num_dropped() - self._reported_dropped
 
     # Control ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -201,7 +208,7 @@ class Workflow:
         run resumed from it (the failed rewards' count is the saved store's; rollout's
         counts are the last step's, as its workers, remote ones too, last reported them)."""
         saved = self.stages.save(path)
-        totals = {**self._totals, **self._rollout_counts, "failed_rewards": saved["failed_rewards"], "reward_timeouts": saved["reward_timeouts"]}
+        totals = {**self._totals, **self._rollout_counts, "failed_rewards": saved["failed_rewards"], "reward_timeouts": saved["reward_timeouts"], "reported_dropped": self._reported_dropped}
         return {"prompt_position": saved["prompt_position"], "totals": totals}
 
     def _guard(self, stage: Callable[[], None]) -> None:
@@ -321,6 +328,8 @@ class Workflow:
             self.store.ack("train", "train", rows.indexes)
             self._trained += num_rows
             self._publish(self.trainer.version)
+        dropped, self._unreported_dropped = rows.dropped + self._unreported_dropped, 0
+        self._reported_dropped += dropped
         step_s = self.clock.now() - step_begin
         waits, self._waits = dict(self._waits), collections.defaultdict(float)
         stage_metrics = self.stages.metrics()
@@ -336,7 +345,7 @@ class Workflow:
             tokens=rows.num_tokens,
             step_s=step_s,
             time=self.clock.wall(),
-            dropped=rows.dropped,
+            dropped=dropped,
             **({"filtered_groups": self.stages.filtered_groups(before=self.version)} if cfg.algorithm.filter_groups else {}),
             failed_rewards=stage_metrics["failed_rewards"],
             reward_timeouts=stage_metrics["reward_timeouts"],
