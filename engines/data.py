@@ -3,10 +3,12 @@
 A data source turns the rows of a few local files (GSM8K's `{"question": ..., "answer":
 "... #### 42"}`, say) into the items the workflow puts in the store:
 
-    {"prompt": str, "prompt_ids": list[int], "answer": ..., "meta": {"file": str, "row": int}}
+    {"prompt": str, "prompt_ids": list[int], "messages": [...], "answer": ..., "meta": {"file": str, "row": int}}
 
 `prompt_ids` are what the model reads (the chat template applied, or the raw text
-tokenized) and `prompt` is their text (the rendered template, or the raw text); `answer` is the reference the reward checks
+tokenized) and `prompt` is their text (the rendered template, or the raw text); `messages`
+(with the chat template only) is the conversation the template rendered, which a reward
+model renders in its own template; `answer` is the reference the reward checks
 (`trajectory.meta["answer"]`), `meta` says where the row came from. This is the shape
 `tools/train.py`'s task prompts have (`{"prompt", "answer", "prompt_ids"}`), so either
 feeds the same workflow.
@@ -302,6 +304,8 @@ class PromptSet:
         ids = encode_prompt(prompt, self.tokenizer, self.config)
         # the text that encodes to `ids`, as task prompts have it: the rendered template, or the raw prompt
         item: dict[str, Any] = {"prompt": self.tokenizer.decode(ids, skip_special=False) if self.config.chat_template else prompt, "prompt_ids": ids}
+        if self.config.chat_template:  # the conversation itself, for a reader with a template of its own (a reward model)
+            item["messages"] = messages_of(prompt, system_prompt=self.config.system_prompt)
         if self.config.answer_key is not None:
             item["answer"] = field(record, self.config.answer_key)
         item["meta"] = {"file": str(self.files[f]), "row": row}

@@ -92,6 +92,9 @@ def countdown(trajectory: Trajectory, text: str) -> float:
     return 1.0 if value == Fraction(trajectory.meta["target"]) else 0.1
 
 
+NO_VERIFIER = "none"
+"""`task.reward=none`: no function scores the answers; a reward model's score is the whole
+reward (`reward_model.path`), and no held-out accuracy is measured."""
 REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "countdown": countdown}
 MODULE_REWARDS = {"math": "tidal.engines.math_rewards:math_answer", "math_format": "tidal.engines.math_rewards:math_format", "math_with_format": "tidal.engines.math_rewards:math_with_format"}
 """Registered rewards imported when first named: math-verify takes a second or more to import."""

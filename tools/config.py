@@ -40,6 +40,7 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     PlacementConfig,
     Precision,
     RecipeConfig,
+    RewardModelConfig,
     RoleConfig,
     RolloutConfig,
     Runtime,

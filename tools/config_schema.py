@@ -118,7 +118,7 @@ class TaskConfig:
     name: str = "arithmetic"
     """Prompt generator: arithmetic | countdown (not used when `data.train_files` gives the prompts)."""
     reward: str = ""
-    """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token; math, math_format, math_with_format: math-verify on `####` or `\\boxed{}` answers) or `module:function` (from the Python path, then the current directory); empty = the task's own (with data.train_files: needed)."""
+    """Reward: a registry name (arithmetic, countdown, exact_match: strict, the answer alone and then the end token; math, math_format, math_with_format: math-verify on `####` or `\\boxed{}` answers) or `module:function` (from the Python path, then the current directory); none = no function, the reward model's score alone (`reward_model.path`; no held-out accuracy is measured); empty = the task's own (with data.train_files: needed)."""
     reward_workers: Optional[int] = None
     """Worker processes that run the reward, each sample under `task.reward_timeout_s` (RL's rewards and the held-out evaluation's, each in a pool of its own); 0 = in the scoring thread, with no timeout; null = 2 for the math rewards (math, math_format, math_with_format: math-verify's own timeout works only in a process's main thread, and a pathological answer can hang its parser), 0 for the others (cheap and bounded)."""
     reward_timeout_s: float = 10.0
@@ -141,6 +141,34 @@ class TaskConfig:
             tasks.check_ops(self.ops)  # the arithmetic prompts' own check, before the run directory
         except ValueError:
             raise ValueError(f"task.ops={self.ops!r} is not a non-empty set of the operators + - * (e.g. +-)") from None
+
+
+@dataclasses.dataclass
+class RewardModelConfig:
+    """A reward model that scores each response, added to the task's reward (RLHF's
+    Bradley-Terry reward models: OpenRLHF's `--reward_pretrain`, TRL's `reward_funcs` given
+    a model, verl's `reward_model`). It runs in the trainer's process, on its device."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"batch_size": 1, "max_length": 2}, finite=("weight",))
+
+    path: Optional[str] = None
+    """Local Hugging Face checkpoint directory of a sequence-classification model with one label (`*ForSequenceClassification`, `num_labels: 1`) and its tokenizer; null = no reward model. It reads each prompt's conversation and the response in its own chat template (`engines.reward_model`). A relative path is taken from where tidal run starts and stored absolute in config.yaml."""
+    weight: float = 1.0
+    """Each sample's reward is the task's reward + weight x the reward model's score (with task.reward=none: weight x the score)."""
+    batch_size: int = 8
+    """Samples per forward pass of the reward model."""
+    max_length: int = 2048
+    """Longest input (prompt and response, in the reward model's tokens); a longer one loses its beginning, so the response's end is scored."""
+    dtype: str = "float32"
+    """Weight dtype as loaded: float32 | bfloat16 | auto (the checkpoint's own)."""
+    trust_remote_code: bool = False
+    """Let transformers run Python code shipped in the reward model's directory; only for checkpoints whose code you trust."""
+
+    def check(self) -> None:
+        from tidal.engines.models import DTYPES  # noqa: PLC0415
+
+        if self.dtype not in DTYPES:
+            raise ValueError(f"reward_model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
 
 
 @dataclasses.dataclass
@@ -403,6 +431,8 @@ class RecipeConfig:
     """Prompts and reward."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Prompts from local dataset files instead of the generated task (`data.train_files`)."""
+    reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    """A reward model scoring each response, beside the task's reward."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     """Supervised warm start."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)

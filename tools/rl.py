@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,17 +20,20 @@ from typing import Any, Protocol
 import torch
 
 from tidal.engines.lr_schedule import LRSchedule
+from tidal.engines.models import DTYPES
 from tidal.engines.registry import load
+from tidal.engines.reward_model import RewardModel, conversation
 from tidal.engines.reward_pool import RewardPool
-from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, POOLED_REWARDS, resolve_reward, score
+from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, FLOAT32_MAX, NO_VERIFIER, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.protocols import BuildsFromCheckpoint, TakesTrainKeys
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
+from tidal.hal import current_platform
 from tidal.tools.checkpoint import rng_state, save_checkpoint, set_rng_state
-from tidal.tools.config import RecipeConfig, loss_config, stage_threads, to_dict
+from tidal.tools.config import ConfigError, RecipeConfig, loss_config, stage_threads, to_dict
 from tidal.tools.metrics import MetricsLog
 from tidal.tools.stopping import QuietRollout, StopRequest, stop_on_signals
 
@@ -73,13 +77,17 @@ def reward_spec(cfg: RecipeConfig) -> str:
 
 
 def run_reward(cfg: RecipeConfig) -> Any:
-    """The recipe's reward function (`reward_spec`)."""
-    return resolve_reward(reward_spec(cfg))
+    """The recipe's reward function (`reward_spec`); None for `task.reward=none` (`NO_VERIFIER`)."""
+    spec = reward_spec(cfg)
+    return None if spec == NO_VERIFIER else resolve_reward(spec)
 
 
 def reward_workers(cfg: RecipeConfig) -> int:
     """`task.reward_workers`, null resolved: `DEFAULT_REWARD_WORKERS` for the rewards that
-    need a main thread (`POOLED_REWARDS`), else 0 (in the reward stage's thread)."""
+    need a main thread (`POOLED_REWARDS`), else 0 (in the reward stage's thread); 0 with no
+    reward function (`task.reward=none`)."""
+    if reward_spec(cfg) == NO_VERIFIER:
+        return 0
     if cfg.task.reward_workers is not None:
         return cfg.task.reward_workers
     return DEFAULT_REWARD_WORKERS if reward_spec(cfg) in POOLED_REWARDS else 0
@@ -89,10 +97,15 @@ class Scorer:
     """The recipe's reward over finished trajectories, as the workflow's `score`: (rewards,
     indexes of failed rows, how many of them timed out). With `reward_workers(cfg)` > 0 it
     runs in a `RewardPool` (each sample under `task.reward_timeout_s`), whose workers start
-    at the first call and end with `close()`; else in the caller's thread, with no timeout."""
+    at the first call and end with `close()`; else in the caller's thread, with no timeout.
+    With `reward_model`, each reward is the function's (0 with `task.reward=none`) plus
+    `reward_model.weight` x the model's score; a score that is not finite makes the row
+    failed, as a function's does. Held-out evaluation's scorer has none: accuracy is the
+    function's alone."""
 
-    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer, *, reward_model: RewardModel | None = None) -> None:
         self.reward, self.tokenizer = run_reward(cfg), tokenizer
+        self.reward_model, self.weight = reward_model, cfg.reward_model.weight
         self._ends = set(tokenizer.eos_ids)
         workers = reward_workers(cfg)
         preload = ("tidal.flow.trajectory", getattr(self.reward, "__module__", None) or "tidal.engines.rewards")
@@ -100,13 +113,28 @@ class Scorer:
 
     def __call__(self, trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int], int]:
         texts = [self.tokenizer.decode([t for t in traj.tokens if t not in self._ends]) for traj in trajectories]
-        if self.pool is None:
-            return (*score(self.reward, trajectories, texts), 0)
-        return self.pool.score(self.reward, trajectories, texts)
+        if self.reward is None:
+            rewards, failed, timeouts = [0.0] * len(trajectories), [], 0
+        elif self.pool is None:
+            rewards, failed, timeouts = (*score(self.reward, trajectories, texts), 0)
+        else:
+            rewards, failed, timeouts = self.pool.score(self.reward, trajectories, texts)
+        if self.reward_model is None:
+            return rewards, failed, timeouts
+        scores = self.reward_model.score([conversation(t.meta) for t in trajectories], texts)
+        for k, s in enumerate(scores):
+            value = rewards[k] + self.weight * s
+            if math.isfinite(value) and abs(value) <= FLOAT32_MAX:
+                rewards[k] = value
+            elif k not in failed:
+                failed.append(k)  # the function's reward stays: 0 when it failed too
+        return rewards, sorted(failed), timeouts
 
     def rewards(self, trajectories: Sequence[Trajectory], texts: Sequence[str]) -> list[float]:
         """Rewards of `texts` (each its trajectory's decoded answer), a failed or timed-out
-        one 0.0: held-out evaluation's scores, under the pool's per-sample timeout as RL's are."""
+        one 0.0: held-out evaluation's scores, under the pool's per-sample timeout as RL's
+        are (the function's: no reward model)."""
+        assert self.reward is not None, "held-out evaluation needs a reward function (`task.reward=none` measures none)"
         if self.pool is None:
             return score(self.reward, trajectories, texts)[0]
         return self.pool.score(self.reward, trajectories, texts).rewards
@@ -117,9 +145,27 @@ class Scorer:
             self.pool.close()
 
 
+def reward_model(cfg: RecipeConfig) -> RewardModel | None:
+    """The recipe's reward model (`reward_model.path`) on this process's first device; None without one.
+
+    Raises:
+        ConfigError: naming `reward_model.path` when it does not load as one.
+    """
+    section = cfg.reward_model
+    if not section.path:
+        return None
+    try:
+        return RewardModel(
+            section.path, device=current_platform().device(0), dtype=DTYPES[section.dtype], batch_size=section.batch_size,
+            max_length=section.max_length, trust_remote_code=section.trust_remote_code,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def make_score(cfg: RecipeConfig, tokenizer: Tokenizer) -> Scorer:
-    """The recipe's reward over finished trajectories (`Scorer`; close it after the run)."""
-    return Scorer(cfg, tokenizer)
+    """RL's reward over finished trajectories (`Scorer`, with the recipe's reward model; close it after the run)."""
+    return Scorer(cfg, tokenizer, reward_model=reward_model(cfg))
 
 
 def workflow_config(cfg: RecipeConfig) -> WorkflowConfig:
@@ -311,7 +357,9 @@ class RL:
             m["handoffs"] = self.handoffs()
         if self.evaluates(m["step"]):  # this step's weights; the next step waits. Greedy, or sampled from the evaluation's own generator: the run's samples stay as they were
             with self.r.tracer.span("train", "evaluate", step=m["step"]):
-                m.update(self.r.evaluate(unsharded(self.template, self.trainer.named_weights())).metrics())
+                held_out = self.r.evaluate(unsharded(self.template, self.trainer.named_weights()))
+            if held_out is not None:  # None: no reward function to score with (`task.reward=none`)
+                m.update(held_out.metrics())
         self.history.append(m)
         self.metrics.write(m)
         recent = self.history[-5:]

@@ -187,7 +187,9 @@ def check_runnable(cfg: RecipeConfig) -> None:
 
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
-            registered reward nor importable `module:function`; when a data file is missing
+            registered reward nor importable `module:function` (nor none with a
+            `reward_model.path`); when `reward_model.path` is no folder or no reward model's
+            (`engines.reward_model.not_a_reward_model`); when a data file is missing
             or of no readable kind (`engines.data.expand_files`); when the trainer would be the
             guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
             time-shares the trainer's devices), or would time-share them with a train backend
@@ -199,7 +201,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
     """
     from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
     from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
-    from tidal.engines.rewards import resolve_reward  # noqa: PLC0415
+    from tidal.engines.reward_model import not_a_reward_model  # noqa: PLC0415
+    from tidal.engines.rewards import NO_VERIFIER, resolve_reward  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
@@ -218,7 +221,14 @@ def check_runnable(cfg: RecipeConfig) -> None:
     if cfg.wandb.project and version("wandb") is None:  # now, not after the warm start (the trainer makes the W&B run)
         raise ConfigError(f"wandb.project={cfg.wandb.project!r} needs the wandb package, not installed here (pip install 'tidal-rl[wandb]'); or leave wandb.project unset")
     if cfg.data.train_files and not cfg.task.reward:
-        raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math)")
+        raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math), or none with a reward model (reward_model.path)")
+    if cfg.task.reward == NO_VERIFIER and not cfg.reward_model.path:
+        raise ConfigError(f"task.reward={NO_VERIFIER} leaves nothing to score the answers: set reward_model.path (a reward model's score is then the reward), or name a reward")
+    if cfg.reward_model.path:  # its config.json now, not after the run directory and the warm start
+        if not Path(cfg.reward_model.path).is_dir():
+            raise ConfigError(f"reward_model.path={cfg.reward_model.path!r} does not exist or is not a folder")
+        if (why := not_a_reward_model(Path(cfg.reward_model.path))) is not None:
+            raise ConfigError(f"reward_model.path={cfg.reward_model.path!r}: {why}")
     if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
         raise ConfigError(f"sft.steps={cfg.sft.steps}: a warm start trains on the reference answers, and data.answer_key is null: set sft.steps=0")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):  # found and of a readable kind now, not after the run directory is made
@@ -227,7 +237,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
                 expand_files(list(files), key=key)
         except DataError as e:
             raise ConfigError(str(e)) from None
-    if cfg.task.reward:  # imported now (a user's module), not after the run directory and the warm start
+    if cfg.task.reward and cfg.task.reward != NO_VERIFIER:  # imported now (a user's module), not after the run directory and the warm start
         try:
             resolve_reward(cfg.task.reward)
         except ValueError as e:
@@ -407,7 +417,7 @@ where freeing space would not help."""
 
 PATH_KEYS = ("run_dir", "output_dir", "resume")
 """Keys naming folders: `prepare_run` makes them absolute."""
-INPUT_KEYS = ("model.path", "data.train_files", "data.eval_files")
+INPUT_KEYS = ("model.path", "reward_model.path", "data.train_files", "data.eval_files")
 """Keys naming the run's inputs (a folder, files or glob patterns): made absolute too."""
 
 

@@ -355,10 +355,10 @@ class Run:
     def evaluate(self, model: torch.nn.Module) -> HeldOut | None:
         """What `model` does on the held-out prompts (None: the run has none)."""
         items = self.prompts.eval_items
-        if not items:
+        if not items or self.reward is None:  # no held-out prompts, or no function to score them (`task.reward=none`)
             return None
         if self.eval_scorer is None:  # its own pool: `eval_every` scores in this thread while RL's reward stage scores in its own
-            self.eval_scorer = make_score(self.cfg, self.tokenizer)
+            self.eval_scorer = Scorer(self.cfg, self.tokenizer)  # the function's accuracy: no reward model
         return evaluate(model, self.tokenizer, items, self.reward, max_new_tokens=self.budget, scorer=self.eval_scorer, sampling=self.cfg.eval, seed=self.cfg.seed)
 
     # --- warm start --------------------------------------------------------------------

@@ -49,8 +49,9 @@ def test_reads_jsonl_and_parquet_in_file_order_with_the_chat_template(load, toke
     expected = [(f, k, row) for f in files for k, row in enumerate(rows_of(f))]
     assert len(prompts) == len(expected) == 80 and prompts.num_dropped == 0
     for item, (path, k, row) in zip(prompts, expected):
-        assert set(item) == {"prompt", "prompt_ids", "answer", "meta"}
+        assert set(item) == {"prompt", "prompt_ids", "messages", "answer", "meta"}
         assert item["meta"] == {"file": str(path), "row": k}
+        assert item["messages"] == [{"role": "user", "content": row["question"]}]  # what the template rendered: a reward model renders it in its own
         assert item["answer"] == row["answer"]
         assert item["prompt_ids"] == tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}])
         assert item["prompt"] == f"<|im_start|>user\n{row['question']}<|im_end|>\n<|im_start|>assistant\n"
@@ -58,6 +59,7 @@ def test_reads_jsonl_and_parquet_in_file_order_with_the_chat_template(load, toke
 
 def test_a_system_prompt_comes_first(load, gsm8k_files):
     item = load([gsm8k_files["eval_jsonl"]], system_prompt="Answer after ####.")[0]
+    assert item["messages"][0] == {"role": "system", "content": "Answer after ####."} and item["messages"][1]["role"] == "user"
     assert item["prompt"].startswith("<|im_start|>system\nAnswer after ####.<|im_end|>\n<|im_start|>user\n")
 
 
@@ -65,6 +67,7 @@ def test_without_the_chat_template_the_model_reads_the_raw_text(load, tokenizer,
     row = rows_of(gsm8k_files["eval_parquet"])[0]
     item = load([gsm8k_files["eval_parquet"]], chat_template=False)[0]
     assert item["prompt"] == row["question"] and item["prompt_ids"] == tokenizer.encode(row["question"])
+    assert "messages" not in item  # the prompt text is all there is
 
 
 def test_a_json_file_holding_a_list_of_objects_is_read(load, tmp_path):
@@ -322,7 +325,7 @@ def test_verls_preprocessed_files_are_read_as_they_are(load, tokenizer, verl_fil
     prompts = load([verl_file], **VERL)
     assert len(prompts) == len(rows) == 10
     for item, row in zip(prompts, rows):
-        assert item["prompt_ids"] == tokenizer.apply_chat_template(row["prompt"])
+        assert item["prompt_ids"] == tokenizer.apply_chat_template(row["prompt"]) and item["messages"] == list(row["prompt"])
         assert item["prompt"] == f"<|im_start|>user\n{row['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n"
         assert item["answer"] == row["reward_model"]["ground_truth"] and item["answer"].isdigit()
     nested = load([verl_file], prompt_key="extra_info.question", answer_key="extra_info.answer")  # two fields of one struct column

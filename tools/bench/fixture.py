@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_CHAT_TEMPLATE = (
@@ -39,12 +40,8 @@ def gsm8k_rows(num_rows: int, *, seed: int) -> list[dict[str, str]]:
     return rows
 
 
-def build_tiny_hf_checkpoint(directory: Path, *, vocab_size: int = 320, hidden_size: int = 32, seed: int = 0) -> Path:
-    """A Qwen2 checkpoint folder as `save_pretrained` writes one: a byte-level BPE tokenizer
-    (trained on synthetic GSM8K text; `<|endoftext|>` pads, `<|im_end|>` ends a turn) with a
-    Qwen chat template, a 2-layer `Qwen2ForCausalLM` in safetensors, and a
-    generation_config.json that lists both end tokens (`<|im_end|>` first), as instruct
-    models' do."""
+def _tokenizer(directory: Path, *, vocab_size: int, seed: int) -> Any:
+    """A byte-level BPE trained on synthetic GSM8K text, with the Qwen chat template, saved in `directory`."""
     import transformers  # noqa: PLC0415
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
 
@@ -61,20 +58,66 @@ def build_tiny_hf_checkpoint(directory: Path, *, vocab_size: int = 320, hidden_s
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def _qwen2_config(tokenizer: Any, *, hidden_size: int, **extra: Any) -> Any:
+    import transformers  # noqa: PLC0415
+
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = transformers.Qwen2Config(
+    return transformers.Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=im_end, pad_token_id=endoftext,
+        bos_token_id=None, eos_token_id=im_end, pad_token_id=endoftext, **extra,
     )
-    import torch  # noqa: PLC0415
 
+
+def build_tiny_hf_checkpoint(directory: Path, *, vocab_size: int = 320, hidden_size: int = 32, seed: int = 0) -> Path:
+    """A Qwen2 checkpoint folder as `save_pretrained` writes one: a byte-level BPE tokenizer
+    (trained on synthetic GSM8K text; `<|endoftext|>` pads, `<|im_end|>` ends a turn) with a
+    Qwen chat template, a 2-layer `Qwen2ForCausalLM` in safetensors, and a
+    generation_config.json that lists both end tokens (`<|im_end|>` first), as instruct
+    models' do."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    tokenizer = _tokenizer(directory, vocab_size=vocab_size, seed=seed)
+    config = _qwen2_config(tokenizer, hidden_size=hidden_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.Qwen2ForCausalLM(config)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(directory, safe_serialization=True)
-    transformers.GenerationConfig(eos_token_id=[im_end, endoftext], pad_token_id=endoftext, bos_token_id=None).save_pretrained(directory)
+    transformers.GenerationConfig(eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id, bos_token_id=None).save_pretrained(directory)
+    return directory
+
+
+def build_tiny_reward_model(directory: Path, *, vocab_size: int = 300, hidden_size: int = 32, seed: int = 1, chat_template: bool = True, last_token_only: bool = False) -> Path:
+    """A reward model folder as `save_pretrained` writes one: a 2-layer
+    `Qwen2ForSequenceClassification` with one label and random weights, and a tokenizer of
+    its own (another vocabulary than `build_tiny_hf_checkpoint`'s), with the Qwen chat
+    template unless `chat_template` is false. `last_token_only`: the attention and MLP
+    outputs are zero, so the score is a function of the last token alone (and the score
+    head's weights are drawn large): a reward a tiny policy learns in a few steps."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    tokenizer = _tokenizer(directory, vocab_size=vocab_size, seed=seed)
+    if not chat_template:
+        tokenizer.chat_template = None
+        (directory / "chat_template.jinja").unlink(missing_ok=True)
+        tokenizer.save_pretrained(directory)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForSequenceClassification(_qwen2_config(tokenizer, hidden_size=hidden_size, num_labels=1))
+        if last_token_only:
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.o_proj.weight.zero_()
+                    layer.mlp.down_proj.weight.zero_()
+                model.score.weight.normal_(0.0, 1.0)
+    transformers.utils.logging.disable_progress_bar()
+    model.save_pretrained(directory, safe_serialization=True)
     return directory
 
 

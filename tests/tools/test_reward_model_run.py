@@ -1,0 +1,43 @@
+"""A reward model in a real run: `tidal run gsm8k_qwen` on the local checkpoint and GSM8K-format
+files (session fixtures), scored by a small sequence-classification model built here whose
+score depends on the response's last token alone, so the policy learns it in a few steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tools.test_gsm8k_run import SMALL
+from tidal.tools.bench.fixture import build_tiny_reward_model
+
+
+@pytest.fixture(scope="module")
+def last_token_rm(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_reward_model(tmp_path_factory.mktemp("rm"), chat_template=False, last_token_only=True)
+
+
+def test_a_run_scored_by_a_reward_model_alone_raises_its_score(tidal_cli, tmp_path, tiny_hf_dir, gsm8k_files, last_token_rm, runs):
+    run_dir = tmp_path / "run"
+    keys = [k for k in SMALL if not k.startswith("task.reward=")]
+    data = [f"model.path={tiny_hf_dir}", f"data.train_files=[{gsm8k_files['train_jsonl']}]", f"data.eval_files=[{gsm8k_files['eval_parquet']}]"]
+    out = tidal_cli("run", "gsm8k_qwen", f"run_dir={run_dir}", *data, *keys, "task.reward=none", f"reward_model.path={last_token_rm}", "reward_model.batch_size=5", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = runs.steps(run_dir)
+    first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
+    assert last > first + 3, f"the reward model's score did not go up: {first:.2f} -> {last:.2f}"
+    assert any(r not in (0.0, 1.0) for m in steps for group in m["rewards"] for r in group)  # the model's scores, not a verifier's
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accuracy_before"] is None and summary["accuracy_after"] is None  # no function to measure accuracy with
+    config = (run_dir / "config.yaml").read_text()
+    assert f"path: {last_token_rm}" in config and "reward: none" in config
+
+
+def test_a_reward_model_run_is_refused_before_it_starts_when_its_keys_do_not_fit(tidal_cli, tmp_path, tiny_hf_dir, gsm8k_files):
+    data = [f"model.path={tiny_hf_dir}", f"data.train_files=[{gsm8k_files['train_jsonl']}]"]
+    out = tidal_cli("run", "gsm8k_qwen", f"run_dir={tmp_path / 'a'}", *data, "task.reward=none", cwd=tmp_path)
+    assert out.returncode != 0 and "task.reward=none leaves nothing to score the answers: set reward_model.path" in out.stderr
+    out = tidal_cli("run", "gsm8k_qwen", f"run_dir={tmp_path / 'b'}", *data, f"reward_model.path={tmp_path / 'missing'}", cwd=tmp_path)
+    assert out.returncode != 0 and f"reward_model.path={str(tmp_path / 'missing')!r} does not exist or is not a folder" in out.stderr
+    out = tidal_cli("run", "gsm8k_qwen", f"run_dir={tmp_path / 'c'}", *data, f"reward_model.path={tiny_hf_dir}", cwd=tmp_path)
+    assert out.returncode != 0 and not (tmp_path / "c").exists() and "architectures are ['Qwen2ForCausalLM']: not a sequence-classification model" in out.stderr
