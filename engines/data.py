@@ -82,6 +82,10 @@ class DataConfig:
     chat_template: bool = True
     """Render each prompt as a user turn with the tokenizer's chat template, ending with the
     assistant's header (add_generation_prompt=True); false: the model reads the raw prompt text."""
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Variables the chat template reads besides the messages, as `apply_chat_template`'s
+    keyword arguments (verl's `apply_chat_template_kwargs`, TRL's `chat_template_kwargs`):
+    `{enable_thinking: false}` turns Qwen3's thinking off. Needs `chat_template`."""
     max_prompt_tokens: int = 1024
     """Longest prompt kept, in tokens (template included); longer ones are dropped and counted when the files are read."""
     shuffle: bool = True
@@ -90,6 +94,10 @@ class DataConfig:
     """Seed of the shuffled order."""
     num_epochs: int | None = None
     """Passes over the training prompts; null: as many as the run takes."""
+
+
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict"})
+"""`apply_chat_template` arguments that tidal sets itself: not `chat_template_kwargs`."""
 
 
 def check_config(config: DataConfig) -> None:
@@ -104,6 +112,10 @@ def check_config(config: DataConfig) -> None:
         raise DataError(f"data.num_epochs must be >= 1 or null (no limit), got {config.num_epochs}")
     if config.system_prompt is not None and not config.chat_template:
         raise DataError("data.system_prompt needs data.chat_template=true: without a template there is no system turn to put it in")
+    if config.chat_template_kwargs and not config.chat_template:
+        raise DataError("data.chat_template_kwargs needs data.chat_template=true: without a template nothing reads them")
+    if taken := sorted(set(config.chat_template_kwargs) & TEMPLATE_ARGUMENTS):
+        raise DataError(f"data.chat_template_kwargs: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by tidal itself (the prompt ends with the generation prompt, rendered to text)")
 
 
 def expand_files(patterns: Sequence[str], *, key: str) -> list[Path]:
@@ -319,7 +331,7 @@ def encode_prompt(prompt: str | Sequence[Mapping[str, str]], tokenizer: Tokenize
     """The model's input for `prompt` (text, or a conversation): the chat template applied,
     or the raw text tokenized."""
     if config.chat_template:
-        return tokenizer.apply_chat_template(messages_of(prompt, system_prompt=config.system_prompt))
+        return tokenizer.apply_chat_template(messages_of(prompt, system_prompt=config.system_prompt), template_kwargs=config.chat_template_kwargs)
     assert isinstance(prompt, str), "a conversation needs the chat template (`_why_not_a_prompt`)"
     return tokenizer.encode(prompt)
 

@@ -37,7 +37,7 @@ class CharTokenizer:
         """The one end token (`Tokenizer.eos_ids`)."""
         return [self.eos_id]
 
-    def apply_chat_template(self, messages: object) -> list[int]:
+    def apply_chat_template(self, messages: object, *, template_kwargs: object = None) -> list[int]:
         """Refused: a character model has no chat template (`Tokenizer.apply_chat_template`).
 
         Raises:

@@ -51,10 +51,11 @@ class Tokenizer(Protocol):
         """The text of `ids`; special tokens left out unless `skip_special` is False."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The ids of a conversation (`[{"role": ..., "content": ...}, ...]`) rendered with
         the model's chat template, ending with the header of the assistant's turn (the
-        generation prompt), ready for the model to answer.
+        generation prompt), ready for the model to answer. `template_kwargs`: variables the
+        template reads besides the messages (Qwen3's `enable_thinking`, say).
 
         Raises:
             ValueError: the tokenizer has no chat template.
@@ -130,16 +131,16 @@ class HFTokenizer:
         # no clean-up of spaces: decoding must give back the text a byte-level BPE encoded
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, str]], *, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The text of `apply_chat_template`'s ids (the template rendered, not tokenized)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 f"tokenizer {self.tokenizer.name_or_path!r} has no chat template (no chat_template in its tokenizer_config.json "
                 "and no chat_template.jinja): give one, or feed the raw prompt text (data.chat_template=false)"
             )
-        return self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True, **dict(template_kwargs or {}))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         # rendered, then tokenized without added specials: the template writes them itself
         # (a BOS in the text), so adding them again would double them
-        return list(self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False))
+        return list(self.tokenizer.encode(self.render_chat(messages, template_kwargs=template_kwargs), add_special_tokens=False))

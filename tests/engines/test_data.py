@@ -63,6 +63,22 @@ def test_a_system_prompt_comes_first(load, gsm8k_files):
     assert item["prompt"].startswith("<|im_start|>system\nAnswer after ####.<|im_end|>\n<|im_start|>user\n")
 
 
+THINKING_TEMPLATE = (  # Qwen3's switch, as its template writes it: an empty thought when thinking is off
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_hf_dir, gsm8k_files, cache_dir):
+    tokenizer = HFTokenizer.from_pretrained(tiny_hf_dir)
+    tokenizer.tokenizer.chat_template = THINKING_TEMPLATE
+    files = [str(gsm8k_files["eval_jsonl"])]
+    thinking, plain = (load_prompts(files, tokenizer, config=DataConfig(chat_template_kwargs=kwargs), cache_dir=cache_dir)[0] for kwargs in ({}, {"enable_thinking": False}))
+    assert thinking["prompt"].endswith("<|im_start|>assistant\n")
+    assert plain["prompt"] == thinking["prompt"] + "<think>\n\n</think>\n\n"
+    assert plain["prompt_ids"] == tokenizer.encode(plain["prompt"], add_bos=False) and plain["prompt_ids"] != thinking["prompt_ids"]
+
+
 def test_without_the_chat_template_the_model_reads_the_raw_text(load, tokenizer, gsm8k_files):
     row = rows_of(gsm8k_files["eval_parquet"])[0]
     item = load([gsm8k_files["eval_parquet"]], chat_template=False)[0]
@@ -279,6 +295,8 @@ def test_a_file_that_is_not_parquet_is_named(load, tmp_path):
         ({"answer_key": "question"}, "data.answer_key and data.prompt_key are both 'question'"),
         ({"prompt_key": ""}, "data.prompt_key must name a column"),
         ({"system_prompt": "hi", "chat_template": False}, "data.system_prompt needs data.chat_template=true"),
+        ({"chat_template_kwargs": {"enable_thinking": False}, "chat_template": False}, "data.chat_template_kwargs needs data.chat_template=true"),
+        ({"chat_template_kwargs": {"tokenize": True, "add_generation_prompt": False}}, "data.chat_template_kwargs: add_generation_prompt, tokenize are set by tidal itself"),
     ],
 )
 def test_bad_settings_name_their_key(load, gsm8k_files, settings, message):
