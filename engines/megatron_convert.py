@@ -5,8 +5,11 @@ functions, torch tensors in and out, megatron-core never imported.
 `MistralForCausalLM`) into one state dict per tensor-parallel rank of megatron-core's
 `GPTModel`, named and laid out as `GPTModel.named_parameters()` has them on that rank;
 `megatron_to_hf` and `iter_hf_weights` (one tensor at a time, in HF names: what a trainer
-hands tidal's weight transports for a vLLM rollout engine) go back. One pipeline stage
-holds every layer (pipeline parallelism is not handled); no MoE, no q/k layernorm.
+hands tidal's weight transports for a vLLM rollout engine) go back; `Qwen3ForCausalLM` too,
+whose per-head RMSNorms of the queries and keys (`q_norm`, `k_norm`) are megatron's
+`q_layernorm` / `k_layernorm` (`qk_layernorm=True`: applied to each head's `hn` values
+after the qkv projection and before the rotary embedding, where transformers' Qwen3 applies
+them). One pipeline stage holds every layer (pipeline parallelism is not handled); no MoE.
 
 Layout, as checked in NVIDIA/Megatron-LM (core_v0.16 .. main) and the converters of
 ISEEKYAN/mbridge (`mbridge/core/bridge.py`, `_weight_to_mcore_format`,
@@ -75,7 +78,7 @@ LayerSpec = Literal["te", "local"]
 """Which megatron-core layer spec's parameter names: Transformer Engine's (`te`, layernorms
 fused into `linear_qkv` / `linear_fc1`) or megatron-core's own modules (`local`)."""
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 """transformers `model_type`s whose weights are exactly the ones converted here."""
 
 EXTRA_STATE = "._extra_state"
@@ -106,6 +109,9 @@ class GPTShape:
     """The output layer is the embedding (megatron's `share_embeddings_and_output_weights`)."""
     qkv_bias: bool
     """q/k/v projections have biases (Qwen2; megatron's `add_qkv_bias`)."""
+    qk_layernorm: bool = False
+    """Each query and key head is RMS-normalised before the rotary embedding (Qwen3's
+    `q_norm` / `k_norm`; megatron's `qk_layernorm`)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "ffn_hidden_size", "vocab_size"):
@@ -143,8 +149,8 @@ class GPTShape:
             raise ValueError("mlp_bias=True: MLP biases (megatron's add_bias_linear) are not converted")
         if model_type == "qwen2":
             qkv_bias = True
-        elif values.get("attention_bias"):  # Llama's attention_bias puts a bias on o_proj too
-            raise ValueError("attention_bias=True: Llama's o_proj bias (megatron's linear_proj.bias, add_bias_linear) is not converted")
+        elif values.get("attention_bias"):  # Llama's and Qwen3's attention_bias put a bias on o_proj too
+            raise ValueError(f"attention_bias=True: {model_type}'s o_proj bias (megatron's linear_proj.bias, add_bias_linear) is not converted")
         else:
             qkv_bias = False
         heads = values["num_attention_heads"]
@@ -158,6 +164,7 @@ class GPTShape:
             vocab_size=values["vocab_size"],
             tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            qk_layernorm=model_type == "qwen3",
         )
 
 
@@ -183,6 +190,9 @@ def _entries(shape: GPTShape, spec: LayerSpec) -> list[_Entry]:
         if shape.qkv_bias:
             out.append(_Entry(m + "self_attention.linear_qkv.bias", _QKV, (f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias")))
         out.append(_Entry(m + "self_attention.linear_proj.weight", _ROW, (f"{attn}o_proj.weight",)))
+        if shape.qk_layernorm:
+            out.append(_Entry(m + "self_attention.q_layernorm.weight", _REPLICATED, (f"{attn}q_norm.weight",)))
+            out.append(_Entry(m + "self_attention.k_layernorm.weight", _REPLICATED, (f"{attn}k_norm.weight",)))
         out.append(_Entry(m + ("mlp.linear_fc1.layer_norm_weight" if spec == "te" else "pre_mlp_layernorm.weight"), _REPLICATED, (h + "post_attention_layernorm.weight",)))
         out.append(_Entry(m + "mlp.linear_fc1.weight", _GATED, (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")))
         out.append(_Entry(m + "mlp.linear_fc2.weight", _ROW, (f"{mlp}down_proj.weight",)))
@@ -233,6 +243,8 @@ def hf_shapes(shape: GPTShape) -> dict[str, tuple[int, ...]]:
                 out[name] = (shape.hidden_size, shape.ffn_hidden_size)
             elif module in ("embed_tokens", "lm_head"):
                 out[name] = (shape.vocab_size, shape.hidden_size)
+            elif module in ("q_norm", "k_norm"):  # one head's width: each head is normalised alone
+                out[name] = (shape.head_dim,)
             else:  # the layernorms
                 out[name] = (shape.hidden_size,)
     return out
@@ -259,7 +271,7 @@ def megatron_shard_shapes(shape: GPTShape, *, tp_size: int = 1, make_vocab_size_
             inner = shape.num_attention_heads * shape.head_dim if "linear_proj" in entry.megatron else shape.ffn_hidden_size
             out[entry.megatron] = (hidden, inner // tp)
         else:
-            out[entry.megatron] = (hidden,)
+            out[entry.megatron] = (shape.head_dim,) if entry.megatron.endswith(("q_layernorm.weight", "k_layernorm.weight")) else (hidden,)
     return out
 
 

@@ -1,9 +1,9 @@
 """How the `megatron` train engine builds megatron-core (`MegatronTrainEngine.__init__`) and moves
 state between megatron-core's names and the Hugging Face model's.
 
-`megatron_model` turns a transformers Qwen2 / Llama / Mistral model into megatron-core's
+`megatron_model` turns a transformers Qwen2 / Qwen3 / Llama / Mistral model into megatron-core's
 `GPTModel` with the same function: the local layer spec (`get_gpt_layer_local_spec`: megatron's
-own modules, no Transformer Engine), RMSNorm, SwiGLU, no linear biases but Qwen2's q/k/v ones,
+own modules, no Transformer Engine), RMSNorm, SwiGLU, no linear biases but Qwen2's q/k/v ones, Qwen3's q/k norms,
 grouped-query attention, rotary positions with the HF config's base, untied or tied embeddings,
 parameters in the HF model's dtype; the weights are the HF model's, converted by
 `engines.megatron_convert` (the vocabulary padded with zero rows to a multiple of 128, which
@@ -72,7 +72,7 @@ def check_hf_config(model: torch.nn.Module) -> None:
     sliding attention window."""
     config = getattr(model, "config", None)
     if config is None:
-        raise ValueError(f"the megatron train engine converts a transformers model (Qwen2, Llama, Mistral) with a `config`; {type(model).__name__} has none")
+        raise ValueError(f"the megatron train engine converts a transformers model (Qwen2, Qwen3, Llama, Mistral) with a `config`; {type(model).__name__} has none")
     GPTShape.from_hf_config(config)  # raises for types and weights it does not map
     rope = _rope_parameters(config)
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -150,8 +150,9 @@ def megatron_model(model: torch.nn.Module, layout: HFLayout) -> torch.nn.Module:
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_layernorm,
         attention_dropout=float(getattr(config, "attention_dropout", 0.0)),
-        hidden_dropout=0.0,  # Qwen2 and Llama have none
+        hidden_dropout=0.0,  # Qwen2, Qwen3 and Llama have none
         params_dtype=layout.dtype,
         use_cpu_initialization=True,  # built on the host and filled with the HF weights, then moved
         perform_initialization=False,  # every weight is overwritten
@@ -161,7 +162,7 @@ def megatron_model(model: torch.nn.Module, layout: HFLayout) -> torch.nn.Module:
     weights = hf_to_megatron(model.state_dict(), shape, spec=SPEC)[0]
     built = GPTModel(
         config=transformer,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm),
         vocab_size=weights["embedding.word_embeddings.weight"].shape[0],
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",

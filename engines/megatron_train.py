@@ -1,6 +1,6 @@
 """The `megatron` train engine: megatron-core's `GPTModel` trained data parallel, on any hal platform.
 
-The caller builds a transformers Qwen2 / Llama / Mistral model whole; the engine builds
+The caller builds a transformers Qwen2 / Qwen3 / Llama / Mistral model whole; the engine builds
 megatron-core's `GPTModel` from its config with the local layer spec and loads its weights
 through `engines.megatron_convert` (`engines.megatron_setup`), then drops it. Before megatron-core
 is imported, `tidal.hal.megatron.prepare_megatron` applies what the platform needs: MindSpeed's
@@ -103,7 +103,7 @@ BUCKET_NUMEL = 1 << 24
 
 
 class MegatronTrainEngine:
-    """A `TrainEngine` for a transformers Qwen2 / Llama / Mistral model, trained as megatron-core's
+    """A `TrainEngine` for a transformers Qwen2 / Qwen3 / Llama / Mistral model, trained as megatron-core's
     `GPTModel`, data parallel over all ranks.
 
     `rank0_leads=True`: only rank 0 is called; the other ranks run `megatron_lead.follow()`.

@@ -218,7 +218,7 @@ class TrainConfig:
     )
 
     backend: str = "torch"
-    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance) | megatron (megatron-core's GPTModel from a Qwen2 / Llama / Mistral model, data parallel, MindSpeed on NPUs; a process per placement.train instance; padded micro-batches)."""
+    """Train adapter: torch (plain torch, one process) | fsdp (FSDP2, a process per placement.train instance) | deepspeed (DeepSpeed ZeRO, train.zero_stage; a process per placement.train instance) | megatron (megatron-core's GPTModel from a Qwen2 / Qwen3 / Llama / Mistral model, data parallel, MindSpeed on NPUs; a process per placement.train instance; padded micro-batches)."""
     lr: float = 1e-3
     """AdamW learning rate of the RL phase."""
     lr_schedule: str = "constant"

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 from torch.nn import functional
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tidal.engines.megatron_convert import GPTShape, hf_to_megatron, iter_hf_weights, megatron_shard_shapes, megatron_to_hf, padded_vocab_size
 
@@ -42,15 +42,31 @@ def _qwen2(*, kv_heads: int = 2, tie: bool = False, seed: int = 0) -> Qwen2ForCa
     return model
 
 
+def _qwen3(*, kv_heads: int = 2, tie: bool = False, seed: int = 0) -> Qwen3ForCausalLM:
+    """A small Qwen3 (per-head q/k norms, no biases; a head width other than hidden / heads, as
+    Qwen3-0.6B's 128 against 1024 / 16), every tensor random."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=kv_heads, head_dim=2 * HEAD_DIM, num_hidden_layers=LAYERS,
+        intermediate_size=FFN, vocab_size=VOCAB, tie_word_embeddings=tie,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
 CASES = [(2, False), (2, True), (HEADS, False), (HEADS, True)]
 """(kv heads, tied embeddings): GQA and MHA, untied and tied."""
 
 
+@pytest.mark.parametrize("build", [_qwen2, _qwen3], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("spec", ["te", "local"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize(("kv_heads", "tie"), CASES)
-def test_round_trip_is_exact(kv_heads, tie, tp, spec):
-    model = _qwen2(kv_heads=kv_heads, tie=tie)
+def test_round_trip_is_exact(kv_heads, tie, tp, spec, build):
+    model = build(kv_heads=kv_heads, tie=tie)
     shape = GPTShape.from_hf_config(model.config)
     hf = model.state_dict()
     shards = hf_to_megatron(hf, shape, tp_size=tp, spec=spec)
@@ -263,8 +279,12 @@ def test_from_hf_config():
         GPTShape.from_hf_config({**raw, "mlp_bias": True})
     with pytest.raises(ValueError, match="hidden_act"):
         GPTShape.from_hf_config({**raw, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="qwen3"):
-        GPTShape.from_hf_config({**raw, "model_type": "qwen3"})
+    qwen3 = GPTShape.from_hf_config({**raw, "model_type": "qwen3", "head_dim": 32})
+    assert (qwen3.qk_layernorm, qwen3.qkv_bias, qwen3.head_dim, llama.qk_layernorm) == (True, False, 32, False)
+    with pytest.raises(ValueError, match="attention_bias=True: qwen3's o_proj bias"):
+        GPTShape.from_hf_config({**raw, "model_type": "qwen3", "attention_bias": True})
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        GPTShape.from_hf_config({**raw, "model_type": "qwen3_moe"})
     with pytest.raises(ValueError, match="num_key_value_heads"):
         GPTShape.from_hf_config({**raw, "num_key_value_heads": 3})
 
@@ -337,14 +357,15 @@ def test_megatron_side_errors_name_the_rank_and_tensor():
 
 
 MEGATRON_SCRIPT = textwrap.dedent('''
-    """One tensor-parallel rank: HF Qwen2 -> tidal's conversion -> megatron-core GPTModel (local
-    spec, CPU, gloo) -> logits, which must be HF's."""
+    """One tensor-parallel rank: HF Qwen2 or Qwen3 -> tidal's conversion -> megatron-core GPTModel
+    (local spec, CPU, gloo) -> logits, which must be HF's."""
     import contextlib, os, sys
     import torch, torch.nn.functional as F
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from tidal.engines.megatron_convert import GPTShape, hf_to_megatron, megatron_to_hf
 
-    tp, kv_heads, tie = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    tp, kv_heads, tie, family = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+    qwen3 = family == "qwen3"
     rank = int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
     from megatron.core import parallel_state
@@ -360,9 +381,10 @@ MEGATRON_SCRIPT = textwrap.dedent('''
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, num_hidden_layers=2,
-                         intermediate_size=96, vocab_size=100, tie_word_embeddings=tie)
-    hf_model = Qwen2ForCausalLM(config).eval()
+    head_dim = 32 if qwen3 else 16  # Qwen3's heads are wider than hidden / heads
+    config = (Qwen3Config if qwen3 else Qwen2Config)(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         num_hidden_layers=2, intermediate_size=96, vocab_size=100, tie_word_embeddings=tie)
+    hf_model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config).eval()
     with torch.no_grad():
         for p in hf_model.parameters():
             p.normal_(0.0, 0.2)
@@ -370,12 +392,12 @@ MEGATRON_SCRIPT = textwrap.dedent('''
     shards = hf_to_megatron(hf_model.state_dict(), shape, tp_size=tp, spec="local")
 
     mcore_config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=kv_heads, kv_channels=16, ffn_hidden_size=96,
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=kv_heads, kv_channels=head_dim, ffn_hidden_size=96,
         normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=True, attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+        add_bias_linear=False, add_qkv_bias=not qwen3, qk_layernorm=qwen3, attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
         params_dtype=torch.float32, tensor_model_parallel_size=tp,
     )
-    model = GPTModel(config=mcore_config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    model = GPTModel(config=mcore_config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qwen3),
                      vocab_size=shards[0]["embedding.word_embeddings.weight"].shape[0] * tp, max_sequence_length=64,
                      position_embedding_type="rope", rotary_base=10000, share_embeddings_and_output_weights=tie).eval()
     state = model.state_dict()
@@ -412,8 +434,9 @@ def _has_megatron_core() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_megatron_core(), reason="megatron-core is not installed")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize(("tp", "kv_heads", "tie"), [(2, 2, True)])  # vocab-parallel with a tied output (tp 1 runs in tests/engines/test_megatron_train.py; tp above the kv heads is checked against megatron's attention code in test_qkv_projections_match_hf_attention)
-def test_megatron_core_gives_hf_logits_from_converted_weights(tmp_path, tp, kv_heads, tie):
+def test_megatron_core_gives_hf_logits_from_converted_weights(tmp_path, tp, kv_heads, tie, family):
     script = tmp_path / "rank.py"
     script.write_text(MEGATRON_SCRIPT)
     with socket.socket() as s:
@@ -421,7 +444,7 @@ def test_megatron_core_gives_hf_logits_from_converted_weights(tmp_path, tp, kv_h
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(tp), "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(tp), str(kv_heads), str(int(tie))], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen([sys.executable, str(script), str(tp), str(kv_heads), str(int(tie)), family], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(tp)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]

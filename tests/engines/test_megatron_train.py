@@ -100,7 +100,11 @@ WORKER = textwrap.dedent(
     spmd["untied_metrics"] = run(u, data["plan"][:3], mine, my_advantages)
     spmd["untied_weights"] = export(u)
     spmd["untied_state"] = u.state_dict()
-    del e, u
+    torch.manual_seed(0)
+    q3 = engine(0, model=transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**data["qwen3"])))
+    spmd["qwen3_metrics"] = run(q3, data["plan"][:3], mine, my_advantages)
+    spmd["qwen3_weights"] = export(q3)
+    del e, u, q3
 
     # Led by rank 0: rank 1 follows
     if rank:
@@ -157,6 +161,8 @@ WORKER = textwrap.dedent(
 
 UNTIED = dict(vocab_size=T.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, rope_theta=1000.0)
 """An untied Qwen2 with four query heads over two key/value heads and another rotary base."""
+QWEN3 = dict(vocab_size=T.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True)
+"""A Qwen3: each query and key head normalised (`q_norm`, `k_norm`), heads wider than hidden / heads."""
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -169,6 +175,14 @@ def _untied() -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # as the worker does before it builds it: the same weights
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**UNTIED))
+
+
+def _qwen3() -> torch.nn.Module:
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3))
 
 
 def _left_padded(batch: TokenBatch) -> TokenBatch:
@@ -185,7 +199,9 @@ def reference(six_rows, run_torch) -> dict:
     metrics = run_torch(engine, batch, advantages, PLAN)
     untied = TorchTrainEngine(_untied(), **ENGINE)
     untied_metrics = run_torch(untied, batch, advantages, PLAN[:3])
-    return {"engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights()), "untied_metrics": untied_metrics, "untied_weights": list(untied.named_weights())}
+    qwen3 = TorchTrainEngine(_qwen3(), **ENGINE)
+    qwen3_metrics = run_torch(qwen3, batch, advantages, PLAN[:3])
+    return {"qwen3_metrics": qwen3_metrics, "qwen3_weights": list(qwen3.named_weights()), "engine": engine, "batch": batch, "advantages": advantages, "metrics": metrics, "logprobs": engine.logprobs(batch), "weights": list(engine.named_weights()), "untied_metrics": untied_metrics, "untied_weights": list(untied.named_weights())}
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +215,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, reference: dict, spawn, writ
         group.update(fused=False, lr=0.5, weight_decay=0.5)  # as a run with other settings, on a platform without fused AdamW, saves it
     write_data(
         work, reference["batch"], reference["advantages"], shards=SHARDS, plan=PLAN, resume=RESUME, model=MODEL, engine=ENGINE, vocab_size=T.vocab_size,
-        torch_state=torch_state, left_padded=_left_padded(reference["batch"]).tensors(), untied=UNTIED,
+        torch_state=torch_state, left_padded=_left_padded(reference["batch"]).tensors(), untied=UNTIED, qwen3=QWEN3,
     )  # fmt: skip
     spawn(work, WORKER)
     result = torch.load(work / "result.pt", weights_only=False)
@@ -276,6 +292,13 @@ def test_an_untied_model_trains_as_the_torch_engine_trains_it(ranks, reference):
     engine = TorchTrainEngine(_untied(), **ENGINE)
     engine.load_state_dict(state)  # the torch engine's format: lm_head's moments among the parameters
     assert "lm_head.weight" in state["model"] and len(state["optimizer"]["state"]) == len(list(engine.model.parameters()))
+
+
+def test_a_qwen3_model_trains_as_the_torch_engine_trains_it(ranks, reference):
+    """Per-head query and key norms (megatron's `qk_layernorm`), heads wider than hidden / heads."""
+    assert any(name.endswith("q_norm.weight") for name, _ in reference["qwen3_weights"])
+    _assert_same_weights(ranks["spmd"]["qwen3_weights"], reference["qwen3_weights"])
+    _assert_same_metrics(ranks["spmd"]["qwen3_metrics"], reference["qwen3_metrics"])
 
 
 def test_led_steps_equal_one_full_batch_torch_step(ranks, reference):
