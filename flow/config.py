@@ -101,11 +101,10 @@ class AlgorithmConfig:
     """The RL algorithm and its staleness bound."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(
-        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 2, "max_staleness": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "overlong_buffer": 0, "max_filtered_in_a_row": 1},
+        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 1, "max_staleness": 0, "gamma": 0, "lam": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "overlong_buffer": 0, "max_filtered_in_a_row": 1},
         positive=("tis_cap", "seq_mask_high"),
         finite=("seq_mask_low", "dual_clip", "entropy_coef"),
         why={
-            "group_size": "every advantage estimator compares a prompt's samples with each other, so one sample learns nothing",
             "tis_cap": "the importance weight is truncated at it; null for no cap",
             "seq_mask_high": "sequences whose behavior weight is above it are left out, and every weight is > 0, so all would be; null for no upper bound",
         },
@@ -116,11 +115,15 @@ class AlgorithmConfig:
     prompts_per_step: int = 8
     """Prompts per optimizer step."""
     group_size: int = 8
-    """Samples per prompt (GRPO group)."""
+    """Samples per prompt (GRPO group); >= 2, except with advantage=gae (the critic is the baseline: 1 is PPO's usual)."""
     max_staleness: int = 1
     """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's)."""
+    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's) | gae (PPO with a learned value function: a critic, the `critic` section, gives each token's value, and the advantages are generalized advantage estimates with `gamma` and `lam`, whitened over each step's loss tokens; train.backend=torch)."""
+    gamma: float = 1.0
+    """advantage=gae: discount per token, in [0, 1] (verl's and OpenRLHF's default 1: the sequence's reward reaches every token undiscounted)."""
+    lam: float = 1.0
+    """advantage=gae: GAE's lambda, in [0, 1]: 1 = the return minus the value (unbiased, high variance), 0 = one-step TD (verl's and OpenRLHF's PPO default 1; 0.95 is common)."""
     clip_low: float = 0.2
     """PPO clip below 1."""
     clip_high: float = 0.28
@@ -157,11 +160,21 @@ class AlgorithmConfig:
 
     def check(self) -> None:
         """Each name key holds a known name."""
-        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS, OVERLONG  # noqa: PLC0415 - imports torch; loading a recipe must not
+        from tidal.flow.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LEVELS, OVERLONG, VALUE_BASED  # noqa: PLC0415 - imports torch; loading a recipe must not
 
-        for key, names in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS), ("overlong", OVERLONG)):
+        for key, names in (("advantage", [*ADVANTAGES, *sorted(VALUE_BASED)]), ("aggregation", AGGREGATIONS), ("level", LEVELS), ("kl_estimator", KL_ESTIMATORS), ("overlong", OVERLONG)):
             if getattr(self, key) not in names:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)!r} is not one of {', '.join(names)}")
+        for key in ("gamma", "lam"):
+            if getattr(self, key) > 1:
+                raise ValueError(f"algorithm.{key}={getattr(self, key)} must be <= 1")
+        if self.advantage not in VALUE_BASED and self.group_size < 2:
+            raise ValueError(
+                f"algorithm.group_size={self.group_size} must be >= 2: algorithm.advantage={self.advantage} compares a prompt's samples with each other, "
+                "so one sample learns nothing (advantage=gae, whose critic is the baseline, learns from one)"
+            )
+        if self.advantage in VALUE_BASED and self.filter_groups:
+            raise ValueError(f"algorithm.filter_groups leaves out groups whose rewards are all one, and algorithm.advantage={self.advantage} learns from them too (its critic is the baseline): unset one")
 
     @property
     def filtered_limit(self) -> int:

@@ -103,6 +103,24 @@ class TrainEngine(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Critic(Protocol):
+    """A learned value function (`algorithm.advantage=gae`): the workflow asks it for each
+    step's values before the policy trains, then trains it on that step's returns."""
+
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        """`[batch, seq - 1]` float32 values on the host, aligned as the logprobs are, 0 outside the loss tokens."""
+        ...
+
+    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """One optimizer step toward `returns` (`[batch, seq - 1]`); `old_values` are the
+        values the advantages were computed with (for value clipping). Returns metrics."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class RewardFn(Protocol):
     def __call__(self, trajectory: Trajectory, text: str) -> float:
         """Score one finished trajectory given its decoded continuation."""

@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.flow.algorithms import TOKEN_WHITENED, PolicyLossConfig, filter_truncated, token_whiten
+from tidal.flow.algorithms import TOKEN_WHITENED, VALUE_BASED, PolicyLossConfig, filter_truncated, gae, masked_whiten, token_whiten
 from tidal.flow.clock import FIRST_COMPLETED, REAL, Clock
 from tidal.flow.config import AlgorithmConfig, RolloutConfig
-from tidal.flow.protocols import HoldsModel, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
+from tidal.flow.protocols import Critic, HoldsModel, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
 from tidal.flow.rollout import ROLLOUT_TOTALS, LocalRollouts, RolloutGroup, RolloutWorker
 from tidal.flow.rows import TRAJECTORY_COLUMNS, token_batch_of
 from tidal.flow.stages import Stages, guard
@@ -127,6 +127,9 @@ class Workflow:
             in each step's metrics go on from them, and `reported_dropped` (the rows the
             steps' `dropped` counted) lets the first step count the store's drops that no
             step did; keys it does not count are kept for `save`.
+        critic: the value function of `algorithm.advantage=gae` (needed then, unused otherwise):
+            each step's token advantages are GAE over its values, whitened over the step's
+            loss tokens, and it trains on the step's returns after the policy's step.
         clock: what every stage waits on, reads the time from and starts its threads with:
             the real clock, or a simulation's virtual one (`tidal simulate`), under which
             this same loop schedules simulated engines.
@@ -146,9 +149,13 @@ class Workflow:
         start_version: int | None = None,
         rollouts: RolloutGroup | None = None,
         totals: Mapping[str, int] | None = None,
+        critic: Critic | None = None,
         clock: Clock = REAL,
     ) -> None:
+        if (config.algorithm.advantage in VALUE_BASED) != (critic is not None):
+            raise ValueError(f"algorithm.advantage={config.algorithm.advantage} " + ("needs a critic" if critic is None else "takes no critic: only a value-based estimator (gae) uses one"))
         self.store, self.rollout, self.trainer, self.config = store, rollout, trainer, config
+        self.critic = critic
         self.clock = clock
         self.on_step = on_step or (lambda metrics: None)
         self.tracer = tracer or Tracer(clock=clock)
@@ -283,6 +290,7 @@ class Workflow:
             tokens = dataclasses.replace(tokens, loss_mask=filter_truncated(tokens.loss_mask, finish_reasons))
         versions, counts = torch.unique(tokens.versions[tokens.versions != ENV_VERSION], return_counts=True)
         rewards = batch.stack("reward").to(torch.float32)
+        row_rewards = rewards[order]
         by_group: dict[Any, list[int]] = {}
         rewards_by_group: dict[Any, list[float]] = {}
         values = rewards.tolist()
@@ -294,6 +302,7 @@ class Workflow:
             groups=sorted(set(batch.groups)),
             tokens=tokens,
             advantages=self._step_advantages(batch.stack("advantage")[order].to(torch.float32), tokens.loss_mask),
+            row_rewards=row_rewards,
             mean_reward=float(rewards.mean()),
             num_tokens=int(lengths.sum()),
             max_response_len=int(lengths.max()),
@@ -311,6 +320,17 @@ class Workflow:
             return advantages
         return token_whiten(advantages, loss_mask.sum(1))
 
+    def _critic_advantages(self, rows: _TrainRows) -> tuple[torch.Tensor, Callable[[], dict[str, float]] | None]:
+        """The step's advantages, and the critic's step on its returns (None without a critic):
+        with a critic (`gae`), per token from its values now, before either model trains."""
+        if self.critic is None:
+            return rows.advantages, None
+        critic, cfg, tokens = self.critic, self.config.algorithm, rows.tokens
+        with self.tracer.span("train", "values", version=self.version, rows=len(rows.indexes)):
+            values = critic.values(tokens)
+        advantages, returns = gae(rows.row_rewards, values, tokens.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
+        return masked_whiten(advantages, tokens.loss_mask), lambda: critic.train_step(tokens, returns, values)
+
     def _num_dropped(self) -> int:
         """Rows the trainer's sampler found too old, so far."""
         return self.store.consumer_counts("train", "train")["dropped"]
@@ -323,8 +343,12 @@ class Workflow:
         if gaps and max(gaps) > cfg.algorithm.max_staleness:
             raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.algorithm.max_staleness})")
         with self._trainer_turn():
+            advantages, critic_step = self._critic_advantages(rows)
             with self.tracer.span("train", "train", version=self.version, rows=num_rows):
-                metrics: dict[str, Any] = self.trainer.train_step(tokens, rows.advantages.to(self._dtype()), loss=loss)
+                metrics: dict[str, Any] = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
+            if critic_step is not None:
+                with self.tracer.span("train", "critic", version=self.version, rows=num_rows):
+                    metrics.update(critic_step())
             self.store.ack("train", "train", rows.indexes)
             self._trained += num_rows
             self._publish(self.trainer.version)
@@ -390,6 +414,8 @@ class _TrainRows:
     tokens: Any
     """`TokenBatch`, rows in index order, as are `advantages`."""
     advantages: torch.Tensor
+    row_rewards: torch.Tensor
+    """`[rows]` each row's reward, in `tokens`' row order."""
     mean_reward: float
     num_tokens: int
     """Generated tokens (loss tokens, before an overlong filter)."""

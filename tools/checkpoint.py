@@ -91,7 +91,7 @@ def _plain_rng(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "numpy": (name, [int(k) for k in key], int(pos), int(has_gauss), float(cached_gaussian))}
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], dict[str, Any]], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], dict[str, Any]], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None, critic: dict[str, Any] | None = None) -> Path:
     """Everything a resume needs, written to a temporary folder, flushed to disk, then
     renamed (never half a checkpoint, even after a power loss).
 
@@ -101,7 +101,8 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
     it: at least `prompt_position`, the prompt stream's position then (`Workflow.save`
     adds the run's `totals`); `extra` goes there too. `keep` > 0: once this one is complete
     and `latest` names it, all but the newest `keep` are deleted. `rng`: the RNG state to
-    save (`QuietRollout.rng`), else this moment's.
+    save (`QuietRollout.rng`), else this moment's. `critic`: the value model's state
+    (`algorithm.advantage=gae`), kept in trainer.pt.
 
     Raises:
         OSError: naming the checkpoint's folder, when the disk refuses a write whose error
@@ -122,7 +123,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
                 model = copy.deepcopy(template)
                 model.load_state_dict(state["model"])
                 save_model(model, tokenizer, tmp)
-                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference"), "lr_scheduler": state.get("lr_scheduler"), "lora": state.get("lora")}, tmp / "trainer.pt")
+                torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference"), "lr_scheduler": state.get("lr_scheduler"), "lora": state.get("lora"), "critic": critic}, tmp / "trainer.pt")
                 saved = save_data(tmp / "store.bin")
                 (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))
                 _sync_folder(tmp)  # on disk before `latest` names it and older ones are pruned (a power loss, a preempted VM)

@@ -32,6 +32,7 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
     Attention,
     ClusterConfig,
     ConfigError,
+    CriticConfig,
     DataConfig,
     EvalConfig,
     FaultConfig,

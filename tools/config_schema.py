@@ -270,6 +270,26 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class CriticConfig:
+    """The critic of algorithm.advantage=gae (PPO with a learned value function): the policy's
+    transformer body with a value head, copied from the policy as RL starts, trained in the
+    trainer's process on each step's returns (`engines.critic`)."""
+
+    BOUNDS: ClassVar[Bounds] = Bounds(at_least={"micro_batch_size": 1, "weight_decay": 0}, positive=("lr", "value_clip", "grad_clip"))
+
+    lr: float = 1e-5
+    """AdamW's learning rate of the critic (verl's and OpenRLHF's default; a critic often learns faster than the policy)."""
+    value_clip: Optional[float] = 0.5
+    """PPO's value clipping (verl's cliprange_value): a value's loss stops pulling it once it is this far from the value the step's advantages used; null = no clipping."""
+    micro_batch_size: Optional[int] = None
+    """Rows per forward and backward pass of the critic; null = train.micro_batch_size."""
+    grad_clip: float = 1.0
+    """Largest norm of the critic's gradient."""
+    weight_decay: float = 0.01
+    """AdamW's weight decay of the critic."""
+
+
+@dataclasses.dataclass
 class NodeConfig:
     """Nodes of one shape in the cluster."""
 
@@ -441,6 +461,8 @@ class RecipeConfig:
     """Rollout engine."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """Train engine."""
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+    """The value model of algorithm.advantage=gae."""
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     """RL algorithm and staleness bound."""
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tidal.engines.critic import Critic
 from tidal.engines.lr_schedule import LRSchedule
 from tidal.engines.models import DTYPES
 from tidal.engines.registry import load
@@ -27,6 +28,7 @@ from tidal.engines.reward_pool import RewardPool
 from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, FLOAT32_MAX, NO_VERIFIER, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
+from tidal.flow.algorithms import VALUE_BASED
 from tidal.flow.protocols import BuildsFromCheckpoint, TakesTrainKeys
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
@@ -166,6 +168,15 @@ def reward_model(cfg: RecipeConfig) -> RewardModel | None:
 def make_score(cfg: RecipeConfig, tokenizer: Tokenizer) -> Scorer:
     """RL's reward over finished trajectories (`Scorer`, with the recipe's reward model; close it after the run)."""
     return Scorer(cfg, tokenizer, reward_model=reward_model(cfg))
+
+
+def build_critic(cfg: RecipeConfig, policy: torch.nn.Module, *, platform: Any) -> Critic:
+    """The value model of `algorithm.advantage=gae` (`critic.*`), from the policy's body as it is now."""
+    c = cfg.critic
+    return Critic(
+        policy, lr=c.lr, value_clip=c.value_clip, micro_batch_size=c.micro_batch_size or cfg.train.micro_batch_size, grad_clip=c.grad_clip,
+        weight_decay=c.weight_decay, precision=cfg.train.precision.value, platform=platform,
+    )  # fmt: skip
 
 
 def workflow_config(cfg: RecipeConfig) -> WorkflowConfig:
@@ -310,9 +321,12 @@ class RL:
         if run.start_rollouts is not None:
             self.remote = (run.launched or run.start_rollouts(cfg, run.store, run.settings)).connect(self.trainer)
         self.scorer = make_score(cfg, run.tokenizer)  # closed by `_close`
+        self.critic = build_critic(cfg, self.template, platform=run.platform) if cfg.algorithm.advantage in VALUE_BASED else None
+        if self.critic is not None and run.saved is not None and run.saved.get("critic") is not None:  # a checkpoint of a run without one: a fresh critic
+            self.critic.load_state_dict(run.saved["critic"])
         self.workflow = Workflow(
             store=run.store, rollout=self.rollout, trainer=self.trainer, prompts=self.prompts, score=self.scorer,
-            config=workflow_config(cfg), on_step=self.on_step, tracer=run.tracer, rollouts=self.remote, totals=run.totals,
+            config=workflow_config(cfg), on_step=self.on_step, tracer=run.tracer, rollouts=self.remote, totals=run.totals, critic=self.critic,
         )
         self.stop = stop
         self.rl_seconds = 0.0
@@ -344,7 +358,10 @@ class RL:
         if self.checkpointed[-1:] != [self.trainer.version]:  # e.g. a run stopped just after a periodic checkpoint
             extra = {"accuracy_before": self.r.accuracy_before, "first_reward": self.run_first_reward(), "last_reward": self.run_last_reward()}
             rng = self.quiet.rng() if self.quiet is not None else None
-            save_checkpoint(self.r.run_dir, trainer=self.trainer, template=self.template, tokenizer=self.r.tokenizer, save_data=self.save_data, extra=extra, keep=self.r.cfg.keep_checkpoints, rng=rng)
+            save_checkpoint(
+                self.r.run_dir, trainer=self.trainer, template=self.template, tokenizer=self.r.tokenizer, save_data=self.save_data, extra=extra,
+                keep=self.r.cfg.keep_checkpoints, rng=rng, critic=self.critic.state_dict() if self.critic is not None else None,
+            )  # fmt: skip
             self.checkpointed.append(self.trainer.version)
 
     def evaluates(self, step: int) -> bool:

@@ -188,7 +188,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
             registered reward nor importable `module:function` (nor none with a
-            `reward_model.path`); when `reward_model.path` is no folder or no reward model's
+            `reward_model.path`); when `algorithm.advantage=gae` with a train backend other
+            than torch; when `reward_model.path` is no folder or no reward model's
             (`engines.reward_model.not_a_reward_model`); when a data file is missing
             or of no readable kind (`engines.data.expand_files`); when the trainer would be the
             guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
@@ -203,6 +204,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
     from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
     from tidal.engines.reward_model import not_a_reward_model  # noqa: PLC0415
     from tidal.engines.rewards import NO_VERIFIER, resolve_reward  # noqa: PLC0415
+    from tidal.flow.algorithms import VALUE_BASED  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
@@ -248,6 +250,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"placement.train.count={count} needs a train.backend that trains over several processes "
             f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
         )
+    if cfg.algorithm.advantage in VALUE_BASED and cfg.train.backend != "torch":  # so count is 1 too (above)
+        raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy in one process, with train.backend=torch; train.backend={cfg.train.backend!r}: set train.backend=torch, or another advantage")
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:
         holders = ", ".join(KL_REFERENCE[:-1]) + f" or {KL_REFERENCE[-1]}"
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend={holders} holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend={KL_REFERENCE[0]}")

@@ -3,13 +3,14 @@
 Nothing here knows about devices, engines or the store: every function takes tensors and
 returns tensors on the same device, so the trainer can call them wherever its model runs.
 `ADVANTAGES` maps recipe names to estimators (`silent_groups` finds the groups they give no
-signal); `policy_loss` with a `PolicyLossConfig`
+signal; `gae` holds PPO's value-based ones, for a critic); `policy_loss` with a `PolicyLossConfig`
 covers PPO-clip, dual-clip, decoupled PPO, truncated IS, sequence masking, GSPO, KL and
 entropy terms (`token_entropy` gives the entropy from log-probabilities); `overlong`
 handles responses cut at the token budget (DAPO's filter and soft penalty).
 """
 
-from tidal.flow.algorithms.advantages import ADVANTAGES, TOKEN_WHITENED, compute_advantages, dr_grpo, grpo, rloo, silent_groups, token_whiten
+from tidal.flow.algorithms.advantages import ADVANTAGES, TOKEN_WHITENED, VALUE_BASED, compute_advantages, dr_grpo, grpo, rloo, silent_groups, token_whiten
+from tidal.flow.algorithms.gae import explained_variance, gae, masked_whiten, value_loss
 from tidal.flow.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -32,13 +33,17 @@ __all__ = [
     "OVERLONG",
     "PolicyLossConfig",
     "TOKEN_WHITENED",
+    "VALUE_BASED",
     "aggregate",
     "compute_advantages",
     "dr_grpo",
+    "explained_variance",
     "filter_truncated",
+    "gae",
     "grpo",
     "kl_estimate",
     "masked_mean",
+    "masked_whiten",
     "overlong_penalty",
     "policy_loss",
     "rloo",

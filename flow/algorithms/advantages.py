@@ -218,11 +218,18 @@ TOKEN_WHITENED = frozenset({"reinforce_plus_plus_baseline"})
 std instead of the group's, which keeps a group of near-equal rewards from being blown up."""
 
 
+VALUE_BASED = frozenset({"gae"})
+"""Estimators (not in `ADVANTAGES`: they compare no group) whose advantages come from a
+learned value function at the step that trains the rows (PPO with a critic:
+`flow.algorithms.gae`), per token; a group of one sample learns. Until then the rows carry
+an advantage of 0 (`compute_advantages`)."""
+
+
 def compute_advantages(name: str, rewards: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Runs the estimator registered under `name` in `ADVANTAGES`.
 
     Args:
-        name: A key of `ADVANTAGES`.
+        name: A key of `ADVANTAGES`, or of `VALUE_BASED` (zeros: the trainer's critic gives them).
         rewards: Rewards, `[num_rows]`, floating point.
         groups: One group id per row.
 
@@ -232,6 +239,8 @@ def compute_advantages(name: str, rewards: torch.Tensor, groups: Groups) -> torc
     Raises:
         ValueError: If `name` is not registered, or the inputs are malformed.
     """
+    if name in VALUE_BASED:
+        return torch.zeros_like(rewards)
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator name={name!r}; valid names: {sorted(ADVANTAGES)}")
     return ADVANTAGES[name](rewards, groups)

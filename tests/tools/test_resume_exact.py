@@ -288,3 +288,19 @@ def test_a_run_that_leaves_out_groups_without_signal_resumes_as_it_ran(runs, tmp
     (cut / "checkpoints" / "latest").write_text("step-000002\n")
     _run(resumed, *keys, f"resume={cut}")
     runs.assert_same(full, resumed, from_step=2)
+
+
+def test_a_ppo_run_with_a_critic_resumes_as_it_ran(runs, tmp_path, rewards):
+    """`algorithm.advantage=gae`: the critic's weights and AdamW state are in each checkpoint,
+    so after a resume its values, the advantages and the policy's steps are the uninterrupted
+    run's (a fresh critic would give other values from the first resumed step)."""
+    keys = ["algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=6", "critic.lr=0.01", "checkpoint_every=2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(full, *keys)
+    steps = runs.steps(full)
+    assert all(m["value_loss"] > 0 and m["samples"] == 6 for m in steps) and steps[2]["values_mean"] != 0  # the critic trained, and its values moved
+    cut = tmp_path / "cut"
+    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
+    (cut / "checkpoints" / "latest").write_text("step-000002\n")
+    _run(resumed, *keys, f"resume={cut}")
+    runs.assert_same(full, resumed, from_step=2)

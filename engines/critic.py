@@ -1,0 +1,125 @@
+"""The critic of PPO with a learned value function (`algorithm.advantage=gae`): a copy of the
+policy's transformer body with a linear value head, trained on each step's returns.
+
+It starts from the policy's weights as the run's RL phase begins (verl and OpenRLHF start
+their critic from the actor's checkpoint too), with a value head of zeros, so the first
+values are 0 and the first advantages are the discounted rewards. It runs in the trainer's
+process, on its first device, one process (the `torch` train backend); the workflow asks it
+for each step's values before the policy trains, then trains it on that step's returns.
+
+Its values sit where the policy's logprobs do (`TokenBatch`: column t is the choice of token
+t + 1 after reading 0..t): the value at t is the head applied to the body's hidden state of
+token t. The loss is `flow.algorithms.gae.value_loss` averaged over the step's loss tokens,
+in micro-batches of `micro_batch_size` rows, then one AdamW step with the gradient's norm
+clipped to `grad_clip`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tidal.engines.train_steps import evaluating, padded_positions
+from tidal.flow.algorithms.gae import explained_variance, value_loss
+from tidal.flow.trajectory import TokenBatch
+from tidal.hal import Platform, current_platform
+
+
+class ValueModel(torch.nn.Module):
+    """A transformer body (a transformers `PreTrainedModel`'s `base_model`) and a linear head
+    giving one value per token."""
+
+    def __init__(self, body: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.body = body
+        with torch.random.fork_rng(devices=[]):  # its draws would move the run's generator, which a resumed run has just restored
+            self.head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=padded_positions(attention_mask), use_cache=False).last_hidden_state
+        return self.head(hidden.float()).squeeze(-1)
+
+
+class Critic:
+    """A value model trained on returns (module docstring).
+
+    Args:
+        policy: the policy as a transformers causal LM; its body is copied, not shared.
+        lr: AdamW's learning rate.
+        value_clip: how far a value may move from the one the advantages were computed with
+            before its loss stops pulling it (PPO's value clipping); None: no clipping.
+        micro_batch_size: rows per forward and backward pass.
+        grad_clip: largest gradient norm.
+        weight_decay: AdamW's.
+        precision: forward passes under `platform.autocast(precision)`; weights stay fp32.
+        platform: where it runs (its first device).
+    """
+
+    def __init__(
+        self, policy: Any, *, lr: float = 1e-5, value_clip: float | None = 0.5, micro_batch_size: int = 8, grad_clip: float = 1.0,
+        weight_decay: float = 0.01, precision: str = "fp32", platform: Platform | None = None,
+    ) -> None:  # fmt: skip
+        self.platform = platform or current_platform()
+        self.device, self.precision = self.platform.device(0), precision
+        self.model = ValueModel(copy.deepcopy(policy.base_model), policy.config.hidden_size).to(self.device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, **self.platform.optimizer_options())
+        self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
+
+    def _chunks(self, batch: TokenBatch) -> Iterator[slice]:
+        for start in range(0, len(batch), self.micro_batch_size):
+            yield slice(start, start + self.micro_batch_size)
+
+    def _values(self, batch: TokenBatch, rows: slice) -> torch.Tensor:
+        ids, attention = batch.input_ids[rows].to(self.device), batch.attention_mask[rows].to(self.device)
+        with self.platform.autocast(self.precision):
+            return self.model(ids, attention)[:, :-1]
+
+    @torch.no_grad()
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        """`[batch, seq - 1]` float32 values on the host, 0 outside the loss tokens."""
+        with evaluating(self.model):
+            parts = [self._values(batch, rows).float().cpu() for rows in self._chunks(batch)]
+        return torch.cat(parts) * batch.loss_mask.bool()
+
+    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on the value loss of `batch` toward `returns` (`[batch, seq - 1]`,
+        as `old_values`, the values the advantages were computed with)."""
+        mask = batch.loss_mask.bool()
+        num_tokens = int(mask.sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        total, clipped = 0.0, 0
+        for rows in self._chunks(batch):
+            if not mask[rows].any():
+                continue
+            predicted = self._values(batch, rows).float()
+            loss, num_clipped = value_loss(predicted, old_values[rows].to(self.device), returns[rows].to(self.device), mask[rows].to(self.device), clip=self.value_clip)
+            (loss / max(num_tokens, 1)).backward()
+            total += float(loss.detach())
+            clipped += int(num_clipped)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "value_loss": total / max(num_tokens, 1),
+            "value_clipfrac": clipped / max(num_tokens, 1),
+            "value_grad_norm": grad_norm,
+            "values_mean": float(old_values[mask].mean()) if num_tokens else 0.0,
+            "returns_mean": float(returns[mask].mean()) if num_tokens else 0.0,
+            "explained_variance": explained_variance(old_values, returns, mask),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The value model's weights and AdamW's state (host tensors: what a checkpoint saves)."""
+        return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+

@@ -1,0 +1,80 @@
+"""The critic of `algorithm.advantage=gae` (`engines.critic`) on the tiny model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tidal.engines.critic import Critic
+from tidal.engines.tiny import CharTokenizer, build_tiny_qwen2
+from tidal.flow.algorithms import value_loss
+from tidal.flow.trajectory import TokenBatch
+
+T = CharTokenizer()
+
+
+def _policy() -> torch.nn.Module:
+    return build_tiny_qwen2(T.vocab_size, seed=0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
+
+
+def _returns(batch: TokenBatch) -> torch.Tensor:
+    """A target per loss token that differs by row and by position."""
+    on = batch.loss_mask.bool()
+    rows = torch.arange(len(batch), dtype=torch.float32)[:, None]
+    return torch.where(on, 0.5 * rows - 0.1 * torch.arange(on.shape[1]), 0.0)
+
+
+def test_values_start_at_zero_and_follow_the_policys_token_layout(six_rows):
+    batch, _ = six_rows
+    critic = Critic(_policy(), micro_batch_size=4)
+    values = critic.values(batch)
+    assert values.shape == batch.loss_mask.shape and values.dtype == torch.float32 and (values == 0).all()  # a head of zeros
+    torch.nn.init.normal_(critic.model.head.weight)
+    values = critic.values(batch)
+    assert (values[~batch.loss_mask.bool()] == 0).all() and (values[batch.loss_mask.bool()] != 0).all()
+    pad = lambda t, value: torch.cat([torch.full((t.shape[0], 3), value, dtype=t.dtype), t], dim=1)
+    left = TokenBatch(pad(batch.input_ids, T.pad_id), pad(batch.attention_mask, 0), pad(batch.loss_mask, 0), pad(batch.behavior_logprobs, 0), pad(batch.versions, -1))
+    torch.testing.assert_close(critic.values(left)[:, 3:], values, atol=1e-5, rtol=0)  # positions count from each row's first real token
+
+
+def test_steps_bring_the_values_to_the_returns_and_leave_the_policy_alone(six_rows):
+    batch, _ = six_rows
+    policy = _policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    critic = Critic(policy, lr=1e-2, value_clip=None, micro_batch_size=4)
+    returns, on = _returns(batch), batch.loss_mask.bool()
+    losses = []
+    for _ in range(30):
+        values = critic.values(batch)
+        metrics = critic.train_step(batch, returns, values)
+        losses.append(metrics["value_loss"])
+    assert set(metrics) == {"value_loss", "value_clipfrac", "value_grad_norm", "values_mean", "returns_mean", "explained_variance"}
+    assert losses[0] == pytest.approx(float(value_loss(torch.zeros_like(returns), torch.zeros_like(returns), returns, on, clip=None)[0]) / int(on.sum()))
+    assert losses[-1] < 0.2 * losses[0] and metrics["explained_variance"] > 0.5
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())  # the critic trains a copy of the body
+
+
+def test_value_clipping_holds_the_values_near_the_old_ones(six_rows):
+    batch, _ = six_rows
+    critic = Critic(_policy(), lr=1e-2, value_clip=1e-3, micro_batch_size=6)
+    returns = _returns(batch) + 5.0 * batch.loss_mask
+    old = critic.values(batch)
+    metrics = critic.train_step(batch, returns, old)
+    assert metrics["value_clipfrac"] == 0.0  # at the old values nothing is clipped yet
+    for _ in range(5):
+        metrics = critic.train_step(batch, returns, old)
+    assert metrics["value_clipfrac"] == 1.0  # every value moved past the clip: the clipped term rules, without a gradient
+
+
+def test_a_critic_loaded_from_anothers_state_goes_on_as_it_would(six_rows):
+    batch, _ = six_rows
+    a = Critic(_policy(), lr=1e-2, micro_batch_size=4)
+    returns = _returns(batch)
+    a.train_step(batch, returns, a.values(batch))
+    b = Critic(build_tiny_qwen2(T.vocab_size, seed=5, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32), lr=1e-2, micro_batch_size=4)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))  # as a checkpoint gives it back: its own tensors
+    for critic in (a, b):
+        critic.train_step(batch, returns, critic.values(batch))
+    assert torch.equal(a.values(batch), b.values(batch))

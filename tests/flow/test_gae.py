@@ -1,0 +1,159 @@
+"""PPO with a learned value function (`algorithm.advantage=gae`): the estimates against verl's
+functions transcribed, and the workflow's use of a critic, through the real `Workflow`
+with scripted engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.flow.test_overlong import MAX_NEW_TOKENS, RecordingTrainer, ScriptedRollout
+from tidal.flow.algorithms import explained_variance, gae, masked_whiten, value_loss
+from tidal.flow.store import Store
+from tidal.flow.workflow import Workflow, WorkflowConfig
+
+
+def verl_gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl/trainer/ppo/core_algos.py `compute_gae_advantage_return` (observation tokens
+    skipped), before its whitening."""
+    nextvalues, lastgaelam, advantages_reversed = 0, 0, []
+    for t in reversed(range(token_level_rewards.shape[-1])):
+        delta = token_level_rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = values[:, t] * response_mask[:, t] + (1 - response_mask[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * response_mask[:, t] + (1 - response_mask[:, t]) * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def verl_masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl/utils/torch_functional.py `masked_whiten` (`masked_var` unbiased)."""
+    mean = (values * mask).sum() / mask.sum()
+    centered = values - mean
+    var = (centered**2 * mask).sum() / mask.sum() * (mask.sum() / (mask.sum() - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def verl_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's `compute_value_loss` with token-mean aggregation: (loss, clip fraction)."""
+    vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    vf_losses1, vf_losses2 = (vpreds - returns) ** 2, (vpredclipped - returns) ** 2
+    clipped = torch.max(vf_losses1, vf_losses2)
+    return 0.5 * (clipped * response_mask).sum() / response_mask.sum(), (torch.gt(vf_losses2, vf_losses1).float() * response_mask).sum() / response_mask.sum()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three rows: a response after a prompt, one with an environment's tokens inside it (a
+    hole in the mask), one with no loss token."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    return torch.tensor([1.0, -0.5, 2.0]), torch.randn(3, 7), mask
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_is_verls_on_the_loss_tokens(gamma, lam):
+    rewards, values, mask = _batch()
+    token_rewards = torch.zeros_like(values)
+    token_rewards[0, 5], token_rewards[1, 6] = rewards[0], rewards[1]  # each row's last loss token
+    want_adv, want_ret = verl_gae(token_rewards, values, mask, gamma, lam)
+    advantages, returns = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    on = mask.bool()
+    torch.testing.assert_close(advantages[on], want_adv[on])
+    torch.testing.assert_close(returns[on], want_ret[on])
+    assert (advantages[~on] == 0).all() and (returns[~on] == 0).all()
+    torch.testing.assert_close(masked_whiten(advantages, mask)[on], verl_masked_whiten(want_adv, mask)[on])
+
+
+def test_with_gamma_and_lambda_one_the_advantage_is_the_reward_minus_the_value():
+    rewards, values, mask = _batch()
+    advantages, returns = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    on = mask.bool()
+    torch.testing.assert_close(advantages[0][on[0]], rewards[0] - values[0][on[0]])
+    torch.testing.assert_close(returns[1][on[1]], torch.full((4,), -0.5))
+
+
+def test_value_loss_is_verls():
+    torch.manual_seed(1)
+    predicted, old, returns = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.float32)
+    loss, num_clipped = value_loss(predicted, old, returns, mask, clip=0.2)
+    want_loss, want_frac = verl_value_loss(predicted, returns, old, mask, 0.2)
+    torch.testing.assert_close(loss / mask.sum(), want_loss)
+    assert float(num_clipped) / float(mask.sum()) == pytest.approx(float(want_frac))
+    unclipped, _ = value_loss(predicted, old, returns, mask, clip=None)
+    torch.testing.assert_close(unclipped, 0.5 * ((predicted - returns) ** 2 * mask).sum())
+
+
+def test_explained_variance():
+    returns, mask = torch.tensor([[1.0, 2.0, 3.0, 9.0]]), torch.tensor([[1, 1, 1, 0]])
+    assert explained_variance(returns, returns, mask) == 1.0
+    assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)
+
+
+class RecordingCritic:
+    """Values of 0.25 everywhere; records the order of its calls and what it was given."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls, self.steps = calls, []
+
+    def values(self, batch: Any) -> torch.Tensor:
+        self.calls.append("values")
+        return torch.full(batch.loss_mask.shape, 0.25) * batch.loss_mask.bool()
+
+    def train_step(self, batch: Any, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        self.calls.append("critic")
+        self.steps.append((batch, returns, old_values))
+        return {"value_loss": 0.5}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class OrderedTrainer(RecordingTrainer):
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def train_step(self, batch: Any, advantages: torch.Tensor, **kwargs: Any) -> dict[str, float]:
+        self.calls.append("policy")
+        return super().train_step(batch, advantages, **kwargs)
+
+
+def _config(**keys: Any) -> WorkflowConfig:
+    return WorkflowConfig.from_keys(**{"num_steps": 2, "prompts_per_step": 3, "group_size": 1, "max_staleness": 0, "max_new_tokens": MAX_NEW_TOKENS, "prompts_per_generate": 1, "tis_cap": None, "decoupled": False, **keys})
+
+
+def _score(trajectories: Any) -> tuple[list[float], list[int]]:
+    return [float(t.num_generated) for t in trajectories], []  # a reward per row: its length
+
+
+def test_each_step_trains_the_policy_on_whitened_token_advantages_from_the_critics_values_then_the_critic():
+    calls: list[str] = []
+    steps: list[dict[str, Any]] = []
+    critic, trainer = RecordingCritic(calls), OrderedTrainer(calls)
+    prompts = iter([{"prompt_ids": [1, 2], "answer": "x"}] * 20)
+    Workflow(store=Store(), rollout=ScriptedRollout(), trainer=trainer, prompts=prompts, score=_score, config=_config(advantage="gae", gamma=1.0, lam=1.0), on_step=steps.append, critic=critic).run()
+    assert calls == ["values", "policy", "critic"] * 2
+    assert [m["value_loss"] for m in steps] == [0.5, 0.5]
+    for advantages, mask, (_, returns, old_values) in zip(trainer.advantages, trainer.masks, critic.steps):
+        on = mask.bool()
+        assert advantages.shape == mask.shape  # per token
+        rewards = torch.tensor([float(n) for n in on.sum(1).tolist()])  # each row's reward: its generated tokens
+        raw = torch.where(on, rewards[:, None] - 0.25, 0.0)  # gamma = lam = 1: the reward minus the value
+        torch.testing.assert_close(advantages, masked_whiten(raw, mask))
+        torch.testing.assert_close(returns, torch.where(on, rewards[:, None], 0.0))  # the critic's targets
+        assert (old_values[on] == 0.25).all()
+
+
+def test_a_value_based_estimator_needs_a_critic_and_the_others_take_none():
+    prompts = iter([])
+    with pytest.raises(ValueError, match="algorithm.advantage=gae needs a critic"):
+        Workflow(store=Store(), rollout=ScriptedRollout(), trainer=RecordingTrainer(), prompts=prompts, score=_score, config=_config(advantage="gae"))
+    with pytest.raises(ValueError, match="algorithm.advantage=grpo takes no critic"):
+        Workflow(store=Store(), rollout=ScriptedRollout(), trainer=RecordingTrainer(), prompts=prompts, score=_score, config=_config(group_size=2), critic=RecordingCritic([]))
