@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tidal.engines.train_steps import evaluating, padded_positions
+from tidal.engines.train_steps import evaluating, own_settings, padded_positions
 from tidal.flow.algorithms.gae import explained_variance, value_loss
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
@@ -120,6 +120,9 @@ class Critic:
         return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's state (`state_dict`); the optimizer keeps this critic's settings
+        (`critic.lr` given now, the platform's fused AdamW: `own_settings`)."""
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with own_settings(self.optimizer):
+            self.optimizer.load_state_dict(state["optimizer"])
 

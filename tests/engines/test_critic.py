@@ -78,3 +78,29 @@ def test_a_critic_loaded_from_anothers_state_goes_on_as_it_would(six_rows):
     for critic in (a, b):
         critic.train_step(batch, returns, critic.values(batch))
     assert torch.equal(a.values(batch), b.values(batch))
+
+
+@pytest.mark.gpu
+def test_gpu_critic_matches_the_cpu_one_and_resumes_from_a_cpu_state(six_rows):
+    """On a real GPU: the critic's values and its step equal the CPU critic's (float64), and a
+    state saved on the host (AdamW unfused) loads into the GPU's fused AdamW and steps."""
+    from tidal.hal import select_platform
+    from tidal.hal.cpu import CpuPlatform
+
+    batch, _ = six_rows
+    gpu = select_platform("cuda").platform
+    returns = _returns(batch).double()
+    critics = []
+    for platform in (CpuPlatform(), gpu):
+        critic = Critic(_policy().double(), lr=1e-2, micro_batch_size=4, platform=platform)
+        torch.nn.init.constant_(critic.model.head.weight, 0.1)
+        critic.train_step(batch, returns, critic.values(batch))
+        critics.append(critic)
+    cpu, cuda = critics
+    assert next(cuda.model.parameters()).device.type == "cuda"
+    torch.testing.assert_close(cuda.values(batch), cpu.values(batch), rtol=1e-5, atol=1e-6)
+    resumed = Critic(_policy().double(), lr=1e-2, micro_batch_size=4, platform=gpu)
+    resumed.load_state_dict(copy.deepcopy(cpu.state_dict()))
+    for critic in (cpu, resumed):
+        critic.train_step(batch, returns, critic.values(batch))
+    torch.testing.assert_close(resumed.values(batch), cpu.values(batch), rtol=1e-5, atol=1e-6)
