@@ -47,7 +47,7 @@ import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, PlacementError, Plan
 from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload, ParksItself
-from tidal.flow.timeshare import Offloader, Seat, SharedRolloutEngine, SharedTrainEngine
+from tidal.flow.timeshare import Offloader, Seat, SharedCritic, SharedRolloutEngine, SharedTrainEngine
 from tidal.flow.turns import Turns
 
 TURNS_CONCURRENCY = 64
@@ -85,6 +85,10 @@ class Sharing:
 
     def train(self, engine: Any, name: str = "train") -> SharedTrainEngine:
         return SharedTrainEngine(engine, self._seat(engine, name, optimizer=True))
+
+    def critic(self, critic: Any, name: str = "critic") -> SharedCritic:
+        """A critic (`algorithm.advantage=gae`) seated here too: its model and AdamW state are parked as the trainer's are."""
+        return SharedCritic(critic, self._seat(critic, name, optimizer=True))
 
     def rollout(self, engine: Any, name: str = "rollout") -> SharedRolloutEngine:
         return SharedRolloutEngine(engine, self._seat(engine, name, optimizer=False))

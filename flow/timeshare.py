@@ -285,6 +285,33 @@ class SharedTrainEngine:
             return call(*args)
 
 
+class SharedCritic:
+    """A critic (`flow.protocols.Critic`) seated at the trainer's devices: each of its passes
+    takes a turn, so its model and optimizer state are parked while the policy's trainer or
+    rollout computes there, as theirs are while it does."""
+
+    def __init__(self, critic: Any, seat: Seat) -> None:
+        self.critic, self.seat = critic, seat
+
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        with self.seat.turn():
+            return self.critic.values(batch)
+
+    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        with self.seat.turn():
+            return self.critic.train_step(batch, returns, old_values)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Host copies, read wherever the state sits (a parked one is on the host already)."""
+        with self.seat.turn():
+            return self.critic.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """In a turn: loaded into a parked critic, the optimizer's new state would be replaced by the parked copies at the next onload."""
+        with self.seat.turn():
+            self.critic.load_state_dict(state)
+
+
 class SharedRolloutEngine:
     """A rollout engine that generates and loads weights in turns, pausing when another seat waits."""
 

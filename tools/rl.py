@@ -321,9 +321,11 @@ class RL:
         if run.start_rollouts is not None:
             self.remote = (run.launched or run.start_rollouts(cfg, run.store, run.settings)).connect(self.trainer)
         self.scorer = make_score(cfg, run.tokenizer)  # closed by `_close`
-        self.critic = build_critic(cfg, self.template, platform=run.platform) if cfg.algorithm.advantage in VALUE_BASED else None
+        self.critic: Any = build_critic(cfg, self.template, platform=run.platform) if cfg.algorithm.advantage in VALUE_BASED else None
         if self.critic is not None and run.saved is not None and run.saved.get("critic") is not None:  # a checkpoint of a run without one: a fresh critic
             self.critic.load_state_dict(run.saved["critic"])
+        if self.critic is not None and self.sharing is not None:  # on the trainer's devices, which rollout time-shares: parked as the trainer is
+            self.critic = self.sharing.critic(self.critic)
         self.workflow = Workflow(
             store=run.store, rollout=self.rollout, trainer=self.trainer, prompts=self.prompts, score=self.scorer,
             config=workflow_config(cfg), on_step=self.on_step, tracer=run.tracer, rollouts=self.remote, totals=run.totals, critic=self.critic,

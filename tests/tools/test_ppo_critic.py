@@ -43,3 +43,14 @@ def test_the_simulator_refuses_a_critic_it_does_not_model():
     cfg = load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1"])
     with pytest.raises(ConfigError, match="tidal simulate does not model a critic"):
         simulate(cfg, None, None)  # refused before the cluster or workload is read
+
+
+def test_a_critic_on_time_shared_devices_is_parked_and_the_run_is_the_one_alone(tidal_cli, tmp_path, runs):
+    """Rollout colocated with the trainer on one (fake) device: the critic takes turns there
+    as the trainer does, its model and AdamW state parked while the others compute, and the
+    run is the one with the device to itself, bit for bit."""
+    keys = ["algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=6", "critic.lr=0.01", "algorithm.max_staleness=0", "sft.steps=60", "task.num_eval_prompts=4"]
+    keys.append("algorithm.aggregation=seq_mean_token_mean")  # a loss that differs by step (token_mean of whitened advantages is 0 at ratio 1)
+    runs.assert_colocated_as_alone(tidal_cli, tmp_path, [*keys, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "tensorboard=false", "--no-progress"], env={})
+    share = json.loads((tmp_path / "shared" / "summary.json").read_text())["timeshare"]
+    assert share["seats"]["critic"]["parks"] >= 2 and share["seats"]["critic"]["parked_bytes"] > 0
