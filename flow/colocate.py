@@ -47,7 +47,7 @@ import torch
 
 from tidal.flow.placement import RAY_RESOURCES, Assignment, PlacementError, Plan
 from tidal.flow.protocols import HoldsModel, HoldsOptimizer, HoldsReference, MovesAfterOffload, ParksItself
-from tidal.flow.timeshare import Offloader, Seat, SharedCritic, SharedRolloutEngine, SharedTrainEngine
+from tidal.flow.timeshare import Offloader, Seat, SharedCritic, SharedRewardModel, SharedRolloutEngine, SharedTrainEngine
 from tidal.flow.turns import Turns
 
 TURNS_CONCURRENCY = 64
@@ -89,6 +89,10 @@ class Sharing:
     def critic(self, critic: Any, name: str = "critic") -> SharedCritic:
         """A critic (`algorithm.advantage=gae`) seated here too: its model and AdamW state are parked as the trainer's are."""
         return SharedCritic(critic, self._seat(critic, name, optimizer=True))
+
+    def reward_model(self, model: Any, name: str = "reward_model") -> SharedRewardModel:
+        """A reward model (`reward_model.path`) seated here too: its weights are parked between its scorings."""
+        return SharedRewardModel(model, self._seat(model, name, optimizer=False))
 
     def rollout(self, engine: Any, name: str = "rollout") -> SharedRolloutEngine:
         return SharedRolloutEngine(engine, self._seat(engine, name, optimizer=False))

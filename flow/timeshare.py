@@ -312,6 +312,18 @@ class SharedCritic:
             self.critic.load_state_dict(state)
 
 
+class SharedRewardModel:
+    """A reward model seated at the trainer's devices: each scoring takes a turn, its weights
+    parked while the trainer or rollout computes there."""
+
+    def __init__(self, model: Any, seat: Seat) -> None:
+        self.reward_model, self.seat = model, seat
+
+    def score(self, conversations: Sequence[Any], responses: Sequence[str]) -> list[float]:
+        with self.seat.turn():
+            return self.reward_model.score(conversations, responses)
+
+
 class SharedRolloutEngine:
     """A rollout engine that generates and loads weights in turns, pausing when another seat waits."""
 

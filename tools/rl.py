@@ -95,6 +95,12 @@ def reward_workers(cfg: RecipeConfig) -> int:
     return DEFAULT_REWARD_WORKERS if reward_spec(cfg) in POOLED_REWARDS else 0
 
 
+class Scores(Protocol):
+    """What scores responses to conversations: a `RewardModel`, or one seated on shared devices."""
+
+    def score(self, conversations: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> list[float]: ...
+
+
 class Scorer:
     """The recipe's reward over finished trajectories, as the workflow's `score`: (rewards,
     indexes of failed rows, how many of them timed out). With `reward_workers(cfg)` > 0 it
@@ -105,7 +111,7 @@ class Scorer:
     failed, as a function's does. Held-out evaluation's scorer has none: accuracy is the
     function's alone."""
 
-    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer, *, reward_model: RewardModel | None = None) -> None:
+    def __init__(self, cfg: RecipeConfig, tokenizer: Tokenizer, *, reward_model: Scores | None = None) -> None:
         self.reward, self.tokenizer = run_reward(cfg), tokenizer
         self.reward_model, self.weight = reward_model, cfg.reward_model.weight
         self._ends = set(tokenizer.eos_ids)
@@ -165,9 +171,14 @@ def reward_model(cfg: RecipeConfig) -> RewardModel | None:
         raise ConfigError(str(e)) from None
 
 
-def make_score(cfg: RecipeConfig, tokenizer: Tokenizer) -> Scorer:
-    """RL's reward over finished trajectories (`Scorer`, with the recipe's reward model; close it after the run)."""
-    return Scorer(cfg, tokenizer, reward_model=reward_model(cfg))
+def make_score(cfg: RecipeConfig, tokenizer: Tokenizer, *, sharing: Any = None) -> Scorer:
+    """RL's reward over finished trajectories (`Scorer`, with the recipe's reward model; close
+    it after the run). `sharing` (`flow.colocate.Sharing`): the trainer's devices are
+    time-shared, and the reward model takes turns there, parked between its scorings."""
+    judge: Scores | None = reward_model(cfg)
+    if judge is not None and sharing is not None:
+        judge = sharing.reward_model(judge)
+    return Scorer(cfg, tokenizer, reward_model=judge)
 
 
 def build_critic(cfg: RecipeConfig, policy: torch.nn.Module, *, platform: Any) -> Critic:
@@ -320,7 +331,7 @@ class RL:
         self.remote = None
         if run.start_rollouts is not None:
             self.remote = (run.launched or run.start_rollouts(cfg, run.store, run.settings)).connect(self.trainer)
-        self.scorer = make_score(cfg, run.tokenizer)  # closed by `_close`
+        self.scorer = make_score(cfg, run.tokenizer, sharing=self.sharing)  # closed by `_close`
         self.critic: Any = build_critic(cfg, self.template, platform=run.platform) if cfg.algorithm.advantage in VALUE_BASED else None
         if self.critic is not None and run.saved is not None and run.saved.get("critic") is not None:  # a checkpoint of a run without one: a fresh critic
             self.critic.load_state_dict(run.saved["critic"])

@@ -41,3 +41,15 @@ def test_a_reward_model_run_is_refused_before_it_starts_when_its_keys_do_not_fit
     assert out.returncode != 0 and f"reward_model.path={str(tmp_path / 'missing')!r} does not exist or is not a folder" in out.stderr
     out = tidal_cli("run", "gsm8k_qwen", f"run_dir={tmp_path / 'c'}", *data, f"reward_model.path={tiny_hf_dir}", cwd=tmp_path)
     assert out.returncode != 0 and not (tmp_path / "c").exists() and "architectures are ['Qwen2ForCausalLM']: not a sequence-classification model" in out.stderr
+
+
+def test_a_reward_model_on_time_shared_devices_is_parked_and_the_run_is_the_one_alone(tidal_cli, tmp_path, runs, last_token_rm):
+    """The quickstart's verifier plus a reward model, rollout colocated with the trainer on one
+    (fake) device: the reward model takes turns there, parked between its scorings, and the
+    run is the one with the device to itself, bit for bit."""
+    keys = [f"reward_model.path={last_token_rm}", "reward_model.weight=0.1", "algorithm.max_staleness=0", "sft.steps=60", "task.num_eval_prompts=4", "algorithm.prompts_per_step=4", "algorithm.group_size=4"]
+    runs.assert_colocated_as_alone(tidal_cli, tmp_path, [*keys, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "tensorboard=false", "--no-progress"], env={})
+    share = json.loads((tmp_path / "shared" / "summary.json").read_text())["timeshare"]
+    assert share["seats"]["reward_model"]["parks"] >= 2 and share["seats"]["reward_model"]["parked_bytes"] > 0
+    steps = runs.steps(tmp_path / "alone")
+    assert any(r not in (0.0, 1.0) for m in steps for group in m["rewards"] for r in group)  # the model's weighted scores are in the rewards
