@@ -53,3 +53,20 @@ def test_a_reward_model_on_time_shared_devices_is_parked_and_the_run_is_the_one_
     assert share["seats"]["reward_model"]["parks"] >= 2 and share["seats"]["reward_model"]["parked_bytes"] > 0
     steps = runs.steps(tmp_path / "alone")
     assert any(r not in (0.0, 1.0) for m in steps for group in m["rewards"] for r in group)  # the model's weighted scores are in the rewards
+
+
+def test_the_shipped_rlhf_recipe_runs_on_a_local_policy_reward_model_and_prompts(tidal_cli, tmp_path, tiny_hf_dir, gsm8k_files, last_token_rm, runs):
+    """`rlhf_qwen.yaml` leaves the policy, the reward model and the prompts to the user: it is
+    refused naming the missing key, then runs PPO with its critic on prompts without answers."""
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [json.loads(line) for line in gsm8k_files["train_jsonl"].read_text().splitlines()]
+    prompts.write_text("".join(json.dumps({"prompt": row["question"]}) + "\n" for row in rows))
+    out = tidal_cli("run", "rlhf_qwen", f"run_dir={tmp_path / 'refused'}", f"model.path={tiny_hf_dir}", f"data.train_files=[{prompts}]", cwd=tmp_path)
+    assert out.returncode != 0 and "set reward_model.path" in out.stderr and not (tmp_path / "refused").exists()
+    run_dir = tmp_path / "run"
+    small = ["device=cpu", "threads=1", "tensorboard=false", "rollout.max_new_tokens=4", "algorithm.num_steps=3", "algorithm.prompts_per_step=8", "train.precision=fp32", "model.gradient_checkpointing=false", "--no-progress"]
+    keys = [f"model.path={tiny_hf_dir}", f"reward_model.path={last_token_rm}", f"data.train_files=[{prompts}]", *small]
+    out = tidal_cli("run", "rlhf_qwen", f"run_dir={run_dir}", *keys, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = runs.steps(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["samples"] == 8 and m["value_loss"] > 0 and "kl" in m for m in steps)
