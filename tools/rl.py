@@ -378,18 +378,17 @@ class RL:
             self.checkpointed.append(self.trainer.version)
 
     def evaluates(self, step: int) -> bool:
-        """Whether RL step `step` ends with a held-out evaluation (`eval_every`; a run with held-out prompts)."""
+        """Whether RL step `step` ends with a held-out evaluation (`eval_every`; a run with
+        held-out prompts and a reward function to score them: not `task.reward=none`)."""
         every = self.r.cfg.eval_every
-        return bool(every) and step % every == 0 and bool(self.r.prompts.eval_items)
+        return bool(every) and step % every == 0 and bool(self.r.prompts.eval_items) and reward_spec(self.r.cfg) != NO_VERIFIER
 
     def on_step(self, m: dict[str, Any]) -> None:
         if self.sharing is not None:
             m["handoffs"] = self.handoffs()
         if self.evaluates(m["step"]):  # this step's weights; the next step waits. Greedy, or sampled from the evaluation's own generator: the run's samples stay as they were
             with self.r.tracer.span("train", "evaluate", step=m["step"]):
-                held_out = self.r.evaluate(unsharded(self.template, self.trainer.named_weights()))
-            if held_out is not None:  # None: no reward function to score with (`task.reward=none`)
-                m.update(held_out.metrics())
+                m.update(self.r.evaluate(unsharded(self.template, self.trainer.named_weights())).metrics())
         self.history.append(m)
         self.metrics.write(m)
         recent = self.history[-5:]

@@ -390,6 +390,8 @@ class Run:
             self.accuracy_before = accuracy_start
             if accuracy_start is not None:
                 console.print(f"tidal: held-out accuracy before RL: {accuracy_start:.1%} ({len(self.prompts.eval_items)} prompts; no warm start)")
+        if self.reward is None and self.prompts.eval_items:
+            console.print(f"tidal: the {len(self.prompts.eval_items)} held-out prompts are not scored: task.reward=none has no function to score answers with (the reward model's scores are RL's reward only)")
 
     def _policy(self, module: torch.nn.Module) -> Policy:
         return Policy(module, self.tokenizer)

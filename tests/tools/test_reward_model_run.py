@@ -21,7 +21,7 @@ def test_a_run_scored_by_a_reward_model_alone_raises_its_score(tidal_cli, tmp_pa
     run_dir = tmp_path / "run"
     keys = [k for k in SMALL if not k.startswith("task.reward=")]
     data = [f"model.path={tiny_hf_dir}", f"data.train_files=[{gsm8k_files['train_jsonl']}]", f"data.eval_files=[{gsm8k_files['eval_parquet']}]"]
-    out = tidal_cli("run", "gsm8k_qwen", f"run_dir={run_dir}", *data, *keys, "task.reward=none", f"reward_model.path={last_token_rm}", "reward_model.batch_size=5", cwd=tmp_path)
+    out = tidal_cli("run", "gsm8k_qwen", f"run_dir={run_dir}", *data, *keys, "task.reward=none", f"reward_model.path={last_token_rm}", "reward_model.batch_size=5", "eval_every=4", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = runs.steps(run_dir)
     first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
@@ -29,6 +29,8 @@ def test_a_run_scored_by_a_reward_model_alone_raises_its_score(tidal_cli, tmp_pa
     assert any(r not in (0.0, 1.0) for m in steps for group in m["rewards"] for r in group)  # the model's scores, not a verifier's
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["accuracy_before"] is None and summary["accuracy_after"] is None  # no function to measure accuracy with
+    assert not any("held_out_accuracy" in m for m in steps) and "held-out accuracy" not in out.stderr, out.stderr[-2000:]
+    assert "the 10 held-out prompts are not scored: task.reward=none has no function to score answers with" in " ".join(out.stderr.split())  # as the console wraps it
     config = (run_dir / "config.yaml").read_text()
     assert f"path: {last_token_rm}" in config and "reward: none" in config
 
