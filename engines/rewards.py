@@ -106,6 +106,24 @@ DEFAULT_REWARD_WORKERS = 2
 """Worker processes of a pooled reward when `task.reward_workers` is null."""
 
 
+def stripped(text: str) -> str | None:
+    """A strict verifier's answer: the response, surrounding whitespace aside (None when empty)."""
+    return text.strip() or None
+
+
+ANSWERS = {"exact_match": "tidal.engines.rewards:stripped", "arithmetic": "tidal.engines.rewards:stripped", "countdown": "tidal.engines.rewards:stripped", **dict.fromkeys(MODULE_REWARDS, "tidal.engines.math_rewards:final_answer")}
+"""For each registered reward, the function that reads the answer a response gives (what
+majority voting counts: `held_out_maj_at_n`); a user's `module:function` reward has none."""
+
+
+def answer_reader(spec: str) -> Callable[[str], str | None] | None:
+    """The registered reward `spec`'s answer reader (`ANSWERS`), imported; None for another reward."""
+    if spec not in ANSWERS:
+        return None
+    module_name, _, attr = ANSWERS[spec].partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def resolve_reward(spec: str) -> RewardFn:
     """A registry name, or `module:function` imported from the Python path or, after it,
     the current directory (a `tidal` console script does not have it on the path; the

@@ -192,7 +192,7 @@ class EvalConfig:
     BOUNDS: ClassVar[Bounds] = Bounds(at_least={"samples": 1, "temperature": 0, "top_k": 0}, positive=("top_p",), why={"top_k": "0 turns it off"})
 
     samples: int = 1
-    """Answers sampled per held-out prompt; held_out_accuracy is the share of all answers the reward scores 1.0 (verl's mean@N), and held_out_pass_at_n the share of prompts with at least one (pass@N). > 1 needs eval.temperature > 0."""
+    """Answers sampled per held-out prompt; held_out_accuracy is the share of all answers the reward scores 1.0 (verl's mean@N), held_out_pass_at_n the share of prompts with at least one (pass@N), and with a built-in reward (whose answers tidal reads) held_out_maj_at_n the share whose most frequent answer is right (maj@N). > 1 needs eval.temperature > 0."""
     temperature: float = 0.0
     """0 = greedy (plain argmax, whatever the checkpoint's generation config says); > 0 samples at it, from the evaluation's own generator seeded by `seed` (each evaluation draws the same noise; the run's own random streams are untouched)."""
     top_k: int = 0

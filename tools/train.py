@@ -18,12 +18,13 @@ seats since then (its `since_version`).
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 from tidal.engines.models import ModelSource, Policy, model_source
 from tidal.engines.registry import load
-from tidal.engines.rewards import score
+from tidal.engines.rewards import answer_reader, score
 from tidal.engines.sampling import truncate
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.files import write_whole
@@ -45,7 +46,7 @@ from tidal.tools.config import ConfigError, EvalConfig, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
-from tidal.tools.rl import RL, Scorer, build_rollout_engine, make_score, own_train_keys, run_reward, torch_threads, unsharded, workflow_config
+from tidal.tools.rl import RL, Scorer, build_rollout_engine, make_score, own_train_keys, reward_spec, run_reward, torch_threads, unsharded, workflow_config
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest
 
@@ -99,15 +100,21 @@ class HeldOut:
     """The share of answers the reward scores 1.0 (with `eval.samples` > 1, of all of them: mean@N)."""
     pass_at_n: float | None = None
     """With `eval.samples` > 1: the share of prompts with at least one such answer (pass@N); else None."""
+    maj_at_n: float | None = None
+    """With `eval.samples` > 1 and a reward whose answers can be read (`engines.rewards.ANSWERS`):
+    the share of prompts whose most frequent answer is right (maj@N); else None."""
 
     def metrics(self) -> dict[str, float]:
-        """The step metrics' fields: `held_out_accuracy`, and `held_out_pass_at_n` when sampled N times."""
-        return {"held_out_accuracy": self.accuracy, **({"held_out_pass_at_n": self.pass_at_n} if self.pass_at_n is not None else {})}
+        """The step metrics' fields: `held_out_accuracy`, and `held_out_pass_at_n` (and
+        `held_out_maj_at_n`) when sampled N times."""
+        more = {"held_out_pass_at_n": self.pass_at_n, "held_out_maj_at_n": self.maj_at_n}
+        return {"held_out_accuracy": self.accuracy, **{k: v for k, v in more.items() if v is not None}}
 
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None, sampling: EvalConfig | None = None, seed: int = 0
+    model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None, sampling: EvalConfig | None = None, seed: int = 0,
+    answer_of: Callable[[str], str | None] | None = None,
 ) -> HeldOut:
     """Held-out accuracy (`HeldOut`): the share of answers the verifier scores 1.0, with the rule RL trains
     on (the built-in verifiers' is strict: the answer alone, then an end token; generation
@@ -118,7 +125,9 @@ def evaluate(
     `seed` (`_SampledArgmax`). Items are encoded as RL's are: their `prompt_ids`, else their
     `prompt` encoded. `batch_size` answers go in each `generate` call (at least one prompt's). With `scorer` (the run's, for `reward`)
     answers are scored as RL's are, in its worker pool under its per-sample timeout; without
-    one, in this thread."""
+    one, in this thread. With several samples and `answer_of` (the reward's answer reader):
+    maj@N, each prompt's vote over the answers its responses closed with an end token give
+    (ties: the answer given first), right when that answer's first response scored 1.0."""
     samples = sampling.samples if sampling is not None else 1
     sampled = sampling is not None and sampling.temperature > 0
     device = next(model.parameters()).device
@@ -127,7 +136,7 @@ def evaluate(
     model.generation_config = _plain_generation(tokenizer)
     processors = [_SampledArgmax(sampling, seed=seed)] if sampled else []
     ends = set(tokenizer.eos_ids)
-    correct = solved = 0
+    correct = solved = voted = 0
     try:
         prompts_per_call = max(batch_size // samples, 1)  # a generate call's rows: about `batch_size`, as greedy's
         for start in range(0, len(items), prompts_per_call):
@@ -148,10 +157,24 @@ def evaluate(
             right = [r == 1.0 for r in rewards]
             correct += sum(right)
             solved += sum(any(right[k : k + samples]) for k in range(0, len(right), samples))  # a prompt's answers are consecutive
+            if answer_of is not None and samples > 1:
+                voted += sum(_majority_right([answer_of(t) if j.finish_reason == "stop" else None for j, t in zip(trajectories[k : k + samples], texts[k : k + samples])], right[k : k + samples]) for k in range(0, len(right), samples))
     finally:
         model.train(was_training)
         model.generation_config = own
-    return HeldOut(correct / max(len(items) * samples, 1), solved / max(len(items), 1) if samples > 1 else None)
+    several = samples > 1
+    return HeldOut(correct / max(len(items) * samples, 1), solved / max(len(items), 1) if several else None, voted / max(len(items), 1) if several and answer_of is not None else None)
+
+
+def _majority_right(answers: list[str | None], right: list[bool]) -> bool:
+    """Whether a prompt's most frequent answer (None: no answer, no vote; ties: the answer
+    given first) is right: the first response that gave it was scored right."""
+    counts = collections.Counter(a for a in answers if a is not None)
+    if not counts:
+        return False
+    most = max(counts.values())
+    winner = next(a for a in answers if a is not None and counts[a] == most)
+    return right[answers.index(winner)]
 
 
 def _plain_generation(tokenizer: Tokenizer) -> Any:
@@ -359,7 +382,10 @@ class Run:
             return None
         if self.eval_scorer is None:  # its own pool: `eval_every` scores in this thread while RL's reward stage scores in its own
             self.eval_scorer = Scorer(self.cfg, self.tokenizer)  # the function's accuracy: no reward model
-        return evaluate(model, self.tokenizer, items, self.reward, max_new_tokens=self.budget, scorer=self.eval_scorer, sampling=self.cfg.eval, seed=self.cfg.seed)
+        return evaluate(
+            model, self.tokenizer, items, self.reward, max_new_tokens=self.budget, scorer=self.eval_scorer, sampling=self.cfg.eval, seed=self.cfg.seed,
+            answer_of=answer_reader(reward_spec(self.cfg)),
+        )  # fmt: skip
 
     # --- warm start --------------------------------------------------------------------
 
@@ -405,7 +431,7 @@ class Run:
         if rl.stop.reason is None:
             last = history[-1] if history else {}
             measured = last.get("step") == rl.trainer.version and "held_out_accuracy" in last  # at the last step (`eval_every`): these weights
-            held_out = HeldOut(last["held_out_accuracy"], last.get("held_out_pass_at_n")) if measured else self.evaluate(unsharded(self.model, rl.trainer.named_weights()))
+            held_out = HeldOut(last["held_out_accuracy"], last.get("held_out_pass_at_n"), last.get("held_out_maj_at_n")) if measured else self.evaluate(unsharded(self.model, rl.trainer.named_weights()))
             final = held_out.metrics() if held_out is not None else {}
             accuracy_after = final.get("held_out_accuracy")
             if accuracy_after is not None:
@@ -421,6 +447,7 @@ class Run:
             "accuracy_before": self.accuracy_before,
             "accuracy_after": accuracy_after,
             **({"pass_at_n_after": final["held_out_pass_at_n"]} if "held_out_pass_at_n" in final else {}),
+            **({"maj_at_n_after": final["held_out_maj_at_n"]} if "held_out_maj_at_n" in final else {}),
             "steps": rl.trainer.version,
             "rl_seconds": seconds,
             "samples_per_s": samples / seconds if seconds else 0.0,

@@ -54,10 +54,12 @@ def test_sampled_evaluations_change_nothing_the_run_trains_and_repeat_themselves
     summary = _run(first, *sampled)
     _run(second, *sampled)
     steps = runs.steps(first)
-    assert [{k: v for k, v in m.items() if k not in ("held_out_accuracy", "held_out_pass_at_n")} for m in steps] == runs.steps(plain)
+    assert [{k: v for k, v in m.items() if k not in ("held_out_accuracy", "held_out_pass_at_n", "held_out_maj_at_n")} for m in steps] == runs.steps(plain)
     assert runs.steps(second) == steps
     accuracies = [m["held_out_accuracy"] for m in steps if "held_out_accuracy" in m]
     passes = [m["held_out_pass_at_n"] for m in steps if "held_out_accuracy" in m]
     assert len(accuracies) == 2 and all(a * 16 == round(a * 16) for a in accuracies)  # 4 prompts x 4 answers
     assert all(p * 4 == round(p * 4) and p >= a for p, a in zip(passes, accuracies))  # pass@4 over 4 prompts, never below mean@4
     assert (summary["accuracy_after"], summary["pass_at_n_after"]) == (accuracies[-1], passes[-1])
+    majorities = [m["held_out_maj_at_n"] for m in steps if "held_out_accuracy" in m]  # the arithmetic verifier's answers are read: a vote per prompt
+    assert all(v * 4 == round(v * 4) and v <= p for v, p in zip(majorities, passes)) and summary["maj_at_n_after"] == majorities[-1]

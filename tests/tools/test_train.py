@@ -485,3 +485,17 @@ def test_sampled_evaluation_draws_from_the_cut_softmax_with_a_generator_of_its_o
     top1: list = []
     evaluate(model, tokenizer, items, lambda t, text: top1.append(t.tokens) or 0.0, max_new_tokens=3, sampling=EvalConfig(samples=2, temperature=1.0, top_k=1))
     assert top1 == [g for g in greedy for _ in range(2)]  # top_k=1 keeps only the argmax
+
+
+def test_maj_at_n_counts_the_answer_most_responses_closed_with():
+    """A prompt's vote: answers of responses that ended with an end token, the most frequent
+    winning (ties: the one given first); right when that answer's first response was scored right."""
+    from tidal.engines.rewards import answer_reader
+    from tidal.tools.train import _majority_right
+
+    assert _majority_right(["7", "8", "7", None], [True, False, True, False])
+    assert not _majority_right(["8", "7", "8", "7"], [False, True, False, True])  # a tie: "8" came first
+    assert not _majority_right([None, None], [True, True])  # no response ended: no vote
+    assert _majority_right(["7", "7", "8"], [False, True, False]) is False  # the winner's first response decides
+    assert answer_reader("arithmetic")(" 12 ") == "12" and answer_reader("my_rewards:score") is None
+    assert answer_reader("math")("so 3 + 4 = 7.\n#### 1,234") == "1234"
