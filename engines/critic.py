@@ -3,7 +3,9 @@ policy's transformer body with a linear value head, trained on each step's retur
 
 It starts from the policy's weights as the run's RL phase begins (verl and OpenRLHF start
 their critic from the actor's checkpoint too), with a value head of zeros, so the first
-values are 0 and the first advantages are the discounted rewards. It runs in the trainer's
+values are 0 and the first advantages are the discounted rewards; or from another model
+that reads the policy's tokens, a reward model say, whose score head becomes the value head
+(OpenRLHF's default: the critic starts from the reward model). It runs in the trainer's
 process, on its first device, one process (the `torch` train backend); the workflow asks it
 for each step's values before the policy trains, then trains it on that step's returns.
 
@@ -33,13 +35,14 @@ class ValueModel(torch.nn.Module):
     """A transformer body (a transformers `PreTrainedModel`'s `base_model`) and a linear head
     giving one value per token."""
 
-    def __init__(self, body: torch.nn.Module, hidden_size: int) -> None:
+    def __init__(self, body: torch.nn.Module, hidden_size: int, *, head: torch.nn.Linear | None = None) -> None:
         super().__init__()
         self.body = body
         with torch.random.fork_rng(devices=[]):  # its draws would move the run's generator, which a resumed run has just restored
             self.head = torch.nn.Linear(hidden_size, 1)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
+        with torch.no_grad():  # zeros, or a one-label classifier's head (a reward model's score)
+            self.head.weight.copy_(head.weight.float() if head is not None else torch.zeros_like(self.head.weight))
+            self.head.bias.copy_(head.bias.float() if head is not None and head.bias is not None else torch.zeros_like(self.head.bias))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=padded_positions(attention_mask), use_cache=False).last_hidden_state
@@ -50,7 +53,11 @@ class Critic:
     """A value model trained on returns (module docstring).
 
     Args:
-        policy: the policy as a transformers causal LM; its body is copied, not shared.
+        policy: the model the critic starts from, a transformers `PreTrainedModel`: the
+            policy (a causal LM), or another model that reads the policy's tokens (a reward
+            model); its body is copied, not shared.
+        head: a one-label linear head to start the value head from (a reward model's
+            `score`); None: zeros.
         lr: AdamW's learning rate.
         value_clip: how far a value may move from the one the advantages were computed with
             before its loss stops pulling it (PPO's value clipping); None: no clipping.
@@ -63,11 +70,11 @@ class Critic:
 
     def __init__(
         self, policy: Any, *, lr: float = 1e-5, value_clip: float | None = 0.5, micro_batch_size: int = 8, grad_clip: float = 1.0,
-        weight_decay: float = 0.01, precision: str = "fp32", platform: Platform | None = None,
+        weight_decay: float = 0.01, precision: str = "fp32", platform: Platform | None = None, head: torch.nn.Linear | None = None,
     ) -> None:  # fmt: skip
         self.platform = platform or current_platform()
         self.device, self.precision = self.platform.device(0), precision
-        self.model = ValueModel(copy.deepcopy(policy.base_model), policy.config.hidden_size).to(self.device).train()
+        self.model = ValueModel(copy.deepcopy(policy.base_model), policy.config.hidden_size, head=head).to(self.device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, **self.platform.optimizer_options())
         self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
 

@@ -277,6 +277,8 @@ class CriticConfig:
 
     BOUNDS: ClassVar[Bounds] = Bounds(at_least={"micro_batch_size": 1, "weight_decay": 0}, positive=("lr", "value_clip", "grad_clip"))
 
+    path: Optional[str] = None
+    """Local Hugging Face checkpoint directory the critic starts from instead of the policy: its transformer body, and for a one-label sequence-classification checkpoint (a reward model: OpenRLHF starts its critic from the reward model) its score head as the value head; it must read the policy's tokens (the same tokenizer vocabulary; model.source=hf). null = the policy, with a value head of zeros. A relative path is taken from where tidal run starts."""
     lr: float = 1e-5
     """AdamW's learning rate of the critic (verl's and OpenRLHF's default; a critic often learns faster than the policy)."""
     value_clip: Optional[float] = 0.5

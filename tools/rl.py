@@ -23,7 +23,7 @@ from tidal.engines.critic import Critic
 from tidal.engines.lr_schedule import LRSchedule
 from tidal.engines.models import DTYPES
 from tidal.engines.registry import load
-from tidal.engines.reward_model import RewardModel, conversation
+from tidal.engines.reward_model import RewardModel, conversation, not_a_reward_model
 from tidal.engines.reward_pool import RewardPool
 from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, FLOAT32_MAX, NO_VERIFIER, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
@@ -182,11 +182,28 @@ def make_score(cfg: RecipeConfig, tokenizer: Tokenizer, *, sharing: Any = None) 
 
 
 def build_critic(cfg: RecipeConfig, policy: torch.nn.Module, *, platform: Any) -> Critic:
-    """The value model of `algorithm.advantage=gae` (`critic.*`), from the policy's body as it is now."""
+    """The value model of `algorithm.advantage=gae` (`critic.*`): from the policy's body as it
+    is now, or from `critic.path` (a reward model's body and score head; `tools.run.check_critic_path`
+    checked it reads the policy's tokens).
+
+    Raises:
+        ConfigError: naming `critic.path` when it does not load.
+    """
     c = cfg.critic
+    start, head = policy, None
+    if c.path:
+        import transformers  # noqa: PLC0415
+
+        classifier = not_a_reward_model(Path(c.path)) is None
+        kind = transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
+        try:
+            start = kind.from_pretrained(c.path, dtype=DTYPES[cfg.model.dtype], trust_remote_code=cfg.model.trust_remote_code)
+            head = start.score if classifier else None
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"critic.path={c.path!r}: cannot load a model to start the critic from ({type(e).__name__}: {e})") from None
     return Critic(
-        policy, lr=c.lr, value_clip=c.value_clip, micro_batch_size=c.micro_batch_size or cfg.train.micro_batch_size, grad_clip=c.grad_clip,
-        weight_decay=c.weight_decay, precision=cfg.train.precision.value, platform=platform,
+        start, lr=c.lr, value_clip=c.value_clip, micro_batch_size=c.micro_batch_size or cfg.train.micro_batch_size, grad_clip=c.grad_clip,
+        weight_decay=c.weight_decay, precision=cfg.train.precision.value, platform=platform, head=head,
     )  # fmt: skip
 
 

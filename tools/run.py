@@ -164,6 +164,33 @@ def _check_the_model(cfg: RecipeConfig, checkpoint: Path, now: dict[str, Any]) -
         )
 
 
+def check_critic_path(cfg: RecipeConfig) -> None:
+    """`critic.path` is a checkpoint the critic can start from: a folder, with a model the
+    policy's tokens mean the same to (its tokenizer's vocabulary is the policy's), for a run
+    with a critic.
+
+    Raises:
+        ConfigError: naming `critic.path` and what is wrong.
+    """
+    from tidal.flow.algorithms import VALUE_BASED  # noqa: PLC0415
+
+    key = f"critic.path={cfg.critic.path!r}"
+    if cfg.algorithm.advantage not in VALUE_BASED:
+        raise ConfigError(f"{key} is read only with a critic (algorithm.advantage=gae); algorithm.advantage={cfg.algorithm.advantage}: unset critic.path")
+    if not Path(cfg.critic.path).is_dir():
+        raise ConfigError(f"{key} does not exist or is not a folder")
+    if cfg.model.source != "hf" or not cfg.model.path:
+        raise ConfigError(f"{key} must read the policy's tokens, and model.source={cfg.model.source} has no checkpoint tokenizer to compare: start the critic from the policy (unset critic.path)")
+    import transformers  # noqa: PLC0415
+
+    try:
+        vocabularies = [transformers.AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.model.trust_remote_code).get_vocab() for p in (cfg.model.path, cfg.critic.path)]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{key}: no readable tokenizer ({type(e).__name__}: {e})") from None
+    if vocabularies[0] != vocabularies[1]:
+        raise ConfigError(f"{key}: its tokenizer's vocabulary ({len(vocabularies[1])} tokens) is not the policy's ({len(vocabularies[0])}): the critic reads the policy's tokens, which would mean other words to it")
+
+
 def _as_the_resumed_run(cfg: RecipeConfig, key: str) -> str:
     """For a required key a `resume=` run lacks: the override that gives it the value the run
     it continues had ("" without `resume`, or when that run kept no readable config.yaml or
@@ -252,6 +279,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
         )
     if cfg.algorithm.advantage in VALUE_BASED and cfg.train.backend != "torch":  # so count is 1 too (above)
         raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy in one process, with train.backend=torch; train.backend={cfg.train.backend!r}: set train.backend=torch, or another advantage")
+    if cfg.critic.path:
+        check_critic_path(cfg)
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:
         holders = ", ".join(KL_REFERENCE[:-1]) + f" or {KL_REFERENCE[-1]}"
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend={holders} holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend={KL_REFERENCE[0]}")
@@ -421,7 +450,7 @@ where freeing space would not help."""
 
 PATH_KEYS = ("run_dir", "output_dir", "resume")
 """Keys naming folders: `prepare_run` makes them absolute."""
-INPUT_KEYS = ("model.path", "reward_model.path", "data.train_files", "data.eval_files")
+INPUT_KEYS = ("model.path", "reward_model.path", "critic.path", "data.train_files", "data.eval_files")
 """Keys naming the run's inputs (a folder, files or glob patterns): made absolute too."""
 
 

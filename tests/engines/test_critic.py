@@ -104,3 +104,21 @@ def test_gpu_critic_matches_the_cpu_one_and_resumes_from_a_cpu_state(six_rows):
     for critic in (cpu, resumed):
         critic.train_step(batch, returns, critic.values(batch))
     torch.testing.assert_close(resumed.values(batch), cpu.values(batch), rtol=1e-5, atol=1e-6)
+
+
+def test_a_critic_started_from_a_reward_model_values_each_token_as_its_score_head_does(six_rows, tmp_path):
+    """`critic.path` at a reward model: the critic's body and value head are its body and score
+    head, so the first values are the reward model's score at each token."""
+    import transformers
+
+    from tidal.engines.train_steps import padded_positions
+    from tidal.tools.bench.fixture import build_tiny_reward_model
+
+    batch, _ = six_rows
+    rm = transformers.AutoModelForSequenceClassification.from_pretrained(build_tiny_reward_model(tmp_path / "rm"))
+    critic = Critic(rm, head=rm.score, micro_batch_size=4)
+    with torch.no_grad():
+        hidden = rm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=padded_positions(batch.attention_mask)).last_hidden_state
+        want = rm.score(hidden)[:, :-1, 0] * batch.loss_mask.bool()
+    torch.testing.assert_close(critic.values(batch), want, atol=1e-5, rtol=0)
+    assert (want[batch.loss_mask.bool()] != 0).all() and critic.model.head.weight.data_ptr() != rm.score.weight.data_ptr()  # a copy

@@ -54,3 +54,29 @@ def test_a_critic_on_time_shared_devices_is_parked_and_the_run_is_the_one_alone(
     runs.assert_colocated_as_alone(tidal_cli, tmp_path, [*keys, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "tensorboard=false", "--no-progress"], env={})
     share = json.loads((tmp_path / "shared" / "summary.json").read_text())["timeshare"]
     assert share["seats"]["critic"]["parks"] >= 2 and share["seats"]["critic"]["parked_bytes"] > 0
+
+
+def test_critic_path_starts_the_critic_from_a_reward_model_that_reads_the_policys_tokens(tidal_cli, tmp_path, tiny_hf_dir, gsm8k_files, runs):
+    """OpenRLHF's way: the critic starts from the reward model. One whose tokenizer is the
+    policy's starts the critic (its first values are its scores, not zeros); one with another
+    vocabulary, a missing folder, or a run without a critic are refused before any work."""
+    from tidal.tools.bench.fixture import build_tiny_reward_model
+    from tidal.tools.run import check_critic_path
+
+    same = build_tiny_reward_model(tmp_path / "same", vocab_size=320, seed=0)  # the fixture policy's tokenizer: same corpus, size and seed
+    other = build_tiny_reward_model(tmp_path / "other")
+    base = ["algorithm.advantage=gae", "algorithm.group_size=1", f"model.path={tiny_hf_dir}", f"data.train_files=[{gsm8k_files['train_jsonl']}]"]
+    for overrides, message in (
+        ([f"critic.path={other}"], r"its tokenizer's vocabulary \(\d+ tokens\) is not the policy's"),
+        ([f"critic.path={tmp_path / 'nowhere'}"], "does not exist or is not a folder"),
+        ([f"critic.path={same}", "algorithm.advantage=grpo", "algorithm.group_size=2"], "is read only with a critic"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_critic_path(load_config(resolve_recipe("gsm8k_qwen"), [*base, *overrides]))
+    small = ["device=cpu", "threads=1", "tensorboard=false", "rollout.max_new_tokens=4", "algorithm.num_steps=2", "algorithm.prompts_per_step=8", "train.precision=fp32", "model.gradient_checkpointing=false", "--no-progress"]
+    firsts = []
+    for name, extra in (("policy", []), ("from_rm", [f"critic.path={same}"])):
+        out = tidal_cli("run", "gsm8k_qwen", f"run_dir={tmp_path / name}", *base, *small, *extra, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        firsts.append(runs.steps(tmp_path / name)[0]["values_mean"])
+    assert firsts[0] == 0.0 and firsts[1] != 0.0  # a zero head, then the reward model's scores
