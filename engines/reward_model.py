@@ -99,7 +99,7 @@ class RewardModel:
     def text(self, messages: Sequence[Mapping[str, str]], response: str) -> str:
         """What the reward model reads for `response` to the conversation `messages`."""
         if self.templated:
-            return self.tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": response}], tokenize=False)
+            return str(self.tokenizer.apply_chat_template([*(dict(m) for m in messages), {"role": "assistant", "content": response}], tokenize=False))
         return "".join(str(m["content"]) for m in messages) + response
 
     @torch.no_grad()
