@@ -216,7 +216,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
             registered reward nor importable `module:function` (nor none with a
             `reward_model.path`); when `algorithm.advantage=gae` with a train backend other
-            than torch; when `reward_model.path` is no folder or no reward model's
+            than torch, or a `critic.path` it cannot start from (`check_critic_path`); when
+            `reward_model.path` is no folder or no reward model's
             (`engines.reward_model.not_a_reward_model`); when a data file is missing
             or of no readable kind (`engines.data.expand_files`); when the trainer would be the
             guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
