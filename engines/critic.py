@@ -12,7 +12,8 @@ for each step's values before the policy trains, then trains it on that step's r
 Its values sit where the policy's logprobs do (`TokenBatch`: column t is the choice of token
 t + 1 after reading 0..t): the value at t is the head applied to the body's hidden state of
 token t. The loss is `flow.algorithms.gae.value_loss` averaged over the step's loss tokens,
-in micro-batches of `micro_batch_size` rows, then one AdamW step with the gradient's norm
+in micro-batches of `micro_batch_size` rows each cut to its longest row (as the train
+engines cut theirs), then one AdamW step with the gradient's norm
 clipped to `grad_clip`.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines.micro_batches import pack, row_lengths
 from tidal.engines.train_steps import evaluating, own_settings, padded_positions
 from tidal.flow.algorithms.gae import explained_variance, value_loss
 from tidal.flow.trajectory import TokenBatch
@@ -78,21 +80,27 @@ class Critic:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, **self.platform.optimizer_options())
         self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
 
-    def _chunks(self, batch: TokenBatch) -> Iterator[slice]:
-        for start in range(0, len(batch), self.micro_batch_size):
-            yield slice(start, start + self.micro_batch_size)
+    def _chunks(self, batch: TokenBatch) -> Iterator[tuple[slice, slice]]:
+        """Micro-batches as the train engines cut them (`micro_batches.pack`): (rows, the
+        `[.., seq - 1]` columns up to their longest row's last real token)."""
+        lengths = row_lengths(batch)
+        for rows in pack(lengths.tolist(), max_rows=self.micro_batch_size):
+            yield rows, slice(0, max(int(lengths[rows].max()) - 1, 0))
 
-    def _values(self, batch: TokenBatch, rows: slice) -> torch.Tensor:
-        ids, attention = batch.input_ids[rows].to(self.device), batch.attention_mask[rows].to(self.device)
+    def _values(self, batch: TokenBatch, rows: slice, columns: slice) -> torch.Tensor:
+        width = columns.stop + 1
+        ids, attention = batch.input_ids[rows, :width].to(self.device), batch.attention_mask[rows, :width].to(self.device)
         with self.platform.autocast(self.precision):
-            return self.model(ids, attention)[:, :-1]
+            return self.model(ids, attention)[:, :-1].float()
 
     @torch.no_grad()
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """`[batch, seq - 1]` float32 values on the host, 0 outside the loss tokens."""
+        out = torch.zeros(batch.loss_mask.shape)
         with evaluating(self.model):
-            parts = [self._values(batch, rows).float().cpu() for rows in self._chunks(batch)]
-        return torch.cat(parts) * batch.loss_mask.bool()
+            for rows, columns in self._chunks(batch):
+                out[rows, columns] = self._values(batch, rows, columns).cpu()
+        return out * batch.loss_mask.bool()
 
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step on the value loss of `batch` toward `returns` (`[batch, seq - 1]`,
@@ -101,11 +109,12 @@ class Critic:
         num_tokens = int(mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
         total, clipped = 0.0, 0
-        for rows in self._chunks(batch):
+        for rows, columns in self._chunks(batch):
             if not mask[rows].any():
                 continue
-            predicted = self._values(batch, rows).float()
-            loss, num_clipped = value_loss(predicted, old_values[rows].to(self.device), returns[rows].to(self.device), mask[rows].to(self.device), clip=self.value_clip)
+            predicted = self._values(batch, rows, columns)
+            cut = (rows, columns)  # what lies beyond holds no loss token
+            loss, num_clipped = value_loss(predicted, old_values[cut].to(self.device), returns[cut].to(self.device), mask[cut].to(self.device), clip=self.value_clip)
             (loss / max(num_tokens, 1)).backward()
             total += float(loss.detach())
             clipped += int(num_clipped)

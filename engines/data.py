@@ -7,8 +7,8 @@ A data source turns the rows of a few local files (GSM8K's `{"question": ..., "a
 
 `prompt_ids` are what the model reads (the chat template applied, or the raw text
 tokenized) and `prompt` is their text (the rendered template, or the raw text); `messages`
-(with the chat template only) is the conversation the template rendered, which a reward
-model renders in its own template; `answer` is the reference the reward checks
+(with the chat template, asked for with `keep_messages`) is the conversation the template
+rendered, which a reward model renders in its own template; `answer` is the reference the reward checks
 (`trajectory.meta["answer"]`), `meta` says where the row came from. This is the shape
 `tools/train.py`'s task prompts have (`{"prompt", "answer", "prompt_ids"}`), so either
 feeds the same workflow.
@@ -300,9 +300,12 @@ class PromptSet:
     dataset costs little memory: two integers per prompt.
     """
 
-    def __init__(self, *, tables: list[Any], files: list[Path], file_index: np.ndarray, rows: np.ndarray, config: DataConfig, tokenizer: Tokenizer, num_dropped: int) -> None:
+    def __init__(self, *, tables: list[Any], files: list[Path], file_index: np.ndarray, rows: np.ndarray, config: DataConfig, tokenizer: Tokenizer, num_dropped: int, keep_messages: bool = False) -> None:
         self._tables, self.files, self._file_index, self._rows = tables, files, file_index, rows
         self.config, self.tokenizer = config, tokenizer
+        self.keep_messages = keep_messages and config.chat_template
+        """Items carry the conversation the template rendered (`messages`): for a reader with a
+        template of its own, a reward model. Off, every sample row is lighter by it."""
         self.num_dropped = num_dropped
         """Prompts left out for being longer than `config.max_prompt_tokens`."""
 
@@ -316,7 +319,7 @@ class PromptSet:
         ids = encode_prompt(prompt, self.tokenizer, self.config)
         # the text that encodes to `ids`, as task prompts have it: the rendered template, or the raw prompt
         item: dict[str, Any] = {"prompt": self.tokenizer.decode(ids, skip_special=False) if self.config.chat_template else prompt, "prompt_ids": ids}
-        if self.config.chat_template:  # the conversation itself, for a reader with a template of its own (a reward model)
+        if self.keep_messages:
             item["messages"] = messages_of(prompt, system_prompt=self.config.system_prompt)
         if self.config.answer_key is not None:
             item["answer"] = field(record, self.config.answer_key)
@@ -341,7 +344,8 @@ PROGRESS_EVERY = 2048
 
 
 def load_prompts(
-    files: Sequence[str], tokenizer: Tokenizer, *, config: DataConfig, key: str = "data.train_files", cache_dir: str | None = None, on_progress: Callable[[int, int], None] | None = None
+    files: Sequence[str], tokenizer: Tokenizer, *, config: DataConfig, key: str = "data.train_files", cache_dir: str | None = None, on_progress: Callable[[int, int], None] | None = None,
+    keep_messages: bool = False,
 ) -> PromptSet:
     """Read `files` and keep the prompts that fit `config.max_prompt_tokens`.
 
@@ -354,6 +358,7 @@ def load_prompts(
         on_progress: called with (rows checked, rows in all files) once the files are read,
             every `PROGRESS_EVERY` rows while each prompt is rendered and tokenized to measure
             it (the long part: about 0.1-0.2 ms a prompt), and at the end.
+        keep_messages: items carry `messages` too (with the chat template; `PromptSet`).
 
     Raises:
         DataError: a bad setting or file (see `check_config`, `expand_files`, `read_table`),
@@ -395,7 +400,7 @@ def load_prompts(
         log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d tokens (the longest: %d)", key, num_dropped, num_dropped + len(rows), config.max_prompt_tokens, longest)
     return PromptSet(
         tables=tables, files=paths, file_index=np.asarray(file_index, dtype=np.int32), rows=np.asarray(rows, dtype=np.int64),
-        config=config, tokenizer=tokenizer, num_dropped=num_dropped,
+        config=config, tokenizer=tokenizer, num_dropped=num_dropped, keep_messages=keep_messages,
     )
 
 

@@ -19,14 +19,11 @@ tokenizer's, or its end token when it has none).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def conversation(meta: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -55,6 +52,17 @@ def not_a_reward_model(folder: Path) -> str | None:
     return None
 
 
+def refusal(path: str | Path) -> str | None:
+    """Why `reward_model.path=path` cannot be loaded as a reward model, naming the key (no
+    folder, or `not_a_reward_model`); None when it can. What `tidal run` checks before any
+    work and `RewardModel` before it loads."""
+    where = f"reward_model.path={str(path)!r}"
+    if not Path(path).is_dir():
+        return f"{where} does not exist or is not a folder"
+    why = not_a_reward_model(Path(path))
+    return None if why is None else f"{where}: {why}"
+
+
 class RewardModel:
     """A sequence-classification reward model on one device, scoring in batches.
 
@@ -75,12 +83,10 @@ class RewardModel:
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, batch_size: int = 8, max_length: int = 2048, trust_remote_code: bool = False) -> None:
         import transformers  # noqa: PLC0415
 
+        if (why := refusal(path)) is not None:
+            raise ValueError(why)
         folder, where = Path(path), f"reward_model.path={str(path)!r}"
-        if not folder.is_dir():
-            raise ValueError(f"{where} does not exist or is not a folder")
         transformers.utils.logging.disable_progress_bar()
-        if (why := not_a_reward_model(folder)) is not None:
-            raise ValueError(f"{where}: {why}")
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
             model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)

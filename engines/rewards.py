@@ -111,17 +111,16 @@ def stripped(text: str) -> str | None:
     return text.strip() or None
 
 
-ANSWERS = {"exact_match": "tidal.engines.rewards:stripped", "arithmetic": "tidal.engines.rewards:stripped", "countdown": "tidal.engines.rewards:stripped", **dict.fromkeys(MODULE_REWARDS, "tidal.engines.math_rewards:final_answer")}
-"""For each registered reward, the function that reads the answer a response gives (what
-majority voting counts: `held_out_maj_at_n`); a user's `module:function` reward has none."""
-
-
 def answer_reader(spec: str) -> Callable[[str], str | None] | None:
-    """The registered reward `spec`'s answer reader (`ANSWERS`), imported; None for another reward."""
-    if spec not in ANSWERS:
-        return None
-    module_name, _, attr = ANSWERS[spec].partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    """The function that reads the answer a response to registered reward `spec` gives (what
+    majority voting counts: `held_out_maj_at_n`): the response itself for the strict
+    verifiers (`REWARDS`), math-verify's final answer for the math ones (imported now); None
+    for a user's `module:function` reward."""
+    if spec in REWARDS:
+        return stripped
+    if spec in MODULE_REWARDS:
+        return importlib.import_module("tidal.engines.math_rewards").final_answer
+    return None
 
 
 def resolve_reward(spec: str) -> RewardFn:

@@ -218,7 +218,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             `reward_model.path`); when `algorithm.advantage=gae` with a train backend other
             than torch, or a `critic.path` it cannot start from (`check_critic_path`); when
             `reward_model.path` is no folder or no reward model's
-            (`engines.reward_model.not_a_reward_model`); when a data file is missing
+            (`engines.reward_model.refusal`); when a data file is missing
             or of no readable kind (`engines.data.expand_files`); when the trainer would be the
             guest (`placement.train.colocate_with`, `placement.rollout.lend_to`: only rollout
             time-shares the trainer's devices), or would time-share them with a train backend
@@ -230,7 +230,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
     """
     from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
     from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
-    from tidal.engines.reward_model import not_a_reward_model  # noqa: PLC0415
+    from tidal.engines.reward_model import refusal as reward_model_refusal  # noqa: PLC0415
     from tidal.engines.rewards import NO_VERIFIER, resolve_reward  # noqa: PLC0415
     from tidal.flow.algorithms import VALUE_BASED  # noqa: PLC0415
 
@@ -254,11 +254,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
         raise ConfigError("data.train_files needs task.reward: the reward that checks the answers of the files' prompts (e.g. math), or none with a reward model (reward_model.path)")
     if cfg.task.reward == NO_VERIFIER and not cfg.reward_model.path:
         raise ConfigError(f"task.reward={NO_VERIFIER} leaves nothing to score the answers: set reward_model.path (a reward model's score is then the reward), or name a reward")
-    if cfg.reward_model.path:  # its config.json now, not after the run directory and the warm start
-        if not Path(cfg.reward_model.path).is_dir():
-            raise ConfigError(f"reward_model.path={cfg.reward_model.path!r} does not exist or is not a folder")
-        if (why := not_a_reward_model(Path(cfg.reward_model.path))) is not None:
-            raise ConfigError(f"reward_model.path={cfg.reward_model.path!r}: {why}")
+    if cfg.reward_model.path and (why := reward_model_refusal(cfg.reward_model.path)) is not None:  # its config.json now, not after the run directory and the warm start
+        raise ConfigError(why)
     if cfg.data.train_files and cfg.sft.steps and cfg.data.answer_key is None:
         raise ConfigError(f"sft.steps={cfg.sft.steps}: a warm start trains on the reference answers, and data.answer_key is null: set sft.steps=0")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):  # found and of a readable kind now, not after the run directory is made

@@ -101,7 +101,7 @@ class HeldOut:
     pass_at_n: float | None = None
     """With `eval.samples` > 1: the share of prompts with at least one such answer (pass@N); else None."""
     maj_at_n: float | None = None
-    """With `eval.samples` > 1 and a reward whose answers can be read (`engines.rewards.ANSWERS`):
+    """With `eval.samples` > 1 and a reward whose answers can be read (`engines.rewards.answer_reader`):
     the share of prompts whose most frequent answer is right (maj@N); else None."""
 
     def metrics(self) -> dict[str, float]:

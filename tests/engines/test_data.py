@@ -30,9 +30,9 @@ def cache_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def load(tokenizer, cache_dir):
-    def load_(files, **settings):
+    def load_(files, keep_messages=True, **settings):
         config = DataConfig(**{"max_prompt_tokens": 10_000, **settings})
-        return load_prompts([str(f) for f in files], tokenizer, config=config, cache_dir=cache_dir)
+        return load_prompts([str(f) for f in files], tokenizer, config=config, cache_dir=cache_dir, keep_messages=keep_messages)
 
     return load_
 
@@ -55,6 +55,11 @@ def test_reads_jsonl_and_parquet_in_file_order_with_the_chat_template(load, toke
         assert item["answer"] == row["answer"]
         assert item["prompt_ids"] == tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}])
         assert item["prompt"] == f"<|im_start|>user\n{row['question']}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_items_carry_the_conversation_only_when_asked(load, gsm8k_files):
+    """`messages` is for a reward model; without one each sample row is lighter by it."""
+    assert "messages" not in load([gsm8k_files["eval_jsonl"]], keep_messages=False)[0]
 
 
 def test_a_system_prompt_comes_first(load, gsm8k_files):
