@@ -5,9 +5,11 @@ It starts from the policy's weights as the run's RL phase begins (verl and OpenR
 their critic from the actor's checkpoint too), with a value head of zeros, so the first
 values are 0 and the first advantages are the discounted rewards; or from another model
 that reads the policy's tokens, a reward model say, whose score head becomes the value head
-(OpenRLHF's default: the critic starts from the reward model). It runs in the trainer's
-process, on its first device, one process (the `torch` train backend); the workflow asks it
-for each step's values before the policy trains, then trains it on that step's returns.
+(OpenRLHF's default: the critic starts from the reward model). `Critic` runs in the
+trainer's process, on its first device (the `torch` train backend; `engines.fsdp_critic` is
+this critic sharded over the ranks of the `fsdp` backend, from this module's pieces); the
+workflow asks it for each step's values before the policy trains, then trains it on that
+step's returns.
 
 Its values sit where the policy's logprobs do (`TokenBatch`: column t is the choice of token
 t + 1 after reading 0..t): the value at t is the head applied to the body's hidden state of
@@ -40,6 +42,7 @@ class ValueModel(torch.nn.Module):
     def __init__(self, body: torch.nn.Module, hidden_size: int, *, head: torch.nn.Linear | None = None) -> None:
         super().__init__()
         self.body = body
+        self._no_split_modules = list(getattr(body, "_no_split_modules", None) or ())  # its decoder layers: what FSDP shards one by one (`fsdp_setup.shard`)
         with torch.random.fork_rng(devices=[]):  # its draws would move the run's generator, which a resumed run has just restored
             self.head = torch.nn.Linear(hidden_size, 1)
         with torch.no_grad():  # zeros, or a one-label classifier's head (a reward model's score)
@@ -80,27 +83,17 @@ class Critic:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, **self.platform.optimizer_options())
         self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
 
-    def _chunks(self, batch: TokenBatch) -> Iterator[tuple[slice, slice]]:
-        """Micro-batches as the train engines cut them (`micro_batches.pack`): (rows, the
-        `[.., seq - 1]` columns up to their longest row's last real token)."""
-        lengths = row_lengths(batch)
-        for rows in pack(lengths.tolist(), max_rows=self.micro_batch_size):
-            yield rows, slice(0, max(int(lengths[rows].max()) - 1, 0))
-
-    def _values(self, batch: TokenBatch, rows: slice, columns: slice) -> torch.Tensor:
-        width = columns.stop + 1
-        ids, attention = batch.input_ids[rows, :width].to(self.device), batch.attention_mask[rows, :width].to(self.device)
-        with self.platform.autocast(self.precision):
-            return self.model(ids, attention)[:, :-1].float()
-
     @torch.no_grad()
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """`[batch, seq - 1]` float32 values on the host, 0 outside the loss tokens."""
         out = torch.zeros(batch.loss_mask.shape)
         with evaluating(self.model):
-            for rows, columns in self._chunks(batch):
+            for rows, columns in chunks(batch, self.micro_batch_size):
                 out[rows, columns] = self._values(batch, rows, columns).cpu()
         return out * batch.loss_mask.bool()
+
+    def _values(self, batch: TokenBatch, rows: slice, columns: slice) -> torch.Tensor:
+        return value_pass(self.model, batch, rows, columns, device=self.device, autocast=self.platform.autocast(self.precision))
 
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step on the value loss of `batch` toward `returns` (`[batch, seq - 1]`,
@@ -109,12 +102,10 @@ class Critic:
         num_tokens = int(mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
         total, clipped = 0.0, 0
-        for rows, columns in self._chunks(batch):
+        for rows, columns in chunks(batch, self.micro_batch_size):
             if not mask[rows].any():
                 continue
-            predicted = self._values(batch, rows, columns)
-            cut = (rows, columns)  # what lies beyond holds no loss token
-            loss, num_clipped = value_loss(predicted, old_values[cut].to(self.device), returns[cut].to(self.device), mask[cut].to(self.device), clip=self.value_clip)
+            loss, num_clipped = micro_value_loss(self._values(batch, rows, columns), (rows, columns), returns=returns, old_values=old_values, mask=mask, clip=self.value_clip)
             (loss / max(num_tokens, 1)).backward()
             total += float(loss.detach())
             clipped += int(num_clipped)
@@ -122,14 +113,7 @@ class Critic:
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {
-            "value_loss": total / max(num_tokens, 1),
-            "value_clipfrac": clipped / max(num_tokens, 1),
-            "value_grad_norm": grad_norm,
-            "values_mean": float(old_values[mask].mean()) if num_tokens else 0.0,
-            "returns_mean": float(returns[mask].mean()) if num_tokens else 0.0,
-            "explained_variance": explained_variance(old_values, returns, mask),
-        }
+        return step_metrics(total=total, clipped=clipped, grad_norm=grad_norm, returns=returns, old_values=old_values, mask=mask)
 
     def state_dict(self) -> dict[str, Any]:
         """The value model's weights and AdamW's state (host tensors: what a checkpoint saves)."""
@@ -142,3 +126,41 @@ class Critic:
         with own_settings(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
 
+
+
+def chunks(batch: TokenBatch, max_rows: int) -> Iterator[tuple[slice, slice]]:
+    """A critic's micro-batches, cut as the train engines cut theirs (`micro_batches.pack`):
+    (rows, the `[.., seq - 1]` columns up to their longest row's last real token)."""
+    lengths = row_lengths(batch)
+    for rows in pack(lengths.tolist(), max_rows=max_rows):
+        yield rows, slice(0, max(int(lengths[rows].max()) - 1, 0))
+
+
+def value_pass(model: torch.nn.Module, batch: TokenBatch, rows: slice, columns: slice, *, device: torch.device, autocast: Any) -> torch.Tensor:
+    """The values of `batch[rows]` at `columns` (`chunks`), float32 on `device`: one forward pass under `autocast`."""
+    width = columns.stop + 1
+    ids, attention = batch.input_ids[rows, :width].to(device), batch.attention_mask[rows, :width].to(device)
+    with autocast:
+        return model(ids, attention)[:, :-1].float()
+
+
+def micro_value_loss(predicted: torch.Tensor, cut: tuple[slice, slice], *, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`value_loss` summed over the loss tokens of one micro-batch (`cut`: its rows and columns
+    of the step's `returns`, `old_values` and loss `mask`), and how many it clipped."""
+    device = predicted.device
+    return value_loss(predicted, old_values[cut].to(device), returns[cut].to(device), mask[cut].to(device), clip=clip)
+
+
+def step_metrics(*, total: float, clipped: int, grad_norm: float, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """A critic step's metrics: `total` value loss and `clipped` tokens (summed over the step's
+    loss tokens), the gradient's norm, and the step's values, returns and how much of the
+    returns' variance the values explained."""
+    num_tokens = int(mask.sum())
+    return {
+        "value_loss": total / max(num_tokens, 1),
+        "value_clipfrac": clipped / max(num_tokens, 1),
+        "value_grad_norm": grad_norm,
+        "values_mean": float(old_values[mask].mean()) if num_tokens else 0.0,
+        "returns_mean": float(returns[mask].mean()) if num_tokens else 0.0,
+        "explained_variance": explained_variance(old_values, returns, mask),
+    }

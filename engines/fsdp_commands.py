@@ -20,6 +20,10 @@ from tidal.engines.micro_batches import rank_shares
 _HOST = torch.device("cpu")
 
 
+CRITIC = "critic"
+"""A command's `engine` when it is for the group's critic (`engines.fsdp_critic`), not its policy engine."""
+
+
 def send_command(op: str, **args: Any) -> None:
     """Rank 0: tell the followers what to do next (a small pickled dict over the default group)."""
     dist.broadcast_object_list([{"op": op, **args}], src=0, device=_HOST)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from tidal.engines.fsdp_commands import build_from_recipe, receive_command, send_command
+from tidal.engines.fsdp_commands import CRITIC, build_from_recipe, receive_command, send_command
 from tidal.engines.fsdp_commands import model_recipe as model_recipe  # re-exported: the engines that lead import it from here
 
 if TYPE_CHECKING:
@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, int]:
     """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
 
-    Builds an engine whenever rank 0 builds one and makes the collective calls of each of
-    its method calls. Returns what this rank did: engines built, optimizer steps, rows,
-    passes over the weights (`exports`: one per pass rank 0 started, complete or not).
+    Builds an engine whenever rank 0 builds one (its critic too, `engines.fsdp_critic`) and
+    makes the collective calls of each of its method calls. Returns what this rank did: engines built, optimizer steps, rows,
+    passes over the weights (`exports`: one per pass rank 0 started, complete or not), and
+    its critic's optimizer steps (`critic_steps`, where the backend holds a critic).
 
     `share`: this rank time-shares its devices (a colocated rollout guest on them).
     `share(engine)` seats each engine this builds and returns its seat (`turn()`, a
@@ -40,46 +41,59 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
     then saves a checkpoint of that state, whose collectives need this rank, before it
     gives up the group (which ends this).
     """
+    from tidal.engines.fsdp_critic import FSDPCritic  # noqa: PLC0415
     from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
 
-    return follow_engines(FSDPTrainEngine, share)
+    return follow_engines(FSDPTrainEngine, share, critic_cls=FSDPCritic)
 
 
-def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None) -> dict[str, int]:
+def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None, *, critic_cls: Any = None) -> dict[str, int]:
     """`follow()` for a led group whose engines are `engine_cls` (built as
     `engine_cls(model, rank0_leads=True, **options)`, each command run by its
-    `follow_command`): the loop every multi-rank backend's followers share."""
+    `follow_command`): the loop every multi-rank backend's followers share. `critic_cls`: the
+    class of the group's critic (`algorithm.advantage=gae`), built and called likewise for
+    the commands marked `engine=CRITIC`, beside the policy engine and seated apart from it."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
-    engine: Any = None
-    seat: Any = None
-    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0}
+    built: dict[str, Any] = {}  # "policy" and CRITIC: the engine, and its seat
+    seats: dict[str, Any] = {}
+    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0, **({"critic_steps": 0} if critic_cls is not None else {})}
     try:
         while True:
             command = receive_command()
             if command["op"] == "stop":
                 return done
+            role = command.get("engine", "policy")
             if command["op"] == "init":
-                if seat is not None:
-                    seat.close()
-                engine = seat = None  # the previous engine's shards go before the next one's arrive
-                engine = engine_cls(build_from_recipe(command["model"]), rank0_leads=True, **command["options"])
-                seat = share(engine) if share is not None else None
-                done["engines"] += 1
+                if seats.get(role) is not None:
+                    seats.pop(role).close()
+                built.pop(role, None)
+                engine = None  # the previous engine's shards go before the next one's arrive
+                cls = critic_cls if role == CRITIC else engine_cls
+                if cls is None:
+                    raise RuntimeError(f"rank 0 built a {role} this backend's followers cannot build")
+                built[role] = engine = cls(build_from_recipe(command["model"]), rank0_leads=True, **command["options"])
+                seats[role] = share(engine) if share is not None else None
+                done["engines"] += role != CRITIC
                 continue
+            engine = built.get(role)
             if engine is None:
-                raise RuntimeError(f"rank 0 sent {command['op']!r} before building an engine")
-            with seat.turn() if seat is not None else contextlib.nullcontext():
+                raise RuntimeError(f"rank 0 sent {command['op']!r} to its {role} before building one")
+            with seats[role].turn() if seats[role] is not None else contextlib.nullcontext():
                 try:
                     engine.follow_command(command)
                 except FloatingPointError:  # every rank raised it at this step, nothing stepped: rank 0's
                     continue  # checkpoint of that state (`tools.train`) still needs this rank's collectives
+            if role == CRITIC:
+                done["critic_steps"] += command["op"] == "train_step"
+                continue
             done["steps"] += command["op"] in ("train_step", "sft_step")
             done["exports"] += command["op"] == "named_weights"
             done["rows"] += command["rows"][engine.rank] if command["op"] in ("train_step", "sft_step") else 0
     finally:
-        if seat is not None:
-            seat.close()
+        for seat in seats.values():
+            if seat is not None:
+                seat.close()
 
 
 def stop_followers() -> None:

@@ -34,6 +34,14 @@ def ensure_process_group(platform: Platform) -> None:
     platform.init_process_group(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
+def rank_device(platform: Platform) -> torch.device:
+    """This rank's device (its `LOCAL_RANK` where the platform shows it several), made current."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = platform.device(local_rank if platform.device_count() > 1 else 0)
+    platform.set_device(device)
+    return device
+
+
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules to shard one by one: the model's `_no_split_modules` classes (HF decoder layers)."""
     names = set(getattr(model, "_no_split_modules", None) or ())

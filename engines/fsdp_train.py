@@ -81,30 +81,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tidal.engines import lora as lora_
 from tidal.engines import rank_steps
-from tidal.engines.fsdp_checkpoint import load_sharded, save_sharded
+from tidal.engines.fsdp_checkpoint import FROM_RANK0, full_state, load_full_state, load_sharded, save_sharded
 from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
 from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
-from tidal.engines.fsdp_setup import ensure_process_group, reset_sharded_params, reshard, shard
+from tidal.engines.fsdp_setup import ensure_process_group, rank_device, reset_sharded_params, reshard, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
@@ -116,7 +109,6 @@ from tidal.engines.train_steps import (
     average_metrics,
     check_settings,
     evaluating,
-    own_settings,
     padded_positions,
     padded_token_stats,
 )
@@ -124,9 +116,6 @@ from tidal.flow.algorithms import PolicyLossConfig
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
 from tidal.hal.transfer import LazyWeights, TensorSpec
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 class FSDPTrainEngine:
@@ -190,9 +179,7 @@ class FSDPTrainEngine:
         if self.lora is not None:
             lora_.add_adapters(model, self.lora)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = self.platform.device(local_rank if self.platform.device_count() > 1 else 0)
-        self.platform.set_device(self.device)
+        self.device = rank_device(self.platform)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_reference and self.lora is None else None
         """A frozen copy of the weights the engine was built with (rank 0's, when led), the
         reference policy of a loss with `kl_coef > 0` (`kl_reference=True`), sharded as the
@@ -208,7 +195,7 @@ class FSDPTrainEngine:
         if self.led:
             for module in (self.model, self.reference):
                 if module is not None:
-                    set_model_state_dict(module, dict(weights), options=_FROM_RANK0)  # the followers built theirs from random weights; a dict of its own: the call puts the shards in it
+                    set_model_state_dict(module, dict(weights), options=FROM_RANK0)  # the followers built theirs from random weights; a dict of its own: the call puts the shards in it
         del weights
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, **self.platform.optimizer_options())
         self.scheduler = lr_scheduler(self.optimizer, lr_schedule)  # stepped once per train_step on every rank
@@ -430,11 +417,6 @@ class FSDPTrainEngine:
         for name, tensor in self.model.state_dict().items():
             yield name, _gathered(tensor)
 
-    def _fqns(self) -> list[str]:
-        """The name of each optimizer parameter, in the optimizer's order (torch's integer ids)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and version (and the KL reference, where the engine holds one), un-sharded on CPU, in `TorchTrainEngine.state_dict`'s format.
 
@@ -446,25 +428,11 @@ class FSDPTrainEngine:
         return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
-        reference = {} if self.reference is None else {"reference": self._unshared(get_model_state_dict(self.reference, options=_FULL))}  # gathered: a collective
-        if not self.optimizer.state:  # nothing to gather; asking would create zero moments
-            model, optimizer = self._unshared(get_model_state_dict(self.model, options=_FULL)), self.optimizer.state_dict()
-        else:
-            full, optim = get_state_dict(self.model, self.optimizer, options=_FULL)
-            index = {name: i for i, name in enumerate(self._fqns())}
-            groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim.get("param_groups", [])]
-            model, optimizer = self._unshared(full), {"state": {index[n]: self._unshared(s) for n, s in optim.get("state", {}).items()}, "param_groups": groups}
-        state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **reference}
+        model, optimizer, reference = full_state(self.model, self.optimizer, frozen=self.reference)
+        state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version, **({} if reference is None else {"reference": reference})}
         if self.lora is not None:  # rank 0's full state, in the torch engine's LoRA format (other ranks': empty)
             state.update(lora_.state_entries(self.model, model, self.lora))
         return state
-
-    def _unshared(self, state: dict[str, Any]) -> dict[str, Any]:
-        """`state` with copies of the tensors that are live engine state (on CPU, "offloading" returns
-        the optimizer's `step` itself), so the result is a snapshot, not a view that later steps change."""
-        live = [self.model.state_dict().values(), *(s.values() for s in self.optimizer.state.values()), *([self.reference.state_dict().values()] if self.reference is not None else [])]
-        pointers = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for group in live for t in group if torch.is_tensor(t)}
-        return {k: v.clone() if torch.is_tensor(v) and v.untyped_storage().data_ptr() in pointers else v for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full state (`state_dict()` of either engine): rank 0's copy is broadcast.
@@ -477,28 +445,18 @@ class FSDPTrainEngine:
         reference = state.get("reference") if self.reference is not None else None  # else the reference stays the weights the engine was built with
         if self._leading:
             send_command("load_state_dict", has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None)
-        names = self._fqns()
-        optim = {
-            "state": {names[int(i)]: s for i, s in saved["state"].items()},
-            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
-        }
-        self._load_state_dict(dict(model), optim, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None, reference=reference)
+        self._load_state_dict(dict(model), saved, has_optimizer_state=bool(saved["state"]), version=int(state["version"]), lr_scheduler=position, has_reference=reference is not None, reference=reference)
 
     def _load_state_dict(
         self, model: dict[str, Any], optim: dict[str, Any], *, has_optimizer_state: bool, version: int, lr_scheduler: dict[str, Any], has_reference: bool = False, reference: dict[str, Any] | None = None
     ) -> None:
-        """Set the model (and optimizer) state from rank 0's full `model` / `optim` (empty on
-        other ranks), and with `has_reference` the reference from rank 0's full `reference`.
-        The optimizer keeps this engine's settings (`own_settings`)."""
+        """Set the model (and optimizer) state from rank 0's full `model` / `optim` (torch's
+        format; empty on other ranks), and with `has_reference` the reference from rank 0's
+        full `reference` (`fsdp_checkpoint.load_full_state`)."""
         if has_reference:
             assert self.reference is not None
-            set_model_state_dict(self.reference, (reference or {}) if self.rank == 0 else {}, options=_FROM_RANK0)
-        set_model_state_dict(self.model, model if self.rank == 0 else {}, options=_FROM_RANK0)  # it fills `model` with the shards
-        if has_optimizer_state:
-            with own_settings(self.optimizer):
-                set_optimizer_state_dict(self.model, self.optimizer, optim if self.rank == 0 else {}, options=_FROM_RANK0)
-        else:
-            self.optimizer.state.clear()
+            set_model_state_dict(self.reference, (reference or {}) if self.rank == 0 else {}, options=FROM_RANK0)
+        load_full_state(self.model, self.optimizer, model, optim if has_optimizer_state else None, rank=self.rank)
         load_position(self.scheduler, lr_scheduler)
         self.version = version
 

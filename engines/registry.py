@@ -30,6 +30,10 @@ KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 the ones a loss with `algorithm.kl_coef > 0` can use."""
 LORA = ("torch", "fsdp", "deepspeed")
 """train.backend values whose engine trains LoRA adapters (`train.lora_rank` > 0; `engines.lora`)."""
+CRITIC = {"torch": "tidal.engines.critic:Critic", "fsdp": "tidal.engines.fsdp_critic:FSDPCritic"}
+"""train.backend values that train a critic beside the policy (`algorithm.advantage=gae`) ->
+its class, built as `cls(start_model, head=..., lr=..., ...)` on rank 0 (a multi-rank one
+leads the other ranks, whose `follow()` builds theirs: `fsdp_lead.follow_engines`)."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}
 """model.source -> `ModelSource` class, built from the recipe's `model` section."""
 TASKS = {"arithmetic": "tidal.engines.tasks:ARITHMETIC", "countdown": "tidal.engines.tasks:COUNTDOWN"}
@@ -59,6 +63,12 @@ def load(key: str, value: str) -> Any:
     if message:
         raise ValueError(message)
     module, _, name = REGISTRIES[key][value].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def critic_class(backend: str) -> Any:
+    """The critic class of the train backend `backend` (`CRITIC`), imported now."""
+    module, _, name = CRITIC[backend].partition(":")
     return getattr(importlib.import_module(module), name)
 
 

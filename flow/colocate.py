@@ -61,16 +61,13 @@ class Sharing:
 
     def __init__(self, turns: Any, platform: Any) -> None:
         self.turns, self.platform = turns, platform
-        self._seats: list[tuple[Seat, Offloader | None]] = []  # None: an engine that parks itself
+        self._seats: list[tuple[str, Seat, Offloader | None]] = []  # (what it parks, its seat, its offloader: None for an engine that parks itself)
+        self._parkings: dict[int, _Parking] = {}  # id(seat) -> what it moves
+        self._alongside: dict[int, Offloader] = {}  # id(SharedCritic) -> its offloader, of one in another engine's seat
 
-    def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
-        """Seat `engine`, parking its `model`, its frozen `reference` policy where it holds one
-        (a train engine built for a KL term: a whole model's weights), and its `optimizer`'s
-        state; an engine that `ParksItself` parks itself (its memory is its own, not a module's)."""
-        if isinstance(engine, ParksItself):
-            seat = Seat(self.turns, name, park=engine.park, unpark=engine.unpark)
-            self._seats.append((seat, None))
-            return seat
+    def _offloader(self, engine: Any, name: str, *, optimizer: bool) -> Offloader:
+        """Parks `engine`'s `model`, its frozen `reference` policy where it holds one (a train
+        engine built for a KL term: a whole model's weights), and its `optimizer`'s state."""
         model = engine.model if isinstance(engine, HoldsModel) else None
         if model is None:
             raise ValueError(f"{type(engine).__name__} has no `model` to park; it cannot time-share devices (seat {name!r})")
@@ -78,17 +75,48 @@ class Sharing:
         parked = torch.nn.ModuleList([model, reference]) if isinstance(reference, torch.nn.Module) else model  # holds both, changes neither
         parked_optimizer = engine.optimizer if optimizer and isinstance(engine, HoldsOptimizer) else None
         moved = engine.after_offload_move if isinstance(engine, MovesAfterOffload) else None  # a sharded engine's hook
-        offloader = Offloader(self.platform, parked, parked_optimizer, moved=moved)
-        seat = Seat(self.turns, name, park=offloader.park, unpark=offloader.unpark)
-        self._seats.append((seat, offloader))
+        return Offloader(self.platform, parked, parked_optimizer, moved=moved)
+
+    def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
+        """Seat `engine`, parking what `_offloader` says; an engine that `ParksItself` parks
+        itself (its memory is its own, not a module's)."""
+        if isinstance(engine, ParksItself):
+            seat = Seat(self.turns, name, park=engine.park, unpark=engine.unpark)
+            self._seats.append((name, seat, None))
+            return seat
+        offloader = self._offloader(engine, name, optimizer=optimizer)
+        parking = _Parking([offloader])
+        seat = Seat(self.turns, name, park=parking.park, unpark=parking.unpark)
+        self._seats.append((name, seat, offloader))
+        self._parkings[id(seat)] = parking
         return seat
 
     def train(self, engine: Any, name: str = "train") -> SharedTrainEngine:
         return SharedTrainEngine(engine, self._seat(engine, name, optimizer=True))
 
     def critic(self, critic: Any, name: str = "critic") -> SharedCritic:
-        """A critic (`algorithm.advantage=gae`) seated here too: its model and AdamW state are parked as the trainer's are."""
-        return SharedCritic(critic, self._seat(critic, name, optimizer=True))
+        """A critic (`algorithm.advantage=gae`) seated here too, its model and AdamW state parked
+        as the trainer's are. Where this process seats a train engine that does not park itself
+        (its seat "train"), the critic shares that seat: both states move together, and the
+        workflow's critic calls inside the trainer's turn (a multi-rank engine holds it from its
+        step through its weight pass) go on in it instead of waiting for a turn of their own.
+        Else it gets a seat of its own."""
+        train = next((seat for label, seat, _ in self._seats if label == "train" and id(seat) in self._parkings), None)
+        if train is None:
+            return SharedCritic(critic, self._seat(critic, name, optimizer=True))
+        offloader = self._offloader(critic, name, optimizer=True)
+        self._parkings[id(train)].offloaders.append(offloader)
+        self._seats.append((name, train, offloader))
+        shared = SharedCritic(critic, train)
+        self._alongside[id(shared)] = offloader
+        return shared
+
+    def unseat(self, shared: SharedCritic) -> None:
+        """Stop parking the critic of `shared`, one that shares another engine's seat (it is being replaced)."""
+        offloader = self._alongside.pop(id(shared), None)
+        if offloader is not None:
+            self._seats = [entry for entry in self._seats if entry[2] is not offloader]
+            self._parkings[id(shared.seat)].offloaders.remove(offloader)
 
     def reward_model(self, model: Any, name: str = "reward_model") -> SharedRewardModel:
         """A reward model (`reward_model.path`) seated here too: its weights are parked between its scorings."""
@@ -98,15 +126,33 @@ class Sharing:
         return SharedRolloutEngine(engine, self._seat(engine, name, optimizer=False))
 
     def summary(self) -> dict[str, Any]:
-        """Hand-offs on these devices so far, and each of this process's seats' parks."""
-        seats = {s.name: {"parks": s.num_parks, "parked_bytes": o.num_bytes if o is not None else 0} for s, o in self._seats}  # an engine that parks itself counts its own
+        """Hand-offs on these devices so far, and what each of this process's seats parked
+        (a critic that shares the trainer's seat is listed apart: its seat's parks, its bytes)."""
+        seats = {label: {"parks": s.num_parks, "parked_bytes": o.num_bytes if o is not None else 0} for label, s, o in self._seats}  # an engine that parks itself counts its own
         state = self.turns.state()
         spans = {"arbiters": len(state["arbiters"])} if "arbiters" in state else {}  # a `TurnsSpan`: handoffs summed over them
         return {"handoffs": state["handoffs"], "seats": seats, **spans}
 
     def close(self) -> None:
-        for seat, _ in self._seats:
+        for seat in {id(s): s for _, s, _ in self._seats}.values():
             seat.close()
+
+
+class _Parking:
+    """What one seat moves: the offloaders of the engines in it, parked and onloaded together
+    (a trainer's and its critic's). After a park that raised part-way, `unpark` brings back
+    what each moved (nothing, for those that moved nothing)."""
+
+    def __init__(self, offloaders: list[Offloader]) -> None:
+        self.offloaders = offloaders
+
+    def park(self) -> None:
+        for offloader in self.offloaders:
+            offloader.park()
+
+    def unpark(self) -> None:
+        for offloader in self.offloaders:
+            offloader.unpark()
 
 
 class TurnsProxy:

@@ -103,6 +103,7 @@ class TrainEngine(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
 class Critic(Protocol):
     """A learned value function (`algorithm.advantage=gae`): the workflow asks it for each
     step's values before the policy trains, then trains it on that step's returns."""

@@ -19,17 +19,16 @@ from typing import Any, Protocol
 
 import torch
 
-from tidal.engines.critic import Critic
 from tidal.engines.lr_schedule import LRSchedule
 from tidal.engines.models import DTYPES
-from tidal.engines.registry import load
+from tidal.engines.registry import critic_class, load
 from tidal.engines.reward_model import RewardModel, conversation, not_a_reward_model
 from tidal.engines.reward_pool import RewardPool
 from tidal.engines.rewards import DEFAULT_REWARD_WORKERS, FLOAT32_MAX, NO_VERIFIER, POOLED_REWARDS, resolve_reward, score
 from tidal.engines.tasks import TASK_REWARDS
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.algorithms import VALUE_BASED
-from tidal.flow.protocols import BuildsFromCheckpoint, TakesTrainKeys
+from tidal.flow.protocols import BuildsFromCheckpoint, Critic, TakesTrainKeys
 from tidal.flow.store import Store
 from tidal.flow.trajectory import Trajectory
 from tidal.flow.workflow import Workflow, WorkflowConfig
@@ -182,9 +181,10 @@ def make_score(cfg: RecipeConfig, tokenizer: Tokenizer, *, sharing: Any = None) 
 
 
 def build_critic(cfg: RecipeConfig, policy: torch.nn.Module, *, platform: Any) -> Critic:
-    """The value model of `algorithm.advantage=gae` (`critic.*`): from the policy's body as it
-    is now, or from `critic.path` (a reward model's body and score head; `tools.run.check_critic_path`
-    checked it reads the policy's tokens).
+    """The value model of `algorithm.advantage=gae` (`critic.*`), of the train backend's kind
+    (`engines.registry.CRITIC`: one process's, or sharded over the trainer's ranks as the
+    policy is): from the policy's body as it is now, or from `critic.path` (a reward model's
+    body and score head; `tools.run.check_critic_path` checked it reads the policy's tokens).
 
     Raises:
         ConfigError: naming `critic.path` when it does not load.
@@ -201,7 +201,7 @@ def build_critic(cfg: RecipeConfig, policy: torch.nn.Module, *, platform: Any) -
             head = start.score if classifier else None
         except (OSError, ValueError, KeyError, AttributeError) as e:
             raise ConfigError(f"critic.path={c.path!r}: cannot load a model to start the critic from ({type(e).__name__}: {e})") from None
-    return Critic(
+    return critic_class(cfg.train.backend)(
         start, lr=c.lr, value_clip=c.value_clip, micro_batch_size=c.micro_batch_size or cfg.train.micro_batch_size, grad_clip=c.grad_clip,
         weight_decay=c.weight_decay, precision=cfg.train.precision.value, platform=platform, head=head,
     )  # fmt: skip
@@ -325,6 +325,9 @@ class RL:
             state = {"model": self.template.state_dict(), "optimizer": saved["optimizer"], "version": saved["version"], "lr_scheduler": saved.get("lr_scheduler")}
             self.trainer.load_state_dict({**state, **reference, **lora})
             set_rng_state(saved["rng"])
+        self.critic: Any = build_critic(cfg, self.template, platform=run.platform) if cfg.algorithm.advantage in VALUE_BASED else None  # built as the trainer is, before any rollout guest runs
+        if self.critic is not None and run.saved is not None and run.saved.get("critic") is not None:  # a checkpoint of a run without one: a fresh critic
+            self.critic.load_state_dict(run.saved["critic"])
         self.rollout = build_rollout_engine(cfg, copy.deepcopy(self.template), run.tokenizer, platform=run.platform, version=self.trainer.version)  # the trainer's weights too
         self.sharing = None
         if run.turns is not None:
@@ -332,6 +335,8 @@ class RL:
 
             self.sharing = Sharing(run.turns, run.platform)
             self.trainer = self.sharing.train(self.trainer)
+            if self.critic is not None:  # on the trainer's devices too: parked as the trainer is
+                self.critic = self.sharing.critic(self.critic)
             if run.start_rollouts is None:
                 self.rollout = self.sharing.rollout(self.rollout)
         self.metrics = MetricsLog(
@@ -349,11 +354,6 @@ class RL:
         if run.start_rollouts is not None:
             self.remote = (run.launched or run.start_rollouts(cfg, run.store, run.settings)).connect(self.trainer)
         self.scorer = make_score(cfg, run.tokenizer, sharing=self.sharing)  # closed by `_close`
-        self.critic: Any = build_critic(cfg, self.template, platform=run.platform) if cfg.algorithm.advantage in VALUE_BASED else None
-        if self.critic is not None and run.saved is not None and run.saved.get("critic") is not None:  # a checkpoint of a run without one: a fresh critic
-            self.critic.load_state_dict(run.saved["critic"])
-        if self.critic is not None and self.sharing is not None:  # on the trainer's devices, which rollout time-shares: parked as the trainer is
-            self.critic = self.sharing.critic(self.critic)
         self.workflow = Workflow(
             store=run.store, rollout=self.rollout, trainer=self.trainer, prompts=self.prompts, score=self.scorer,
             config=workflow_config(cfg), on_step=self.on_step, tracer=run.tracer, rollouts=self.remote, totals=run.totals, critic=self.critic,

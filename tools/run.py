@@ -215,8 +215,8 @@ def check_runnable(cfg: RecipeConfig) -> None:
     Raises:
         ConfigError: naming the key, when `task.name` is no task, or `task.reward` no
             registered reward nor importable `module:function` (nor none with a
-            `reward_model.path`); when `algorithm.advantage=gae` with a train backend other
-            than torch, or a `critic.path` it cannot start from (`check_critic_path`); when
+            `reward_model.path`); when `algorithm.advantage=gae` with a train backend that
+            holds no critic (`engines.registry.CRITIC`), or a `critic.path` it cannot start from (`check_critic_path`); when
             `reward_model.path` is no folder or no reward model's
             (`engines.reward_model.refusal`); when a data file is missing
             or of no readable kind (`engines.data.expand_files`); when the trainer would be the
@@ -229,7 +229,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             whose borrowed instances continue paused groups on the others).
     """
     from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
-    from tidal.engines.registry import KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
+    from tidal.engines.registry import CRITIC, KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
     from tidal.engines.reward_model import refusal as reward_model_refusal  # noqa: PLC0415
     from tidal.engines.rewards import NO_VERIFIER, resolve_reward  # noqa: PLC0415
     from tidal.flow.algorithms import VALUE_BASED  # noqa: PLC0415
@@ -275,8 +275,11 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"placement.train.count={count} needs a train.backend that trains over several processes "
             f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
         )
-    if cfg.algorithm.advantage in VALUE_BASED and cfg.train.backend != "torch":  # so count is 1 too (above)
-        raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy in one process, with train.backend=torch; train.backend={cfg.train.backend!r}: set train.backend=torch, or another advantage")
+    if cfg.algorithm.advantage in VALUE_BASED and cfg.train.backend not in CRITIC:
+        raise ConfigError(
+            f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy, which train.backend={cfg.train.backend!r} cannot hold yet: "
+            f"set train.backend to one that can ({', '.join(sorted(CRITIC))}), or another advantage"
+        )
     if cfg.critic.path:
         check_critic_path(cfg)
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:

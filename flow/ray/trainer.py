@@ -158,29 +158,46 @@ class TrainerActor:
 
 
 class _FollowerSeats:
-    """`share` for a follower's `follow(share)`: each engine it builds gets a seat at this rank's `Turns`."""
+    """`share` for a follower's `follow(share)`: each engine it builds gets a seat at this rank's
+    `Turns`; its critic shares the policy engine's (`Sharing.critic`), as rank 0's does."""
 
     def __init__(self, turns: Any) -> None:
         self.turns = turns
         self.timeshare: dict[str, Any] | None = None
-        """The last engine's seats' summary (RL's: the warm start's engine ran before any guest)."""
+        """The last policy engine's seats' summary (RL's: the warm start's engine ran before any guest), its critic's included."""
+        self.policy: _FollowerSeat | None = None
+        """The seat of the policy engine built last, which a critic joins."""
 
     def __call__(self, engine: Any) -> _FollowerSeat:
         return _FollowerSeat(self, engine)
 
 
 class _FollowerSeat:
-    """An engine's seat at its rank's `Turns`; closing it drops the seat (and its parked copy)."""
+    """An engine's seat at its rank's `Turns`; closing it drops the seat (and its parked copy).
+    A critic's is the policy engine's seat, which it leaves when closed."""
 
     def __init__(self, seats: _FollowerSeats, engine: Any) -> None:
         from tidal.flow.colocate import Sharing, TurnsProxy  # noqa: PLC0415
+        from tidal.flow.protocols import Critic  # noqa: PLC0415
         from tidal.hal import current_platform  # noqa: PLC0415
 
         self.seats = seats
-        self.sharing = Sharing(TurnsProxy(seats.turns), current_platform())
-        self.turn = self.sharing.train(engine).seat.held  # rank 0 took this rank's turn before it sent the command
+        self.critic: Any = None
+        self.sharing: Sharing
+        if isinstance(engine, Critic) and seats.policy is not None:
+            self.sharing = seats.policy.sharing
+            self.critic = self.sharing.critic(engine)
+            seat = self.critic.seat
+        else:
+            self.sharing = Sharing(TurnsProxy(seats.turns), current_platform())
+            seat = (self.sharing.critic(engine) if isinstance(engine, Critic) else self.sharing.train(engine)).seat
+            seats.policy = self if not isinstance(engine, Critic) else seats.policy
+        self.turn = seat.held  # rank 0 took this rank's turn before it sent the command
 
     def close(self) -> None:
+        if self.critic is not None:  # a seat of the policy engine's: it goes on
+            self.sharing.unseat(self.critic)
+            return
         self.sharing.close()
         self.seats.timeshare = self.sharing.summary()
 

@@ -412,7 +412,7 @@ def test_led_engines_rebuild_load_state_and_continue(led_run, fsdp_run):
     # without a KL term (with one, every row); the sequence-masked step keeps one of them, and an
     # uneven split's extra row stays on rank 0.
     rows = [3 if step == "sft" or "kl_coef" in step else 0 if step.get("scale") == 0 or "seq_mask_low" in step else 1 for step in PLAN + RESUME]
-    assert led_run["follower"] == {"engines": 3, "steps": len(PLAN) + len(RESUME), "rows": sum(rows), "exports": 6}  # the third: below
+    assert led_run["follower"] == {"engines": 3, "steps": len(PLAN) + len(RESUME), "rows": sum(rows), "exports": 6, "critic_steps": 0}  # the third: below
 
 
 def test_a_led_step_that_raises_for_non_finite_gradients_leaves_the_followers_following(led_run):

@@ -145,7 +145,7 @@ def test_a_seat_parks_what_its_engine_declares():
         engine, rollout_engine = Sharded(), Sharded()
         sharing.train(engine)
         sharing.rollout(rollout_engine)
-        (_, train_parks), (_, rollout_parks) = sharing._seats
+        (_, _, train_parks), (_, _, rollout_parks) = sharing._seats
         assert train_parks.module is engine.model and train_parks.optimizer is engine.optimizer
         assert rollout_parks.optimizer is None  # a rollout seat parks no optimizer
         train_parks.park()
@@ -153,5 +153,54 @@ def test_a_seat_parks_what_its_engine_declares():
         assert engine.moves == 2
         with pytest.raises(ValueError, match="no `model` to park"):
             sharing.rollout(object())
+    finally:
+        sharing.close()
+
+
+def test_a_critic_shares_the_trainers_seat_and_goes_on_inside_its_turn():
+    """A critic seated where a train engine is shares its seat: both states park and come back
+    together, and a critic call inside the trainer's turn (a multi-rank engine holds it from its
+    step through its weight pass) goes on in that turn instead of waiting for one of its own."""
+    from tidal.flow.colocate import Sharing
+    from tidal.flow.protocols import Critic
+    from tidal.hal import select_platform
+
+    class Held:  # `HoldsModel`, `HoldsOptimizer`, and a `Critic` where it values
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(2, 2)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    class ValueHeld(Held):
+        def values(self, batch):
+            return torch.ones(2)
+
+        def train_step(self, batch, returns, old_values):
+            return {}
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    turns = Turns()
+    sharing = Sharing(turns, select_platform("fake:cuda:1").platform)
+    try:
+        engine, critic = Held(), ValueHeld()
+        assert isinstance(critic, Critic) and not isinstance(engine, Critic)
+        trainer = sharing.train(engine)
+        shared = sharing.critic(critic)
+        assert shared.seat is trainer.seat
+        (_, _, train_parks), (label, seat, critic_parks) = sharing._seats
+        assert label == "critic" and seat is trainer.seat and critic_parks.module is critic.model
+        with trainer.seat.turn():
+            assert shared.values(None).tolist() == [1.0, 1.0]  # in the trainer's turn: no second acquire
+        parking = sharing._parkings[id(trainer.seat)]
+        parking.park()
+        assert train_parks._handle is not None and critic_parks._handle is not None  # both moved together
+        parking.unpark()
+        assert sharing.summary()["seats"].keys() == {"train", "critic"}
+        sharing.unseat(shared)
+        assert sharing.summary()["seats"].keys() == {"train"} and parking.offloaders == [train_parks]
     finally:
         sharing.close()

@@ -235,6 +235,24 @@ def test_ray_fsdp_ranks_each_take_turns_with_their_own_colocated_guest(tidal_cli
     assert follower_share["since_version"] == summary["timeshare"]["since_version"] == 0  # this attempt's, from its start, as rank 0's
 
 
+def test_ray_fsdp_ranks_train_a_sharded_critic_each_parking_it_for_their_guest(tidal_cli, tmp_path, ray_session):
+    """PPO with a critic (`algorithm.advantage=gae`) on two fsdp ranks, each with its own
+    colocated rollout guest: the critic is sharded over both ranks as the policy is, rank 1
+    takes each of its steps on its share of the rows, and each rank parks the critic's shards
+    and AdamW state, in a seat of its own, while its guest computes."""
+    num_steps = 3
+    gae = ["algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=8", "critic.lr=0.01"]
+    run_dir, _ = _two_fsdp_ranks_colocated(tidal_cli, tmp_path, num_steps, "placement.rollout.count=2", *gae)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["samples"] == 8 for m in steps) and len({m["value_loss"] for m in steps}) == num_steps
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["timeshare"]["seats"]["critic"]["parks"] >= 1  # rank 0's
+    follower = summary["trainer_ranks"][1]
+    assert follower["critic_steps"] == num_steps and follower["steps"] == 20 + num_steps
+    seats = follower["timeshare"]["seats"]  # rank 1's, at its own Turns
+    assert seats["critic"]["parks"] >= 1 and seats["critic"]["parked_bytes"] > 0 and seats["train"]["parks"] >= 1
+
+
 def test_ray_rollout_guest_spanning_both_fsdp_ranks_takes_both_turns(tidal_cli, tmp_path, ray_session):
     """One rollout instance on both trainer ranks' devices (as a tensor-parallel engine over
     two GPUs would be): it sits on rank 0's bundle, asks Ray for no device, and takes both

@@ -77,6 +77,35 @@ def test_an_fsdp_kl_run_takes_the_torch_engines_steps_and_resumes_against_its_sa
     runs.assert_same(full, resumed, from_step=2)
 
 
+GAE_TINY = [
+    *(k for k in KL_TINY if not k.startswith(("algorithm.kl_coef", "algorithm.group_size", "algorithm.prompts_per_step"))),
+    "algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=6", "critic.lr=0.01", "critic.micro_batch_size=2",
+    "algorithm.aggregation=seq_mean_token_mean",  # a loss that differs by step (token_mean of whitened advantages is 0 at ratio 1)
+]  # fmt: skip
+
+
+def test_an_fsdp_run_with_a_critic_takes_the_torch_engines_steps_and_resumes(tidal_cli, tmp_path, runs):
+    """PPO with a critic on the fsdp backend (`engines.fsdp_critic`, over the local run's
+    one-process group): its policy and critic take the torch backend's steps up to float32
+    noise, and a run resumed from the step-2 checkpoint (the critic's weights and AdamW state
+    read back from it) ends with the uninterrupted run's metrics and weights, bit for bit."""
+    import shutil
+
+    full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=fsdp", f"run_dir={full}", "checkpoint_every=2", *GAE_TINY, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=torch", f"run_dir={torch_run}", *GAE_TINY, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = runs.steps(full)
+    assert steps[-1]["values_mean"] != 0.0 and len({m["value_loss"] for m in steps}) == len(steps)  # the critic trained
+    runs.assert_takes_steps_of(full, torch_run, keys=("loss", "value_loss", "values_mean", "value_grad_norm"))
+    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
+    (cut / "checkpoints" / "latest").write_text("step-000002\n")
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=fsdp", f"run_dir={resumed}", f"resume={cut}", "checkpoint_every=2", *GAE_TINY, env=ENV, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.assert_same(full, resumed, from_step=2)
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_on_ray_train_together_and_publish_to_rollout(tidal_cli, tmp_path):
     run_dir = tmp_path / "run"

@@ -28,8 +28,8 @@ def test_the_quickstart_learns_with_a_critic(tidal_cli, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.backend=fsdp"], "algorithm.advantage=gae trains a critic beside the policy in one process, with train.backend=torch; train.backend='fsdp'"),
-        (["train.backend=deepspeed"], "set train.backend=torch, or another advantage"),
+        (["train.backend=deepspeed"], r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='deepspeed' cannot hold yet: set train.backend to one that can \(fsdp, torch\)"),
+        (["train.backend=megatron"], "which train.backend='megatron' cannot hold yet"),
     ],
 )
 def test_a_critic_with_another_train_backend_is_refused(overrides, message):
