@@ -17,6 +17,7 @@ VARIANTS = {
     "gsm8k_cuda": [
         [], ["placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"], ["train.backend=deepspeed", "train.zero_stage=3"],
         ["train.backend=deepspeed", "train.zero_stage=3", "placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"],
+        ["algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=512", "placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"],  # PPO: fsdp's critic
     ],
     "gsm8k_npu": [[], ["placement.train.count=8", "placement.rollout.count=4", "placement.rollout.colocate_with=train"]],
     "gsm8k_mixed": [[]],
