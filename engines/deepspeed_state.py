@@ -256,6 +256,33 @@ def offload_zero3_lp_params(zero_optimizer: Any, device: torch.device) -> None:
     zero_optimizer.offloaded_states.add(OffloadStateTypeEnum.lp_params)
 
 
+def offload_engine(engine: Any, zero_optimizer: Any, *, zero_stage: int, frozen: bool = False) -> None:
+    """Move a DeepSpeed engine's state on this rank (its weights, gradients and AdamW's state,
+    in DeepSpeed's flat buffers) to host memory, with `DeepSpeedEngine.offload_states()`. Under
+    ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its own FusedAdam,
+    so those are moved here (`move_zero3_optimizer`), and with `frozen` parameters (a LoRA
+    base) its own move of the weights fails, so they are moved here too. Local, no collective."""
+    if zero_stage < 3:
+        engine.offload_states()
+        return
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
+
+    if frozen:  # DeepSpeed's own lp_params step fails with frozen parameters
+        offload_zero3_lp_params(zero_optimizer, _HOST)
+    engine.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer])
+    move_zero3_optimizer(zero_optimizer, _HOST)
+
+
+def reload_engine(engine: Any, zero_optimizer: Any, *, zero_stage: int, device: torch.device) -> None:
+    """Bring back what `offload_engine` moved: `DeepSpeedEngine.reload_states()` (and under
+    ZeRO-3 the master slices and AdamW's state), then the views ZeRO-1 and -2 give checkpoints
+    of AdamW's state (`relink_optimizer_views`). Local, no collective."""
+    engine.reload_states()
+    if zero_stage == 3:
+        move_zero3_optimizer(zero_optimizer, device)
+    relink_optimizer_views(zero_optimizer)
+
+
 def _broadcast_object(value: Any) -> Any:
     """Rank 0's `value` on every rank (a small pickled object over the default group)."""
     box = [value]

@@ -100,10 +100,9 @@ from tidal.engines.deepspeed_state import (
     full_state,
     load_full_state,
     load_whole_weights,
-    move_zero3_optimizer,
     move_zero3_params,
-    offload_zero3_lp_params,
-    relink_optimizer_views,
+    offload_engine,
+    reload_engine,
     trained,
     weight_pass,
     weight_specs,
@@ -474,10 +473,7 @@ class DeepSpeedTrainEngine:
     # Time-sharing devices: `ParksItself` -------------------------------------------------
     def park(self) -> None:
         """Move this rank's DeepSpeed state (its weights, gradients and AdamW's state, in
-        DeepSpeed's flat buffers) to host memory, with `DeepSpeedEngine.offload_states()`.
-        Under ZeRO-3 DeepSpeed moves the fp32 master slices and AdamW's state only for its
-        own FusedAdam, so those two are moved here (`park_zero3_optimizer`) and DeepSpeed
-        moves the rest. A KL reference goes through the platform's offload, or under ZeRO-3 its
+        DeepSpeed's flat buffers) to host memory (`deepspeed_state.offload_engine`). A KL reference goes through the platform's offload, or under ZeRO-3 its
         slices are moved here (`move_zero3_params`). Local to this rank,
         no collective: in a led group each rank's seat parks its own."""
         if self._reference_engine is not None and self._parked_reference is None:
@@ -487,24 +483,11 @@ class DeepSpeedTrainEngine:
             self._parked_reference = self.platform.offload(module=self.reference)
         if self.lora is not None:
             move_zero3_params(self.module, _HOST, frozen_only=True)
-        if self.zero_stage < 3:
-            self.deepspeed.offload_states()
-            return
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: PLC0415
-
-        if self.lora is not None:  # DeepSpeed's own lp_params step fails with frozen parameters
-            offload_zero3_lp_params(self.zero, _HOST)
-        self.deepspeed.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer])
-        move_zero3_optimizer(self.zero, _HOST)
+        offload_engine(self.deepspeed, self.zero, zero_stage=self.zero_stage, frozen=self.lora is not None)
 
     def unpark(self) -> None:
-        """Bring the state back to the device: `DeepSpeedEngine.reload_states()` (and under
-        ZeRO-3 the master slices and AdamW's state), then the views ZeRO-1 and -2 give
-        checkpoints of AdamW's state (`relink_optimizer_views`)."""
-        self.deepspeed.reload_states()
-        if self.zero_stage == 3:
-            move_zero3_optimizer(self.zero, self.device)
-        relink_optimizer_views(self.zero)
+        """Bring the state back to the device (`deepspeed_state.reload_engine`)."""
+        reload_engine(self.deepspeed, self.zero, zero_stage=self.zero_stage, device=self.device)
         if self.lora is not None:
             move_zero3_params(self.module, self.device, frozen_only=True)
         if self._reference_engine is not None and self._parked_reference is not None:

@@ -30,9 +30,10 @@ KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 the ones a loss with `algorithm.kl_coef > 0` can use."""
 LORA = ("torch", "fsdp", "deepspeed")
 """train.backend values whose engine trains LoRA adapters (`train.lora_rank` > 0; `engines.lora`)."""
-CRITIC = {"torch": "tidal.engines.critic:Critic", "fsdp": "tidal.engines.fsdp_critic:FSDPCritic"}
+CRITIC = {"torch": "tidal.engines.critic:Critic", "fsdp": "tidal.engines.fsdp_critic:FSDPCritic", "deepspeed": "tidal.engines.deepspeed_critic:DeepSpeedCritic"}
 """train.backend values that train a critic beside the policy (`algorithm.advantage=gae`) ->
-its class, built as `cls(start_model, head=..., lr=..., ...)` on rank 0 (a multi-rank one
+its class, built as `cls(start_model, head=..., lr=..., ...)` (and the `train.*` keys it
+takes: `TakesTrainKeys`) on rank 0 (a multi-rank one
 leads the other ranks, whose `follow()` builds theirs: `fsdp_lead.follow_engines`)."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}
 """model.source -> `ModelSource` class, built from the recipe's `model` section."""

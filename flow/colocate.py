@@ -40,7 +40,7 @@ meanwhile (`flow.rollout`). Every token keeps the version that produced it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ class Sharing:
         self.turns, self.platform = turns, platform
         self._seats: list[tuple[str, Seat, Offloader | None]] = []  # (what it parks, its seat, its offloader: None for an engine that parks itself)
         self._parkings: dict[int, _Parking] = {}  # id(seat) -> what it moves
-        self._alongside: dict[int, Offloader] = {}  # id(SharedCritic) -> its offloader, of one in another engine's seat
+        self._alongside: dict[int, tuple[tuple[str, Seat, Offloader | None], _Moves]] = {}  # id(SharedCritic) -> its entry and moves, of one in another engine's seat
 
     def _offloader(self, engine: Any, name: str, *, optimizer: bool) -> Offloader:
         """Parks `engine`'s `model`, its frozen `reference` policy where it holds one (a train
@@ -77,15 +77,18 @@ class Sharing:
         moved = engine.after_offload_move if isinstance(engine, MovesAfterOffload) else None  # a sharded engine's hook
         return Offloader(self.platform, parked, parked_optimizer, moved=moved)
 
-    def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
-        """Seat `engine`, parking what `_offloader` says; an engine that `ParksItself` parks
-        itself (its memory is its own, not a module's)."""
+    def _moves(self, engine: Any, name: str, *, optimizer: bool) -> tuple[_Moves, Offloader | None]:
+        """How `engine`'s state parks and comes back: its own `park` / `unpark` where it
+        `ParksItself` (its memory is its own, not a module's), else through an `Offloader`."""
         if isinstance(engine, ParksItself):
-            seat = Seat(self.turns, name, park=engine.park, unpark=engine.unpark)
-            self._seats.append((name, seat, None))
-            return seat
+            return (engine.park, engine.unpark), None
         offloader = self._offloader(engine, name, optimizer=optimizer)
-        parking = _Parking([offloader])
+        return (offloader.park, offloader.unpark), offloader
+
+    def _seat(self, engine: Any, name: str, *, optimizer: bool) -> Seat:
+        """Seat `engine` at a seat of its own (`_moves`)."""
+        moves, offloader = self._moves(engine, name, optimizer=optimizer)
+        parking = _Parking([moves])
         seat = Seat(self.turns, name, park=parking.park, unpark=parking.unpark)
         self._seats.append((name, seat, offloader))
         self._parkings[id(seat)] = parking
@@ -96,27 +99,29 @@ class Sharing:
 
     def critic(self, critic: Any, name: str = "critic") -> SharedCritic:
         """A critic (`algorithm.advantage=gae`) seated here too, its model and AdamW state parked
-        as the trainer's are. Where this process seats a train engine that does not park itself
-        (its seat "train"), the critic shares that seat: both states move together, and the
-        workflow's critic calls inside the trainer's turn (a multi-rank engine holds it from its
-        step through its weight pass) go on in it instead of waiting for a turn of their own.
-        Else it gets a seat of its own."""
-        train = next((seat for label, seat, _ in self._seats if label == "train" and id(seat) in self._parkings), None)
+        as the trainer's are. Where this process seats a train engine (its seat "train"), the
+        critic shares that seat: both states move together, and the workflow's critic calls
+        inside the trainer's turn (a multi-rank engine holds it from its step through its
+        weight pass) go on in it instead of waiting for a turn of their own. Else it gets a
+        seat of its own."""
+        train = next((seat for label, seat, _ in self._seats if label == "train"), None)
         if train is None:
             return SharedCritic(critic, self._seat(critic, name, optimizer=True))
-        offloader = self._offloader(critic, name, optimizer=True)
-        self._parkings[id(train)].offloaders.append(offloader)
-        self._seats.append((name, train, offloader))
+        moves, offloader = self._moves(critic, name, optimizer=True)
+        entry = (name, train, offloader)
+        self._parkings[id(train)].moves.append(moves)
+        self._seats.append(entry)
         shared = SharedCritic(critic, train)
-        self._alongside[id(shared)] = offloader
+        self._alongside[id(shared)] = (entry, moves)
         return shared
 
     def unseat(self, shared: SharedCritic) -> None:
         """Stop parking the critic of `shared`, one that shares another engine's seat (it is being replaced)."""
-        offloader = self._alongside.pop(id(shared), None)
-        if offloader is not None:
-            self._seats = [entry for entry in self._seats if entry[2] is not offloader]
-            self._parkings[id(shared.seat)].offloaders.remove(offloader)
+        joined = self._alongside.pop(id(shared), None)
+        if joined is not None:
+            entry, moves = joined
+            self._seats.remove(entry)
+            self._parkings[id(shared.seat)].moves.remove(moves)
 
     def reward_model(self, model: Any, name: str = "reward_model") -> SharedRewardModel:
         """A reward model (`reward_model.path`) seated here too: its weights are parked between its scorings."""
@@ -138,21 +143,25 @@ class Sharing:
             seat.close()
 
 
+_Moves = tuple[Callable[[], None], Callable[[], None]]
+"""How one engine's state parks and comes back: (park, unpark)."""
+
+
 class _Parking:
-    """What one seat moves: the offloaders of the engines in it, parked and onloaded together
-    (a trainer's and its critic's). After a park that raised part-way, `unpark` brings back
+    """What one seat moves: the states of the engines in it (a trainer's and its critic's),
+    parked and brought back together. After a park that raised part-way, `unpark` brings back
     what each moved (nothing, for those that moved nothing)."""
 
-    def __init__(self, offloaders: list[Offloader]) -> None:
-        self.offloaders = offloaders
+    def __init__(self, moves: list[_Moves]) -> None:
+        self.moves = moves
 
     def park(self) -> None:
-        for offloader in self.offloaders:
-            offloader.park()
+        for park, _ in self.moves:
+            park()
 
     def unpark(self) -> None:
-        for offloader in self.offloaders:
-            offloader.unpark()
+        for _, unpark in self.moves:
+            unpark()
 
 
 class TurnsProxy:

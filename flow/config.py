@@ -119,7 +119,7 @@ class AlgorithmConfig:
     max_staleness: int = 1
     """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's) | gae (PPO with a learned value function: a critic, the `critic` section, gives each token's value, and the advantages are generalized advantage estimates with `gamma` and `lam`, whitened over each step's loss tokens; train.backend torch or fsdp)."""
+    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's) | gae (PPO with a learned value function: a critic, the `critic` section, gives each token's value, and the advantages are generalized advantage estimates with `gamma` and `lam`, whitened over each step's loss tokens; train.backend torch, fsdp or deepspeed with zero_stage 1 or 2)."""
     gamma: float = 1.0
     """advantage=gae: discount per token, in [0, 1] (verl's and OpenRLHF's default 1: the sequence's reward reaches every token undiscounted)."""
     lam: float = 1.0

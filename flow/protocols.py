@@ -151,6 +151,19 @@ class TakesTrainKeys(Protocol):
 
 
 @runtime_checkable
+class RefusesTrainKeys(Protocol):
+    """An engine class that cannot run with some values of its own `train.*` keys
+    (`TakesTrainKeys`): `tidal run` asks it before any work. Checked on the class."""
+
+    train_keys: tuple[str, ...]
+
+    @staticmethod
+    def refusal(**train_keys: Any) -> str | None:
+        """Why it cannot run with these values of its `train_keys`, naming the key; None when it can."""
+        ...
+
+
+@runtime_checkable
 class SharesWeights(Protocol):
     """A train engine that can keep its weights in memory a weight transport gives (the `ipc`
     transport's shared buffer): a publish then copies nothing in the trainer's process."""

@@ -229,10 +229,11 @@ def check_runnable(cfg: RecipeConfig) -> None:
             whose borrowed instances continue paused groups on the others).
     """
     from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
-    from tidal.engines.registry import CRITIC, KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, version  # noqa: PLC0415
+    from tidal.engines.registry import CRITIC, KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, critic_class, version  # noqa: PLC0415
     from tidal.engines.reward_model import refusal as reward_model_refusal  # noqa: PLC0415
     from tidal.engines.rewards import NO_VERIFIER, resolve_reward  # noqa: PLC0415
     from tidal.flow.algorithms import VALUE_BASED  # noqa: PLC0415
+    from tidal.flow.protocols import RefusesTrainKeys  # noqa: PLC0415
 
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not one of {', '.join(TASKS)}")
@@ -280,6 +281,10 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy, which train.backend={cfg.train.backend!r} cannot hold yet: "
             f"set train.backend to one that can ({', '.join(sorted(CRITIC))}), or another advantage"
         )
+    if cfg.algorithm.advantage in VALUE_BASED and isinstance(critic := critic_class(cfg.train.backend), RefusesTrainKeys):
+        refused = critic.refusal(**{key: getattr(cfg.train, key) for key in critic.train_keys})
+        if refused:
+            raise ConfigError(refused)
     if cfg.critic.path:
         check_critic_path(cfg)
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:

@@ -394,6 +394,7 @@ def test_followers_build_every_engine_and_take_every_step(ranks):
         "steps": len(STAGES) * (len(PLAN) + 3 * len(RESUME)) + RECOMPUTED + 3,  # the strict engine's step raised: not counted
         "rows": len(STAGES) * (sum(rows) + 3 * resume_rows) + sum(rows[:RECOMPUTED]) + 1 + 2 * 3,  # the reset engine's first step; its KL step and the fresh one's share out every row
         "exports": 6,
+        "critic_steps": 0,  # it builds a critic where rank 0 does (tests/engines/test_led_critic.py)
     }
 
 

@@ -201,6 +201,6 @@ def test_a_critic_shares_the_trainers_seat_and_goes_on_inside_its_turn():
         parking.unpark()
         assert sharing.summary()["seats"].keys() == {"train", "critic"}
         sharing.unseat(shared)
-        assert sharing.summary()["seats"].keys() == {"train"} and parking.offloaders == [train_parks]
+        assert sharing.summary()["seats"].keys() == {"train"} and parking.moves == [(train_parks.park, train_parks.unpark)]
     finally:
         sharing.close()

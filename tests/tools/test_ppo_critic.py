@@ -28,8 +28,8 @@ def test_the_quickstart_learns_with_a_critic(tidal_cli, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.backend=deepspeed"], r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='deepspeed' cannot hold yet: set train.backend to one that can \(fsdp, torch\)"),
-        (["train.backend=megatron"], "which train.backend='megatron' cannot hold yet"),
+        (["train.backend=megatron"], r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='megatron' cannot hold yet: set train.backend to one that can \(deepspeed, fsdp, torch\)"),
+        (["train.backend=deepspeed", "train.zero_stage=3"], "train.zero_stage=3: the deepspeed critic .* trains under ZeRO-1 or -2 only; set train.zero_stage=2, or train.backend=fsdp"),
     ],
 )
 def test_a_critic_with_another_train_backend_is_refused(overrides, message):

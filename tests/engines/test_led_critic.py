@@ -1,5 +1,7 @@
-"""The critic of `algorithm.advantage=gae` on the fsdp backend (`engines.fsdp_critic`): two
-ranks led by rank 0, beside the policy engine, held to the torch critic (`engines.critic`)."""
+"""The critics of `algorithm.advantage=gae` sharded over the trainer's ranks (`engines.led_critic`:
+`fsdp_critic`, and `deepspeed_critic` under ZeRO-2): two ranks led by rank 0, beside
+the backend's policy engine, each rank's seat parking them between commands, held to the torch
+critic (`engines.critic`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ NUM_STEPS = 3
 
 WORKER = textwrap.dedent(
     """
+    import gc
     import sys
     from contextlib import contextmanager
     from pathlib import Path
@@ -28,9 +31,8 @@ WORKER = textwrap.dedent(
 
     torch.set_num_threads(1)
 
-    from tidal.engines.fsdp_critic import FSDPCritic
-    from tidal.engines.fsdp_lead import follow, stop_followers
-    from tidal.engines.fsdp_train import FSDPTrainEngine
+    from tidal.engines.fsdp_lead import stop_followers
+    from tidal.engines.registry import TRAIN, critic_class, follower, load
     from tidal.engines.tiny import build_tiny_qwen2
     from tidal.flow.algorithms import PolicyLossConfig
     from tidal.flow.timeshare import Offloader
@@ -40,6 +42,7 @@ WORKER = textwrap.dedent(
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     current_platform().init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
     data = torch.load(work / "data.pt", weights_only=False)
+    backend, options = data["backend"], data["options"]
     if rank:
         fake = select_platform("fake:cpu:1").platform  # its offload copies for real: the shards really move
         parks = {}
@@ -47,32 +50,36 @@ WORKER = textwrap.dedent(
         class Parked:
             # a seat whose guest takes the devices between any two commands, one per engine
             def __init__(self, engine):
-                self.name = type(engine).__name__
-                modules = [m for m in (engine.model, getattr(engine, "reference", None)) if m is not None]
-                self.offloader = Offloader(fake, torch.nn.ModuleList(modules), engine.optimizer, moved=engine.after_offload_move)
+                self.name = "critic" if hasattr(engine, "values") else "policy"
+                if hasattr(engine, "park"):  # a DeepSpeed engine parks itself
+                    self.moves = engine
+                else:
+                    modules = [m for m in (engine.model, getattr(engine, "reference", None)) if m is not None]
+                    self.moves = Offloader(fake, torch.nn.ModuleList(modules), engine.optimizer, moved=engine.after_offload_move)
                 self.park()
 
             def park(self):
-                self.offloader.park()
+                self.moves.park()
                 parks[self.name] = parks.get(self.name, 0) + 1
 
             @contextmanager
             def turn(self):
-                self.offloader.unpark()
+                self.moves.unpark()
                 try:
                     yield
                 finally:
                     self.park()
 
             def close(self):
-                self.offloader.unpark()
+                self.moves.unpark()
 
-        done = follow(Parked)
+        done = follower(backend)(Parked)
         torch.save({**done, "parks": parks}, work / f"follow{rank}.pt")
     else:
         batch, returns = TokenBatch(*data["batch"]), data["returns"]
-        policy = FSDPTrainEngine(build_tiny_qwen2(data["vocab_size"], **data["model"]), lr=1e-3, micro_batch_size=2, rank0_leads=True)
-        critic = FSDPCritic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"])
+        policy = load("train.backend", backend)(build_tiny_qwen2(data["vocab_size"], **data["model"]), lr=1e-3, micro_batch_size=2, rank0_leads=True, **options)
+        Critic = critic_class(backend)
+        critic = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **options)
         critic.load_state_dict(data["start"])  # no optimizer state yet
         values, metrics = [], []
         for _ in range(data["num_steps"]):
@@ -80,7 +87,9 @@ WORKER = textwrap.dedent(
             policy.train_step(batch, data["advantages"], loss=PolicyLossConfig(), proximal_logprobs=policy.logprobs(batch))  # its commands between the critic's
             metrics.append(critic.train_step(batch, returns, values[-1] + data["offset"]))
         state = critic.state_dict()
-        again = FSDPCritic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"])  # the followers replace theirs
+        del critic  # as each follower drops its own before it builds the next
+        gc.collect()
+        again = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **options)  # the followers replace theirs
         again.load_state_dict(state)
         resumed = again.train_step(batch, returns, again.values(batch))
         torch.save({"values": values, "metrics": metrics, "state": state, "resumed": resumed, "resumed_state": again.state_dict(), "version": policy.version}, work / "result.pt")
@@ -95,9 +104,15 @@ def _returns(batch: TokenBatch) -> torch.Tensor:
     return torch.where(on, 0.5 * rows - 0.1 * torch.arange(on.shape[1]), 0.0)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, six_rows, spawn, write_data):
-    """The two-rank run (see WORKER) and the torch critic's same steps."""
+BACKENDS = {"fsdp": {}, "deepspeed-zero2": {"zero_stage": 2}}
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def runs(request, tmp_path_factory, six_rows, spawn, write_data):
+    """The two-rank run of each backend (see WORKER) and the torch critic's same steps."""
+    backend, options = request.param.split("-")[0], BACKENDS[request.param]
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
     batch, advantages = six_rows
     reference = Critic(build_tiny_qwen2(T.vocab_size, **MODEL), **CRITIC)
     with torch.no_grad():
@@ -109,8 +124,8 @@ def runs(tmp_path_factory, six_rows, spawn, write_data):
     for _ in range(NUM_STEPS):
         values.append(reference.values(batch))
         metrics.append(reference.train_step(batch, returns, values[-1] + offset))
-    work = tmp_path_factory.mktemp("fsdp_critic")
-    write_data(work, batch, advantages, returns=returns, offset=offset, start=start, vocab_size=T.vocab_size, model=MODEL, critic=CRITIC, num_steps=NUM_STEPS)
+    work = tmp_path_factory.mktemp(request.param)
+    write_data(work, batch, advantages, backend=backend, options=options, returns=returns, offset=offset, start=start, vocab_size=T.vocab_size, model=MODEL, critic=CRITIC, num_steps=NUM_STEPS)
     spawn(work, WORKER)
     torch_state = copy.deepcopy(reference.state_dict())
     resumed = reference.train_step(batch, returns, reference.values(batch))
@@ -156,4 +171,4 @@ def test_the_follower_runs_the_critic_beside_the_policy_each_in_its_own_seat(run
     assert follower["engines"] == 1 and follower["steps"] == NUM_STEPS  # the critic is not counted as a policy engine
     assert follower["critic_steps"] == NUM_STEPS + 1  # its own, and the critic that replaced it resumed one
     parks = follower["parks"]
-    assert parks["FSDPTrainEngine"] > NUM_STEPS and parks["FSDPCritic"] > 2 * NUM_STEPS  # each engine parked after each of its commands
+    assert parks["policy"] > NUM_STEPS and parks["critic"] > 2 * NUM_STEPS  # each engine parked after each of its commands
