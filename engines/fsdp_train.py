@@ -221,7 +221,7 @@ class FSDPTrainEngine:
             elif op == "sft_step":
                 rank_steps.supervised_step(self, batch)
             else:
-                logprobs = self._logprobs(batch)
+                logprobs = self._logprobs(batch, reference=command.get("reference", False))
                 if len(batch):
                     dist.send(logprobs.contiguous(), dst=0)
         elif op == "named_weights":
@@ -286,22 +286,40 @@ class FSDPTrainEngine:
         every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
         return rank_steps.lead_logprobs(batch, self._logprobs, leading=self._leading, world_size=self.world_size)
 
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        """`logprobs` under the frozen KL reference (`LogprobsUnderReference`; an engine built with
+        `kl_reference=True`): its forward passes, sharded as the model's, on every rank."""
+        if not self.kl_reference:
+            raise ValueError("logprobs under the reference need one: build the engine with kl_reference=True")
+        return rank_steps.lead_logprobs(batch, lambda rows: self._logprobs(rows, reference=True), leading=self._leading, world_size=self.world_size, reference=True)
+
     @torch.no_grad()
-    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """In eval mode (no dropout), as a rollout engine computes them."""
+    def _logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        """In eval mode (no dropout), as a rollout engine computes them; under the KL reference with `reference`."""
         num_micro = int(self.step_counts(batch)["micro_batches"])
         with evaluating(self.model):
             slices = self._micro_batches(batch)
-            parts = [self._predicted(self._part(batch, mb)) for mb in slices]
+            parts = [self._predicted(self._part(batch, mb), reference=reference) for mb in slices]
             for _ in range(num_micro - len(slices)):
-                self._dummy_pass(backward=False)
+                if reference:
+                    self._dummy_reference_pass()
+                else:
+                    self._dummy_pass(backward=False)
         self._reshard()
         width = batch.input_ids.shape[1] - 1  # each part was cut to its longest row: padded back with 0
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
 
-    def _predicted(self, part: TokenBatch) -> torch.Tensor:
-        """A micro-batch's logprobs on the host, 0 where padding is predicted (as padding-free ones and the torch engine's are)."""
-        return torch.where(part.attention_mask[:, 1:].cpu() != 0, self.token_stats(part)[0].cpu(), 0.0)
+    def _predicted(self, part: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        """A micro-batch's logprobs on the host (under the KL reference with `reference`), 0 where
+        padding is predicted (as padding-free ones and the torch engine's are)."""
+        logprobs = self.reference_logprobs(part) if reference else self.token_stats(part)[0]
+        return torch.where(part.attention_mask[:, 1:].cpu() != 0, logprobs.cpu(), 0.0)
+
+    def _dummy_reference_pass(self) -> None:
+        """A reference forward alone that joins the other ranks' (`logprobs_under_reference`)."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        with torch.no_grad(), self._reference() as module, self.platform.autocast(self.precision):
+            module(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
 
     # Steps -----------------------------------------------------------------------------
     def run_step(self, batch: TokenBatch, counts: dict[str, float], micro_loss: MicroLoss, weight_of: Callable[[TokenBatch], float], *, kl: bool = False) -> dict[str, float]:

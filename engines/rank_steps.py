@@ -167,10 +167,11 @@ def supervised_step(engine: RankedTrainer, batch: TokenBatch) -> dict[str, float
     return metrics
 
 
-def lead_logprobs(batch: TokenBatch, local: Callable[[TokenBatch], torch.Tensor], *, leading: bool, world_size: int) -> torch.Tensor:
+def lead_logprobs(batch: TokenBatch, local: Callable[[TokenBatch], torch.Tensor], *, leading: bool, world_size: int, **args: Any) -> torch.Tensor:
     """`local(batch)`: this rank's rows' logprobs (SPMD: a collective, every rank calls it); led
-    by rank 0 (`leading`), of every row of `batch`, shared out and computed by all ranks."""
+    by rank 0 (`leading`), of every row of `batch`, shared out and computed by all ranks (the
+    "logprobs" command carries `args`: `reference=True` for logprobs under the KL reference)."""
     if not leading:
         return local(batch)
-    fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), world_size)
+    fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), world_size, **args)
     return gather_rows(local(TokenBatch(*fields)), shares)

@@ -251,10 +251,20 @@ class TorchTrainEngine:
         one) when the rows went through the model packed (`_pack`). The model runs in eval
         mode (no dropout), as a rollout engine's does.
         """
+        return self._batch_logprobs(batch, self._token_logprobs)
+
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        """`logprobs` under the frozen KL reference (`LogprobsUnderReference`; an engine built with `kl_reference=True`)."""
+        if not self.kl_reference:
+            raise ValueError("logprobs under the reference need one: build the engine with kl_reference=True")
+        return self._batch_logprobs(batch, self._reference_logprobs)
+
+    @torch.no_grad()
+    def _batch_logprobs(self, batch: TokenBatch, token_logprobs: Any) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         with evaluating(self.model):
             for rows, part in self._micro_batches(batch):
-                out[rows, : part.loss_mask.shape[1]] = torch.where(part.attention_mask[:, 1:].cpu() != 0, self._token_logprobs(part).cpu(), 0.0)
+                out[rows, : part.loss_mask.shape[1]] = torch.where(part.attention_mask[:, 1:].cpu() != 0, token_logprobs(part).cpu(), 0.0)
         return out
 
     def _step(self, batch: TokenBatch, micro_loss: Any, weight_of: Any, among: torch.Tensor | None = None) -> dict[str, float]:

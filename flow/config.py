@@ -101,8 +101,8 @@ class AlgorithmConfig:
     """The RL algorithm and its staleness bound."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(
-        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 1, "max_staleness": 0, "gamma": 0, "lam": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "overlong_buffer": 0, "max_filtered_in_a_row": 1},
-        positive=("tis_cap", "seq_mask_high"),
+        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 1, "max_staleness": 0, "gamma": 0, "lam": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "kl_in_reward": 0, "kl_horizon": 1, "overlong_buffer": 0, "max_filtered_in_a_row": 1},
+        positive=("tis_cap", "seq_mask_high", "kl_target"),
         finite=("seq_mask_low", "dual_clip", "entropy_coef"),
         why={
             "tis_cap": "the importance weight is truncated at it; null for no cap",
@@ -136,6 +136,12 @@ class AlgorithmConfig:
     """Truncate the behavior importance weight at this value (truncated IS); null = no cap."""
     kl_coef: float = 0.0
     """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps (and checkpoints); 0 = none. Every train backend holds one (fsdp sharded as the policy; deepspeed partitioned under ZeRO-3, else whole on every rank as the policy is); with LoRA adapters (train.lora_rank) the reference is the base with the adapters off."""
+    kl_in_reward: float = 0.0
+    """advantage=gae: the coefficient of a KL penalty in the reward, as InstructGPT's, OpenRLHF's and TRL's PPO put it (verl's use_kl_in_reward with kl_ctrl.kl_coef): each response token's reward is -kl_in_reward x (behavior logprob - reference logprob), the sequence's reward added at its last token, against the frozen reference kl_coef uses (kept by the train engine; train.backend torch or fsdp); 0 = none. kl_coef puts the KL in the loss instead (GRPO's way); both may be set. Metrics: reward_kl, reward_kl_coef."""
+    kl_target: Optional[float] = None
+    """With kl_in_reward: the KL per token to steer toward by adapting the coefficient after each step (verl's kl_ctrl.type=adaptive with target_kl; Ziegler et al. 2019): it starts at kl_in_reward and moves by clip(kl / kl_target - 1, -0.2, 0.2) x samples / kl_horizon; null = a fixed coefficient. A resumed run goes on with the coefficient its checkpoint saved."""
+    kl_horizon: int = 10000
+    """With kl_target: the samples over which a KL off the target moves the coefficient by its (clipped) relative error (verl's kl_ctrl.horizon)."""
     entropy_coef: float = 0.0
     """Entropy bonus (verl's entropy_coeff): this times the aggregated entropy of the policy's next-token distributions is subtracted from the loss, against entropy collapse; 0 = none (the entropy is still reported as the `entropy` metric); >= 0. Like kl_coef, a value > 0 trains rows whose advantage is 0 too."""
     kl_estimator: str = "k3"
@@ -168,6 +174,13 @@ class AlgorithmConfig:
         for key in ("gamma", "lam"):
             if getattr(self, key) > 1:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)} must be <= 1")
+        if self.kl_in_reward > 0 and self.advantage not in VALUE_BASED:
+            raise ValueError(
+                f"algorithm.kl_in_reward={self.kl_in_reward} puts a KL penalty into each token's reward, which only a critic's per-token advantages read "
+                f"(advantage=gae); algorithm.advantage={self.advantage} reads one reward per sequence: set algorithm.kl_coef (the KL in the loss, GRPO's way) instead"
+            )
+        if self.kl_target is not None and self.kl_in_reward == 0:
+            raise ValueError(f"algorithm.kl_target={self.kl_target} adapts the coefficient of a KL penalty in the reward, and algorithm.kl_in_reward is 0: set it (the coefficient to start from), or unset kl_target")
         if self.advantage not in VALUE_BASED and self.group_size < 2:
             raise ValueError(
                 f"algorithm.group_size={self.group_size} must be >= 2: algorithm.advantage={self.advantage} compares a prompt's samples with each other, "

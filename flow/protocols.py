@@ -151,6 +151,17 @@ class TakesTrainKeys(Protocol):
 
 
 @runtime_checkable
+class LogprobsUnderReference(Protocol):
+    """A train engine that gives a whole batch's logprobs under its frozen KL reference (built
+    with `kl_reference=True`), as `logprobs` gives them under its weights: what a KL penalty in
+    the reward reads (`algorithm.kl_in_reward`)."""
+
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        """`[batch, seq - 1]` logprob of each next token under the reference, 0 where `logprobs` gives 0."""
+        ...
+
+
+@runtime_checkable
 class RefusesTrainKeys(Protocol):
     """An engine class that cannot run with some values of its own `train.*` keys
     (`TakesTrainKeys`): `tidal run` asks it before any work. Checked on the class."""

@@ -245,6 +245,10 @@ class SharedTrainEngine:
         with self.seat.turn():
             return self.engine.logprobs(batch)
 
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        with self.seat.turn():
+            return self.engine.logprobs_under_reference(batch)
+
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor, *, loss: PolicyLossConfig, proximal_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         with self.seat.turn():
             return self.engine.train_step(batch, advantages, loss=loss, proximal_logprobs=proximal_logprobs)

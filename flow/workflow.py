@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.flow.algorithms import TOKEN_WHITENED, VALUE_BASED, PolicyLossConfig, filter_truncated, gae, masked_whiten, token_whiten
+from tidal.flow.algorithms import TOKEN_WHITENED, VALUE_BASED, KLController, PolicyLossConfig, filter_truncated, gae, kl_penalty_rewards, masked_whiten, token_whiten
 from tidal.flow.clock import FIRST_COMPLETED, REAL, Clock
 from tidal.flow.config import AlgorithmConfig, RolloutConfig
-from tidal.flow.protocols import Critic, HoldsModel, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
+from tidal.flow.protocols import Critic, HoldsModel, LogprobsUnderReference, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
 from tidal.flow.rollout import ROLLOUT_TOTALS, LocalRollouts, RolloutGroup, RolloutWorker
 from tidal.flow.rows import TRAJECTORY_COLUMNS, token_batch_of
 from tidal.flow.stages import Stages, guard
@@ -156,6 +156,11 @@ class Workflow:
             raise ValueError(f"algorithm.advantage={config.algorithm.advantage} " + ("needs a critic" if critic is None else "takes no critic: only a value-based estimator (gae) uses one"))
         self.store, self.rollout, self.trainer, self.config = store, rollout, trainer, config
         self.critic = critic
+        algorithm = config.algorithm
+        self.reward_kl = KLController(dict(totals or {}).get("reward_kl_coef", algorithm.kl_in_reward), algorithm.kl_target, algorithm.kl_horizon) if algorithm.kl_in_reward > 0 else None
+        """The coefficient of a KL penalty in the reward (`algorithm.kl_in_reward`; a resumed run's from its checkpoint), or None."""
+        if self.reward_kl is not None and not isinstance(trainer, LogprobsUnderReference):
+            raise ValueError(f"algorithm.kl_in_reward={algorithm.kl_in_reward} reads logprobs under the reference policy, which {type(trainer).__name__} does not give (`LogprobsUnderReference`)")
         self.clock = clock
         self.on_step = on_step or (lambda metrics: None)
         self.tracer = tracer or Tracer(clock=clock)
@@ -216,6 +221,8 @@ class Workflow:
         counts are the last step's, as its workers, remote ones too, last reported them)."""
         saved = self.stages.save(path)
         totals = {**self._totals, **self._rollout_counts, "failed_rewards": saved["failed_rewards"], "reward_timeouts": saved["reward_timeouts"], "reported_dropped": self._reported_dropped}
+        if self.reward_kl is not None:
+            totals["reward_kl_coef"] = self.reward_kl.coef
         return {"prompt_position": saved["prompt_position"], "totals": totals}
 
     def _guard(self, stage: Callable[[], None]) -> None:
@@ -328,8 +335,25 @@ class Workflow:
         critic, cfg, tokens = self.critic, self.config.algorithm, rows.tokens
         with self.tracer.span("train", "values", version=self.version, rows=len(rows.indexes)):
             values = critic.values(tokens)
-        advantages, returns = gae(rows.row_rewards, values, tokens.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
-        return masked_whiten(advantages, tokens.loss_mask), lambda: critic.train_step(tokens, returns, values)
+        penalties, kl_metrics = self._reward_kl_penalties(tokens)
+        advantages, returns = gae(rows.row_rewards, values, tokens.loss_mask, gamma=cfg.gamma, lam=cfg.lam, token_rewards=penalties)
+        return masked_whiten(advantages, tokens.loss_mask), lambda: {**critic.train_step(tokens, returns, values), **kl_metrics}
+
+    def _reward_kl_penalties(self, tokens: Any) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """With a KL penalty in the reward: each loss token's (`kl_penalty_rewards`, from the
+        trainer's reference logprobs), the step's `reward_kl` (mean over the sequences of
+        their per-token KL) and the `reward_kl_coef` used, after which the coefficient adapts
+        (`KLController`); else none."""
+        if self.reward_kl is None:
+            return None, {}
+        assert isinstance(self.trainer, LogprobsUnderReference)  # __init__ checked it
+        with self.tracer.span("train", "reference", version=self.version, rows=len(tokens)):
+            reference = self.trainer.logprobs_under_reference(tokens)
+        coef = self.reward_kl.coef
+        penalties, per_row = kl_penalty_rewards(tokens.behavior_logprobs, reference, tokens.loss_mask, coef=coef)
+        kl = float(per_row.mean()) if len(per_row) else 0.0
+        self.reward_kl.update(kl, len(per_row))
+        return penalties, {"reward_kl": kl, "reward_kl_coef": coef}
 
     def _num_dropped(self) -> int:
         """Rows the trainer's sampler found too old, so far."""

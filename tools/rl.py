@@ -250,7 +250,7 @@ def build_train_engine(cfg: RecipeConfig, train_cls: Any, model: torch.nn.Module
         max_nonfinite_steps=cfg.train.max_nonfinite_steps,
         lr_schedule=lr_schedule(cfg),
         platform=platform,
-        **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 else {}),  # the warm start's weights: the reference policy
+        **({"kl_reference": True} if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_in_reward > 0 else {}),  # the warm start's weights: the reference policy
         **own_train_keys(train_cls, cfg),
         **(engine_options or {}),
     )

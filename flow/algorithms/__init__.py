@@ -10,7 +10,7 @@ handles responses cut at the token budget (DAPO's filter and soft penalty).
 """
 
 from tidal.flow.algorithms.advantages import ADVANTAGES, TOKEN_WHITENED, VALUE_BASED, compute_advantages, dr_grpo, grpo, rloo, silent_groups, token_whiten
-from tidal.flow.algorithms.gae import explained_variance, gae, masked_whiten, value_loss
+from tidal.flow.algorithms.gae import KLController, explained_variance, gae, kl_penalty_rewards, masked_whiten, value_loss
 from tidal.flow.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -29,6 +29,7 @@ __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "KLController",
     "LEVELS",
     "OVERLONG",
     "PolicyLossConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "gae",
     "grpo",
     "kl_estimate",
+    "kl_penalty_rewards",
     "masked_mean",
     "masked_whiten",
     "overlong_penalty",

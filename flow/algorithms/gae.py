@@ -14,16 +14,18 @@ over them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 1.0, token_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token advantages and returns.
 
     delta_t = r_t + gamma * V_next - V_t and A_t = delta_t + gamma * lam * A_next, from the
     last loss token back, where r_t is the row's reward at its last loss token and 0
-    elsewhere, and V_next, A_next are those of the next loss token (0 after the last).
-    Returns are A_t + V_t.
+    elsewhere (plus `token_rewards` at t), and V_next, A_next are those of the next loss
+    token (0 after the last). Returns are A_t + V_t.
 
     Args:
         rewards: `[batch]` sequence rewards.
@@ -31,6 +33,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
         mask: `[batch, seq - 1]` loss tokens (bool or 0/1).
         gamma: Discount per token, in [0, 1].
         lam: GAE's lambda, in [0, 1].
+        token_rewards: `[batch, seq - 1]` rewards of every token besides (a KL penalty in
+            the reward, `kl_penalty_rewards`); read at the loss tokens only. None: none.
 
     Returns:
         (advantages, returns), each `[batch, seq - 1]` in float32, 0 outside `mask`.
@@ -42,20 +46,53 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     num_rows, width = values.shape
     positions = torch.arange(width, device=values.device).expand(num_rows, -1)
     last = torch.where(on, positions, -1).max(dim=1).values  # -1: a row without a loss token
-    token_rewards = torch.zeros_like(values)
+    if token_rewards is not None and token_rewards.shape != values.shape:
+        raise ValueError(f"token_rewards must be shaped as values {tuple(values.shape)}, got {tuple(token_rewards.shape)}")
+    per_token = torch.zeros_like(values) if token_rewards is None else token_rewards.float() * on
     has = last >= 0
-    token_rewards[has, last[has]] = rewards.float()[has]
+    per_token[has, last[has]] += rewards.float()[has]
     advantages = torch.zeros_like(values)
     next_value = torch.zeros(num_rows, device=values.device)
     next_advantage = torch.zeros(num_rows, device=values.device)
     for t in range(width - 1, -1, -1):
         here = on[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        delta = per_token[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lam * next_advantage
         advantages[:, t] = torch.where(here, advantage, 0.0)
         next_advantage = torch.where(here, advantage, next_advantage)
         next_value = torch.where(here, values[:, t], next_value)
     return advantages, (advantages + values) * on
+
+
+def kl_penalty_rewards(behavior_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor, *, coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-token KL penalty in the reward (InstructGPT's PPO; verl's `apply_kl_penalty` with
+    its default "kl" estimator, OpenRLHF's and TRL's): `-coef * (behavior - reference logprob)`
+    at each loss token, 0 elsewhere. Returns (those rewards, each row's mean KL over its loss
+    tokens: `[batch]`, what `KLController.update` reads; 0 for a row without one)."""
+    on = mask.bool()
+    kl = (behavior_logprobs.float() - reference_logprobs.float()) * on
+    per_row = kl.sum(dim=1) / on.sum(dim=1).clamp(min=1)
+    return -coef * kl, per_row
+
+
+@dataclasses.dataclass
+class KLController:
+    """The coefficient of a KL penalty in the reward (verl's `kl_ctrl`; Ziegler et al. 2019):
+    fixed, or with a `target` adapted after each step toward that KL: the coefficient times
+    1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon."""
+
+    coef: float
+    target: float | None = None
+    """The KL per token (each sequence's mean over its tokens, averaged) to steer toward; None: a fixed coefficient."""
+    horizon: int = 10000
+    """Samples over which a KL off the target moves the coefficient by its (clipped) relative error."""
+
+    def update(self, kl: float, num_samples: int) -> None:
+        """After a step whose `num_samples` sequences had a mean `kl` (`kl_penalty_rewards`)."""
+        if self.target is None:
+            return
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.coef *= 1.0 + error * num_samples / self.horizon
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:

@@ -77,7 +77,9 @@ WORKER = textwrap.dedent(
         torch.save({**done, "parks": parks}, work / f"follow{rank}.pt")
     else:
         batch, returns = TokenBatch(*data["batch"]), data["returns"]
-        policy = load("train.backend", backend)(build_tiny_qwen2(data["vocab_size"], **data["model"]), lr=1e-3, micro_batch_size=2, rank0_leads=True, **options)
+        policy = load("train.backend", backend)(build_tiny_qwen2(data["vocab_size"], **data["model"]), lr=1e-3, micro_batch_size=2, rank0_leads=True, **options, **data["policy_options"])
+        reference = data["policy_options"].get("kl_reference", False)  # logprobs under it: what a KL penalty in the reward reads
+        first = {"logprobs": policy.logprobs(batch), **({"reference": policy.logprobs_under_reference(batch)} if reference else {})}
         Critic = critic_class(backend)
         critic = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **options)
         critic.load_state_dict(data["start"])  # no optimizer state yet
@@ -87,12 +89,13 @@ WORKER = textwrap.dedent(
             policy.train_step(batch, data["advantages"], loss=PolicyLossConfig(), proximal_logprobs=policy.logprobs(batch))  # its commands between the critic's
             metrics.append(critic.train_step(batch, returns, values[-1] + data["offset"]))
         state = critic.state_dict()
+        last = {"logprobs": policy.logprobs(batch), **({"reference": policy.logprobs_under_reference(batch)} if reference else {})}
         del critic  # as each follower drops its own before it builds the next
         gc.collect()
         again = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **options)  # the followers replace theirs
         again.load_state_dict(state)
         resumed = again.train_step(batch, returns, again.values(batch))
-        torch.save({"values": values, "metrics": metrics, "state": state, "resumed": resumed, "resumed_state": again.state_dict(), "version": policy.version}, work / "result.pt")
+        torch.save({"values": values, "metrics": metrics, "state": state, "resumed": resumed, "resumed_state": again.state_dict(), "version": policy.version, "first": first, "last": last}, work / "result.pt")
         stop_followers()
     """
 )
@@ -105,6 +108,7 @@ def _returns(batch: TokenBatch) -> torch.Tensor:
 
 
 BACKENDS = {"fsdp": {}, "deepspeed-zero2": {"zero_stage": 2}}
+POLICY_OPTIONS = {"fsdp": {"kl_reference": True}, "deepspeed-zero2": {}}
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
@@ -125,7 +129,7 @@ def runs(request, tmp_path_factory, six_rows, spawn, write_data):
         values.append(reference.values(batch))
         metrics.append(reference.train_step(batch, returns, values[-1] + offset))
     work = tmp_path_factory.mktemp(request.param)
-    write_data(work, batch, advantages, backend=backend, options=options, returns=returns, offset=offset, start=start, vocab_size=T.vocab_size, model=MODEL, critic=CRITIC, num_steps=NUM_STEPS)
+    write_data(work, batch, advantages, backend=backend, options=options, policy_options=POLICY_OPTIONS[request.param], returns=returns, offset=offset, start=start, vocab_size=T.vocab_size, model=MODEL, critic=CRITIC, num_steps=NUM_STEPS)
     spawn(work, WORKER)
     torch_state = copy.deepcopy(reference.state_dict())
     resumed = reference.train_step(batch, returns, reference.values(batch))
@@ -172,3 +176,15 @@ def test_the_follower_runs_the_critic_beside_the_policy_each_in_its_own_seat(run
     assert follower["critic_steps"] == NUM_STEPS + 1  # its own, and the critic that replaced it resumed one
     parks = follower["parks"]
     assert parks["policy"] > NUM_STEPS and parks["critic"] > 2 * NUM_STEPS  # each engine parked after each of its commands
+
+
+def test_logprobs_under_the_reference_come_from_every_rank_and_stay_the_first_weights(runs):
+    """The fsdp policy's reference (`logprobs_under_reference`, led over both ranks: what
+    `algorithm.kl_in_reward` reads) gives the first weights' logprobs before and after the
+    policy's steps."""
+    first, last = runs["fsdp"]["first"], runs["fsdp"]["last"]
+    if "reference" not in first:
+        pytest.skip("this backend gives no logprobs under its reference (engines.registry.KL_IN_REWARD)")
+    torch.testing.assert_close(first["reference"], first["logprobs"], atol=1e-5, rtol=0)
+    assert (last["logprobs"] - first["logprobs"]).abs().max() > 1e-4  # the policy moved
+    torch.testing.assert_close(last["reference"], first["logprobs"], atol=1e-5, rtol=0)  # its reference did not

@@ -464,6 +464,26 @@ def test_a_kl_term_pulls_toward_the_frozen_reference_and_is_checkpointed(tmp_pat
     assert not all(torch.equal(a, b) for a, b in zip(other.reference.state_dict().values(), other.model.state_dict().values()))
 
 
+@pytest.mark.parametrize("lora", [0, 4], ids=["copy", "lora-base"])
+def test_logprobs_under_the_reference_are_the_weights_the_engine_was_built_with(lora):
+    """What a KL penalty in the reward reads (`algorithm.kl_in_reward`): a whole batch's
+    logprobs under the frozen reference, laid out as `logprobs`; after steps they are still the
+    first weights' (with LoRA, the base's: the adapters off), and an engine without a reference refuses."""
+    if lora:
+        pytest.importorskip("peft")
+    batch = _batch()
+    engine = TorchTrainEngine(tiny(), lr=3e-2, kl_reference=True, micro_batch_size=3, lora_rank=lora)
+    first = engine.logprobs(batch)
+    torch.testing.assert_close(engine.logprobs_under_reference(batch), first)
+    for _ in range(3):
+        engine.train_step(batch, torch.tensor([1.0, -0.5, 0.25, -1.0]), loss=PolicyLossConfig())
+    moved = engine.logprobs(batch)
+    assert (moved - first).abs().mul(batch.loss_mask).sum() > 1e-3  # the policy moved
+    torch.testing.assert_close(engine.logprobs_under_reference(batch), first)  # the reference did not
+    with pytest.raises(ValueError, match="kl_reference=True"):
+        TorchTrainEngine(tiny()).logprobs_under_reference(batch)
+
+
 @pytest.mark.parametrize("setting", [{"grad_clip": 0.0}, {"grad_clip": -1.0}, {"temperature": 0.0}, {"max_nonfinite_steps": -1}])
 def test_a_grad_clip_or_temperature_that_is_not_positive_is_refused(setting):
     """`grad_clip=0` clipped every gradient to nothing (a run that never learns), and

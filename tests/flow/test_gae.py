@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from tests.flow.test_overlong import MAX_NEW_TOKENS, RecordingTrainer, ScriptedRollout
-from tidal.flow.algorithms import explained_variance, gae, masked_whiten, value_loss
+from tidal.flow.algorithms import KLController, explained_variance, gae, kl_penalty_rewards, masked_whiten, value_loss
 from tidal.flow.store import Store
 from tidal.flow.workflow import Workflow, WorkflowConfig
 
@@ -157,3 +158,73 @@ def test_a_value_based_estimator_needs_a_critic_and_the_others_take_none():
         Workflow(store=Store(), rollout=ScriptedRollout(), trainer=RecordingTrainer(), prompts=prompts, score=_score, config=_config(advantage="gae"))
     with pytest.raises(ValueError, match="algorithm.advantage=grpo takes no critic"):
         Workflow(store=Store(), rollout=ScriptedRollout(), trainer=RecordingTrainer(), prompts=prompts, score=_score, config=_config(group_size=2), critic=RecordingCritic([]))
+
+
+def verl_adaptive_kl(value: float, target: float, horizon: int, current_kl: float, n_steps: int) -> float:
+    """verl/trainer/ppo/core_algos.py `AdaptiveKLController.update`."""
+    proportional_error = float(np.clip(current_kl / target - 1, -0.2, 0.2))
+    mult = 1 + proportional_error * n_steps / horizon
+    return value * mult
+
+
+def test_a_kl_penalty_in_the_reward_is_verls_apply_kl_penalty_and_gae_reads_it_per_token():
+    rewards, values, mask = _batch()
+    behavior, reference = -torch.rand(3, 7), -torch.rand(3, 7)
+    penalties, per_row = kl_penalty_rewards(behavior, reference, mask, coef=0.1)
+    kld = (behavior - reference) * mask  # verl's kl_penalty(..., "kl"), masked
+    torch.testing.assert_close(penalties, -0.1 * kld)
+    torch.testing.assert_close(per_row[:2], (kld.sum(1) / mask.sum(1))[:2])  # verl's masked_mean over each response
+    assert per_row[2] == 0  # no loss token
+    token_level = penalties.clone()  # verl's token_level_rewards: the score at the last token minus beta * kld
+    token_level[0, 5] += rewards[0]
+    token_level[1, 6] += rewards[1]
+    want_adv, want_ret = verl_gae(token_level, values, mask, 0.99, 0.95)
+    advantages, returns = gae(rewards, values, mask, gamma=0.99, lam=0.95, token_rewards=penalties)
+    on = mask.bool()
+    torch.testing.assert_close(advantages[on], want_adv[on])
+    torch.testing.assert_close(returns[on], want_ret[on])
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.005, 0.011, 0.5])
+def test_the_adaptive_kl_controller_is_verls_and_a_fixed_one_stays(kl):
+    controller = KLController(0.2, target=0.01, horizon=1000)
+    controller.update(kl, 64)
+    assert controller.coef == pytest.approx(verl_adaptive_kl(0.2, 0.01, 1000, kl, 64))
+    fixed = KLController(0.2)
+    fixed.update(kl, 64)
+    assert fixed.coef == 0.2
+
+
+class ReferenceTrainer(OrderedTrainer):
+    """Reference logprobs 0.5 below each behavior logprob: a KL of 0.5 per token."""
+
+    def logprobs_under_reference(self, batch: Any) -> torch.Tensor:
+        self.calls.append("reference")
+        return (batch.behavior_logprobs - 0.5) * batch.loss_mask
+
+
+def test_with_a_kl_in_the_reward_each_step_reads_the_reference_and_the_coefficient_adapts_and_is_saved(tmp_path):
+    calls: list[str] = []
+    steps: list[dict[str, Any]] = []
+    critic, trainer = RecordingCritic(calls), ReferenceTrainer(calls)
+    prompts = iter([{"prompt_ids": [1, 2], "answer": "x"}] * 20)
+    config = _config(advantage="gae", gamma=1.0, lam=1.0, kl_in_reward=0.1, kl_target=0.25, kl_horizon=6)
+    workflow = Workflow(store=Store(), rollout=ScriptedRollout(), trainer=trainer, prompts=prompts, score=_score, config=config, on_step=steps.append, critic=critic)
+    workflow.run()
+    assert calls == ["values", "reference", "policy", "critic"] * 2
+    assert [m["reward_kl"] for m in steps] == [pytest.approx(0.5)] * 2
+    assert [m["reward_kl_coef"] for m in steps] == [pytest.approx(0.1), pytest.approx(0.1 * 1.1)]  # KL twice the target: +20% x 3 samples / 6
+    for k, ((_, returns, _), mask) in enumerate(zip(critic.steps, trainer.masks, strict=True)):
+        on = mask.bool()
+        rewards = torch.tensor([float(n) for n in on.sum(1).tolist()])
+        after = torch.flip(torch.cumsum(torch.flip(on.float(), [1]), 1), [1]) * on  # loss tokens from each one to the last
+        penalty = steps[k]["reward_kl_coef"] * 0.5 * after  # gamma = lam = 1: a token's return sums the penalties from it on
+        torch.testing.assert_close(returns, torch.where(on, rewards[:, None] - penalty, 0.0))
+    assert workflow.save(tmp_path / "store")["totals"]["reward_kl_coef"] == pytest.approx(0.1 * 1.1 * 1.1)
+    resumed = Workflow(store=Store(), rollout=ScriptedRollout(), trainer=ReferenceTrainer([]), prompts=iter([]), score=_score, config=config, critic=RecordingCritic([]), totals={"reward_kl_coef": 0.3})
+    assert resumed.reward_kl.coef == 0.3  # a resumed run goes on with its checkpoint's coefficient
+
+
+def test_a_kl_in_the_reward_needs_a_trainer_that_gives_reference_logprobs():
+    with pytest.raises(ValueError, match="does not give"):
+        Workflow(store=Store(), rollout=ScriptedRollout(), trainer=OrderedTrainer([]), prompts=iter([]), score=_score, config=_config(advantage="gae", kl_in_reward=0.1), critic=RecordingCritic([]))

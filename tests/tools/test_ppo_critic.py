@@ -37,6 +37,20 @@ def test_a_critic_with_another_train_backend_is_refused(overrides, message):
         check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1", *overrides]))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.advantage=grpo", "algorithm.group_size=2", "algorithm.kl_in_reward=0.05"], r"algorithm.kl_in_reward=0.05 .* algorithm.advantage=grpo reads one reward per sequence: set algorithm.kl_coef"),
+        (["algorithm.kl_target=0.01"], r"algorithm.kl_target=0.01 adapts .* algorithm.kl_in_reward is 0"),
+        (["algorithm.kl_in_reward=0.05", "algorithm.kl_target=0"], r"algorithm.kl_target=0.0 must be > 0"),
+        (["algorithm.kl_in_reward=0.05", "train.backend=deepspeed"], r"algorithm.kl_in_reward=0.05 reads each batch's logprobs under the reference policy, which only train.backend=torch or fsdp gives yet"),
+    ],
+)
+def test_a_kl_in_the_reward_it_cannot_run_is_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1", *overrides]))
+
+
 def test_the_simulator_refuses_a_critic_it_does_not_model():
     from tidal.tools.sim.simulate import simulate
 
