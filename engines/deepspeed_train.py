@@ -258,7 +258,7 @@ class DeepSpeedTrainEngine:
             elif op == "sft_step":
                 rank_steps.supervised_step(self, batch)
             else:
-                logprobs = self._logprobs(batch)
+                logprobs = self._logprobs(batch, reference=command.get("reference", False))
                 if len(batch):
                     dist.send(logprobs.contiguous(), dst=0)
         elif op == "named_weights":
@@ -296,6 +296,12 @@ class DeepSpeedTrainEngine:
         if backward:
             self.deepspeed.backward(logits.float().sum() * 0.0)
 
+    def _dummy_reference_pass(self) -> None:
+        """A reference forward alone, that joins the other ranks' under ZeRO-3 (`logprobs_under_reference`)."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        with torch.no_grad(), self._reference() as module, self.platform.autocast(self.precision):
+            module(input_ids=ids, attention_mask=torch.ones_like(ids), **self._no_kv_cache)
+
     def _micro_batches(self, batch: TokenBatch) -> list[slice]:
         """This rank's runs of rows, in order, within `micro_batch_size` rows and
         `max_tokens_per_micro_batch` tokens (`engines.micro_batches.pack`); their number may
@@ -317,17 +323,29 @@ class DeepSpeedTrainEngine:
         every rank calls it); led by rank 0: of every row of `batch`, computed by all ranks."""
         return rank_steps.lead_logprobs(batch, self._logprobs, leading=self._leading, world_size=self.world_size)
 
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        """`logprobs` under the frozen KL reference (`LogprobsUnderReference`; an engine built
+        with `kl_reference=True`), every rank's rows on every rank (`reference_logprobs`)."""
+        if not self.kl_reference:
+            raise ValueError("logprobs under the reference need one: build the engine with kl_reference=True")
+        return rank_steps.lead_logprobs(batch, lambda rows: self._logprobs(rows, reference=True), leading=self._leading, world_size=self.world_size, reference=True)
+
     @torch.no_grad()
-    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """In eval mode (no dropout), as a rollout engine computes them."""
+    def _logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        """In eval mode (no dropout), as a rollout engine computes them; under the KL reference with `reference`."""
         num_micro = int(self.step_counts(batch)["micro_batches"])
         with evaluating(self.module):
             slices = self._micro_batches(batch)
-            parts = [self.token_stats(self._part(batch, mb))[0].cpu() for mb in slices]
+            parts = [(self.reference_logprobs(part) if reference else self.token_stats(part)[0]).cpu() for part in (self._part(batch, mb) for mb in slices)]
             for _ in range(num_micro - len(slices)):
-                self._dummy_pass(backward=False)
+                if reference:
+                    self._dummy_reference_pass()
+                else:
+                    self._dummy_pass(backward=False)
         if self.zero_stage == 3:  # a forward without backward leaves prefetched weights gathered, or still arriving
             self.zero.empty_partition_cache()  # local, on every rank at the same point: a later gather starts from slices
+            if reference and self._reference_engine is not None:
+                self._reference_engine.empty_partition_cache()
         width = batch.input_ids.shape[1] - 1  # each part was cut to its longest row: padded back with 0
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]) if parts else torch.zeros((0, width))
 

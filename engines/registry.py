@@ -28,7 +28,7 @@ takes it back (`flow.colocate`): the ones a colocated or multiplexed layout can 
 KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 """train.backend values whose engine holds a frozen reference policy (`kl_reference=True`):
 the ones a loss with `algorithm.kl_coef > 0` can use."""
-KL_IN_REWARD = ("torch", "fsdp")
+KL_IN_REWARD = ("torch", "fsdp", "deepspeed")
 """train.backend values whose engine gives a whole batch's logprobs under its reference
 (`LogprobsUnderReference`): the ones `algorithm.kl_in_reward > 0` can use."""
 LORA = ("torch", "fsdp", "deepspeed")

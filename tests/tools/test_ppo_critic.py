@@ -43,20 +43,11 @@ def test_a_critic_with_another_train_backend_is_refused(overrides, message):
         (["algorithm.advantage=grpo", "algorithm.group_size=2", "algorithm.kl_in_reward=0.05"], r"algorithm.kl_in_reward=0.05 .* algorithm.advantage=grpo reads one reward per sequence: set algorithm.kl_coef"),
         (["algorithm.kl_target=0.01"], r"algorithm.kl_target=0.01 adapts .* algorithm.kl_in_reward is 0"),
         (["algorithm.kl_in_reward=0.05", "algorithm.kl_target=0"], r"algorithm.kl_target=0.0 must be > 0"),
-        (["algorithm.kl_in_reward=0.05", "train.backend=deepspeed"], r"algorithm.kl_in_reward=0.05 reads each batch's logprobs under the reference policy, which only train.backend=torch or fsdp gives yet"),
     ],
 )
 def test_a_kl_in_the_reward_it_cannot_run_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1", *overrides]))
-
-
-def test_the_simulator_refuses_a_critic_it_does_not_model():
-    from tidal.tools.sim.simulate import simulate
-
-    cfg = load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1"])
-    with pytest.raises(ConfigError, match="tidal simulate does not model a critic"):
-        simulate(cfg, None, None)  # refused before the cluster or workload is read
 
 
 def test_a_critic_on_time_shared_devices_is_parked_and_the_run_is_the_one_alone(tidal_cli, tmp_path, runs):

@@ -88,6 +88,28 @@ def test_long_tails_cost_sync_what_streaming_keeps():
 COLOCATED = ("placement.rollout.colocate_with=train", "placement.rollout.count=8", "placement.rollout.devices_each=1")
 
 
+def test_ppo_adds_the_critics_passes_and_a_kl_in_the_reward_a_reference_pass_on_the_trainers_devices():
+    """PPO with a critic (`algorithm.advantage=gae`, one sample per prompt, as many samples a
+    step as GRPO's 16 x 8): each synchronous step adds the critic's forward pass over the
+    step's rows (a third of a step's FLOPs, no all-reduce) before the policy trains, and its
+    training step (the policy's, as every row trains) after; a KL penalty in the reward adds
+    the reference's forward pass. The policy's own step is GRPO's."""
+    grpo, grpo_trace = _run(staleness=0, sigma=0.0, steps=4)
+    ppo_keys = ("algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=128")
+    ppo, ppo_trace = _run(staleness=0, sigma=0.0, steps=4, overrides=ppo_keys)
+    kl, kl_trace = _run(staleness=0, sigma=0.0, steps=4, overrides=(*ppo_keys, "algorithm.kl_in_reward=0.05"))
+    train = max(_durations(grpo_trace, "train", "train"))
+    assert max(_durations(ppo_trace, "train", "train")) == pytest.approx(train, rel=1e-6)
+    critic, values = max(_durations(ppo_trace, "train", "critic")), max(_durations(ppo_trace, "train", "values"))
+    assert critic == pytest.approx(train, rel=1e-6) and 0.2 * train < values < train / 3 + 1e-9
+    generate = max(_durations(ppo_trace, "rollout", "generate"))
+    assert ppo.steps[-1]["step_s"] >= generate + values + train + critic  # synchronous: one after the other (one sample a prompt generates otherwise than groups)
+    assert max(_durations(kl_trace, "train", "reference")) == pytest.approx(values, rel=1e-6)
+    assert kl.steps[-1]["step_s"] == pytest.approx(ppo.steps[-1]["step_s"] + values, rel=0.01)
+    colocated, _ = _run(staleness=1, sigma=0.0, steps=4, overrides=(*ppo_keys, *COLOCATED))  # the critic takes the trainer's turns, parked with it
+    assert colocated.utilisation["train"] + colocated.utilisation["rollout"] <= 1.0 and len(colocated.steps) == 4
+
+
 def test_a_colocated_plan_takes_turns_on_the_shared_devices():
     """Rollout time-shares the trainer's 8 devices through the real `flow.timeshare` turns on
     the virtual clock: the roles never compute at once (their busy shares add up to at most

@@ -454,15 +454,19 @@ class SimTrainEngine:
         tokens = self.step_tokens(batch)
         seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff, recompute=self.train_shape.recompute)
         self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
-        seconds = self._busy(seconds)
+        seconds = self.busy(seconds)
         self.version += 1
         return {"loss": 0.0, "train_s": seconds, "skipped_rows": float(skipped)}
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Zeros [batch, seq - 1] after a forward pass's time: a third of a step's FLOPs, no all-reduce."""
         flops = 2 * self.shape.num_params * self.step_tokens(batch)
-        self._busy(flops / (self.num_devices * self.device.flops * self.eff.train_mfu))
+        self.busy(flops / (self.num_devices * self.device.flops * self.eff.train_mfu))
         return torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        """`logprobs`' time and zeros: the reference is the policy's size (`LogprobsUnderReference`)."""
+        return self.logprobs(batch)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """One tiny tensor: a simulated weight sync's time is the caller's (`SimRollouts`)."""
@@ -474,8 +478,8 @@ class SimTrainEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
 
-    def _busy(self, seconds: float) -> float:
-        """Sleep `seconds` of work (longer beside rollout's, `beside`); the seconds slept."""
+    def busy(self, seconds: float) -> float:
+        """Sleep `seconds` of work on the trainer's devices (longer beside rollout's, `beside`); the seconds slept."""
         if seconds > 0:
             seconds = self.beside.run("train", seconds, self.eff)
         self.stats["busy_s"] += seconds

@@ -51,7 +51,7 @@ from typing import Any
 from tidal.flow.algorithms import VALUE_BASED
 from tidal.flow.placement import PlacementError, Plan, schedule
 from tidal.flow.store import Store
-from tidal.flow.timeshare import Seat, SharedRolloutEngine, SharedTrainEngine
+from tidal.flow.timeshare import Seat, SharedCritic, SharedRolloutEngine, SharedTrainEngine
 from tidal.flow.trace import Tracer
 from tidal.flow.turns import Turns, TurnsSpan
 from tidal.flow.virtual_clock import VirtualClock
@@ -63,6 +63,7 @@ from tidal.tools.plan import roles_of
 from tidal.tools.rl import reward_workers
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import ClusterSpec
+from tidal.tools.sim.critic import SimCritic
 from tidal.tools.sim.engines import LENGTHS_KEY, Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
 from tidal.tools.sim.lengths import LengthModel
 
@@ -235,11 +236,8 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     """Run the recipe's loop on the cluster on a virtual clock; the prediction and its timeline.
 
     Raises:
-        ConfigError: for `algorithm.advantage=gae`, whose critic is not modelled yet; an
-            infeasible plan or transport (`plan_of`).
+        ConfigError: an infeasible plan or transport (`plan_of`).
     """
-    if cfg.algorithm.advantage in VALUE_BASED:
-        raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage}: tidal simulate does not model a critic's passes yet; simulate the recipe with another advantage")
     began = time.perf_counter()
     plan = plan_of(cfg, cluster)
     train, rollout = plan.of("train"), plan.of("rollout")
@@ -276,17 +274,19 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     steps: list[dict[str, Any]] = []
     scorers = max(1, reward_workers(cfg))
 
-    scored: dict[Any, int] = {}  # group -> its samples scored so far
+    scored: dict[Any, int] = {}  # group (None: every sample, one a prompt) -> its samples scored so far
 
     def reward_of(t: Any) -> float:
         """The recorded reward of the group's next sample; without one, 1 and 0 in turn: every
-        group has an advantage and trains whole (the most a step costs)."""
+        group has an advantage and trains whole (the most a step costs). One sample a prompt
+        (PPO's): 1 and 0 in turn over the samples, so their advantages differ too."""
         recorded = t.meta.get(REWARDS_KEY) or (1.0, 0.0)
-        j = scored.get(t.group, 0)
+        key = t.group if cfg.algorithm.group_size > 1 else None
+        j = scored.get(key, 0)
         if j + 1 >= len(recorded):
-            scored.pop(t.group, None)  # the group's next sample starts over, as lengths do
+            scored.pop(key, None)  # the group's next sample starts over, as lengths do
         else:
-            scored[t.group] = j + 1
+            scored[key] = j + 1
         return float(recorded[j % len(recorded)])
 
     def score(trajectories: Any) -> tuple[list[float], list[int]]:
@@ -298,11 +298,16 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     turns: list[Turns] = []
     group: list[SimRollouts] = []
 
+    critic = SimCritic(trainer) if cfg.algorithm.advantage in VALUE_BASED else None  # PPO's: its passes on the trainer's devices
+
     def main() -> None:
         seated_trainer: Any = trainer
+        seated_critic: Any = critic
         guests: list[Any] = list(engines)
         if shares:  # made here: seats start their parking threads on the clock
-            seated_trainer, guests = _seat(clock, plan, cluster, work, trainer, engines, seats, turns)
+            seated_trainer, guests = _seat(clock, plan, cluster, work, trainer, engines, seats, turns, with_critic=critic is not None)
+            if critic is not None:  # in the trainer's seat, as `flow.colocate.Sharing.critic` seats it
+                seated_critic = _ClaimingCritic(SharedCritic(critic, seats[0]), seated_trainer)
         rollouts = SimRollouts(
             clock=clock,
             store=store,
@@ -318,7 +323,7 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
             hand_off=[a.mode == "borrowed" for a in rollout],  # a borrowed seat hands its paused groups back, as under Ray
         )
         group.append(rollouts)
-        workflow = Workflow(store=store, rollout=guests[0], trainer=seated_trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock)
+        workflow = Workflow(store=store, rollout=guests[0], trainer=seated_trainer, prompts=_prompts(cfg, work, sim_budget), score=score, config=config, on_step=steps.append, tracer=tracer, rollouts=rollouts, clock=clock, critic=seated_critic)
         try:
             workflow.run()
         finally:
@@ -333,12 +338,15 @@ def simulate(cfg: RecipeConfig, cluster: ClusterSpec, work: Workload, *, tracer_
     return prediction, tracer
 
 
-def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns]) -> tuple[Any, list[Any]]:
+def _seat(
+    clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload, trainer: SimTrainEngine, engines: list[SimRolloutEngine], seats: list[Seat], turns: list[Turns], *, with_critic: bool = False
+) -> tuple[Any, list[Any]]:
     """The seats of a plan where rollout time-shares the trainer's devices: one `Turns` per
     trainer instance, the trainer seated at all of them (in rank order, parking everywhere at
-    once) and each colocated or borrowed rollout engine at those of the trainer instances
-    whose devices it uses (several: all their turns at once, as a spanning guest under Ray);
-    an instance with devices of its own is not seated. Parks and onloads sleep `costs.park_s`."""
+    once; `with_critic`: a critic's training state, the policy's size, parks with its own) and
+    each colocated or borrowed rollout engine at those of the trainer instances whose devices
+    it uses (several: all their turns at once, as a spanning guest under Ray); an instance with
+    devices of its own is not seated. Parks and onloads sleep `costs.park_s`."""
     train = plan.of("train")
     turns += [Turns(clock=clock) for _ in train]
 
@@ -347,7 +355,7 @@ def _seat(clock: VirtualClock, plan: Plan, cluster: ClusterSpec, work: Workload,
 
     device = cluster.group_of(train[0].node).device
     num_devices = sum(len(a.devices) for a in train)
-    train_s = costs.park_s(work.model.num_params * costs.TRAIN_STATE_BYTES_PER_PARAM / num_devices, device, work.eff)
+    train_s = costs.park_s((2 if with_critic else 1) * work.model.num_params * costs.TRAIN_STATE_BYTES_PER_PARAM / num_devices, device, work.eff)
     span = TurnsSpan(turns, clock=clock) if len(turns) > 1 else turns[0]
     seats.append(Seat(span, "train", park=moving(train_s), unpark=moving(train_s), clock=clock))
     seated: list[SimRolloutEngine] = []
@@ -404,9 +412,35 @@ class _Claiming:
         self._claim()
         return self.shared.train_step(batch, advantages, **kwargs)
 
+    def logprobs_under_reference(self, batch: Any) -> Any:
+        self._claim()
+        return self.shared.logprobs_under_reference(batch)
+
     def sft_step(self, batch: Any) -> dict[str, float]:
         self._claim()
         return self.shared.sft_step(batch)
+
+
+class _ClaimingCritic:
+    """The seated critic of a simulation: each of its calls that takes the trainer's turn first
+    has the seated rollout engines interrupted, as the trainer's own calls do (`_Claiming`)."""
+
+    def __init__(self, shared: SharedCritic, claiming: _Claiming) -> None:
+        self.shared, self.claiming = shared, claiming
+
+    def values(self, batch: Any) -> Any:
+        self.claiming._claim()
+        return self.shared.values(batch)
+
+    def train_step(self, batch: Any, returns: Any, old_values: Any) -> dict[str, float]:
+        self.claiming._claim()
+        return self.shared.train_step(batch, returns, old_values)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.shared.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shared.load_state_dict(state)
 
 
 def _predict(steps: list[dict[str, Any]], total: float, *, trainer: SimTrainEngine, engines: list[SimRolloutEngine], plan: Plan, work: Workload, transport: str, wall_s: float) -> Prediction:
