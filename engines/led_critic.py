@@ -30,8 +30,11 @@ class RankCritic(Protocol):
     """Several ranks, rank 0 called: it shares the rows out."""
     micro_batch_size: int
     value_clip: float | None
-    model: torch.nn.Module
-    """The value model (in eval mode for values, no dropout, as the torch critic's)."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The value model (in eval mode for values, no dropout, as the torch critic's)."""
+        ...
 
     def value_pass(self, batch: TokenBatch, rows: slice, columns: slice) -> torch.Tensor:
         """`engines.critic.value_pass` of this rank's value model: float32 values on its device."""
@@ -114,7 +117,7 @@ def follow_rows(critic: RankCritic, command: dict[str, Any]) -> bool:
     """A follower: this rank's part of rank 0's "values" or "train_step" `command`; False for another command."""
     if command["op"] not in ("values", "train_step"):
         return False
-    fields = receive_rows(command, critic.rank)
+    fields = [t for t in receive_rows(command, critic.rank) if t is not None]  # rank 0 sends every one (`lead_values`, `lead_train_step`)
     batch = TokenBatch(*fields[:5])
     if command["op"] == "values":
         values = rank_values(critic, batch)
