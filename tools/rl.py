@@ -12,6 +12,7 @@ import contextlib
 import copy
 import gc
 import math
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -117,6 +118,8 @@ class Scorer:
         workers = reward_workers(cfg)
         preload = ("tidal.flow.trajectory", getattr(self.reward, "__module__", None) or "tidal.engines.rewards")
         self.pool = RewardPool(num_workers=workers, timeout_s=cfg.task.reward_timeout_s, preload=preload) if workers else None
+        self._scored = [0.0, 0.0, 0]  # since `take_scores`: the reward model's scores and the function's rewards summed, over this many samples
+        self._scored_lock = threading.Lock()  # reward stages may score on several threads
 
     def __call__(self, trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int], int]:
         texts = [self.tokenizer.decode([t for t in traj.tokens if t not in self._ends]) for traj in trajectories]
@@ -129,6 +132,11 @@ class Scorer:
         if self.reward_model is None:
             return rewards, failed, timeouts
         scores = self.reward_model.score([conversation(t.meta) for t in trajectories], texts)
+        counted = [(rewards[k], s) for k, s in enumerate(scores) if k not in failed and math.isfinite(s)]
+        with self._scored_lock:
+            self._scored[0] += sum(s for _, s in counted)
+            self._scored[1] += sum(r for r, _ in counted)
+            self._scored[2] += len(counted)
         for k, s in enumerate(scores):
             value = rewards[k] + self.weight * s
             if math.isfinite(value) and abs(value) <= FLOAT32_MAX:
@@ -136,6 +144,17 @@ class Scorer:
             elif k not in failed:
                 failed.append(k)  # the function's reward stays: 0 when it failed too
         return rewards, sorted(failed), timeouts
+
+    def take_scores(self) -> dict[str, float]:
+        """With a reward model: the mean of its scores (`reward_model_score`) and of the reward
+        function's rewards (`reward_function`, 0 with `task.reward=none`) over the samples scored
+        since the last call (a failed one left out); {} without one, or with nothing scored."""
+        with self._scored_lock:
+            scores, rewards, n = self._scored
+            self._scored = [0.0, 0.0, 0]
+        if self.reward_model is None or n == 0:
+            return {}
+        return {"reward_model_score": scores / n, "reward_function": rewards / n}
 
     def rewards(self, trajectories: Sequence[Trajectory], texts: Sequence[str]) -> list[float]:
         """Rewards of `texts` (each its trajectory's decoded answer), a failed or timed-out
@@ -402,6 +421,7 @@ class RL:
         return bool(every) and step % every == 0 and bool(self.r.prompts.eval_items) and reward_spec(self.r.cfg) != NO_VERIFIER
 
     def on_step(self, m: dict[str, Any]) -> None:
+        m.update(self.scorer.take_scores())
         if self.sharing is not None:
             m["handoffs"] = self.handoffs()
         if self.evaluates(m["step"]):  # this step's weights; the next step waits. Greedy, or sampled from the evaluation's own generator: the run's samples stay as they were

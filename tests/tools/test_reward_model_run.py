@@ -27,6 +27,8 @@ def test_a_run_scored_by_a_reward_model_alone_raises_its_score(tidal_cli, tmp_pa
     first, last = sum(m["reward"] for m in steps[:4]) / 4, sum(m["reward"] for m in steps[-4:]) / 4
     assert last > first + 3, f"the reward model's score did not go up: {first:.2f} -> {last:.2f}"
     assert any(r not in (0.0, 1.0) for m in steps for group in m["rewards"] for r in group)  # the model's scores, not a verifier's
+    assert all(m["reward_function"] == 0.0 for m in steps)  # the reward's parts: none from a function, the model's scores
+    assert sum(m["reward_model_score"] for m in steps[-4:]) / 4 > sum(m["reward_model_score"] for m in steps[:4]) / 4 + 3
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["accuracy_before"] is None and summary["accuracy_after"] is None  # no function to measure accuracy with
     assert not any("held_out_accuracy" in m for m in steps) and "held-out accuracy" not in out.stderr, out.stderr[-2000:]
