@@ -6,10 +6,10 @@ their critic from the actor's checkpoint too), with a value head of zeros, so th
 values are 0 and the first advantages are the discounted rewards; or from another model
 that reads the policy's tokens, a reward model say, whose score head becomes the value head
 (OpenRLHF's default: the critic starts from the reward model). `Critic` runs in the
-trainer's process, on its first device (the `torch` train backend; `engines.fsdp_critic` is
-this critic sharded over the ranks of the `fsdp` backend, from this module's pieces); the
-workflow asks it for each step's values before the policy trains, then trains it on that
-step's returns.
+trainer's process, on its first device (the `torch` train backend; `engines.fsdp_critic` and
+`engines.deepspeed_critic` are this critic over the ranks of the `fsdp` and `deepspeed`
+backends, from this module's pieces); the workflow asks it for each step's values before the
+policy trains, then trains it on that step's returns.
 
 Its values sit where the policy's logprobs do (`TokenBatch`: column t is the choice of token
 t + 1 after reading 0..t): the value at t is the head applied to the body's hidden state of
@@ -125,7 +125,6 @@ class Critic:
         self.model.load_state_dict(state["model"])
         with own_settings(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
-
 
 
 def chunks(batch: TokenBatch, max_rows: int) -> Iterator[tuple[slice, slice]]:
