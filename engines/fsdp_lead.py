@@ -51,12 +51,12 @@ def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None, *
     """`follow()` for a led group whose engines are `engine_cls` (built as
     `engine_cls(model, rank0_leads=True, **options)`, each command run by its
     `follow_command`): the loop every multi-rank backend's followers share. `critic_cls`: the
-    class of the group's critic (`algorithm.advantage=gae`), built and called likewise for
-    the commands marked `engine=CRITIC`, beside the policy engine and seated apart from it."""
+    class of the group's critic (`algorithm.advantage=gae`), built, seated by `share` and
+    called likewise for the commands marked `engine=CRITIC`, beside the policy engine."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
-    built: dict[str, Any] = {}  # "policy" and CRITIC: the engine, and its seat
-    seats: dict[str, Any] = {}
+    built: dict[str, Any] = {}  # "policy" and CRITIC -> the engine
+    seats: dict[str, Any] = {}  # and its seat
     done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0, **({"critic_steps": 0} if critic_cls is not None else {})}
     try:
         while True:

@@ -28,16 +28,14 @@ takes it back (`flow.colocate`): the ones a colocated or multiplexed layout can 
 KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 """train.backend values whose engine holds a frozen reference policy (`kl_reference=True`):
 the ones a loss with `algorithm.kl_coef > 0` can use."""
-KL_IN_REWARD = ("torch", "fsdp", "deepspeed")
-"""train.backend values whose engine gives a whole batch's logprobs under its reference
-(`LogprobsUnderReference`): the ones `algorithm.kl_in_reward > 0` can use."""
 LORA = ("torch", "fsdp", "deepspeed")
 """train.backend values whose engine trains LoRA adapters (`train.lora_rank` > 0; `engines.lora`)."""
 CRITIC = {"torch": "tidal.engines.critic:Critic", "fsdp": "tidal.engines.fsdp_critic:FSDPCritic", "deepspeed": "tidal.engines.deepspeed_critic:DeepSpeedCritic"}
 """train.backend values that train a critic beside the policy (`algorithm.advantage=gae`) ->
 its class, built as `cls(start_model, head=..., lr=..., ...)` (and the `train.*` keys it
-takes: `TakesTrainKeys`) on rank 0 (a multi-rank one
-leads the other ranks, whose `follow()` builds theirs: `fsdp_lead.follow_engines`)."""
+takes: `TakesTrainKeys`) on rank 0 (a multi-rank one leads the other ranks, whose `follow()`
+builds theirs: `fsdp_lead.follow_engines`). Their train engines give a batch's logprobs under
+the KL reference too (`LogprobsUnderReference`), which `algorithm.kl_in_reward` (gae only) reads."""
 MODEL_SOURCES = {"tiny": "tidal.engines.models:TinySource", "hf": "tidal.engines.models:HFSource"}
 """model.source -> `ModelSource` class, built from the recipe's `model` section."""
 TASKS = {"arithmetic": "tidal.engines.tasks:ARITHMETIC", "countdown": "tidal.engines.tasks:COUNTDOWN"}
@@ -66,19 +64,22 @@ def load(key: str, value: str) -> Any:
     message = unknown(key, value)
     if message:
         raise ValueError(message)
-    module, _, name = REGISTRIES[key][value].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return _imported(REGISTRIES[key][value])
 
 
 def critic_class(backend: str) -> Any:
     """The critic class of the train backend `backend` (`CRITIC`), imported now."""
-    module, _, name = CRITIC[backend].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return _imported(CRITIC[backend])
 
 
 def follower(backend: str) -> Any:
     """The function every rank but 0 of a `backend` train group runs (`MULTI_RANK`), imported now."""
-    module, _, name = MULTI_RANK[backend].partition(":")
+    return _imported(MULTI_RANK[backend])
+
+
+def _imported(entry: str) -> Any:
+    """What a `module:attribute` entry names, its module imported now."""
+    module, _, name = entry.partition(":")
     return getattr(importlib.import_module(module), name)
 
 

@@ -241,7 +241,6 @@ class TorchTrainEngine:
             rows = order[part]
             yield rows, batch.select(rows).crop(max(int(lengths[rows].max()), 2))
 
-    @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """[batch, seq - 1] logprob of each next token under the current weights.
 

@@ -157,7 +157,7 @@ class Workflow:
         self.store, self.rollout, self.trainer, self.config = store, rollout, trainer, config
         self.critic = critic
         algorithm = config.algorithm
-        self.reward_kl = KLController(dict(totals or {}).get("reward_kl_coef", algorithm.kl_in_reward), algorithm.kl_target, algorithm.kl_horizon) if algorithm.kl_in_reward > 0 else None
+        self.reward_kl = KLController((totals or {}).get("reward_kl_coef", algorithm.kl_in_reward), algorithm.kl_target, algorithm.kl_horizon) if algorithm.kl_in_reward > 0 else None
         """The coefficient of a KL penalty in the reward (`algorithm.kl_in_reward`; a resumed run's from its checkpoint), or None."""
         if self.reward_kl is not None and not isinstance(trainer, LogprobsUnderReference):
             raise ValueError(f"algorithm.kl_in_reward={algorithm.kl_in_reward} reads logprobs under the reference policy, which {type(trainer).__name__} does not give (`LogprobsUnderReference`)")

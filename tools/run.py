@@ -229,7 +229,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             whose borrowed instances continue paused groups on the others).
     """
     from tidal.engines.data import DataError, expand_files  # noqa: PLC0415
-    from tidal.engines.registry import CRITIC, KL_IN_REWARD, KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, critic_class, version  # noqa: PLC0415
+    from tidal.engines.registry import CRITIC, KL_REFERENCE, MULTI_RANK, TASKS, TIME_SHARES, critic_class, version  # noqa: PLC0415
     from tidal.engines.reward_model import refusal as reward_model_refusal  # noqa: PLC0415
     from tidal.engines.rewards import NO_VERIFIER, resolve_reward  # noqa: PLC0415
     from tidal.flow.algorithms import VALUE_BASED  # noqa: PLC0415
@@ -290,11 +290,6 @@ def check_runnable(cfg: RecipeConfig) -> None:
     if cfg.algorithm.kl_coef > 0 and cfg.train.backend not in KL_REFERENCE:
         holders = ", ".join(KL_REFERENCE[:-1]) + f" or {KL_REFERENCE[-1]}"
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy, which only train.backend={holders} holds; train.backend={cfg.train.backend!r}: set algorithm.kl_coef=0 or train.backend={KL_REFERENCE[0]}")
-    if cfg.algorithm.kl_in_reward > 0 and cfg.train.backend not in KL_IN_REWARD:
-        raise ConfigError(
-            f"algorithm.kl_in_reward={cfg.algorithm.kl_in_reward} reads each batch's logprobs under the reference policy, which only train.backend={' or '.join(KL_IN_REWARD)} "
-            f"gives yet; train.backend={cfg.train.backend!r}: set train.backend={KL_IN_REWARD[-1]}, or algorithm.kl_coef (the KL in the loss) instead"
-        )
     for key, value, why in (
         ("placement.train.colocate_with", cfg.placement.train.colocate_with, "only rollout time-shares the trainer's devices (placement.rollout.colocate_with=train)"),
         ("placement.rollout.lend_to", cfg.placement.rollout.lend_to, "only the trainer lends its devices (placement.train.lend_to=rollout)"),

@@ -42,6 +42,37 @@ def _assert_takes_steps_of(run_dir: Path, reference: Path, *, keys: tuple[str, .
             assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-7), (m["step"], key)
 
 
+PPO_KEYS = (
+    "algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=6", "critic.lr=0.01", "critic.micro_batch_size=2",
+    "algorithm.aggregation=seq_mean_token_mean",  # a loss that differs by step (token_mean of whitened advantages is 0 at ratio 1)
+    "algorithm.kl_in_reward=0.2", "algorithm.kl_target=0.01", "algorithm.kl_horizon=12",  # a KL penalty in the reward, its coefficient adapted
+)  # fmt: skip
+"""PPO with a critic and an adaptive KL penalty in the reward, on a tiny quickstart (`_assert_critic_run_is_torchs`)."""
+
+
+def _assert_critic_run_is_torchs(tidal_cli: Any, tmp_path: Path, *, backend: list[str], common: list[str], env: dict[str, str]) -> None:
+    """`tidal run quickstart_cpu *backend *common` (4 steps, `PPO_KEYS` among `common`): its
+    policy and critic take the torch backend's steps up to float32 noise, and a run resumed from
+    its step-2 checkpoint (the critic's weights and AdamW state, the adapted KL coefficient)
+    ends with the uninterrupted run's metrics and weights, bit for bit."""
+    import shutil
+
+    full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
+    out = tidal_cli("run", "quickstart_cpu", *backend, f"run_dir={full}", "checkpoint_every=2", *common, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = tidal_cli("run", "quickstart_cpu", "train.backend=torch", f"run_dir={torch_run}", *common, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = _steps(full)
+    assert steps[-1]["values_mean"] != 0.0 and len({m["value_loss"] for m in steps}) == len(steps)  # the critic trained
+    assert steps[-1]["reward_kl"] > 0 and steps[-1]["reward_kl_coef"] < 0.2  # the policy left its reference, less than the target: the coefficient fell
+    _assert_takes_steps_of(full, torch_run, keys=("loss", "value_loss", "values_mean", "value_grad_norm", "reward_kl", "reward_kl_coef"))
+    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
+    (cut / "checkpoints" / "latest").write_text("step-000002\n")
+    out = tidal_cli("run", "quickstart_cpu", *backend, f"run_dir={resumed}", f"resume={cut}", "checkpoint_every=2", *common, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _assert_same_run(full, resumed, from_step=2)
+
+
 def _assert_colocated_as_alone(tidal_cli: Any, tmp_path: Path, common: list[str], *, env: dict[str, str]) -> None:
     """`tidal run quickstart_cpu *common` (3 steps, `max_staleness: 0`) alone, then with rollout
     time-sharing the trainer's device: the trainer parked for each step after the first, and
@@ -65,8 +96,12 @@ def runs() -> types.SimpleNamespace:
     resumed, from_step=)`: a resumed run repeats the uninterrupted one; `runs.assert_takes_steps_of(run,
     reference)`: another engine's run of the same recipe took the same steps;
     `runs.assert_colocated_as_alone(tidal_cli, tmp_path, common, env=)`: a colocated run is the
-    disaggregated one."""
-    return types.SimpleNamespace(steps=_steps, assert_same=_assert_same_run, assert_takes_steps_of=_assert_takes_steps_of, assert_colocated_as_alone=_assert_colocated_as_alone)
+    disaggregated one; `runs.assert_critic_run_is_torchs(tidal_cli, tmp_path, backend=, common=,
+    env=)`: a PPO run (`runs.ppo_keys`) takes the torch backend's steps and resumes exactly."""
+    return types.SimpleNamespace(
+        steps=_steps, assert_same=_assert_same_run, assert_takes_steps_of=_assert_takes_steps_of, assert_colocated_as_alone=_assert_colocated_as_alone,
+        assert_critic_run_is_torchs=_assert_critic_run_is_torchs, ppo_keys=PPO_KEYS,
+    )  # fmt: skip
 
 
 @pytest.fixture

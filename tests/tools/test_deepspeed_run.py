@@ -97,27 +97,10 @@ def test_a_deepspeed_run_resumed_from_its_periodic_checkpoint_repeats_the_uninte
 
 def test_a_deepspeed_run_with_a_critic_takes_the_torch_engines_steps_and_resumes(tidal_cli, tmp_path, runs):
     """PPO with a critic and a KL penalty in the reward on the deepspeed backend (ZeRO-2,
-    `engines.deepspeed_critic`, over the local run's one-process group): its policy and critic
-    take the torch backend's steps up to float32 noise, and a run resumed from the step-2
-    checkpoint (the critic's weights and AdamW state, the adapted KL coefficient, read back)
-    ends with the uninterrupted run's metrics and weights, bit for bit."""
-    full, cut, resumed, torch_run = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed", tmp_path / "torch"
-    gae = ["algorithm.advantage=gae", "algorithm.group_size=1", "algorithm.prompts_per_step=6", "critic.lr=0.01", "critic.micro_batch_size=2", "algorithm.aggregation=seq_mean_token_mean"]
-    gae += ["algorithm.kl_in_reward=0.2", "algorithm.kl_target=0.01", "algorithm.kl_horizon=12"]  # OpenRLHF's PPO: the KL in the reward, its coefficient adapted
-    common = [*(k for k in TINY if not k.startswith(("algorithm.group_size", "algorithm.prompts_per_step"))), *gae, "algorithm.num_steps=4", "--no-progress"]
-    out = tidal_cli("run", "quickstart_cpu", "train.backend=deepspeed", "train.zero_stage=2", f"run_dir={full}", "checkpoint_every=2", *common, env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = tidal_cli("run", "quickstart_cpu", "train.backend=torch", f"run_dir={torch_run}", *common, env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    steps = runs.steps(full)
-    assert steps[-1]["values_mean"] != 0.0 and len({m["value_loss"] for m in steps}) == len(steps)  # the critic trained
-    assert steps[-1]["reward_kl"] > 0 and steps[-1]["reward_kl_coef"] < 0.2  # the policy left its reference, less than the target: the coefficient fell
-    runs.assert_takes_steps_of(full, torch_run, keys=("loss", "value_loss", "values_mean", "value_grad_norm", "reward_kl", "reward_kl_coef"))
-    shutil.copytree(full / "checkpoints" / "step-000002", cut / "checkpoints" / "step-000002")
-    (cut / "checkpoints" / "latest").write_text("step-000002\n")
-    out = tidal_cli("run", "quickstart_cpu", "train.backend=deepspeed", "train.zero_stage=2", f"run_dir={resumed}", f"resume={cut}", "checkpoint_every=2", *common, env=ENV, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    runs.assert_same(full, resumed, from_step=2)
+    `engines.deepspeed_critic`, over the local run's one-process group), as OpenRLHF runs it:
+    the torch backend's steps, and an exact resume with the critic's state and the adapted KL coefficient."""
+    tiny = [k for k in TINY if not k.startswith(("algorithm.group_size", "algorithm.prompts_per_step"))]
+    runs.assert_critic_run_is_torchs(tidal_cli, tmp_path, backend=["train.backend=deepspeed", "train.zero_stage=2"], common=[*tiny, *runs.ppo_keys, "algorithm.num_steps=4", "--no-progress"], env=ENV)
 
 
 def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):

@@ -19,8 +19,9 @@ from tidal.flow.virtual_clock import VirtualClock
 from tidal.tools.sim import costs
 from tidal.tools.sim.costs import DEFAULT_EFFICIENCY as EFF
 from tidal.tools.sim.costs import ModelShape
-from tidal.tools.sim.engines import Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
+from tidal.tools.sim.engines import Beside, SimRolloutEngine, SimRollouts
 from tidal.tools.sim.hardware import device
+from tidal.tools.sim.trainer import SimTrainEngine
 
 MODEL = ModelShape.qwen2_5("0.5b")
 H100 = device("h100")

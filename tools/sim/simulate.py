@@ -63,9 +63,9 @@ from tidal.tools.plan import roles_of
 from tidal.tools.rl import reward_workers
 from tidal.tools.sim import costs
 from tidal.tools.sim.cluster import ClusterSpec
-from tidal.tools.sim.critic import SimCritic
-from tidal.tools.sim.engines import LENGTHS_KEY, Beside, SimRolloutEngine, SimRollouts, SimTrainEngine
+from tidal.tools.sim.engines import LENGTHS_KEY, Beside, SimRolloutEngine, SimRollouts
 from tidal.tools.sim.lengths import LengthModel
+from tidal.tools.sim.trainer import SimCritic, SimTrainEngine
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -395,7 +395,7 @@ class _Claiming:
     def __getattr__(self, name: str) -> Any:  # version, turn_for_step, named_weights, ...: the shared engine's
         return getattr(self.shared, name)
 
-    def _claim(self) -> None:
+    def claim(self) -> None:
         if self.seated:
             self.clock.thread(self._interrupt, name="tidal-sim-claim").start()
 
@@ -405,19 +405,19 @@ class _Claiming:
             engine.interrupt()
 
     def logprobs(self, batch: Any) -> Any:
-        self._claim()
+        self.claim()
         return self.shared.logprobs(batch)
 
     def train_step(self, batch: Any, advantages: Any, **kwargs: Any) -> dict[str, float]:
-        self._claim()
+        self.claim()
         return self.shared.train_step(batch, advantages, **kwargs)
 
     def logprobs_under_reference(self, batch: Any) -> Any:
-        self._claim()
+        self.claim()
         return self.shared.logprobs_under_reference(batch)
 
     def sft_step(self, batch: Any) -> dict[str, float]:
-        self._claim()
+        self.claim()
         return self.shared.sft_step(batch)
 
 
@@ -429,11 +429,11 @@ class _ClaimingCritic:
         self.shared, self.claiming = shared, claiming
 
     def values(self, batch: Any) -> Any:
-        self.claiming._claim()
+        self.claiming.claim()
         return self.shared.values(batch)
 
     def train_step(self, batch: Any, returns: Any, old_values: Any) -> dict[str, float]:
-        self.claiming._claim()
+        self.claiming.claim()
         return self.shared.train_step(batch, returns, old_values)
 
     def state_dict(self) -> dict[str, Any]:
