@@ -1,6 +1,7 @@
 """The critic of `algorithm.advantage=gae` on the `fsdp` train backend: `engines.critic`'s
 value model sharded with FSDP2 over the trainer's ranks, as the policy is (`engines.fsdp_train`),
-so a critic as large as the policy fits where the policy does.
+so a critic as large as the policy fits where the policy does. The `megatron` backend holds it
+too, beside megatron-core's policy on the same ranks (`megatron_lead.follow`).
 
 Rank 0 is called (it is the workflow's critic) and shares each batch's rows out over the
 ranks; every other rank makes the same collective calls in `follow()` (`fsdp_lead.follow_engines`
@@ -16,8 +17,11 @@ checkpoint of either critic resumes the other.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,11 +97,12 @@ class FSDPCritic:
         return led_critic.lead_train_step(self, batch, returns, old_values)
 
     def value_pass(self, batch: TokenBatch, rows: slice, columns: slice) -> torch.Tensor:
-        return value_pass(self.model, batch, rows, columns, device=self.device, autocast=self.platform.autocast(self.precision))
+        with _values_are_a_view():
+            return value_pass(self.model, batch, rows, columns, device=self.device, autocast=self.platform.autocast(self.precision))
 
     def dummy_pass(self, *, backward: bool) -> None:
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        with self.platform.autocast(self.precision):
+        with self.platform.autocast(self.precision), _values_are_a_view():
             values = self.model(ids, torch.ones_like(ids))
         if backward:
             (values.float().sum() * 0.0).backward()
@@ -142,3 +147,13 @@ class FSDPCritic:
         if self.led and self.rank == 0:
             send_command("load_state_dict", engine=CRITIC, has_optimizer_state=has_optimizer_state)
         load_full_state(self.model, self.optimizer, dict(state["model"]), state["optimizer"] if has_optimizer_state else None, rank=self.rank)
+
+
+@contextlib.contextmanager
+def _values_are_a_view() -> Iterator[None]:
+    """FSDP2 warns once that the value model returns a view (the head's output squeezed), which
+    an in-place change would cut from its backward hook; no critic changes its values in place
+    (`engines.critic.value_loss`), so the warning, in every PPO run's log, is held back."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+        yield

@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 def follow(share: Callable[[MegatronTrainEngine], Any] | None = None) -> dict[str, int]:
     """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
 
-    Returns what this rank did: engines built, optimizer steps, rows, and `exports` (always 0:
-    every rank holds the whole model, so rank 0 exports its weights alone). A follower builds its
+    Returns what this rank did: engines built, optimizer steps, rows, `exports` (always 0:
+    every rank holds the whole model, so rank 0 exports its weights alone) and `critic_steps`.
+    The group's critic (`algorithm.advantage=gae`) is the `fsdp` backend's
+    (`engines.fsdp_critic`: a transformers value model sharded with FSDP2 over these ranks),
+    built and called for the commands marked `engine="critic"`. A follower builds its
     model from `type(model)(model.config)` with random weights; the engine takes rank 0's when it
     starts.
 
@@ -34,6 +37,7 @@ def follow(share: Callable[[MegatronTrainEngine], Any] | None = None) -> dict[st
     A command that raises ends this with its error, but for `FloatingPointError` (gradients that
     stayed non-finite raise it on every rank at the same step, nothing stepped).
     """
+    from tidal.engines.fsdp_critic import FSDPCritic  # noqa: PLC0415 - imports torch's FSDP
     from tidal.engines.megatron_train import MegatronTrainEngine  # noqa: PLC0415 - that module sends these commands
 
-    return follow_engines(MegatronTrainEngine, share)
+    return follow_engines(MegatronTrainEngine, share, critic_cls=FSDPCritic)

@@ -42,7 +42,8 @@ each call's command and rows to the others, which run `tidal.engines.megatron_le
 (`ParksItself`: its `GPTModel` and AdamW through the platform's `offload`). A loss with a KL
 term (`kl_reference=True`): a second, frozen `GPTModel` of the weights the engine was built
 with, in `state_dict()` (HF names, as the torch engine's `reference`) and parked with the
-model. Not here: tensor or pipeline parallelism, Transformer Engine layers.
+model; `logprobs_under_reference` reads it for a KL penalty in the reward. PPO's critic on this
+backend is the `fsdp` backend's (`engines.fsdp_critic`, a transformers value model). Not here: tensor or pipeline parallelism, Transformer Engine layers.
 
 Run for real: megatron-core 0.16.1 on CPU with gloo (the host patches), 2 processes, SPMD and
 led (tests/engines/test_megatron_train.py: equality with the torch engine's steps, logprobs
@@ -208,7 +209,7 @@ class MegatronTrainEngine:
             elif op == "sft_step":
                 rank_steps.supervised_step(self, batch)
             else:
-                logprobs = self._logprobs(batch)
+                logprobs = self._logprobs(batch, reference=bool(command.get("reference")))
                 if len(batch):
                     dist.send(logprobs.contiguous(), dst=0)
         elif op == "load_state_dict":
@@ -257,13 +258,22 @@ class MegatronTrainEngine:
         predictor is padding); led by rank 0: of every row of `batch`, computed by all ranks."""
         return rank_steps.lead_logprobs(batch, self._logprobs, leading=self._leading, world_size=self.world_size)
 
+    def logprobs_under_reference(self, batch: TokenBatch) -> torch.Tensor:
+        """`logprobs` under the frozen KL reference (`LogprobsUnderReference`; an engine built with
+        `kl_reference=True`): each rank's share of the rows through its own whole copy."""
+        if self.reference is None:
+            raise ValueError("logprobs under the reference need one: build the engine with kl_reference=True")
+        return rank_steps.lead_logprobs(batch, lambda rows: self._logprobs(rows, reference=True), leading=self._leading, world_size=self.world_size, reference=True)
+
     @torch.no_grad()
-    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """In eval mode (no dropout), as a rollout engine computes them; local to this rank."""
+    def _logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        """In eval mode (no dropout), as a rollout engine computes them (under the KL reference
+        with `reference`); local to this rank."""
+        module = self.reference if reference else self.module
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        with evaluating(self.module):
+        with evaluating(module):
             for rows, part in self._micro_batches(batch):
-                out[rows, : part.loss_mask.shape[1]] = self.token_stats(part)[0].float().cpu()
+                out[rows, : part.loss_mask.shape[1]] = self.token_stats(part, module=module)[0].float().cpu()
         return out
 
     # Steps -----------------------------------------------------------------------------

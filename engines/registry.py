@@ -30,7 +30,12 @@ KL_REFERENCE = ("torch", "fsdp", "deepspeed", "megatron")
 the ones a loss with `algorithm.kl_coef > 0` can use."""
 LORA = ("torch", "fsdp", "deepspeed")
 """train.backend values whose engine trains LoRA adapters (`train.lora_rank` > 0; `engines.lora`)."""
-CRITIC = {"torch": "tidal.engines.critic:Critic", "fsdp": "tidal.engines.fsdp_critic:FSDPCritic", "deepspeed": "tidal.engines.deepspeed_critic:DeepSpeedCritic"}
+CRITIC = {
+    "torch": "tidal.engines.critic:Critic",
+    "fsdp": "tidal.engines.fsdp_critic:FSDPCritic",
+    "deepspeed": "tidal.engines.deepspeed_critic:DeepSpeedCritic",
+    "megatron": "tidal.engines.fsdp_critic:FSDPCritic",  # megatron-core holds the policy; the value model is a transformers one, FSDP2-sharded
+}
 """train.backend values that train a critic beside the policy (`algorithm.advantage=gae`) ->
 its class, built as `cls(start_model, head=..., lr=..., ...)` (and the `train.*` keys it
 takes: `TakesTrainKeys`) on rank 0 (a multi-rank one leads the other ranks, whose `follow()`

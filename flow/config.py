@@ -119,7 +119,7 @@ class AlgorithmConfig:
     max_staleness: int = 1
     """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's) | gae (PPO with a learned value function: a critic, the `critic` section, gives each token's value, and the advantages are generalized advantage estimates with `gamma` and `lam`, whitened over each step's loss tokens; train.backend torch, fsdp or deepspeed with zero_stage 1 or 2)."""
+    """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's) | gae (PPO with a learned value function: a critic, the `critic` section, gives each token's value, and the advantages are generalized advantage estimates with `gamma` and `lam`, whitened over each step's loss tokens; train.backend torch, fsdp, megatron (the critic fsdp's) or deepspeed with zero_stage 1 or 2)."""
     gamma: float = 1.0
     """advantage=gae: discount per token, in [0, 1] (verl's and OpenRLHF's default 1: the sequence's reward reaches every token undiscounted)."""
     lam: float = 1.0
@@ -137,7 +137,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """KL penalty to the initial (warm-started) policy, a frozen copy the train engine keeps (and checkpoints); 0 = none. Every train backend holds one (fsdp sharded as the policy; deepspeed partitioned under ZeRO-3, else whole on every rank as the policy is); with LoRA adapters (train.lora_rank) the reference is the base with the adapters off."""
     kl_in_reward: float = 0.0
-    """advantage=gae: the coefficient of a KL penalty in the reward, as InstructGPT's, OpenRLHF's and TRL's PPO put it (verl's use_kl_in_reward with kl_ctrl.kl_coef): each response token's reward is -kl_in_reward x (behavior logprob - reference logprob), the sequence's reward added at its last token, against the frozen reference kl_coef uses (kept by the train engine; train.backend torch, fsdp or deepspeed); 0 = none. kl_coef puts the KL in the loss instead (GRPO's way); both may be set. Metrics: reward_kl, reward_kl_coef."""
+    """advantage=gae: the coefficient of a KL penalty in the reward, as InstructGPT's, OpenRLHF's and TRL's PPO put it (verl's use_kl_in_reward with kl_ctrl.kl_coef): each response token's reward is -kl_in_reward x (behavior logprob - reference logprob), the sequence's reward added at its last token, against the frozen reference kl_coef uses (kept by the train engine; train.backend torch, fsdp, deepspeed or megatron); 0 = none. kl_coef puts the KL in the loss instead (GRPO's way); both may be set. Metrics: reward_kl, reward_kl_coef."""
     kl_target: Optional[float] = None
     """With kl_in_reward: the KL per token to steer toward by adapting the coefficient after each step (verl's kl_ctrl.type=adaptive with target_kl; Ziegler et al. 2019): it starts at kl_in_reward and moves by clip(kl / kl_target - 1, -0.2, 0.2) x samples / kl_horizon; null = a fixed coefficient. A resumed run goes on with the coefficient its checkpoint saved."""
     kl_horizon: int = 10000

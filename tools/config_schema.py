@@ -274,8 +274,8 @@ class CriticConfig:
     """The critic of algorithm.advantage=gae (PPO with a learned value function): the policy's
     transformer body with a value head, copied from the policy as RL starts, trained where the
     policy trains on each step's returns: in the trainer's process (train.backend=torch,
-    `engines.critic`) or over the trainer's ranks (fsdp, `engines.fsdp_critic`; deepspeed
-    ZeRO-1 or -2, `engines.deepspeed_critic`)."""
+    `engines.critic`) or over the trainer's ranks (fsdp and megatron, `engines.fsdp_critic`;
+    deepspeed ZeRO-1 or -2, `engines.deepspeed_critic`)."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(at_least={"micro_batch_size": 1, "weight_decay": 0}, positive=("lr", "value_clip", "grad_clip"))
 

@@ -1,7 +1,7 @@
 """The critics of `algorithm.advantage=gae` sharded over the trainer's ranks (`engines.led_critic`:
-`fsdp_critic`, and `deepspeed_critic` under ZeRO-2): two ranks led by rank 0, beside
-the backend's policy engine, each rank's seat parking them between commands, held to the torch
-critic (`engines.critic`)."""
+`fsdp_critic`, which the `megatron` backend holds too, and `deepspeed_critic` under ZeRO-2):
+two ranks led by rank 0, beside the backend's policy engine, each rank's seat parking them
+between commands, held to the torch critic (`engines.critic`)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ NUM_STEPS = 3
 WORKER = textwrap.dedent(
     """
     import gc
+    import os
     import sys
     from contextlib import contextmanager
     from pathlib import Path
@@ -97,6 +98,10 @@ WORKER = textwrap.dedent(
         resumed = again.train_step(batch, returns, again.values(batch))
         torch.save({"values": values, "metrics": metrics, "state": state, "resumed": resumed, "resumed_state": again.state_dict(), "version": policy.version, "first": first, "last": last}, work / "result.pt")
         stop_followers()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: see the comment above WORKER in test_fsdp_train.py
     """
 )
 
@@ -107,16 +112,16 @@ def _returns(batch: TokenBatch) -> torch.Tensor:
     return torch.where(on, 0.5 * rows - 0.1 * torch.arange(on.shape[1]), 0.0)
 
 
-BACKENDS = {"fsdp": {}, "deepspeed-zero2": {"zero_stage": 2}}
-POLICY_OPTIONS = {"fsdp": {"kl_reference": True}, "deepspeed-zero2": {"kl_reference": True}}
+BACKENDS = {"fsdp": {}, "deepspeed-zero2": {"zero_stage": 2}, "megatron": {}}
+POLICY_OPTIONS = {"fsdp": {"kl_reference": True}, "deepspeed-zero2": {"kl_reference": True}, "megatron": {"kl_reference": True}}
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def runs(request, tmp_path_factory, six_rows, spawn, write_data):
     """The two-rank run of each backend (see WORKER) and the torch critic's same steps."""
     backend, options = request.param.split("-")[0], BACKENDS[request.param]
-    if backend == "deepspeed":
-        pytest.importorskip("deepspeed")
+    if backend in ("deepspeed", "megatron"):
+        pytest.importorskip("deepspeed" if backend == "deepspeed" else "megatron.core")
     batch, advantages = six_rows
     reference = Critic(build_tiny_qwen2(T.vocab_size, **MODEL), **CRITIC)
     with torch.no_grad():

@@ -369,6 +369,7 @@ def test_followers_build_every_engine_and_take_every_step(ranks):
         "steps": len(PLAN) + 3 * len(RESUME) + 3,  # the strict engine's step raised: not counted
         "rows": rows + 3 * resume_rows + 1 + 2 * 1,
         "exports": 0,
+        "critic_steps": 0,  # no critic was built (tests/engines/test_led_critic.py builds one)
     }
 
 

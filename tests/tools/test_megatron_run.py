@@ -13,6 +13,7 @@ through `state_dict()` / `load_state_dict()`) must end exactly as the uninterrup
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -62,6 +63,28 @@ def test_a_colocated_megatron_trainer_parks_for_its_guest_and_trains_as_alone(ti
     device the platform's offload really copies them out and back into new tensors), and
     with `max_staleness: 0` the run is the disaggregated run's, bit for bit."""
     runs.assert_colocated_as_alone(tidal_cli, tmp_path, ["train.backend=megatron", *TINY, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"], env=ENV)
+
+
+@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
+def test_a_megatron_run_with_a_critic_takes_the_torch_engines_steps_and_resumes(tidal_cli, tmp_path, runs):
+    """PPO with a critic and a KL penalty in the reward on the megatron backend: the policy as
+    megatron-core's GPTModel (the KL reference's logprobs from its frozen copy), the critic the
+    `fsdp` backend's (`engines.fsdp_critic`, over the local run's one-process group): the torch
+    backend's steps, and an exact resume with the critic's state and the adapted KL coefficient."""
+    tiny = [k for k in TINY if not k.startswith(("algorithm.group_size", "algorithm.prompts_per_step"))]
+    runs.assert_critic_run_is_torchs(tidal_cli, tmp_path, backend=["train.backend=megatron"], common=[*tiny, *runs.ppo_keys, "algorithm.num_steps=4", "--no-progress"], env=ENV)
+
+
+@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
+def test_a_colocated_megatron_trainer_parks_its_critic_with_it_and_trains_as_alone(tidal_cli, tmp_path, runs):
+    """PPO with rollout time-sharing the trainer's (fake) device: the GPTModel parks itself and
+    the fsdp critic parks with it at each hand-off (one seat), and the run is the
+    disaggregated run's, bit for bit, its critic's metrics too."""
+    tiny = [k for k in TINY if not k.startswith(("algorithm.group_size", "algorithm.prompts_per_step"))]
+    common = ["train.backend=megatron", *tiny, *runs.ppo_keys, "algorithm.num_steps=3", "device=fake:cuda:1", "checkpoint_every=100", "--no-progress"]
+    runs.assert_colocated_as_alone(tidal_cli, tmp_path, common, env=ENV)
+    seats = json.loads((tmp_path / "shared" / "summary.json").read_text())["timeshare"]["seats"]
+    assert seats["critic"]["parks"] == seats["train"]["parks"] >= 2 and seats["critic"]["parked_bytes"] > 0
 
 
 @pytest.mark.parametrize(

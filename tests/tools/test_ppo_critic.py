@@ -28,13 +28,24 @@ def test_the_quickstart_learns_with_a_critic(tidal_cli, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.backend=megatron"], r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='megatron' cannot hold yet: set train.backend to one that can \(deepspeed, fsdp, torch\)"),
         (["train.backend=deepspeed", "train.zero_stage=3"], "train.zero_stage=3: the deepspeed critic .* trains under ZeRO-1 or -2 only; set train.zero_stage=2, or train.backend=fsdp"),
     ],
 )
 def test_a_critic_with_another_train_backend_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1", *overrides]))
+
+
+def test_a_train_backend_without_a_critic_is_refused_naming_those_with_one(monkeypatch):
+    """Every registered backend holds a critic today (megatron's is fsdp's); one registered
+    without (a user's, say) is refused by name before any work."""
+    from tidal.engines import registry
+
+    assert set(registry.CRITIC) == set(registry.TRAIN)
+    monkeypatch.delitem(registry.CRITIC, "megatron")
+    message = r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='megatron' cannot hold yet: set train.backend to one that can \(deepspeed, fsdp, torch\)"
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1", "train.backend=megatron"]))
 
 
 @pytest.mark.parametrize(
