@@ -335,6 +335,11 @@ class MegatronTrainEngine:
         assert self.reference is not None  # train_step checked it
         return self.token_stats(part, module=self.reference)[0]
 
+    def frozen_step(self) -> None:
+        """A step the policy sits out (`algorithm.critic_warmup`: `TakesFrozenSteps`): version += 1,
+        nothing else changes (led by rank 0, followers are not told: their version is never read)."""
+        self.version += 1
+
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step over every rank's rows (`rank_steps.sft_step`; led by rank 0:
         `batch` is every row); the version is unchanged."""

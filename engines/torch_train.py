@@ -322,6 +322,11 @@ class TorchTrainEngine:
                 return self._token_logprobs(part)
         return self._token_logprobs(part, self.reference)
 
+    def frozen_step(self) -> None:
+        """A step the policy sits out (`algorithm.critic_warmup`: `TakesFrozenSteps`): version += 1,
+        nothing else changes."""
+        self.version += 1
+
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
         """One supervised step: next-token cross-entropy on `loss_mask` tokens (version unchanged)."""
         num_tokens = float(batch.loss_mask.sum())

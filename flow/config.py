@@ -101,7 +101,7 @@ class AlgorithmConfig:
     """The RL algorithm and its staleness bound."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(
-        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 1, "max_staleness": 0, "gamma": 0, "lam": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "kl_in_reward": 0, "kl_horizon": 1, "overlong_buffer": 0, "max_filtered_in_a_row": 1},
+        at_least={"num_steps": 1, "prompts_per_step": 1, "group_size": 1, "max_staleness": 0, "gamma": 0, "lam": 0, "clip_low": 0, "clip_high": 0, "kl_coef": 0, "kl_in_reward": 0, "kl_horizon": 1, "overlong_buffer": 0, "max_filtered_in_a_row": 1, "critic_warmup": 0},
         positive=("tis_cap", "seq_mask_high", "kl_target"),
         finite=("seq_mask_low", "dual_clip", "entropy_coef"),
         why={
@@ -120,6 +120,8 @@ class AlgorithmConfig:
     """A sample from version v is trainable by versions v .. v + max_staleness; 0 = synchronous on-policy."""
     advantage: str = "grpo"
     """Advantage estimator: grpo | grpo_no_std | rloo | dr_grpo | reinforce_plus_plus_baseline (REINFORCE++-baseline, verl's name; OpenRLHF's reinforce_baseline: the reward minus its group's mean, whitened over each step's loss tokens, the batch's std in place of the group's) | gae (PPO with a learned value function: a critic, the `critic` section, gives each token's value, and the advantages are generalized advantage estimates with `gamma` and `lam`, whitened over each step's loss tokens; train.backend torch, fsdp, megatron (the critic fsdp's) or deepspeed with zero_stage 1 or 2)."""
+    critic_warmup: int = 0
+    """advantage=gae: the first this many RL steps train the critic alone (verl's trainer.critic_warmup, OpenRLHF's freezing_actor_steps), so the policy's first steps take advantages from values already fit to its rewards rather than from a new value head; in them the policy's weights, optimizer state and learning-rate schedule stay as they are, its version still counts the step (rollout goes on under the same weights) and the step's metrics have the critic's but no policy loss. 0 = none; < num_steps."""
     gamma: float = 1.0
     """advantage=gae: discount per token, in [0, 1] (verl's and OpenRLHF's default 1: the sequence's reward reaches every token undiscounted)."""
     lam: float = 1.0
@@ -186,6 +188,10 @@ class AlgorithmConfig:
                 f"algorithm.group_size={self.group_size} must be >= 2: algorithm.advantage={self.advantage} compares a prompt's samples with each other, "
                 "so one sample learns nothing (advantage=gae, whose critic is the baseline, learns from one)"
             )
+        if self.critic_warmup and self.advantage not in VALUE_BASED:
+            raise ValueError(f"algorithm.critic_warmup={self.critic_warmup} trains a critic alone, and algorithm.advantage={self.advantage} has none: set algorithm.advantage=gae, or critic_warmup=0")
+        if self.critic_warmup >= self.num_steps:
+            raise ValueError(f"algorithm.critic_warmup={self.critic_warmup} must be < algorithm.num_steps ({self.num_steps}): the policy would never train")
         if self.advantage in VALUE_BASED and self.filter_groups:
             raise ValueError(f"algorithm.filter_groups leaves out groups whose rewards are all one, and algorithm.advantage={self.advantage} learns from them too (its critic is the baseline): unset one")
 

@@ -104,6 +104,16 @@ class TrainEngine(Protocol):
 
 
 @runtime_checkable
+class TakesFrozenSteps(Protocol):
+    """A train engine whose policy can sit a step out (`algorithm.critic_warmup`)."""
+
+    def frozen_step(self) -> None:
+        """A step in which the policy does not train: version += 1; its weights, optimizer state
+        and learning-rate schedule stay as they are (on every rank: nothing runs)."""
+        ...
+
+
+@runtime_checkable
 class Critic(Protocol):
     """A learned value function (`algorithm.advantage=gae`): the workflow asks it for each
     step's values before the policy trains, then trains it on that step's returns."""

@@ -43,7 +43,7 @@ import torch
 from tidal.flow.algorithms import TOKEN_WHITENED, VALUE_BASED, KLController, PolicyLossConfig, filter_truncated, gae, kl_penalty_rewards, masked_whiten, token_whiten
 from tidal.flow.clock import FIRST_COMPLETED, REAL, Clock
 from tidal.flow.config import AlgorithmConfig, RolloutConfig
-from tidal.flow.protocols import Critic, HoldsModel, LogprobsUnderReference, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TrainEngine
+from tidal.flow.protocols import Critic, HoldsModel, LogprobsUnderReference, Pads, ResendsWeights, RolloutEngine, StepsInTurns, TakesFrozenSteps, TrainEngine
 from tidal.flow.rollout import ROLLOUT_TOTALS, LocalRollouts, RolloutGroup, RolloutWorker
 from tidal.flow.rows import TRAJECTORY_COLUMNS, token_batch_of
 from tidal.flow.stages import Stages, guard
@@ -161,6 +161,8 @@ class Workflow:
         """The coefficient of a KL penalty in the reward (`algorithm.kl_in_reward`; a resumed run's from its checkpoint), or None."""
         if self.reward_kl is not None and not isinstance(trainer, LogprobsUnderReference):
             raise ValueError(f"algorithm.kl_in_reward={algorithm.kl_in_reward} reads logprobs under the reference policy, which {type(trainer).__name__} does not give (`LogprobsUnderReference`)")
+        if algorithm.critic_warmup and not isinstance(trainer, TakesFrozenSteps):
+            raise ValueError(f"algorithm.critic_warmup={algorithm.critic_warmup} has the policy sit steps out, which {type(trainer).__name__} cannot (`TakesFrozenSteps`)")
         self.clock = clock
         self.on_step = on_step or (lambda metrics: None)
         self.tracer = tracer or Tracer(clock=clock)
@@ -368,8 +370,13 @@ class Workflow:
             raise AssertionError(f"a token {max(gaps)} versions old reached the trainer (max_staleness={cfg.algorithm.max_staleness})")
         with self._trainer_turn():
             advantages, critic_step = self._critic_advantages(rows)
-            with self.tracer.span("train", "train", version=self.version, rows=num_rows):
-                metrics: dict[str, Any] = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
+            metrics: dict[str, Any] = {}
+            if self.version < cfg.algorithm.critic_warmup:  # the critic learns alone first
+                assert isinstance(self.trainer, TakesFrozenSteps)  # __init__ checked it
+                self.trainer.frozen_step()
+            else:
+                with self.tracer.span("train", "train", version=self.version, rows=num_rows):
+                    metrics = self.trainer.train_step(tokens, advantages.to(self._dtype()), loss=loss)
             if critic_step is not None:
                 with self.tracer.span("train", "critic", version=self.version, rows=num_rows):
                     metrics.update(critic_step())

@@ -12,6 +12,7 @@ import torch
 
 from tests.flow.test_overlong import MAX_NEW_TOKENS, RecordingTrainer, ScriptedRollout
 from tidal.flow.algorithms import KLController, explained_variance, gae, kl_penalty_rewards, masked_whiten, value_loss
+from tidal.flow.config import AlgorithmConfig
 from tidal.flow.store import Store
 from tidal.flow.workflow import Workflow, WorkflowConfig
 
@@ -158,6 +159,46 @@ def test_a_value_based_estimator_needs_a_critic_and_the_others_take_none():
         Workflow(store=Store(), rollout=ScriptedRollout(), trainer=RecordingTrainer(), prompts=prompts, score=_score, config=_config(advantage="gae"))
     with pytest.raises(ValueError, match="algorithm.advantage=grpo takes no critic"):
         Workflow(store=Store(), rollout=ScriptedRollout(), trainer=RecordingTrainer(), prompts=prompts, score=_score, config=_config(group_size=2), critic=RecordingCritic([]))
+
+
+class WarmingTrainer(OrderedTrainer):
+    """An `OrderedTrainer` that can sit a step out (`TakesFrozenSteps`)."""
+
+    def frozen_step(self) -> None:
+        self.calls.append("frozen")
+        self.version += 1
+
+
+def test_with_a_critic_warmup_the_first_steps_train_the_critic_alone_and_count_as_versions():
+    """verl's critic_warmup: for `critic_warmup` steps the policy sits out (its version still
+    counts each step, so rollout goes on and the staleness bound holds), the critic trains on
+    each, and the policy's first step comes after them, on the same values-then-policy order."""
+    calls: list[str] = []
+    steps: list[dict[str, Any]] = []
+    versions: list[int] = []
+    critic, trainer = RecordingCritic(calls), WarmingTrainer(calls)
+    prompts = iter([{"prompt_ids": [1, 2], "answer": "x"}] * 40)
+
+    def on_step(metrics: dict[str, Any]) -> None:
+        steps.append(metrics)
+        versions.append(trainer.version)
+
+    config = _config(advantage="gae", num_steps=4, critic_warmup=2, max_staleness=1)
+    Workflow(store=Store(), rollout=ScriptedRollout(), trainer=trainer, prompts=prompts, score=_score, config=config, on_step=on_step, critic=critic).run()
+    assert calls == ["values", "frozen", "critic"] * 2 + ["values", "policy", "critic"] * 2
+    assert [m["step"] for m in steps] == versions == [1, 2, 3, 4]
+    assert ["loss" in m for m in steps] == [False, False, True, True]  # the policy's metrics from its first step
+    assert all(m["value_loss"] == 0.5 for m in steps) and len(critic.steps) == 4 and len(trainer.advantages) == 2
+
+
+def test_a_critic_warmup_needs_a_critic_and_a_trainer_that_sits_steps_out():
+    with pytest.raises(ValueError, match="algorithm.critic_warmup=2 trains a critic alone, and algorithm.advantage=grpo has none"):
+        AlgorithmConfig(num_steps=4, critic_warmup=2).check()
+    with pytest.raises(ValueError, match=r"algorithm.critic_warmup=2 must be < algorithm.num_steps \(2\): the policy would never train"):
+        AlgorithmConfig(advantage="gae", group_size=1, num_steps=2, critic_warmup=2).check()
+    AlgorithmConfig(advantage="gae", group_size=1, num_steps=3, critic_warmup=2).check()
+    with pytest.raises(ValueError, match=r"algorithm.critic_warmup=1 has the policy sit steps out, which OrderedTrainer cannot \(`TakesFrozenSteps`\)"):
+        Workflow(store=Store(), rollout=ScriptedRollout(), trainer=OrderedTrainer([]), prompts=iter([]), score=_score, config=_config(advantage="gae", critic_warmup=1), critic=RecordingCritic([]))
 
 
 def verl_adaptive_kl(value: float, target: float, horizon: int, current_kl: float, n_steps: int) -> float:

@@ -4,8 +4,10 @@ learns with it, and the combinations it cannot run are refused before any work."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from tidal.tools.config import ConfigError, load_config
 from tidal.tools.recipes import resolve_recipe
@@ -96,3 +98,36 @@ def test_critic_path_starts_the_critic_from_a_reward_model_that_reads_the_policy
         assert out.returncode == 0, out.stderr[-3000:]
         firsts.append(runs.steps(tmp_path / name)[0]["values_mean"])
     assert firsts[0] == 0.0 and firsts[1] != 0.0  # a zero head, then the reward model's scores
+
+
+TINY = [
+    "task.reward=tidal_test_rewards:first_token_even", "task.num_eval_prompts=4", "sft.steps=2", "sft.batch_size=8", "algorithm.max_staleness=0", "threads=1",
+    "tensorboard=false", "rollout.max_new_tokens=3", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+]  # fmt: skip
+
+
+def test_a_critic_warmup_trains_the_critic_alone_first_and_a_run_resumed_inside_it_is_the_same(tidal_cli, tmp_path, runs):
+    """`algorithm.critic_warmup=2`: the policy sits out steps 1 and 2 (its weights as the warm
+    start left them, its metrics absent) while the critic trains on each; it trains from step 3.
+    A run resumed from the step-1 checkpoint, inside the warm-up, repeats the uninterrupted run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    full, cut, resumed = tmp_path / "full", tmp_path / "cut", tmp_path / "resumed"
+    common = [*TINY, *runs.ppo_keys, "algorithm.critic_warmup=2", "algorithm.num_steps=4", "checkpoint_every=1", "--no-progress"]
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={full}", *common, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = runs.steps(full)
+    assert ["loss" in m for m in steps] == [False, False, True, True]  # the policy's own metrics from its first step
+    assert len({m["value_loss"] for m in steps}) == 4  # the critic trained at every step
+    weights = [load_file(full / "checkpoints" / f"step-{k:06d}" / "model.safetensors") for k in (1, 2, 3)]
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])  # steps 1 and 2 left the policy as it was
+    assert any(not torch.equal(weights[1][n], weights[2][n]) for n in weights[0])  # step 3 trained it
+    shutil.copytree(full / "checkpoints" / "step-000001", cut / "checkpoints" / "step-000001")
+    (cut / "checkpoints" / "latest").write_text("step-000001\n")
+    out = tidal_cli("run", "quickstart_cpu", f"run_dir={resumed}", f"resume={cut}", *common, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.assert_same(full, resumed, from_step=1)
+

@@ -107,6 +107,9 @@ def test_ppo_adds_the_critics_passes_and_a_kl_in_the_reward_a_reference_pass_on_
     assert max(_durations(kl_trace, "train", "reference")) == pytest.approx(values, rel=1e-6)
     assert kl.steps[-1]["step_s"] == pytest.approx(ppo.steps[-1]["step_s"] + values, rel=0.01)
     colocated, _ = _run(staleness=1, sigma=0.0, steps=4, overrides=(*ppo_keys, *COLOCATED))  # the critic takes the trainer's turns, parked with it
+    warm, warm_trace = _run(staleness=0, sigma=0.0, steps=4, overrides=(*ppo_keys, "algorithm.critic_warmup=2"))  # the policy sits out steps 1 and 2
+    assert len(_durations(warm_trace, "train", "train")) == 2 and len(_durations(warm_trace, "train", "critic")) == 4
+    assert [w["step_s"] + train * (k < 2) for k, w in enumerate(warm.steps)] == pytest.approx([p["step_s"] for p in ppo.steps], rel=0.01)
     assert colocated.utilisation["train"] + colocated.utilisation["rollout"] <= 1.0 and len(colocated.steps) == 4
 
 

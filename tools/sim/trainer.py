@@ -99,6 +99,10 @@ class SimTrainEngine:
         self.version += 1
         return {"loss": 0.0, "train_s": seconds, "skipped_rows": float(skipped)}
 
+    def frozen_step(self) -> None:
+        """A step the policy sits out (`algorithm.critic_warmup`): no time; version += 1."""
+        self.version += 1
+
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Zeros [batch, seq - 1] after a forward pass's time: a third of a step's FLOPs, no all-reduce."""
         flops = 2 * self.shape.num_params * self.step_tokens(batch)
