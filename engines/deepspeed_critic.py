@@ -54,12 +54,14 @@ class DeepSpeedCritic:
 
     @staticmethod
     def refusal(*, zero_stage: int) -> str | None:
-        """ZeRO-3 is refused (`RefusesTrainKeys`): beside a ZeRO-3 policy its gathers fell out of
-        step with the other ranks' once a follower had parked the policy (DeepSpeed 0.19.8,
-        gloo), and DeepSpeed cannot set AdamW's state of its one-element value-head bias
-        over several ranks (`safe_set_full_optimizer_state`), so a run could not resume."""
+        """ZeRO-3 is refused (`RefusesTrainKeys`): DeepSpeed cannot set AdamW's state of its
+        one-element value-head bias over several ranks (`safe_set_full_optimizer_state`,
+        DeepSpeed 0.19.8), so a run could not resume. (Its gathers also fell out of step once a
+        follower had parked the policy: most likely the policy's ZeRO-3 weights left gathered
+        on one rank only, which `DeepSpeedTrainEngine._release_gathered` now rules out; not
+        tried again.) The fsdp critic (`critic.backend=fsdp`) trains beside a ZeRO-3 policy instead."""
         if zero_stage == 3:
-            return "train.zero_stage=3: the deepspeed critic (algorithm.advantage=gae) trains under ZeRO-1 or -2 only; set train.zero_stage=2, or train.backend=fsdp (its critic is sharded as the policy is)"
+            return "train.zero_stage=3: the deepspeed critic (algorithm.advantage=gae) trains under ZeRO-1 or -2 only; set critic.backend=fsdp (the value model sharded with FSDP2 beside the ZeRO-3 policy), or train.zero_stage=2"
         return None
 
     def __init__(
@@ -85,7 +87,7 @@ class DeepSpeedCritic:
         self.led = self.world_size > 1
         if self.led and self.rank == 0:
             options = dict(lr=lr, value_clip=value_clip, micro_batch_size=micro_batch_size, grad_clip=grad_clip, weight_decay=weight_decay, precision=precision, zero_stage=zero_stage)
-            send_command("init", engine=CRITIC, model=model_recipe(policy), options=options)
+            send_command("init", engine=CRITIC, cls=f"{__name__}:{type(self).__name__}", model=model_recipe(policy), options=options)  # the followers build the class rank 0 did
         index = local_device_index(self.platform)
         self.device = self.platform.device(index)
         self.platform.set_device(self.device)

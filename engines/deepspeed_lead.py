@@ -24,7 +24,8 @@ def follow(share: Callable[[DeepSpeedTrainEngine], Any] | None = None) -> dict[s
 
     Returns what this rank did: engines built, optimizer steps, rows, passes over the weights
     (`exports`: the passes that gather, ZeRO-3's; under ZeRO-1 and -2 rank 0 exports alone),
-    and its critic's steps (`critic_steps`: `engines.deepspeed_critic`, built and called beside the engine).
+    and its critic's steps (`critic_steps`: the critic rank 0 built, `engines.deepspeed_critic` or
+    with `critic.backend=fsdp` `engines.fsdp_critic`, built and called beside the engine).
     A follower builds its model from `type(model)(model.config)` with random weights;
     DeepSpeed broadcasts rank 0's when the engine starts.
 
@@ -37,7 +38,6 @@ def follow(share: Callable[[DeepSpeedTrainEngine], Any] | None = None) -> dict[s
     that stayed non-finite raise it on every rank at the same step, nothing stepped): rank 0
     then saves a checkpoint, whose collectives need this rank.
     """
-    from tidal.engines.deepspeed_critic import DeepSpeedCritic  # noqa: PLC0415
     from tidal.engines.deepspeed_train import DeepSpeedTrainEngine  # noqa: PLC0415 - that module sends these commands
 
-    return follow_engines(DeepSpeedTrainEngine, share, critic_cls=DeepSpeedCritic)
+    return follow_engines(DeepSpeedTrainEngine, share)

@@ -66,7 +66,9 @@ the rest). A weight pass yields the base's names, each adapted layer's weight me
 reference is the model with its adapters off (no copy), and `state_dict()` is the torch
 engine's LoRA format ("lora": base, adapters, settings), so checkpoints move between the
 three engines. `park()` also moves the base (`move_zero3_params(frozen_only=True)`), which
-`offload_states` leaves where it is.
+`offload_states` leaves where it is. Under ZeRO-3 every pass that gathers starts by letting go
+of what this rank still holds gathered (`_release_gathered`), so a follower whose seat parked
+between two commands where rank 0's did not gathers as rank 0 does (tests/engines/test_led_critic.py).
 
 Run for real: CPU with gloo (DeepSpeed's CPU accelerator), 2 processes, ZeRO-1, -2 and -3
 (tests/engines/test_deepspeed_train.py: equality with the torch engine, a KL step among
@@ -271,6 +273,18 @@ class DeepSpeedTrainEngine:
         else:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
 
+    def _release_gathered(self) -> None:
+        """Under ZeRO-3, let go of every weight this rank holds gathered, the model's and a ZeRO-3
+        reference's (`empty_partition_cache`: local, no collective). Every pass that gathers
+        starts with it, on every rank: a rank whose seat parked its state between two commands
+        (which lets go of them too) then gathers what the others gather. Without it a weight one
+        rank still held while another gathered it put their all-gathers out of step (gloo:
+        "1024 vs 32" bytes, DeepSpeed 0.19.8)."""
+        if self.zero_stage == 3:
+            self.zero.empty_partition_cache()
+            if self._reference_engine is not None:
+                self._reference_engine.empty_partition_cache()
+
     # Forward passes --------------------------------------------------------------------
     def token_stats(self, batch: TokenBatch, *, entropy: str | None = None, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each next token's logprob, and its distribution's entropy with `entropy`
@@ -333,6 +347,7 @@ class DeepSpeedTrainEngine:
     @torch.no_grad()
     def _logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
         """In eval mode (no dropout), as a rollout engine computes them; under the KL reference with `reference`."""
+        self._release_gathered()
         num_micro = int(self.step_counts(batch)["micro_batches"])
         with evaluating(self.module):
             slices = self._micro_batches(batch)
@@ -356,6 +371,7 @@ class DeepSpeedTrainEngine:
         anywhere, one dummy pass gives every parameter a zero gradient, so AdamW still steps.
         `kl`: each micro-batch makes one reference pass (`micro_loss` does), so under ZeRO-3
         each dummy pass makes one too."""
+        self._release_gathered()
         totals: dict[str, float] = {"loss": 0.0, COVERED: 0.0}
         slices = self._micro_batches(batch)
         gathers_reference = kl and self.zero_stage == 3  # the reference's engine, or with LoRA this one's adapters off
@@ -440,6 +456,7 @@ class DeepSpeedTrainEngine:
 
     def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights a pass yields, gathering as it goes under ZeRO-3 (what a follower runs too)."""
+        self._release_gathered()
         if self.lora is None:
             return weight_pass(self.module)
         return lora_.merged_weights(self.module, self.module.state_dict(keep_vars=True), full=whole)  # a layer's weight, A and B gathered when the weight is reached
@@ -470,6 +487,7 @@ class DeepSpeedTrainEngine:
         return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
+        self._release_gathered()
         model, optimizer = full_state(self.module, self.optimizer, rank=self.rank)
         state = {"model": model, "optimizer": optimizer, "lr_scheduler": self.scheduler.state_dict(), "version": self.version}
         if self.reference is not None:  # ZeRO-3: gathered, a collective; else whole on every rank
@@ -522,6 +540,7 @@ class DeepSpeedTrainEngine:
     def _load_state_dict(self, model: dict[str, Any], optimizer: dict[str, Any] | None, *, version: int, lr_scheduler: dict[str, Any], reference: dict[str, Any] | None = None) -> None:
         """Rank 0's whole state on every rank; with `reference` (rank 0's whole weights, the
         other ranks' empty) every rank's reference set from rank 0's."""
+        self._release_gathered()
         if reference is not None:
             assert self.reference is not None
             load_whole_weights(self.reference, rank=self.rank, weights=reference)

@@ -62,7 +62,7 @@ class FSDPCritic:
         self.led = self.world_size > 1
         if self.led and self.rank == 0:
             options = dict(lr=lr, value_clip=value_clip, micro_batch_size=micro_batch_size, grad_clip=grad_clip, weight_decay=weight_decay, precision=precision)
-            send_command("init", engine=CRITIC, model=model_recipe(policy), options=options)
+            send_command("init", engine=CRITIC, cls=f"{__name__}:{type(self).__name__}", model=model_recipe(policy), options=options)  # the followers build the class rank 0 did
         body = copy.deepcopy(policy.base_model) if self.rank == 0 else policy.base_model  # rank 0's start is the caller's; a follower's was built for this
         model = ValueModel(body, policy.config.hidden_size, head=head)
         weights = model.state_dict() if self.led and self.rank == 0 else {}  # the un-sharded tensors, kept alive for the broadcast

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, int]:
     """Every rank but 0 of a group led by rank 0: do what rank 0's engines do, until `stop_followers()`.
 
-    Builds an engine whenever rank 0 builds one (its critic too, `engines.fsdp_critic`) and
+    Builds an engine whenever rank 0 builds one (its critic too: `follow_engines`) and
     makes the collective calls of each of its method calls. Returns what this rank did: engines built, optimizer steps, rows,
     passes over the weights (`exports`: one per pass rank 0 started, complete or not), and
     its critic's optimizer steps (`critic_steps`, where the backend holds a critic).
@@ -41,23 +41,23 @@ def follow(share: Callable[[FSDPTrainEngine], Any] | None = None) -> dict[str, i
     then saves a checkpoint of that state, whose collectives need this rank, before it
     gives up the group (which ends this).
     """
-    from tidal.engines.fsdp_critic import FSDPCritic  # noqa: PLC0415
     from tidal.engines.fsdp_train import FSDPTrainEngine  # noqa: PLC0415 - that module sends these commands
 
-    return follow_engines(FSDPTrainEngine, share, critic_cls=FSDPCritic)
+    return follow_engines(FSDPTrainEngine, share)
 
 
-def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None, *, critic_cls: Any = None) -> dict[str, int]:
+def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None) -> dict[str, int]:
     """`follow()` for a led group whose engines are `engine_cls` (built as
     `engine_cls(model, rank0_leads=True, **options)`, each command run by its
-    `follow_command`): the loop every multi-rank backend's followers share. `critic_cls`: the
-    class of the group's critic (`algorithm.advantage=gae`), built, seated by `share` and
-    called likewise for the commands marked `engine=CRITIC`, beside the policy engine."""
+    `follow_command`): the loop every multi-rank backend's followers share. The group's critic
+    (`algorithm.advantage=gae`) is built, seated by `share` and called likewise for the
+    commands marked `engine=CRITIC`, beside the policy engine: of the class rank 0 built, which
+    its init command names (`cls`, one of `engines.registry.CRITIC`'s)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise RuntimeError("follow() runs on the ranks other than 0 of an initialised process group")
     built: dict[str, Any] = {}  # "policy" and CRITIC -> the engine
     seats: dict[str, Any] = {}  # and its seat
-    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0, **({"critic_steps": 0} if critic_cls is not None else {})}
+    done = {"engines": 0, "steps": 0, "rows": 0, "exports": 0, "critic_steps": 0}
     try:
         while True:
             command = receive_command()
@@ -69,9 +69,7 @@ def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None, *
                     seats.pop(role).close()
                 built.pop(role, None)
                 engine = None  # the previous engine's shards go before the next one's arrive
-                cls = critic_cls if role == CRITIC else engine_cls
-                if cls is None:
-                    raise RuntimeError(f"rank 0 built a {role} this backend's followers cannot build")
+                cls = _critic_class(command) if role == CRITIC else engine_cls
                 built[role] = engine = cls(build_from_recipe(command["model"]), rank0_leads=True, **command["options"])
                 seats[role] = share(engine) if share is not None else None
                 done["engines"] += role != CRITIC
@@ -94,6 +92,15 @@ def follow_engines(engine_cls: Any, share: Callable[[Any], Any] | None = None, *
         for seat in seats.values():
             if seat is not None:
                 seat.close()
+
+
+def _critic_class(command: dict[str, Any]) -> Any:
+    """The critic class an init command names (`cls`: a `engines.registry.CRITIC` entry)."""
+    from tidal.engines.registry import CRITIC, imported  # noqa: PLC0415 - the registry imports nothing of the engines' until asked
+
+    if command.get("cls") not in CRITIC.values():
+        raise RuntimeError(f"rank 0 built a critic of a class the followers do not know: {command.get('cls')!r} (known: {', '.join(sorted(set(CRITIC.values())))})")
+    return imported(command["cls"])
 
 
 def stop_followers() -> None:

@@ -24,9 +24,9 @@ def follow(share: Callable[[MegatronTrainEngine], Any] | None = None) -> dict[st
 
     Returns what this rank did: engines built, optimizer steps, rows, `exports` (always 0:
     every rank holds the whole model, so rank 0 exports its weights alone) and `critic_steps`.
-    The group's critic (`algorithm.advantage=gae`) is the `fsdp` backend's
+    The group's critic (`algorithm.advantage=gae`) is by default the `fsdp` backend's
     (`engines.fsdp_critic`: a transformers value model sharded with FSDP2 over these ranks),
-    built and called for the commands marked `engine="critic"`. A follower builds its
+    built and called for the commands marked `engine="critic"` (`fsdp_lead.follow_engines`). A follower builds its
     model from `type(model)(model.config)` with random weights; the engine takes rank 0's when it
     starts.
 
@@ -37,7 +37,6 @@ def follow(share: Callable[[MegatronTrainEngine], Any] | None = None) -> dict[st
     A command that raises ends this with its error, but for `FloatingPointError` (gradients that
     stayed non-finite raise it on every rank at the same step, nothing stepped).
     """
-    from tidal.engines.fsdp_critic import FSDPCritic  # noqa: PLC0415 - imports torch's FSDP
     from tidal.engines.megatron_train import MegatronTrainEngine  # noqa: PLC0415 - that module sends these commands
 
-    return follow_engines(MegatronTrainEngine, share, critic_cls=FSDPCritic)
+    return follow_engines(MegatronTrainEngine, share)

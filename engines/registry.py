@@ -69,20 +69,20 @@ def load(key: str, value: str) -> Any:
     message = unknown(key, value)
     if message:
         raise ValueError(message)
-    return _imported(REGISTRIES[key][value])
+    return imported(REGISTRIES[key][value])
 
 
 def critic_class(backend: str) -> Any:
     """The critic class of the train backend `backend` (`CRITIC`), imported now."""
-    return _imported(CRITIC[backend])
+    return imported(CRITIC[backend])
 
 
 def follower(backend: str) -> Any:
     """The function every rank but 0 of a `backend` train group runs (`MULTI_RANK`), imported now."""
-    return _imported(MULTI_RANK[backend])
+    return imported(MULTI_RANK[backend])
 
 
-def _imported(entry: str) -> Any:
+def imported(entry: str) -> Any:
     """What a `module:attribute` entry names, its module imported now."""
     module, _, name = entry.partition(":")
     return getattr(importlib.import_module(module), name)

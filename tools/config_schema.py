@@ -275,10 +275,12 @@ class CriticConfig:
     transformer body with a value head, copied from the policy as RL starts, trained where the
     policy trains on each step's returns: in the trainer's process (train.backend=torch,
     `engines.critic`) or over the trainer's ranks (fsdp and megatron, `engines.fsdp_critic`;
-    deepspeed ZeRO-1 or -2, `engines.deepspeed_critic`)."""
+    deepspeed ZeRO-1 or -2, `engines.deepspeed_critic`), or another backend's (`backend`)."""
 
     BOUNDS: ClassVar[Bounds] = Bounds(at_least={"micro_batch_size": 1, "weight_decay": 0}, positive=("lr", "value_clip", "grad_clip"))
 
+    backend: Optional[str] = None
+    """Where the critic trains, as verl's critic.strategy may differ from the actor's: null = the train backend's own critic (torch: the trainer's process; fsdp and megatron: FSDP2 over the trainer's ranks; deepspeed: ZeRO-1/2 as train.zero_stage says) | torch | fsdp | deepspeed (a key of `engines.registry.CRITIC`). Beside a ZeRO-3 deepspeed policy set fsdp: the value model sharded with FSDP2 over the same ranks, as ZeRO-3 shards the policy."""
     path: Optional[str] = None
     """Local Hugging Face checkpoint directory the critic starts from instead of the policy: its transformer body, and for a one-label sequence-classification checkpoint (a reward model: OpenRLHF starts its critic from the reward model) its score head as the value head; it must read the policy's tokens (the same tokenizer vocabulary; model.source=hf). null = the policy, with a value head of zeros. A relative path is taken from where tidal run starts."""
     lr: float = 1e-5

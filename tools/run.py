@@ -276,12 +276,16 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"placement.train.count={count} needs a train.backend that trains over several processes "
             f"({', '.join(sorted(MULTI_RANK))}); train.backend={cfg.train.backend!r} trains in one: set train.backend=fsdp or placement.train.count=1"
         )
-    if cfg.algorithm.advantage in VALUE_BASED and cfg.train.backend not in CRITIC:
+    if cfg.critic.backend is not None and cfg.algorithm.advantage not in VALUE_BASED:
+        raise ConfigError(f"critic.backend={cfg.critic.backend!r} is read only with a critic (algorithm.advantage=gae); algorithm.advantage={cfg.algorithm.advantage}: unset critic.backend")
+    if cfg.critic.backend is not None and cfg.critic.backend not in CRITIC:
+        raise ConfigError(f"critic.backend={cfg.critic.backend!r} is not one of {', '.join(sorted(CRITIC))}")
+    if cfg.algorithm.advantage in VALUE_BASED and cfg.train.backend not in CRITIC and cfg.critic.backend is None:
         raise ConfigError(
             f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy, which train.backend={cfg.train.backend!r} cannot hold yet: "
-            f"set train.backend to one that can ({', '.join(sorted(CRITIC))}), or another advantage"
+            f"set train.backend to one that can ({', '.join(sorted(CRITIC))}), critic.backend, or another advantage"
         )
-    if cfg.algorithm.advantage in VALUE_BASED and isinstance(critic := critic_class(cfg.train.backend), RefusesTrainKeys):
+    if cfg.algorithm.advantage in VALUE_BASED and isinstance(critic := critic_class(cfg.critic.backend or cfg.train.backend), RefusesTrainKeys):
         refused = critic.refusal(**{key: getattr(cfg.train, key) for key in critic.train_keys})
         if refused:
             raise ConfigError(refused)

@@ -1,7 +1,8 @@
 """The critics of `algorithm.advantage=gae` sharded over the trainer's ranks (`engines.led_critic`:
-`fsdp_critic`, which the `megatron` backend holds too, and `deepspeed_critic` under ZeRO-2):
-two ranks led by rank 0, beside the backend's policy engine, each rank's seat parking them
-between commands, held to the torch critic (`engines.critic`)."""
+`fsdp_critic`, which the `megatron` backend holds too, and `deepspeed_critic` under ZeRO-2;
+beside a ZeRO-3 policy the fsdp one, `critic.backend=fsdp`): two ranks led by rank 0, beside
+the backend's policy engine, each follower's seats parking them between commands, held to the
+torch critic (`engines.critic`)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ WORKER = textwrap.dedent(
         policy = load("train.backend", backend)(build_tiny_qwen2(data["vocab_size"], **data["model"]), lr=1e-3, micro_batch_size=2, rank0_leads=True, **options, **data["policy_options"])
         reference = data["policy_options"].get("kl_reference", False)  # logprobs under it: what a KL penalty in the reward reads
         first = {"logprobs": policy.logprobs(batch), **({"reference": policy.logprobs_under_reference(batch)} if reference else {})}
-        Critic = critic_class(backend)
-        critic = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **options)
+        Critic = critic_class(data["critic_backend"])
+        critic_options = options if data["critic_backend"] == backend else {}  # zero_stage: the deepspeed critic's
+        critic = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **critic_options)
         critic.load_state_dict(data["start"])  # no optimizer state yet
         values, metrics = [], []
         for _ in range(data["num_steps"]):
@@ -93,7 +95,7 @@ WORKER = textwrap.dedent(
         last = {"logprobs": policy.logprobs(batch), **({"reference": policy.logprobs_under_reference(batch)} if reference else {})}
         del critic  # as each follower drops its own before it builds the next
         gc.collect()
-        again = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **options)  # the followers replace theirs
+        again = Critic(build_tiny_qwen2(data["vocab_size"], **data["model"]), rank0_leads=True, **data["critic"], **critic_options)  # the followers replace theirs
         again.load_state_dict(state)
         resumed = again.train_step(batch, returns, again.values(batch))
         torch.save({"values": values, "metrics": metrics, "state": state, "resumed": resumed, "resumed_state": again.state_dict(), "version": policy.version, "first": first, "last": last}, work / "result.pt")
@@ -112,8 +114,11 @@ def _returns(batch: TokenBatch) -> torch.Tensor:
     return torch.where(on, 0.5 * rows - 0.1 * torch.arange(on.shape[1]), 0.0)
 
 
-BACKENDS = {"fsdp": {}, "deepspeed-zero2": {"zero_stage": 2}, "megatron": {}}
-POLICY_OPTIONS = {"fsdp": {"kl_reference": True}, "deepspeed-zero2": {"kl_reference": True}, "megatron": {"kl_reference": True}}
+BACKENDS = {"fsdp": {}, "deepspeed-zero2": {"zero_stage": 2}, "deepspeed-zero3": {"zero_stage": 3}, "megatron": {}}
+POLICY_OPTIONS = {name: {"kl_reference": True} for name in BACKENDS}
+CRITIC_BACKEND = {"deepspeed-zero3": "fsdp"}
+"""`critic.backend` where it is not the train backend's own: beside a ZeRO-3 policy the fsdp
+critic (whose follower parks the policy between commands: ZeRO-3's gathers must stay in step)."""
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
@@ -134,7 +139,7 @@ def runs(request, tmp_path_factory, six_rows, spawn, write_data):
         values.append(reference.values(batch))
         metrics.append(reference.train_step(batch, returns, values[-1] + offset))
     work = tmp_path_factory.mktemp(request.param)
-    write_data(work, batch, advantages, backend=backend, options=options, policy_options=POLICY_OPTIONS[request.param], returns=returns, offset=offset, start=start, vocab_size=T.vocab_size, model=MODEL, critic=CRITIC, num_steps=NUM_STEPS)
+    write_data(work, batch, advantages, backend=backend, critic_backend=CRITIC_BACKEND.get(request.param, backend), options=options, policy_options=POLICY_OPTIONS[request.param], returns=returns, offset=offset, start=start, vocab_size=T.vocab_size, model=MODEL, critic=CRITIC, num_steps=NUM_STEPS)
     spawn(work, WORKER)
     torch_state = copy.deepcopy(reference.state_dict())
     resumed = reference.train_step(batch, returns, reference.values(batch))

@@ -103,6 +103,15 @@ def test_a_deepspeed_run_with_a_critic_takes_the_torch_engines_steps_and_resumes
     runs.assert_critic_run_is_torchs(tidal_cli, tmp_path, backend=["train.backend=deepspeed", "train.zero_stage=2"], common=[*tiny, *runs.ppo_keys, "algorithm.num_steps=4", "--no-progress"], env=ENV)
 
 
+def test_a_zero3_run_with_the_fsdp_critic_takes_the_torch_engines_steps_and_resumes(tidal_cli, tmp_path, runs):
+    """PPO beside a ZeRO-3 policy: `critic.backend=fsdp` (the deepspeed critic trains under
+    ZeRO-1/2 only), the KL reference partitioned as the policy: the torch backend's steps, and
+    an exact resume with the critic's state and the adapted KL coefficient."""
+    tiny = [k for k in TINY if not k.startswith(("algorithm.group_size", "algorithm.prompts_per_step"))]
+    backend = ["train.backend=deepspeed", "train.zero_stage=3", "critic.backend=fsdp"]
+    runs.assert_critic_run_is_torchs(tidal_cli, tmp_path, backend=backend, common=[*tiny, *runs.ppo_keys, "algorithm.num_steps=4", "--no-progress"], env=ENV)
+
+
 def test_a_colocated_deepspeed_trainer_parks_for_its_guest_and_trains_as_alone(tidal_cli, tmp_path, runs):
     """Rollout time-shares the trainer's (fake) device: the ZeRO-3 engine parks itself at each
     hand-off (`DeepSpeedTrainEngine.park`: DeepSpeed's `offload_states`, and the master slices,

@@ -30,7 +30,10 @@ def test_the_quickstart_learns_with_a_critic(tidal_cli, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.backend=deepspeed", "train.zero_stage=3"], "train.zero_stage=3: the deepspeed critic .* trains under ZeRO-1 or -2 only; set train.zero_stage=2, or train.backend=fsdp"),
+        (["train.backend=deepspeed", "train.zero_stage=3"], "train.zero_stage=3: the deepspeed critic .* trains under ZeRO-1 or -2 only; set critic.backend=fsdp .*, or train.zero_stage=2"),
+        (["train.backend=fsdp", "critic.backend=deepspeed", "train.zero_stage=3"], "train.zero_stage=3: the deepspeed critic"),
+        (["critic.backend=megatronn"], "critic.backend='megatronn' is not one of deepspeed, fsdp, megatron, torch"),
+        (["algorithm.advantage=grpo", "algorithm.group_size=2", "critic.backend=fsdp"], r"critic.backend='fsdp' is read only with a critic \(algorithm.advantage=gae\); algorithm.advantage=grpo: unset critic.backend"),
     ],
 )
 def test_a_critic_with_another_train_backend_is_refused(overrides, message):
@@ -45,7 +48,7 @@ def test_a_train_backend_without_a_critic_is_refused_naming_those_with_one(monke
 
     assert set(registry.CRITIC) == set(registry.TRAIN)
     monkeypatch.delitem(registry.CRITIC, "megatron")
-    message = r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='megatron' cannot hold yet: set train.backend to one that can \(deepspeed, fsdp, torch\)"
+    message = r"algorithm.advantage=gae trains a critic beside the policy, which train.backend='megatron' cannot hold yet: set train.backend to one that can \(deepspeed, fsdp, torch\), critic.backend, or another advantage"
     with pytest.raises(ConfigError, match=message):
         check_runnable(load_config(resolve_recipe("quickstart_cpu"), ["algorithm.advantage=gae", "algorithm.group_size=1", "train.backend=megatron"]))
 
