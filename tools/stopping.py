@@ -98,25 +98,30 @@ class QuietRollout:
     """With `max_staleness: 0`, a checkpoint's RNG state agrees with the store it saves, so a
     resumed run repeats the uninterrupted one bit for bit.
 
-    The rollout engine starts no generation from the start of a train step that writes a
-    periodic checkpoint (`checkpoints(step)`, the step numbered from 1) to the end of the
-    step's `on_step`, which writes it (the caller sets `open` then); other steps are not
-    held up. `rng()` is the state before the last generation while the store has not got
+    The rollout engine starts no generation from the start of a train step (or a frozen one,
+    `TakesFrozenSteps`) that writes a periodic checkpoint (`checkpoints(step)`, the step
+    numbered from 1) to the end of the step's `on_step`, which writes it (the caller sets
+    `open` then); other steps are not held up. `rng()` is the state before the last generation while the store has not got
     its samples (a run stopped while it generated: a resumed run generates them again).
     `store` is the run's, `rng_state()` returns the state a checkpoint saves.
     """
 
     def __init__(self, store: Store, trainer: Any, rollout: Any, *, rng_state: Callable[[], dict[str, Any]], checkpoints: Callable[[int], bool]) -> None:
+        from tidal.flow.protocols import TakesFrozenSteps  # noqa: PLC0415 - imports torch, which this module's other users do without
+
         self.store, self.rng_state = store, rng_state
         self.open = threading.Event()
         self.open.set()
         self.before: tuple[dict[str, Any], int] | None = None
-        train_step, generate = trainer.train_step, rollout.generate
+        generate = rollout.generate
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if checkpoints(trainer.version + 1):
-                self.open.clear()  # the step's samples are generated: the next ones wait for `open`
-            return train_step(*args, **kwargs)
+        def closing(step: Callable[..., Any]) -> Callable[..., Any]:
+            def closed(*args: Any, **kwargs: Any) -> Any:
+                if checkpoints(trainer.version + 1):
+                    self.open.clear()  # the step's samples are generated: the next ones wait for `open`
+                return step(*args, **kwargs)
+
+            return closed
 
         def quiet_generate(*args: Any, should_pause: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
             while not self.open.wait(1.0) and not (should_pause and should_pause()):
@@ -124,7 +129,9 @@ class QuietRollout:
             self.before = (self.rng_state(), self._acked())
             return generate(*args, should_pause=should_pause, **kwargs)
 
-        trainer.train_step, rollout.generate = step, quiet_generate
+        trainer.train_step, rollout.generate = closing(trainer.train_step), quiet_generate
+        if isinstance(trainer, TakesFrozenSteps):  # a step the policy sits out (`algorithm.critic_warmup`) checkpoints too
+            trainer.frozen_step = closing(trainer.frozen_step)
 
     def _acked(self) -> int:
         return self.store.consumer_counts("prompts", "rollout")["acked"]
