@@ -36,7 +36,8 @@ CRITIC = {
     "deepspeed": "tidal.engines.deepspeed_critic:DeepSpeedCritic",
     "megatron": "tidal.engines.fsdp_critic:FSDPCritic",  # megatron-core holds the policy; the value model is a transformers one, FSDP2-sharded
 }
-"""train.backend values that train a critic beside the policy (`algorithm.advantage=gae`) ->
+"""train.backend values that train a critic beside the policy (`algorithm.advantage=gae`), and
+the values of `critic.backend` (another backend's critic than the train backend's own) ->
 its class, built as `cls(start_model, head=..., lr=..., ...)` (and the `train.*` keys it
 takes: `TakesTrainKeys`) on rank 0 (a multi-rank one leads the other ranks, whose `follow()`
 builds theirs: `fsdp_lead.follow_engines`). Their train engines give a batch's logprobs under
