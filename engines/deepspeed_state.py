@@ -17,7 +17,7 @@ in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,17 @@ def _partitioned(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")
 
 
+def _whole_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor (a ZeRO-3 parameter's `ds_shape`, which DeepSpeed sets on it)."""
+    return tuple(cast(Any, tensor).ds_shape) if _partitioned(tensor) else tuple(tensor.shape)
+
+
 def weight_specs(module: torch.nn.Module) -> list[TensorSpec]:
     """Each weight's whole name, shape and dtype, under the un-sharded model's `state_dict`
     names (tied ones included), without gathering anything (local)."""
     specs = []
     for name, tensor in module.state_dict(keep_vars=True).items():
-        shape = tuple(tensor.ds_shape) if _partitioned(tensor) else tuple(tensor.shape)
+        shape = _whole_shape(tensor)
         specs.append(TensorSpec.of(name, torch.empty(shape, dtype=tensor.dtype, device="meta")))
     return specs
 
@@ -126,14 +131,14 @@ def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, ran
     model = whole_weights(module, rank=rank)
     params = trained(module)
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(params)))} for group in optimizer.param_groups[:1]]
-    flat = next((s for s in optimizer.state.values() if "step" in s), {})  # (ZeRO-3 makes empty entries at the start)
+    flat: dict[str, Any] = next((s for s in optimizer.state.values() if "step" in s), {})  # (ZeRO-3 makes empty entries at the start)
     step = flat.get("step")
     if step is None or float(step) == 0:  # no step taken: nothing to gather (the torch engine's state has none either)
         return model, {"state": {}, "param_groups": groups if rank == 0 else []}
     keys = [key for key, value in flat.items() if torch.is_tensor(value) and value.dim() > 0]  # AdamW's moments
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, param in enumerate(params):
-        shape = tuple(param.ds_shape) if _partitioned(param) else tuple(param.shape)
+        shape = _whole_shape(param)
         moments = {key: safe_get_full_optimizer_state(param, key).reshape(shape) for key in keys}
         if rank == 0:
             state[index] = {"step": step.to(_HOST, torch.float32, copy=True), **{key: value.to(_HOST, copy=True) for key, value in moments.items()}}
@@ -173,7 +178,7 @@ def load_full_state(module: torch.nn.Module, zero_optimizer: Any, *, rank: int, 
         if "step" in flat:
             flat["step"].fill_(step)
     for index, param in enumerate(trained(module)):
-        shape = tuple(param.ds_shape) if _partitioned(param) else tuple(param.shape)
+        shape = _whole_shape(param)
         for key in keys:
             value = saved[index][key].to(param.device, torch.float32).contiguous() if rank == 0 else torch.empty(shape, dtype=torch.float32, device=param.device)
             dist.broadcast(value, src=0)

@@ -111,7 +111,7 @@ from tidal.engines.deepspeed_state import (
     whole,
     whole_weights,
 )
-from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
+from tidal.engines.fsdp_commands import model_recipe, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.micro_batches import pack, real_lengths, row_lengths
 from tidal.engines.padding_free import keeps_logits, no_kv_cache, padding_free_for
@@ -251,19 +251,10 @@ class DeepSpeedTrainEngine:
     def follow_command(self, command: dict[str, Any]) -> None:
         """A follower (`deepspeed_lead.follow`): the collective calls of rank 0's `command`
         (what rank 0 gets back is dropped)."""
+        if rank_steps.follow_rows(self, command, self.rank, self._logprobs):
+            return
         op = command["op"]
-        if op in ("train_step", "sft_step", "logprobs"):
-            fields = receive_rows(command, self.rank)
-            batch = TokenBatch(*fields[:5])
-            if op == "train_step":
-                rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
-            elif op == "sft_step":
-                rank_steps.supervised_step(self, batch)
-            else:
-                logprobs = self._logprobs(batch, reference=command.get("reference", False))
-                if len(batch):
-                    dist.send(logprobs.contiguous(), dst=0)
-        elif op == "named_weights":
+        if op == "named_weights":
             for _ in self._named_weights():
                 pass
         elif op == "state_dict":
@@ -292,7 +283,7 @@ class DeepSpeedTrainEngine:
         module = module or self.deepspeed
         batch = batch.to(self.device)
         packed = self.padding_free.pack(batch) if self.padding_free is not None else None
-        if packed is not None:
+        if self.padding_free is not None and packed is not None:
             return self.padding_free.token_stats(module, packed, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, entropy=entropy, autocast=self.platform.autocast(self.precision))
         left_padded = bool((batch.attention_mask[:, 0] == 0).any())  # positions count from each row's first real token
         inputs = {"attention_mask": batch.attention_mask, **({"position_ids": padded_positions(batch.attention_mask)} if left_padded else {}), **self._no_kv_cache}
@@ -378,7 +369,7 @@ class DeepSpeedTrainEngine:
         for k in range(max(int(counts["micro_batches"]), 1)):  # as many on every rank: ZeRO's collectives need it
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
-            if weight == 0:
+            if part is None or weight == 0:
                 self._dummy_pass(backward=True, reference=gathers_reference)
                 continue
             loss, metrics = micro_loss(part, slices[k])
@@ -517,7 +508,7 @@ class DeepSpeedTrainEngine:
         DeepSpeed's flat buffers) to host memory (`deepspeed_state.offload_engine`). A KL reference goes through the platform's offload, or under ZeRO-3 its
         slices are moved here (`move_zero3_params`). Local to this rank,
         no collective: in a led group each rank's seat parks its own."""
-        if self._reference_engine is not None and self._parked_reference is None:
+        if self._reference_engine is not None and self.reference is not None and self._parked_reference is None:
             move_zero3_params(self.reference, _HOST)
             self._parked_reference = True
         elif self.reference is not None and self._parked_reference is None:
@@ -531,7 +522,7 @@ class DeepSpeedTrainEngine:
         reload_engine(self.deepspeed, self.zero, zero_stage=self.zero_stage, device=self.device)
         if self.lora is not None:
             move_zero3_params(self.module, self.device, frozen_only=True)
-        if self._reference_engine is not None and self._parked_reference is not None:
+        if self._reference_engine is not None and self.reference is not None and self._parked_reference is not None:
             move_zero3_params(self.reference, self.device)
         elif self._parked_reference is not None:
             self._parked_reference.onload()

@@ -104,9 +104,10 @@ def receive_rows(command: dict[str, Any], rank: int) -> list[torch.Tensor | None
             out.append(None)
             continue
         dtype, shape = spec
-        out.append(torch.empty((n, *shape), dtype=dtype))
+        tensor = torch.empty((n, *shape), dtype=dtype)
         if n:
-            dist.recv(out[-1], src=0)
+            dist.recv(tensor, src=0)
+        out.append(tensor)
     return out
 
 

@@ -95,7 +95,7 @@ from torch.distributed.tensor import DTensor
 from tidal.engines import lora as lora_
 from tidal.engines import rank_steps
 from tidal.engines.fsdp_checkpoint import FROM_RANK0, full_state, load_full_state, load_sharded, save_sharded
-from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
+from tidal.engines.fsdp_commands import model_recipe, send_command
 from tidal.engines.fsdp_setup import TORCHRUN_VARS as TORCHRUN_VARS  # where tests and launchers look for it
 from tidal.engines.fsdp_setup import ensure_process_group, rank_device, reset_sharded_params, reshard, shard
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
@@ -109,6 +109,7 @@ from tidal.engines.train_steps import (
     average_metrics,
     check_settings,
     evaluating,
+    grads_of,
     padded_positions,
     padded_token_stats,
 )
@@ -212,19 +213,10 @@ class FSDPTrainEngine:
     # Rows of a led group ---------------------------------------------------------------------
     def follow_command(self, command: dict[str, Any]) -> None:
         """A follower: the collective calls of rank 0's `command` (what rank 0 gets back is dropped)."""
+        if rank_steps.follow_rows(self, command, self.rank, self._logprobs):
+            return
         op = command["op"]
-        if op in ("train_step", "sft_step", "logprobs"):
-            fields = receive_rows(command, self.rank)
-            batch = TokenBatch(*fields[:5])
-            if op == "train_step":
-                rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
-            elif op == "sft_step":
-                rank_steps.supervised_step(self, batch)
-            else:
-                logprobs = self._logprobs(batch, reference=command.get("reference", False))
-                if len(batch):
-                    dist.send(logprobs.contiguous(), dst=0)
-        elif op == "named_weights":
+        if op == "named_weights":
             for _ in self._named_weights():
                 pass
         elif op == "state_dict":
@@ -335,14 +327,14 @@ class FSDPTrainEngine:
         for k in range(max(int(counts["micro_batches"]), 1)):
             part = self._part(batch, slices[k]) if k < len(slices) else None
             weight = weight_of(part) if part is not None else 0.0
-            if weight == 0:
+            if part is None or weight == 0:
                 self._dummy_pass(backward=True, reference=kl)
                 continue
             loss, metrics = micro_loss(part, slices[k])
             (loss * weight).backward()
             totals[COVERED] += add_metrics(totals, part, loss, metrics, weight=weight)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        grad_norm = torch.nn.utils.get_total_norm(grads_of(params), norm_type=2.0)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()  # all-reduced: every rank steps, or skips a non-finite norm, alike
         step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)

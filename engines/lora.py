@@ -63,7 +63,7 @@ class LoraSettings:
 
         targets: str | list[str] = TARGETS_ALL_LINEAR if self.target_modules == (TARGETS_ALL_LINEAR,) else list(self.target_modules)
         alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha  # peft and vLLM type it an int
-        return LoraConfig(r=self.rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+        return LoraConfig(r=self.rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")  # type: ignore[arg-type]  # a fractional alpha scales as well
 
 
 def lora_settings(rank: int, alpha: float, target_modules: Any) -> LoraSettings | None:

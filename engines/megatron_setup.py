@@ -22,7 +22,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from tidal.hal import Platform
 _OPTIONAL_KERNELS = r"(Transformer Engine and )?Apex (is|are) not installed"
 """The start of the warnings megatron-core gives, once per module at import, that it falls back to
 torch where Transformer Engine's or Apex's fused kernels are missing."""
-SPEC = "local"
+SPEC: Literal["te", "local"] = "local"
 """The megatron-core layer spec the engine builds, and whose parameter names it converts."""
 _HOST = torch.device("cpu")
 _world_of_parallel_state: Any = None
@@ -136,7 +136,8 @@ def megatron_model(model: torch.nn.Module, layout: HFLayout) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
     from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
 
-    config, shape = model.config, layout.shape
+    config: Any = model.config  # a transformers config (a module's attribute types as Tensor | Module)
+    shape = layout.shape
     transformer = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -186,6 +187,7 @@ def hf_weights(module: torch.nn.Module, layout: HFLayout) -> Iterator[tuple[str,
             embedding = tensor
         yield name, tensor
     for name in layout.tied:
+        assert embedding is not None  # a tied model has its embedding, yielded first
         yield name, embedding
 
 

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engines import rank_steps
-from tidal.engines.fsdp_commands import model_recipe, receive_rows, send_command
+from tidal.engines.fsdp_commands import model_recipe, send_command
 from tidal.engines.lr_schedule import LRSchedule, load_position, lr_scheduler
 from tidal.engines.megatron_setup import (
     HFLayout,
@@ -89,6 +89,7 @@ from tidal.engines.train_steps import (
     average_metrics,
     check_settings,
     evaluating,
+    grads_of,
     next_token_stats,
     own_settings,
 )
@@ -200,19 +201,10 @@ class MegatronTrainEngine:
     def follow_command(self, command: dict[str, Any]) -> None:
         """A follower (`megatron_lead.follow`): the collective calls of rank 0's `command` (what
         rank 0 gets back is dropped)."""
+        if rank_steps.follow_rows(self, command, self.rank, self._logprobs):
+            return
         op = command["op"]
-        if op in ("train_step", "sft_step", "logprobs"):
-            fields = receive_rows(command, self.rank)
-            batch = TokenBatch(*fields[:5])
-            if op == "train_step":
-                rank_steps.policy_step(self, batch, fields[5], loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
-            elif op == "sft_step":
-                rank_steps.supervised_step(self, batch)
-            else:
-                logprobs = self._logprobs(batch, reference=bool(command.get("reference")))
-                if len(batch):
-                    dist.send(logprobs.contiguous(), dst=0)
-        elif op == "load_state_dict":
+        if op == "load_state_dict":
             self._load_state_dict(None, version=command["version"], lr_scheduler=command["lr_scheduler"])
         else:
             raise RuntimeError(f"rank 0 sent an unknown command {op!r}")
@@ -270,6 +262,7 @@ class MegatronTrainEngine:
         """In eval mode (no dropout), as a rollout engine computes them (under the KL reference
         with `reference`); local to this rank."""
         module = self.reference if reference else self.module
+        assert module is not None  # `logprobs_under_reference` checked there is a reference
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         with evaluating(module):
             for rows, part in self._micro_batches(batch):
@@ -295,8 +288,8 @@ class MegatronTrainEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._sum_gradients([p.grad for p in params])
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # the same on every rank
+        self._sum_gradients(grads_of(params))
+        grad_norm = torch.nn.utils.get_total_norm(grads_of(params))  # the same on every rank
         step_metrics = self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version)
         summed = sum_over_ranks(totals, self.world_size)
         average_metrics(summed, summed.pop(COVERED))

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -125,7 +125,8 @@ def padding_free_for(model: torch.nn.Module, setting: bool | None) -> PaddingFre
         if setting:
             raise ValueError(f"train.padding_free=true, but {reason}: set train.padding_free=false (pad each micro-batch) or null (padding-free where the model can)")
         return None
-    one_row = "flash" in model.config._attn_implementation
+    config: Any = model.config  # a transformers config (a module's attribute types as Tensor | Module)
+    one_row = "flash" in config._attn_implementation
     return PaddingFree(one_row=one_row, loss_logits_only=keeps_logits(model) if one_row else has_head(model))
 
 
@@ -164,7 +165,8 @@ def head_reads(model: torch.nn.Module, keep: torch.Tensor, shape: torch.Size) ->
             )
         return (hidden.flatten(0, 1).index_select(0, keep).unsqueeze(0), *rest)
 
-    handle = model.get_output_embeddings().register_forward_pre_hook(gather)
+    head: torch.nn.Module = cast(NamesItsHead, model).get_output_embeddings()  # a module: `loss_logits_only` came from `has_head`
+    handle = head.register_forward_pre_hook(gather)
     try:
         yield
     finally:

@@ -6,7 +6,8 @@ one optimizer step over its sharding (`run_step`). What a policy step is does no
 between them and lives here: the checks, sequence masking, rank 0 dropping the rows without
 a learning signal before it shares out the rest (`train_step`), and each micro-batch's loss
 and weight (`policy_step`); the supervised step (`sft_step`, `supervised_step`) and rank 0
-sharing out the rows whose logprobs it is asked for (`lead_logprobs`).
+sharing out the rows whose logprobs it is asked for (`lead_logprobs`), and a follower's part of
+each of those (`follow_rows`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from tidal.engines.fsdp_commands import gather_rows, send_rows
+from tidal.engines.fsdp_commands import gather_rows, receive_rows, send_rows
 from tidal.engines.micro_batches import real_lengths
 from tidal.engines.train_steps import MicroLoss, batch_counts, check_step_inputs, loss_weight, mask_sequences, masked_fraction, policy_micro_loss, rows_with_signal
 from tidal.flow.algorithms import PolicyLossConfig
@@ -175,3 +176,28 @@ def lead_logprobs(batch: TokenBatch, local: Callable[[TokenBatch], torch.Tensor]
         return local(batch)
     fields, shares = send_rows("logprobs", batch.tensors(), real_lengths(batch), world_size, **args)
     return gather_rows(local(TokenBatch(*fields)), shares)
+
+
+def follow_rows(engine: RankedTrainer, command: dict[str, Any], rank: int, local_logprobs: Callable[..., torch.Tensor]) -> bool:
+    """A follower's part of a command that carries rows (`send_rows`): its share of a policy
+    step (`policy_step`) or a supervised one, or the logprobs of its rows (`local_logprobs(rows,
+    reference=...)`; under the KL reference where the command says so), sent to rank 0. False
+    for any other command, which the engine runs itself."""
+    op = command["op"]
+    if op not in ("train_step", "sft_step", "logprobs"):
+        return False
+    fields = receive_rows(command, rank)
+    tensors = [t for t in fields[:5] if t is not None]
+    assert len(tensors) == 5  # rank 0 sends every field of its batch
+    batch = TokenBatch(*tensors)
+    if op == "train_step":
+        advantages = fields[5]
+        assert advantages is not None  # sent with every step
+        policy_step(engine, batch, advantages, loss=command["loss"], proximal_logprobs=fields[6], whole=command["whole"])
+    elif op == "sft_step":
+        supervised_step(engine, batch)
+    else:
+        logprobs = local_logprobs(batch, reference=bool(command.get("reference")))
+        if len(batch):
+            dist.send(logprobs.contiguous(), dst=0)
+    return True

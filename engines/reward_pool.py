@@ -89,6 +89,8 @@ def _worker_main(conn: Connection, payload: bytes | None) -> None:
             continue
         _, index, trajectory, text = message
         try:
+            if fn is None:  # its load failed, which the pool has raised already
+                raise RuntimeError("no reward function is loaded")
             value, error = float(fn(trajectory, text)), None
         except Exception as e:  # noqa: BLE001 - a bad reward fails its sample, never the worker
             value, error = 0.0, f"{type(e).__name__}: {e}"
@@ -141,7 +143,7 @@ class RewardPool:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r} (fork copies the trainer's threads and device state)")
         self.num_workers, self.timeout_s, self.start_timeout_s = num_workers, timeout_s, start_timeout_s
-        self._context = multiprocessing.get_context(start_method)
+        self._context: Any = multiprocessing.get_context(start_method)  # typeshed's BaseContext lacks Process
         if start_method == "forkserver" and preload:
             self._context.set_forkserver_preload(list(preload))
         self._payload: bytes | None = None
@@ -282,6 +284,7 @@ class RewardPool:
                         self._answer_ready(worker)
                     continue
                 k = worker.sample
+                assert k is not None  # a ready worker waits only while it holds a sample
                 if worker.conn in ready:  # read before looking at the sentinel: it may have answered, then died
                     try:
                         _, index, value, error = worker.conn.recv()

@@ -43,7 +43,7 @@ def countdown(num_prompts: int, *, seed: int, num_numbers: int = 3, max_number: 
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     rng = random.Random(seed)
-    out = []
+    out: list[dict[str, Any]] = []
     while len(out) < num_prompts:
         numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
         order = rng.sample(numbers, len(numbers))

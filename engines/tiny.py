@@ -11,7 +11,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -56,7 +58,7 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} is not in the tokenizer's alphabet {self.alphabet!r}") from None
         return [self.bos_id, *ids] if add_bos else ids
 
-    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         out = []
         for i in ids:
             if i < 0:  # would index SPECIALS from the end
@@ -162,12 +164,18 @@ def build_tiny_qwen2(
         pad_token_id=CharTokenizer.pad_id,
         bos_token_id=CharTokenizer.bos_id,
         eos_token_id=CharTokenizer.eos_id,
-        attn_implementation=attention,
+        **_attention(attention),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.Qwen2ForCausalLM(config)
     return model
+
+
+def _attention(name: str) -> dict[str, Any]:
+    """The config keyword that picks transformers' attention implementation (a `PretrainedConfig`
+    keyword that `Qwen2Config`'s signature does not list)."""
+    return {"attn_implementation": name}
 
 
 def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, directory: str | Path) -> None:

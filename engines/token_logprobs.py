@@ -53,7 +53,7 @@ def _logprobs(part: torch.Tensor, target: torch.Tensor, temperature: float, top_
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         chosen = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         entropy = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         with torch.no_grad():
@@ -68,7 +68,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return chosen, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _entropy: torch.Tensor | None) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor, _entropy: torch.Tensor | None) -> tuple[torch.Tensor, None, None, None, None, None]:
         logits, targets = ctx.saved_tensors
         temperature = ctx.sampling[0]
         grad_logits = torch.empty_like(logits)

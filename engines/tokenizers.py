@@ -29,9 +29,12 @@ class Tokenizer(Protocol):
     of the end ids.
     """
 
-    eos_ids: list[int]
-    """Token ids that end a response, in order of preference (the first is the one a
-    supervised answer is closed with); never empty."""
+    @property
+    def eos_ids(self) -> list[int]:
+        """Token ids that end a response, in order of preference (the first is the one a
+        supervised answer is closed with); never empty."""
+        ...
+
     pad_id: int
     """Token id that pads batches."""
 

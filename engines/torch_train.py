@@ -62,6 +62,7 @@ from tidal.engines.train_steps import (
     check_settings,
     check_step_inputs,
     evaluating,
+    grads_of,
     loss_weight,
     mask_sequences,
     masked_fraction,
@@ -285,7 +286,7 @@ class TorchTrainEngine:
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = torch.nn.utils.get_total_norm(grads_of(params))
         totals.update(self.nonfinite.step(self.optimizer, params, grad_norm, grad_clip=self.grad_clip, version=self.version, before_change=self._before_change))
         totals.update(lr=self.optimizer.param_groups[0]["lr"], num_tokens=float(batch.loss_mask.sum()))
         return totals
@@ -504,8 +505,8 @@ def _pack(batch: TokenBatch, shared: _SharedPrompts) -> _Packed:
     def padded(rows: list[list[int]], value: int) -> torch.Tensor:
         return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
 
-    unit, part = padded(unit_ids, -1), padded(parts, -1)
+    unit, part_of = padded(unit_ids, -1), padded(parts, -1)
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     same_unit = unit[:, :, None] == unit[:, None, :]
-    sees = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])  # the prompt, or its own response (padding: other padding)
+    sees = (part_of[:, None, :] == 0) | (part_of[:, :, None] == part_of[:, None, :])  # the prompt, or its own response (padding: other padding)
     return _Packed(padded(tokens, 0), padded(positions, 0), causal & same_unit & sees, torch.tensor(predictors, dtype=torch.long))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ class NonfiniteGuard:
         """Non-finite steps in a row so far; a finite one starts the count again."""
 
     def step(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grad_norm: torch.Tensor, *, grad_clip: float, version: int, before_change: Callable[[], None] = lambda: None
+        self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grad_norm: torch.Tensor, *, grad_clip: float, version: int, before_change: Callable[[], None] = lambda: None
     ) -> dict[str, float]:
         """Clip the gradients of `params` (their total norm is `grad_norm`, the same on every
         rank) to `grad_clip`, call `before_change()` and step `optimizer`; where `grad_norm` is
@@ -85,6 +85,11 @@ def check_settings(*, micro_batch_size: int, grad_clip: float, temperature: floa
     check_truncation(top_k=top_k, top_p=top_p)
     if max_nonfinite_steps < 0:
         raise ValueError(f"max_nonfinite_steps must be >= 0 (non-finite steps in a row that are skipped; 0 = raise at the first), got {max_nonfinite_steps}")
+
+
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients `params` hold (those without one left out)."""
+    return [p.grad for p in params if p.grad is not None]
 
 
 def add_metrics(totals: dict[str, float], part: TokenBatch, loss: torch.Tensor, metrics: dict[str, Any], *, weight: float) -> float:
@@ -141,7 +146,7 @@ def padded_token_stats(
     and no log-softmax, and their logprobs and entropies are 0, as the torch engine's
     shared-prompt packing leaves them. A micro-batch without a loss token computes them all."""
     width = batch.input_ids.shape[1]
-    read = batch.loss_mask.any(0).nonzero() if keeps_logits else ()  # no device sync for a model without `logits_to_keep`
+    read: Any = batch.loss_mask.any(0).nonzero() if keeps_logits else ()  # no device sync for a model without `logits_to_keep`
     start = int(read[0]) if len(read) else 0
     keep = {"logits_to_keep": width - start} if start else {}
     with autocast:
