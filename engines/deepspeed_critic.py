@@ -49,6 +49,12 @@ class DeepSpeedCritic:
             the only way it runs there (the workflow calls one critic).
     """
 
+    distributed = True
+    """Needs an initialised process group (`Distributed`): `tidal run` makes a one-process group
+    when none exists, as for the multi-rank train engines (beside a one-process policy too)."""
+    collective = True
+    """Its passes and state are collectives over every rank."""
+
     train_keys = ("zero_stage",)
     """Recipe `train.*` keys it takes besides the `critic.*` ones (`TakesTrainKeys`)."""
 

@@ -47,6 +47,12 @@ class FSDPCritic:
             the only way it runs there (the workflow calls one critic).
     """
 
+    distributed = True
+    """Needs an initialised process group (`Distributed`): `tidal run` makes a one-process group
+    when none exists, as for the multi-rank train engines (beside a one-process policy too)."""
+    collective = True
+    """Its passes and state are collectives over every rank."""
+
     def __init__(
         self, policy: Any, *, lr: float = 1e-5, value_clip: float | None = 0.5, micro_batch_size: int = 8, grad_clip: float = 1.0,
         weight_decay: float = 0.01, precision: str = "fp32", platform: Platform | None = None, head: torch.nn.Linear | None = None,

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 from tidal.engines.models import ModelSource, Policy, model_source
-from tidal.engines.registry import load
+from tidal.engines.registry import critic_class, load
 from tidal.engines.rewards import answer_reader, score
 from tidal.engines.sampling import truncate
 from tidal.engines.tokenizers import Tokenizer
+from tidal.flow.algorithms import VALUE_BASED
 from tidal.flow.files import write_whole
 from tidal.flow.protocols import Distributed, TrainEngine
 from tidal.flow.store import Store
@@ -46,7 +47,7 @@ from tidal.tools.config import ConfigError, EvalConfig, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
-from tidal.tools.rl import RL, Scorer, build_rollout_engine, make_score, own_train_keys, reward_spec, run_reward, torch_threads, unsharded, workflow_config
+from tidal.tools.rl import RL, Scorer, build_rollout_engine, critic_backend, make_score, own_train_keys, reward_spec, run_reward, torch_threads, unsharded, workflow_config
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest
 
@@ -210,15 +211,16 @@ def build_policy(cfg: RecipeConfig, tokenizer: Tokenizer | None = None) -> torch
     return model_source(cfg.model).build(seed=cfg.seed).module
 
 
-def _one_process_group(train_cls: Any, platform: Any) -> Path | None:
-    """Initialise a one-process group through hal when the engine needs one (`distributed`) and
-    none exists (`runtime: local`); returns the rendezvous file this call made, else None. A file,
-    not a free TCP port: a port picked here can be taken by another process before the group binds it."""
+def _one_process_group(classes: list[Any], platform: Any) -> Path | None:
+    """Initialise a one-process group through hal when an engine of `classes` (the train
+    engine's, a critic's) needs one (`distributed`) and none exists (`runtime: local`); returns
+    the rendezvous file this call made, else None. A file, not a free TCP port: a port picked
+    here can be taken by another process before the group binds it."""
     import tempfile  # noqa: PLC0415
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    if not isinstance(train_cls, Distributed) or dist.is_initialized():
+    if not any(isinstance(cls, Distributed) for cls in classes) or dist.is_initialized():
         return None
     fd, name = tempfile.mkstemp(prefix="tidal-group-")
     os.close(fd)
@@ -313,7 +315,8 @@ class Run:
             raise ConfigError(f"train.precision={cfg.train.precision.value}: {e}") from None
         if self.turns is None and self.start_rollouts is None:
             self.turns = local_turns(cfg)  # its plan now, not after the warm start: one it refuses names the role at once
-        self.group_file = _one_process_group(self.train_cls, self.platform)
+        critic = [critic_class(critic_backend(cfg))] if cfg.algorithm.advantage in VALUE_BASED else []
+        self.group_file = _one_process_group([self.train_cls, *critic], self.platform)
         self.source: ModelSource = model_source(cfg.model)
         self.reward = run_reward(cfg)
         self.tracer = Tracer(process="trainer" if self.start_rollouts is not None else "tidal")  # on Ray, rollout actors' spans join as processes of their own

@@ -134,3 +134,10 @@ def test_a_critic_warmup_trains_the_critic_alone_first_and_a_run_resumed_inside_
     assert out.returncode == 0, out.stderr[-3000:]
     runs.assert_same(full, resumed, from_step=1)
 
+
+
+def test_a_one_process_policy_with_the_fsdp_critic_takes_the_torch_critics_steps_and_resumes(tidal_cli, tmp_path, runs):
+    """`critic.backend=fsdp` beside `train.backend=torch`: `tidal run` makes the one-process
+    group the critic needs, and the run is the all-torch run's up to float32 noise, resumed exactly."""
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    runs.assert_critic_run_is_torchs(tidal_cli, tmp_path, backend=["train.backend=torch", "critic.backend=fsdp"], common=[*TINY, *runs.ppo_keys, "algorithm.num_steps=4", "--no-progress"], env=env)
