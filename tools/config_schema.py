@@ -480,6 +480,11 @@ class RecipeConfig:
     fault: FaultConfig = dataclasses.field(default_factory=FaultConfig)
     """Restarts after an actor dies (`runtime: ray`)."""
 
+    @property
+    def critic_backend(self) -> str:
+        """The backend whose critic algorithm.advantage=gae trains: critic.backend, else train.backend."""
+        return self.critic.backend or self.train.backend
+
     def check(self) -> None:
         """What spans sections, or needs a registry: the device, the seed's bound, the
         overlong buffer within the token budget, the loss's bounds, registered names, the

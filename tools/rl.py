@@ -220,16 +220,11 @@ def build_critic(cfg: RecipeConfig, policy: torch.nn.Module, *, platform: Any) -
             head = start.score if classifier else None
         except (OSError, ValueError, KeyError, AttributeError) as e:
             raise ConfigError(f"critic.path={c.path!r}: cannot load a model to start the critic from ({type(e).__name__}: {e})") from None
-    cls = critic_class(critic_backend(cfg))
+    cls = critic_class(cfg.critic_backend)
     return cls(
         start, lr=c.lr, value_clip=c.value_clip, micro_batch_size=c.micro_batch_size or cfg.train.micro_batch_size, grad_clip=c.grad_clip,
         weight_decay=c.weight_decay, precision=cfg.train.precision.value, platform=platform, head=head, **own_train_keys(cls, cfg),
     )  # fmt: skip
-
-
-def critic_backend(cfg: RecipeConfig) -> str:
-    """The backend whose critic `algorithm.advantage=gae` trains: `critic.backend`, else `train.backend`."""
-    return cfg.critic.backend or cfg.train.backend
 
 
 def workflow_config(cfg: RecipeConfig) -> WorkflowConfig:

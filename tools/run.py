@@ -285,7 +285,7 @@ def check_runnable(cfg: RecipeConfig) -> None:
             f"algorithm.advantage={cfg.algorithm.advantage} trains a critic beside the policy, which train.backend={cfg.train.backend!r} cannot hold yet: "
             f"set train.backend to one that can ({', '.join(sorted(CRITIC))}), critic.backend, or another advantage"
         )
-    if cfg.algorithm.advantage in VALUE_BASED and isinstance(critic := critic_class(cfg.critic.backend or cfg.train.backend), RefusesTrainKeys):
+    if cfg.algorithm.advantage in VALUE_BASED and isinstance(critic := critic_class(cfg.critic_backend), RefusesTrainKeys):
         refused = critic.refusal(**{key: getattr(cfg.train, key) for key in critic.train_keys})
         if refused:
             raise ConfigError(refused)

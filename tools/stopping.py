@@ -101,9 +101,10 @@ class QuietRollout:
     The rollout engine starts no generation from the start of a train step (or a frozen one,
     `TakesFrozenSteps`) that writes a periodic checkpoint (`checkpoints(step)`, the step
     numbered from 1) to the end of the step's `on_step`, which writes it (the caller sets
-    `open` then); other steps are not held up. `rng()` is the state before the last generation while the store has not got
-    its samples (a run stopped while it generated: a resumed run generates them again).
-    `store` is the run's, `rng_state()` returns the state a checkpoint saves.
+    `open` then); other steps are not held up. `rng()` is the state before the last
+    generation while the store has not got its samples (a run stopped while it generated: a
+    resumed run generates them again). `store` is the run's, `rng_state()` returns the state
+    a checkpoint saves.
     """
 
     def __init__(self, store: Store, trainer: Any, rollout: Any, *, rng_state: Callable[[], dict[str, Any]], checkpoints: Callable[[int], bool]) -> None:

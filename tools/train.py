@@ -47,7 +47,7 @@ from tidal.tools.config import ConfigError, EvalConfig, RecipeConfig
 from tidal.tools.metrics import finite
 from tidal.tools.plot import plot
 from tidal.tools.prompts import EVAL_SEED_OFFSET, SEED_APART, Prompts, PromptSource, chunk_seed, held_out_prompts, prompt_source, task_prompts
-from tidal.tools.rl import RL, Scorer, build_rollout_engine, critic_backend, make_score, own_train_keys, reward_spec, run_reward, torch_threads, unsharded, workflow_config
+from tidal.tools.rl import RL, Scorer, build_rollout_engine, make_score, own_train_keys, reward_spec, run_reward, torch_threads, unsharded, workflow_config
 from tidal.tools.run import latest_checkpoint
 from tidal.tools.stopping import StopRequest
 
@@ -315,7 +315,7 @@ class Run:
             raise ConfigError(f"train.precision={cfg.train.precision.value}: {e}") from None
         if self.turns is None and self.start_rollouts is None:
             self.turns = local_turns(cfg)  # its plan now, not after the warm start: one it refuses names the role at once
-        critic = [critic_class(critic_backend(cfg))] if cfg.algorithm.advantage in VALUE_BASED else []
+        critic = [critic_class(cfg.critic_backend)] if cfg.algorithm.advantage in VALUE_BASED else []
         self.group_file = _one_process_group([self.train_cls, *critic], self.platform)
         self.source: ModelSource = model_source(cfg.model)
         self.reward = run_reward(cfg)
