@@ -211,7 +211,7 @@ def build_policy(cfg: RecipeConfig, tokenizer: Tokenizer | None = None) -> torch
     return model_source(cfg.model).build(seed=cfg.seed).module
 
 
-def _one_process_group(classes: list[Any], platform: Any) -> Path | None:
+def one_process_group(classes: list[Any], platform: Any) -> Path | None:
     """Initialise a one-process group through hal when an engine of `classes` (the train
     engine's, a critic's) needs one (`distributed`) and none exists (`runtime: local`); returns
     the rendezvous file this call made, else None. A file, not a free TCP port: a port picked
@@ -316,7 +316,7 @@ class Run:
         if self.turns is None and self.start_rollouts is None:
             self.turns = local_turns(cfg)  # its plan now, not after the warm start: one it refuses names the role at once
         critic = [critic_class(cfg.critic_backend)] if cfg.algorithm.advantage in VALUE_BASED else []
-        self.group_file = _one_process_group([self.train_cls, *critic], self.platform)
+        self.group_file = one_process_group([self.train_cls, *critic], self.platform)
         self.source: ModelSource = model_source(cfg.model)
         self.reward = run_reward(cfg)
         self.tracer = Tracer(process="trainer" if self.start_rollouts is not None else "tidal")  # on Ray, rollout actors' spans join as processes of their own

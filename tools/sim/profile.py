@@ -313,10 +313,10 @@ def _train_points(
     from tidal.tools.config import stage_threads  # noqa: PLC0415
     from tidal.tools.config_schema import loss_config  # noqa: PLC0415
     from tidal.tools.rl import build_train_engine  # noqa: PLC0415
-    from tidal.tools.train import _one_process_group  # noqa: PLC0415
+    from tidal.tools.train import one_process_group  # noqa: PLC0415
 
     train_cls = load("train.backend", cfg.train.backend)
-    group = _one_process_group(train_cls, platform)
+    group = one_process_group([train_cls], platform)
     try:
         engine = build_train_engine(cfg, train_cls, copy.deepcopy(model), platform=platform)
         loss = loss_config(cfg)
