@@ -17,11 +17,9 @@ checkpoint of either critic resumes the other.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +35,12 @@ from tidal.engines.fsdp_commands import CRITIC, model_recipe, send_command
 from tidal.engines.fsdp_setup import ensure_process_group, rank_device, reset_sharded_params, reshard, shard
 from tidal.flow.trajectory import TokenBatch
 from tidal.hal import Platform, current_platform
+
+# FSDP2 warns once that the value model returns a view (the head's output squeezed), which an
+# in-place change would cut from its backward hook; no critic changes its values in place
+# (`engines.critic.value_loss`), so the warning, in every PPO run's log, is held back: once, here,
+# not around each forward (a `catch_warnings` per pass, which is not thread-safe either).
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .*FSDPValueModel.* returned a view tensor", category=UserWarning)
 
 
 class FSDPCritic:
@@ -103,12 +107,11 @@ class FSDPCritic:
         return led_critic.lead_train_step(self, batch, returns, old_values)
 
     def value_pass(self, batch: TokenBatch, rows: slice, columns: slice) -> torch.Tensor:
-        with _values_are_a_view():
-            return value_pass(self.model, batch, rows, columns, device=self.device, autocast=self.platform.autocast(self.precision))
+        return value_pass(self.model, batch, rows, columns, device=self.device, autocast=self.platform.autocast(self.precision))
 
     def dummy_pass(self, *, backward: bool) -> None:
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        with self.platform.autocast(self.precision), _values_are_a_view():
+        with self.platform.autocast(self.precision):
             values = self.model(ids, torch.ones_like(ids))
         if backward:
             (values.float().sum() * 0.0).backward()
@@ -153,13 +156,3 @@ class FSDPCritic:
         if self.led and self.rank == 0:
             send_command("load_state_dict", engine=CRITIC, has_optimizer_state=has_optimizer_state)
         load_full_state(self.model, self.optimizer, dict(state["model"]), state["optimizer"] if has_optimizer_state else None, rank=self.rank)
-
-
-@contextlib.contextmanager
-def _values_are_a_view() -> Iterator[None]:
-    """FSDP2 warns once that the value model returns a view (the head's output squeezed), which
-    an in-place change would cut from its backward hook; no critic changes its values in place
-    (`engines.critic.value_loss`), so the warning, in every PPO run's log, is held back."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
-        yield
