@@ -237,6 +237,12 @@ class Partition:
         that may have rows ready for it. A segment `ready` finds with none leaves until a
         change could make some ready (`wake`), so a get looks at the segments that changed
         since, not at every segment of a partition holding thousands."""
+        self.ready_bound: dict[tuple[str, frozenset[str]], int] = {}
+        """Per (consumer, columns): at most how many rows `ready` would find now - what it
+        found last, plus the rows of every segment woken since (rows become ready only by
+        a `wake`). A get that needs more skips the look (`could_take`): without this, each
+        one-row put retried a waiting get over every segment ready so far, so filling a
+        batch of n one-row puts cost n^2 segment visits."""
         self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
         self.leases_compact_at = LEASES_COMPACT_MIN
         """Heap size at which the entries of leases acked since are dropped (`add_lease`)."""
@@ -270,8 +276,16 @@ class Partition:
     def wake(self, segment: Segment) -> None:
         """Rows of `segment` may have become ready for any consumer (a column filled, a lease
         given back): `ready` looks at it again."""
-        for unsettled in self.unsettled.values():
+        for wanted, unsettled in self.unsettled.items():
             unsettled[segment.start] = segment
+            if wanted in self.ready_bound:
+                self.ready_bound[wanted] += segment.n
+
+    def could_take(self, consumer: str, key: frozenset[str], num_rows: int) -> bool:
+        """False when fewer than `num_rows` rows can be ready for `consumer` with columns
+        `key` (from `ready_bound`, without looking at a segment); True when they may be."""
+        bound = self.ready_bound.get((consumer, key))
+        return bound is None or bound >= num_rows
 
     def add_consumer(self, consumer: str) -> None:
         """A new consumer: it sees every live row, so every segment is looked at again."""
@@ -279,6 +293,7 @@ class Partition:
         for seg in self.segments:
             seg.add_consumer(consumer)
         self.unsettled.clear()
+        self.ready_bound.clear()
 
     def span(self, first: int, count: int) -> tuple[Segment, int] | None:
         """(segment, local offset of `first`) when rows first .. first + count - 1 all lie in
@@ -389,13 +404,16 @@ class Partition:
         meta = self.metas
         if not pieces:  # the usual case: whole segments, in the order of their stamps
             runs.sort(key=lambda r: r[0])
-            return Rows(None, None, meta, runs=[(seg.start, seg.n, seg.versions) for _, seg in runs])
+            ready = Rows(None, None, meta, runs=[(seg.start, seg.n, seg.versions) for _, seg in runs])
+            self.ready_bound[wanted] = len(ready)
+            return ready
         for latest, seg in runs:
             pieces.append((np.arange(seg.start, seg.start + seg.n, dtype=np.int64), seg.versions, np.full(seg.n, latest, dtype=np.int64)))
         index, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
         if len(stamp) > 1 and (np.diff(stamp) < 0).any():
             order = np.argsort(stamp, kind="stable")
             index, version = index[order], version[order]
+        self.ready_bound[wanted] = len(index)
         return Rows(index, version, meta)
 
     def metas(self, indexes: np.ndarray) -> list[RowMeta]:

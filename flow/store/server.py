@@ -62,6 +62,9 @@ from tidal.hal import owner
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 _BLOCKING = ("get", "put", "wait_partition")
+_QUIET = {"get": {"describe_timeout": False}}
+"""Added to a waiting request's arguments while the server tries it again: a get's
+timeout is described only when its client's deadline has passed."""
 _ABOUT_A_REQUEST = frozenset({"withdraw", "parked"})  # sent while a get or put waits: they leave the held reply alone
 _MUTATING = frozenset({"get", "put", "ack", "release", "set_version", "create_partition", "add_consumer"})  # get: its acks and drops free room
 _WAKE, _STOP = b"w", b"s"
@@ -394,7 +397,7 @@ class StoreServer:
             assert self.store is not None  # only a store serves blocking ops
             with self.store.lock:  # trying and parking are one step for a thread retrying parked requests
                 try:
-                    self._answer(peer, request_id, op, self._ops[op](peer, {**args, "timeout": 0}), args)
+                    self._answer(peer, request_id, op, self._ops[op](peer, {**args, "timeout": 0, **_QUIET.get(op, {})}), args)
                     return op in _MUTATING
                 except StoreTimeout:
                     now = time.monotonic()
@@ -488,7 +491,7 @@ class StoreServer:
             now = time.monotonic()
             for parked in self._parked:
                 try:
-                    args = {**parked.args, "timeout": 0, "waiting_since": parked.since}
+                    args = {**parked.args, "timeout": 0, "waiting_since": parked.since, **(_QUIET.get(parked.op, {}) if now < parked.deadline else {})}
                     result = self._ops[parked.op](parked.peer, args)
                 except StoreTimeout as e:
                     if now >= parked.deadline:

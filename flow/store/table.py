@@ -374,6 +374,7 @@ class Store:
         waiting_since: float | None = None,
         ack: Iterable[int] | None = None,
         holder: int = 0,
+        describe_timeout: bool = True,
     ) -> Batch:
         """Wait until `batch_size` rows are ready for `consumer` and lease them to it.
 
@@ -385,13 +386,17 @@ class Store:
         waited elsewhere before this call. `ack` acks those rows first (the previous
         batch), saving a round trip per batch between processes. `holder` (a nonzero id)
         records who holds the lease, so `release_holder` can return exactly its rows; a
-        server passes one per client connection.
+        server passes one per client connection. `describe_timeout=False` leaves the
+        description (ready rows, the partition's columns: a look at every segment) out of
+        a `StoreTimeout`, for a caller that tries again and describes only the timeout it
+        gives up on: a server retrying a waiting get after every put.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if isinstance(columns, str):  # else a get of "reward" waits for columns 'r', 'e', 'w', 'a', 'd'
             raise ValueError(f"columns must be a list of column names, got the string {columns!r}; pass [{columns!r}]")
         sampler = sampler or Sequential()
+        sequential = type(sampler) is Sequential  # it takes rows only once enough are ready, and drops none
         key = frozenset(columns)
         start = self._clock()
         since = start if waiting_since is None else waiting_since
@@ -417,16 +422,17 @@ class Store:
                 if cancel is not None and cancel.is_set():
                     raise StoreError(f"get({consumer!r}, {partition!r}) was cancelled")
                 self._expire_leases(part)
-                rows = part.ready(consumer, key)
-                ctx = SampleContext(version=self._version, value=lambda i, c: self._cell(part, i, c))
-                choice = sampler.select(rows, batch_size, partial, ctx)
-                if len(choice.drop):
-                    state.num_dropped += self._ack_many(part, consumer, np.asarray(choice.drop, dtype=np.int64))
-                    self._notify(part, room=True)  # the drops freed room, and whoever counts them (admission) must hear
-                if len(choice.take):
-                    break
+                if not sequential or part.could_take(consumer, key, 1 if partial else batch_size):
+                    rows = part.ready(consumer, key)
+                    ctx = SampleContext(version=self._version, value=lambda i, c: self._cell(part, i, c))
+                    choice = sampler.select(rows, batch_size, partial, ctx)
+                    if len(choice.drop):
+                        state.num_dropped += self._ack_many(part, consumer, np.asarray(choice.drop, dtype=np.int64))
+                        self._notify(part, room=True)  # the drops freed room, and whoever counts them (admission) must hear
+                    if len(choice.take):
+                        break
                 if deadline is not None and self._clock() >= deadline:
-                    raise StoreTimeout(_timed_out(part, consumer, sorted(key), batch_size, len(rows), timeout))
+                    raise StoreTimeout(_timed_out(part, consumer, sorted(key), batch_size, len(part.ready(consumer, key)), timeout) if describe_timeout else "not ready")
                 self._signals.reader(part, consumer).wait(self._wait_time(part, deadline))
             take = choice.take if isinstance(choice.take, range) and choice.take.step == 1 else as_indexes(choice.take)
             take, versions, groups, blocks = part.lease(consumer, take, columns, self._clock() + part.lease_s, holder)

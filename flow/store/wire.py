@@ -237,6 +237,7 @@ def get_reply(store: Store, a: Mapping[str, Any], holder: int) -> dict[str, Any]
         waiting_since=a.get("waiting_since"),
         ack=None if ack is None else as_indexes(ack),
         holder=holder,
+        describe_timeout=bool(a.get("describe_timeout", True)),
     )
     indexes, version = batch.index_range, batch.version_fill
     try:
