@@ -42,7 +42,7 @@ def ack_rows(part: Partition, consumer: str, where: np.ndarray, on_free: OnFree)
             count = len(local)
             if not count:
                 continue
-        seg.fresh[consumer] = False
+        part.touch(seg, consumer)
         acked[local] = True
         seg.lease[consumer][local] = 0
         newly += count

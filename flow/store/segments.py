@@ -27,6 +27,7 @@ import numpy as np
 
 from tidal.flow.store.cells import as_indexes
 from tidal.flow.store.errors import StoreError
+from tidal.flow.store.ready import ReadyIndex
 from tidal.flow.store.samplers import NO_VERSION, RowMeta, Rows
 
 _lease_seq = itertools.count(1)
@@ -232,17 +233,11 @@ class Partition:
         self.num_rows = 0
         self.nbytes = 0
         self.num_evicted = 0
-        self.unsettled: dict[tuple[str, frozenset[str]], dict[int, Segment]] = {}
-        """Per (consumer, columns) that `ready` was asked for: the live segments, by start,
-        that may have rows ready for it. A segment `ready` finds with none leaves until a
-        change could make some ready (`wake`), so a get looks at the segments that changed
-        since, not at every segment of a partition holding thousands."""
-        self.ready_bound: dict[tuple[str, frozenset[str]], int] = {}
-        """Per (consumer, columns): at most how many rows `ready` would find now - what it
-        found last, plus the rows of every segment woken since (rows become ready only by
-        a `wake`). A get that needs more skips the look (`could_take`): without this, each
-        one-row put retried a waiting get over every segment ready so far, so filling a
-        batch of n one-row puts cost n^2 segment visits."""
+        self.ready_index: dict[tuple[str, frozenset[str]], ReadyIndex] = {}
+        """Per (consumer, columns) that `ready` was asked for: which segments to look at
+        again, which have every row ready (in readiness order), and at most how many rows
+        are ready (`ReadyIndex`). A get looks at the segments that changed since the last,
+        not at every segment of a partition holding thousands."""
         self.leases: list[tuple[float, int, str, np.ndarray]] = []  # heap of (deadline, seq, consumer, indexes)
         self.leases_compact_at = LEASES_COMPACT_MIN
         """Heap size at which the entries of leases acked since are dropped (`add_lease`)."""
@@ -276,24 +271,31 @@ class Partition:
     def wake(self, segment: Segment) -> None:
         """Rows of `segment` may have become ready for any consumer (a column filled, a lease
         given back): `ready` looks at it again."""
-        for wanted, unsettled in self.unsettled.items():
-            unsettled[segment.start] = segment
-            if wanted in self.ready_bound:
-                self.ready_bound[wanted] += segment.n
+        for index in self.ready_index.values():
+            index.wake(segment)
+
+    def touch(self, segment: Segment, consumer: str) -> None:
+        """`consumer` leased, acked or dropped rows of `segment`: not every row is ready for
+        it any more (`Segment.fresh`)."""
+        segment.fresh[consumer] = False
+        for (c, _), index in self.ready_index.items():
+            if c == consumer:
+                index.touch(segment)
 
     def could_take(self, consumer: str, key: frozenset[str], num_rows: int) -> bool:
         """False when fewer than `num_rows` rows can be ready for `consumer` with columns
-        `key` (from `ready_bound`, without looking at a segment); True when they may be."""
-        bound = self.ready_bound.get((consumer, key))
-        return bound is None or bound >= num_rows
+        `key` (`ReadyIndex.bound`, without looking at a segment): without this, each
+        one-row put retried a waiting get over every segment ready so far, so filling a
+        batch of n one-row puts cost n^2 segment visits. True when they may be."""
+        index = self.ready_index.get((consumer, key))
+        return index is None or index.bound is None or index.bound >= num_rows
 
     def add_consumer(self, consumer: str) -> None:
         """A new consumer: it sees every live row, so every segment is looked at again."""
         self.consumers[consumer] = ConsumerState(consumer)
         for seg in self.segments:
             seg.add_consumer(consumer)
-        self.unsettled.clear()
-        self.ready_bound.clear()
+        self.ready_index.clear()
 
     def span(self, first: int, count: int) -> tuple[Segment, int] | None:
         """(segment, local offset of `first`) when rows first .. first + count - 1 all lie in
@@ -354,24 +356,26 @@ class Partition:
             k = bisect.bisect_left(self.start_list, segment.start)
             if k < len(self.segments) and self.segments[k] is segment:
                 del self.segments[k], self.start_list[k]
-            for unsettled in self.unsettled.values():
-                unsettled.pop(segment.start, None)
+            for index in self.ready_index.values():
+                index.forget(segment)
         if dead:
             self._starts = None
 
     # Reading rows (the store's get, under its lock) -----------------------------------
-    def ready(self, consumer: str, key: frozenset[str]) -> Rows:
-        """Rows ready for `consumer` with every column of `key`, in the order they became ready."""
-        runs, pieces = [], []  # whole segments ready since one stamp; (indexes, versions, stamps) of others
+    def ready(self, consumer: str, key: frozenset[str], limit: int | None = None) -> Rows:
+        """Rows ready for `consumer` with every column of `key`, in the order they became
+        ready: all of them, or (`limit`) at least the first `limit`, when there are."""
         wanted = (consumer, key)
-        unsettled = self.unsettled.get(wanted)
-        if unsettled is None:  # first asked: every segment may have some
-            unsettled = self.unsettled[wanted] = {s.start: s for s in self.segments}
+        index = self.ready_index.get(wanted)
+        if index is None:  # first asked: every segment may have some
+            index = self.ready_index[wanted] = ReadyIndex(self.segments)
+        unsettled = index.unsettled
+        pieces = []  # (indexes, versions, stamps) of segments with some rows ready
         for start in sorted(unsettled):  # segment order (a woken one may have come back last)
             seg = unsettled[start]
             whole = seg.whole_since.get(key)
             if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
-                runs.append((whole, seg))
+                index.settle(seg, whole)
                 continue
             found = [seg.columns.get(c) for c in key]
             columns = [c for c in found if c is not None]
@@ -388,7 +392,7 @@ class Partition:
             if not partial:
                 seg.whole_since[key] = latest
                 if seg.fresh[consumer]:
-                    runs.append((latest, seg))
+                    index.settle(seg, latest)
                     continue
             mask = seg.alive & ~seg.acked[consumer]
             mask &= seg.lease[consumer] == 0
@@ -401,20 +405,18 @@ class Partition:
                 del unsettled[start]
             else:
                 pieces.append((local + seg.start, seg.versions[local], np.full(len(local), latest, dtype=np.int64) if stamp is None else np.maximum(stamp[local], latest)))
+        index.bound = index.settled_rows + sum(len(p[0]) for p in pieces)
+        runs = index.runs(limit)  # those settled, in readiness order: all, or the first `limit` rows' worth
         meta = self.metas
-        if not pieces:  # the usual case: whole segments, in the order of their stamps
-            runs.sort(key=lambda r: r[0])
-            ready = Rows(None, None, meta, runs=[(seg.start, seg.n, seg.versions) for _, seg in runs])
-            self.ready_bound[wanted] = len(ready)
-            return ready
-        for latest, seg in runs:
-            pieces.append((np.arange(seg.start, seg.start + seg.n, dtype=np.int64), seg.versions, np.full(seg.n, latest, dtype=np.int64)))
-        index, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
+        if not pieces:  # the usual case: whole segments
+            return Rows(None, None, meta, runs=[(first, n, versions) for first, n, versions, _ in runs])
+        for first, n, versions, since in runs:
+            pieces.append((np.arange(first, first + n, dtype=np.int64), versions, np.full(n, since, dtype=np.int64)))
+        index_, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
         if len(stamp) > 1 and (np.diff(stamp) < 0).any():
             order = np.argsort(stamp, kind="stable")
-            index, version = index[order], version[order]
-        self.ready_bound[wanted] = len(index)
-        return Rows(index, version, meta)
+            index_, version = index_[order], version[order]
+        return Rows(index_, version, meta)
 
     def metas(self, indexes: np.ndarray) -> list[RowMeta]:
         out: list[RowMeta | None] = [None] * len(indexes)
@@ -440,7 +442,7 @@ class Partition:
             return take, versions, groups, blocks
         seg, first = span
         rows = slice(first, first + len(take))
-        seg.fresh[consumer] = False
+        self.touch(seg, consumer)
         seg.lease[consumer][rows] = expiry
         if holder or consumer in seg.holder:
             seg.holders(consumer)[rows] = holder
@@ -476,7 +478,7 @@ class Partition:
         cell_chunk = {c: np.empty(n, dtype=np.int64) for c in columns}
         cell_offset = {c: np.empty(n, dtype=np.int64) for c in columns}
         for seg, local, positions in located:
-            seg.fresh[consumer] = False
+            self.touch(seg, consumer)
             seg.lease[consumer][local] = expiry
             if holder or consumer in seg.holder:
                 seg.holders(consumer)[local] = holder

@@ -87,7 +87,7 @@ def restore(store: StoreApi, state: Mapping[str, Any], *, partition_of: Callable
         for consumer, acked in p["consumers"].items():
             for seg, local, _ in part.locate(np.asarray(acked, dtype=np.int64)):
                 seg.acked[consumer][local] = True
-                seg.fresh[consumer] = False
+                part.touch(seg, consumer)
             counts = part.consumers[consumer]
             counts.num_acked = p.get("acked_counts", {}).get(consumer, len(acked) + p["num_evicted"])
             counts.num_dropped = p.get("dropped_counts", {}).get(consumer, 0)  # files from before 2026-11-25 lack these

@@ -423,7 +423,7 @@ class Store:
                     raise StoreError(f"get({consumer!r}, {partition!r}) was cancelled")
                 self._expire_leases(part)
                 if not sequential or part.could_take(consumer, key, 1 if partial else batch_size):
-                    rows = part.ready(consumer, key)
+                    rows = part.ready(consumer, key, batch_size if sequential else None)
                     ctx = SampleContext(version=self._version, value=lambda i, c: self._cell(part, i, c))
                     choice = sampler.select(rows, batch_size, partial, ctx)
                     if len(choice.drop):

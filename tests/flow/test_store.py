@@ -473,21 +473,21 @@ def test_a_get_looks_again_only_at_segments_that_changed_since_it_found_them_emp
         store.get("train", "p", ["response", "reward"], 1, timeout=0)
     part = store._parts["p"]
     wanted = ("train", frozenset({"response", "reward"}))
-    assert part.unsettled[wanted] == {}  # all found with nothing ready: none looked at again
+    assert part.ready_index[wanted].unsettled == {}  # all found with nothing ready: none looked at again
     store.put("p", {"reward": [1.0, 2.0]}, indexes=[firsts[7], firsts[7] + 1])
     store.put("p", {"reward": [3.0, 4.0]}, indexes=[firsts[3], firsts[3] + 1])
-    assert sorted(part.unsettled[wanted]) == [firsts[3], firsts[7]]
+    assert sorted(part.ready_index[wanted].unsettled) == [firsts[3], firsts[7]]
     batch = store.get("train", "p", ["response", "reward"], 4, timeout=0)
     assert sorted(batch.indexes) == [firsts[3], firsts[3] + 1, firsts[7], firsts[7] + 1]
     assert batch.columns["reward"] == [1.0, 2.0, 3.0, 4.0]  # in the order they became ready
     last = store.put("p", {"response": [9, 9]})[0]  # a new segment is looked at; so is every one for a new consumer
-    assert sorted(part.unsettled[wanted]) == [firsts[3], firsts[7], last]
+    assert sorted(part.ready_index[wanted].unsettled) == [firsts[3], firsts[7], last]
     with pytest.raises(StoreTimeout):  # leased, and no reward: none ready
         store.get("train", "p", ["response", "reward"], 1, timeout=0)
-    assert part.unsettled[wanted] == {}
+    assert part.ready_index[wanted].unsettled == {}
     store.add_consumer("p", "late")
-    assert part.unsettled == {}
+    assert part.ready_index == {}
     assert len(store.get("late", "p", ["response", "reward"], 4, timeout=0).indexes) == 4
     store.ack("train", "p", batch.indexes)
     store.ack("late", "p", batch.indexes)  # both acked: evicted, and forgotten by every get
-    assert all(firsts[3] not in unsettled and firsts[7] not in unsettled for unsettled in part.unsettled.values())
+    assert all(s not in index.unsettled and not index.is_settled(s) for index in part.ready_index.values() for s in (firsts[3], firsts[7]))

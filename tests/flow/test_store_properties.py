@@ -113,13 +113,21 @@ class StoreMachine(RuleBasedStateMachine):
             assert all(n <= 1 for n in counts.values())
 
     @invariant()
-    def ready_bound_never_below_the_ready_rows(self):
+    def ready_rows_kept_between_gets_agree_with_a_fresh_look(self):
         part = self.store._part("p")
-        bounds = dict(part.ready_bound)
-        for (consumer, key), bound in bounds.items():  # a get that needs more skips its look: never skip rows that are there
-            assert len(part.ready(consumer, key)) <= bound, f"{consumer}: {len(part.ready(consumer, key))} rows ready, bound {bound}"
-        part.ready_bound.clear()
-        part.ready_bound.update(bounds)  # as the rules left them: looking must not make the bounds exact
+        bounds = {wanted: index.bound for wanted, index in part.ready_index.items()}
+        for (consumer, key), bound in bounds.items():
+            rows = part.ready(consumer, key)
+            kept, part.ready_index = part.ready_index, {}
+            fresh = part.ready(consumer, key)  # no index kept: every segment looked at
+            part.ready_index = kept
+            assert rows.indexes.tolist() == fresh.indexes.tolist() and rows.versions.tolist() == fresh.versions.tolist()
+            assert bound is None or len(rows) <= bound, f"{consumer}: {len(rows)} rows ready, bound {bound}"  # a get needing more skips its look
+            for limit in (1, 3):  # a sequential get's look: the first rows, and whether there are enough
+                first = part.ready(consumer, key, limit)
+                assert first.indexes.tolist()[:limit] == rows.indexes.tolist()[:limit] and (len(first) >= limit) == (len(rows) >= limit)
+        for wanted, bound in bounds.items():
+            part.ready_index[wanted].bound = bound  # as the rules left them: looking must not make the bounds exact
 
     def teardown(self):
         if not hasattr(self, "store"):
@@ -129,13 +137,15 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.put("p", {"response": [0] * len(self.no_response)}, indexes=self.no_response)
         for c in COLUMNS:
             self.store.release(c)
-            while True:
+            for _ in range(self.num_rows + 2):  # bounded: a get handing out leased rows again must fail here, not hang
                 try:
                     batch = self.store.get(c, "p", COLUMNS[c], 64, sampler=self._sampler(c), partial=True, timeout=0)
                 except StoreTimeout:
                     break
                 for i in batch.indexes:
                     self.acks[c][i] = self.acks[c].get(i, 0) + self.store.ack(c, "p", [i])
+            else:
+                raise AssertionError(f"{c}: gets never ran dry")
         dropped = self.store.metrics()["partitions"]["p"]["consumers"]["train"]["dropped"]
         for c in COLUMNS:
             acked = {i for i, n in self.acks[c].items() if n == 1}
