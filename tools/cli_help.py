@@ -106,8 +106,9 @@ BENCH_HELP = """\
 Run a benchmark and print its table (ratios against baselines measured in the same run).
 
   store   the streaming store across processes: small rows (4096 x 4 columns of 256,
-          batches of 64 and of 256), 1 MB rows (batches of 8) and one-row hand-off latency
-          (10 ms idle before each put), the consumer reading every page it gets. tidal is
+          batches of 64 and of 256), 1 MB rows (batches of 8), a trickle (1024 one-row puts,
+          gets of 256) and one-row hand-off latency (10 ms idle before each put), the
+          consumer reading every page it gets. tidal is
           the user's path: a plain StoreServer(Store()) process, put waiting for each
           reply, get then ack; tidal-tuned adds --put-window puts in flight,
           get(partial=True, ack=...) and a server keeping freed memory; tidal-socket (no

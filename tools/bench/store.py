@@ -6,6 +6,8 @@ Every system moves the same rows between a producer process and a consumer proce
   logprobs float32[256], reward float32[1]}, put and got in batches of 64, and again in
   batches of 256;
 - large rows: 64 rows of 1 MB, put and got in batches of 8;
+- trickle: 1024 small rows put one at a time while the consumer gets batches of 256, as
+  rollouts finish one response at a time while the trainer waits for a batch;
 - hand-off latency: a consumer already waits in `get`; the time from the producer's
   `put` call to that `get` returning the row (p50, p99), `IDLE_S` idle before each put,
   and how long the `put` call itself took.
@@ -121,17 +123,23 @@ class Workload:
     fields: dict[str, tuple[str, tuple[int, ...]]]
     num_rows: int
     batch_size: int
+    put_size: int | None = None
+    """Rows a put holds; None: `batch_size`, as a get takes."""
 
     @property
     def row_bytes(self) -> int:
         return sum(torch.empty((), dtype=getattr(torch, d)).element_size() * int(torch.Size(s).numel()) for d, s in self.fields.values())
 
     def batches(self) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for start in range(0, self.num_rows, self.batch_size):
-            n = min(self.batch_size, self.num_rows - start)
+        out, size = [], self.put_size or self.batch_size
+        for start in range(0, self.num_rows, size):
+            n = min(size, self.num_rows - start)
             out.append({k: torch.randint(0, 100, (n, *s)).to(getattr(torch, d)) for k, (d, s) in self.fields.items()})
         return out
+
+
+TRICKLE = Workload("trickle", SMALL, 1024, 256, put_size=1)
+"""One-row puts, gets of 256 (rollouts finishing one by one, a trainer waiting for a batch)."""
 
 
 def read_pages(data: Any) -> int:
@@ -474,7 +482,7 @@ def latency_summary(measured: dict[str, list[float]], repeats: int) -> dict[str,
 
 
 def workloads() -> list[tuple[str, Workload]]:
-    return [*((f"small-{b}", Workload(f"small{b}", SMALL, 4096, b)) for b in SMALL_BATCHES), ("large", Workload("large", LARGE, 64, 8))]
+    return [*((f"small-{b}", Workload(f"small{b}", SMALL, 4096, b)) for b in SMALL_BATCHES), ("large", Workload("large", LARGE, 64, 8)), ("trickle", TRICKLE)]
 
 
 def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 200, repeats: int = 3, transport: str = "tcp", put_window: int = PUT_WINDOW, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
@@ -493,7 +501,7 @@ def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 200, repeats: i
             if not bench_tq.available():
                 progress("transferqueue: not installed (pip install -c constraints.txt -e '.[bench]'); skipped")
                 continue
-            runs: Callable[[Workload], list[float]] = lambda w: [w.num_rows / bench_tq.tq_throughput(num_rows=w.num_rows, fields=w.fields, batch_size=w.batch_size)["rows_per_s"] for _ in range(repeats)]  # noqa: E731
+            runs: Callable[[Workload], list[float]] = lambda w: [w.num_rows / bench_tq.tq_throughput(num_rows=w.num_rows, fields=w.fields, batch_size=w.batch_size, put_size=w.put_size)["rows_per_s"] for _ in range(repeats)]  # noqa: E731
             latency: Callable[[], dict[str, Any]] | None = lambda: {"handoff": bench_tq.tq_latency(num_trials=num_trials)}  # noqa: E731
         elif system == "raw-zmq":
             runs = lambda w: zmq_runs(w, repeats=repeats, transport=transport)  # noqa: E731
@@ -526,7 +534,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     header = ["system"]
     for b in SMALL_BATCHES:
         header += [f"small b{b} rows/s", "x TQ"]
-    header += ["1MB-row MB/s", "% raw", "hand-off p50 ms", "x raw", "p99 ms", "put p50 ms"]
+    header += ["1MB-row MB/s", "% raw", "trickle rows/s", "x TQ", "hand-off p50 ms", "x raw", "p99 ms", "put p50 ms"]
     rows = [header]
     for system, r in results.items():
         row = [system]
@@ -535,6 +543,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[list[str]]:
             row += [_spread(s["rows_per_s"], s["slowest"]["rows_per_s"], s["fastest"]["rows_per_s"]), f"{s['rows_per_s'] / tq[f'small-{b}']['rows_per_s']:.1f}" if tq else "-"]
         large, lat = r["large"], r.get("latency")
         row += [_spread(large["mb_per_s"], large["slowest"]["mb_per_s"], large["fastest"]["mb_per_s"]), f"{100 * large['mb_per_s'] / raw['large']['mb_per_s']:.0f}%" if raw else "-"]
+        trickle = r.get("trickle")  # results saved before 2026-12-01 have none
+        row += [_spread(trickle["rows_per_s"], trickle["slowest"]["rows_per_s"], trickle["fastest"]["rows_per_s"]) if trickle else "-", f"{trickle['rows_per_s'] / tq['trickle']['rows_per_s']:.1f}" if trickle and tq and "trickle" in tq else "-"]
         raw_lat = raw.get("latency") if raw else None
         row += [
             _spread(statistics.median(lat["run_p50_ms"]), lat["p50_min_ms"], lat["p50_max_ms"], "{:.2f}") if lat else "-",

@@ -366,8 +366,8 @@ def available() -> bool:
     return True
 
 
-def tq_throughput(*, num_rows: int, fields: dict[str, tuple[str, tuple[int, ...]]], batch_size: int) -> dict[str, float]:
-    """Producer puts num_rows rows in batches of batch_size while a consumer in ANOTHER PROCESS gets batches of batch_size as they become ready (polling mode), until it has all rows. fields maps name -> (torch dtype name like 'int64'/'float32', per-row shape). Returns {"seconds": wall time from first put to last get returned, "rows_per_s": ..., "mb_per_s": payload bytes / seconds / 1e6}."""
+def tq_throughput(*, num_rows: int, fields: dict[str, tuple[str, tuple[int, ...]]], batch_size: int, put_size: int | None = None) -> dict[str, float]:
+    """Producer puts num_rows rows in batches of put_size (None: batch_size) while a consumer in ANOTHER PROCESS gets batches of batch_size as they become ready (polling mode), until it has all rows. fields maps name -> (torch dtype name like 'int64'/'float32', per-row shape). Returns {"seconds": wall time from first put to last get returned, "rows_per_s": ..., "mb_per_s": payload bytes / seconds / 1e6}."""
     started_ray = _start_ray_if_needed()
     import ray
 
@@ -377,7 +377,8 @@ def tq_throughput(*, num_rows: int, fields: dict[str, tuple[str, tuple[int, ...]
         try:
             consumer = _start_consumer()
             _warm_up(client, consumer, fields, num_rows, batch_size, WARMUP_PASSES)
-            batches = [_make_batch(fields, min(batch_size, num_rows - s)) for s in range(0, num_rows, batch_size)]
+            size = put_size or batch_size
+            batches = [_make_batch(fields, min(size, num_rows - s)) for s in range(0, num_rows, size)]
             ref = consumer.consume.remote("throughput", list(fields), num_rows, batch_size, POLL_INTERVAL_S)
             _wait_polling(consumer)
             t_first_put = time.perf_counter()
