@@ -20,15 +20,23 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tidal.flow.store.segments import Segment
+
+class Rows(Protocol):
+    """What the index reads of a `segments.Segment`: the rows one put created."""
+
+    start: int
+    n: int
+    versions: np.ndarray
 
 
-class ReadyIndex:
+Segment = TypeVar("Segment", bound=Rows)
+
+
+class ReadyIndex(Generic[Segment]):
     __slots__ = ("_order", "_settled", "bound", "settled_rows", "unsettled")
 
     def __init__(self, segments: Iterable[Segment]) -> None:

@@ -233,7 +233,7 @@ class Partition:
         self.num_rows = 0
         self.nbytes = 0
         self.num_evicted = 0
-        self.ready_index: dict[tuple[str, frozenset[str]], ReadyIndex] = {}
+        self.ready_index: dict[tuple[str, frozenset[str]], ReadyIndex[Segment]] = {}
         """Per (consumer, columns) that `ready` was asked for: which segments to look at
         again, which have every row ready (in readiness order), and at most how many rows
         are ready (`ReadyIndex`). A get looks at the segments that changed since the last,
