@@ -95,7 +95,7 @@ class TinySource:
         save_policy(policy, folder)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
+DTYPES: dict[str, torch.dtype | str] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 """`model.dtype` -> what `from_pretrained` takes (auto: the checkpoint's own)."""
 
 

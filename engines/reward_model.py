@@ -70,7 +70,7 @@ class RewardModel:
         path: local checkpoint directory (config.json with a `*ForSequenceClassification`
             architecture and one label, the weights, the tokenizer files).
         device: where the model runs (the trainer's device in a run).
-        dtype: the weights' dtype as loaded.
+        dtype: the weights' dtype as loaded ("auto": the checkpoint's).
         batch_size: samples per forward pass.
         max_length: longest input in tokens; a longer one loses its beginning.
         trust_remote_code: let transformers run code shipped with the checkpoint.
@@ -80,7 +80,7 @@ class RewardModel:
             sequence-classification checkpoint, or has other than one label.
     """
 
-    def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, batch_size: int = 8, max_length: int = 2048, trust_remote_code: bool = False) -> None:
+    def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32, batch_size: int = 8, max_length: int = 2048, trust_remote_code: bool = False) -> None:
         import transformers  # noqa: PLC0415
 
         if (why := refusal(path)) is not None:

@@ -19,6 +19,8 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
+from tidal.engines.tokenizers import Tokenizer
+
 DEFAULT_ALPHABET = "0123456789+-*/=() ,?:abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.>"
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
@@ -178,7 +180,7 @@ def _attention(name: str) -> dict[str, Any]:
     return {"attn_implementation": name}
 
 
-def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, directory: str | Path) -> None:
+def save_model(model: transformers.PreTrainedModel, tokenizer: Tokenizer, directory: str | Path) -> None:
     """safetensors weights, config.json, generation_config.json and the tokenizer's files
     (`CharTokenizer.save`), all or none: they are written to
     `directory/.partial/` and moved up once every one is whole, so a save that fails (a full
@@ -205,7 +207,7 @@ def save_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, di
         raise
 
 
-def _write_model(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, folder: Path, *, named: Path) -> None:
+def _write_model(model: transformers.PreTrainedModel, tokenizer: Tokenizer, folder: Path, *, named: Path) -> None:
     """Write the model's files to `folder`; an operating-system error names the file as it
     is called in `named`, where the files go once all are written."""
     transformers.utils.logging.disable_progress_bar()  # no shard bars in a run's output

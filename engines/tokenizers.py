@@ -65,6 +65,11 @@ class Tokenizer(Protocol):
         """
         ...
 
+    def save(self, directory: str | Path) -> None:
+        """Write the tokenizer's files into `directory` (a checkpoint's, an export's), from
+        which its source loads it back."""
+        ...
+
 
 class HFTokenizer:
     """A transformers tokenizer behind `Tokenizer`.

@@ -142,7 +142,7 @@ class Workflow:
         rollout: RolloutEngine,
         trainer: TrainEngine,
         prompts: Iterable[dict[str, Any]],
-        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]]],
+        score: Callable[[Sequence[Trajectory]], tuple[list[float], list[int]] | tuple[list[float], list[int], int]],
         config: WorkflowConfig,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         tracer: Tracer | None = None,

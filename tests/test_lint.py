@@ -1,6 +1,6 @@
 """The linter and the type checker, run in CI by the README's test command: ruff over the
 repository (ruff.toml: pyflakes, import order, bugbear, naming, blind excepts, imports at
-the top unless a noqa says why) and mypy over `tidal.hal`, `tidal.flow` and `tidal.engines` (mypy.ini)."""
+the top unless a noqa says why) and mypy over every package: `tidal.hal`, `tidal.flow`, `tidal.engines` and `tidal.tools` (mypy.ini)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hal", "flow", "engines", "tools")
-TYPE_CHECKED = ("tidal.hal", "tidal.flow", "tidal.engines")
+TYPE_CHECKED = ("tidal.hal", "tidal.flow", "tidal.engines", "tidal.tools")
 
 
 def test_ruff_finds_nothing():
@@ -21,7 +21,7 @@ def test_ruff_finds_nothing():
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
 
 
-def test_mypy_finds_nothing_in_hal_flow_and_engines(tmp_path):
+def test_mypy_finds_nothing_in_any_package(tmp_path):
     # `tidal.hal` is the folder hal/ (setup.py's package_dir): a tree of links lets mypy see the packages by name
     tree = tmp_path / "tree" / "tidal"
     tree.mkdir(parents=True)

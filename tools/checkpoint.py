@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tidal.engines.models import ModelSource, tiny_source
-from tidal.engines.tiny import CharTokenizer, save_model
+from tidal.engines.tiny import save_model
 from tidal.engines.tokenizers import Tokenizer
 from tidal.engines.torch_train import TorchTrainEngine
 from tidal.flow.files import naming, write_whole
@@ -91,7 +91,7 @@ def _plain_rng(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "numpy": (name, [int(k) for k in key], int(pos), int(has_gauss), float(cached_gaussian))}
 
 
-def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: CharTokenizer, save_data: Callable[[Path], dict[str, Any]], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None, critic: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch.nn.Module, tokenizer: Tokenizer, save_data: Callable[[Path], dict[str, Any]], extra: dict[str, Any], keep: int = 0, rng: dict[str, Any] | None = None, critic: dict[str, Any] | None = None) -> Path:
     """Everything a resume needs, written to a temporary folder, flushed to disk, then
     renamed (never half a checkpoint, even after a power loss).
 
@@ -122,7 +122,7 @@ def save_checkpoint(run_dir: Path, *, trainer: TorchTrainEngine, template: torch
                 state = trainer.state_dict()
                 model = copy.deepcopy(template)
                 model.load_state_dict(state["model"])
-                save_model(model, tokenizer, tmp)
+                save_model(model, tokenizer, tmp)  # type: ignore[arg-type]  # a transformers model: the run's (`Run.model`)
                 torch.save({"optimizer": state.get("optimizer"), "version": trainer.version, "rng": _plain_rng(rng_state() if rng is None else rng), "reference": state.get("reference"), "lr_scheduler": state.get("lr_scheduler"), "lora": state.get("lora"), "critic": critic}, tmp / "trainer.pt")
                 saved = save_data(tmp / "store.bin")
                 (tmp / "state.json").write_text(json.dumps({"version": trainer.version, **saved, **extra}, indent=2))

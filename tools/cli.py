@@ -160,21 +160,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         systems = _systems(args.systems, bench_weights.SYSTEMS)
         if systems is None:
             return 2
-        results = bench_weights.run(sizes_mb=args.sizes, systems=systems, repeats=args.repeats or 3, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+        measured = bench_weights.run(sizes_mb=args.sizes, systems=systems, repeats=args.repeats or 3, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
         if args.json:
-            print(json.dumps(results, indent=2))
+            print(json.dumps(measured, indent=2))
         else:
-            print_table("tidal bench weights (GB/s, trainer process -> rollout process)", bench_weights.table(results))
+            print_table("tidal bench weights (GB/s, trainer process -> rollout process)", bench_weights.table(measured))
         return 0
 
     systems = _systems(args.systems, bench_store.SYSTEMS)
     if systems is None:
         return 2
-    results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats or 3, transport=args.transport, put_window=args.put_window, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
+    store_results = bench_store.run(systems=systems, num_trials=args.trials, repeats=args.repeats or 3, transport=args.transport, put_window=args.put_window, progress=lambda m: print(f"tidal bench: {m}", file=sys.stderr))
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps(store_results, indent=2))
         return 0
-    print_table("tidal bench store (higher rows/s and MB/s, lower latency are better)", bench_store.table(results))
+    print_table("tidal bench store (higher rows/s and MB/s, lower latency are better)", bench_store.table(store_results))
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -70,7 +71,7 @@ def engine_problems(plan: Plan, reports: Sequence[NodeReport]) -> list[str]:
     by_id = {r.node_id: r for r in reports}
     held: dict[tuple[str, str, str], list[int]] = {}  # (node id, role, kind) -> the role's ranks there
     for a in plan.assignments:
-        if (node_id := node_ids.get(a.node)) in by_id:
+        if (node_id := node_ids.get(a.node)) is not None and node_id in by_id:
             held.setdefault((node_id, a.role, a.kind), []).append(a.rank)
     problems = []
     for (node_id, role, kind), ranks in held.items():
@@ -110,7 +111,7 @@ def join_cluster() -> str:
         raise ConfigError("RAY_ADDRESS is not set: `tidal doctor --cluster` checks the Ray cluster that address names (docs/deploy.md), e.g. RAY_ADDRESS=10.0.0.1:6379")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     return address
 
 

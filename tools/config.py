@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from tidal.flow.config import Bounded, Checked
-from tidal.tools.config_keys import iter_keys, key_type
+from tidal.tools.config_keys import is_schema, iter_keys, key_type
 from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home is this module
     MAX_SEED,
     AlgorithmConfig,
@@ -60,7 +60,7 @@ from tidal.tools.config_schema import (  # noqa: F401 - the schema's public home
 # Loading.
 
 
-def _explain(err: OmegaConfBaseException, schema: type, origin: str, given: DictConfig, *, prefix: str = "") -> ConfigError:
+def _explain(err: OmegaConfBaseException | TypeError, schema: type, origin: str, given: DictConfig, *, prefix: str = "") -> ConfigError:
     """A `ConfigError` for OmegaConf's `err` while merging `given` (the recipe file's or
     the overrides' keys, as the user wrote them) into `schema`; `prefix` is where `given`
     sits in the recipe (`cluster.nodes[1].` for a list entry)."""
@@ -84,20 +84,21 @@ def _misplaced(schema: type, given: Any, *, origin: str, prefix: str = "") -> Co
     """The first mistake in `given` (a mapping, as the user wrote it) that OmegaConf reports
     without its key: a section (`algorithm`) or list entry (`cluster.nodes[0]`) given
     something other than a mapping, or a bad key of a list entry (`cluster.nodes[1].devices`)."""
-    tree = OmegaConf.to_container(given, resolve=False) if isinstance(given, DictConfig) else given
+    tree: Any = OmegaConf.to_container(given, resolve=False) if isinstance(given, DictConfig) else given
     hints = typing.get_type_hints(schema)
     for name, value in tree.items():
-        tp = hints.get(name)
+        tp: Any = hints.get(name)
         args = typing.get_args(tp)
-        item = args[0] if typing.get_origin(tp) is list and args else None
+        item: Any = args[0] if typing.get_origin(tp) is list and args else None
         if typing.get_origin(tp) is list and isinstance(value, dict):  # OmegaConf: a TypeError, "Cannot merge incompatible container types"
             return ConfigError(
                 f"key {prefix + name!r} in {origin} expects a {key_type(schema, name)}, got a mapping {value!r}; "
                 f"a list is given whole ({prefix + name}=[...]), not one entry at a time ({prefix + name}[0]...)"
             )
-        if dataclasses.is_dataclass(tp):
+        entries: list[tuple[str, type, Any]]
+        if is_schema(tp):
             entries = [(f"{prefix}{name}", tp, value)]
-        elif dataclasses.is_dataclass(item) and isinstance(value, list):
+        elif is_schema(item) and isinstance(value, list):
             entries = [(f"{prefix}{name}[{i}]", item, entry) for i, entry in enumerate(value)]
         else:
             continue
@@ -327,10 +328,10 @@ def _check_strings(cfg: Any, schema: type, prefix: str = "") -> None:
         if f.name not in cfg:
             continue
         tp, value, key = hints[f.name], cfg[f.name], prefix + f.name
-        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
-        if dataclasses.is_dataclass(tp):
+        item: Any = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        if is_schema(tp):
             _check_strings(value, tp, key + ".")
-        elif dataclasses.is_dataclass(item):
+        elif is_schema(item):
             for i, entry in enumerate(value or ()):
                 _check_strings(entry, item, f"{key}[{i}].")
         elif item is str and (bad := [v for v in value or () if not isinstance(v, str)]):

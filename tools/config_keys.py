@@ -15,7 +15,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -58,6 +58,11 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def is_schema(tp: Any) -> TypeGuard[type]:
+    """`tp` is a dataclass (a section of the schema), not an instance of one."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
 def iter_keys(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
     """Every leaf key of schema `cls` (nested dataclasses flattened to `a.b`) with its doc."""
     hints = typing.get_type_hints(cls)
@@ -65,7 +70,7 @@ def iter_keys(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         key = prefix + f.name
-        if dataclasses.is_dataclass(tp):
+        if is_schema(tp):
             yield from iter_keys(tp, key + ".")
             continue
         if f.default is not dataclasses.MISSING:
@@ -78,7 +83,7 @@ def iter_keys(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
             default = default.name
         yield KeyDoc(key=key, type=type_name(tp), default=default, doc=docs.get(f.name, ""))
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
-        if dataclasses.is_dataclass(item):
+        if is_schema(item):
             yield from iter_keys(item, key + "[].")  # fields of each list entry
 
 

@@ -117,7 +117,7 @@ def report(*, clean: bool = False) -> tuple[dict[str, Any], int]:
     data["engines"] = engines(kind=data["platform"]["kind"] if data["platform"] else None, fake=bool(data["platform"] and data["platform"]["fake"]))
     kind_ok = select.availability()
     for path in shipped_recipes():
-        entry = {"recipe": path.stem, "path": str(path)}
+        entry: dict[str, Any] = {"recipe": path.stem, "path": str(path)}
         try:
             cfg = load_config(path)
             ok, why = _can_run(cfg, kind_ok=kind_ok, selected=selected)

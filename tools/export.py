@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from tidal.engines.models import tiny_source
 from tidal.tools.config import ConfigError, load_config, select
@@ -157,7 +158,7 @@ def _write(checkpoint: Path, folder: Path, *, trust_remote_code: bool) -> None:
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {checkpoint} has no readable config.json ({type(e).__name__}: {e})") from None
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        loaded = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint {checkpoint}'s tokenizer files do not load with AutoTokenizer ({type(e).__name__}: {e})") from None
     for name in _weight_files(folder):
@@ -166,7 +167,7 @@ def _write(checkpoint: Path, folder: Path, *, trust_remote_code: bool) -> None:
                 list(f.keys())
         except Exception as e:  # noqa: BLE001 - whatever safetensors raises, the file is what to name
             raise ConfigError(f"checkpoint {checkpoint} has no readable {name} ({type(e).__name__}: {e})") from None
-    _write_generation_config(folder, checkpoint=checkpoint, config=config, tokenizer=tokenizer)
+    _write_generation_config(folder, checkpoint=checkpoint, config=config, tokenizer=loaded)
 
 
 def started_from(run_dir: Path) -> str:
@@ -239,7 +240,7 @@ def _weight_files(folder: Path) -> list[str]:
     return sorted(set(json.loads(index.read_text())["weight_map"].values()))
 
 
-def _write_generation_config(folder: Path, *, checkpoint: Path, config: object, tokenizer: object) -> None:
+def _write_generation_config(folder: Path, *, checkpoint: Path, config: Any, tokenizer: Any) -> None:
     """generation_config.json with the end and pad ids: the checkpoint's, else the model
     config's, with what they lack taken from the tokenizer, so `generate` stops where the
     trainer's rollouts stopped."""

@@ -80,7 +80,7 @@ def shares_devices(cfg: RecipeConfig) -> bool:
     return bool(cfg.placement.rollout.colocate_with or cfg.placement.train.lend_to)
 
 
-def make_plan(cfg: RecipeConfig, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> tuple[Plan, str]:
+def make_plan(cfg: RecipeConfig, *, ray_nodes: Callable[[], Sequence[Mapping[str, Any]] | None] | None = None) -> tuple[Plan, str]:
     """The recipe's plan and where its cluster came from.
 
     Raises:

@@ -84,10 +84,10 @@ def panels(metrics: Sequence[Mapping[str, Any]], *, accuracy: Mapping[str, float
 
     reward = panel("mean reward", [_number(m["reward"]) for m in metrics])
     accuracy = accuracy or {}
-    if accuracy.get("before_rl") is not None:
-        reward.marks.append((0, float(accuracy["before_rl"]), "held-out accuracy before RL"))
-    if accuracy.get("after_rl") is not None and steps:
-        reward.marks.append((steps[-1], float(accuracy["after_rl"]), "held-out accuracy after RL"))
+    if (before := accuracy.get("before_rl")) is not None:
+        reward.marks.append((0, float(before), "held-out accuracy before RL"))
+    if (after := accuracy.get("after_rl")) is not None and steps:
+        reward.marks.append((steps[-1], float(after), "held-out accuracy after RL"))
     reward.evaluations = [(int(m["step"]), float(m["held_out_accuracy"])) for m in metrics if m.get("held_out_accuracy") is not None]
     out = [reward, panel("samples / s", [m["samples"] / m["step_s"] if m["step_s"] else math.nan for m in metrics])]
     if any("response_len" in m for m in metrics):

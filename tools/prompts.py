@@ -160,7 +160,7 @@ class FilePrompts:
         try:
             keep = bool(cfg.reward_model.path)  # a reward model reads each conversation in its own template
             self.prompts = load_prompts(list(cfg.data.train_files), tokenizer, config=cfg.data, on_progress=progress("data.train_files"), keep_messages=keep)
-            held = load_prompts(list(cfg.data.eval_files), tokenizer, config=cfg.data, key="data.eval_files", on_progress=progress("data.eval_files")) if cfg.data.eval_files else []
+            held: Any = load_prompts(list(cfg.data.eval_files), tokenizer, config=cfg.data, key="data.eval_files", on_progress=progress("data.eval_files")) if cfg.data.eval_files else []
         except DataError as e:
             raise ConfigError(str(e)) from None
         except ValueError as e:  # the tokenizer refused: no chat template

@@ -157,7 +157,7 @@ def init_ray(cfg: RecipeConfig) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address := ray_address():
-        ray.init(address=address, include_dashboard=False, logging_level="ERROR")
+        ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR)
         return
     resources: dict[str, float] = {}
     if cfg.cluster.fake:
@@ -168,12 +168,14 @@ def init_ray(cfg: RecipeConfig) -> None:
                 descriptor = describe(node.kind, device_count=node.devices, fake=True)
                 # The fake devices are not the machine's: a real visible-devices variable in
                 # this environment would make Ray refuse the declared count.
-                os.environ.pop(descriptor.visible_devices_var, None)
+                if descriptor.visible_devices_var is not None:
+                    os.environ.pop(descriptor.visible_devices_var, None)
                 key = descriptor.ray_resource
                 resources[key] = resources.get(key, 0) + node.devices * node.count
             for tag in node.tags:  # as a Ray cluster's nodes would declare them (--resources)
                 resources[tag] = resources.get(tag, 0) + node.devices * node.count
-    num_gpus = resources.pop("GPU", None)  # None: Ray counts the machine's own GPUs
+    gpus = resources.pop("GPU", None)  # None: Ray counts the machine's own GPUs
+    num_gpus = None if gpus is None else int(gpus)
     num_cpus = os.cpu_count()
     if cfg.cluster.fake:  # its cpu devices are declared too (processes, not cores): more than the machine has oversubscribe it
         num_cpus = max(num_cpus or 1, sum(n.devices * n.count for n in cfg.cluster.nodes if n.kind == "cpu"))
@@ -181,7 +183,15 @@ def init_ray(cfg: RecipeConfig) -> None:
         # Ray looks up the NPU model (through CANN's `acl`) when a node declares NPUs and logs
         # a traceback when it cannot; a fake cluster has no NPU to look up.
         logging.getLogger("ray._private.accelerators.npu").setLevel(logging.CRITICAL)
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, include_dashboard=False, logging_level=logging.ERROR)
+
+
+def _request_stop(stopper: Any, reason: str) -> None:
+    stopper.request.remote(reason)
+
+
+def _trainer_rank(where: list[dict[str, Any]], i: int) -> str:
+    return f"trainer rank {i} (pid {where[i]['pid']})"
 
 
 def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -209,7 +219,7 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
         raise ConfigError(f"placement: {e}") from None
     fake = bool(cfg.cluster.fake)
     follow = functools.partial(follow_rank0, cfg.train.backend) if num_ranks > 1 else None
-    trainer_cls = ray.remote(max_restarts=0, max_concurrency=2)(TrainerActor)
+    trainer_cls = ray.remote(max_restarts=0, max_concurrency=2)(TrainerActor)  # type: ignore[call-overload]  # Ray's stubs lack max_concurrency; ray.remote takes it
     stopper_cls = ray.remote(num_cpus=0)(StopSignal)
     placed = spots(plan)  # checked by placement_groups already
     stop = StopRequest()  # Ctrl-C / SIGTERM here: rank 0 stops after its current step, with a checkpoint
@@ -220,7 +230,7 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
             turns_name = f"tidal-turns-{uuid.uuid4().hex}"  # the rollout actors look them up by it
             turns = start_turns(placed, groups, name=turns_name)
             stopper = stopper_cls.remote()
-            stop.on_request(lambda reason, stopper=stopper: stopper.request.remote(reason))
+            stop.on_request(functools.partial(_request_stop, stopper))
             watch: Liveness | None = None
             lead = functools.partial(train_rank0, to_yaml(cfg), str(run_dir), {"groups": groups, "spots": placed, "turns": turns, "turns_name": turns_name}, plan.of("rollout"), fake, attempt, stopper)
             options = [actor_options(a, groups["train"], i, fake=fake, resources=placed[("train", a.rank)].resources) for i, a in enumerate(plan.of("train"))]
@@ -233,7 +243,7 @@ def run_on_ray(cfg: RecipeConfig, run_dir: Path, *, progress: bool = True) -> di
                     raise ConfigError(f"placement: {e}") from None
                 address = ray.get(ranks[0].group_address.remote()) if num_ranks > 1 else None
                 refs = [r.run.remote(rank=i, ranks=where, group_address=address, turns=turns) for i, r in enumerate(ranks)]
-                watch = Liveness(ranks, lambda i, where=where: f"trainer rank {i} (pid {where[i]['pid']})", silent_s=cfg.fault.liveness_s, grace_s=cfg.fault.liveness_grace_s)
+                watch = Liveness(ranks, functools.partial(_trainer_rank, where), silent_s=cfg.fault.liveness_s, grace_s=cfg.fault.liveness_grace_s)
                 with stop_on_signals(stop):
                     stall = StepStall(f"trainer ranks: {', '.join(str(w['pid']) for w in where)}; rollout actors: runtime.json's rollout_actors")
                     summary, *followers = _wait_with_progress(refs, run_dir / "metrics.jsonl", total=cfg.algorithm.num_steps, progress=progress, watch=watch, stall=stall)

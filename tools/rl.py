@@ -124,9 +124,10 @@ class Scorer:
     def __call__(self, trajectories: Sequence[Trajectory]) -> tuple[list[float], list[int], int]:
         texts = [self.tokenizer.decode([t for t in traj.tokens if t not in self._ends]) for traj in trajectories]
         if self.reward is None:
-            rewards, failed, timeouts = [0.0] * len(trajectories), [], 0
+            rewards, failed, timeouts = [0.0] * len(trajectories), list[int](), 0
         elif self.pool is None:
-            rewards, failed, timeouts = (*score(self.reward, trajectories, texts), 0)
+            rewards, failed = score(self.reward, trajectories, texts)
+            timeouts = 0
         else:
             rewards, failed, timeouts = self.pool.score(self.reward, trajectories, texts)
         if self.reward_model is None:
@@ -286,7 +287,8 @@ def build_rollout_engine(cfg: RecipeConfig, model: torch.nn.Module | None, token
     if not isinstance(rollout_cls, BuildsFromCheckpoint):
         return rollout_cls(model, version=version, **common)
     own = section_values(cfg.rollout, rollout_cls.rollout_keys)
-    engine = rollout_cls(cfg.model.path, version=version, tensor_parallel_size=cfg.placement.rollout.devices_each, seed=cfg.seed, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code, **own, **common)
+    builds: Any = rollout_cls  # a class (`BuildsFromCheckpoint` describes it, not its constructor)
+    engine = builds(cfg.model.path, version=version, tensor_parallel_size=cfg.placement.rollout.devices_each, seed=cfg.seed, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code, **own, **common)
     if model is not None and (version > 0 or cfg.sft.steps):
         engine.load_weights(version, model.state_dict().items())
     return engine
@@ -366,7 +368,7 @@ class RL:
         self.history: list[dict[str, Any]] = []
         self.bar = Progress(TextColumn("[bold]RL[/bold] step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=run.console, disable=not run.progress)
         self.bar_task = self.bar.add_task("rl", total=cfg.algorithm.num_steps, completed=self.trainer.version, info="waiting for the first batch")
-        resumed_here = run.resume_from is not None and Path(cfg.resume).resolve() == run.run_dir.resolve()
+        resumed_here = run.resume_from is not None and cfg.resume is not None and Path(cfg.resume).resolve() == run.run_dir.resolve()
         self.checkpointed = [self.trainer.version] if resumed_here else []  # versions whose state run_dir holds
         self.prompts = run.prompts.train(run.resumed)
         self.quiet = QuietRollout(run.store, self.trainer, self.rollout, rng_state=rng_state, checkpoints=self.periodic) if cfg.algorithm.max_staleness == 0 and run.start_rollouts is None else None
@@ -396,6 +398,7 @@ class RL:
 
     def handoffs(self) -> int:
         """Hand-offs in the run so far, on the trainer's devices."""
+        assert self.sharing is not None  # only a run whose trainer shares its devices counts hand-offs
         return self.r.totals.get("handoffs", 0) + self.sharing.turns.state()["handoffs"]
 
     def save_data(self, path: Path) -> dict[str, Any]:

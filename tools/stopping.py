@@ -132,7 +132,7 @@ class QuietRollout:
 
         trainer.train_step, rollout.generate = closing(trainer.train_step), quiet_generate
         if isinstance(trainer, TakesFrozenSteps):  # a step the policy sits out (`algorithm.critic_warmup`) checkpoints too
-            trainer.frozen_step = closing(trainer.frozen_step)
+            trainer.frozen_step = closing(trainer.frozen_step)  # type: ignore[method-assign]  # wrapped on this instance, as train_step is
 
     def _acked(self) -> int:
         return self.store.consumer_counts("prompts", "rollout")["acked"]

@@ -37,7 +37,7 @@ from tidal.engines.sampling import truncate
 from tidal.engines.tokenizers import Tokenizer
 from tidal.flow.algorithms import VALUE_BASED
 from tidal.flow.files import write_whole
-from tidal.flow.protocols import Distributed, TrainEngine
+from tidal.flow.protocols import Distributed, SupervisedStep
 from tidal.flow.store import Store
 from tidal.flow.trace import Tracer
 from tidal.flow.trajectory import Trajectory, to_token_batch
@@ -70,7 +70,7 @@ def _answer_trajectories(items: list[dict[str, Any]], tokenizer: Tokenizer) -> l
     return out
 
 
-def warm_start(engine: TrainEngine, cfg: RecipeConfig, tokenizer: Tokenizer, held_out: set[Any] | None = None, on_step: Any = None, *, stream: Iterator[dict[str, Any]] | None = None) -> list[float]:
+def warm_start(engine: SupervisedStep, cfg: RecipeConfig, tokenizer: Tokenizer, held_out: set[Any] | None = None, on_step: Any = None, *, stream: Iterator[dict[str, Any]] | None = None) -> list[float]:
     """Supervised steps on prompt + answer so RL starts from a policy that sometimes succeeds.
     `stream` gives the items (`PromptSource.warm_start`); without it the task's, past where RL draws."""
     if stream is None:
@@ -114,7 +114,7 @@ class HeldOut:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None, sampling: EvalConfig | None = None, seed: int = 0,
+    model: Any, tokenizer: Tokenizer, items: list[dict[str, Any]], reward: Any, *, max_new_tokens: int, batch_size: int = 100, scorer: Scorer | None = None, sampling: EvalConfig | None = None, seed: int = 0,
     answer_of: Callable[[str], str | None] | None = None,
 ) -> HeldOut:
     """Held-out accuracy (`HeldOut`): the share of answers the verifier scores 1.0, with the rule RL trains
@@ -135,7 +135,7 @@ def evaluate(
     was_training, own = model.training, model.generation_config  # a transformers model: it has one (`generate` reads it)
     model.eval()
     model.generation_config = _plain_generation(tokenizer)
-    processors = [_SampledArgmax(sampling, seed=seed)] if sampled else []
+    processors = [_SampledArgmax(sampling, seed=seed)] if sampled and sampling is not None else []
     ends = set(tokenizer.eos_ids)
     correct = solved = voted = 0
     try:
@@ -338,10 +338,11 @@ class Run:
         if self.resumed is not None:
             state = self.resumed
             self.totals, self.first_reward, self.last_reward = state.get("totals", {}), state.get("first_reward"), state.get("last_reward")  # none in a checkpoint from before they were saved
-            same_dir = Path(cfg.resume).resolve() == self.run_dir.resolve()
-            self.earlier = truncate_metrics(Path(cfg.resume) / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
+            resumed_from = Path(str(cfg.resume))  # set: a resumed state came from it
+            same_dir = resumed_from.resolve() == self.run_dir.resolve()
+            self.earlier = truncate_metrics(resumed_from / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
             self.accuracy_before = state["accuracy_before"]
-            self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({self.resume_from.name})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
+            self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({getattr(self.resume_from, 'name', '')})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
 
     def _check_lora_targets(self) -> None:
         """`train.lora_target_modules` names layers of this model that take adapters, before the
@@ -430,6 +431,7 @@ class Run:
     def finish(self, rl: RL) -> dict[str, Any]:
         """The final evaluation (unless stopped early), timeline, plot and summary.json."""
         history, totals = rl.history, self.totals
+        assert rl.stop is not None  # `RL.run` made it
         accuracy_after, final = None, {}
         if rl.stop.reason is None:
             last = history[-1] if history else {}

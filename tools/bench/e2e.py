@@ -236,7 +236,7 @@ def table(results: dict[str, list[dict[str, Any]]], *, with_trl: bool = True) ->
         return f"{statistics.mean(r['response_len_start'] for r in runs):.2f} -> {statistics.mean(r['response_len_end'] for r in runs):.2f}"
 
     def drifts(system: str) -> str:
-        measured = [drifted(r) for r in results[system] if drifted(r) is not None]
+        measured = [d for d in map(drifted, results[system]) if d is not None]
         return f"{sum(measured)} of {len(measured)}" if measured else "-"
 
     sync, trl = baseline(results, "sync"), baseline(results, "TRL")

@@ -137,8 +137,8 @@ def check(*, num_steps: int = 150, seeds: Sequence[int] = (0, 1), repeats: int =
     for seed in seeds:
         for system, overrides in CHECK_SYSTEMS.items():
             say(f"running the quickstart {system}, seed {seed}, {num_steps} steps")
-            measured, lengths, spans[(seed, system)] = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
-            runs.append((seed, system, overrides, measured, lengths))
+            measured, trace, spans[(seed, system)] = _real_run(recipe, [*overrides, f"seed={seed}", f"algorithm.num_steps={num_steps}"])
+            runs.append((seed, system, overrides, measured, trace))
     # A training step's rows are padded to its longest response: profile rows of that shape.
     padded = max(1, round(statistics.median(max(n for group in groups for n in group) for *_, (lengths, _) in runs for groups in lengths.values())))
     say(f"profiling this machine at the runs' shapes: decode batches up to {decode_batch}, contexts up to {context}, training steps of up to {batch} rows of {prompt_tokens} + {padded} tokens")

@@ -48,6 +48,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -62,9 +63,11 @@ import torch
 if TYPE_CHECKING:
     from tidal.flow.store import PutResult, StoreApi
 
-SMALL = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "logprobs": ("float32", (256,)), "reward": ("float32", (1,))}
-LARGE = {"blob": ("uint8", (1 << 20,))}
-LATENCY = {"logprobs": ("float32", (256,))}
+Fields = dict[str, tuple[str, tuple[int, ...]]]
+"""Column name -> (torch dtype name, shape of one row's cell)."""
+SMALL: Fields = {"input_ids": ("int64", (256,)), "attention_mask": ("int64", (256,)), "logprobs": ("float32", (256,)), "reward": ("float32", (1,))}
+LARGE: Fields = {"blob": ("uint8", (1 << 20,))}
+LATENCY: Fields = {"logprobs": ("float32", (256,))}
 SYSTEMS = ("tidal", "tidal-tuned", "tidal-socket", "tidal-embedded", "tidal-split", "raw-zmq", "transferqueue")
 SMALL_BATCHES = (64, 256)
 PUT_WINDOW = 4
@@ -150,8 +153,8 @@ def read_pages(data: Any) -> int:
         return int(flat[::PAGE].sum()) if flat.numel() else 0
     import numpy as np
 
-    flat = np.frombuffer(data, dtype=np.uint8)
-    return int(flat[::PAGE].sum()) if flat.size else 0
+    array = np.frombuffer(data, dtype=np.uint8)
+    return int(array[::PAGE].sum()) if array.size else 0
 
 
 # tidal --------------------------------------------------------------------------------------
@@ -180,6 +183,7 @@ def _producer(address: str | None, work: Workload, path: Path, transport: str, g
         out.put(("address", server.address))
         store: StoreApi = embedded
     else:
+        assert address is not None  # a store process's, or the embedded one's
         remote = RemoteStore(address, unit=unit, shm=path.shm)
         remote.ping()
         store = remote
@@ -226,7 +230,8 @@ def _drain(store: StoreApi, partition: str, work: Workload, pipelined: bool) -> 
     """Get every row of `partition` in batches, reading each batch's pages, and ack them:
     get then ack, or (pipelined) each get acking the batch before it."""
     columns = list(work.fields)
-    received, previous = 0, []
+    received = 0
+    previous: Any = []
     while received < work.num_rows:
         if pipelined:
             batch = store.get("c", partition, columns, work.batch_size, timeout=60, partial=True, ack=previous)
@@ -261,6 +266,7 @@ def tidal_runs(work: Workload, path: Path, *, repeats: int = 1, transport: str =
         _expect(out, "ready")
         from tidal.flow.store import RemoteStore
 
+        assert address is not None
         with RemoteStore(address) as admin:
             for r in range(repeats):
                 admin.create_partition(f"{work.name}-{r}", consumers=["c"])
@@ -379,7 +385,7 @@ def _zmq_consumer(port_out: Any, work: Workload | None, num_messages: int, go: A
         port_out.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
     else:
         sock.bind(endpoint(transport))
-        port_out.put(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+        port_out.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
     while go.get() is not None:
         times = []
         for _ in range(num_messages):
@@ -395,7 +401,7 @@ def _zmq_consumer(port_out: Any, work: Workload | None, num_messages: int, go: A
 def _zmq_connect(address: str) -> Any:
     import zmq
 
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock: Any = zmq.Context.instance().socket(zmq.PUSH)
     sock.connect(address)
     return sock
 
@@ -508,7 +514,7 @@ def run(*, systems: tuple[str, ...] = SYSTEMS, num_trials: int = 200, repeats: i
             latency = lambda: zmq_latency(num_trials, transport)  # noqa: E731
         elif system in PATHS:
             path = PATHS[system] if system != "tidal-tuned" else dataclasses.replace(PATHS[system], window=put_window)
-            runs = lambda w, path=path: tidal_runs(w, path, repeats=repeats, transport=transport)  # noqa: E731
+            runs = functools.partial(tidal_runs, path=path, repeats=repeats, transport=transport)
             latency = (lambda embedded=path.embedded: tidal_latency(num_trials, transport, embedded=embedded)) if system in ("tidal", "tidal-embedded") else None
         else:
             raise ValueError(f"unknown system {system!r}; systems: {', '.join(SYSTEMS)}")

@@ -62,6 +62,7 @@ Caveats:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import statistics
@@ -125,7 +126,7 @@ def _start_ray_if_needed() -> bool:
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
-            logging_level="WARNING",
+            logging_level=logging.WARNING,
         )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = previous
@@ -314,7 +315,7 @@ def _start_consumer() -> Any:
     if __name__ != "__main__":  # workers may not import this module under the name it has here
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     env = {k: os.environ[k] for k in ("TQ_NUM_THREADS",) if k in os.environ}
-    actor = ray.remote(num_cpus=TQ_ACTOR_NUM_CPUS, max_concurrency=2)(_Consumer).remote(env)
+    actor = ray.remote(num_cpus=TQ_ACTOR_NUM_CPUS, max_concurrency=2)(_Consumer).remote(env)  # type: ignore[call-overload]  # Ray's stubs lack max_concurrency
     ray.get(actor.polling.remote())
     return actor
 
@@ -435,13 +436,13 @@ def tq_latency(*, num_trials: int) -> list[float]:
 
 def main() -> None:
     """Run the small-row, 1 MB-row and hand-off latency measurements and print them."""
-    small = {
+    small: dict[str, tuple[str, tuple[int, ...]]] = {
         "input_ids": ("int64", (256,)),
         "attention_mask": ("int64", (256,)),
         "logprobs": ("float32", (256,)),
         "reward": ("float32", (1,)),
     }
-    large = {"blob": ("uint8", (1 << 20,))}
+    large: dict[str, tuple[str, tuple[int, ...]]] = {"blob": ("uint8", (1 << 20,))}
     t0 = time.perf_counter()
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
     started_ray = _start_ray_if_needed()  # one Ray for all three runs; each sets TQ up anew

@@ -74,6 +74,8 @@ def _receiver(system: str, size: int, repeats: int, ready: Any, done: Any) -> No
 
     platform = CpuPlatform()
     expected = expected_specs(model_of(size).items())
+    r: Any  # each system's receiver
+    receive: Callable[[], Any]
     if system == "host":
         from tidal.hal.transfer.host import HostReceiver  # noqa: PLC0415
 
@@ -96,7 +98,7 @@ def _receiver(system: str, size: int, repeats: int, ready: Any, done: Any) -> No
     elif system == "raw-zmq":
         import zmq  # noqa: PLC0415
 
-        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock: Any = zmq.Context.instance().socket(zmq.PULL)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         ready.put(f"tcp://127.0.0.1:{port}")
         specs = list(expected.values())  # known before the clock, as the host receiver's `expected`: nothing is built while timed
@@ -129,6 +131,8 @@ def _sender(system: str, size: int, repeats: int, ready: Any, done: Any, out: An
     platform = CpuPlatform()
     weights = model_of(size)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    s: Any  # each system's sender
+    send: Callable[[int], Any]
     if system in ("host", "ipc"):
         from tidal.hal.transfer.host import HostSender  # noqa: PLC0415
         from tidal.hal.transfer.ipc import IpcSender  # noqa: PLC0415
@@ -157,7 +161,7 @@ def _sender(system: str, size: int, repeats: int, ready: Any, done: Any, out: An
     elif system == "raw-zmq":
         import zmq  # noqa: PLC0415
 
-        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock: Any = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(ready.get())
         send = lambda v: [sock.send(t.view(torch.uint8).numpy(), copy=False) for t in weights.values()]  # noqa: E731
     elif system == "raw-gloo":
@@ -175,10 +179,12 @@ def _sender(system: str, size: int, repeats: int, ready: Any, done: Any, out: An
         ready.put(str(path))
         spans = _spans(weights)
 
-        def send(v: int) -> None:
+        def send_shm(v: int) -> None:
             for (a, b), t in zip(spans, weights.values()):
                 mapped[a:b].copy_(t.view(torch.uint8))
             ready.put(v)
+
+        send = send_shm
     else:
         raise ValueError(system)
     times = []

@@ -130,17 +130,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         layouts = None if args.layouts is None else tuple(name.strip() for name in args.layouts.split(",") if name.strip())
         return _search(recipe, overrides, cluster, work, as_json=args.json, calibration=calibration, layouts=layouts, top=args.top)
     prediction, tracer = simulate(cfg, cluster, work)
-    trace = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
-    tracer.save(trace)
+    trace_path = Path(args.trace or f"simulate-{recipe.stem}.trace.json")
+    tracer.save(trace_path)
     beyond = [] if calibration is None else extrapolations(calibration, **_ranges(prediction))
     if args.json:
         calibrated = {"calibrated": calibration.source if calibration else False, "efficiency": dataclasses.asdict(work.eff), "extrapolations": beyond}
-        print(json.dumps({**prediction.summary(), "trace": str(trace), **calibrated}, indent=2))
+        print(json.dumps({**prediction.summary(), "trace": str(trace_path), **calibrated}, indent=2))
         return 0
     print(_banner(calibration, work.eff))
     for line in beyond:
         print(f"WARNING: extrapolated past the profile: {line}")
-    _print(prediction, cluster_name=cluster.name, trace=trace)
+    _print(prediction, cluster_name=cluster.name, trace=trace_path)
     return 0
 
 

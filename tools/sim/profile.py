@@ -203,8 +203,8 @@ def measure(
         # On the host, an async run's two stages share its cores; two accelerators of a
         # disaggregated plan share nothing this could measure on one device.
         if contention and decode and device.type == "cpu":  # one decode step of the largest batch, its cache made first: rollout's work
-            big = max(p["batch"] for p in decode)
-            short = min(p["context"] for p in decode if p["batch"] == big)
+            big = int(max(p["batch"] for p in decode))
+            short = int(min(p["context"] for p in decode if p["batch"] == big))
 
             def rollout_work(big: int = big, short: int = short) -> None:
                 with torch.no_grad():

@@ -110,7 +110,7 @@ def _splits(cluster: ClusterSpec) -> Iterator[_Split]:
 LAYOUTS = ("disaggregated", "colocated", "hybrid", "multiplexed")
 
 
-def _placement(cfg: RecipeConfig, train: tuple[str, int], rollout: tuple[str, int, int], staleness: int, *, layout: str = "disaggregated") -> tuple[str, ...]:
+def _placement(cfg: RecipeConfig, train: tuple[str, int], rollout: tuple[str | None, int, int], staleness: int, *, layout: str = "disaggregated") -> tuple[str, ...]:
     """The overrides of one candidate: the trainer's (tag, devices), rollout's (tag, instances,
     devices each; tag None: devices of any type), one step's prompts spread over every
     rollout instance (a multiplexed trainer's borrowed instances not counted: they come and

@@ -84,15 +84,16 @@ class SimTrainEngine:
         whose samples all got the same reward) get no pass unless `loss.zero_advantage_counts`:
         they cost nothing (`skipped_rows`)."""
         skipped = 0
+        runs: TokenBatch | None = batch
         if not loss.zero_advantage_counts:
             among = rows_with_signal(advantages, batch.loss_mask)
             skipped = len(batch) - len(among)
             if skipped:
-                batch = batch.select(among) if among.numel() else None
-        if batch is None:  # nothing to train: the optimizer still steps
+                runs = batch.select(among) if among.numel() else None
+        if runs is None:  # nothing to train: the optimizer still steps
             self.version += 1
             return {"loss": 0.0, "train_s": 0.0, "skipped_rows": float(skipped)}
-        tokens = self.step_tokens(batch)
+        tokens = self.step_tokens(runs)
         seconds = costs.train_step_s(self.shape, self.device, num_devices=self.num_devices, num_nodes=self.num_nodes, tokens=tokens, eff=self.eff, recompute=self.train_shape.recompute)
         self.stats["max_tokens"] = max(self.stats.get("max_tokens", 0), tokens)
         seconds = self.busy(seconds)
