@@ -336,13 +336,14 @@ class Run:
         self.settings = settings
         self.prompts: PromptSource = self._read_prompts()
         if self.resumed is not None:
+            assert self.resume_from is not None  # the checkpoint the state came from
             state = self.resumed
             self.totals, self.first_reward, self.last_reward = state.get("totals", {}), state.get("first_reward"), state.get("last_reward")  # none in a checkpoint from before they were saved
             resumed_from = Path(str(cfg.resume))  # set: a resumed state came from it
             same_dir = resumed_from.resolve() == self.run_dir.resolve()
             self.earlier = truncate_metrics(resumed_from / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
             self.accuracy_before = state["accuracy_before"]
-            self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({getattr(self.resume_from, 'name', '')})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
+            self.console.print(f"tidal: resuming {cfg.resume} at version {state['version']} ({self.resume_from.name})", markup=False, soft_wrap=True)  # the folder as written (`exp[lr=1e-4]`), on one line
 
     def _check_lora_targets(self) -> None:
         """`train.lora_target_modules` names layers of this model that take adapters, before the
