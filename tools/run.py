@@ -177,7 +177,7 @@ def check_critic_path(cfg: RecipeConfig) -> None:
     key = f"critic.path={cfg.critic.path!r}"
     if cfg.algorithm.advantage not in VALUE_BASED:
         raise ConfigError(f"{key} is read only with a critic (algorithm.advantage=gae); algorithm.advantage={cfg.algorithm.advantage}: unset critic.path")
-    if not Path(str(cfg.critic.path)).is_dir():  # set: the caller checks only a given path
+    if cfg.critic.path is None or not Path(cfg.critic.path).is_dir():
         raise ConfigError(f"{key} does not exist or is not a folder")
     if cfg.model.source != "hf" or not cfg.model.path:
         raise ConfigError(f"{key} must read the policy's tokens, and model.source={cfg.model.source} has no checkpoint tokenizer to compare: start the critic from the policy (unset critic.path)")
@@ -353,11 +353,13 @@ def check_context(cfg: RecipeConfig) -> None:
     Raises:
         ConfigError: naming the keys, their sum and the checkpoint's limit.
     """
-    found = checkpoint_context(Path(str(cfg.model.path)))
+    if not cfg.model.path:  # no checkpoint (the tiny model): no context to exceed
+        return
+    found = checkpoint_context(Path(cfg.model.path))
     if found is None:
         return
     limit, why = found
-    where = f"the checkpoint's context ({why} in {str(Path(str(cfg.model.path)) / 'config.json')!r})"
+    where = f"the checkpoint's context ({why} in {str(Path(cfg.model.path) / 'config.json')!r})"
     served = cfg.rollout.max_model_len if cfg.rollout.backend == "vllm" else None
     if served is not None and served > limit:
         raise ConfigError(f"rollout.max_model_len={served} is longer than {where}: lower it, or leave it null (vLLM then serves the checkpoint's)")

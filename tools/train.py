@@ -339,7 +339,7 @@ class Run:
             assert self.resume_from is not None  # the checkpoint the state came from
             state = self.resumed
             self.totals, self.first_reward, self.last_reward = state.get("totals", {}), state.get("first_reward"), state.get("last_reward")  # none in a checkpoint from before they were saved
-            resumed_from = Path(str(cfg.resume))  # set: a resumed state came from it
+            resumed_from = Path(cfg.resume or self.resume_from)  # the folder the user named (a resumed state came from it)
             same_dir = resumed_from.resolve() == self.run_dir.resolve()
             self.earlier = truncate_metrics(resumed_from / "metrics.jsonl", state["version"], into=None if same_dir else self.run_dir / "metrics.jsonl")
             self.accuracy_before = state["accuracy_before"]
