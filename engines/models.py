@@ -173,7 +173,7 @@ def save_policy(policy: Policy, folder: Path) -> None:
     """The module's `save_pretrained` files and the tokenizer's (`tiny.save_model`: all or none)."""
     from tidal.engines.tiny import save_model  # noqa: PLC0415
 
-    save_model(cast(Any, policy.module), cast(Any, policy.tokenizer), folder)  # any model with `save_pretrained`, any tokenizer with `save`
+    save_model(cast(Any, policy.module), policy.tokenizer, folder)  # any model with `save_pretrained`
 
 
 def _name(value: Any) -> str:

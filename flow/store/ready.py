@@ -25,7 +25,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 
-class Rows(Protocol):
+class PutRows(Protocol):
     """What the index reads of a `segments.Segment`: the rows one put created."""
 
     start: int
@@ -33,7 +33,7 @@ class Rows(Protocol):
     versions: np.ndarray
 
 
-Segment = TypeVar("Segment", bound=Rows)
+Segment = TypeVar("Segment", bound=PutRows)
 
 
 class ReadyIndex(Generic[Segment]):
@@ -78,9 +78,6 @@ class ReadyIndex(Generic[Segment]):
         """`segment` died (every row evicted)."""
         self._unsettle(segment.start)
         self.unsettled.pop(segment.start, None)
-
-    def is_settled(self, start: int) -> bool:
-        return start in self._settled
 
     def runs(self, limit: int | None) -> list[tuple[int, int, np.ndarray, int]]:
         """(first index, count, versions, ready since) of settled segments in readiness

@@ -366,16 +366,16 @@ class Partition:
         """Rows ready for `consumer` with every column of `key`, in the order they became
         ready: all of them, or (`limit`) at least the first `limit`, when there are."""
         wanted = (consumer, key)
-        index = self.ready_index.get(wanted)
-        if index is None:  # first asked: every segment may have some
-            index = self.ready_index[wanted] = ReadyIndex(self.segments)
-        unsettled = index.unsettled
+        kept = self.ready_index.get(wanted)
+        if kept is None:  # first asked: every segment may have some
+            kept = self.ready_index[wanted] = ReadyIndex(self.segments)
+        unsettled = kept.unsettled
         pieces = []  # (indexes, versions, stamps) of segments with some rows ready
         for start in sorted(unsettled):  # segment order (a woken one may have come back last)
             seg = unsettled[start]
             whole = seg.whole_since.get(key)
             if whole is not None and seg.fresh[consumer]:  # every row is ready, all since `whole`
-                index.settle(seg, whole)
+                kept.settle(seg, whole)
                 continue
             found = [seg.columns.get(c) for c in key]
             columns = [c for c in found if c is not None]
@@ -392,7 +392,7 @@ class Partition:
             if not partial:
                 seg.whole_since[key] = latest
                 if seg.fresh[consumer]:
-                    index.settle(seg, latest)
+                    kept.settle(seg, latest)
                     continue
             mask = seg.alive & ~seg.acked[consumer]
             mask &= seg.lease[consumer] == 0
@@ -405,18 +405,18 @@ class Partition:
                 del unsettled[start]
             else:
                 pieces.append((local + seg.start, seg.versions[local], np.full(len(local), latest, dtype=np.int64) if stamp is None else np.maximum(stamp[local], latest)))
-        index.bound = index.settled_rows + sum(len(p[0]) for p in pieces)
-        runs = index.runs(limit)  # those settled, in readiness order: all, or the first `limit` rows' worth
+        kept.bound = kept.settled_rows + sum(len(p[0]) for p in pieces)
+        runs = kept.runs(limit)  # those settled, in readiness order: all, or the first `limit` rows' worth
         meta = self.metas
         if not pieces:  # the usual case: whole segments
             return Rows(None, None, meta, runs=[(first, n, versions) for first, n, versions, _ in runs])
         for first, n, versions, since in runs:
             pieces.append((np.arange(first, first + n, dtype=np.int64), versions, np.full(n, since, dtype=np.int64)))
-        index_, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
+        index, version, stamp = (np.concatenate(a) for a in zip(*pieces)) if len(pieces) > 1 else pieces[0]
         if len(stamp) > 1 and (np.diff(stamp) < 0).any():
             order = np.argsort(stamp, kind="stable")
-            index_, version = index_[order], version[order]
-        return Rows(index_, version, meta)
+            index, version = index[order], version[order]
+        return Rows(index, version, meta)
 
     def metas(self, indexes: np.ndarray) -> list[RowMeta]:
         out: list[RowMeta | None] = [None] * len(indexes)
@@ -462,6 +462,17 @@ class Partition:
     def column_names(self) -> list[str]:
         """The columns some live row of this partition has, sorted."""
         return sorted({name for seg in self.segments if seg.alive.any() for name, column in seg.columns.items() if column.num_present()})
+
+    def timed_out(self, consumer: str, key: frozenset[str], batch_size: int, timeout: float | None) -> str:
+        """A get's timeout: how many rows were ready, the columns it waited for and those the
+        partition's rows have (a misspelt or not yet written column shows). A look at every
+        segment: made once, for the timeout a caller gives up on."""
+        columns, have = sorted(key), self.column_names()
+        missing = [c for c in columns if c not in have]
+        return (
+            f"get({consumer!r}, {self.name!r}, {columns}) timed out after {timeout}s: {len(self.ready(consumer, key))} of {batch_size} rows were ready; "
+            f"waited for columns {columns}, the partition's rows have {have}" + (f" (none has {missing})" if missing else "")
+        )
 
     def check_same(self, consumers: Iterable[str], capacity_rows: int | None, capacity_bytes: int | None, lease_s: float) -> None:
         """Raise ValueError naming each setting in which this partition differs from those

@@ -432,7 +432,7 @@ class Store:
                     if len(choice.take):
                         break
                 if deadline is not None and self._clock() >= deadline:
-                    raise StoreTimeout(_timed_out(part, consumer, sorted(key), batch_size, len(part.ready(consumer, key)), timeout) if describe_timeout else "not ready")
+                    raise StoreTimeout(part.timed_out(consumer, key, batch_size, timeout) if describe_timeout else "not ready")
                 self._signals.reader(part, consumer).wait(self._wait_time(part, deadline))
             take = choice.take if isinstance(choice.take, range) and choice.take.step == 1 else as_indexes(choice.take)
             take, versions, groups, blocks = part.lease(consumer, take, columns, self._clock() + part.lease_s, holder)
@@ -591,14 +591,3 @@ def _bounded(wait: float | None) -> float | None:
     """A condition wait of `wait` seconds as threading takes it: None (until notified) for one
     longer than it can time (an infinite lease or timeout), which would raise OverflowError."""
     return None if wait is not None and wait >= threading.TIMEOUT_MAX else wait
-
-
-def _timed_out(part: Partition, consumer: str, columns: list[str], batch_size: int, num_ready: int, timeout: float | None) -> str:
-    """A get's timeout: how many rows were ready, the columns it waited for and those the
-    partition's rows have (a misspelt or not yet written column shows)."""
-    have = part.column_names()
-    missing = [c for c in columns if c not in have]
-    return (
-        f"get({consumer!r}, {part.name!r}, {columns}) timed out after {timeout}s: {num_ready} of {batch_size} rows were ready; "
-        f"waited for columns {columns}, the partition's rows have {have}" + (f" (none has {missing})" if missing else "")
-    )
